@@ -1,0 +1,85 @@
+"""Step inputs: the static device buffers through which the scheduler tells a captured model step what to do.
+
+The batcher (on the GPU, or under the simulator) writes these buffers between steps; the model step graph (captured
+once per token bucket) only ever reads them, so nothing in a step depends on host values. Every buffer is allocated
+once at its maximum size; a graph captured for bucket ``T`` reads the first ``T`` token rows and the first
+``StepLayout.sample_rows(T)`` sequence rows.
+
+Invariants the batcher guarantees (and the model may rely on):
+
+- Sequences occupy rows ``0..num_seqs-1``; their query tokens are packed in row order:
+  sequence ``i`` owns token rows ``query_start_loc[i] .. query_start_loc[i+1]-1``.
+  ``query_start_loc`` is non-decreasing; rows ``>= num_seqs`` are empty (``query_start_loc`` repeats its last value,
+  ``seq_lens`` is 0) and token rows ``>= query_start_loc[num_seqs]`` are padding (``slot_mapping == -1``).
+- ``seq_lens[i]`` is sequence ``i``'s context length *after* this step (cached prefix + this step's query tokens);
+  ``positions`` of its query tokens are ``seq_lens[i] - q_len .. seq_lens[i] - 1``.
+- ``block_tables[i, j]`` is the KV page holding positions ``j*page_size .. (j+1)*page_size-1`` of sequence ``i``,
+  valid for ``j < ceil(seq_lens[i] / page_size)``; ``slot_mapping[t] = page * page_size + offset`` is where token
+  ``t``'s new K/V go in the pool ``[layers, 2, pages, page_size, kv_heads, head_dim]``.
+- ``logits_indices[i]`` is the token row whose logits sequence ``i`` samples from (its last query token), or -1 when
+  the row samples nothing this step (an empty row, or a prefill chunk that does not reach the end of the prompt).
+- Sampling parameters are per sequence row. ``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1``
+  disable those filters. The random stream of row ``i`` depends only on ``(seed[i], seq_lens[i])``, so a seeded
+  request samples the same tokens whatever else is in the batch.
+
+The step writes ``sampled_ids[i]`` and ``sampled_logprobs[i]`` for every row with ``logits_indices[i] >= 0``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Sizes of the step buffers. ``max_num_batched_tokens`` is the largest token bucket that is captured."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_pages_per_seq: int = 512
+
+    def __post_init__(self):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_pages_per_seq"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"StepLayout.{name} must be a positive int (got {value!r})")
+
+    def sample_rows(self, bucket_tokens: int) -> int:
+        """Sequence rows a step of ``bucket_tokens`` tokens can hold: one sequence needs at least one token."""
+        return min(bucket_tokens, self.max_num_seqs)
+
+    def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Name -> (shape, dtype) of every buffer, in the order they are allocated."""
+        t, s, p = self.max_num_batched_tokens, self.max_num_seqs, self.max_pages_per_seq
+        i32, i64, f32 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32)
+        return {
+            "num_seqs": ((1,), i32),
+            "token_ids": ((t,), i32),
+            "positions": ((t,), i32),
+            "slot_mapping": ((t,), i64),
+            "query_start_loc": ((s + 1,), i32),
+            "seq_lens": ((s,), i32),
+            "block_tables": ((s, p), i32),
+            "logits_indices": ((s,), i32),
+            "temperature": ((s,), f32),
+            "top_p": ((s,), f32),
+            "top_k": ((s,), i32),
+            "seed": ((s,), i64),
+            "sampled_ids": ((s,), i32),
+            "sampled_logprobs": ((s,), f32),
+        }
+
+
+class StepBuffers:
+    """The step buffers as torch tensors on one device (attributes named as in ``StepLayout.fields``)."""
+
+    def __init__(self, layout: StepLayout, device="cpu"):
+        import torch
+
+        self.layout = layout
+        for name, (shape, dtype) in layout.fields().items():
+            setattr(self, name, torch.zeros(shape, dtype=getattr(torch, dtype.name), device=device))
+        self.slot_mapping.fill_(-1)
+        self.logits_indices.fill_(-1)
+        self.top_p.fill_(1.0)
