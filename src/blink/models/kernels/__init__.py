@@ -1,0 +1,15 @@
+"""Kernels of the model step. ``ops_for(device)`` picks the implementation: Triton on CUDA, the torch references
+(``reference.py``) elsewhere. Both modules expose the same functions with the same signatures."""
+from __future__ import annotations
+
+import torch
+
+OPS = ("rms_norm", "silu_and_mul", "rope", "kv_write", "attention_plan", "attention", "gumbel_argmax")
+
+
+def ops_for(device):
+    if torch.device(device).type == "cuda":
+        from . import triton_ops as ops
+    else:
+        from . import reference as ops
+    return ops

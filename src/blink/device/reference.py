@@ -1,0 +1,149 @@
+"""Reference consumer: the GPU side of the ring played in pure Python, with the stand-in model.
+
+This is the executable specification of what the agent may observe. The GPU scheduler (and its simulator run) must
+produce the same outputs for the same ring contents; only timing may differ. Per iteration (``step``):
+
+1. heartbeat += 1; every slot this consumer runs must still be RUNNING with its epoch, else ``IllegalTransition``;
+2. cancels: a READY or RUNNING slot whose ``cancel`` word equals its epoch finishes with reason "abort";
+3. admission: READY slots in arrival order (``arrival_ns``, then slot index) while fewer than ``max_running`` run;
+   a request whose header breaks the geometry (empty or oversize prompt, bad max_tokens) finishes with "error";
+4. generation: each running request gets its next stand-in token (and logprob when asked): token, then
+   ``n_generated``; then the stop checks, in this order: an EOS id (unless ignore_eos) or a stop id -> "stop";
+   ``n_generated == max_tokens`` -> "length". Stop tokens are part of the output.
+
+``run()`` loops until the control block's shutdown flag is set, then aborts everything in flight and marks the engine
+stopped.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from blink.device.ring import (ENGINE_SERVING, ENGINE_STOPPED, FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH,
+                               FINISH_NONE, FINISH_STOP, FINISHED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, GPU, READY, RUNNING,
+                               STATE_NAMES, RingView, check_transition)
+from blink.device.standin import STANDIN_VOCAB, standin_logprob, standin_token
+from blink.errors import IllegalTransition
+
+
+def stop_reason(token: int, n_generated: int, header: np.void, eos_token_ids: frozenset[int]) -> int:
+    """Why a request ends after emitting ``token`` as its ``n_generated``-th token (``FINISH_NONE``: it goes on)."""
+    if token in eos_token_ids and not int(header["flags"]) & FLAG_IGNORE_EOS:
+        return FINISH_STOP
+    n_stop = int(header["n_stop"])
+    if n_stop and token in header["stop_ids"][:n_stop]:
+        return FINISH_STOP
+    if n_generated >= int(header["max_tokens"]):
+        return FINISH_LENGTH
+    return FINISH_NONE
+
+
+class ReferenceConsumer:
+    def __init__(self, view: RingView, *, eos_token_ids=(), max_running: int = 256,
+                 vocab_size: int = STANDIN_VOCAB):
+        if max_running < 1:
+            raise ValueError(f"max_running must be >= 1 (got {max_running})")
+        self.view = view
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.max_running = max_running
+        self.vocab_size = vocab_size
+        self._running: dict[int, int] = {}      # slot -> epoch, in admission order
+        self._ctl = view.control[0]
+
+    def step(self) -> int:
+        """One iteration; returns the number of tokens generated (0 when idle)."""
+        self._ctl["heartbeat"] += 1
+        self._check_owned()
+        self._honour_cancels()
+        self._admit()
+        generated = self._generate()
+        if generated:
+            self._ctl["steps"] += 1
+            self._ctl["tokens"] += generated
+        self._ctl["running"] = len(self._running)
+        self._ctl["waiting"] = int(np.count_nonzero(self.view.status["state"] == READY))
+        return generated
+
+    def run(self, idle_sleep_s: float = 50e-6) -> None:
+        """Serve until shutdown is requested; then abort what is in flight and report the engine stopped."""
+        self._ctl["engine_state"] = ENGINE_SERVING
+        while not self._ctl["shutdown"]:
+            if not self.step():
+                time.sleep(idle_sleep_s)
+        for slot in np.flatnonzero(self.view.status["state"] == READY).tolist():
+            self._finish(slot, FINISH_ABORT)
+        for slot in list(self._running):
+            self._finish(slot, FINISH_ABORT)
+        self._ctl["engine_state"] = ENGINE_STOPPED
+
+    # -- the four phases --------------------------------------------------------------------------------------------
+
+    def _check_owned(self) -> None:
+        status = self.view.status
+        for slot, epoch in self._running.items():
+            state = int(status["state"][slot])
+            if state != RUNNING or int(status["epoch"][slot]) != epoch:
+                raise IllegalTransition(f"slot {slot} is RUNNING on the GPU side but the ring shows "
+                                        f"{STATE_NAMES.get(state, state)} epoch {int(status['epoch'][slot])}: "
+                                        "only the GPU side may write a RUNNING slot")
+
+    def _honour_cancels(self) -> None:
+        status = self.view.status
+        cancelled = (status["cancel"] != 0) & (status["cancel"] == status["epoch"])
+        cancelled &= (status["state"] == READY) | (status["state"] == RUNNING)
+        for slot in np.flatnonzero(cancelled).tolist():
+            self._finish(slot, FINISH_ABORT)
+
+    def _admit(self) -> None:
+        status, headers = self.view.status, self.view.headers
+        ready = np.flatnonzero(status["state"] == READY)
+        ready = ready[np.argsort(headers["arrival_ns"][ready], kind="stable")]
+        for slot in ready.tolist():
+            if len(self._running) >= self.max_running:
+                break
+            if not self._servable(headers[slot]):
+                self._finish(slot, FINISH_ERROR)
+                continue
+            check_transition(READY, RUNNING, GPU)
+            status["state"][slot] = RUNNING
+            self._running[slot] = int(status["epoch"][slot])
+            self._ctl["admitted"] += 1
+
+    def _generate(self) -> int:
+        view = self.view
+        running = list(self._running)
+        for slot in running:
+            header = view.headers[slot]
+            n = int(view.status["n_generated"][slot])
+            prompt_len = int(header["prompt_len"])
+            prev = int(view.prompts[slot, prompt_len - 1]) if n == 0 else int(view.outputs[slot, n - 1])
+            position, seed = prompt_len + n, int(header["seed"])
+            token = standin_token(prev, position, seed, self.vocab_size)
+            view.outputs[slot, n] = token
+            if int(header["flags"]) & FLAG_LOGPROBS and view.logprobs is not None:
+                view.logprobs[slot, n] = standin_logprob(prev, position, seed)
+            view.status["n_generated"][slot] = n + 1          # after the token: the agent reads the count first
+            reason = stop_reason(token, n + 1, header, self.eos_token_ids)
+            if reason != FINISH_NONE:
+                self._finish(slot, reason)
+        return len(running)
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+
+    def _servable(self, header: np.void) -> bool:
+        g_prompt, g_output = self.view.prompts.shape[1], self.view.outputs.shape[1]
+        stop_capacity = header.dtype["stop_ids"].shape[0] if "stop_ids" in header.dtype.names else 0
+        return (1 <= int(header["prompt_len"]) <= g_prompt and 1 <= int(header["max_tokens"]) <= g_output
+                and int(header["n_stop"]) <= stop_capacity)
+
+    def _finish(self, slot: int, reason: int) -> None:
+        status = self.view.status
+        state = int(status["state"][slot])
+        check_transition(state, FINISHED, GPU)
+        status["finish_reason"][slot] = reason
+        status["state"][slot] = FINISHED                      # last: the agent reads the state first
+        self._running.pop(slot, None)
+        self._ctl["finished"] += 1
+        if reason == FINISH_ABORT:
+            self._ctl["cancelled"] += 1

@@ -1,0 +1,272 @@
+"""The NIC↔GPU contract: one contiguous region of request slots, output areas and a control block.
+
+Both sides address the region by byte offsets, so every transport (in-process buffer, POSIX shared memory, RDMA)
+sees the same layout. The layout is a pure function of a ``RingGeometry``; ``RingLayout.verify`` checks that an
+existing region was written for the same geometry and names the first field that differs.
+
+Regions, each starting on a 4 KiB boundary::
+
+    control   CONTROL_DTYPE (256 B)           magic, version, geometry, shutdown, heartbeat, stats
+    status    [n_slots] STATUS_DTYPE (32 B)   state, epoch, cancel, finish_reason, n_generated
+    headers   [n_slots] header_dtype          request id, sampling params, stop ids, arrival time
+    prompts   [n_slots, max_prompt_tokens] int32
+    outputs   [n_slots, max_output_tokens] int32
+    logprobs  [n_slots, max_output_tokens] float32   (only when geometry.logprobs)
+
+The status words of all slots are contiguous so that the agent learns the state and progress of every slot with
+ONE bulk read, and the GPU scans them with coalesced loads.
+
+State machine (``TRANSITIONS``), one writer per transition, so no atomics are needed across PCIe::
+
+    FREE ─agent→ READY ─gpu→ RUNNING ─gpu→ FINISHED ─agent→ FREE
+                 READY ─gpu→ FINISHED        (cancelled or unservable before it ran)
+
+The agent owns a slot while it is FREE or FINISHED, the GPU while it is READY or RUNNING: only the owner writes the
+state word. A cancel is a request, not a state: the agent writes the request's epoch into ``cancel`` (a word only
+it writes) and the GPU finishes the slot with reason ``abort`` at its next iteration. The epoch increments each time
+the agent reuses a slot, so a late cancel or a stale read of a recycled slot is detectable.
+
+Ordering: a writer publishes the payload before the word that announces it (agent: header and prompt, then
+``state = READY``; GPU: tokens, fence, then ``n_generated``; ``finish_reason``, fence, then ``state = FINISHED``).
+A reader loads the announcing word first, then the payload.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from blink.errors import IllegalTransition, RingMismatch
+
+MAGIC = 0x4B4E4C42  # "BLNK" in little-endian bytes
+VERSION = 1
+REGION_ALIGN = 4096
+
+# Slot states.
+FREE, READY, RUNNING, FINISHED = 0, 1, 2, 3
+STATE_NAMES = {FREE: "FREE", READY: "READY", RUNNING: "RUNNING", FINISHED: "FINISHED"}
+
+# Finish reasons (written with FINISHED). Names follow the OpenAI API / vLLM.
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = 0, 1, 2, 3, 4
+FINISH_NAMES = {FINISH_NONE: None, FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ABORT: "abort",
+                FINISH_ERROR: "error"}
+
+# Request header flags.
+FLAG_IGNORE_EOS = 1
+FLAG_LOGPROBS = 2
+
+# Control block flags.
+RING_LOGPROBS = 1
+
+# Engine states (control.engine_state, written by the GPU side).
+ENGINE_STARTING, ENGINE_SERVING, ENGINE_STOPPED = 0, 1, 2
+
+AGENT, GPU = "agent", "gpu"
+TRANSITIONS = {
+    (FREE, READY): AGENT,
+    (READY, RUNNING): GPU,
+    (READY, FINISHED): GPU,
+    (RUNNING, FINISHED): GPU,
+    (FINISHED, FREE): AGENT,
+}
+
+
+def check_transition(old: int, new: int, writer: str) -> None:
+    """Raise ``IllegalTransition`` unless ``writer`` may move a slot from ``old`` to ``new``."""
+    allowed = TRANSITIONS.get((old, new))
+    if allowed != writer:
+        who = f"only the {allowed}" if allowed else "nobody"
+        raise IllegalTransition(
+            f"{writer} may not move a slot {STATE_NAMES.get(old, old)} -> {STATE_NAMES.get(new, new)} ({who} may)")
+
+
+def _struct(fields: list[tuple[str, str, int]], itemsize: int) -> np.dtype:
+    """A little-endian structured dtype with the byte offsets spelled out: the offsets ARE the contract."""
+    names = [f[0] for f in fields]
+    formats = [f[1] for f in fields]
+    offsets = [f[2] for f in fields]
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": itemsize})
+
+
+CONTROL_DTYPE = _struct([
+    ("magic", "<u4", 0),
+    ("version", "<u4", 4),
+    ("n_slots", "<u4", 8),
+    ("max_prompt_tokens", "<u4", 12),
+    ("max_output_tokens", "<u4", 16),
+    ("max_stop_ids", "<u4", 20),
+    ("flags", "<u4", 24),
+    ("shutdown", "<u4", 28),        # host or agent: ask the GPU loop to end
+    ("engine_state", "<u4", 32),    # GPU: ENGINE_STARTING / SERVING / STOPPED
+    ("launch_error", "<i4", 36),    # GPU: first failing device-side cudaGraphLaunch code, 0 if none
+    ("heartbeat", "<u8", 40),       # GPU: +1 per scheduler iteration
+    ("steps", "<u8", 48),           # GPU: model steps launched
+    ("tokens", "<u8", 56),          # GPU: tokens generated
+    ("admitted", "<u8", 64),        # GPU: requests moved READY -> RUNNING
+    ("finished", "<u8", 72),        # GPU: requests moved to FINISHED (any reason)
+    ("cancelled", "<u8", 80),       # GPU: requests finished with reason abort
+    ("preempted", "<u8", 88),       # GPU: recompute preemptions
+    ("kv_pages_total", "<u4", 96),  # GPU gauges
+    ("kv_pages_free", "<u4", 100),
+    ("running", "<u4", 104),
+    ("waiting", "<u4", 108),
+], 256)
+
+GEOMETRY_FIELDS = ("n_slots", "max_prompt_tokens", "max_output_tokens", "max_stop_ids", "flags")
+STATS_FIELDS = ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted", "kv_pages_total",
+                "kv_pages_free", "running", "waiting")
+
+STATUS_DTYPE = _struct([
+    ("state", "<u4", 0),          # owner of the slot (see module docstring)
+    ("epoch", "<u4", 4),          # agent, while FREE: +1 per reuse of the slot
+    ("cancel", "<u4", 8),         # agent: epoch of the request to cancel
+    ("finish_reason", "<u4", 12), # GPU, before state = FINISHED
+    ("n_generated", "<u4", 16),   # GPU, after the tokens it counts
+], 32)
+
+STATE_OFFSET = STATUS_DTYPE.fields["state"][1]
+
+
+def header_dtype(max_stop_ids: int) -> np.dtype:
+    """Request header: 64 fixed bytes, then the stop ids, padded to 16 bytes."""
+    fixed = [
+        ("request_id", "<u8", 0),
+        ("arrival_ns", "<u8", 8),
+        ("seed", "<u8", 16),
+        ("prompt_len", "<u4", 24),
+        ("max_tokens", "<u4", 28),
+        ("temperature", "<f4", 32),
+        ("top_p", "<f4", 36),
+        ("top_k", "<i4", 40),
+        ("flags", "<u4", 44),
+        ("n_stop", "<u4", 48),
+    ]
+    if max_stop_ids:
+        fixed.append(("stop_ids", ("<i4", (max_stop_ids,)), 64))
+    return _struct(fixed, _round_up(64 + 4 * max_stop_ids, 16))
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class RingGeometry:
+    """Sizes of the ring. Both sides must build their ``RingLayout`` from equal geometries."""
+
+    n_slots: int = 4096
+    max_prompt_tokens: int = 2048
+    max_output_tokens: int = 2048
+    max_stop_ids: int = 8
+    logprobs: bool = True
+
+    def __post_init__(self):
+        limits = {"n_slots": (1, 1 << 20), "max_prompt_tokens": (1, 1 << 24), "max_output_tokens": (1, 1 << 24),
+                  "max_stop_ids": (0, 64)}
+        for name, (lo, hi) in limits.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+                raise ValueError(f"RingGeometry.{name} must be an int in [{lo}, {hi}] (got {value!r})")
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"RingGeometry.logprobs must be a bool (got {self.logprobs!r})")
+
+
+@dataclass(frozen=True)
+class RingView:
+    """Numpy views of a whole ring region, for a side that has it in its own address space."""
+
+    control: np.ndarray        # shape (1,), CONTROL_DTYPE
+    status: np.ndarray         # [n_slots], STATUS_DTYPE
+    headers: np.ndarray        # [n_slots], header_dtype
+    prompts: np.ndarray        # [n_slots, max_prompt_tokens] int32
+    outputs: np.ndarray        # [n_slots, max_output_tokens] int32
+    logprobs: np.ndarray | None  # [n_slots, max_output_tokens] float32
+
+
+class RingLayout:
+    """Byte offsets of every region and slot for one geometry."""
+
+    def __init__(self, geometry: RingGeometry):
+        g = self.geometry = geometry
+        self.header_dtype = header_dtype(g.max_stop_ids)
+        self.prompt_stride = 4 * g.max_prompt_tokens
+        self.output_stride = 4 * g.max_output_tokens
+        offset = 0
+        sizes = [("control", CONTROL_DTYPE.itemsize), ("status", g.n_slots * STATUS_DTYPE.itemsize),
+                 ("headers", g.n_slots * self.header_dtype.itemsize), ("prompts", g.n_slots * self.prompt_stride),
+                 ("outputs", g.n_slots * self.output_stride),
+                 ("logprobs", g.n_slots * self.output_stride if g.logprobs else 0)]
+        self.regions: dict[str, tuple[int, int]] = {}
+        for name, size in sizes:
+            self.regions[name] = (offset, size)
+            offset = _round_up(offset + size, REGION_ALIGN)
+        self.size = offset
+
+    def offset(self, region: str) -> int:
+        return self.regions[region][0]
+
+    # Per-slot byte offsets, used by transports that only do write(offset, data) / read(offset, nbytes).
+    def status_at(self, slot: int) -> int:
+        return self.offset("status") + slot * STATUS_DTYPE.itemsize
+
+    def header_at(self, slot: int) -> int:
+        return self.offset("headers") + slot * self.header_dtype.itemsize
+
+    def prompt_at(self, slot: int) -> int:
+        return self.offset("prompts") + slot * self.prompt_stride
+
+    def output_at(self, slot: int, index: int = 0) -> int:
+        return self.offset("outputs") + slot * self.output_stride + 4 * index
+
+    def logprob_at(self, slot: int, index: int = 0) -> int:
+        if not self.geometry.logprobs:
+            raise ValueError("this ring has no logprobs area: build it with RingGeometry(logprobs=True)")
+        return self.offset("logprobs") + slot * self.output_stride + 4 * index
+
+    def control_bytes(self) -> bytes:
+        """The control block of a fresh ring: identity and geometry set, every counter zero."""
+        control = np.zeros(1, CONTROL_DTYPE)
+        control["magic"] = MAGIC
+        control["version"] = VERSION
+        for name, value in self._geometry_words().items():
+            control[name] = value
+        return control.tobytes()
+
+    def verify(self, control_block: bytes) -> None:
+        """Raise ``RingMismatch`` naming the first field of ``control_block`` that this layout does not expect."""
+        if len(control_block) < CONTROL_DTYPE.itemsize:
+            raise RingMismatch(f"control block is {len(control_block)} bytes, expected {CONTROL_DTYPE.itemsize}")
+        control = np.frombuffer(control_block, CONTROL_DTYPE, count=1)[0]
+        if int(control["magic"]) != MAGIC:
+            raise RingMismatch(f"ring field 'magic' is {int(control['magic']):#x}, expected {MAGIC:#x}: this region "
+                               "is not a blink ring or was never initialised")
+        expected = {"version": VERSION, **self._geometry_words()}
+        for name, want in expected.items():
+            got = int(control[name])
+            if got != want:
+                raise RingMismatch(f"ring field '{name}' is {got} in the region but {want} in this RingLayout: "
+                                   "build the agent and the engine from the same RingGeometry")
+
+    def view(self, buffer) -> RingView:
+        """Numpy views over ``buffer`` (any writable object exporting the buffer protocol, at least ``size`` bytes)."""
+        g = self.geometry
+
+        def region(name, dtype, shape):
+            offset, _ = self.regions[name]
+            count = int(np.prod(shape))
+            return np.frombuffer(buffer, dtype, count=count, offset=offset).reshape(shape)
+
+        return RingView(
+            control=region("control", CONTROL_DTYPE, (1,)),
+            status=region("status", STATUS_DTYPE, (g.n_slots,)),
+            headers=region("headers", self.header_dtype, (g.n_slots,)),
+            prompts=region("prompts", np.dtype("<i4"), (g.n_slots, g.max_prompt_tokens)),
+            outputs=region("outputs", np.dtype("<i4"), (g.n_slots, g.max_output_tokens)),
+            logprobs=region("logprobs", np.dtype("<f4"), (g.n_slots, g.max_output_tokens)) if g.logprobs else None,
+        )
+
+    def _geometry_words(self) -> dict[str, int]:
+        g = self.geometry
+        return {"n_slots": g.n_slots, "max_prompt_tokens": g.max_prompt_tokens,
+                "max_output_tokens": g.max_output_tokens, "max_stop_ids": g.max_stop_ids,
+                "flags": RING_LOGPROBS if g.logprobs else 0}

@@ -1,0 +1,38 @@
+"""The stand-in model: a deterministic "sampler" that lets the ring and the scheduler run before any model exists.
+
+Token at position ``p`` (``p >= prompt_len``) of a request = ``standin_token(token at p-1, p, seed, vocab)``. It is a
+splitmix64 hash, so outputs depend on exactly the inputs a real sampler would see and nothing else (not on batch
+composition, slot or timing). The GPU stand-in step computes the same function; tests pin the two together.
+"""
+from __future__ import annotations
+
+MASK64 = (1 << 64) - 1
+STANDIN_VOCAB = 32000
+
+
+def _mix64(x: int) -> int:
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & MASK64
+    return x ^ (x >> 31)
+
+
+def _hash(prev_token: int, position: int, seed: int) -> int:
+    return _mix64((seed ^ (prev_token * 0x9E3779B97F4A7C15) ^ (position * 0xC2B2AE3D27D4EB4F)) & MASK64)
+
+
+def standin_token(prev_token: int, position: int, seed: int, vocab_size: int = STANDIN_VOCAB) -> int:
+    """Next token after ``prev_token`` (at ``position - 1``) for a request seeded with ``seed``."""
+    return _hash(prev_token, position, seed) % vocab_size
+
+
+def standin_logprob(prev_token: int, position: int, seed: int) -> float:
+    """The logprob reported with that token: a multiple of 1/256 in (-16, 0], exact in float32."""
+    return -float((_hash(prev_token, position, seed) >> 32) % 4096) / 256.0
+
+
+def standin_continuation(prompt: list[int], seed: int, n: int, vocab_size: int = STANDIN_VOCAB) -> list[int]:
+    """The first ``n`` tokens the stand-in model generates after ``prompt`` (no stop conditions)."""
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(standin_token(tokens[-1], len(tokens), seed, vocab_size))
+    return tokens[len(prompt):]

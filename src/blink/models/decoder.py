@@ -1,0 +1,155 @@
+"""The decoder-only transformer every supported family is an instance of, run as one step over a flat packed batch.
+
+Families differ only in how their checkpoints name and split weights (``STACKED``) and in Qwen3's per-head q/k
+RMSNorm (``QK_NORM``); ``llama.py``, ``qwen3.py`` and ``phi3.py`` set those two class attributes. Inside blink q/k/v
+and gate/up are always fused (``qkv_proj``, ``gate_up_proj``): one GEMM each.
+
+``DecoderLM.forward`` is the model step: it reads only the step buffers of ``blink.device.step`` (first ``T`` token
+rows, first ``sample_rows(T)`` sequence rows), writes new K/V into the paged pool, computes logits for the sampled
+rows only and samples in-step. On CUDA it uses the Triton kernels and has fixed shapes and no host reads, so it
+captures into a CUDA graph per bucket ``T``; on CPU it uses the torch references.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .kernels import ops_for
+from .rope import cos_sin_cache
+from .sampler import sample
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def _param(*shape, device, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig, qk_norm: bool, **kw):
+        super().__init__()
+        self.qkv_proj = nn.Module()
+        self.qkv_proj.weight = _param(c.q_size + 2 * c.kv_size, c.hidden_size, **kw)
+        self.o_proj = nn.Module()
+        self.o_proj.weight = _param(c.hidden_size, c.q_size, **kw)
+        if qk_norm:
+            self.q_norm, self.k_norm = nn.Module(), nn.Module()
+            self.q_norm.weight = _param(c.head_dim, **kw)
+            self.k_norm.weight = _param(c.head_dim, **kw)
+        self.c, self.qk_norm = c, qk_norm
+
+    def forward(self, x, positions, cos_sin, kv_layer, slot_mapping, plan, ops):
+        c = self.c
+        q, k, v = F.linear(x, self.qkv_proj.weight).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q, k, v = (t.unflatten(-1, (-1, c.head_dim)) for t in (q, k, v))
+        if self.qk_norm:
+            q = ops.rms_norm(q, self.q_norm.weight, c.rms_norm_eps)[0]
+            k = ops.rms_norm(k, self.k_norm.weight, c.rms_norm_eps)[0]
+        else:  # the rotation is in place: make q and k their own tensors, not views of the GEMM output
+            q, k = q.contiguous(), k.contiguous()
+        ops.rope(q, k, positions, cos_sin)
+        ops.kv_write(k, v, kv_layer, slot_mapping)
+        o = ops.attention(q, kv_layer, plan, c.head_dim ** -0.5, c.sliding_window)
+        return F.linear(o.flatten(1), self.o_proj.weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig, **kw):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = nn.Module(), nn.Module()
+        self.gate_up_proj.weight = _param(2 * c.intermediate_size, c.hidden_size, **kw)
+        self.down_proj.weight = _param(c.hidden_size, c.intermediate_size, **kw)
+
+    def forward(self, x, ops):
+        return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, qk_norm: bool, **kw):
+        super().__init__()
+        self.self_attn = Attention(c, qk_norm, **kw)
+        self.mlp = MLP(c, **kw)
+        self.input_layernorm, self.post_attention_layernorm = nn.Module(), nn.Module()
+        self.input_layernorm.weight = _param(c.hidden_size, **kw)
+        self.post_attention_layernorm.weight = _param(c.hidden_size, **kw)
+        self.eps = c.rms_norm_eps
+
+    def forward(self, h, residual, positions, cos_sin, kv_layer, slot_mapping, plan, ops):
+        x, residual = ops.rms_norm(h, self.input_layernorm.weight, self.eps, residual)
+        h = self.self_attn(x, positions, cos_sin, kv_layer, slot_mapping, plan, ops)
+        x, residual = ops.rms_norm(h, self.post_attention_layernorm.weight, self.eps, residual)
+        return self.mlp(x, ops), residual
+
+
+class DecoderLM(nn.Module):
+    """Parameters are named as in HF checkpoints (``model.layers.N....``), with q/k/v and gate/up fused.
+
+    ``STACKED`` maps a fused parameter to the checkpoint tensors it is concatenated from, in row order.
+    """
+
+    STACKED: dict[str, tuple[str, ...]] = {}
+    QK_NORM = False
+
+    def __init__(self, config: ModelConfig, device="cpu", dtype: torch.dtype | None = None):
+        super().__init__()
+        kw = dict(device=torch.device(device), dtype=dtype or torch_dtype(config.dtype))
+        self.config, self.device, self.dtype = config, kw["device"], kw["dtype"]
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Module()
+        self.model.embed_tokens.weight = _param(config.vocab_size, config.hidden_size, **kw)
+        self.model.layers = nn.ModuleList(DecoderLayer(config, self.QK_NORM, **kw) for _ in range(config.num_layers))
+        self.model.norm = nn.Module()
+        self.model.norm.weight = _param(config.hidden_size, **kw)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = _param(config.vocab_size, config.hidden_size, **kw)
+        self.register_buffer("cos_sin", cos_sin_cache(config, kw["device"]), persistent=False)
+        self.ops = ops_for(kw["device"])
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def shard_rows(self, fused: str) -> tuple[int, ...]:
+        """Row counts of the parts a fused parameter is stacked from, in ``STACKED`` order."""
+        c = self.config
+        return {"qkv_proj": (c.q_size, c.kv_size, c.kv_size),
+                "gate_up_proj": (c.intermediate_size, c.intermediate_size)}[fused]
+
+    def kv_cache_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
+        c = self.config
+        return (c.num_layers, 2, num_pages, page_size, c.num_kv_heads, c.head_dim)
+
+    def allocate_kv_cache(self, num_pages: int, page_size: int) -> torch.Tensor:
+        return torch.zeros(self.kv_cache_shape(num_pages, page_size), device=self.device, dtype=self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, buf, kv_cache: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """One model step over the first ``num_tokens`` token rows of ``buf`` (a ``StepBuffers``).
+
+        Writes ``buf.sampled_ids`` / ``buf.sampled_logprobs`` for rows with ``logits_indices >= 0`` (others keep
+        their values) and returns the float32 logits ``[sample_rows(num_tokens), vocab]`` of the sampled rows.
+        """
+        c, ops, t = self.config, self.ops, num_tokens
+        s = buf.layout.sample_rows(t)
+        plan = ops.attention_plan(buf, t, c.num_heads, c.num_kv_heads, c.head_dim, kv_cache.shape[3])
+        positions, slot_mapping = buf.positions[:t], buf.slot_mapping[:t]
+        h, residual = F.embedding(buf.token_ids[:t].long(), self.model.embed_tokens.weight), None
+        for i, layer in enumerate(self.model.layers):
+            h, residual = layer(h, residual, positions, self.cos_sin, kv_cache[i], slot_mapping, plan, ops)
+        rows = buf.logits_indices[:s]
+        # Only the sampled rows go through the final norm and the LM head (rows with -1 read row 0, unused).
+        last = rows.clamp(min=0).long()
+        h, _ = ops.rms_norm(h[last], self.model.norm.weight, c.rms_norm_eps, residual[last])
+        logits = F.linear(h, self.lm_head_weight()).float()
+        ids, logprobs = sample(logits, buf.temperature[:s], buf.top_k[:s], buf.top_p[:s], buf.seed[:s],
+                               buf.seq_lens[:s], ops)
+        valid = rows >= 0
+        buf.sampled_ids[:s] = torch.where(valid, ids, buf.sampled_ids[:s])
+        buf.sampled_logprobs[:s] = torch.where(valid, logprobs, buf.sampled_logprobs[:s])
+        return logits

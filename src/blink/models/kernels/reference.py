@@ -1,0 +1,107 @@
+"""Torch references of every kernel: the specification the Triton kernels are tested against, and the CPU path.
+
+These run eagerly and may read step metadata on the host (``attention_plan`` does), so they are for the CPU
+simulator and for tests, never for a captured CUDA graph. Shapes follow the flat packed batch of
+``blink.device.step``: ``T`` token rows, ``S`` sequence rows; a KV cache layer is ``[2, pages, page_size, kv_heads,
+head_dim]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..hashing import gumbel_noise
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """``x`` (+ ``residual``) normalised over the last dim, times ``weight``; returns ``(out, x + residual)``.
+
+    The sum is rounded to ``x.dtype`` before normalising, as HF's decoder layers do.
+    """
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * out.to(x.dtype)), x
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``x = [gate | up]`` along the last dim → ``silu(gate) * up``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
+    """Rotate the first ``rotary_dim`` dims of every head of ``q [T, H, D]`` and ``k [T, KH, D]`` in place.
+
+    ``cos_sin [max_pos, rotary_dim]`` holds ``cos`` in its first half and ``sin`` in its second (NeoX / HF layout:
+    dim ``j`` pairs with ``j + rotary_dim/2``).
+    """
+    cs = cos_sin[positions.long()]
+    cos, sin = cs.chunk(2, dim=-1)
+    for x in (q, k):
+        half = cos.shape[-1]
+        x1, x2 = x[..., :half].float(), x[..., half:2 * half].float()
+        c, s = cos[:, None, :], sin[:, None, :]
+        x[..., :half] = (x1 * c - x2 * s).to(x.dtype)
+        x[..., half:2 * half] = (x2 * c + x1 * s).to(x.dtype)
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor):
+    """Store ``k, v [T, KH, D]`` at ``slot_mapping[t]`` of the layer's pool; rows with slot -1 are skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    for i, x in enumerate((k, v)):
+        kv_layer[i].view(-1, *x.shape[1:])[slots] = x[keep].to(kv_layer.dtype)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Per-sequence ``(first token row, query length, context length, pages)`` read once per step on the host."""
+
+    seqs: tuple[tuple[int, int, int, tuple[int, ...]], ...]
+    num_tokens: int
+
+
+def attention_plan(buf, num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                   page_size: int) -> AttentionPlan:
+    n = int(buf.num_seqs[0])
+    starts = buf.query_start_loc[:n + 1].tolist()
+    lens = buf.seq_lens[:n].tolist()
+    seqs = tuple((starts[i], starts[i + 1] - starts[i], lens[i],
+                  tuple(buf.block_tables[i, :-(-lens[i] // page_size)].tolist())) for i in range(n))
+    return AttentionPlan(seqs, num_tokens)
+
+
+def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: float,
+              sliding_window: int = 0) -> torch.Tensor:
+    """Causal attention of each sequence's query rows ``q [T, H, D]`` over its paged context (cached prefix and
+    this step's tokens, already written to the pool). A query at position ``p`` sees keys at positions
+    ``max(0, p - sliding_window + 1) .. p`` (all of ``0..p`` when ``sliding_window == 0``). Padding rows are 0.
+    """
+    out = torch.zeros_like(q)
+    heads, kv_heads = q.shape[1], kv_layer.shape[-2]
+    for start, q_len, ctx, pages in plan.seqs:
+        k, v = (kv_layer[i, list(pages)].flatten(0, 1)[:ctx] for i in (0, 1))
+        k, v = (x.transpose(0, 1).repeat_interleave(heads // kv_heads, 0).float() for x in (k, v))
+        qs = q[start:start + q_len].transpose(0, 1).float()
+        q_pos = torch.arange(ctx - q_len, ctx)[:, None]
+        k_pos = torch.arange(ctx)[None, :]
+        visible = k_pos <= q_pos
+        if sliding_window:
+            visible &= k_pos > q_pos - sliding_window
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=scale)
+        out[start:start + q_len] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def gumbel_argmax(scaled: torch.Tensor, threshold: torch.Tensor, key: torch.Tensor,
+                  greedy: torch.Tensor) -> torch.Tensor:
+    """Per row: ``argmax(scaled)`` where ``greedy``, else ``argmax(scaled + gumbel(key, index))`` over the entries
+    ``>= threshold``. Ties go to the lowest index. Returns int32 token ids ``[S]``."""
+    vocab = torch.arange(scaled.shape[1], device=scaled.device)
+    noisy = torch.where(scaled >= threshold[:, None], scaled + gumbel_noise(key[:, None], vocab[None, :]),
+                        float("-inf"))
+    return torch.where(greedy[:, None], scaled, noisy).argmax(dim=1).to(torch.int32)

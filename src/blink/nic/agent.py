@@ -1,0 +1,223 @@
+"""The agent's side of the ring protocol: submit requests, poll their tokens, cancel, release slots.
+
+Every access goes through a ``RemoteMemory`` by byte offset, so the same agent drives an in-process ring, a shared-
+memory ring or (later) an RDMA ring. Per request the agent writes the header and prompt, then publishes the state
+word; per ``poll()`` it does one bulk read of the control block and every slot's status, and reads token ranges only
+for slots that made progress. A slot is released (written FREE) only after the GPU side marked it FINISHED and every
+one of its tokens was returned by ``poll()``.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from blink.config import SamplingParams
+from blink.device.ring import (AGENT, CONTROL_DTYPE, ENGINE_STOPPED, FINISH_NAMES, FINISHED, FLAG_IGNORE_EOS,
+                               FLAG_LOGPROBS, FREE, READY, STATE_OFFSET, STATUS_DTYPE, RingGeometry, RingLayout,
+                               check_transition)
+from blink.errors import EngineUnresponsive, IllegalTransition
+from blink.nic.slots import SlotTracker
+from blink.nic.transport import RemoteMemory
+
+_U32 = np.dtype("<u4")
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What ``poll()`` learned about one request since the previous poll."""
+
+    request_id: int
+    new_tokens: list[int]
+    new_logprobs: list[float] | None   # only for requests submitted with ``logprobs=True``
+    finished: bool
+    finish_reason: str | None          # "stop", "length", "abort" or "error" once finished
+
+
+class Agent:
+    """Drives one ring. Not thread-safe: one agent (one thread) per ring.
+
+    ``liveness_timeout_s``: how long the GPU side's heartbeat may stand still while requests are in flight before
+    ``poll()`` raises ``EngineUnresponsive`` instead of waiting forever.
+    """
+
+    def __init__(self, memory: RemoteMemory, geometry: RingGeometry, *, liveness_timeout_s: float = 10.0):
+        self.memory = memory
+        self.layout = layout = RingLayout(geometry)
+        if memory.size < layout.size:
+            raise ValueError(f"the ring region is {memory.size} bytes but RingGeometry {geometry} needs {layout.size}")
+        layout.verify(memory.read(0, CONTROL_DTYPE.itemsize))
+        self.geometry = geometry
+        self.liveness_timeout_s = liveness_timeout_s
+        n = geometry.n_slots
+        # The status region starts after the control block; reading [0, status end) gets both in one read.
+        self._snapshot_bytes = layout.offset("status") + n * STATUS_DTYPE.itemsize
+        control, status = self._snapshot()
+        self.tracker = SlotTracker(n)
+        self.tracker.refresh(status["state"])
+        self._epoch = status["epoch"].copy()
+        self._request_id = np.zeros(n, np.uint64)   # 0 = slot not in flight for this agent
+        self._delivered = np.zeros(n, np.int64)     # tokens already returned by poll()
+        self._wants_logprobs = np.zeros(n, bool)
+        self._slot_of: dict[int, int] = {}
+        self._next_id = 1
+        self._heartbeat = int(control["heartbeat"])
+        self._last_progress = time.monotonic()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._slot_of)
+
+    def submit(self, prompt_tokens, params: SamplingParams = SamplingParams()) -> int:
+        """Publish one request; return its id. Raises ``ValueError`` (ring untouched) or ``RingFull``."""
+        prompt = self._validate(prompt_tokens, params)
+        slot = self.tracker.claim()
+        epoch = int(self._epoch[slot]) % 0xFFFFFFFF + 1      # never 0: cancel == 0 means "no cancel"
+        request_id = self._next_id
+        self._next_id += 1
+        layout = self.layout
+        self.memory.write(layout.header_at(slot), self._header(request_id, len(prompt), params).tobytes())
+        self.memory.write(layout.prompt_at(slot), prompt.tobytes())
+        status = np.zeros(1, STATUS_DTYPE)                   # state stays FREE; counters and cancel reset
+        status["epoch"] = epoch
+        self.memory.write(layout.status_at(slot), status.tobytes())
+        check_transition(FREE, READY, AGENT)
+        self.memory.write(layout.status_at(slot) + STATE_OFFSET, np.array([READY], _U32).tobytes())
+        self._epoch[slot] = epoch
+        self._request_id[slot] = request_id
+        self._delivered[slot] = 0
+        self._wants_logprobs[slot] = params.logprobs
+        self._slot_of[request_id] = slot
+        return request_id
+
+    def poll(self) -> list[RequestOutput]:
+        """One bulk read of the control block and status words; return the progress of every request that moved."""
+        control, status = self._snapshot()
+        active = self._request_id != 0
+        self._check_liveness(control, int(np.count_nonzero(active & (status["state"] != FINISHED))))
+        self.tracker.refresh(status["state"])
+        progressed = active & ((status["n_generated"] > self._delivered) | (status["state"] == FINISHED))
+        outputs = []
+        for slot in np.flatnonzero(progressed).tolist():
+            entry = status[slot]
+            if entry["state"] == FINISHED:
+                # Everything the GPU wrote before FINISHED is visible now; re-read so n_generated is final.
+                entry = np.frombuffer(self.memory.read(self.layout.status_at(slot), STATUS_DTYPE.itemsize),
+                                      STATUS_DTYPE)[0]
+            outputs.append(self._collect(slot, entry))
+        return outputs
+
+    def cancel(self, request_id: int) -> bool:
+        """Ask the GPU side to finish a request with reason "abort". False if it is not in flight."""
+        slot = self._slot_of.get(request_id)
+        if slot is None:
+            return False
+        cancel_offset = self.layout.status_at(slot) + STATUS_DTYPE.fields["cancel"][1]
+        self.memory.write(cancel_offset, np.array([self._epoch[slot]], _U32).tobytes())
+        return True
+
+    def request_shutdown(self) -> None:
+        """Ask the GPU loop to finish in-flight requests with "abort" and stop."""
+        self.memory.write(CONTROL_DTYPE.fields["shutdown"][1], np.array([1], _U32).tobytes())
+
+    def stats(self) -> dict[str, int]:
+        """The GPU side's counters and gauges from the control block."""
+        control = np.frombuffer(self.memory.read(0, CONTROL_DTYPE.itemsize), CONTROL_DTYPE)[0]
+        return {name: int(control[name]) for name in CONTROL_DTYPE.names}
+
+    # -- internals ------------------------------------------------------------------------------------------------
+
+    def _validate(self, prompt_tokens, params: SamplingParams) -> np.ndarray:
+        g = self.geometry
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams (got {type(params).__name__})")
+        try:
+            prompt = np.asarray(prompt_tokens)
+        except Exception as e:
+            raise ValueError(f"prompt_tokens must be a sequence of token ids ({e})") from None
+        if prompt.ndim != 1 or prompt.size == 0 or not (np.issubdtype(prompt.dtype, np.integer)):
+            raise ValueError("prompt_tokens must be a non-empty 1-D sequence of int token ids "
+                             f"(got shape {prompt.shape}, dtype {prompt.dtype})")
+        if prompt.size > g.max_prompt_tokens:
+            raise ValueError(f"prompt_tokens has {prompt.size} tokens; this ring's slots hold at most "
+                             f"{g.max_prompt_tokens} (RingGeometry.max_prompt_tokens)")
+        if prompt.min() < 0 or prompt.max() >= 2**31:
+            raise ValueError("prompt_tokens must be token ids in [0, 2**31)")
+        if params.max_tokens > g.max_output_tokens:
+            raise ValueError(f"max_tokens={params.max_tokens} is above this ring's output capacity "
+                             f"{g.max_output_tokens} (RingGeometry.max_output_tokens)")
+        if len(params.stop_token_ids) > g.max_stop_ids:
+            raise ValueError(f"stop_token_ids has {len(params.stop_token_ids)} ids; at most {g.max_stop_ids} fit "
+                             "(RingGeometry.max_stop_ids)")
+        if params.logprobs and not g.logprobs:
+            raise ValueError("logprobs=True needs a ring built with RingGeometry(logprobs=True)")
+        return prompt.astype("<i4")
+
+    def _header(self, request_id: int, prompt_len: int, params: SamplingParams) -> np.ndarray:
+        header = np.zeros(1, self.layout.header_dtype)
+        header["request_id"] = request_id
+        header["arrival_ns"] = time.monotonic_ns()
+        header["seed"] = random.getrandbits(64) if params.seed is None else params.seed
+        header["prompt_len"] = prompt_len
+        header["max_tokens"] = params.max_tokens
+        header["temperature"] = params.temperature
+        header["top_p"] = params.top_p
+        header["top_k"] = params.top_k
+        header["flags"] = (FLAG_IGNORE_EOS if params.ignore_eos else 0) | (FLAG_LOGPROBS if params.logprobs else 0)
+        header["n_stop"] = len(params.stop_token_ids)
+        if params.stop_token_ids:
+            header["stop_ids"][0, :len(params.stop_token_ids)] = params.stop_token_ids
+        return header
+
+    def _snapshot(self) -> tuple[np.void, np.ndarray]:
+        raw = self.memory.read(0, self._snapshot_bytes)
+        control = np.frombuffer(raw, CONTROL_DTYPE, count=1)[0]
+        status = np.frombuffer(raw, STATUS_DTYPE, count=self.geometry.n_slots, offset=self.layout.offset("status"))
+        return control, status
+
+    def _check_liveness(self, control: np.void, unfinished: int) -> None:
+        """Raise if requests wait on a GPU side that reported an error, stopped, or stopped beating."""
+        if int(control["launch_error"]):
+            raise EngineUnresponsive(f"the GPU loop reported device graph launch error {int(control['launch_error'])}")
+        now = time.monotonic()
+        heartbeat = int(control["heartbeat"])
+        if heartbeat != self._heartbeat or not unfinished:
+            self._heartbeat, self._last_progress = heartbeat, now
+            return
+        if int(control["engine_state"]) == ENGINE_STOPPED:
+            raise EngineUnresponsive(f"the engine stopped with {unfinished} requests unfinished")
+        if now - self._last_progress > self.liveness_timeout_s:
+            raise EngineUnresponsive(
+                f"the GPU side's heartbeat has been stuck at {heartbeat} for {now - self._last_progress:.1f} s with "
+                f"{unfinished} requests unfinished: the scheduler loop (or consumer process) is not running")
+
+    def _collect(self, slot: int, entry: np.void) -> RequestOutput:
+        if int(entry["epoch"]) != int(self._epoch[slot]):
+            raise IllegalTransition(f"slot {slot}'s epoch changed from {int(self._epoch[slot])} to "
+                                    f"{int(entry['epoch'])} under the agent: another writer is using this ring")
+        request_id = int(self._request_id[slot])
+        start, end = int(self._delivered[slot]), int(entry["n_generated"])
+        tokens, logprobs = [], None
+        if end > start:
+            raw = self.memory.read(self.layout.output_at(slot, start), 4 * (end - start))
+            tokens = np.frombuffer(raw, "<i4").tolist()
+        if self._wants_logprobs[slot]:
+            logprobs = []
+            if end > start:
+                raw = self.memory.read(self.layout.logprob_at(slot, start), 4 * (end - start))
+                logprobs = np.frombuffer(raw, "<f4").tolist()
+        self._delivered[slot] = end
+        finished = int(entry["state"]) == FINISHED
+        if finished:
+            self._release(slot, request_id)
+        return RequestOutput(request_id, tokens, logprobs, finished,
+                             FINISH_NAMES.get(int(entry["finish_reason"]), "error") if finished else None)
+
+    def _release(self, slot: int, request_id: int) -> None:
+        check_transition(FINISHED, FREE, AGENT)
+        self.memory.write(self.layout.status_at(slot) + STATE_OFFSET, np.array([FREE], _U32).tobytes())
+        self.tracker.release(slot)
+        self._request_id[slot] = 0
+        del self._slot_of[request_id]

@@ -1,0 +1,49 @@
+"""Shared pytest setup: ``@pytest.mark.gpu`` tests run only where a CUDA device is visible."""
+import os
+import shutil
+
+import pytest
+
+
+def _has_cuda_gpu() -> bool:
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return False
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return shutil.which("nvidia-smi") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run bench/gpu_suite.sh on the H200)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def local_ring():
+    """Factory: an initialised in-process ring, an Agent on it, and the ReferenceConsumer playing the GPU."""
+    from blink.device.reference import ReferenceConsumer
+    from blink.device.ring import RingLayout
+    from blink.nic.agent import Agent
+    from blink.nic.transport import LocalMemory
+
+    memories = []
+
+    def make(geometry, *, eos_token_ids=(), max_running=256, liveness_timeout_s=10.0):
+        layout = RingLayout(geometry)
+        memory = LocalMemory(layout.size)
+        memory.write(0, layout.control_bytes())
+        memories.append(memory)
+        agent = Agent(memory, geometry, liveness_timeout_s=liveness_timeout_s)
+        consumer = ReferenceConsumer(layout.view(memory.buffer), eos_token_ids=eos_token_ids,
+                                     max_running=max_running)
+        return memory, agent, consumer
+
+    yield make
+    for memory in memories:
+        memory.close()

@@ -1,0 +1,149 @@
+import itertools
+
+import numpy as np
+import pytest
+
+from blink.device import ring
+from blink.device.ring import (AGENT, CONTROL_DTYPE, FINISHED, FREE, GPU, READY, RUNNING, STATUS_DTYPE, RingGeometry,
+                               RingLayout, check_transition, header_dtype)
+from blink.errors import IllegalTransition, RingMismatch
+
+# The contract, written out by hand: (field, byte offset, byte size). A change here is a protocol change.
+CONTROL_SPEC = [("magic", 0, 4), ("version", 4, 4), ("n_slots", 8, 4), ("max_prompt_tokens", 12, 4),
+                ("max_output_tokens", 16, 4), ("max_stop_ids", 20, 4), ("flags", 24, 4), ("shutdown", 28, 4),
+                ("engine_state", 32, 4), ("launch_error", 36, 4), ("heartbeat", 40, 8), ("steps", 48, 8),
+                ("tokens", 56, 8), ("admitted", 64, 8), ("finished", 72, 8), ("cancelled", 80, 8),
+                ("preempted", 88, 8), ("kv_pages_total", 96, 4), ("kv_pages_free", 100, 4), ("running", 104, 4),
+                ("waiting", 108, 4)]
+STATUS_SPEC = [("state", 0, 4), ("epoch", 4, 4), ("cancel", 8, 4), ("finish_reason", 12, 4), ("n_generated", 16, 4)]
+HEADER_SPEC = [("request_id", 0, 8), ("arrival_ns", 8, 8), ("seed", 16, 8), ("prompt_len", 24, 4),
+               ("max_tokens", 28, 4), ("temperature", 32, 4), ("top_p", 36, 4), ("top_k", 40, 4), ("flags", 44, 4),
+               ("n_stop", 48, 4)]
+
+
+@pytest.mark.parametrize("dtype,spec,itemsize", [(CONTROL_DTYPE, CONTROL_SPEC, 256), (STATUS_DTYPE, STATUS_SPEC, 32),
+                                                 (header_dtype(8), HEADER_SPEC + [("stop_ids", 64, 32)], 96)])
+def test_struct_offsets_sizes_and_natural_alignment(dtype, spec, itemsize):
+    assert dtype.itemsize == itemsize
+    assert list(dtype.names) == [name for name, _, _ in spec]
+    for name, offset, size in spec:
+        field_dtype, field_offset = dtype.fields[name][:2]
+        assert (field_offset, field_dtype.itemsize) == (offset, size), name
+        assert field_offset % field_dtype.base.itemsize == 0, f"{name} is not naturally aligned"
+        assert field_dtype.base.byteorder in "<=|", f"{name} is not little-endian"
+    ends = sorted((off, off + size) for _, off, size in spec)
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:])), "fields overlap"
+
+
+@pytest.mark.parametrize("max_stop_ids,itemsize", [(0, 64), (1, 80), (4, 80), (5, 96), (64, 320)])
+def test_header_size_follows_stop_capacity(max_stop_ids, itemsize):
+    assert header_dtype(max_stop_ids).itemsize == itemsize
+
+
+@pytest.mark.parametrize("geometry", [RingGeometry(), RingGeometry(n_slots=3, max_prompt_tokens=5, max_output_tokens=7,
+                                                                   max_stop_ids=0, logprobs=False)])
+def test_regions_are_page_aligned_disjoint_and_sized(geometry):
+    layout = RingLayout(geometry)
+    n = geometry.n_slots
+    expected = {"control": 256, "status": 32 * n, "headers": n * layout.header_dtype.itemsize,
+                "prompts": 4 * n * geometry.max_prompt_tokens, "outputs": 4 * n * geometry.max_output_tokens,
+                "logprobs": 4 * n * geometry.max_output_tokens if geometry.logprobs else 0}
+    previous_end = 0
+    for name, (offset, size) in layout.regions.items():
+        assert size == expected[name]
+        assert offset % 4096 == 0 and offset >= previous_end
+        previous_end = offset + size
+    assert layout.size >= previous_end and layout.size % 4096 == 0
+    assert layout.status_at(n - 1) + 32 == layout.offset("status") + 32 * n
+    assert layout.output_at(1, 2) == layout.offset("outputs") + 4 * geometry.max_output_tokens + 8
+
+
+def _random_value(dtype: np.dtype, rng):
+    if dtype.kind == "f":
+        return rng.standard_normal(dtype.shape).astype(dtype.base)
+    info = np.iinfo(dtype.base)
+    return rng.integers(info.min, info.max, size=dtype.shape, dtype=dtype.base, endpoint=True)
+
+
+def test_every_field_round_trips_through_the_region_views():
+    geometry = RingGeometry(n_slots=5, max_prompt_tokens=7, max_output_tokens=3, max_stop_ids=4)
+    layout = RingLayout(geometry)
+    rng = np.random.default_rng(0)
+    buffer = bytearray(layout.size)
+    view = layout.view(buffer)
+    written = {}
+    for region, array in [("control", view.control), ("status", view.status), ("headers", view.headers)]:
+        for slot in range(len(array)):
+            for name in array.dtype.names:
+                value = _random_value(array.dtype[name], rng)
+                array[name][slot] = value
+                written[(region, slot, name)] = value
+    view.prompts[:] = rng.integers(0, 2**31, view.prompts.shape)
+    view.outputs[:] = rng.integers(0, 2**31, view.outputs.shape)
+    view.logprobs[:] = rng.standard_normal(view.logprobs.shape)
+    # Read back through raw byte offsets, as a transport would.
+    for (region, slot, name), value in written.items():
+        dtype = {"control": CONTROL_DTYPE, "status": STATUS_DTYPE, "headers": layout.header_dtype}[region]
+        base = {"control": 0, "status": layout.status_at(slot), "headers": layout.header_at(slot)}[region]
+        field, offset = dtype.fields[name][:2]
+        got = np.frombuffer(bytes(buffer[base + offset: base + offset + field.itemsize]), field.base)
+        np.testing.assert_array_equal(got.reshape(field.shape), value)
+    for slot in range(5):
+        prompt = np.frombuffer(bytes(buffer[layout.prompt_at(slot): layout.prompt_at(slot) + 28]), "<i4")
+        np.testing.assert_array_equal(prompt, view.prompts[slot])
+        out = np.frombuffer(bytes(buffer[layout.output_at(slot): layout.output_at(slot, 3)]), "<i4")
+        np.testing.assert_array_equal(out, view.outputs[slot])
+        lp = np.frombuffer(bytes(buffer[layout.logprob_at(slot): layout.logprob_at(slot, 3)]), "<f4")
+        np.testing.assert_array_equal(lp, view.logprobs[slot])
+
+
+def test_views_do_not_overlap():
+    layout = RingLayout(RingGeometry(n_slots=4, max_prompt_tokens=3, max_output_tokens=2))
+    buffer = bytearray(layout.size)
+    view = layout.view(buffer)
+    for array in (view.control, view.status, view.headers, view.prompts, view.outputs, view.logprobs):
+        array.view(np.uint8)[...] = 0xFF
+        assert sum(buffer) == 0xFF * array.nbytes
+        array.view(np.uint8)[...] = 0
+
+
+def test_verify_accepts_its_own_control_block_and_names_mismatched_fields():
+    layout = RingLayout(RingGeometry(n_slots=16))
+    layout.verify(layout.control_bytes())
+    other = RingLayout(RingGeometry(n_slots=32)).control_bytes()
+    with pytest.raises(RingMismatch, match="'n_slots' is 32 in the region but 16"):
+        layout.verify(other)
+    with pytest.raises(RingMismatch, match="'flags'"):
+        layout.verify(RingLayout(RingGeometry(n_slots=16, logprobs=False)).control_bytes())
+    with pytest.raises(RingMismatch, match="'max_stop_ids'"):
+        layout.verify(RingLayout(RingGeometry(n_slots=16, max_stop_ids=2)).control_bytes())
+    with pytest.raises(RingMismatch, match="'magic'"):
+        layout.verify(bytes(256))
+    wrong_version = np.frombuffer(layout.control_bytes(), CONTROL_DTYPE).copy()
+    wrong_version["version"] = ring.VERSION + 1
+    with pytest.raises(RingMismatch, match="'version'"):
+        layout.verify(wrong_version.tobytes())
+    with pytest.raises(RingMismatch, match="bytes"):
+        layout.verify(b"\0" * 10)
+
+
+@pytest.mark.parametrize("field,value", [("n_slots", 0), ("n_slots", 1 << 21), ("max_prompt_tokens", 0),
+                                         ("max_output_tokens", -1), ("max_stop_ids", 65), ("n_slots", 2.0),
+                                         ("n_slots", True), ("logprobs", 1)])
+def test_geometry_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"RingGeometry.{field}"):
+        RingGeometry(**{field: value})
+
+
+LEGAL = {(FREE, READY, AGENT), (READY, RUNNING, GPU), (READY, FINISHED, GPU), (RUNNING, FINISHED, GPU),
+         (FINISHED, FREE, AGENT)}
+
+
+@pytest.mark.parametrize("old,new,writer", list(itertools.product([FREE, READY, RUNNING, FINISHED, 7],
+                                                                  [FREE, READY, RUNNING, FINISHED, 7], [AGENT, GPU])))
+def test_state_machine_allows_exactly_the_documented_transitions(old, new, writer):
+    if (old, new, writer) in LEGAL:
+        check_transition(old, new, writer)
+    else:
+        with pytest.raises(IllegalTransition):
+            check_transition(old, new, writer)

@@ -1,0 +1,209 @@
+import time
+
+import numpy as np
+import pytest
+
+from blink.config import SamplingParams
+from blink.device.ring import FREE, READY, STATUS_DTYPE, RingGeometry, RingLayout
+from blink.device.standin import standin_continuation, standin_logprob, standin_token
+from blink.errors import EngineUnresponsive, IllegalTransition, RingFull, RingMismatch
+from blink.nic.agent import Agent
+from blink.nic.transport import LocalMemory
+
+SMALL = RingGeometry(n_slots=4, max_prompt_tokens=8, max_output_tokens=16, max_stop_ids=2)
+
+
+def drain(agent, consumer, max_steps=100):
+    """Step the consumer and poll until nothing is in flight; return {request_id: (tokens, logprobs, reason)}."""
+    results = {}
+    for _ in range(max_steps):
+        consumer.step()
+        for out in agent.poll():
+            tokens, logprobs, _ = results.get(out.request_id, ([], [], None))
+            results[out.request_id] = (tokens + out.new_tokens, logprobs + (out.new_logprobs or []),
+                                       out.finish_reason)
+        if not agent.in_flight:
+            return results
+    raise AssertionError("requests did not finish")
+
+
+def state_of(memory, agent, slot):
+    return int(np.frombuffer(memory.read(agent.layout.status_at(slot), 32), STATUS_DTYPE)[0]["state"])
+
+
+def test_requests_get_exactly_the_stand_in_tokens(local_ring):
+    memory, agent, consumer = local_ring(SMALL)
+    prompts = {agent.submit([5, 6, 7], SamplingParams(max_tokens=6, seed=1, logprobs=True)): ([5, 6, 7], 1, 6),
+               agent.submit([9], SamplingParams(max_tokens=1, seed=2)): ([9], 2, 1),
+               agent.submit(list(range(8)), SamplingParams(max_tokens=4, seed=2**64 - 1)): (list(range(8)), 2**64 - 1,
+                                                                                          4)}
+    results = drain(agent, consumer)
+    for rid, (prompt, seed, n) in prompts.items():
+        tokens, logprobs, reason = results[rid]
+        assert tokens == standin_continuation(prompt, seed, n)
+        assert reason == "length"
+    tokens, logprobs, _ = results[1]
+    full = [5, 6, 7] + tokens
+    assert logprobs == [standin_logprob(full[p - 1], p, 1) for p in range(3, 9)]
+    assert agent.tracker.n_free == 4 and all(state_of(memory, agent, s) == FREE for s in range(4))
+
+
+BAD_INPUTS = [
+    ([], SamplingParams(), "prompt_tokens"),
+    ([[1, 2]], SamplingParams(), "prompt_tokens"),
+    ([1.5], SamplingParams(), "prompt_tokens"),
+    (list(range(9)), SamplingParams(), "max_prompt_tokens"),
+    ([-1], SamplingParams(), "prompt_tokens"),
+    ([2**31], SamplingParams(), "prompt_tokens"),
+    ([1], SamplingParams(max_tokens=17), "max_tokens"),
+    ([1], SamplingParams(stop_token_ids=(1, 2, 3)), "stop_token_ids"),
+    ([1], "greedy", "params"),
+]
+
+
+@pytest.mark.parametrize("prompt,params,field", BAD_INPUTS)
+def test_bad_input_names_the_field_and_leaves_the_ring_untouched(local_ring, prompt, params, field):
+    memory, agent, _ = local_ring(SMALL)
+    before = memory.read(0, memory.size)
+    with pytest.raises(ValueError, match=field):
+        agent.submit(prompt, params)
+    assert memory.read(0, memory.size) == before
+    assert agent.tracker.n_free == 4 and agent.in_flight == 0
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0),
+                                         ("top_p", 1.5), ("top_k", -1), ("max_tokens", 0), ("seed", -1),
+                                         ("seed", 2**64), ("stop_token_ids", (-3,)), ("ignore_eos", 1)])
+def test_sampling_params_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**{field: value})
+
+
+def test_logprobs_need_a_ring_with_a_logprobs_area(local_ring):
+    memory, agent, _ = local_ring(RingGeometry(n_slots=2, max_prompt_tokens=4, max_output_tokens=4, logprobs=False))
+    with pytest.raises(ValueError, match="logprobs"):
+        agent.submit([1], SamplingParams(max_tokens=1, logprobs=True))
+
+
+def test_full_ring_raises_ring_full_then_recovers_after_poll(local_ring):
+    memory, agent, consumer = local_ring(SMALL)
+    ids = [agent.submit([1], SamplingParams(max_tokens=1, seed=i)) for i in range(4)]
+    before = memory.read(0, memory.size)
+    with pytest.raises(RingFull):
+        agent.submit([1], SamplingParams(max_tokens=1))
+    assert memory.read(0, memory.size) == before
+    consumer.step()
+    finished = [out.request_id for out in agent.poll() if out.finished]
+    assert sorted(finished) == ids
+    agent.submit([1], SamplingParams(max_tokens=1))
+
+
+def test_slot_is_released_only_after_finished_and_delivered(local_ring):
+    memory, agent, consumer = local_ring(RingGeometry(n_slots=1, max_prompt_tokens=4, max_output_tokens=4))
+    agent.submit([3], SamplingParams(max_tokens=2, seed=0))
+    consumer.step()
+    consumer.step()                                   # FINISHED on the GPU side, not yet polled
+    assert state_of(memory, agent, 0) != FREE
+    with pytest.raises(RingFull):
+        agent.submit([3], SamplingParams(max_tokens=1))
+    (out,) = agent.poll()
+    assert out.finished and len(out.new_tokens) == 2
+    assert state_of(memory, agent, 0) == FREE
+
+
+def test_cancel_ready_and_running_requests(local_ring):
+    memory, agent, consumer = local_ring(SMALL, max_running=1)
+    running = agent.submit([1], SamplingParams(max_tokens=6, seed=3))
+    waiting = agent.submit([2], SamplingParams(max_tokens=6, seed=4))
+    consumer.step()
+    consumer.step()
+    assert agent.cancel(running) and agent.cancel(waiting)
+    results = drain(agent, consumer)
+    assert results[running] == (standin_continuation([1], 3, 2), [], "abort")
+    assert results[waiting] == ([], [], "abort")
+    assert not agent.cancel(running), "a finished request is no longer cancellable"
+    assert not agent.cancel(12345)
+    assert agent.stats()["cancelled"] == 2
+
+
+def test_stale_cancel_of_a_recycled_slot_is_ignored(local_ring):
+    memory, agent, consumer = local_ring(RingGeometry(n_slots=1, max_prompt_tokens=4, max_output_tokens=4))
+    first = agent.submit([1], SamplingParams(max_tokens=1))
+    old_epoch = int(agent._epoch[0])
+    drain(agent, consumer)
+    second = agent.submit([1], SamplingParams(max_tokens=3, seed=9))
+    cancel_offset = agent.layout.status_at(0) + STATUS_DTYPE.fields["cancel"][1]
+    memory.write(cancel_offset, np.array([old_epoch], "<u4").tobytes())   # a cancel meant for `first`, arriving late
+    results = drain(agent, consumer)
+    assert first != second and results[second] == (standin_continuation([1], 9, 3), [], "length")
+
+
+def test_stop_ids_and_eos_end_requests_and_stay_in_the_output(local_ring):
+    prompt, seed = [11, 12], 5
+    tokens = standin_continuation(prompt, seed, 6)
+    memory, agent, consumer = local_ring(SMALL, eos_token_ids=[tokens[2]])
+    a = agent.submit(prompt, SamplingParams(max_tokens=6, seed=seed))
+    b = agent.submit(prompt, SamplingParams(max_tokens=6, seed=seed, ignore_eos=True))
+    c = agent.submit(prompt, SamplingParams(max_tokens=6, seed=seed, ignore_eos=True, stop_token_ids=(tokens[4],)))
+    results = drain(agent, consumer)
+    first_eos = tokens.index(tokens[2])
+    assert results[a] == (tokens[:first_eos + 1], [], "stop")
+    assert results[b] == (tokens, [], "length")
+    assert results[c] == (tokens[:tokens.index(tokens[4]) + 1], [], "stop")
+
+
+def test_agent_refuses_a_ring_of_another_geometry():
+    layout = RingLayout(SMALL)
+    with LocalMemory(layout.size) as memory:
+        with pytest.raises(RingMismatch, match="magic"):
+            Agent(memory, SMALL)
+        memory.write(0, layout.control_bytes())
+        with pytest.raises(RingMismatch, match="max_output_tokens"):
+            Agent(memory, RingGeometry(n_slots=4, max_prompt_tokens=8, max_output_tokens=15, max_stop_ids=2))
+        with pytest.raises(ValueError, match="needs"):
+            Agent(memory, RingGeometry(n_slots=4000))
+
+
+def test_frozen_heartbeat_raises_engine_unresponsive(local_ring):
+    memory, agent, consumer = local_ring(SMALL, liveness_timeout_s=0.05)
+    agent.poll()                                       # nothing in flight: never an error
+    time.sleep(0.1)
+    agent.poll()
+    agent.submit([1], SamplingParams(max_tokens=3))
+    agent.poll()
+    time.sleep(0.1)
+    with pytest.raises(EngineUnresponsive, match="heartbeat has been stuck"):
+        agent.poll()
+    consumer.step()                                    # the consumer comes back: polling works again
+    assert agent.poll()[0].new_tokens
+
+
+def test_launch_error_reported_by_the_gpu_side_is_raised(local_ring):
+    memory, agent, consumer = local_ring(SMALL)
+    consumer.view.control["launch_error"] = 400
+    with pytest.raises(EngineUnresponsive, match="launch error 400"):
+        agent.poll()
+
+
+def test_another_writer_changing_an_epoch_is_detected(local_ring):
+    memory, agent, consumer = local_ring(SMALL)
+    agent.submit([1], SamplingParams(max_tokens=3))
+    consumer.step()
+    consumer.view.status["epoch"][0] += 1
+    with pytest.raises(IllegalTransition, match="epoch changed"):
+        agent.poll()
+
+
+def test_agent_attaching_to_a_used_ring_does_not_take_busy_slots(local_ring):
+    memory, first, consumer = local_ring(SMALL)
+    first.submit([1], SamplingParams(max_tokens=5))
+    second = Agent(memory, SMALL)
+    assert second.tracker.n_free == 3
+    assert first.layout.status_at(second.submit([2])) != first.layout.status_at(0)
+
+
+def test_stand_in_token_is_a_pure_function_of_its_inputs():
+    assert standin_token(1, 2, 3) == standin_token(1, 2, 3)
+    values = {standin_token(t, p, s) for t in range(4) for p in range(4) for s in range(4)}
+    assert len(values) > 60 and all(0 <= v < 32000 for v in values)
+    assert READY != FREE
