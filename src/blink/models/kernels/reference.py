@@ -43,7 +43,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: tor
     cos, sin = cs.chunk(2, dim=-1)
     for x in (q, k):
         half = cos.shape[-1]
-        x1, x2 = x[..., :half].float(), x[..., half:2 * half].float()
+        x1, x2 = x[..., :half].float().clone(), x[..., half:2 * half].float().clone()
         c, s = cos[:, None, :], sin[:, None, :]
         x[..., :half] = (x1 * c - x2 * s).to(x.dtype)
         x[..., half:2 * half] = (x2 * c + x1 * s).to(x.dtype)
