@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from blink.config import SamplingParams
-from blink.device.ring import FREE, READY, STATUS_DTYPE, RingGeometry, RingLayout
+from blink.device.ring import FREE, STATUS_DTYPE, RingGeometry, RingLayout
 from blink.device.standin import standin_continuation, standin_logprob, standin_token
 from blink.errors import EngineUnresponsive, IllegalTransition, RingFull, RingMismatch
 from blink.nic.agent import Agent
@@ -206,4 +206,82 @@ def test_stand_in_token_is_a_pure_function_of_its_inputs():
     assert standin_token(1, 2, 3) == standin_token(1, 2, 3)
     values = {standin_token(t, p, s) for t in range(4) for p in range(4) for s in range(4)}
     assert len(values) > 60 and all(0 <= v < 32000 for v in values)
-    assert READY != FREE
+
+
+# -- agent and consumer in separate processes, over POSIX shared memory ----------------------------------------------
+
+def _start_consumer(geometry, **options):
+    import multiprocessing as mp
+    import uuid
+
+    from blink.device.reference import serve_shared_ring
+    from blink.nic.transport import SharedMemory
+
+    layout = RingLayout(geometry)
+    memory = SharedMemory.create(f"blink-test-{uuid.uuid4().hex[:12]}", layout.size)
+    memory.write(0, layout.control_bytes())
+    process = mp.get_context("spawn").Process(target=serve_shared_ring, args=(memory.name, geometry), kwargs=options,
+                                              daemon=True)
+    process.start()
+    return memory, process
+
+
+def test_ten_thousand_requests_across_processes_each_answered_once_and_right():
+    geometry = RingGeometry(n_slots=256, max_prompt_tokens=32, max_output_tokens=16, max_stop_ids=1)
+    eos = 7
+    memory, process = _start_consumer(geometry, eos_token_ids=[eos], max_running=128)
+    rng = np.random.default_rng(1234)
+    try:
+        agent = Agent(memory, geometry, liveness_timeout_s=30)
+        expected, received = {}, {}
+        total, submitted, deadline = 10_000, 0, time.monotonic() + 240
+        while submitted < total or agent.in_flight:
+            assert time.monotonic() < deadline, f"only {len(received)} of {total} answered"
+            while submitted < total and agent.tracker.n_free:
+                prompt = rng.integers(0, 32000, rng.integers(1, 33)).tolist()
+                params = SamplingParams(max_tokens=int(rng.integers(1, 17)), seed=int(rng.integers(0, 2**63)),
+                                        stop_token_ids=(int(rng.integers(0, 32000)),), ignore_eos=bool(submitted % 2))
+                expected[agent.submit(prompt, params)] = (prompt, params)
+                submitted += 1
+            for out in agent.poll():
+                tokens, reason = received.get(out.request_id, ([], None))
+                assert reason is None, f"request {out.request_id} reported after it finished"
+                received[out.request_id] = (tokens + out.new_tokens, out.finish_reason)
+        assert len(received) == total
+        for rid, (prompt, params) in expected.items():
+            full = standin_continuation(prompt, params.seed, params.max_tokens)
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else {eos})
+            end = next((i + 1 for i, t in enumerate(full) if t in stops), len(full))
+            assert received[rid] == (full[:end], "stop" if end < len(full) or full[-1] in stops else "length"), rid
+        assert agent.tracker.n_free == geometry.n_slots
+        assert agent.poll() == []                      # a final poll sees nothing new
+        stats = agent.stats()
+        assert stats["admitted"] == stats["finished"] == total
+        agent.request_shutdown()
+        process.join(10)
+        assert process.exitcode == 0
+    finally:
+        process.kill()
+        memory.close()
+
+
+def test_a_killed_consumer_process_gives_a_clear_error_not_a_hang():
+    geometry = RingGeometry(n_slots=16, max_prompt_tokens=4, max_output_tokens=1000)
+    memory, process = _start_consumer(geometry)
+    try:
+        agent = Agent(memory, geometry, liveness_timeout_s=0.5)
+        while agent.stats()["heartbeat"] < 10:         # the consumer is serving
+            time.sleep(0.01)
+        process.kill()
+        process.join(10)
+        rid = agent.submit([1], SamplingParams(max_tokens=1000, ignore_eos=True))
+        start = time.monotonic()
+        with pytest.raises(EngineUnresponsive, match="heartbeat has been stuck"):
+            while time.monotonic() - start < 10:
+                agent.poll()
+                time.sleep(0.01)
+        assert time.monotonic() - start < 5
+        assert agent.in_flight == 1 and rid in agent._slot_of
+    finally:
+        process.kill()
+        memory.close()

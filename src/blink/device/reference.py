@@ -20,9 +20,9 @@ import time
 
 import numpy as np
 
-from blink.device.ring import (ENGINE_SERVING, ENGINE_STOPPED, FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH,
-                               FINISH_NONE, FINISH_STOP, FINISHED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, GPU, READY, RUNNING,
-                               STATE_NAMES, RingView, check_transition)
+from blink.device.ring import (CONTROL_DTYPE, ENGINE_SERVING, ENGINE_STOPPED, FINISH_ABORT, FINISH_ERROR,
+                               FINISH_LENGTH, FINISH_NONE, FINISH_STOP, FINISHED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, GPU,
+                               READY, RUNNING, STATE_NAMES, RingGeometry, RingLayout, RingView, check_transition)
 from blink.device.standin import STANDIN_VOCAB, standin_logprob, standin_token
 from blink.errors import IllegalTransition
 
@@ -147,3 +147,13 @@ class ReferenceConsumer:
         self._ctl["finished"] += 1
         if reason == FINISH_ABORT:
             self._ctl["cancelled"] += 1
+
+
+def serve_shared_ring(name: str, geometry: RingGeometry, **consumer_options) -> None:
+    """Process entry point: open the shared-memory ring ``name``, check its layout, serve it until shutdown."""
+    from blink.nic.transport import SharedMemory
+
+    layout = RingLayout(geometry)
+    with SharedMemory.open(name, layout.size) as memory:
+        layout.verify(memory.read(0, CONTROL_DTYPE.itemsize))
+        ReferenceConsumer(layout.view(memory.buffer), **consumer_options).run()

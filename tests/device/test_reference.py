@@ -1,0 +1,84 @@
+import threading
+
+import numpy as np
+import pytest
+
+from blink.config import SamplingParams
+from blink.device.ring import ENGINE_STOPPED, FINISHED, FREE, RUNNING, RingGeometry
+from blink.device.standin import standin_continuation
+from blink.errors import IllegalTransition
+
+GEOMETRY = RingGeometry(n_slots=8, max_prompt_tokens=8, max_output_tokens=8, max_stop_ids=2)
+
+
+def test_admission_is_fcfs_by_arrival_and_bounded_by_max_running(local_ring):
+    memory, agent, consumer = local_ring(GEOMETRY, max_running=1)
+    ids = [agent.submit([i + 1], SamplingParams(max_tokens=2, seed=i)) for i in range(5)]
+    # Make arrival order differ from slot order: the last submitted arrived first.
+    headers = consumer.view.headers
+    headers["arrival_ns"][4] = headers["arrival_ns"][0] - 1
+    order = []
+    while agent.in_flight:
+        consumer.step()
+        running = np.flatnonzero(consumer.view.status["state"] == RUNNING).tolist()
+        assert len(running) <= 1
+        order += [s for s in running if s not in order]
+        for out in agent.poll():
+            if out.finished:
+                assert out.new_tokens == standin_continuation([ids.index(out.request_id) + 1],
+                                                              ids.index(out.request_id), 2)[-len(out.new_tokens):]
+    assert order == [4, 0, 1, 2, 3]
+    stats = agent.stats()
+    assert stats["admitted"] == 5 and stats["finished"] == 5 and stats["tokens"] == 10
+
+
+@pytest.mark.parametrize("field,value", [("prompt_len", 0), ("prompt_len", 9), ("max_tokens", 0),
+                                         ("max_tokens", 9), ("n_stop", 3)])
+def test_a_header_that_breaks_the_geometry_finishes_with_error(local_ring, field, value):
+    memory, agent, consumer = local_ring(GEOMETRY)
+    agent.submit([1, 2], SamplingParams(max_tokens=3))
+    consumer.view.headers[field][0] = value        # as a buggy or hostile agent could write it
+    consumer.step()
+    (out,) = agent.poll()
+    assert out.finished and out.finish_reason == "error" and out.new_tokens == []
+
+
+def test_an_agent_writing_a_running_slot_is_an_illegal_transition(local_ring):
+    memory, agent, consumer = local_ring(GEOMETRY)
+    agent.submit([1], SamplingParams(max_tokens=5))
+    consumer.step()
+    assert consumer.view.status["state"][0] == RUNNING
+    consumer.view.status["state"][0] = FREE         # an agent releasing a slot the GPU still owns
+    with pytest.raises(IllegalTransition, match="slot 0 is RUNNING on the GPU side but the ring shows FREE"):
+        consumer.step()
+
+
+def test_shutdown_aborts_everything_in_flight_and_reports_stopped(local_ring):
+    memory, agent, consumer = local_ring(GEOMETRY, max_running=1)
+    running = agent.submit([1], SamplingParams(max_tokens=8, ignore_eos=True))
+    waiting = agent.submit([2], SamplingParams(max_tokens=8))
+    consumer.step()
+    agent.request_shutdown()
+    thread = threading.Thread(target=consumer.run)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()
+    results = {out.request_id: out for out in agent.poll()}
+    assert results[running].finish_reason == "abort" and results[waiting].finish_reason == "abort"
+    assert results[running].new_tokens and not results[waiting].new_tokens
+    assert agent.stats()["engine_state"] == ENGINE_STOPPED
+    assert (consumer.view.status["state"] == FREE).all()
+
+
+def test_outputs_are_written_before_their_count_and_state(local_ring):
+    """Replays the consumer's writes one at a time: at no point does a published count cover an unwritten token."""
+    memory, agent, consumer = local_ring(GEOMETRY)
+    agent.submit([7], SamplingParams(max_tokens=4, seed=3))
+    outputs = consumer.view.outputs
+    outputs[0, :] = -1                              # poison
+    expected = standin_continuation([7], 3, 4)
+    for _ in range(4):
+        consumer.step()
+        n = int(consumer.view.status["n_generated"][0])
+        assert outputs[0, :n].tolist() == expected[:n]
+    assert consumer.view.status["state"][0] == FINISHED
