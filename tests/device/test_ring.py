@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from blink.device import ring
-from blink.device.ring import (AGENT, CONTROL_DTYPE, FINISHED, FREE, GPU, READY, RUNNING, STATUS_DTYPE, RingGeometry,
+from blink.device.ring import (AGENT, CONTROL_DTYPE, FINISHED, FREE, GPU, READY, RUNNING, STATUS_COLUMNS, RingGeometry,
                                RingLayout, check_transition, header_dtype)
 from blink.errors import IllegalTransition, RingMismatch
 
@@ -15,13 +15,12 @@ CONTROL_SPEC = [("magic", 0, 4), ("version", 4, 4), ("n_slots", 8, 4), ("max_pro
                 ("tokens", 56, 8), ("admitted", 64, 8), ("finished", 72, 8), ("cancelled", 80, 8),
                 ("preempted", 88, 8), ("kv_pages_total", 96, 4), ("kv_pages_free", 100, 4), ("running", 104, 4),
                 ("waiting", 108, 4)]
-STATUS_SPEC = [("state", 0, 4), ("epoch", 4, 4), ("cancel", 8, 4), ("finish_reason", 12, 4), ("n_generated", 16, 4)]
 HEADER_SPEC = [("request_id", 0, 8), ("arrival_ns", 8, 8), ("seed", 16, 8), ("prompt_len", 24, 4),
                ("max_tokens", 28, 4), ("temperature", 32, 4), ("top_p", 36, 4), ("top_k", 40, 4), ("flags", 44, 4),
-               ("n_stop", 48, 4)]
+               ("n_stop", 48, 4), ("priority", 52, 4)]
 
 
-@pytest.mark.parametrize("dtype,spec,itemsize", [(CONTROL_DTYPE, CONTROL_SPEC, 256), (STATUS_DTYPE, STATUS_SPEC, 32),
+@pytest.mark.parametrize("dtype,spec,itemsize", [(CONTROL_DTYPE, CONTROL_SPEC, 256),
                                                  (header_dtype(8), HEADER_SPEC + [("stop_ids", 64, 32)], 96)])
 def test_struct_offsets_sizes_and_natural_alignment(dtype, spec, itemsize):
     assert dtype.itemsize == itemsize
@@ -45,7 +44,8 @@ def test_header_size_follows_stop_capacity(max_stop_ids, itemsize):
 def test_regions_are_page_aligned_disjoint_and_sized(geometry):
     layout = RingLayout(geometry)
     n = geometry.n_slots
-    expected = {"control": 256, "status": 32 * n, "headers": n * layout.header_dtype.itemsize,
+    column = (4 * n + 63) // 64 * 64
+    expected = {"control": 256, "status": 5 * column, "headers": n * layout.header_dtype.itemsize,
                 "prompts": 4 * n * geometry.max_prompt_tokens, "outputs": 4 * n * geometry.max_output_tokens,
                 "logprobs": 4 * n * geometry.max_output_tokens if geometry.logprobs else 0}
     previous_end = 0
@@ -54,7 +54,9 @@ def test_regions_are_page_aligned_disjoint_and_sized(geometry):
         assert offset % 4096 == 0 and offset >= previous_end
         previous_end = offset + size
     assert layout.size >= previous_end and layout.size % 4096 == 0
-    assert layout.status_at(n - 1) + 32 == layout.offset("status") + 32 * n
+    for i, name in enumerate(STATUS_COLUMNS):
+        assert layout.status_at(name, n - 1) == layout.offset("status") + i * column + 4 * (n - 1)
+    assert STATUS_COLUMNS == ("state", "epoch", "cancel", "finish_reason", "n_generated")
     assert layout.output_at(1, 2) == layout.offset("outputs") + 4 * geometry.max_output_tokens + 8
 
 
@@ -72,22 +74,28 @@ def test_every_field_round_trips_through_the_region_views():
     buffer = bytearray(layout.size)
     view = layout.view(buffer)
     written = {}
-    for region, array in [("control", view.control), ("status", view.status), ("headers", view.headers)]:
+    for region, array in [("control", view.control), ("headers", view.headers)]:
         for slot in range(len(array)):
             for name in array.dtype.names:
                 value = _random_value(array.dtype[name], rng)
                 array[name][slot] = value
                 written[(region, slot, name)] = value
+    for name in STATUS_COLUMNS:
+        view.status[name][:] = rng.integers(0, 2**32, 5, dtype=np.uint32)
     view.prompts[:] = rng.integers(0, 2**31, view.prompts.shape)
     view.outputs[:] = rng.integers(0, 2**31, view.outputs.shape)
     view.logprobs[:] = rng.standard_normal(view.logprobs.shape)
     # Read back through raw byte offsets, as a transport would.
     for (region, slot, name), value in written.items():
-        dtype = {"control": CONTROL_DTYPE, "status": STATUS_DTYPE, "headers": layout.header_dtype}[region]
-        base = {"control": 0, "status": layout.status_at(slot), "headers": layout.header_at(slot)}[region]
+        dtype = {"control": CONTROL_DTYPE, "headers": layout.header_dtype}[region]
+        base = {"control": 0, "headers": layout.header_at(slot)}[region]
         field, offset = dtype.fields[name][:2]
         got = np.frombuffer(bytes(buffer[base + offset: base + offset + field.itemsize]), field.base)
         np.testing.assert_array_equal(got.reshape(field.shape), value)
+    for name in STATUS_COLUMNS:
+        for slot in range(5):
+            offset = layout.status_at(name, slot)
+            assert np.frombuffer(bytes(buffer[offset: offset + 4]), "<u4")[0] == view.status[name][slot]
     for slot in range(5):
         prompt = np.frombuffer(bytes(buffer[layout.prompt_at(slot): layout.prompt_at(slot) + 28]), "<i4")
         np.testing.assert_array_equal(prompt, view.prompts[slot])
@@ -101,7 +109,8 @@ def test_views_do_not_overlap():
     layout = RingLayout(RingGeometry(n_slots=4, max_prompt_tokens=3, max_output_tokens=2))
     buffer = bytearray(layout.size)
     view = layout.view(buffer)
-    for array in (view.control, view.status, view.headers, view.prompts, view.outputs, view.logprobs):
+    columns = [view.status[name] for name in STATUS_COLUMNS]
+    for array in (view.control, *columns, view.headers, view.prompts, view.outputs, view.logprobs):
         array.view(np.uint8)[...] = 0xFF
         assert sum(buffer) == 0xFF * array.nbytes
         array.view(np.uint8)[...] = 0

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from blink.config import SamplingParams
-from blink.device.ring import FREE, STATUS_DTYPE, RingGeometry, RingLayout
+from blink.device.ring import FREE, RingGeometry, RingLayout
 from blink.device.standin import standin_continuation, standin_logprob, standin_token
 from blink.errors import EngineUnresponsive, IllegalTransition, RingFull, RingMismatch
 from blink.nic.agent import Agent
@@ -28,7 +28,7 @@ def drain(agent, consumer, max_steps=100):
 
 
 def state_of(memory, agent, slot):
-    return int(np.frombuffer(memory.read(agent.layout.status_at(slot), 32), STATUS_DTYPE)[0]["state"])
+    return int(np.frombuffer(memory.read(agent.layout.status_at("state", slot), 4), "<u4")[0])
 
 
 def test_requests_get_exactly_the_stand_in_tokens(local_ring):
@@ -132,8 +132,7 @@ def test_stale_cancel_of_a_recycled_slot_is_ignored(local_ring):
     old_epoch = int(agent._epoch[0])
     drain(agent, consumer)
     second = agent.submit([1], SamplingParams(max_tokens=3, seed=9))
-    cancel_offset = agent.layout.status_at(0) + STATUS_DTYPE.fields["cancel"][1]
-    memory.write(cancel_offset, np.array([old_epoch], "<u4").tobytes())   # a cancel meant for `first`, arriving late
+    memory.write(agent.layout.status_at("cancel", 0), np.array([old_epoch], "<u4").tobytes())   # a cancel meant for `first`, arriving late
     results = drain(agent, consumer)
     assert first != second and results[second] == (standin_continuation([1], 9, 3), [], "length")
 
@@ -199,7 +198,7 @@ def test_agent_attaching_to_a_used_ring_does_not_take_busy_slots(local_ring):
     first.submit([1], SamplingParams(max_tokens=5))
     second = Agent(memory, SMALL)
     assert second.tracker.n_free == 3
-    assert first.layout.status_at(second.submit([2])) != first.layout.status_at(0)
+    assert second._slot_of[second.submit([2], SamplingParams(max_tokens=1))] != 0
 
 
 def test_stand_in_token_is_a_pure_function_of_its_inputs():
@@ -285,3 +284,24 @@ def test_a_killed_consumer_process_gives_a_clear_error_not_a_hang():
     finally:
         process.kill()
         memory.close()
+
+
+def test_a_recycled_ready_slot_does_not_report_the_previous_occupants_tokens(local_ring):
+    """Regression: n_generated of a READY slot belongs to the previous request until the GPU admits the new one."""
+    memory, agent, consumer = local_ring(RingGeometry(n_slots=1, max_prompt_tokens=4, max_output_tokens=4))
+    agent.submit([1], SamplingParams(max_tokens=3))
+    drain(agent, consumer)
+    second = agent.submit([2], SamplingParams(max_tokens=2, seed=4))
+    assert consumer.view.status["n_generated"][0] == 3
+    assert agent.poll() == []
+    consumer.step()
+    (out,) = agent.poll()
+    assert out.request_id == second and out.new_tokens == standin_continuation([2], 4, 1)
+
+
+def test_priority_is_written_to_the_header_and_validated(local_ring):
+    memory, agent, consumer = local_ring(SMALL)
+    agent.submit([1], SamplingParams(max_tokens=1), priority=-7)
+    assert consumer.view.headers["priority"][0] == -7
+    with pytest.raises(ValueError, match="priority"):
+        agent.submit([1], SamplingParams(max_tokens=1), priority=2**31)

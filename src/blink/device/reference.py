@@ -106,6 +106,7 @@ class ReferenceConsumer:
                 self._finish(slot, FINISH_ERROR)
                 continue
             check_transition(READY, RUNNING, GPU)
+            self._reset_outputs(slot)
             status["state"][slot] = RUNNING
             self._running[slot] = int(status["epoch"][slot])
             self._ctl["admitted"] += 1
@@ -137,10 +138,17 @@ class ReferenceConsumer:
         return (1 <= int(header["prompt_len"]) <= g_prompt and 1 <= int(header["max_tokens"]) <= g_output
                 and int(header["n_stop"]) <= stop_capacity)
 
+    def _reset_outputs(self, slot: int) -> None:
+        """The GPU owns the output words from admission on; they still hold the previous occupant's values."""
+        self.view.status["n_generated"][slot] = 0
+        self.view.status["finish_reason"][slot] = FINISH_NONE
+
     def _finish(self, slot: int, reason: int) -> None:
         status = self.view.status
         state = int(status["state"][slot])
         check_transition(state, FINISHED, GPU)
+        if state == READY:
+            self._reset_outputs(slot)
         status["finish_reason"][slot] = reason
         status["state"][slot] = FINISHED                      # last: the agent reads the state first
         self._running.pop(slot, None)

@@ -7,14 +7,14 @@ existing region was written for the same geometry and names the first field that
 Regions, each starting on a 4 KiB boundary::
 
     control   CONTROL_DTYPE (256 B)           magic, version, geometry, shutdown, heartbeat, stats
-    status    [n_slots] STATUS_DTYPE (32 B)   state, epoch, cancel, finish_reason, n_generated
+    status    5 columns of u32 [n_slots]      state, epoch, cancel, finish_reason, n_generated
     headers   [n_slots] header_dtype          request id, sampling params, stop ids, arrival time
     prompts   [n_slots, max_prompt_tokens] int32
     outputs   [n_slots, max_output_tokens] int32
     logprobs  [n_slots, max_output_tokens] float32   (only when geometry.logprobs)
 
 The status words of all slots are contiguous so that the agent learns the state and progress of every slot with
-ONE bulk read, and the GPU scans them with coalesced loads.
+ONE bulk read, and the GPU scans the packed state column with coalesced loads.
 
 State machine (``TRANSITIONS``), one writer per transition, so no atomics are needed across PCIe::
 
@@ -26,9 +26,11 @@ state word. A cancel is a request, not a state: the agent writes the request's e
 it writes) and the GPU finishes the slot with reason ``abort`` at its next iteration. The epoch increments each time
 the agent reuses a slot, so a late cancel or a stale read of a recycled slot is detectable.
 
-Ordering: a writer publishes the payload before the word that announces it (agent: header and prompt, then
-``state = READY``; GPU: tokens, fence, then ``n_generated``; ``finish_reason``, fence, then ``state = FINISHED``).
-A reader loads the announcing word first, then the payload.
+Ordering: a writer publishes the payload before the word that announces it (agent: header, prompt and epoch, then
+``state = READY``; GPU: zero ``n_generated`` and ``finish_reason``, fence, ``state = RUNNING``; tokens, fence, then
+``n_generated``; ``finish_reason``, fence, then ``state = FINISHED``). A reader loads the announcing word first,
+then the payload. The agent ignores ``n_generated`` and ``finish_reason`` of a READY slot: they still hold the
+previous request's values until the GPU admits it.
 """
 from __future__ import annotations
 
@@ -116,15 +118,26 @@ GEOMETRY_FIELDS = ("n_slots", "max_prompt_tokens", "max_output_tokens", "max_sto
 STATS_FIELDS = ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted", "kv_pages_total",
                 "kv_pages_free", "running", "waiting")
 
-STATUS_DTYPE = _struct([
-    ("state", "<u4", 0),          # owner of the slot (see module docstring)
-    ("epoch", "<u4", 4),          # agent, while FREE: +1 per reuse of the slot
-    ("cancel", "<u4", 8),         # agent: epoch of the request to cancel
-    ("finish_reason", "<u4", 12), # GPU, before state = FINISHED
-    ("n_generated", "<u4", 16),   # GPU, after the tokens it counts
-], 32)
+# The status table is column-major: one u32 column per field, each ``[n_slots]`` and padded to 64 bytes, so the
+# GPU's scan for READY slots reads only the packed state column and the agent still gets everything in one read.
+STATUS_COLUMNS = (
+    "state",          # owner of the slot (see module docstring)
+    "epoch",          # agent, while FREE: +1 per reuse of the slot, never 0
+    "cancel",         # agent: epoch of the request to cancel
+    "finish_reason",  # GPU: zeroed at admission, set before state = FINISHED
+    "n_generated",    # GPU: zeroed at admission, then bumped after the tokens it counts
+)
 
-STATE_OFFSET = STATUS_DTYPE.fields["state"][1]
+
+def status_dtype(n_slots: int) -> np.dtype:
+    """One record whose fields are the status columns: ``record["state"]`` is the ``[n_slots]`` state column."""
+    stride = status_column_stride(n_slots)
+    return _struct([(name, ("<u4", (n_slots,)), i * stride) for i, name in enumerate(STATUS_COLUMNS)],
+                   stride * len(STATUS_COLUMNS))
+
+
+def status_column_stride(n_slots: int) -> int:
+    return _round_up(4 * n_slots, 64)
 
 
 def header_dtype(max_stop_ids: int) -> np.dtype:
@@ -140,6 +153,7 @@ def header_dtype(max_stop_ids: int) -> np.dtype:
         ("top_k", "<i4", 40),
         ("flags", "<u4", 44),
         ("n_stop", "<u4", 48),
+        ("priority", "<i4", 52),
     ]
     if max_stop_ids:
         fixed.append(("stop_ids", ("<i4", (max_stop_ids,)), 64))
@@ -176,7 +190,7 @@ class RingView:
     """Numpy views of a whole ring region, for a side that has it in its own address space."""
 
     control: np.ndarray        # shape (1,), CONTROL_DTYPE
-    status: np.ndarray         # [n_slots], STATUS_DTYPE
+    status: np.void            # status_dtype(n_slots) record: status["state"] is the state column
     headers: np.ndarray        # [n_slots], header_dtype
     prompts: np.ndarray        # [n_slots, max_prompt_tokens] int32
     outputs: np.ndarray        # [n_slots, max_output_tokens] int32
@@ -189,10 +203,11 @@ class RingLayout:
     def __init__(self, geometry: RingGeometry):
         g = self.geometry = geometry
         self.header_dtype = header_dtype(g.max_stop_ids)
+        self.status_dtype = status_dtype(g.n_slots)
         self.prompt_stride = 4 * g.max_prompt_tokens
         self.output_stride = 4 * g.max_output_tokens
         offset = 0
-        sizes = [("control", CONTROL_DTYPE.itemsize), ("status", g.n_slots * STATUS_DTYPE.itemsize),
+        sizes = [("control", CONTROL_DTYPE.itemsize), ("status", self.status_dtype.itemsize),
                  ("headers", g.n_slots * self.header_dtype.itemsize), ("prompts", g.n_slots * self.prompt_stride),
                  ("outputs", g.n_slots * self.output_stride),
                  ("logprobs", g.n_slots * self.output_stride if g.logprobs else 0)]
@@ -206,8 +221,8 @@ class RingLayout:
         return self.regions[region][0]
 
     # Per-slot byte offsets, used by transports that only do write(offset, data) / read(offset, nbytes).
-    def status_at(self, slot: int) -> int:
-        return self.offset("status") + slot * STATUS_DTYPE.itemsize
+    def status_at(self, column: str, slot: int) -> int:
+        return self.offset("status") + self.status_dtype.fields[column][1] + 4 * slot
 
     def header_at(self, slot: int) -> int:
         return self.offset("headers") + slot * self.header_dtype.itemsize
@@ -258,7 +273,7 @@ class RingLayout:
 
         return RingView(
             control=region("control", CONTROL_DTYPE, (1,)),
-            status=region("status", STATUS_DTYPE, (g.n_slots,)),
+            status=region("status", self.status_dtype, (1,))[0],
             headers=region("headers", self.header_dtype, (g.n_slots,)),
             prompts=region("prompts", np.dtype("<i4"), (g.n_slots, g.max_prompt_tokens)),
             outputs=region("outputs", np.dtype("<i4"), (g.n_slots, g.max_output_tokens)),

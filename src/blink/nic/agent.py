@@ -16,8 +16,7 @@ import numpy as np
 
 from blink.config import SamplingParams
 from blink.device.ring import (AGENT, CONTROL_DTYPE, ENGINE_STOPPED, FINISH_NAMES, FINISHED, FLAG_IGNORE_EOS,
-                               FLAG_LOGPROBS, FREE, READY, STATE_OFFSET, STATUS_DTYPE, RingGeometry, RingLayout,
-                               check_transition)
+                               FLAG_LOGPROBS, FREE, READY, RUNNING, RingGeometry, RingLayout, check_transition)
 from blink.errors import EngineUnresponsive, IllegalTransition
 from blink.nic.slots import SlotTracker
 from blink.nic.transport import RemoteMemory
@@ -53,7 +52,7 @@ class Agent:
         self.liveness_timeout_s = liveness_timeout_s
         n = geometry.n_slots
         # The status region starts after the control block; reading [0, status end) gets both in one read.
-        self._snapshot_bytes = layout.offset("status") + n * STATUS_DTYPE.itemsize
+        self._snapshot_bytes = layout.offset("status") + layout.status_dtype.itemsize
         control, status = self._snapshot()
         self.tracker = SlotTracker(n)
         self.tracker.refresh(status["state"])
@@ -61,6 +60,7 @@ class Agent:
         self._request_id = np.zeros(n, np.uint64)   # 0 = slot not in flight for this agent
         self._delivered = np.zeros(n, np.int64)     # tokens already returned by poll()
         self._wants_logprobs = np.zeros(n, bool)
+        self._seen_running = np.zeros(n, bool)      # the agent has re-read n_generated since admission
         self._slot_of: dict[int, int] = {}
         self._next_id = 1
         self._heartbeat = int(control["heartbeat"])
@@ -70,24 +70,28 @@ class Agent:
     def in_flight(self) -> int:
         return len(self._slot_of)
 
-    def submit(self, prompt_tokens, params: SamplingParams = SamplingParams()) -> int:
-        """Publish one request; return its id. Raises ``ValueError`` (ring untouched) or ``RingFull``."""
+    def submit(self, prompt_tokens, params: SamplingParams = SamplingParams(), *, priority: int = 0) -> int:
+        """Publish one request; return its id. Raises ``ValueError`` (ring untouched) or ``RingFull``.
+
+        ``priority`` is passed to the GPU's admission policy (the default policy, FCFS, ignores it).
+        """
         prompt = self._validate(prompt_tokens, params)
+        if not isinstance(priority, int) or not -2**31 <= priority < 2**31:
+            raise ValueError(f"priority must be an int in [-2**31, 2**31) (got {priority!r})")
         slot = self.tracker.claim()
         epoch = int(self._epoch[slot]) % 0xFFFFFFFF + 1      # never 0: cancel == 0 means "no cancel"
         request_id = self._next_id
         self._next_id += 1
         layout = self.layout
-        self.memory.write(layout.header_at(slot), self._header(request_id, len(prompt), params).tobytes())
+        self.memory.write(layout.header_at(slot), self._header(request_id, len(prompt), params, priority).tobytes())
         self.memory.write(layout.prompt_at(slot), prompt.tobytes())
-        status = np.zeros(1, STATUS_DTYPE)                   # state stays FREE; counters and cancel reset
-        status["epoch"] = epoch
-        self.memory.write(layout.status_at(slot), status.tobytes())
+        self._write_word("epoch", slot, epoch)
         check_transition(FREE, READY, AGENT)
-        self.memory.write(layout.status_at(slot) + STATE_OFFSET, np.array([READY], _U32).tobytes())
+        self._write_word("state", slot, READY)
         self._epoch[slot] = epoch
         self._request_id[slot] = request_id
         self._delivered[slot] = 0
+        self._seen_running[slot] = False
         self._wants_logprobs[slot] = params.logprobs
         self._slot_of[request_id] = slot
         return request_id
@@ -95,18 +99,29 @@ class Agent:
     def poll(self) -> list[RequestOutput]:
         """One bulk read of the control block and status words; return the progress of every request that moved."""
         control, status = self._snapshot()
+        state = status["state"]
         active = self._request_id != 0
-        self._check_liveness(control, int(np.count_nonzero(active & (status["state"] != FINISHED))))
-        self.tracker.refresh(status["state"])
-        progressed = active & ((status["n_generated"] > self._delivered) | (status["state"] == FINISHED))
+        self._check_liveness(control, int(np.count_nonzero(active & (state != FINISHED))))
+        self.tracker.refresh(state)
+        # A READY slot's n_generated is the previous occupant's until the GPU zeroes it at admission, and one read
+        # does not order the two columns: the first time a slot shows RUNNING, re-read its count.
+        n_generated = status["n_generated"].copy()
+        newly_running = active & (state == RUNNING) & ~self._seen_running
+        for slot in np.flatnonzero(newly_running).tolist():
+            n_generated[slot] = self._read_word("n_generated", slot)
+        self._seen_running |= newly_running
+        progressed = active & (((state == RUNNING) & (n_generated > self._delivered)) | (state == FINISHED))
         outputs = []
         for slot in np.flatnonzero(progressed).tolist():
-            entry = status[slot]
-            if entry["state"] == FINISHED:
-                # Everything the GPU wrote before FINISHED is visible now; re-read so n_generated is final.
-                entry = np.frombuffer(self.memory.read(self.layout.status_at(slot), STATUS_DTYPE.itemsize),
-                                      STATUS_DTYPE)[0]
-            outputs.append(self._collect(slot, entry))
+            if int(status["epoch"][slot]) != int(self._epoch[slot]):
+                raise IllegalTransition(f"slot {slot}'s epoch changed from {int(self._epoch[slot])} to "
+                                        f"{int(status['epoch'][slot])} under the agent: another writer uses this ring")
+            if state[slot] == FINISHED:
+                # Everything the GPU wrote before FINISHED is visible now: re-read the words it announces.
+                outputs.append(self._collect(slot, self._read_word("n_generated", slot),
+                                             self._read_word("finish_reason", slot)))
+            else:
+                outputs.append(self._collect(slot, int(n_generated[slot]), None))
         return outputs
 
     def cancel(self, request_id: int) -> bool:
@@ -114,8 +129,7 @@ class Agent:
         slot = self._slot_of.get(request_id)
         if slot is None:
             return False
-        cancel_offset = self.layout.status_at(slot) + STATUS_DTYPE.fields["cancel"][1]
-        self.memory.write(cancel_offset, np.array([self._epoch[slot]], _U32).tobytes())
+        self._write_word("cancel", slot, int(self._epoch[slot]))
         return True
 
     def request_shutdown(self) -> None:
@@ -155,7 +169,7 @@ class Agent:
             raise ValueError("logprobs=True needs a ring built with RingGeometry(logprobs=True)")
         return prompt.astype("<i4")
 
-    def _header(self, request_id: int, prompt_len: int, params: SamplingParams) -> np.ndarray:
+    def _header(self, request_id: int, prompt_len: int, params: SamplingParams, priority: int) -> np.ndarray:
         header = np.zeros(1, self.layout.header_dtype)
         header["request_id"] = request_id
         header["arrival_ns"] = time.monotonic_ns()
@@ -167,15 +181,22 @@ class Agent:
         header["top_k"] = params.top_k
         header["flags"] = (FLAG_IGNORE_EOS if params.ignore_eos else 0) | (FLAG_LOGPROBS if params.logprobs else 0)
         header["n_stop"] = len(params.stop_token_ids)
+        header["priority"] = priority
         if params.stop_token_ids:
             header["stop_ids"][0, :len(params.stop_token_ids)] = params.stop_token_ids
         return header
 
-    def _snapshot(self) -> tuple[np.void, np.ndarray]:
+    def _snapshot(self) -> tuple[np.void, np.void]:
         raw = self.memory.read(0, self._snapshot_bytes)
         control = np.frombuffer(raw, CONTROL_DTYPE, count=1)[0]
-        status = np.frombuffer(raw, STATUS_DTYPE, count=self.geometry.n_slots, offset=self.layout.offset("status"))
+        status = np.frombuffer(raw, self.layout.status_dtype, count=1, offset=self.layout.offset("status"))[0]
         return control, status
+
+    def _read_word(self, column: str, slot: int) -> int:
+        return int(np.frombuffer(self.memory.read(self.layout.status_at(column, slot), 4), _U32)[0])
+
+    def _write_word(self, column: str, slot: int, value: int) -> None:
+        self.memory.write(self.layout.status_at(column, slot), np.array([value], _U32).tobytes())
 
     def _check_liveness(self, control: np.void, unfinished: int) -> None:
         """Raise if requests wait on a GPU side that reported an error, stopped, or stopped beating."""
@@ -193,12 +214,10 @@ class Agent:
                 f"the GPU side's heartbeat has been stuck at {heartbeat} for {now - self._last_progress:.1f} s with "
                 f"{unfinished} requests unfinished: the scheduler loop (or consumer process) is not running")
 
-    def _collect(self, slot: int, entry: np.void) -> RequestOutput:
-        if int(entry["epoch"]) != int(self._epoch[slot]):
-            raise IllegalTransition(f"slot {slot}'s epoch changed from {int(self._epoch[slot])} to "
-                                    f"{int(entry['epoch'])} under the agent: another writer is using this ring")
+    def _collect(self, slot: int, end: int, finish_reason: int | None) -> RequestOutput:
+        """New tokens ``[delivered, end)`` of ``slot``; ``finish_reason`` is None while the request runs."""
         request_id = int(self._request_id[slot])
-        start, end = int(self._delivered[slot]), int(entry["n_generated"])
+        start = int(self._delivered[slot])
         tokens, logprobs = [], None
         if end > start:
             raw = self.memory.read(self.layout.output_at(slot, start), 4 * (end - start))
@@ -209,15 +228,15 @@ class Agent:
                 raw = self.memory.read(self.layout.logprob_at(slot, start), 4 * (end - start))
                 logprobs = np.frombuffer(raw, "<f4").tolist()
         self._delivered[slot] = end
-        finished = int(entry["state"]) == FINISHED
+        finished = finish_reason is not None
         if finished:
             self._release(slot, request_id)
         return RequestOutput(request_id, tokens, logprobs, finished,
-                             FINISH_NAMES.get(int(entry["finish_reason"]), "error") if finished else None)
+                             (FINISH_NAMES.get(finish_reason) or "error") if finished else None)
 
     def _release(self, slot: int, request_id: int) -> None:
         check_transition(FINISHED, FREE, AGENT)
-        self.memory.write(self.layout.status_at(slot) + STATE_OFFSET, np.array([FREE], _U32).tobytes())
+        self._write_word("state", slot, FREE)
         self.tracker.release(slot)
         self._request_id[slot] = 0
         del self._slot_of[request_id]
