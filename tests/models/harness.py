@@ -90,3 +90,23 @@ def check_mixed_batches(model, hf_model, atol=1e-4, seed=0):
             torch.testing.assert_close(logits[row], want, atol=atol, rtol=atol)
             assert ids[row] == logits[row].argmax()
             torch.testing.assert_close(logprobs[row], torch.log_softmax(logits[row], 0)[ids[row]])
+
+
+def greedy_continuations(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """``n`` greedy tokens per prompt, all prompts batched: one prefill step, then decode steps."""
+    runner = Runner(model, num_pages=256, layout=StepLayout(256, 8, 64))
+    seqs = [list(p) for p in prompts]
+    chunks = [runner.chunk(i, p, 0) for i, p in enumerate(prompts)]
+    for _ in range(n):
+        _, ids, _ = runner.step(chunks)
+        for s, t in zip(seqs, ids.tolist()):
+            s.append(t)
+        chunks = [runner.chunk(i, s[-1:], len(s) - 1) for i, s in enumerate(seqs)]
+    return [s[len(p):] for s, p in zip(seqs, prompts)]
+
+
+def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy ``generate`` (KV-cached); it may stop early at an EOS token, which it includes."""
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()

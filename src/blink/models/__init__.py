@@ -1,5 +1,6 @@
 """Model definitions, checkpoint loading and the embedded default model (see ``DecoderLM`` for the step contract)."""
 from .config import ConfigError, ModelConfig
+from .default import default_model_path
 from .loader import CheckpointError, build_model, load_model, random_model
 
-__all__ = ["ConfigError", "CheckpointError", "ModelConfig", "build_model", "load_model", "random_model"]
+__all__ = ["ConfigError", "CheckpointError", "ModelConfig", "build_model", "default_model_path", "load_model", "random_model"]
