@@ -1,0 +1,214 @@
+"""The agent's text side: tokenizer, chat template, incremental detokenizer, stop strings and the max_tokens rule.
+
+Everything here is pure CPU work on the NIC side; the GPU only ever sees token ids. A model directory in the HF layout
+provides ``tokenizer.json`` (read with the ``tokenizers`` library), ``tokenizer_config.json`` (chat template, special
+tokens), and optionally ``generation_config.json`` (EOS ids) and ``config.json`` (context length).
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+_REPLACEMENT = "\ufffd"     # what a decoder emits for bytes that are not (yet) a whole UTF-8 character
+
+
+class Tokenizer:
+    """A model directory's tokenizer, its chat template, EOS ids and context length.
+
+    ``encode(text)`` adds the model's special tokens (e.g. BOS) as ``transformers`` does for a plain prompt;
+    ``encode_chat(messages)`` renders the chat template and encodes it without adding them again, as
+    ``transformers``' ``apply_chat_template(tokenize=True)`` does (templates write BOS themselves).
+    """
+
+    def __init__(self, model_dir, *, chat_template: str | None = None):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {model_dir}: pass a model directory in the HF layout")
+        self._tokenizer = tokenizers.Tokenizer.from_file(str(path))
+        config = _read_json(model_dir / "tokenizer_config.json")
+        self.special_tokens = {name: _token_content(config[name]) for name in _SPECIAL_TOKEN_NAMES
+                               if config.get(name) is not None}
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eos_token_ids = self._eos_ids(_read_json(model_dir / "generation_config.json"))
+        model_config = _read_json(model_dir / "config.json")
+        self.context_len: int | None = model_config.get("max_position_embeddings") or config.get("model_max_length")
+        template = chat_template or _default_template(config.get("chat_template"))
+        self._template = _compile_template(template) if template else None
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """The chat template applied to ``messages``. ``ValueError`` if there is no template or it rejects them."""
+        if self._template is None:
+            raise ValueError("this model has no chat template (tokenizer_config.json 'chat_template'): "
+                             "use /v1/completions or pass a template")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self.special_tokens)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template rejected the messages: {e}") from None
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+    def _eos_ids(self, generation_config: dict) -> tuple[int, ...]:
+        """EOS ids of generation_config.json (an int or a list) plus the tokenizer's eos_token."""
+        ids = generation_config.get("eos_token_id")
+        ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+        eos = self.special_tokens.get("eos_token")
+        if eos is not None and self._tokenizer.token_to_id(eos) is not None:
+            ids.add(self._tokenizer.token_to_id(eos))
+        return tuple(sorted(ids))
+
+
+class Detokenizer:
+    """Token ids in, text deltas out, never splitting a UTF-8 character across deltas.
+
+    Invariant: the deltas of ``push`` calls (one per token) followed by ``flush()`` concatenate to ``tokenizer.decode(all ids)``.
+    Each push decodes a short window ``ids[prefix:]`` and emits what it adds to ``decode(ids[prefix:read])``. A
+    window whose text ends in U+FFFD may end inside a character whose next bytes are in the next token, so its text
+    is held back. Every emitted delta therefore ends on a whole character, where byte-level decoding is
+    self-synchronising, and the windows' pieces join up to the whole decode. ``flush`` emits what is held (with
+    replacement characters if the bytes never completed).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0        # window start: the previous emission's start
+        self._read = 0          # ids[:read] are emitted
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix_text, text = self._window()
+        if len(text) <= len(prefix_text) or text.endswith(_REPLACEMENT):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return text[len(prefix_text):]
+
+    def flush(self) -> str:
+        prefix_text, text = self._window()
+        self._prefix = self._read = len(self.ids)
+        return text[len(prefix_text):]
+
+    def _window(self) -> tuple[str, str]:
+        decode = self.tokenizer.decode
+        skip = self.skip_special_tokens
+        return (decode(self.ids[self._prefix:self._read], skip_special_tokens=skip),
+                decode(self.ids[self._prefix:], skip_special_tokens=skip))
+
+
+class TextStream:
+    """One request's output text: token ids in, deltas out, cut before the first stop string.
+
+    Invariant: the concatenated deltas of ``push`` calls and ``finish()`` equal ``decode(ids)`` cut at the first
+    occurrence of any stop string (the stop string itself is not emitted), or the whole decode if none occurs. A tail
+    that could still grow into a stop string is held back until the next tokens decide it. Once ``stopped`` is True
+    the request is over: the caller cancels its ring slot and ignores any later tokens.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop=(), *, skip_special_tokens: bool = True):
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings (got {list(stop)!r})")
+        self.detokenizer = Detokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+        self.stop = tuple(stop)
+        self._longest = max((len(s) for s in self.stop), default=0)
+        self.text = ""          # decoded so far (cut at the stop string once found)
+        self.emitted = 0        # text[:emitted] has been returned
+        self.stopped = False
+        self.n_tokens = 0       # tokens consumed, up to and including the one that completed a stop string
+
+    def push(self, token_id: int) -> str:
+        if self.stopped:
+            return ""
+        self.n_tokens += 1
+        return self._advance(self.detokenizer.push(token_id), final=False)
+
+    def finish(self) -> str:
+        if self.stopped:
+            return ""
+        return self._advance(self.detokenizer.flush(), final=True)
+
+    def _advance(self, new_text: str, final: bool) -> str:
+        # A stop string not found before must end inside the new text.
+        search_from = max(0, len(self.text) - self._longest + 1)
+        self.text += new_text
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = final = True
+        end = len(self.text) if final else len(self.text) - self._stop_prefix_len()
+        # end >= emitted: a stop string cannot start inside emitted text, whose stop-prefix tail was held back.
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return delta
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest unemitted suffix of ``text`` that is a proper prefix of a stop string."""
+        for n in range(min(self._longest - 1, len(self.text) - self.emitted), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0
+
+
+def max_tokens_for(requested: int | None, prompt_len: int, context_len: int, output_capacity: int) -> int:
+    """The request's max_tokens: ``requested``, or all the room the context leaves when it is None.
+
+    The room is ``min(context_len - prompt_len, output_capacity)``; ``ValueError`` (saying what to change) if the
+    prompt leaves none or ``requested`` asks for more.
+    """
+    room = min(context_len - prompt_len, output_capacity)
+    if room < 1:
+        raise ValueError(f"the prompt has {prompt_len} tokens, which leaves no room to generate in this model's "
+                         f"context of {context_len} tokens: shorten the prompt")
+    if requested is None:
+        return room
+    if requested > room:
+        raise ValueError(f"max_tokens={requested} is too large: the prompt has {prompt_len} tokens, the context "
+                         f"holds {context_len} and a request may generate at most {output_capacity}, so at most "
+                         f"{room} tokens fit: lower max_tokens or shorten the prompt")
+    return requested
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """The template environment ``transformers`` renders chat templates in (sandboxed: templates are untrusted)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, separators=None, sort_keys=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _default_template(value) -> str | None:
+    """tokenizer_config.json holds one template, or a list of named ones of which "default" is used."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value}
+        return named.get("default")
+    return value
+
+
+def _token_content(value) -> str:
+    """A special token is written as its text or as a serialised AddedToken ``{"content": ...}``."""
+    return value["content"] if isinstance(value, dict) else value
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}

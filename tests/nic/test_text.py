@@ -1,0 +1,148 @@
+"""blink.nic.text against transformers' tokenizer of the same model directory (the embedded SmolLM2, byte-level BPE)."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blink.nic.text import Detokenizer, TextStream, Tokenizer, max_tokens_for
+
+# Multi-byte characters that byte-level BPE splits over several tokens: 2-, 3- and 4-byte UTF-8, a skin-tone modifier.
+TEXTS = ["Hello, world!", "héllo wörld ñ", "你好世界，今天天气很好。", "emoji 👋🏽🎉 mixed 中文 and ascii", "🦀" * 5,
+         "tabs\tand\nnewlines  spaces", "ひらがな カタカナ 한국어"]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from blink.models import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return Tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def stream_deltas(stream, ids) -> list[str]:
+    return [stream.push(i) for i in ids] + [stream.finish() if isinstance(stream, TextStream) else stream.flush()]
+
+
+def test_encode_matches_transformers(tok, hf):
+    for text in TEXTS:
+        assert tok.encode(text) == hf(text)["input_ids"], text
+
+
+def test_special_tokens_and_limits_come_from_the_model_dir(tok, hf):
+    assert tok.vocab_size == len(hf)
+    assert tok.eos_token_ids == (hf.eos_token_id,)
+    assert tok.context_len == 8192
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "你好"},
+     {"role": "assistant", "content": "👋"}, {"role": "user", "content": "again"}],
+])
+def test_chat_template_matches_transformers(tok, hf, messages):
+    assert tok.render_chat(messages) == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+    assert tok.encode_chat(messages) == expected["input_ids"]
+
+
+def test_chat_template_errors_are_value_errors(model_dir):
+    tok = Tokenizer(model_dir, chat_template="{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ValueError, match="roles must alternate"):
+        tok.render_chat([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_detokenizer_never_emits_a_split_character(tok, hf, text):
+    ids = tok.encode(text)
+    if any(ord(c) > 127 for c in text):
+        # The test is only meaningful if some character's bytes are split over tokens.
+        assert any("\ufffd" in hf.decode([i]) for i in ids)
+    deltas = stream_deltas(Detokenizer(tok), ids)
+    assert "".join(deltas) == hf.decode(ids) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+token_ids = st.lists(st.one_of(st.integers(0, 300), st.integers(0, 49151)), min_size=1, max_size=24)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ids=token_ids)
+def test_detokenizer_equals_transformers_decode_of_any_ids(tok, hf, ids):
+    """Random ids (biased to single bytes, so invalid and incomplete UTF-8 abounds) and special tokens."""
+    detok = Detokenizer(tok)
+    emitted = ""
+    for k, token in enumerate(ids, 1):
+        emitted += detok.push(token)
+        # Nothing emitted may change later: it is a prefix of the decode of every longer sequence.
+        assert hf.decode(ids[:k], skip_special_tokens=True).startswith(emitted)
+    assert emitted + detok.flush() == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_detokenizer_keeps_special_tokens_when_asked(tok, hf):
+    ids = tok.encode_chat([{"role": "user", "content": "hi 👋"}])
+    assert "".join(stream_deltas(Detokenizer(tok, skip_special_tokens=False), ids)) == hf.decode(ids)
+
+
+def expected_stop(tok, ids, stops) -> tuple[str, int | None]:
+    """Generation ends at the first token whose decoded text contains a stop string; the text is cut before it."""
+    for k in range(1, len(ids) + 1):
+        text = tok.decode(ids[:k])
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return text[:min(hits)], k
+    return tok.decode(ids), None
+
+
+@pytest.mark.parametrize("text, stops", [
+    ("The answer is 42. The end.", ["42. The"]),                 # spans tokens
+    ("你好世界，今天天气很好。", ["天天"]),                          # CJK, split bytes
+    ("emoji 👋🏽🎉 mixed", ["🏽🎉"]),                                 # 4-byte characters across tokens
+    ("abcabcabd", ["abd"]),                                       # overlapping partial matches
+    ("one two three", ["zzz", "two", "one two three"]),          # the first stop completed wins
+    ("one two", ["one two", "two"]),                              # of two completed at once, the earlier
+    ("ends with a partial st", ["stop"]),                         # a held tail is emitted at finish
+    ("no stop here", ["xyz"]),
+])
+def test_stop_strings_span_tokens_and_are_removed(tok, text, stops):
+    ids = tok.encode(text)
+    stream = TextStream(tok, stops)
+    deltas = stream_deltas(stream, ids)
+    want, stopped_at = expected_stop(tok, ids, stops)
+    assert "".join(deltas) == want
+    assert stream.stopped == (stopped_at is not None)
+    assert stream.n_tokens == (stopped_at or len(ids))
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_stop_strings_on_any_substring(tok, data):
+    text = data.draw(st.sampled_from(TEXTS))
+    start = data.draw(st.integers(0, len(text) - 1))
+    stop = text[start:data.draw(st.integers(start + 1, min(len(text), start + 6)))]
+    ids = tok.encode(text)
+    deltas = stream_deltas(TextStream(tok, [stop]), ids)
+    assert "".join(deltas) == expected_stop(tok, ids, [stop])[0] == text[:text.find(stop)]
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_empty_stop_string_is_rejected(tok):
+    with pytest.raises(ValueError, match="non-empty"):
+        TextStream(tok, [""])
+
+
+def test_max_tokens_defaults_to_the_room_left():
+    assert max_tokens_for(None, prompt_len=10, context_len=100, output_capacity=1000) == 90
+    assert max_tokens_for(None, prompt_len=10, context_len=100, output_capacity=50) == 50
+    assert max_tokens_for(7, prompt_len=10, context_len=100, output_capacity=50) == 7
+    with pytest.raises(ValueError, match="at most 50 tokens fit"):
+        max_tokens_for(51, prompt_len=10, context_len=100, output_capacity=50)
+    with pytest.raises(ValueError, match="shorten the prompt"):
+        max_tokens_for(None, prompt_len=100, context_len=100, output_capacity=50)
