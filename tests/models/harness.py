@@ -87,7 +87,7 @@ def check_mixed_batches(model, hf_model, atol=1e-4, seed=0):
             if not c.sample:
                 continue
             want = hf_logits(hf_model, seqs[i])[-1]
-            torch.testing.assert_close(logits[row], want, atol=atol, rtol=atol)
+            torch.testing.assert_close(logits[row].cpu(), want, atol=atol, rtol=atol)
             assert ids[row] == logits[row].argmax()
             torch.testing.assert_close(logprobs[row], torch.log_softmax(logits[row], 0)[ids[row]])
 

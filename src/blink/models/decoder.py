@@ -51,8 +51,6 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = ops.rms_norm(q, self.q_norm.weight, c.rms_norm_eps)[0]
             k = ops.rms_norm(k, self.k_norm.weight, c.rms_norm_eps)[0]
-        else:  # the rotation is in place: make q and k their own tensors, not views of the GEMM output
-            q, k = q.contiguous(), k.contiguous()
         ops.rope(q, k, positions, cos_sin)
         ops.kv_write(k, v, kv_layer, slot_mapping)
         o = ops.attention(q, kv_layer, plan, c.head_dim ** -0.5, c.sliding_window)
@@ -137,7 +135,7 @@ class DecoderLM(nn.Module):
         """
         c, ops, t = self.config, self.ops, num_tokens
         s = buf.layout.sample_rows(t)
-        plan = ops.attention_plan(buf, t, c.num_heads, c.num_kv_heads, c.head_dim, kv_cache.shape[3])
+        plan = ops.attention_plan(buf, t, c.num_heads, c.num_kv_heads, c.head_dim, kv_cache.shape[3], self.dtype)
         positions, slot_mapping = buf.positions[:t], buf.slot_mapping[:t]
         h, residual = F.embedding(buf.token_ids[:t].long(), self.model.embed_tokens.weight), None
         for i, layer in enumerate(self.model.layers):

@@ -65,8 +65,9 @@ class AttentionPlan:
     num_tokens: int
 
 
-def attention_plan(buf, num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                   page_size: int) -> AttentionPlan:
+def attention_plan(buf, num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                   dtype: torch.dtype | None = None) -> AttentionPlan:
+    """Same signature as the Triton plan; the reference takes heads and dtype from ``q`` instead."""
     n = int(buf.num_seqs[0])
     starts = buf.query_start_loc[:n + 1].tolist()
     lens = buf.seq_lens[:n].tolist()

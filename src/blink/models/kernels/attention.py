@@ -1,0 +1,176 @@
+"""Paged attention in Triton for any mix of prefill chunks and decodes; reference: ``reference.attention``.
+
+One launch serves the whole packed batch, so its grid depends only on the bucket: program ``(b, kv_head, split)``
+takes query block ``b`` (``BLOCK_Q`` query tokens of one sequence, times the ``GROUP`` query heads sharing
+``kv_head``: GQA loads each K/V tile once for the whole group), finds its sequence by binary search over
+``query_start_loc`` (sequence ``i`` owns blocks ``qsl[i] // BLOCK_Q + i ..``, so ``T // BLOCK_Q + S`` blocks always
+suffice and surplus programs exit at once), and attends causally over split ``split`` of the keys its block can see
+(cached prefix plus this step's tokens, read through the block table). With one split it writes the output; with
+several (decode-heavy buckets: long contexts and few sequences would leave most SMs idle) each split writes a
+partial output and its log-sum-exp, and ``_combine_kernel`` merges them. Rows past the batch's last token stay 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_seq(qsl_ptr, block, num_seqs, BLOCK_Q: tl.constexpr):
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attention_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
+                      num_seqs_ptr, q_st, q_sh, bt_stride, v_offset, scale, window, num_heads, num_kv_heads,
+                      head_dim, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                      NUM_SPLITS: tl.constexpr):
+    block, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq = _find_seq(qsl_ptr, block, tl.load(num_seqs_ptr), BLOCK_Q)
+    if seq < 0:
+        return
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    local = block - (q_start // BLOCK_Q + seq)
+    if local * BLOCK_Q >= q_len:
+        return
+    prefix = tl.load(seq_lens_ptr + seq) - q_len
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_P2)
+    q_local = local * BLOCK_Q + rows // GROUP_P2
+    head = kv_head * GROUP + rows % GROUP_P2
+    row_ok = (q_local < q_len) & (rows % GROUP_P2 < GROUP)
+    q_pos = prefix + q_local
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    token = q_start + q_local
+    q = tl.load(q_ptr + token[:, None] * q_st + head[:, None] * q_sh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # Keys this block can see: up to its last query's position, back to its first query's window.
+    hi = prefix + tl.minimum((local + 1) * BLOCK_Q, q_len)
+    lo = tl.where(window > 0, tl.maximum(0, prefix + local * BLOCK_Q - window + 1), 0)
+    chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_lo = lo + split * chunk
+    split_hi = tl.minimum(hi, split_lo + chunk)
+
+    m_i = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_P2, BLOCK_D], tl.float32)
+    for start in range(split_lo, split_hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < split_hi
+        page = tl.load(bt_ptr + seq * bt_stride + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        kv = ((page * PAGE_SIZE + n % PAGE_SIZE) * num_kv_heads + kv_head) * head_dim
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(cache_ptr + kv[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        visible &= (window == 0) | (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: exp(-inf) = 0, no NaN
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + v_offset + kv[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + (token[:, None] * num_heads + head[:, None]) * head_dim + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = (token * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_o_ptr + part[:, None] * head_dim + d[None, :], o, mask=mask)
+        tl.store(part_lse_ptr + part, tl.where(l_i == 0, float("-inf"), m_i + tl.log(l_safe)), mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, num_seqs_ptr, num_heads, head_dim,
+                    NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    token, head = tl.program_id(0), tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    part = (token * num_heads + head) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + part)
+    top = tl.max(lse, 0)
+    w = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))
+    o = tl.load(part_o_ptr + part[:, None] * head_dim + d[None, :], mask=d[None, :] < head_dim, other=0.0)
+    total = tl.sum(w, 0)
+    o = tl.sum(w[:, None] * o, 0) / tl.where(total == 0, 1.0, total)
+    if token >= tl.load(qsl_ptr + tl.load(num_seqs_ptr)):  # padding rows: no program wrote their partials
+        o = tl.zeros([BLOCK_D], tl.float32)
+    tl.store(out_ptr + (token * num_heads + head) * head_dim + d, o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Launch shape of one step's attention (fixed per bucket) and the buffers all layers share.
+
+    ``out`` is zeroed once per step; each layer overwrites the same live rows, so padding rows stay 0.
+    """
+
+    buf: object
+    num_tokens: int
+    block_q: int
+    num_splits: int
+    out: torch.Tensor
+    part_o: torch.Tensor | None
+    part_lse: torch.Tensor | None
+
+
+def attention_plan(buf, num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                   dtype: torch.dtype | None = None, num_splits: int | None = None) -> AttentionPlan:
+    """``num_splits`` defaults to enough splits for about two programs per SM when every sequence decodes."""
+    device = buf.token_ids.device
+    seqs = buf.layout.sample_rows(num_tokens)
+    group_p2 = triton.next_power_of_2(num_heads // num_kv_heads)
+    # Decode-sized buckets take small query blocks (a decode has one query token); prefill buckets larger ones.
+    block_q = max(1, (16 if num_tokens <= buf.layout.max_num_seqs else 64) // group_p2)
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        num_splits = min(32, triton.next_power_of_2(triton.cdiv(2 * sms, seqs * num_kv_heads)))
+    if num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two (got {num_splits})")
+    out = torch.zeros((num_tokens, num_heads, head_dim), dtype=dtype or torch.bfloat16, device=device)
+    part_o = part_lse = None
+    if num_splits > 1:
+        part_o = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+        part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=device)
+    return AttentionPlan(buf, num_tokens, block_q, num_splits, out, part_o, part_lse)
+
+
+def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: float,
+              sliding_window: int = 0) -> torch.Tensor:
+    """``q [T, H, D]`` (unit stride in D), ``kv_layer [2, pages, page_size, KH, D]`` contiguous → ``[T, H, D]``."""
+    buf, t = plan.buf, plan.num_tokens
+    heads, kv_heads, dim, page_size = q.shape[1], kv_layer.shape[3], q.shape[2], kv_layer.shape[2]
+    group = heads // kv_heads
+    seqs = buf.layout.sample_rows(t)
+    grid = (t // plan.block_q + seqs, kv_heads, plan.num_splits)
+    block_d = triton.next_power_of_2(dim)
+    _attention_kernel[grid](
+        q, kv_layer, plan.out, plan.part_o, plan.part_lse, buf.query_start_loc, buf.seq_lens, buf.block_tables,
+        buf.num_seqs, q.stride(0), q.stride(1), buf.block_tables.stride(0), kv_layer[0].numel(), scale,
+        sliding_window, heads, kv_heads, dim, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
+        BLOCK_Q=plan.block_q, BLOCK_N=64, BLOCK_D=block_d, PAGE_SIZE=page_size, NUM_SPLITS=plan.num_splits)
+    if plan.num_splits > 1:
+        _combine_kernel[(t, heads)](plan.out, plan.part_o, plan.part_lse, buf.query_start_loc, buf.num_seqs, heads,
+                                    dim, NUM_SPLITS=plan.num_splits, BLOCK_D=block_d)
+    return plan.out

@@ -1,0 +1,59 @@
+"""Paged attention over mixed batches: decodes with long prefixes, prefill chunks on cached prefixes, GQA groups
+that are not powers of two, sliding windows, several KV splits, and padding rows."""
+import random
+
+import pytest
+import torch
+
+from blink.device.step import StepBuffers, StepLayout
+from blink.models.batch import SeqChunk, fill_step
+from blink.models.kernels import reference
+from conftest import rel_err
+
+PAGE = 16
+
+
+def _batch(device, q_lens_and_prefixes, pages=64, seed=0):
+    rng = random.Random(seed)
+    free = list(range(pages))
+    rng.shuffle(free)
+    chunks = []
+    for q_len, prefix in q_lens_and_prefixes:
+        n_pages = -(-(q_len + prefix) // PAGE)
+        chunks.append(SeqChunk([1] * q_len, prefix, [free.pop() for _ in range(n_pages)]))
+    buf = StepBuffers(StepLayout(256, 8, 32), device)
+    return buf, fill_step(buf, chunks, PAGE)
+
+
+@pytest.mark.parametrize("heads, kv_heads, window, splits, seqs", [
+    (8, 2, 0, 1, [(1, 300), (1, 17), (1, 0), (1, 64)]),            # decodes
+    (8, 2, 0, 4, [(1, 300), (1, 17), (1, 0), (1, 64)]),            # decodes, split KV
+    (9, 3, 0, 1, [(37, 0), (1, 90), (20, 45), (5, 11)]),           # mixed, group of 3
+    (9, 3, 0, 2, [(37, 0), (1, 90), (20, 45), (5, 11)]),
+    (4, 4, 24, 8, [(40, 10), (1, 100), (3, 60)]),                   # sliding window, MHA
+    (16, 1, 0, 1, [(70, 33)]),                                      # MQA, one long chunk
+])
+def test_paged_attention_matches_reference(backend, heads, kv_heads, window, splits, seqs):
+    device, dtype, tol = backend
+    dim = 64
+    buf, n = _batch(device, seqs)
+    bucket = n + 5  # padding rows must come out 0
+    q = torch.randn(bucket, heads * 3, dim, device=device, dtype=dtype)[:, :heads]  # a strided view, as in a step
+    cache = torch.randn(2, 64, PAGE, kv_heads, dim, device=device, dtype=dtype)
+    from blink.models.kernels.attention import attention, attention_plan
+
+    plan = attention_plan(buf, bucket, heads, kv_heads, dim, PAGE, dtype, num_splits=splits)
+    out = attention(q, cache, plan, dim ** -0.5, window)
+    ref = reference.attention(q, cache, reference.attention_plan(buf, bucket, heads, kv_heads, dim, PAGE), dim ** -0.5,
+                              window)
+    assert rel_err(out, ref) < tol
+    assert torch.all(out[n:] == 0)
+
+
+def test_default_plan_splits_decode_buckets_only(backend):
+    device, dtype, _ = backend
+    buf, _ = _batch(device, [(1, 10)])
+    from blink.models.kernels.attention import attention_plan
+
+    assert attention_plan(buf, 1, 32, 1, 128, PAGE, dtype).num_splits > 1
+    assert attention_plan(buf, 256, 32, 8, 128, PAGE, dtype).num_splits == 1

@@ -1,0 +1,30 @@
+"""The Triton ops as a whole: the same names as the references, and a full model step built on them that matches
+transformers (interpreted on the CPU, compiled on the GPU)."""
+import inspect
+
+import pytest
+import torch
+
+from blink.models import load_model
+from blink.models.kernels import OPS, reference
+from harness import check_mixed_batches
+
+
+def test_same_functions_and_signatures_as_the_references():
+    from blink.models.kernels import triton_ops
+
+    for name in OPS:
+        ours, ref = inspect.signature(getattr(triton_ops, name)), inspect.signature(getattr(reference, name))
+        assert list(ours.parameters)[:len(ref.parameters)] == list(ref.parameters), name
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"])
+def test_model_step_on_triton_ops_matches_transformers(backend, hf_checkpoint, arch):
+    device, dtype, _ = backend
+    from blink.models.kernels import triton_ops
+
+    extra = {"sliding_window": 7} if arch == "Phi3ForCausalLM" else {}
+    hf_model, path = hf_checkpoint(arch, **extra)
+    model = load_model(path, device=device, dtype=dtype)
+    model.ops = triton_ops
+    check_mixed_batches(model, hf_model, atol=1e-4 if dtype == torch.float32 else 0.15)
