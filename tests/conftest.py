@@ -1,8 +1,14 @@
-"""Shared pytest setup: ``@pytest.mark.gpu`` tests run only where a CUDA device is visible."""
+"""Shared pytest setup: ``@pytest.mark.gpu`` tests run only where a CUDA device is visible.
+
+Device policy code runs under numba's CUDA simulator unless the GPU suite asks for the real device with
+``NUMBA_ENABLE_CUDASIM=0`` (the simulator must be chosen before numba is first imported, so it is chosen here).
+"""
 import os
 import shutil
 
-import pytest
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import pytest  # noqa: E402
 
 
 def _has_cuda_gpu() -> bool:

@@ -53,3 +53,63 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(stops))
         _check(isinstance(self.ignore_eos, bool), owner, "ignore_eos", "a bool", self.ignore_eos)
         _check(isinstance(self.logprobs, bool), owner, "logprobs", "a bool", self.logprobs)
+
+
+LAUNCH_MODES = ("fire_and_forget", "tail")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits and knobs of the GPU-resident scheduler (names follow vLLM where they mean the same).
+
+    ``buckets`` are the token counts for which a step graph is captured; a step of ``n`` tokens runs the smallest
+    bucket ``>= n``, so the largest bucket caps ``max_num_batched_tokens``. ``num_pages`` KV pages of ``page_size``
+    tokens are shared by all sequences; one sequence may use at most ``max_model_len`` positions. ``block_threads`` is
+    the scheduler kernel's block size (the simulator runs far fewer threads; results do not depend on it).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    num_pages: int = 4096
+    max_model_len: int = 4096
+    buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+    eos_token_ids: tuple[int, ...] = ()
+    watermark_pages: int = 0
+    block_threads: int = 256
+    idle_sleep_ns: int = 20_000
+    launch_mode: str = "fire_and_forget"
+
+    MAX_SEQS = 512          # the scheduler's shared-memory arrays are sized for this many running sequences
+    MAX_EOS = 8
+
+    def __post_init__(self):
+        owner = "SchedulerConfig"
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages", "max_model_len",
+                     "block_threads"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, owner, name, "a positive int", value)
+        _check(self.max_num_seqs <= self.MAX_SEQS, owner, "max_num_seqs", f"<= {self.MAX_SEQS}", self.max_num_seqs)
+        _check(self.block_threads <= 1024, owner, "block_threads", "<= 1024", self.block_threads)
+        b = self.buckets
+        _check(isinstance(b, tuple) and len(b) > 0 and all(_is_int(x) and x >= 1 for x in b)
+               and list(b) == sorted(set(b)), owner, "buckets", "a non-empty strictly increasing tuple of ints >= 1", b)
+        _check(self.max_num_batched_tokens <= b[-1], owner, "max_num_batched_tokens",
+               f"<= the largest bucket {b[-1]}", self.max_num_batched_tokens)
+        _check(self.max_num_batched_tokens >= self.max_num_seqs, owner, "max_num_batched_tokens",
+               f">= max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step",
+               self.max_num_batched_tokens)
+        eos = self.eos_token_ids
+        _check(isinstance(eos, tuple) and len(eos) <= self.MAX_EOS and all(_is_int(t) and t >= 0 for t in eos),
+               owner, "eos_token_ids", f"a tuple of at most {self.MAX_EOS} token ids", eos)
+        _check(_is_int(self.watermark_pages) and 0 <= self.watermark_pages < self.num_pages, owner,
+               "watermark_pages", "an int in [0, num_pages)", self.watermark_pages)
+        _check(self.max_pages_per_seq <= self.num_pages - self.watermark_pages, owner, "num_pages",
+               f">= watermark_pages + {self.max_pages_per_seq} (one max_model_len sequence must fit)", self.num_pages)
+        _check(_is_int(self.idle_sleep_ns) and 0 <= self.idle_sleep_ns <= 1_000_000, owner, "idle_sleep_ns",
+               "an int in [0, 1e6]", self.idle_sleep_ns)
+        _check(self.launch_mode in LAUNCH_MODES, owner, "launch_mode", f"one of {LAUNCH_MODES}", self.launch_mode)
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)

@@ -36,3 +36,18 @@ def standin_continuation(prompt: list[int], seed: int, n: int, vocab_size: int =
     for _ in range(n):
         tokens.append(standin_token(tokens[-1], len(tokens), seed, vocab_size))
     return tokens[len(prompt):]
+
+
+def standin_step(step, bucket_tokens: int) -> None:
+    """The stand-in model step on the CPU, over numpy views of the step buffers (``step.py``'s contract).
+
+    Every row that samples gets the stand-in token after its last query token, whatever else is in the batch.
+    """
+    rows = min(bucket_tokens, step.logits_indices.shape[0])
+    for r in range(rows):
+        t = int(step.logits_indices[r])
+        if t < 0:
+            continue
+        prev, position, seed = int(step.token_ids[t]), int(step.positions[t]) + 1, int(step.seed[r]) & MASK64
+        step.sampled_ids[r] = standin_token(prev, position, seed)
+        step.sampled_logprobs[r] = standin_logprob(prev, position, seed)

@@ -83,3 +83,7 @@ class StepBuffers:
         self.slot_mapping.fill_(-1)
         self.logits_indices.fill_(-1)
         self.top_p.fill_(1.0)
+
+    def tensors(self) -> dict:
+        """Name -> tensor, in ``StepLayout.fields`` order."""
+        return {name: getattr(self, name) for name in self.layout.fields()}

@@ -1,0 +1,306 @@
+"""Admission and step planning (device functions, whole block).
+
+``admit``: the READY candidates found by the scan are sorted by ``(policy key, slot)``; invalid requests (a header
+that breaks the geometry, or ``prompt_len + max_tokens > max_model_len``) finish with "error"; the valid ones are
+admitted in order while running sequences stay under ``max_num_seqs`` and their whole prompt fits in the free pages
+above the watermark. The first one that does not fit blocks the rest (no overtaking), as in vLLM's FCFS.
+
+``plan``: every running sequence wants ``total - computed`` tokens (1 for a decode). Decodes come first and always
+get their page: while they do not fit, the most recently admitted sequence that holds pages is preempted by
+recompute (pages freed, ``computed = 0``; it re-prefills prompt + generated tokens later). Prefill chunks then take
+the rest of the token budget in running order (chunked prefill), each cut to the pages still free. Rows of the step
+are the sequences with a chunk, in running order; the step's inputs are written per ``step.py``'s contract and the
+smallest captured bucket that holds the tokens is chosen.
+"""
+from __future__ import annotations
+
+from numba import int64
+
+from blink.device.block import exclusive_scan, locate, sort_pairs
+from blink.device.kv import allocate_pages, free_sequences
+from blink.device.numba_compat import cuda
+from blink.device.ring import FINISH_ERROR, RUNNING
+from blink.device.state import (BUCKET, CFG_MAX_MODEL_LEN, CFG_MAX_NUM_SEQS, CFG_MAX_STOP, CFG_N_BUCKETS,
+                                CFG_PAGE_SIZE, CFG_TOKEN_BUDGET, CFG_WATERMARK, FREE_TOP, H32_FLAGS, H32_MAX_TOKENS,
+                                H32_N_STOP, H32_PROMPT_LEN, H32_STOP_IDS, H32_TOP_K, H64_SEED, HF_TEMPERATURE,
+                                HF_TOP_P, IDLE, K_ADMITTED, K_FINISHED, K_PREEMPTED, K_REJECTED, K_VICTIM, N_ROWS,
+                                N_RUNNING, finish_slot)
+
+
+@cuda.jit(device=True)
+def pages_for(tokens, page_size):
+    return (tokens + page_size - 1) // page_size
+
+
+@cuda.jit(device=True)
+def next_power_of_two(n):
+    size = 1
+    while size < n:
+        size *= 2
+    return size
+
+
+@cuda.jit(device=True)
+def servable(s, slot):
+    """Whether the header of ``slot`` describes a request this scheduler can ever run."""
+    prompt_len = s.hdr_i32[slot, H32_PROMPT_LEN]
+    max_tokens = s.hdr_i32[slot, H32_MAX_TOKENS]
+    n_stop = s.hdr_i32[slot, H32_N_STOP]
+    return (1 <= prompt_len <= s.prompts.shape[1] and 1 <= max_tokens <= s.outputs.shape[1]
+            and 0 <= n_stop <= s.cfg[CFG_MAX_STOP] and prompt_len + max_tokens <= s.cfg[CFG_MAX_MODEL_LEN])
+
+
+@cuda.jit(device=True)
+def start_sequence(s, slot, index):
+    """Copy the request's header into device memory, publish RUNNING, and append it to the running list."""
+    s.seq_prompt_len[slot] = s.hdr_i32[slot, H32_PROMPT_LEN]
+    s.seq_total[slot] = s.hdr_i32[slot, H32_PROMPT_LEN]
+    s.seq_max_tokens[slot] = s.hdr_i32[slot, H32_MAX_TOKENS]
+    s.seq_flags[slot] = s.hdr_i32[slot, H32_FLAGS]
+    s.seq_top_k[slot] = s.hdr_i32[slot, H32_TOP_K]
+    s.seq_n_stop[slot] = s.hdr_i32[slot, H32_N_STOP]
+    for k in range(s.hdr_i32[slot, H32_N_STOP]):
+        s.seq_stop[slot, k] = s.hdr_i32[slot, H32_STOP_IDS + k]
+    s.seq_temperature[slot] = s.hdr_f32[slot, HF_TEMPERATURE]
+    s.seq_top_p[slot] = s.hdr_f32[slot, HF_TOP_P]
+    s.seq_seed[slot] = int64(s.hdr_u64[slot, H64_SEED])
+    s.seq_computed[slot] = 0
+    s.seq_npages[slot] = 0
+    s.seq_version[slot] += 1
+    s.ngen[slot] = 0
+    s.finish[slot] = 0
+    cuda.threadfence_system()
+    s.state[slot] = RUNNING
+    s.running[index] = slot
+
+
+@cuda.jit(device=True)
+def admit(s, sh, n_candidates):
+    """Admit candidates ``(sh.keys, sh.slots)[0:n_candidates]`` in policy order; reject unservable ones."""
+    if n_candidates == 0:
+        return
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    page = s.cfg[CFG_PAGE_SIZE]
+    sort_pairs(sh.keys, sh.slots, n_candidates, next_power_of_two(n_candidates))
+    # c: servable flag; d: pages its prompt needs; a -> rank among servable; b -> pages needed before it.
+    for j in range(tid, n_candidates, nt):
+        ok = servable(s, sh.slots[j])
+        sh.c[j] = 1 if ok else 0
+        sh.d[j] = pages_for(s.hdr_i32[sh.slots[j], H32_PROMPT_LEN], page) if ok else 0
+        sh.a[j] = sh.c[j]
+        sh.b[j] = sh.d[j]
+    cuda.syncthreads()
+    exclusive_scan(sh.a, n_candidates, sh.partial)
+    exclusive_scan(sh.b, n_candidates, sh.partial)
+    running = s.sched[N_RUNNING]
+    capacity = s.cfg[CFG_MAX_NUM_SEQS] - running
+    free = s.sched[FREE_TOP] - s.cfg[CFG_WATERMARK]
+    for j in range(tid, n_candidates, nt):
+        slot = sh.slots[j]
+        if sh.c[j] == 0:
+            s.ngen[slot] = 0
+            finish_slot(s, slot, FINISH_ERROR)
+            cuda.atomic.add(sh.counters, K_REJECTED, 1)
+            cuda.atomic.add(sh.counters, K_FINISHED, 1)
+        elif sh.a[j] < capacity and sh.b[j] + sh.d[j] <= free:
+            start_sequence(s, slot, running + sh.a[j])
+            cuda.atomic.add(sh.counters, K_ADMITTED, 1)
+    cuda.syncthreads()
+    if tid == 0:
+        s.sched[N_RUNNING] = running + sh.counters[K_ADMITTED]
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def preempt_newest(s, sh):
+    """Free the pages of the most recently admitted sequence that holds any; it will re-prefill. False if none."""
+    tid = cuda.threadIdx.x
+    if tid == 0:
+        sh.counters[K_VICTIM] = -1
+        for i in range(s.sched[N_RUNNING] - 1, -1, -1):
+            if s.seq_npages[s.running[i]] > 0:
+                sh.counters[K_VICTIM] = s.running[i]
+                sh.slots[0] = s.running[i]
+                break
+    cuda.syncthreads()
+    victim = sh.counters[K_VICTIM]
+    if victim < 0:
+        return False
+    free_sequences(s, sh.slots, 1, sh.d, sh.partial)
+    if tid == 0:
+        s.seq_computed[victim] = 0
+        s.seq_version[victim] += 1
+        sh.counters[K_PREEMPTED] += 1
+    cuda.syncthreads()
+    return True
+
+
+@cuda.jit(device=True)
+def plan_chunks(s, sh, n):
+    """Decide each running sequence's chunk ``sh.d[i]`` (0: not in this step). Preempts to fit the decodes."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    page = s.cfg[CFG_PAGE_SIZE]
+    budget = s.cfg[CFG_TOKEN_BUDGET]
+    # a: decode flag -> decode rank; b: pages a decode needs -> pages needed by earlier decodes.
+    while True:
+        for i in range(tid, n, nt):
+            slot = s.running[i]
+            decode = s.seq_total[slot] - s.seq_computed[slot] == 1
+            sh.a[i] = 1 if decode else 0
+            sh.b[i] = pages_for(s.seq_computed[slot] + 1, page) - s.seq_npages[slot] if decode else 0
+        cuda.syncthreads()
+        decode_pages = exclusive_scan(sh.b, n, sh.partial)
+        if decode_pages <= s.sched[FREE_TOP] or not preempt_newest(s, sh):
+            break
+    n_decode = exclusive_scan(sh.a, n, sh.partial)
+    tokens_left = budget - min(n_decode, budget)
+    pages_left = s.sched[FREE_TOP] - decode_pages
+    # c: prefill tokens wanted -> wanted by earlier prefills; d: chunk; b: prefill pages -> needed earlier.
+    for i in range(tid, n, nt):
+        slot = s.running[i]
+        remaining = s.seq_total[slot] - s.seq_computed[slot]
+        sh.c[i] = 0 if remaining == 1 else remaining
+    cuda.syncthreads()
+    exclusive_scan(sh.c, n, sh.partial)
+    for i in range(tid, n, nt):
+        slot = s.running[i]
+        computed = s.seq_computed[slot]
+        remaining = s.seq_total[slot] - computed
+        if remaining == 1:
+            chunk = 1 if sh.a[i] < budget else 0
+            sh.b[i] = 0
+        else:
+            chunk = min(max(tokens_left - sh.c[i], 0), remaining)
+            sh.b[i] = pages_for(computed + chunk, page) - s.seq_npages[slot]
+        sh.d[i] = chunk
+    cuda.syncthreads()
+    exclusive_scan(sh.b, n, sh.partial)
+    for i in range(tid, n, nt):
+        slot = s.running[i]
+        computed = s.seq_computed[slot]
+        if s.seq_total[slot] - computed != 1 and sh.d[i] > 0:
+            mine = max(pages_left - sh.b[i], 0)
+            fits = (s.seq_npages[slot] + mine) * page - computed
+            sh.d[i] = max(0, min(sh.d[i], fits))
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def token_at(s, slot, position):
+    """Token ``position`` of the request in ``slot``: prompt, the last sampled token, or an earlier output."""
+    prompt_len = s.seq_prompt_len[slot]
+    if position < prompt_len:
+        return s.prompts[slot, position]
+    generated = position - prompt_len
+    if generated == s.seq_total[slot] - prompt_len - 1:
+        return s.seq_last[slot]
+    return s.outputs[slot, generated]
+
+
+@cuda.jit(device=True)
+def write_rows(s, sh, n):
+    """Per-row step inputs for sequences with a chunk; ``sh.a`` = row index, ``sh.c`` = first token row."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for i in range(tid, n, nt):
+        chunk = sh.d[i]
+        if chunk == 0:
+            continue
+        slot = s.running[i]
+        r = sh.a[i]
+        start = sh.c[i]
+        length = s.seq_computed[slot] + chunk
+        s.query_start_loc[r] = start
+        s.seq_lens[r] = length
+        s.logits_indices[r] = start + chunk - 1 if length == s.seq_total[slot] else -1
+        s.temperature[r] = s.seq_temperature[slot]
+        s.top_p[r] = s.seq_top_p[slot]
+        s.top_k[r] = s.seq_top_k[slot]
+        s.seed[r] = s.seq_seed[slot]
+        same = s.row_slot[r] == slot and s.row_version[r] == s.seq_version[slot]
+        copied = s.row_pages[r] if same else 0
+        sh.keys[r] = copied                       # first block-table entry this row still lacks
+        sh.b[r] = s.seq_npages[slot] - copied     # entries to copy
+        s.row_slot[r] = slot
+        s.row_version[r] = s.seq_version[slot]
+        s.row_pages[r] = s.seq_npages[slot]
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def write_tables_and_tokens(s, sh, n_rows, n_tokens):
+    """Block-table deltas of each row, then token ids, positions and KV slots of every token row."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    page = s.cfg[CFG_PAGE_SIZE]
+    total = exclusive_scan(sh.b, n_rows, sh.partial)
+    for index in range(tid, total, nt):
+        r = locate(sh.b, n_rows, index)
+        j = sh.keys[r] + index - sh.b[r]
+        s.block_tables[r, j] = s.seq_pages[s.row_slot[r], j]
+    for t in range(tid, n_tokens, nt):
+        r = locate(s.query_start_loc, n_rows, t)
+        slot = s.row_slot[r]
+        q = s.query_start_loc[r + 1] - s.query_start_loc[r]
+        position = s.seq_lens[r] - q + t - s.query_start_loc[r]
+        s.token_ids[t] = token_at(s, slot, position)
+        s.positions[t] = position
+        s.slot_mapping[t] = int64(s.seq_pages[slot, position // page]) * page + position % page
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def pad(s, n_rows, n_tokens, bucket_tokens):
+    """Rows and token rows between what was planned and the bucket's size read as empty / padding."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for t in range(n_tokens + tid, bucket_tokens, nt):
+        s.token_ids[t] = 0
+        s.positions[t] = 0
+        s.slot_mapping[t] = -1
+    for r in range(n_rows + tid, min(bucket_tokens, s.logits_indices.shape[0]), nt):
+        s.query_start_loc[r + 1] = n_tokens
+        s.seq_lens[r] = 0
+        s.logits_indices[r] = -1
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def plan(s, sh):
+    """Plan the next step and write its inputs; return the bucket index to launch, or IDLE."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    n = s.sched[N_RUNNING]
+    plan_chunks(s, sh, n)
+    page = s.cfg[CFG_PAGE_SIZE]
+    for i in range(tid, n, nt):
+        slot = s.running[i]
+        sh.slots[i] = slot
+        sh.b[i] = max(0, pages_for(s.seq_computed[slot] + sh.d[i], page) - s.seq_npages[slot])
+    cuda.syncthreads()
+    allocate_pages(s, sh.slots, sh.b, n, sh.partial)
+    for i in range(tid, n, nt):
+        sh.a[i] = 1 if sh.d[i] > 0 else 0
+        sh.c[i] = sh.d[i]
+    cuda.syncthreads()
+    n_rows = exclusive_scan(sh.a, n, sh.partial)
+    n_tokens = exclusive_scan(sh.c, n, sh.partial)
+    bucket = IDLE
+    if n_tokens > 0:
+        bucket = 0
+        while s.buckets[bucket] < n_tokens and bucket + 1 < s.cfg[CFG_N_BUCKETS]:
+            bucket += 1
+        write_rows(s, sh, n)
+        if tid == 0:
+            s.query_start_loc[n_rows] = n_tokens
+            s.num_seqs[0] = n_rows
+        cuda.syncthreads()
+        write_tables_and_tokens(s, sh, n_rows, n_tokens)
+        pad(s, n_rows, n_tokens, s.buckets[bucket])
+    if tid == 0:
+        s.sched[N_ROWS] = n_rows
+        s.sched[BUCKET] = bucket
+    cuda.syncthreads()
+    return bucket

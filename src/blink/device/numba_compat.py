@@ -1,0 +1,28 @@
+"""numba-cuda, imported the way blink's device code needs it, on a GPU machine, a GPU-less one, or the simulator.
+
+Import ``cuda`` from here, never ``numba.cuda`` directly:
+
+- numba-cuda 0.30.4 still calls ``np.row_stack``, which numpy 2.5 removed (the H200 image has numpy 2.5.2);
+- the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, set before numba is first imported) lacks ``ldcv``, so
+  ``load_volatile`` falls back to a plain load there (the simulator has no caches to bypass).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+
+from numba import config as _config  # noqa: E402
+from numba import cuda  # noqa: E402
+
+SIMULATOR = bool(_config.ENABLE_CUDASIM)
+
+if SIMULATOR:
+    def load_volatile(array, index):
+        """A load that sees another agent's latest store (the ring is written by the NIC side)."""
+        return array[index]
+else:
+    load_volatile = cuda.ldcv  # ld.global.cv: bypass L1/L2 caching of host-mapped ring words
+
+__all__ = ["cuda", "load_volatile", "SIMULATOR"]

@@ -1,0 +1,237 @@
+"""The GPU-resident scheduler: one iteration of the persistent loop, written as block-wide device functions.
+
+One iteration (``iterate``), run by one thread block:
+
+1. **consume** the previous step's sampled tokens: token (and logprob) into the ring's output area, fence, then
+   ``n_generated``; stop checks (EOS unless ignore_eos, stop ids -> "stop"; ``max_tokens`` -> "length");
+2. **retire** finished and cancelled sequences: pages back to the free stack, ``finish_reason``, fence, FINISHED;
+3. **scan** every slot's state word for READY (cancelled READY slots finish with "abort" right there) and key the
+   candidates with the admission policy;
+4. **admit** (``batcher.admit``), 5. **plan** the next step and write its inputs (``batcher.plan``);
+6. report heartbeat, counters and gauges in the ring's control block and return the bucket to launch (or ``IDLE``,
+   or ``STOP`` once shutdown was requested and everything in flight was aborted).
+
+All state lives in global memory (``SchedulerArrays``); the iteration keeps nothing between launches, so the same
+code runs as a relaunched kernel on the GPU and as a simulator kernel on the CPU. The ring is the only memory the
+agent writes: words it may change are read with ``load_volatile``; counters are kept in device memory and only
+stored to the ring, so no iteration waits on a read across PCIe for them.
+"""
+from __future__ import annotations
+
+from numba import int32, int64
+
+from blink.device import batcher
+from blink.device.block import MAX_THREADS, exclusive_scan
+from blink.device.kv import free_sequences
+from blink.device.numba_compat import cuda, load_volatile
+from blink.device.ring import (ENGINE_SERVING, ENGINE_STOPPED, FINISH_ABORT, FINISH_LENGTH, FINISH_NONE, FINISH_STOP,
+                               FLAG_IGNORE_EOS, FLAG_LOGPROBS, READY)
+from blink.device.state import (C32_ENGINE_STATE, C32_KV_FREE, C32_RUNNING, C32_SHUTDOWN, C32_WAITING,
+                                C64_ADMITTED, C64_CANCELLED, C64_FINISHED, C64_HEARTBEAT, C64_PREEMPTED, C64_STEPS,
+                                C64_TOKENS, CFG_LOGPROBS, CFG_N_EOS, COUNTERS, FREE_TOP, H32_MAX_TOKENS,
+                                H32_PRIORITY, H32_PROMPT_LEN, H64_ARRIVAL, H64_REQUEST_ID, K_ADMITTED, K_CANCELLED,
+                                K_CANDIDATES, K_FINISHED, K_PREEMPTED, K_REJECTED, K_SHUTDOWN, K_TOKENS, MAX_CANDIDATES,
+                                N_COUNTERS, N_ROWS,
+                                N_RUNNING, N_WAITING, STOP, Scratch, finish_slot)
+
+@cuda.jit(device=True)
+def stop_reason(s, slot, token):
+    """Why the request in ``slot`` ends after emitting ``token`` (its ``n``-th token, already counted)."""
+    if (s.seq_flags[slot] & FLAG_IGNORE_EOS) == 0:
+        for k in range(s.cfg[CFG_N_EOS]):
+            if token == s.eos_ids[k]:
+                return FINISH_STOP
+    for k in range(s.seq_n_stop[slot]):
+        if token == s.seq_stop[slot, k]:
+            return FINISH_STOP
+    if s.seq_total[slot] - s.seq_prompt_len[slot] >= s.seq_max_tokens[slot]:
+        return FINISH_LENGTH
+    return FINISH_NONE
+
+
+@cuda.jit(device=True)
+def consume(s, sh):
+    """Bring the previous step's results into the ring and decide which sequences stop."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for r in range(tid, s.sched[N_ROWS], nt):
+        slot = s.row_slot[r]
+        s.seq_computed[slot] += s.query_start_loc[r + 1] - s.query_start_loc[r]
+        if s.logits_indices[r] >= 0:
+            token = s.sampled_ids[r]
+            n = s.seq_total[slot] - s.seq_prompt_len[slot]
+            s.outputs[slot, n] = token
+            if s.cfg[CFG_LOGPROBS] != 0 and (s.seq_flags[slot] & FLAG_LOGPROBS) != 0:
+                s.logprobs[slot, n] = s.sampled_logprobs[r]
+            cuda.threadfence_system()
+            s.ngen[slot] = n + 1
+            s.seq_total[slot] += 1
+            s.seq_last[slot] = token
+            s.seq_finish[slot] = stop_reason(s, slot, token)
+            cuda.atomic.add(sh.counters, K_TOKENS, 1)
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def retire(s, sh):
+    """Finish sequences that stopped or were cancelled; free their pages; compact the running list in order."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    n = s.sched[N_RUNNING]
+    # a[i]: finishing flag -> position among finishing; b[i]: kept flag -> new index.
+    for i in range(tid, n, nt):
+        slot = s.running[i]
+        reason = s.seq_finish[slot]
+        if reason == FINISH_NONE:
+            c = load_volatile(s.cancel, slot)
+            if c != 0 and c == load_volatile(s.epoch, slot):
+                reason = FINISH_ABORT
+                s.seq_finish[slot] = reason
+        sh.a[i] = 1 if reason != FINISH_NONE else 0
+        sh.b[i] = 1 - sh.a[i]
+    cuda.syncthreads()
+    n_finishing = exclusive_scan(sh.a, n, sh.partial)
+    if n_finishing == 0:
+        return
+    n_kept = exclusive_scan(sh.b, n, sh.partial)
+    for i in range(tid, n, nt):
+        slot = s.running[i]
+        if s.seq_finish[slot] != FINISH_NONE:
+            sh.slots[sh.a[i]] = slot
+        else:
+            sh.c[sh.b[i]] = slot
+    cuda.syncthreads()
+    free_sequences(s, sh.slots, n_finishing, sh.d, sh.partial)
+    for i in range(tid, n_finishing, nt):
+        slot = sh.slots[i]
+        reason = s.seq_finish[slot]
+        s.seq_finish[slot] = FINISH_NONE
+        finish_slot(s, slot, reason)
+        cuda.atomic.add(sh.counters, K_FINISHED, 1)
+        if reason == FINISH_ABORT:
+            cuda.atomic.add(sh.counters, K_CANCELLED, 1)
+    for i in range(tid, n_kept, nt):
+        s.running[i] = sh.c[i]
+    if tid == 0:
+        s.sched[N_RUNNING] = n_kept
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def scan_ready(s, sh, policy):
+    """Collect READY slots as admission candidates ``(policy key, slot)``; finish cancelled ones with "abort".
+
+    Keeps the first MAX_CANDIDATES found; the policy orders those. Returns how many were kept.
+    """
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for slot in range(tid, s.state.shape[0], nt):
+        if load_volatile(s.state, slot) != READY:
+            continue
+        c = load_volatile(s.cancel, slot)
+        if c != 0 and c == load_volatile(s.epoch, slot):
+            s.ngen[slot] = 0
+            finish_slot(s, slot, FINISH_ABORT)
+            cuda.atomic.add(sh.counters, K_FINISHED, 1)
+            cuda.atomic.add(sh.counters, K_CANCELLED, 1)
+            continue
+        k = cuda.atomic.add(sh.counters, K_CANDIDATES, 1)
+        if k < MAX_CANDIDATES:
+            sh.slots[k] = slot
+            sh.keys[k] = policy(int64(s.hdr_u64[slot, H64_ARRIVAL]), s.hdr_i32[slot, H32_PROMPT_LEN],
+                                s.hdr_i32[slot, H32_MAX_TOKENS], s.hdr_i32[slot, H32_PRIORITY],
+                                int64(s.hdr_u64[slot, H64_REQUEST_ID]))
+    cuda.syncthreads()
+    return min(sh.counters[K_CANDIDATES], MAX_CANDIDATES)
+
+
+@cuda.jit(device=True)
+def abort_everything(s, sh):
+    """Shutdown: finish every READY and RUNNING request with "abort" and free all pages."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    n = s.sched[N_RUNNING]
+    for i in range(tid, n, nt):
+        sh.slots[i] = s.running[i]
+    cuda.syncthreads()
+    free_sequences(s, sh.slots, n, sh.d, sh.partial)
+    for i in range(tid, n, nt):
+        s.seq_finish[sh.slots[i]] = FINISH_NONE
+        finish_slot(s, sh.slots[i], FINISH_ABORT)
+        cuda.atomic.add(sh.counters, K_FINISHED, 1)
+        cuda.atomic.add(sh.counters, K_CANCELLED, 1)
+    for slot in range(tid, s.state.shape[0], nt):
+        if load_volatile(s.state, slot) == READY:
+            s.ngen[slot] = 0
+            finish_slot(s, slot, FINISH_ABORT)
+            cuda.atomic.add(sh.counters, K_FINISHED, 1)
+            cuda.atomic.add(sh.counters, K_CANCELLED, 1)
+    cuda.syncthreads()
+    if tid == 0:
+        s.sched[N_RUNNING] = 0
+        s.sched[N_ROWS] = 0
+
+
+@cuda.jit(device=True)
+def publish_stats(s, sh, launched):
+    """Thread 0: fold this iteration's counts into the device counters and store them into the control block."""
+    s.stats[C64_STEPS] += 1 if launched else 0
+    s.stats[C64_TOKENS] += sh.counters[K_TOKENS]
+    s.stats[C64_FINISHED] += sh.counters[K_FINISHED]
+    s.stats[C64_CANCELLED] += sh.counters[K_CANCELLED]
+    s.stats[C64_ADMITTED] += sh.counters[K_ADMITTED]
+    s.stats[C64_PREEMPTED] += sh.counters[K_PREEMPTED]
+    for k in COUNTERS:
+        s.ctl64[k] = s.stats[k]
+    s.ctl32[C32_KV_FREE] = s.sched[FREE_TOP]
+    s.ctl32[C32_RUNNING] = s.sched[N_RUNNING]
+    s.ctl32[C32_WAITING] = s.sched[N_WAITING]
+
+
+def make_iterate(policy):
+    """Build the iteration device function with ``policy`` (see ``blink.device.policy``) ordering admission."""
+
+    @cuda.jit(device=True)
+    def iterate(s):
+        tid = cuda.threadIdx.x
+        # One shared array per line: the CUDA simulator tells shared arrays apart by source line.
+        slots = cuda.shared.array(MAX_CANDIDATES, int32)
+        keys = cuda.shared.array(MAX_CANDIDATES, int64)
+        a = cuda.shared.array(MAX_CANDIDATES, int32)
+        b = cuda.shared.array(MAX_CANDIDATES, int32)
+        c = cuda.shared.array(MAX_CANDIDATES, int32)
+        d = cuda.shared.array(MAX_CANDIDATES, int32)
+        partial = cuda.shared.array(MAX_THREADS, int32)
+        counters = cuda.shared.array(N_COUNTERS, int32)
+        sh = Scratch(slots, keys, a, b, c, d, partial, counters)
+        for k in range(tid, N_COUNTERS, cuda.blockDim.x):
+            sh.counters[k] = 0
+        cuda.syncthreads()
+        if tid == 0:
+            s.stats[C64_HEARTBEAT] += 1
+            s.ctl64[C64_HEARTBEAT] = s.stats[C64_HEARTBEAT]
+            s.ctl32[C32_ENGINE_STATE] = ENGINE_SERVING
+            # One read for the whole block: threads must agree on the branch (it contains barriers).
+            sh.counters[K_SHUTDOWN] = load_volatile(s.ctl32, C32_SHUTDOWN)
+        cuda.syncthreads()
+        if sh.counters[K_SHUTDOWN] != 0:
+            abort_everything(s, sh)
+            if tid == 0:
+                publish_stats(s, sh, False)
+                cuda.threadfence_system()
+                s.ctl32[C32_ENGINE_STATE] = ENGINE_STOPPED
+            return STOP
+        consume(s, sh)
+        retire(s, sh)
+        n_candidates = scan_ready(s, sh, policy)
+        batcher.admit(s, sh, n_candidates)
+        bucket = batcher.plan(s, sh)
+        if tid == 0:
+            s.sched[N_WAITING] = sh.counters[K_CANDIDATES] - sh.counters[K_ADMITTED] - sh.counters[K_REJECTED]
+            publish_stats(s, sh, bucket >= 0)
+        cuda.syncthreads()
+        return bucket
+
+    return iterate
+
+

@@ -1,0 +1,211 @@
+"""The scheduler's memory: every array one iteration touches, the word indices into them, and ring writes.
+
+``SchedulerArrays`` groups the ring (views of the region the agent writes), the step buffers (``step.py``) and the
+scheduler's own state in device memory. The same tuple is built from numpy arrays for the CPU simulator and from
+device addresses on the GPU (``launch.py``), so kv, batcher and scheduler code never knows which it runs on.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from blink.config import SchedulerConfig
+from blink.device.numba_compat import cuda
+from blink.device.ring import CONTROL_DTYPE, FINISHED, RingView, header_dtype
+from blink.device.step import StepLayout
+
+# Scheduler scalars (s.sched, int32).
+N_RUNNING, FREE_TOP, N_ROWS, BUCKET, N_WAITING = range(5)
+SCHED_WORDS = 8
+
+IDLE = -1       # nothing to run: back off, then iterate again
+STOP = -2       # shutdown done: do not relaunch
+
+# Scheduler configuration words (s.cfg).
+CFG_PAGE_SIZE, CFG_TOKEN_BUDGET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_N_EOS, CFG_WATERMARK, CFG_MAX_MODEL_LEN, \
+    CFG_LOGPROBS, CFG_MAX_STOP = range(9)
+CFG_WORDS = 16
+
+
+def _word(name: str, size: int) -> int:
+    offset = CONTROL_DTYPE.fields[name][1]
+    assert offset % size == 0
+    return offset // size
+
+
+# Control-block words, as indices into the u32 (C32_*) and u64 (C64_*) views of the block.
+C32_SHUTDOWN, C32_ENGINE_STATE = _word("shutdown", 4), _word("engine_state", 4)
+C32_KV_TOTAL, C32_KV_FREE, C32_RUNNING, C32_WAITING = (_word(n, 4) for n in
+                                                      ("kv_pages_total", "kv_pages_free", "running", "waiting"))
+C64_HEARTBEAT, C64_STEPS, C64_TOKENS, C64_ADMITTED, C64_FINISHED, C64_CANCELLED, C64_PREEMPTED = (
+    _word(n, 8) for n in ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted"))
+COUNTERS = (C64_HEARTBEAT, C64_STEPS, C64_TOKENS, C64_ADMITTED, C64_FINISHED, C64_CANCELLED, C64_PREEMPTED)
+
+
+def _header_word(name: str, size: int) -> int:
+    offset = header_dtype(1).fields[name][1]    # the fixed part of the header does not depend on the geometry
+    assert offset % size == 0
+    return offset // size
+
+
+# Header words, as indices into the i32 / f32 (H32_*, HF_*) and u64 (H64_*) views of a header.
+H64_REQUEST_ID, H64_ARRIVAL, H64_SEED = (_header_word(n, 8) for n in ("request_id", "arrival_ns", "seed"))
+H32_PROMPT_LEN, H32_MAX_TOKENS, H32_TOP_K, H32_FLAGS, H32_N_STOP, H32_PRIORITY, H32_STOP_IDS = (
+    _header_word(n, 4) for n in ("prompt_len", "max_tokens", "top_k", "flags", "n_stop", "priority", "stop_ids"))
+HF_TEMPERATURE, HF_TOP_P = _header_word("temperature", 4), _header_word("top_p", 4)
+
+# Shared-memory scratch sizes (compile-time constants).
+MAX_CANDIDATES = 1024
+assert MAX_CANDIDATES >= SchedulerConfig.MAX_SEQS + 1
+
+
+class SchedulerArrays(NamedTuple):
+    """Every array one iteration touches. Field order is the order of the device address table (launch.py)."""
+
+    # The ring (views of the region the agent writes).
+    ctl32: object           # u32 [64]    control block
+    ctl64: object           # u64 [32]    control block
+    state: object           # u32 [n]     status columns
+    epoch: object
+    cancel: object
+    finish: object
+    ngen: object
+    hdr_i32: object         # i32 [n, H/4] request headers
+    hdr_f32: object         # f32 [n, H/4]
+    hdr_u64: object         # u64 [n, H/8]
+    prompts: object         # i32 [n, max_prompt_tokens]
+    outputs: object         # i32 [n, max_output_tokens]
+    logprobs: object        # f32 [n, max_output_tokens] (or [n, 1] when the ring has no logprobs area)
+    # Step inputs and outputs (StepBuffers).
+    num_seqs: object
+    token_ids: object
+    positions: object
+    slot_mapping: object
+    query_start_loc: object
+    seq_lens: object
+    block_tables: object
+    logits_indices: object
+    temperature: object
+    top_p: object
+    top_k: object
+    seed: object
+    sampled_ids: object
+    sampled_logprobs: object
+    # Scheduler state (device memory only).
+    sched: object           # i32 [SCHED_WORDS]  N_RUNNING, FREE_TOP, N_ROWS, BUCKET, N_WAITING
+    stats: object           # i64 [32]    device copies of the control block's u64 counters
+    cfg: object             # i32 [CFG_WORDS]
+    buckets: object         # i32 [n_buckets]
+    eos_ids: object         # i32 [MAX_EOS]
+    free_pages: object      # i32 [num_pages]   free stack
+    seq_pages: object       # i32 [n, max_pages_per_seq]   block table per ring slot
+    seq_npages: object      # i32 [n]
+    seq_computed: object    # i32 [n]  tokens whose K/V are in the cache
+    seq_total: object       # i32 [n]  prompt + generated tokens
+    seq_prompt_len: object  # i32 [n]
+    seq_max_tokens: object  # i32 [n]
+    seq_flags: object       # i32 [n]
+    seq_last: object        # i32 [n]  last generated token
+    seq_version: object     # i32 [n]  bumped whenever the block table restarts (admission, preemption)
+    seq_finish: object      # i32 [n]  finish reason decided by consume, acted on by retire
+    seq_top_k: object       # i32 [n]
+    seq_n_stop: object      # i32 [n]
+    seq_stop: object        # i32 [n, max_stop_ids or 1]
+    seq_temperature: object  # f32 [n]
+    seq_top_p: object       # f32 [n]
+    seq_seed: object        # i64 [n]
+    running: object         # i32 [max_num_seqs]  ring slots, in admission order
+    row_slot: object        # i32 [max_num_seqs]  ring slot of each row of the last planned step
+    row_version: object     # i32 [max_num_seqs]  seq_version of that slot when the row was last written
+    row_pages: object       # i32 [max_num_seqs]  block-table entries already copied into that row
+
+
+class Scratch(NamedTuple):
+    """Shared-memory work arrays of one iteration (each phase documents what it keeps where)."""
+
+    slots: object       # i32 [MAX_CANDIDATES]
+    keys: object        # i64 [MAX_CANDIDATES]
+    a: object           # i32 [MAX_CANDIDATES]
+    b: object
+    c: object
+    d: object
+    partial: object     # i32 [MAX_THREADS]
+    counters: object    # i32 [N_COUNTERS]
+
+
+# Scratch counters (sh.counters), zeroed at the start of each iteration.
+K_TOKENS, K_FINISHED, K_CANCELLED, K_CANDIDATES, K_ADMITTED, K_REJECTED, K_PREEMPTED, K_VICTIM, K_SHUTDOWN = range(9)
+N_COUNTERS = 16
+
+
+# -- ring writes shared by the phases ----------------------------------------------------------------------------
+
+
+@cuda.jit(device=True)
+def finish_slot(s, slot, reason):
+    """Publish the end of a request: reason, then (after a system fence) the FINISHED state the agent polls."""
+    s.finish[slot] = reason
+    cuda.threadfence_system()
+    s.state[slot] = FINISHED
+
+
+# -- host side: the arrays of one scheduler ----------------------------------------------------------------------
+
+
+def ring_arrays(view: RingView) -> dict[str, np.ndarray]:
+    """The ring fields of ``SchedulerArrays`` as numpy views of the ring region."""
+    n = view.headers.shape[0]
+    raw_headers = view.headers.view(np.uint8).reshape(n, -1)
+    logprobs = view.logprobs if view.logprobs is not None else np.zeros((n, 1), np.float32)
+    control = view.control.view(np.uint8).reshape(-1)
+    return dict(ctl32=control.view(np.uint32), ctl64=control.view(np.uint64), state=view.status["state"],
+                epoch=view.status["epoch"], cancel=view.status["cancel"], finish=view.status["finish_reason"],
+                ngen=view.status["n_generated"], hdr_i32=raw_headers.view(np.int32),
+                hdr_f32=raw_headers.view(np.float32), hdr_u64=raw_headers.view(np.uint64), prompts=view.prompts,
+                outputs=view.outputs, logprobs=logprobs)
+
+
+def state_arrays(config: SchedulerConfig, n_slots: int, max_stop_ids: int, has_logprobs: bool,
+                 step: StepLayout) -> dict[str, np.ndarray]:
+    """Fresh scheduler state: every page free, nothing running."""
+    if step.max_num_seqs < config.max_num_seqs or step.max_num_batched_tokens < config.buckets[-1]:
+        raise ValueError(f"StepLayout {step} is smaller than SchedulerConfig needs (max_num_seqs "
+                         f"{config.max_num_seqs}, largest bucket {config.buckets[-1]})")
+    if step.max_pages_per_seq < config.max_pages_per_seq:
+        raise ValueError(f"StepLayout.max_pages_per_seq {step.max_pages_per_seq} < {config.max_pages_per_seq} "
+                         "(max_model_len / page_size)")
+    cfg = np.zeros(CFG_WORDS, np.int32)
+    cfg[CFG_PAGE_SIZE] = config.page_size
+    cfg[CFG_TOKEN_BUDGET] = config.max_num_batched_tokens
+    cfg[CFG_MAX_NUM_SEQS] = config.max_num_seqs
+    cfg[CFG_N_BUCKETS] = len(config.buckets)
+    cfg[CFG_N_EOS] = len(config.eos_token_ids)
+    cfg[CFG_WATERMARK] = config.watermark_pages
+    cfg[CFG_MAX_MODEL_LEN] = config.max_model_len
+    cfg[CFG_LOGPROBS] = int(has_logprobs)
+    cfg[CFG_MAX_STOP] = max_stop_ids
+    sched = np.zeros(SCHED_WORDS, np.int32)
+    sched[FREE_TOP] = config.num_pages
+    sched[BUCKET] = IDLE
+    eos = np.zeros(SchedulerConfig.MAX_EOS, np.int32)
+    eos[:len(config.eos_token_ids)] = config.eos_token_ids
+    i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+    return dict(
+        sched=sched, stats=np.zeros(32, np.int64), cfg=cfg, buckets=np.array(config.buckets, np.int32), eos_ids=eos,
+        free_pages=np.arange(config.num_pages, dtype=np.int32),
+        seq_pages=i32(n_slots, config.max_pages_per_seq), seq_npages=i32(n_slots), seq_computed=i32(n_slots),
+        seq_total=i32(n_slots), seq_prompt_len=i32(n_slots), seq_max_tokens=i32(n_slots), seq_flags=i32(n_slots),
+        seq_last=i32(n_slots), seq_version=i32(n_slots), seq_finish=i32(n_slots), seq_top_k=i32(n_slots), seq_n_stop=i32(n_slots),
+        seq_stop=i32(n_slots, max(max_stop_ids, 1)), seq_temperature=np.zeros(n_slots, np.float32),
+        seq_top_p=np.ones(n_slots, np.float32), seq_seed=np.zeros(n_slots, np.int64),
+        running=i32(config.max_num_seqs), row_slot=np.full(config.max_num_seqs, -1, np.int32),
+        row_version=i32(config.max_num_seqs), row_pages=i32(config.max_num_seqs))
+
+
+def control_gauges(ctl32: np.ndarray, config: SchedulerConfig) -> None:
+    """Host, before the first iteration: gauges that never change."""
+    ctl32[C32_KV_TOTAL] = config.num_pages
+    ctl32[C32_KV_FREE] = config.num_pages
+
+
