@@ -1,0 +1,176 @@
+"""Model-step speed on one GPU against the floors measured in the same run.
+
+For Qwen3-8B- and Llama-3-8B-shaped models (random bf16 weights): the graph-captured decode step at batch 1/16/64/256
+with every sequence at context 1K and 8K, and a 2048-token prefill step. Floors: bytes the step must read (weights +
+the KV it attends over) at the measured HBM copy rate; for prefill also its matmul FLOPs at the measured bf16 GEMM
+rate. Times are medians of CUDA-event-timed graph replays after warm-up.
+
+When the KV of all sequences does not fit, the block tables alias pages of a pool of ``--kv-gib`` GiB: every
+sequence still reads its full context from HBM (the per-layer pool is far larger than L2), so the bytes moved are
+those of distinct pages.
+
+Run: ``PYTHONPATH=src python3 bench/model_bench.py [--out results.json]`` (writes ``$OUT/model_bench.json`` when
+``$OUT`` is set). Correctness of what is timed: ``tests/models`` (``-m gpu`` on the GPU).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from blink.device.step import StepBuffers, StepLayout
+from blink.models import ModelConfig, random_model
+from blink.models.batch import SeqChunk, fill_step
+
+MODELS = {
+    "Qwen3-8B": ModelConfig("Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                            rope_theta=1e6, rotary_dim=128, max_position_embeddings=40960),
+    "Llama-3-8B": ModelConfig("LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                              num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                              rope_theta=5e5, rotary_dim=128, max_position_embeddings=8192),
+}
+PAGE = 16
+
+
+def events_median_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, counting read + write."""
+    x = torch.randint(0, 255, (2 << 30,), dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    ms = events_median_ms(lambda: y.copy_(x), 20)
+    return 2 * x.numel() / (ms / 1e3)
+
+
+def matmul_rate() -> float:
+    """bf16 FLOP/s of an 8192^3 GEMM on random data."""
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    ms = events_median_ms(lambda: a @ b, 20)
+    return 2 * 8192 ** 3 / (ms / 1e3)
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def linear_flops_per_token(c: ModelConfig) -> int:
+    per_layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size \
+        + 3 * c.hidden_size * c.intermediate_size
+    return 2 * c.num_layers * per_layer
+
+
+def capture(model, buf, kv, tokens: int):
+    """Warm up (compiles the kernels), capture the step for bucket ``tokens``, return a replay function."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            model(buf, kv, tokens)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            model(buf, kv, tokens)
+    torch.cuda.synchronize()
+    for _ in range(3):
+        graph.replay()
+    return graph
+
+
+def decode_chunks(batch: int, ctx: int, num_pages: int, seed: int) -> list[SeqChunk]:
+    """``batch`` sequences decoding their token at position ``ctx - 1``; pages spread over the pool (aliased when
+    ``batch * ctx`` exceeds it)."""
+    per_seq = -(-ctx // PAGE)
+    g = torch.Generator().manual_seed(seed)
+    chunks = []
+    for i in range(batch):
+        pages = [(i * per_seq + j) % num_pages for j in range(per_seq)]
+        chunks.append(SeqChunk([int(torch.randint(0, 1000, (1,), generator=g))], ctx - 1, pages,
+                               temperature=0.8, top_p=0.95, seed=i))
+    return chunks
+
+
+def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib: float, reps: int) -> list[dict]:
+    t0 = time.time()
+    model = random_model(config, "cuda")
+    wbytes = weight_bytes(model)
+    layout = StepLayout(max_num_batched_tokens=2048, max_num_seqs=256, max_pages_per_seq=8192 // PAGE)
+    buf = StepBuffers(layout, "cuda")
+    page_bytes = 2 * config.num_layers * PAGE * config.kv_size * 2
+    num_pages = int(kv_gib * 2**30 // page_bytes)
+    kv = model.allocate_kv_cache(num_pages, PAGE)
+    kv.normal_()
+    print(f"{name}: weights {wbytes / 1e9:.2f} GB, KV pool {num_pages} pages, setup {time.time() - t0:.1f}s",
+          flush=True)
+    rows = []
+    for ctx in (1024, 8192):
+        for batch in (1, 16, 64, 256):
+            fill_step(buf, decode_chunks(batch, ctx, num_pages, seed=batch), PAGE)
+            graph = capture(model, buf, kv, batch)
+            ms = events_median_ms(graph.replay, reps)
+            kv_bytes = batch * ctx * config.num_layers * 2 * config.kv_size * 2
+            floor = (wbytes + kv_bytes) / bw * 1e3
+            rows.append(dict(model=name, kind="decode", batch=batch, context=ctx, step_ms=ms, floor_ms=floor,
+                             ratio=ms / floor, tokens_per_s=batch / ms * 1e3))
+            print(f"  decode B={batch:4d} ctx={ctx:5d}: {ms:7.3f} ms  floor {floor:7.3f} ms  x{ms / floor:.2f}",
+                  flush=True)
+            del graph
+    tokens = 2048
+    fill_step(buf, [SeqChunk(list(range(tokens)), 0, list(range(tokens // PAGE)))], PAGE)
+    graph = capture(model, buf, kv, tokens)
+    ms = events_median_ms(graph.replay, reps)
+    c = config
+    attn_flops = c.num_layers * c.num_heads * c.head_dim * 2 * 2 * tokens * (tokens + 1) / 2
+    flop_floor = (linear_flops_per_token(c) * tokens + attn_flops) / flops * 1e3
+    hbm_floor = wbytes / bw * 1e3
+    floor = max(flop_floor, hbm_floor)
+    rows.append(dict(model=name, kind="prefill", batch=1, context=tokens, step_ms=ms, floor_ms=floor,
+                     hbm_floor_ms=hbm_floor, flop_floor_ms=flop_floor, ratio=ms / floor,
+                     tokens_per_s=tokens / ms * 1e3))
+    print(f"  prefill {tokens} tokens: {ms:.3f} ms = {tokens / ms * 1e3:.0f} tok/s  floor {floor:.3f} ms "
+          f"(FLOP {flop_floor:.3f}, HBM {hbm_floor:.3f})  x{ms / floor:.2f}", flush=True)
+    del graph, kv, model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "model_bench.json"))
+    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--kv-gib", type=float, default=48.0)
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bw, flops = copy_bandwidth(), matmul_rate()
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {flops / 1e12:.0f} TFLOP/s",
+          flush=True)
+    rows = [r for name in args.models for r in bench_model(name, MODELS[name], bw, flops, args.kv_gib, args.reps)]
+    print(f"\n{'model':11} {'kind':7} {'B':>4} {'ctx':>5} {'step ms':>9} {'floor ms':>9} {'ratio':>6} {'tok/s':>9}")
+    for r in rows:
+        print(f"{r['model']:11} {r['kind']:7} {r['batch']:4d} {r['context']:5d} {r['step_ms']:9.3f} "
+              f"{r['floor_ms']:9.3f} {r['ratio']:6.2f} {r['tokens_per_s']:9.0f}")
+    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bytes_per_s=bw,
+                  bf16_flop_per_s=flops, rows=rows)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
