@@ -5,9 +5,10 @@ with every sequence at context 1K and 8K, and a 2048-token prefill step. Floors:
 the KV it attends over) at the measured HBM copy rate; for prefill also its matmul FLOPs at the measured bf16 GEMM
 rate. Times are medians of CUDA-event-timed graph replays after warm-up.
 
-When the KV of all sequences does not fit, the block tables alias pages of a pool of ``--kv-gib`` GiB: every
-sequence still reads its full context from HBM (the per-layer pool is far larger than L2), so the bytes moved are
-those of distinct pages.
+Every sequence gets its own pages, scattered over a pool of ``--kv-gib`` GiB; a (batch, context) whose KV does not
+fit is skipped (aliasing pages would let concurrent sequences share reads through L2 and beat the floor). A
+"gemms" row times the step's weight GEMMs alone (cuBLAS, same shapes, one graph): the part of the gap that is GEMM
+efficiency rather than the other kernels and their launches.
 
 Run: ``PYTHONPATH=src python3 bench/model_bench.py [--out results.json]`` (writes ``$OUT/model_bench.json`` when
 ``$OUT`` is set). Correctness of what is timed: ``tests/models`` (``-m gpu`` on the GPU).
@@ -94,16 +95,34 @@ def capture(model, buf, kv, tokens: int):
 
 
 def decode_chunks(batch: int, ctx: int, num_pages: int, seed: int) -> list[SeqChunk]:
-    """``batch`` sequences decoding their token at position ``ctx - 1``; pages spread over the pool (aliased when
-    ``batch * ctx`` exceeds it)."""
+    """``batch`` sequences decoding their token at position ``ctx - 1``, on distinct pages scattered over the pool."""
     per_seq = -(-ctx // PAGE)
     g = torch.Generator().manual_seed(seed)
+    scattered = torch.randperm(num_pages, generator=g)[:batch * per_seq].view(batch, per_seq).tolist()
     chunks = []
-    for i in range(batch):
-        pages = [(i * per_seq + j) % num_pages for j in range(per_seq)]
+    for i, pages in enumerate(scattered):
         chunks.append(SeqChunk([int(torch.randint(0, 1000, (1,), generator=g))], ctx - 1, pages,
                                temperature=0.8, top_p=0.95, seed=i))
     return chunks
+
+
+def gemms_only_ms(model, batch: int, reps: int) -> float:
+    """The step's weight GEMMs alone at ``batch`` rows (the LM head at one row per sequence), graph-captured."""
+    c = model.config
+    x = {n: torch.randn(batch, n, device="cuda", dtype=model.dtype) for n in (c.hidden_size, c.q_size,
+                                                                             c.intermediate_size)}
+    weights = [(x[w.shape[1]], w) for layer in model.model.layers for w in (
+        layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
+        layer.mlp.down_proj.weight)] + [(x[c.hidden_size], model.lm_head_weight())]
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for a, w in weights:
+            torch.nn.functional.linear(a, w)
+        with torch.cuda.graph(graph, stream=stream):
+            for a, w in weights:
+                torch.nn.functional.linear(a, w)
+    torch.cuda.synchronize()
+    return events_median_ms(graph.replay, reps)
 
 
 def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib: float, reps: int) -> list[dict]:
@@ -121,6 +140,9 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
     rows = []
     for ctx in (1024, 8192):
         for batch in (1, 16, 64, 256):
+            if batch * -(-ctx // PAGE) > num_pages:
+                print(f"  decode B={batch:4d} ctx={ctx:5d}: skipped, its KV does not fit the pool", flush=True)
+                continue
             fill_step(buf, decode_chunks(batch, ctx, num_pages, seed=batch), PAGE)
             graph = capture(model, buf, kv, batch)
             ms = events_median_ms(graph.replay, reps)
@@ -131,6 +153,12 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
             print(f"  decode B={batch:4d} ctx={ctx:5d}: {ms:7.3f} ms  floor {floor:7.3f} ms  x{ms / floor:.2f}",
                   flush=True)
             del graph
+    for batch in (1, 256):
+        ms = gemms_only_ms(model, batch, reps)
+        floor = wbytes / bw * 1e3
+        rows.append(dict(model=name, kind="gemms", batch=batch, context=0, step_ms=ms, floor_ms=floor,
+                         ratio=ms / floor, tokens_per_s=batch / ms * 1e3))
+        print(f"  weight GEMMs only, B={batch}: {ms:.3f} ms  floor {floor:.3f} ms  x{ms / floor:.2f}", flush=True)
     tokens = 2048
     fill_step(buf, [SeqChunk(list(range(tokens)), 0, list(range(tokens // PAGE)))], PAGE)
     graph = capture(model, buf, kv, tokens)
@@ -154,11 +182,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "model_bench.json"))
     parser.add_argument("--models", nargs="*", default=list(MODELS))
-    parser.add_argument("--kv-gib", type=float, default=48.0)
+    parser.add_argument("--kv-gib", type=float, default=96.0)
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
     torch.manual_seed(0)
     bw, flops = copy_bandwidth(), matmul_rate()
+    torch.cuda.empty_cache()  # give the measurement buffers back before the KV pool
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {flops / 1e12:.0f} TFLOP/s",
           flush=True)
     rows = [r for name in args.models for r in bench_model(name, MODELS[name], bw, flops, args.kv_gib, args.reps)]

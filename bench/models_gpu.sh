@@ -3,7 +3,7 @@
 # Logs and JSON go under $OUT (the device tool's output folder; ./out elsewhere).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src PYTHONUNBUFFERED=1 NUMBA_ENABLE_CUDASIM=0  # tests/conftest.py: 0 = the real GPU
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
