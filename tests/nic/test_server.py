@@ -1,0 +1,454 @@
+"""blink.nic.server end to end: the official openai client -> HTTP -> agent -> shared-memory ring -> the reference
+consumer (stand-in model) in another process, and back. Expected text is the stand-in's tokens decoded by
+transformers' tokenizer. Pausing the consumer process (SIGSTOP) plays a stalled GPU."""
+import asyncio
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from blink.cli import standin_engine, wait_until_serving
+from blink.device.ring import FREE, RingGeometry
+from blink.device.standin import standin_continuation, standin_logprob
+from blink.nic.agent import Agent
+from blink.nic.server import OpenAIServer, ServerConfig, start
+from blink.nic.text import Tokenizer
+
+MODEL = "smollm2-test"
+GEOMETRY = RingGeometry(n_slots=8, max_prompt_tokens=256, max_output_tokens=64, max_stop_ids=4)
+CONFIG = ServerConfig(model_name=MODEL, max_queued=16, heartbeat_timeout_s=1.0)
+
+
+@dataclass
+class Served:
+    server: OpenAIServer
+    agent: Agent
+    engine: object          # the consumer's multiprocessing.Process
+    port: int
+    loop: asyncio.AbstractEventLoop
+
+    def client(self, cls=openai.OpenAI):
+        return cls(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0)
+
+    def on_loop(self, fn):
+        """Run ``fn()`` on the server's event loop thread (the agent is not thread-safe)."""
+        async def call():
+            return fn()
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result()
+
+    @contextmanager
+    def paused_engine(self):
+        os.kill(self.engine.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.engine.pid, signal.SIGCONT)
+
+    def wait_idle(self, timeout_s=10.0):
+        """Until every slot is back with the agent; returns the ring's stats."""
+        wait_for(lambda: self.on_loop(lambda: self.agent.in_flight == 0), timeout_s)
+        return self.agent.stats()
+
+
+def wait_for(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from blink.models import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    tokenizer = Tokenizer(model_dir)
+    with standin_engine(GEOMETRY, vocab_size=tokenizer.vocab_size,
+                        eos_token_ids=tokenizer.eos_token_ids) as (memory, engine):
+        agent = Agent(memory, GEOMETRY)
+        wait_until_serving(agent, engine)
+        server = OpenAIServer(agent, tokenizer, CONFIG)
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+        runner, port = asyncio.run_coroutine_threadsafe(start(server, "127.0.0.1", 0), loop).result()
+        yield Served(server, agent, engine, port, loop)
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+
+
+# -- the reference ---------------------------------------------------------------------------------------------------
+
+def expected(hf, prompt_ids, seed, max_tokens, stop=None):
+    """(text, finish_reason, completion_tokens) the stand-in engine + server must produce."""
+    tokens = standin_continuation(prompt_ids, seed, max_tokens, len(hf))
+    finish = "length"
+    if hf.eos_token_id in tokens:
+        tokens, finish = tokens[:tokens.index(hf.eos_token_id) + 1], "stop"
+    text = hf.decode(tokens, skip_special_tokens=True)
+    if stop is not None and stop in text:
+        # One stop string: generation ends at the first token whose text contains it.
+        n = next(k for k in range(1, len(tokens) + 1) if stop in hf.decode(tokens[:k], skip_special_tokens=True))
+        return text[:text.find(stop)], "stop", n
+    return text, finish, len(tokens)
+
+
+def chat_ids(hf, messages):
+    return hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+
+
+def streamed(chunks, chat):
+    text, finish, usage = "", None, None
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += (choice.delta.content or "") if chat else choice.text
+            finish = choice.finish_reason or finish
+    return text, finish, usage
+
+
+PROMPTS = ["Hello", "你好世界 👋🏽 — emoji and CJK", [1, 2, 3, 4000, 49151]]
+
+
+# -- completions and chat --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("seed", [0, 12345])
+def test_completions_streamed_and_not_match_the_standin(served, hf, prompt, seed):
+    ids = prompt if isinstance(prompt, list) else hf(prompt)["input_ids"]
+    want_text, want_finish, n = expected(hf, ids, seed, 40)
+    client = served.client()
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, seed=seed)
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == (want_text, want_finish)
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), n)
+    chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, seed=seed, stream=True,
+                                       stream_options={"include_usage": True})
+    text, finish, usage = streamed(chunks, chat=False)
+    assert (text, finish, usage.completion_tokens) == (want_text, want_finish, n)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_matches_the_standin(served, hf, stream):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say 你好 🌍"}]
+    want_text, want_finish, n = expected(hf, chat_ids(hf, messages), 7, 50)
+    client = served.client()
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=50, seed=7, stream=stream,
+                                           stream_options={"include_usage": True} if stream else None)
+    if stream:
+        text, finish, usage = streamed(reply, chat=True)
+    else:
+        choice = reply.choices[0]
+        text, finish, usage = choice.message.content, choice.finish_reason, reply.usage
+        assert choice.message.role == "assistant"
+    assert (text, finish, usage.completion_tokens) == (want_text, want_finish, n)
+
+
+def test_chat_max_tokens_defaults_to_the_room_left(served, hf):
+    messages = [{"role": "user", "content": "go on"}]
+    reply = served.client().chat.completions.create(model=MODEL, messages=messages, seed=3)
+    want_text, want_finish, n = expected(hf, chat_ids(hf, messages), 3, GEOMETRY.max_output_tokens)
+    assert (reply.choices[0].message.content, reply.usage.completion_tokens) == (want_text, n)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_spanning_tokens_ends_the_request(served, hf, stream):
+    prompt, seed = "Once upon a time", 99
+    ids = hf(prompt)["input_ids"]
+    tokens = standin_continuation(ids, seed, 30, len(hf))
+    # A stop string made of the end of token 5's text and the start of token 6's.
+    boundary = len(hf.decode(tokens[:6], skip_special_tokens=True))
+    full = hf.decode(tokens, skip_special_tokens=True)
+    stop = full[boundary - 2:boundary + 2]
+    want_text, want_finish, n = expected(hf, ids, seed, 30, stop)
+    assert want_finish == "stop" and n < 30
+    client = served.client()
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, seed=seed, stop=[stop, "\x00"],
+                                      stream=stream, stream_options={"include_usage": True} if stream else None)
+    text, finish, usage = streamed(reply, chat=False) if stream else (
+        reply.choices[0].text, reply.choices[0].finish_reason, reply.usage)
+    assert (text, finish, usage.completion_tokens) == (want_text, "stop", n)
+    served.wait_idle()
+
+
+def test_logprobs_are_the_sampled_tokens(served, hf):
+    ids = hf("Hi")["input_ids"]
+    tokens = standin_continuation(ids, 5, 6, len(hf))
+    positions = range(len(ids), len(ids) + len(tokens))
+    want = [standin_logprob(prev, p, 5) for prev, p in zip([ids[-1], *tokens], positions)]
+    client = served.client()
+    whole = client.completions.create(model=MODEL, prompt="Hi", max_tokens=6, seed=5, logprobs=0)
+    assert whole.choices[0].logprobs.token_logprobs == want
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          seed=5, logprobs=True)
+    assert len(chat.choices[0].logprobs.content) == 3
+
+
+def test_concurrent_streams_all_complete(served, hf):
+    """24 streams on 8 ring slots: the agent queues the overflow and every stream gets its own exact text."""
+    client = served.client(openai.AsyncOpenAI)
+
+    async def one(i):
+        chunks = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"request {i}"}], max_tokens=48, seed=i, stream=True)
+        return streamed([c async for c in chunks], chat=True)[:2]
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(i) for i in range(24)))
+
+    results = asyncio.run(all_of_them())
+    for i, (text, finish) in enumerate(results):
+        want_text, want_finish, _ = expected(hf, chat_ids(hf, [{"role": "user", "content": f"request {i}"}]), i, 48)
+        assert (text, finish) == (want_text, want_finish)
+    served.wait_idle()
+
+
+def test_models_lists_the_served_model(served):
+    assert [m.id for m in served.client().models.list().data] == [MODEL]
+
+
+# -- cancellation, back-pressure, health -----------------------------------------------------------------------------
+
+def raw_request(port, path, body: bytes, method="POST") -> tuple[int, dict, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    result = response.status, dict(response.getheaders()), response.read()
+    conn.close()
+    return result
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_cancels_the_request_and_frees_its_slot(served, stream):
+    before = served.wait_idle()
+    body = json.dumps({"model": MODEL, "prompt": "never read", "max_tokens": 64, "stream": stream}).encode()
+    with served.paused_engine():
+        sock = socket.create_connection(("127.0.0.1", served.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for(lambda: served.on_loop(lambda: served.agent.in_flight) == 1)
+        sock.close()
+        # The server notices the disconnect while the GPU side is stalled and writes the cancel word.
+        status = served.agent.layout.view(served.agent.memory.buffer).status
+        [slot] = (status["state"] != FREE).nonzero()[0]
+        wait_for(lambda: status["cancel"][slot] == status["epoch"][slot])
+    after = served.wait_idle()
+    # Finished as "abort", not run to max_tokens; every slot is free again.
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["finished"] == before["finished"] + 1
+    assert served.on_loop(lambda: served.agent.tracker.n_free) == GEOMETRY.n_slots
+    assert status["state"][slot] == FREE
+
+
+def test_full_ring_queues_then_refuses_with_retry_after(served, hf):
+    """8 slots + 16 queued are accepted while the engine is stalled; the next request gets 429 + Retry-After."""
+    client = served.client(openai.AsyncOpenAI)
+    capacity = GEOMETRY.n_slots + CONFIG.max_queued
+
+    async def scenario():
+        with served.paused_engine():
+            tasks = [asyncio.create_task(client.completions.create(model=MODEL, prompt="queued", max_tokens=8,
+                                                                   seed=i)) for i in range(capacity)]
+            while served.on_loop(lambda: len(served.server.loop.waiting)) < CONFIG.max_queued:
+                await asyncio.sleep(0.01)
+            status, headers, body = await asyncio.to_thread(
+                raw_request, served.port, "/v1/completions", json.dumps({"prompt": "one too many"}).encode())
+        return await asyncio.gather(*tasks), status, headers, json.loads(body)
+
+    replies, status, headers, body = asyncio.run(scenario())
+    assert status == 429 and headers["Retry-After"] == "1"
+    assert "at capacity" in body["error"]["message"]
+    ids = hf("queued")["input_ids"]
+    assert [r.choices[0].text for r in replies] == [expected(hf, ids, i, 8)[0] for i in range(capacity)]
+    served.wait_idle()
+
+
+def test_health_fails_while_the_heartbeat_is_stale(served):
+    assert raw_request(served.port, "/health", b"", "GET")[0] == 200
+    with served.paused_engine():
+        time.sleep(CONFIG.heartbeat_timeout_s + 0.3)
+        status, headers, body = raw_request(served.port, "/health", b"", "GET")
+        assert status == 503 and "heartbeat" in json.loads(body)["error"]["message"] and "Retry-After" in headers
+        status, _, body = raw_request(served.port, "/v1/completions", b'{"prompt": "x"}')
+        assert status == 503 and "retry later" in json.loads(body)["error"]["message"]
+    wait_for(lambda: raw_request(served.port, "/health", b"", "GET")[0] == 200)
+
+
+def test_metrics_report_ring_counters_and_latencies(served):
+    served.client().completions.create(model=MODEL, prompt="metrics", max_tokens=20, seed=1)
+    stats = served.wait_idle()
+    _, _, body = raw_request(served.port, "/metrics", b"", "GET")
+    samples = {s.name + json.dumps(s.labels, sort_keys=True): s.value
+               for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+    assert samples["blink_generation_tokens_total{}"] == stats["tokens"]
+    assert samples["blink_engine_steps_total{}"] == stats["steps"]
+    assert samples["blink_preemptions_total{}"] == stats["preempted"] == 0
+    assert samples["blink_requests_running{}"] == 0 and samples["blink_requests_queued{}"] == 0
+    assert samples["blink_prompt_tokens_total{}"] > 0
+    assert samples['blink_requests_finished_total{"finish_reason": "length"}'] >= 1
+    assert samples["blink_time_to_first_token_seconds_count{}"] >= 1
+    assert samples["blink_e2e_request_latency_seconds_count{}"] >= 1
+    assert "blink_kv_cache_usage_ratio{}" in samples and "blink_inter_token_latency_seconds_count{}" in samples
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------------
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+BAD = [  # (path, body, status, what the message must mention)
+    (COMPLETIONS, b'{"prompt": "x"', 400, "not valid JSON"),
+    (COMPLETIONS, b'[1, 2]', 400, "JSON object"),
+    (COMPLETIONS, b'{"prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
+    (COMPLETIONS, b'{"prompt": "\\ud800"}', 400, "surrogate"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": "10"}, 400, "'max_tokens' must be an integer"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": -1}, 400, "'max_tokens' must be an integer >= 1"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 10**30}, 400, "lower max_tokens"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+    (COMPLETIONS, {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    (COMPLETIONS, b'{"prompt": "x", "temperature": NaN}', 400, "not valid JSON"),
+    (COMPLETIONS, {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    (COMPLETIONS, {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    (COMPLETIONS, {"prompt": "x", "seed": 1.5}, 400, "seed"),
+    (COMPLETIONS, {"prompt": 5}, 400, "'prompt' must be"),
+    (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "one request per prompt"),
+    (COMPLETIONS, {"prompt": ""}, 400, "prompt is empty"),
+    (COMPLETIONS, {"prompt": [49152]}, 400, "token ids in [0, 49152)"),
+    (COMPLETIONS, {"prompt": "hello " * 300}, 400, "shorten it"),
+    (COMPLETIONS, {"prompt": [1] * 257}, 400, "at most 256"),
+    (COMPLETIONS, {"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),
+    (COMPLETIONS, {"prompt": "x", "n": 2}, 400, "one choice per request"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 5}, 400, "logprobs"),
+    (COMPLETIONS, {"prompt": "x", "stop": 5}, 400, "stop"),
+    (COMPLETIONS, {"prompt": "x", "stop": [""]}, 400, "non-empty"),
+    (COMPLETIONS, {"prompt": "x", "stop": ["a"] * 17}, 400, "at most 16"),
+    (COMPLETIONS, {"prompt": "x", "stop_token_ids": [1] * 5}, 400, "at most 4 token ids"),
+    (COMPLETIONS, {"prompt": "x", "presence_penalty": 0.5}, 400, "not supported"),
+    (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "not supported"),
+    (CHAT, {"messages": []}, 400, "non-empty list"),
+    (CHAT, {"messages": "hi"}, 400, "non-empty list"),
+    (CHAT, {"messages": [{"content": "no role"}]}, 400, "'role'"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
+     "only text"),
+    (CHAT, {"messages": USER, "top_logprobs": 3}, 400, "top_logprobs"),
+    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "not supported"),
+    (CHAT, {"messages": USER, "model": "nope"}, 404, "GET /v1/models"),
+    (CHAT, {"messages": [{"role": "user", "content": "hello " * 300}]}, 400, "shorten it"),
+    ("/v1/nothing", {}, 404, "Not Found"),
+    (COMPLETIONS, b"x" * (2 << 20), 413, "Too Large"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, mention", BAD)
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(served, path, body, status, mention):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    got, _, response = raw_request(served.port, path, raw)
+    error = json.loads(response)["error"]
+    assert (got, set(error)) == (status, {"message", "type", "param", "code"})
+    assert mention in error["message"]
+    assert served.client().completions.create(model=MODEL, prompt="still here", max_tokens=2).choices[0].text
+
+
+def test_wrong_method_is_a_json_405(served):
+    status, _, body = raw_request(served.port, "/v1/completions", b"", "GET")
+    assert status == 405 and "Method Not Allowed" in json.loads(body)["error"]["message"]
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False,
+                           allow_infinity=False) | st.text(max_size=20),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                       max_size=4), max_leaves=8)
+# Mostly valid values near the edges, so that many fuzzed requests are served rather than rejected.
+good_values = {
+    "max_tokens": st.integers(-1, 70), "temperature": st.floats(-0.5, 3), "top_p": st.floats(-0.5, 1.5),
+    "top_k": st.integers(-2, 50), "seed": st.integers(-2**64, 2**65), "n": st.sampled_from([1, 1, 1, 2]),
+    "stream": st.booleans(), "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3),
+    "ignore_eos": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "stop_token_ids": st.lists(st.integers(-1, 49152), max_size=5), "priority": st.integers(-5, 5),
+}
+prompts = {COMPLETIONS: {"prompt": st.text(min_size=1, max_size=30) | st.lists(st.integers(0, 49151), max_size=8),
+                         "logprobs": st.sampled_from([None, 0, 0, 1])},
+           CHAT: {"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                                              "content": st.text(max_size=30)}), max_size=3),
+                  "logprobs": st.booleans()}}
+
+
+@st.composite
+def requests(draw):
+    path = draw(st.sampled_from([COMPLETIONS, CHAT]))
+    body = {"model": MODEL, "max_tokens": 8, **draw(st.fixed_dictionaries(prompts[path]))}
+    body.update(draw(st.fixed_dictionaries({}, optional=good_values)))
+    body.update(draw(st.dictionaries(st.sampled_from(sorted([*good_values, *prompts[path]])), json_values,
+                                     max_size=2)))
+    return path, body
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(request=requests())
+def test_fuzzed_requests_never_get_a_5xx(served, request):
+    path, body = request
+    status, _, response = raw_request(served.port, path, json.dumps(body).encode())
+    assert status < 500, response
+    if status != 200:
+        assert set(json.loads(response)["error"]) == {"message", "type", "param", "code"}
+    elif body.get("stream") is True:
+        assert response.endswith(b"data: [DONE]\n\n")
+
+
+# -- command line ------------------------------------------------------------------------------------------------------
+
+def test_blink_agent_serves_an_existing_ring_and_stops_on_ctrl_c(model_dir, hf):
+    tokenizer = Tokenizer(model_dir)
+    geometry = RingGeometry(n_slots=4, max_prompt_tokens=64, max_output_tokens=16)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with standin_engine(geometry, vocab_size=tokenizer.vocab_size) as (memory, _):
+        agent = subprocess.Popen([sys.executable, "-m", "blink.cli", "agent", "--ring", memory.name, "--model",
+                                  str(model_dir), "--port", str(port), "--served-model-name", MODEL])
+        try:
+            wait_for(lambda: _healthy(port), timeout_s=60)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+            text = client.completions.create(model=MODEL, prompt="cli", max_tokens=5, seed=2).choices[0].text
+            assert text == expected(hf, hf("cli")["input_ids"], 2, 5)[0]
+            agent.send_signal(signal.SIGINT)
+            assert agent.wait(20) == 0
+        finally:
+            agent.kill()
+
+
+def _healthy(port) -> bool:
+    try:
+        return raw_request(port, "/health", b"", "GET")[0] == 200
+    except OSError:
+        return False
+
+
+def test_blink_serve_without_an_engine_says_what_to_do(capsys, model_dir):
+    from blink.cli import main
+    assert main(["serve", "--model", str(model_dir)]) == 2
+    assert "--standin" in capsys.readouterr().err
