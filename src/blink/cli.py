@@ -64,7 +64,7 @@ def ring_demo(args) -> int:
 
     geometry = RingGeometry(n_slots=args.slots, max_prompt_tokens=64, max_output_tokens=args.max_tokens)
     rng = np.random.default_rng(args.seed)
-    with standin_engine(geometry) as (memory, consumer):
+    with standin_engine(geometry) as (memory, _):
         agent = Agent(memory, geometry)
         expected, answered, finished, tokens = {}, {}, 0, 0
         start = last_report = time.monotonic()

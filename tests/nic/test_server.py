@@ -171,7 +171,8 @@ def test_chat_max_tokens_defaults_to_the_room_left(served, hf):
     messages = [{"role": "user", "content": "go on"}]
     reply = served.client().chat.completions.create(model=MODEL, messages=messages, seed=3)
     want_text, want_finish, n = expected(hf, chat_ids(hf, messages), 3, GEOMETRY.max_output_tokens)
-    assert (reply.choices[0].message.content, reply.usage.completion_tokens) == (want_text, n)
+    assert (reply.choices[0].message.content, reply.choices[0].finish_reason, reply.usage.completion_tokens) == (
+        want_text, want_finish, n)
 
 
 @pytest.mark.parametrize("stream", [False, True])

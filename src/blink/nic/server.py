@@ -4,9 +4,9 @@ One asyncio event loop owns the ``Agent`` (which is not thread-safe). HTTP handl
 and hand it to the ``AgentLoop``; its one background task polls the ring and fans the new tokens out to per-request
 queues; each handler detokenizes its tokens (``TextStream``) and writes JSON or SSE. Invariants:
 
-- every submitted request is closed exactly once, by ``AgentLoop``: when the ring reports it finished, or when its
-  handler leaves early (stop string, client disconnect, error), which cancels its slot; tokens the ring still
-  delivers for a closed request are dropped, and the agent frees the slot once the GPU side finishes it;
+- every submitted request is closed exactly once, by its handler when it leaves (``AgentLoop.close``), whether the
+  ring finished it or not (stop string, client disconnect, error); closing an unfinished request cancels its slot,
+  tokens the ring still delivers for it are dropped, and the agent frees the slot once the GPU side finishes it;
 - a request the ring has no free slot for waits in the agent (FIFO, at most ``ServerConfig.max_queued``); beyond
   that bound, and whenever the engine is not serving, requests are refused with 429 / 503 and ``Retry-After``;
 - bad input never reaches the ring: it gets a 4xx with an OpenAI-style body ``{"error": {"message", "type",
@@ -58,11 +58,12 @@ class ServerConfig:
     retry_after_s: int = 1
 
 
+_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable_error"}
+
+
 class ApiError(Exception):
     """An HTTP error with an OpenAI-style body; ``message`` says what was wrong and what to do."""
-
-    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-             503: "service_unavailable_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  retry_after_s: int | None = None):
@@ -71,7 +72,7 @@ class ApiError(Exception):
         self.headers = {"Retry-After": str(retry_after_s)} if retry_after_s else None
 
     def body(self) -> dict:
-        kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        kind = _ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
@@ -154,10 +155,6 @@ def _text(value: str, param: str) -> str:
     return value
 
 
-def _is_finite(v) -> bool:
-    return math.isfinite(v)
-
-
 class _Parser:
     """Turns request bodies into ``Job``s against one model and one ring's limits."""
 
@@ -227,7 +224,7 @@ class _Parser:
         return SamplingParams(
             max_tokens=room,
             temperature=_field(body, "temperature", (int, float), "a number >= 0 (0: greedy)", 1.0,
-                               lambda v: 0 <= v and _is_finite(v)),
+                               lambda v: 0 <= v and math.isfinite(v)),
             top_p=_field(body, "top_p", (int, float), "a number in (0, 1]", 1.0, lambda v: 0 < v <= 1),
             top_k=max(top_k, 0),
             seed=None if seed is None else seed % 2**64,
@@ -305,6 +302,7 @@ class _Request:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutputs, or an exception that ends it
     request_id: int | None = None       # set once the ring has it
     last_token_at: float | None = None
+    finish_reason: str | None = None    # what the client was told, once it was
     closed: bool = False
 
 
@@ -313,7 +311,7 @@ class AgentLoop:
 
     HEARTBEAT_SAMPLE_S = 0.1
 
-    def __init__(self, agent: Agent, metrics: "Metrics", config: ServerConfig):
+    def __init__(self, agent: Agent, metrics: Metrics, config: ServerConfig):
         self.agent, self.metrics, self.config = agent, metrics, config
         self.waiting: deque[_Request] = deque()       # the ring was full: FIFO, at most config.max_queued
         self._active: dict[int, _Request] = {}        # request id -> request whose outputs someone awaits
@@ -329,7 +327,7 @@ class AgentLoop:
         req = _Request(prompt, params, priority)
         if self.waiting or not self._to_ring(req):
             if len(self.waiting) >= self.config.max_queued:
-                raise ApiError(429, f"the server is at capacity ({len(self._active)} requests running, "
+                raise ApiError(429, f"the server is at capacity ({self.agent.in_flight} requests in the ring, "
                                     f"{len(self.waiting)} queued): retry later",
                                retry_after_s=self.config.retry_after_s)
             self.waiting.append(req)
@@ -337,17 +335,16 @@ class AgentLoop:
         self._wakeup.set()
         return req
 
-    def close(self, req: _Request, reason: str) -> None:
+    def close(self, req: _Request) -> None:
         """The handler is done with ``req``; if the ring has not finished it, cancel it. Idempotent."""
         if req.closed:
             return
         req.closed = True
         if req.request_id is None:
             self.waiting.remove(req)
-        else:
+        elif self._active.pop(req.request_id, None) is not None:
             self.agent.cancel(req.request_id)
-            del self._active[req.request_id]
-        self.metrics.finished(req, reason)
+        self.metrics.finished(req, req.finish_reason or "abort")
 
     def health(self) -> str | None:
         """Why the engine cannot serve now, or None when it can."""
@@ -411,9 +408,7 @@ class AgentLoop:
         self.metrics.tokens(req, len(out.new_tokens))
         req.queue.put_nowait(out)
         if out.finished:
-            req.closed = True
             del self._active[out.request_id]
-            self.metrics.finished(req, out.finish_reason)
 
     def _fail_all(self, problem: str) -> None:
         """End every open request with ``problem``; their handlers answer 503 and close them."""
@@ -555,7 +550,7 @@ class OpenAIServer:
             return await self._complete(job, req, text)
         finally:
             # Runs on disconnect too: aiohttp cancels the handler (handler_cancellation=True).
-            self.loop.close(req, "stop" if text.stopped else "abort")
+            self.loop.close(req)
 
     async def _events(self, req: _Request, text: TextStream):
         """Yield ``(delta, [(token, logprob)], finish_reason)`` per batch of tokens; the last has a finish_reason."""
@@ -570,7 +565,8 @@ class OpenAIServer:
                 if text.stopped:
                     break
             if text.stopped or out.finished:
-                yield delta + text.finish(), tokens, "stop" if text.stopped else out.finish_reason
+                req.finish_reason = "stop" if text.stopped else out.finish_reason
+                yield delta + text.finish(), tokens, req.finish_reason
                 return
             yield delta, tokens, None
 
