@@ -65,7 +65,7 @@ def test_step_graph_captures_and_device_launch_instantiation_replays_bit_identic
                          num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
                          rotary_dim=64, max_position_embeddings=4096)
     model = random_model(config, "cuda")
-    runner = Runner(model, num_pages=128, layout=StepLayout(64, 16, 64))
+    runner = Runner(model, num_pages=256, layout=StepLayout(64, 16, 128))
     bucket = 48
 
     def batch(seed):

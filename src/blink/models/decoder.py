@@ -48,11 +48,8 @@ class Attention(nn.Module):
         c = self.c
         q, k, v = F.linear(x, self.qkv_proj.weight).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q, k, v = (t.unflatten(-1, (-1, c.head_dim)) for t in (q, k, v))
-        if self.qk_norm:
-            q = ops.rms_norm(q, self.q_norm.weight, c.rms_norm_eps)[0]
-            k = ops.rms_norm(k, self.k_norm.weight, c.rms_norm_eps)[0]
-        ops.rope(q, k, positions, cos_sin)
-        ops.kv_write(k, v, kv_layer, slot_mapping)
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        q = ops.rope_kv_write(q, k, v, positions, cos_sin, kv_layer, slot_mapping, *norms, c.rms_norm_eps)
         o = ops.attention(q, kv_layer, plan, c.head_dim ** -0.5, c.sliding_window)
         return F.linear(o.flatten(1), self.o_proj.weight)
 

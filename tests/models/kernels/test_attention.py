@@ -21,7 +21,7 @@ def _batch(device, q_lens_and_prefixes, pages=64, seed=0):
     for q_len, prefix in q_lens_and_prefixes:
         n_pages = -(-(q_len + prefix) // PAGE)
         chunks.append(SeqChunk([1] * q_len, prefix, [free.pop() for _ in range(n_pages)]))
-    buf = StepBuffers(StepLayout(256, 8, 32), device)
+    buf = StepBuffers(StepLayout(256, 256, 32), device)
     return buf, fill_step(buf, chunks, PAGE)
 
 

@@ -57,6 +57,18 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapp
         kv_layer[i].view(-1, *x.shape[1:])[slots] = x[keep].to(kv_layer.dtype)
 
 
+def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                  kv_layer: torch.Tensor, slot_mapping: torch.Tensor, q_weight: torch.Tensor | None = None,
+                  k_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """Per-head RMSNorm of ``q`` and ``k`` when weights are given (Qwen3), RoPE on both, then the KV write of
+    ``k`` and ``v``; returns the rotated ``q`` (``q`` and ``k`` may be overwritten)."""
+    if q_weight is not None:
+        q, k = rms_norm(q, q_weight, eps)[0], rms_norm(k, k_weight, eps)[0]
+    rope(q, k, positions, cos_sin)
+    kv_write(k, v, kv_layer, slot_mapping)
+    return q
+
+
 @dataclass(frozen=True)
 class AttentionPlan:
     """Per-sequence ``(first token row, query length, context length, pages)`` read once per step on the host."""
@@ -88,8 +100,8 @@ def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scal
         k, v = (kv_layer[i, list(pages)].flatten(0, 1)[:ctx] for i in (0, 1))
         k, v = (x.transpose(0, 1).repeat_interleave(heads // kv_heads, 0).float() for x in (k, v))
         qs = q[start:start + q_len].transpose(0, 1).float()
-        q_pos = torch.arange(ctx - q_len, ctx)[:, None]
-        k_pos = torch.arange(ctx)[None, :]
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
         visible = k_pos <= q_pos
         if sliding_window:
             visible &= k_pos > q_pos - sliding_window

@@ -1,0 +1,32 @@
+"""The fused q/k RMSNorm + RoPE + KV write against the composed references, on views of one qkv GEMM output,
+with partial rotary dims, padding rows (slot -1) and a NaN-poisoned pool (unwritten slots must stay NaN)."""
+import pytest
+import torch
+
+from blink.models.kernels import reference
+from conftest import rel_err
+
+
+@pytest.mark.parametrize("rotary_dim, norm", [(64, False), (32, False), (64, True)])
+def test_rope_kv_write_matches_reference(backend, rotary_dim, norm):
+    device, dtype, tol = backend
+    heads, kv_heads, dim, t, pages, page_size = 6, 2, 64, 11, 8, 4
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, device=device, dtype=dtype)
+    angles = torch.rand(100, rotary_dim // 2, device=device) * 6
+    cos_sin = torch.cat([angles.cos(), angles.sin()], 1)
+    positions = torch.randint(0, 100, (t,), device=device, dtype=torch.int32)
+    slots = torch.randperm(pages * page_size, device=device)[:t]
+    slots[[3, 7]] = -1
+    weights = [torch.rand(dim, device=device, dtype=dtype) + 0.5 for _ in range(2)] if norm else [None, None]
+    cache = torch.full((2, pages, page_size, kv_heads, dim), float("nan"), device=device, dtype=dtype)
+    ref_qkv, ref_cache = qkv.clone(), cache.clone()
+    from blink.models.kernels.rope_kv_write import rope_kv_write
+
+    outs = []
+    for buf, pool, fn in ((qkv, cache, rope_kv_write), (ref_qkv, ref_cache, reference.rope_kv_write)):
+        q, k, v = (x.unflatten(1, (-1, dim)) for x in buf.split([heads * dim, kv_heads * dim, kv_heads * dim], 1))
+        outs.append(fn(q, k, v, positions, cos_sin, pool, slots, *weights, 1e-6))
+    assert rel_err(outs[0], outs[1]) < tol
+    assert torch.equal(cache.isnan(), ref_cache.isnan()) and (~cache.isnan()).sum() == 2 * (t - 2) * kv_heads * dim
+    assert rel_err(cache.nan_to_num(), ref_cache.nan_to_num()) < tol
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], ref_qkv[:, (heads + kv_heads) * dim:])  # v untouched
