@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from numba import int64
 
-from blink.device.block import exclusive_scan, locate, sort_pairs
+from blink.device.block import exclusive_scan, locate, next_power_of_two, sort_pairs
 from blink.device.kv import allocate_pages, free_sequences
 from blink.device.numba_compat import cuda
 from blink.device.ring import FINISH_ERROR, RUNNING
@@ -30,14 +30,6 @@ from blink.device.state import (BUCKET, CFG_MAX_MODEL_LEN, CFG_MAX_NUM_SEQS, CFG
 @cuda.jit(device=True)
 def pages_for(tokens, page_size):
     return (tokens + page_size - 1) // page_size
-
-
-@cuda.jit(device=True)
-def next_power_of_two(n):
-    size = 1
-    while size < n:
-        size *= 2
-    return size
 
 
 @cuda.jit(device=True)

@@ -98,7 +98,9 @@ def sort_pairs(keys, values, count, size):
         k *= 2
 
 
-def next_power_of_two(n: int) -> int:
+@cuda.jit(device=True)
+def next_power_of_two(n):
+    """The smallest power of two >= n (1 for n <= 1): the size ``sort_pairs`` needs for ``n`` pairs."""
     size = 1
     while size < n:
         size *= 2

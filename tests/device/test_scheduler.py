@@ -1,0 +1,247 @@
+"""The scheduler iteration (device code under the CUDA simulator) driven through the ring by a real Agent.
+
+References: outputs must equal the stand-in model's continuation cut by the reference consumer's stop rules; every
+planned step's inputs must satisfy ``step.py``'s contract, checked here in plain Python against the ring's tokens.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blink.config import SamplingParams, SchedulerConfig
+from blink.device.reference import stop_reason
+from blink.device.ring import ENGINE_STOPPED, FINISH_NONE, RingGeometry, RingLayout
+from blink.device.sim import SimScheduler
+from blink.device.standin import standin_continuation
+from blink.device.state import FREE_TOP, IDLE, N_RUNNING, STOP
+from blink.device.step import StepBuffers, StepLayout
+from blink.errors import RingFull
+from blink.nic.agent import Agent
+from blink.nic.transport import LocalMemory
+
+GEOMETRY = RingGeometry(n_slots=12, max_prompt_tokens=40, max_output_tokens=12, max_stop_ids=2)
+CONFIG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, page_size=4, num_pages=24, max_model_len=52,
+                         buckets=(1, 2, 4, 8, 16), eos_token_ids=(), block_threads=4)
+
+
+class Harness:
+    """A ring in local memory, an Agent, and the simulated scheduler; checks every step it plans."""
+
+    def __init__(self, config=CONFIG, geometry=GEOMETRY, threads=4, policy=None):
+        self.layout = RingLayout(geometry)
+        self.memory = LocalMemory(self.layout.size)
+        self.memory.write(0, self.layout.control_bytes())
+        self.agent = Agent(self.memory, geometry)
+        self.config = config
+        self.step = StepBuffers(StepLayout(config.buckets[-1], config.max_num_seqs, config.max_pages_per_seq))
+        options = {} if policy is None else {"policy": policy}
+        self.scheduler = SimScheduler(self.layout.view(self.memory.buffer), geometry, config, self.step,
+                                      threads=threads, **options)
+        self.outputs: dict[int, list[int]] = {}
+        self.reasons: dict[int, str] = {}
+        self.steps: list[dict] = []
+
+    def iterate(self) -> int:
+        outcome = self.scheduler.iteration()
+        if outcome >= 0:
+            self.steps.append(check_step_contract(self.scheduler.arrays, self.config, outcome))
+        for out in self.agent.poll():
+            assert out.request_id not in self.reasons, "output after the request finished"
+            self.outputs.setdefault(out.request_id, []).extend(out.new_tokens)
+            if out.finished:
+                self.reasons[out.request_id] = out.finish_reason
+        return outcome
+
+    def run_until_idle(self, limit=400):
+        for _ in range(limit):
+            if self.iterate() == IDLE and not self.agent.in_flight:
+                return
+        raise AssertionError(f"not idle after {limit} iterations; in flight: {self.agent.in_flight}")
+
+
+def check_step_contract(s, config, bucket):
+    """Every invariant step.py promises, for the step just planned; returns a summary of the step."""
+    tokens_in_bucket = config.buckets[bucket]
+    n_rows = int(s.num_seqs[0])
+    qsl = s.query_start_loc
+    n_tokens = int(qsl[n_rows])
+    assert 0 < n_tokens <= min(tokens_in_bucket, config.max_num_batched_tokens)
+    assert bucket == 0 or config.buckets[bucket - 1] < n_tokens, "not the smallest bucket"
+    assert int(qsl[0]) == 0 and (np.diff(qsl[:n_rows + 1]) > 0).all()
+    rows_in_bucket = min(tokens_in_bucket, len(s.logits_indices))
+    assert (qsl[n_rows:rows_in_bucket + 1] == n_tokens).all() and (s.seq_lens[n_rows:rows_in_bucket] == 0).all()
+    assert (s.logits_indices[n_rows:rows_in_bucket] == -1).all()
+    assert (s.slot_mapping[n_tokens:tokens_in_bucket] == -1).all()
+    page = config.page_size
+    slots = s.row_slot[:n_rows].tolist()
+    assert len(set(slots)) == n_rows, "a sequence appears in two rows"
+    chunks = []
+    for r, slot in enumerate(slots):
+        q = int(qsl[r + 1] - qsl[r])
+        length = int(s.seq_lens[r])
+        total = int(s.seq_total[slot])
+        assert length <= total
+        known = list(s.prompts[slot, :s.seq_prompt_len[slot]]) + list(s.outputs[slot, :total - s.seq_prompt_len[slot]])
+        known[total - 1] = int(s.seq_last[slot]) if total > s.seq_prompt_len[slot] else known[total - 1]
+        for k in range(q):
+            t = int(qsl[r]) + k
+            position = length - q + k
+            assert s.positions[t] == position and s.token_ids[t] == known[position]
+            table_page = s.block_tables[r, position // page]
+            assert table_page == s.seq_pages[slot, position // page]
+            assert s.slot_mapping[t] == table_page * page + position % page
+        n_pages = -(-length // page)
+        assert (s.block_tables[r, :n_pages] == s.seq_pages[slot, :n_pages]).all()
+        assert s.logits_indices[r] == (int(qsl[r + 1]) - 1 if length == total else -1)
+        assert s.seed[r] == s.seq_seed[slot] and s.temperature[r] == s.seq_temperature[slot]
+        chunks.append(q)
+    pages_held = sum(int(s.seq_npages[slot]) for slot in s.running[:s.sched[N_RUNNING]])
+    assert pages_held + int(s.sched[FREE_TOP]) == config.num_pages, "pages lost or duplicated"
+    return {"slots": slots, "chunks": chunks}
+
+
+def expected_output(prompt, params, eos=()):
+    """The reference consumer's answer: the stand-in continuation, cut by its stop rules."""
+    header = {"flags": 1 if params.ignore_eos else 0, "n_stop": len(params.stop_token_ids),
+              "stop_ids": list(params.stop_token_ids), "max_tokens": params.max_tokens}
+    tokens = standin_continuation(prompt, params.seed, params.max_tokens)
+    for n, token in enumerate(tokens, 1):
+        reason = stop_reason(token, n, header, frozenset(eos))
+        if reason != FINISH_NONE:
+            return tokens[:n], {1: "stop", 2: "length"}[reason]
+    raise AssertionError("max_tokens always ends a request")
+
+
+request = st.tuples(st.lists(st.integers(0, 31999), min_size=1, max_size=40), st.integers(1, 12),
+                    st.integers(0, 2**64 - 1), st.booleans(), st.integers(0, 6), st.booleans())
+
+
+@settings(max_examples=8, deadline=None)
+@given(requests=st.lists(request, min_size=1, max_size=9), num_pages=st.sampled_from([13, 18, 40]),
+       threads=st.sampled_from([1, 4]), use_stop=st.booleans())
+def test_random_workloads_match_the_reference(requests, num_pages, threads, use_stop):
+    """Staggered arrivals, chunked prefill (16-token budget), preemption (tight page pools), cancellations."""
+    config = SchedulerConfig(**{**CONFIG.__dict__, "num_pages": num_pages, "eos_token_ids": (7, 11)})
+    h = Harness(config, threads=threads)
+    submitted, cancelled = {}, set()
+    schedule = sorted(enumerate(requests), key=lambda item: item[1][4])
+    for iteration in range(400):
+        for index, (prompt, max_tokens, seed, ignore_eos, arrival, cancel) in schedule:
+            if arrival == iteration:
+                stop = (standin_continuation(prompt, seed, max_tokens)[max_tokens // 2],) if use_stop else ()
+                params = SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=ignore_eos,
+                                        stop_token_ids=stop)
+                rid = h.agent.submit(prompt, params)
+                submitted[rid] = (prompt, params, cancel)
+            elif arrival + 2 == iteration and cancel:
+                rid = next(r for r, (p, _, _) in submitted.items() if p is prompt)
+                if h.agent.cancel(rid):
+                    cancelled.add(rid)
+        if h.iterate() == IDLE and not h.agent.in_flight and iteration > 8:
+            break
+    assert len(h.reasons) == len(requests)
+    for rid, (prompt, params, _) in submitted.items():
+        tokens, reason = expected_output(prompt, params, config.eos_token_ids)
+        if rid in cancelled and h.reasons[rid] == "abort":
+            assert h.outputs.get(rid, []) == tokens[:len(h.outputs.get(rid, []))]
+        else:
+            assert (h.outputs.get(rid, []), h.reasons[rid]) == (tokens, reason)
+    s = h.scheduler.arrays
+    assert int(s.sched[FREE_TOP]) == num_pages and int(s.sched[N_RUNNING]) == 0
+    stats = h.agent.stats()
+    assert stats["admitted"] + stats["cancelled"] >= len(requests) == stats["finished"]
+    assert stats["tokens"] == sum(len(v) for v in h.outputs.values())
+    assert stats["kv_pages_free"] == num_pages and stats["running"] == 0
+
+
+def test_a_long_prompt_is_prefilled_in_budget_sized_chunks_and_sampled_once():
+    h = Harness()
+    prompt = list(range(100, 140))
+    rid = h.agent.submit(prompt, SamplingParams(max_tokens=3, seed=5))
+    h.run_until_idle()
+    assert [step["chunks"] for step in h.steps] == [[16], [16], [8], [1], [1]]
+    assert h.outputs[rid] == standin_continuation(prompt, 5, 3) and h.reasons[rid] == "length"
+
+
+def test_decodes_go_first_and_prefill_takes_the_rest_of_the_budget():
+    h = Harness()
+    first = h.agent.submit([1, 2, 3], SamplingParams(max_tokens=6, seed=1))
+    h.iterate()                                            # prefill of `first` (3 tokens)
+    second = h.agent.submit(list(range(30)), SamplingParams(max_tokens=2, seed=2))
+    h.iterate()
+    assert h.steps[-1] == {"slots": [0, 1], "chunks": [1, 15]}
+    h.run_until_idle()
+    assert h.outputs[first] == standin_continuation([1, 2, 3], 1, 6)
+    assert h.outputs[second] == standin_continuation(list(range(30)), 2, 2)
+
+
+def test_preemption_by_recompute_keeps_outputs_exact():
+    config = SchedulerConfig(**{**CONFIG.__dict__, "num_pages": 14})
+    h = Harness(config)
+    requests = {h.agent.submit(list(range(i, i + 20)), SamplingParams(max_tokens=12, seed=i, ignore_eos=True)):
+                (list(range(i, i + 20)), i) for i in range(3)}
+    h.run_until_idle()
+    assert h.agent.stats()["preempted"] > 0
+    for rid, (prompt, seed) in requests.items():
+        assert h.outputs[rid] == standin_continuation(prompt, seed, 12)
+    assert int(h.scheduler.arrays.sched[FREE_TOP]) == 14
+
+
+def test_admission_is_fcfs_and_a_policy_can_replace_it():
+    from blink.device.policy import by_priority
+
+    for policy, expected in [(None, [0, 1, 2, 3, 4]), (by_priority, [2, 4, 0, 1, 3])]:
+        config = SchedulerConfig(**{**CONFIG.__dict__, "max_num_seqs": 1, "max_num_batched_tokens": 16})
+        h = Harness(config, policy=policy)
+        priorities = [5, 5, -1, 9, 0]
+        ids = [h.agent.submit([i + 1], SamplingParams(max_tokens=1, seed=i), priority=p)
+               for i, p in enumerate(priorities)]
+        h.run_until_idle()
+        order = [step["slots"][0] for step in h.steps]
+        assert order == expected, policy
+        assert sorted(h.reasons) == ids
+
+
+def test_full_ring_and_unservable_requests():
+    geometry = RingGeometry(n_slots=3, max_prompt_tokens=40, max_output_tokens=12, max_stop_ids=2)
+    h = Harness(geometry=geometry)
+    ok = [h.agent.submit([5, 6], SamplingParams(max_tokens=2, seed=i)) for i in range(2)]
+    too_long = h.agent.submit(list(range(40)), SamplingParams(max_tokens=12))   # 52 > max_model_len? no: == 52
+    with pytest.raises(RingFull):
+        h.agent.submit([1], SamplingParams(max_tokens=1))
+    h.run_until_idle()
+    assert [h.reasons[r] for r in ok] == ["length", "length"] and h.reasons[too_long] == "length"
+    config = SchedulerConfig(**{**CONFIG.__dict__, "max_model_len": 48, "num_pages": 24})
+    h = Harness(config)
+    rejected = h.agent.submit(list(range(40)), SamplingParams(max_tokens=12))   # 52 > 48
+    h.run_until_idle()
+    assert h.reasons[rejected] == "error" and h.outputs.get(rejected, []) == []
+
+
+def test_shutdown_aborts_in_flight_requests_and_stops():
+    h = Harness()
+    running = h.agent.submit([1, 2], SamplingParams(max_tokens=12, ignore_eos=True))
+    h.iterate()
+    waiting = [h.agent.submit([3], SamplingParams(max_tokens=4)) for _ in range(5)]
+    h.agent.request_shutdown()
+    assert h.scheduler.iteration() == STOP
+    results = {out.request_id: out for out in h.agent.poll()}
+    assert {results[r].finish_reason for r in [running] + waiting} == {"abort"}
+    assert h.agent.stats()["engine_state"] == ENGINE_STOPPED
+    assert int(h.scheduler.arrays.sched[FREE_TOP]) == CONFIG.num_pages
+
+
+def test_logprobs_reach_the_ring_only_when_asked():
+    from blink.device.standin import standin_logprob
+
+    h = Harness()
+    with_lp = h.agent.submit([4, 5], SamplingParams(max_tokens=3, seed=8, logprobs=True))
+    without = h.agent.submit([4, 5], SamplingParams(max_tokens=3, seed=8))
+    got = {}
+    for _ in range(10):
+        h.scheduler.iteration()
+        for out in h.agent.poll():
+            got.setdefault(out.request_id, []).extend(out.new_logprobs or [])
+    tokens = [4, 5] + standin_continuation([4, 5], 8, 3)
+    assert got[with_lp] == [standin_logprob(tokens[p - 1], p, 8) for p in range(2, 5)]
+    assert got[without] == []
