@@ -199,7 +199,7 @@ def test_logprobs_are_the_sampled_tokens(served, hf):
     ids = hf("Hi")["input_ids"]
     tokens = standin_continuation(ids, 5, 6, len(hf))
     positions = range(len(ids), len(ids) + len(tokens))
-    want = [standin_logprob(prev, p, 5) for prev, p in zip([ids[-1], *tokens], positions)]
+    want = [standin_logprob(prev, p, 5) for prev, p in zip([ids[-1], *tokens[:-1]], positions, strict=True)]
     client = served.client()
     whole = client.completions.create(model=MODEL, prompt="Hi", max_tokens=6, seed=5, logprobs=0)
     assert whole.choices[0].logprobs.token_logprobs == want

@@ -571,12 +571,12 @@ class OpenAIServer:
             yield delta, tokens, None
 
     async def _complete(self, job: Job, req: _Request, text: TextStream) -> web.Response:
-        content, tokens, finish = "", [], None
-        async for delta, new_tokens, finish in self._events(req, text):
+        content, tokens = "", []
+        async for delta, new_tokens, _ in self._events(req, text):
             content += delta
             tokens += new_tokens
-        head = self._head(job, chunk=False)
-        return web.json_response({**head, "choices": [self._choice(job, content, tokens, finish, chunk=False)],
+        choice = self._choice(job, content, tokens, req.finish_reason, chunk=False)
+        return web.json_response({**self._head(job, chunk=False), "choices": [choice],
                                   "usage": self._usage(job, text)})
 
     async def _stream(self, request: web.Request, job: Job, req: _Request, text: TextStream) -> web.StreamResponse:
@@ -624,7 +624,7 @@ class OpenAIServer:
         strings = [self.tokenizer.decode([t], skip_special_tokens=False) for t, _ in tokens]
         if job.chat:
             return {"content": [{"token": s, "logprob": lp, "bytes": None, "top_logprobs": []}
-                                for s, (_, lp) in zip(strings, tokens)]}
+                                for s, (_, lp) in zip(strings, tokens, strict=True)]}
         return {"tokens": strings, "token_logprobs": [lp for _, lp in tokens]}
 
     def _usage(self, job: Job, text: TextStream) -> dict:

@@ -75,7 +75,8 @@ class Tokenizer:
 class Detokenizer:
     """Token ids in, text deltas out, never splitting a UTF-8 character across deltas.
 
-    Invariant: the deltas of ``push`` calls (one per token) followed by ``flush()`` concatenate to ``tokenizer.decode(all ids)``.
+    Invariant: the deltas of ``push`` calls (one per token) followed by ``flush()`` concatenate to
+    ``tokenizer.decode(all ids)``.
     Each push decodes a short window ``ids[prefix:]`` and emits what it adds to ``decode(ids[prefix:read])``. A
     window whose text ends in U+FFFD may end inside a character whose next bytes are in the next token, so its text
     is held back. Every emitted delta therefore ends on a whole character, where byte-level decoding is
