@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blink.config import SamplingParams, SchedulerConfig
-from blink.device.reference import stop_reason
-from blink.device.ring import ENGINE_STOPPED, FINISH_NONE, RingGeometry, RingLayout
+from blink.device.reference import expected_output
+from blink.device.ring import ENGINE_STOPPED, RingGeometry, RingLayout
 from blink.device.sim import SimScheduler
 from blink.device.standin import standin_continuation
 from blink.device.state import FREE_TOP, IDLE, N_RUNNING, STOP
@@ -98,18 +98,6 @@ def check_step_contract(s, config, bucket):
     pages_held = sum(int(s.seq_npages[slot]) for slot in s.running[:s.sched[N_RUNNING]])
     assert pages_held + int(s.sched[FREE_TOP]) == config.num_pages, "pages lost or duplicated"
     return {"slots": slots, "chunks": chunks}
-
-
-def expected_output(prompt, params, eos=()):
-    """The reference consumer's answer: the stand-in continuation, cut by its stop rules."""
-    header = {"flags": 1 if params.ignore_eos else 0, "n_stop": len(params.stop_token_ids),
-              "stop_ids": list(params.stop_token_ids), "max_tokens": params.max_tokens}
-    tokens = standin_continuation(prompt, params.seed, params.max_tokens)
-    for n, token in enumerate(tokens, 1):
-        reason = stop_reason(token, n, header, frozenset(eos))
-        if reason != FINISH_NONE:
-            return tokens[:n], {1: "stop", 2: "length"}[reason]
-    raise AssertionError("max_tokens always ends a request")
 
 
 request = st.tuples(st.lists(st.integers(0, 31999), min_size=1, max_size=40), st.integers(1, 12),
@@ -206,11 +194,11 @@ def test_full_ring_and_unservable_requests():
     geometry = RingGeometry(n_slots=3, max_prompt_tokens=40, max_output_tokens=12, max_stop_ids=2)
     h = Harness(geometry=geometry)
     ok = [h.agent.submit([5, 6], SamplingParams(max_tokens=2, seed=i)) for i in range(2)]
-    too_long = h.agent.submit(list(range(40)), SamplingParams(max_tokens=12))   # 52 > max_model_len? no: == 52
+    longest = h.agent.submit(list(range(40)), SamplingParams(max_tokens=12))    # exactly max_model_len
     with pytest.raises(RingFull):
         h.agent.submit([1], SamplingParams(max_tokens=1))
     h.run_until_idle()
-    assert [h.reasons[r] for r in ok] == ["length", "length"] and h.reasons[too_long] == "length"
+    assert [h.reasons[r] for r in ok] == ["length", "length"] and h.reasons[longest] == "length"
     config = SchedulerConfig(**{**CONFIG.__dict__, "max_model_len": 48, "num_pages": 24})
     h = Harness(config)
     rejected = h.agent.submit(list(range(40)), SamplingParams(max_tokens=12))   # 52 > 48

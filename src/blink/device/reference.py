@@ -21,9 +21,10 @@ import time
 import numpy as np
 
 from blink.device.ring import (CONTROL_DTYPE, ENGINE_SERVING, ENGINE_STOPPED, FINISH_ABORT, FINISH_ERROR,
-                               FINISH_LENGTH, FINISH_NONE, FINISH_STOP, FINISHED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, GPU,
-                               READY, RUNNING, STATE_NAMES, RingGeometry, RingLayout, RingView, check_transition)
-from blink.device.standin import STANDIN_VOCAB, standin_logprob, standin_token
+                               FINISH_LENGTH, FINISH_NAMES, FINISH_NONE, FINISH_STOP, FINISHED, FLAG_IGNORE_EOS,
+                               FLAG_LOGPROBS, GPU, READY, RUNNING, STATE_NAMES, RingGeometry, RingLayout, RingView,
+                               check_transition)
+from blink.device.standin import STANDIN_VOCAB, standin_continuation, standin_logprob, standin_token
 from blink.errors import IllegalTransition
 
 
@@ -37,6 +38,18 @@ def stop_reason(token: int, n_generated: int, header: np.void, eos_token_ids: fr
     if n_generated >= int(header["max_tokens"]):
         return FINISH_LENGTH
     return FINISH_NONE
+
+
+def expected_output(prompt: list[int], params, eos_token_ids=()) -> tuple[list[int], str]:
+    """What this consumer answers to one request (``SamplingParams`` with a seed): tokens and finish reason."""
+    header = {"flags": FLAG_IGNORE_EOS if params.ignore_eos else 0, "n_stop": len(params.stop_token_ids),
+              "stop_ids": list(params.stop_token_ids), "max_tokens": params.max_tokens}
+    tokens = standin_continuation(prompt, params.seed, params.max_tokens)
+    for n, token in enumerate(tokens, 1):
+        reason = stop_reason(token, n, header, frozenset(eos_token_ids))
+        if reason != FINISH_NONE:
+            return tokens[:n], FINISH_NAMES[reason]
+    raise AssertionError("unreachable: max_tokens always ends a request")
 
 
 class ReferenceConsumer:

@@ -1,0 +1,190 @@
+"""GPU scheduler benchmark (H200): launch overhead per step, slot-scan cost, admission latency.
+
+    NUMBA_ENABLE_CUDASIM=0 PYTHONPATH=src python bench/scheduler_bench.py --json scheduler_bench.json
+
+1. Step time with the stand-in step (one small kernel + the "done" kernel), both launch modes, 1 and 64 decoding
+   requests: (time between the first token and the last) / (steps in between), timed on the host over 2000 steps.
+   Baseline: the host launching the same step graph back to back.
+2. Iteration time at 4096 slots with nothing to run (idle_sleep_ns=0, so the loop spins): every slot FREE, half and
+   all FINISHED (scanned, never admitted), and a backlog of 4095 READY requests that cannot be admitted
+   (max_num_seqs=1 is taken): every iteration keys 1024 candidates and sorts them.
+3. READY-to-first-token latency: the loop idles; the host publishes one request and spins on its n_generated word.
+Prints a table, writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import numpy as np
+
+from blink.config import SamplingParams, SchedulerConfig
+from blink.device.launch import GpuScheduler, link_image
+from blink.device.ring import FINISHED, RingGeometry, RingLayout
+from blink.device.step import StepBuffers, StepLayout
+from blink.nic.agent import Agent
+from blink.nic.transport import LocalMemory
+
+GEOMETRY = RingGeometry(n_slots=4096, max_prompt_tokens=16, max_output_tokens=2048, max_stop_ids=0, logprobs=False)
+BASE = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048, page_size=16, num_pages=40_000,
+                       max_model_len=2064)
+
+
+class Rig:
+    """A ring in host memory, the GPU scheduler (stand-in step) on it, and an in-process agent."""
+
+    def __init__(self, image: bytes, config: SchedulerConfig):
+        self.layout = RingLayout(GEOMETRY)
+        self.memory = LocalMemory(self.layout.size)
+        self.memory.write(0, self.layout.control_bytes())
+        self.view = self.layout.view(self.memory.buffer)
+        self.step = StepBuffers(StepLayout(config.buckets[-1], config.max_num_seqs, config.max_pages_per_seq), "cuda")
+        self.scheduler = GpuScheduler(self.memory, GEOMETRY, config, self.step.layout,
+                                      {k: t.data_ptr() for k, t in self.step.tensors().items()}, image=image)
+        self.agent = Agent(self.memory, GEOMETRY, liveness_timeout_s=60)
+
+    def control(self, name: str) -> int:
+        return int(self.view.control[name][0])
+
+    def stop(self) -> None:
+        self.scheduler.request_shutdown()
+        self.scheduler.join(timeout_s=60)
+        self.scheduler.close()
+
+
+def step_time(image: bytes, mode: str, batch: int, steps: int = 2000) -> dict:
+    rig = Rig(image, SchedulerConfig(**{**BASE.__dict__, "launch_mode": mode}))
+    rig.scheduler.start()
+    ngen = rig.view.status["n_generated"]
+    slots = [rig.agent._slot_of[rig.agent.submit([1, 2, 3], SamplingParams(max_tokens=steps, ignore_eos=True))]
+             for _ in range(batch)]
+    while (ngen[slots] < 2).any():
+        pass
+    t0, s0 = time.perf_counter(), rig.control("steps")
+    while rig.control("finished") < batch:
+        pass
+    t1, s1 = time.perf_counter(), rig.control("steps")
+    rig.stop()
+    return {"mode": mode, "batch": batch, "steps": s1 - s0, "us_per_step": (t1 - t0) / (s1 - s0) * 1e6}
+
+
+def host_baseline(image: bytes, launches: int = 2000) -> dict:
+    """The host launching the 1-row stand-in step graph back to back, then synchronizing."""
+    from cuda.bindings import driver, runtime
+
+    rig = Rig(image, BASE)
+    graph = rig.scheduler.step_graphs[0]
+    stream = runtime.cudaStream_t(init_value=int(rig.scheduler.stream))
+    for _ in range(100):
+        runtime.cudaGraphLaunch(graph, stream)
+    driver.cuStreamSynchronize(rig.scheduler.stream)
+    t0 = time.perf_counter()
+    for _ in range(launches):
+        runtime.cudaGraphLaunch(graph, stream)
+    driver.cuStreamSynchronize(rig.scheduler.stream)
+    us = (time.perf_counter() - t0) / launches * 1e6
+    rig.scheduler.close()
+    return {"us_per_step": us}
+
+
+def idle_iteration(image: bytes, mode: str, case: str, seconds: float = 0.5) -> dict:
+    config = SchedulerConfig(**{**BASE.__dict__, "launch_mode": mode, "idle_sleep_ns": 0,
+                                "max_num_seqs": 1 if case == "ready_backlog" else BASE.max_num_seqs})
+    rig = Rig(image, config)
+    state = rig.view.status["state"]
+    if case == "half_finished":
+        state[::2] = FINISHED
+    elif case == "all_finished":
+        state[:] = FINISHED
+    rig.scheduler.start()
+    if case == "ready_backlog":
+        rig.agent.submit([1], SamplingParams(max_tokens=2048, ignore_eos=True))
+        while rig.control("running") < 1:
+            pass
+        for _ in range(GEOMETRY.n_slots - 1):
+            rig.agent.submit([1], SamplingParams(max_tokens=1))
+    time.sleep(0.05)
+    t0, h0 = time.perf_counter(), rig.control("heartbeat")
+    time.sleep(seconds)
+    t1, h1 = time.perf_counter(), rig.control("heartbeat")
+    if case != "ready_backlog":
+        state[:] = 0
+    rig.stop()
+    return {"mode": mode, "case": case, "iterations": h1 - h0, "us_per_iteration": (t1 - t0) / (h1 - h0) * 1e6}
+
+
+def admission_latency(image: bytes, idle_ns: int, trials: int = 200) -> dict:
+    rig = Rig(image, SchedulerConfig(**{**BASE.__dict__, "idle_sleep_ns": idle_ns}))
+    rig.scheduler.start()
+    ngen, samples = rig.view.status["n_generated"], []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        slot = rig.agent._slot_of[rig.agent.submit([5, 6], SamplingParams(max_tokens=1))]
+        while ngen[slot] < 1:
+            pass
+        samples.append((time.perf_counter() - t0) * 1e6)
+        while rig.agent.in_flight:
+            rig.agent.poll()
+    rig.stop()
+    samples.sort()
+    return {"idle_sleep_ns": idle_ns, "median_us": statistics.median(samples),
+            "p99_us": samples[int(0.99 * (len(samples) - 1))]}
+
+
+def kernel_resources(image: bytes) -> dict:
+    from cuda.bindings import driver
+
+    rig = Rig(image, BASE)
+    result = {}
+    for name in ("blink_scheduler_window", "blink_scheduler_tail"):
+        function = rig.scheduler._function(name)
+        attribute = driver.CUfunction_attribute
+        result[name] = {key: int(driver.cuFuncGetAttribute(getattr(attribute, a), function)[1]) for key, a in
+                        [("registers", "CU_FUNC_ATTRIBUTE_NUM_REGS"),
+                         ("local_bytes", "CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES"),
+                         ("shared_bytes", "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES")]}
+    rig.scheduler.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default="scheduler_bench.json")
+    args = parser.parse_args()
+    t = time.perf_counter()
+    image = link_image()
+    link_s = time.perf_counter() - t
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip() or os.environ.get("BLINK_COMMIT", "?"),
+        "link_seconds": link_s,
+        "resources": kernel_resources(image),
+        "host_baseline": host_baseline(image),
+        "step": [step_time(image, mode, batch) for mode in ("fire_and_forget", "tail") for batch in (1, 64)],
+        "idle": [idle_iteration(image, mode, case) for mode in ("fire_and_forget", "tail")
+                 for case in ("all_free", "half_finished", "all_finished", "ready_backlog")],
+        "admission": [admission_latency(image, ns) for ns in (0, 20_000)],
+    }
+    print(f"scheduler bench, commit {result['commit']}, image linked in {link_s:.1f} s")
+    print(f"  kernel resources: {json.dumps(result['resources'])}")
+    print(f"  host back-to-back launches of the 1-row step graph: {result['host_baseline']['us_per_step']:.2f} us")
+    print(f"  {'mode':>16} {'batch':>5} {'us/step':>8}")
+    for r in result["step"]:
+        print(f"  {r['mode']:>16} {r['batch']:>5} {r['us_per_step']:>8.2f}")
+    print(f"  {'mode':>16} {'ring (4096 slots)':>18} {'us/iteration':>13}")
+    for r in result["idle"]:
+        print(f"  {r['mode']:>16} {r['case']:>18} {r['us_per_iteration']:>13.2f}")
+    for r in result["admission"]:
+        print(f"  READY -> first token (idle sleep {r['idle_sleep_ns']} ns): median {r['median_us']:.1f} us, "
+              f"p99 {r['p99_us']:.1f} us")
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
