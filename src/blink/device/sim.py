@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
@@ -28,6 +29,34 @@ from blink.device.step import StepBuffers  # noqa: E402
 if not SIMULATOR:
     raise ImportError("blink.device.sim needs numba's CUDA simulator, but numba was imported without it: set "
                       "NUMBA_ENABLE_CUDASIM=1 before numba is first imported (or import blink.device.sim first)")
+
+from numba import types as _types  # noqa: E402
+from numba.cuda.simulator import kernelapi as _kernelapi  # noqa: E402
+
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_array(self, shape, dtype, alignment=None):
+    """``cuda.shared.array`` for the simulator, race-free.
+
+    numba's simulator looks up a shared array by the caller's source line and creates it when missing, without a
+    lock: two simulated threads reaching the line together can each create their own array, and the block's
+    threads then silently stop sharing it. Same lookup here, under a lock (and zero-filled).
+    """
+    if shape == 0 or alignment is not None:
+        raise NotImplementedError("blink's device code uses neither dynamic nor aligned shared memory")
+    frame = sys._getframe(1)
+    key = (frame.f_code.co_filename, frame.f_lineno)
+    with _SHARED_LOCK:
+        array = self._allocations.get(key)
+        if array is None:
+            if isinstance(dtype, _types.Type):
+                dtype = np.dtype(str(dtype))
+            array = self._allocations[key] = np.zeros(shape, dtype)
+    return array
+
+
+_kernelapi.FakeCUDAShared.array = _shared_array
 
 
 def make_kernel(policy):
