@@ -5,9 +5,11 @@
 1. Step time with the stand-in step (one small kernel + the "done" kernel), both launch modes, 1 and 64 decoding
    requests: (time between the first token and the last) / (steps in between), timed on the host over 2000 steps.
    Baseline: the host launching the same step graph back to back.
-2. Iteration time at 4096 slots with nothing to run (idle_sleep_ns=0, so the loop spins): every slot FREE, half and
-   all FINISHED (scanned, never admitted), and a backlog of 4095 READY requests that cannot be admitted
-   (max_num_seqs=1 is taken): every iteration keys 1024 candidates and sorts them.
+2. Iteration time at 4096 slots with nothing to run (idle_sleep_ns=0, so the loop spins), with the ring empty, half
+   and fully occupied (FINISHED slots: scanned, never admitted), and with a backlog of 4095 queued READY requests
+   that cannot be admitted (max_num_seqs=1 is taken). Each case runs twice: plain, and with the host bumping the
+   ``submitted`` doorbell as fast as it can, so that every iteration scans all 4096 state words; the difference
+   is the scan's cost.
 3. READY-to-first-token latency: the loop idles; the host publishes one request and spins on its n_generated word.
 Prints a table, writes JSON.
 """
@@ -91,7 +93,7 @@ def host_baseline(image: bytes, launches: int = 2000) -> dict:
     return {"us_per_step": us}
 
 
-def idle_iteration(image: bytes, mode: str, case: str, seconds: float = 0.5) -> dict:
+def idle_iteration(image: bytes, mode: str, case: str, scan: bool, seconds: float = 0.3) -> dict:
     config = SchedulerConfig(**{**BASE.__dict__, "launch_mode": mode, "idle_sleep_ns": 0,
                                 "max_num_seqs": 1 if case == "ready_backlog" else BASE.max_num_seqs})
     rig = Rig(image, config)
@@ -108,13 +110,17 @@ def idle_iteration(image: bytes, mode: str, case: str, seconds: float = 0.5) -> 
         for _ in range(GEOMETRY.n_slots - 1):
             rig.agent.submit([1], SamplingParams(max_tokens=1))
     time.sleep(0.05)
+    doorbell = rig.view.control["submitted"]
     t0, h0 = time.perf_counter(), rig.control("heartbeat")
-    time.sleep(seconds)
+    while time.perf_counter() - t0 < seconds:
+        if scan:
+            doorbell += 1
     t1, h1 = time.perf_counter(), rig.control("heartbeat")
     if case != "ready_backlog":
         state[:] = 0
     rig.stop()
-    return {"mode": mode, "case": case, "iterations": h1 - h0, "us_per_iteration": (t1 - t0) / (h1 - h0) * 1e6}
+    return {"mode": mode, "case": case, "scan": scan, "iterations": h1 - h0,
+            "us_per_iteration": (t1 - t0) / (h1 - h0) * 1e6}
 
 
 def admission_latency(image: bytes, idle_ns: int, trials: int = 200) -> dict:
@@ -166,8 +172,8 @@ def main() -> None:
         "resources": kernel_resources(image),
         "host_baseline": host_baseline(image),
         "step": [step_time(image, mode, batch) for mode in ("fire_and_forget", "tail") for batch in (1, 64)],
-        "idle": [idle_iteration(image, mode, case) for mode in ("fire_and_forget", "tail")
-                 for case in ("all_free", "half_finished", "all_finished", "ready_backlog")],
+        "idle": [idle_iteration(image, mode, case, scan) for mode in ("fire_and_forget", "tail")
+                 for case in ("all_free", "half_finished", "all_finished", "ready_backlog") for scan in (False, True)],
         "admission": [admission_latency(image, ns) for ns in (0, 20_000)],
     }
     print(f"scheduler bench, commit {result['commit']}, image linked in {link_s:.1f} s")
@@ -176,9 +182,10 @@ def main() -> None:
     print(f"  {'mode':>16} {'batch':>5} {'us/step':>8}")
     for r in result["step"]:
         print(f"  {r['mode']:>16} {r['batch']:>5} {r['us_per_step']:>8.2f}")
-    print(f"  {'mode':>16} {'ring (4096 slots)':>18} {'us/iteration':>13}")
-    for r in result["idle"]:
-        print(f"  {r['mode']:>16} {r['case']:>18} {r['us_per_iteration']:>13.2f}")
+    print(f"  {'mode':>16} {'ring (4096 slots)':>18} {'us/iteration':>13} {'with full scan':>15}")
+    for plain, scanning in zip(result["idle"][::2], result["idle"][1::2]):
+        print(f"  {plain['mode']:>16} {plain['case']:>18} {plain['us_per_iteration']:>13.2f} "
+              f"{scanning['us_per_iteration']:>15.2f}")
     for r in result["admission"]:
         print(f"  READY -> first token (idle sleep {r['idle_sleep_ns']} ns): median {r['median_us']:.1f} us, "
               f"p99 {r['p99_us']:.1f} us")

@@ -1,9 +1,8 @@
 """Admission and step planning (device functions, whole block).
 
-``admit``: the READY candidates found by the scan are sorted by ``(policy key, slot)``; invalid requests (a header
-that breaks the geometry, or ``prompt_len + max_tokens > max_model_len``) finish with "error"; the valid ones are
-admitted in order while running sequences stay under ``max_num_seqs`` and their whole prompt fits in the free pages
-above the watermark. The first one that does not fit blocks the rest (no overtaking), as in vLLM's FCFS.
+``admit``: requests leave the head of the waiting queue (``waiting.py``, sorted by the admission policy) while
+running sequences stay under ``max_num_seqs`` and their whole prompt fits in the free pages above the watermark. The
+first one that does not fit blocks the rest (no overtaking), as in vLLM's FCFS.
 
 ``plan``: every running sequence wants ``total - computed`` tokens (1 for a decode). Decodes come first and always
 get their page: while they do not fit, the most recently admitted sequence that holds pages is preempted by
@@ -16,15 +15,13 @@ from __future__ import annotations
 
 from numba import int64
 
-from blink.device.block import exclusive_scan, locate, next_power_of_two, sort_pairs
+from blink.device.block import exclusive_scan, locate
 from blink.device.kv import allocate_pages, free_sequences
 from blink.device.numba_compat import cuda
-from blink.device.ring import FINISH_ERROR, RUNNING
-from blink.device.state import (BUCKET, CFG_MAX_MODEL_LEN, CFG_MAX_NUM_SEQS, CFG_MAX_STOP, CFG_N_BUCKETS,
-                                CFG_PAGE_SIZE, CFG_TOKEN_BUDGET, CFG_WATERMARK, FREE_TOP, H32_FLAGS, H32_MAX_TOKENS,
-                                H32_N_STOP, H32_PROMPT_LEN, H32_STOP_IDS, H32_TOP_K, H64_SEED, HF_TEMPERATURE,
-                                HF_TOP_P, IDLE, K_ADMITTED, K_FINISHED, K_PREEMPTED, K_REJECTED, K_VICTIM, N_ROWS,
-                                N_RUNNING, finish_slot)
+from blink.device.ring import RUNNING
+from blink.device.state import (BUCKET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_PAGE_SIZE, CFG_TOKEN_BUDGET,
+                                CFG_WATERMARK, FREE_TOP, IDLE, K_ADMITTED, K_PREEMPTED, K_VICTIM, N_QUEUED, N_ROWS,
+                                N_RUNNING, QUEUE_HEAD)
 
 
 @cuda.jit(device=True)
@@ -33,32 +30,14 @@ def pages_for(tokens, page_size):
 
 
 @cuda.jit(device=True)
-def servable(s, slot):
-    """Whether the header of ``slot`` describes a request this scheduler can ever run."""
-    prompt_len = s.hdr_i32[slot, H32_PROMPT_LEN]
-    max_tokens = s.hdr_i32[slot, H32_MAX_TOKENS]
-    n_stop = s.hdr_i32[slot, H32_N_STOP]
-    return (1 <= prompt_len <= s.prompts.shape[1] and 1 <= max_tokens <= s.outputs.shape[1]
-            and 0 <= n_stop <= s.cfg[CFG_MAX_STOP] and prompt_len + max_tokens <= s.cfg[CFG_MAX_MODEL_LEN])
-
-
-@cuda.jit(device=True)
 def start_sequence(s, slot, index):
-    """Copy the request's header into device memory, publish RUNNING, and append it to the running list."""
-    s.seq_prompt_len[slot] = s.hdr_i32[slot, H32_PROMPT_LEN]
-    s.seq_total[slot] = s.hdr_i32[slot, H32_PROMPT_LEN]
-    s.seq_max_tokens[slot] = s.hdr_i32[slot, H32_MAX_TOKENS]
-    s.seq_flags[slot] = s.hdr_i32[slot, H32_FLAGS]
-    s.seq_top_k[slot] = s.hdr_i32[slot, H32_TOP_K]
-    s.seq_n_stop[slot] = s.hdr_i32[slot, H32_N_STOP]
-    for k in range(s.hdr_i32[slot, H32_N_STOP]):
-        s.seq_stop[slot, k] = s.hdr_i32[slot, H32_STOP_IDS + k]
-    s.seq_temperature[slot] = s.hdr_f32[slot, HF_TEMPERATURE]
-    s.seq_top_p[slot] = s.hdr_f32[slot, HF_TOP_P]
-    s.seq_seed[slot] = int64(s.hdr_u64[slot, H64_SEED])
+    """Publish RUNNING for a queued request (its header is already in device memory) at running[index]."""
+    s.seq_total[slot] = s.seq_prompt_len[slot]
     s.seq_computed[slot] = 0
     s.seq_npages[slot] = 0
+    s.seq_finish[slot] = 0
     s.seq_version[slot] += 1
+    s.seq_queued[slot] = 0
     s.ngen[slot] = 0
     s.finish[slot] = 0
     cuda.threadfence_system()
@@ -67,40 +46,33 @@ def start_sequence(s, slot, index):
 
 
 @cuda.jit(device=True)
-def admit(s, sh, n_candidates):
-    """Admit candidates ``(sh.keys, sh.slots)[0:n_candidates]`` in policy order; reject unservable ones."""
-    if n_candidates == 0:
-        return
+def admit(s, sh):
+    """Admit from the head of the waiting queue while sequences and pages last; the first that does not fit
+    blocks the rest (no overtaking)."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    page = s.cfg[CFG_PAGE_SIZE]
-    sort_pairs(sh.keys, sh.slots, n_candidates, next_power_of_two(n_candidates))
-    # c: servable flag; d: pages its prompt needs; a -> rank among servable; b -> pages needed before it.
-    for j in range(tid, n_candidates, nt):
-        ok = servable(s, sh.slots[j])
-        sh.c[j] = 1 if ok else 0
-        sh.d[j] = pages_for(s.hdr_i32[sh.slots[j], H32_PROMPT_LEN], page) if ok else 0
-        sh.a[j] = sh.c[j]
-        sh.b[j] = sh.d[j]
-    cuda.syncthreads()
-    exclusive_scan(sh.a, n_candidates, sh.partial)
-    exclusive_scan(sh.b, n_candidates, sh.partial)
     running = s.sched[N_RUNNING]
-    capacity = s.cfg[CFG_MAX_NUM_SEQS] - running
+    window = min(s.sched[N_QUEUED], s.cfg[CFG_MAX_NUM_SEQS] - running)
+    if window <= 0:
+        return
+    head = s.sched[QUEUE_HEAD]
+    page = s.cfg[CFG_PAGE_SIZE]
+    for j in range(tid, window, nt):            # b -> pages the prompts before j need
+        sh.b[j] = pages_for(s.seq_prompt_len[s.queue_slots[head + j]], page)
+    cuda.syncthreads()
+    exclusive_scan(sh.b, window, sh.partial)
     free = s.sched[FREE_TOP] - s.cfg[CFG_WATERMARK]
-    for j in range(tid, n_candidates, nt):
-        slot = sh.slots[j]
-        if sh.c[j] == 0:
-            s.ngen[slot] = 0
-            finish_slot(s, slot, FINISH_ERROR)
-            cuda.atomic.add(sh.counters, K_REJECTED, 1)
-            cuda.atomic.add(sh.counters, K_FINISHED, 1)
-        elif sh.a[j] < capacity and sh.b[j] + sh.d[j] <= free:
-            start_sequence(s, slot, running + sh.a[j])
+    for j in range(tid, window, nt):
+        slot = s.queue_slots[head + j]
+        if sh.b[j] + pages_for(s.seq_prompt_len[slot], page) <= free:
+            start_sequence(s, slot, running + j)
             cuda.atomic.add(sh.counters, K_ADMITTED, 1)
     cuda.syncthreads()
     if tid == 0:
-        s.sched[N_RUNNING] = running + sh.counters[K_ADMITTED]
+        admitted = sh.counters[K_ADMITTED]
+        s.sched[N_RUNNING] = running + admitted
+        s.sched[QUEUE_HEAD] = head + admitted
+        s.sched[N_QUEUED] -= admitted
     cuda.syncthreads()
 
 

@@ -26,8 +26,13 @@ state word. A cancel is a request, not a state: the agent writes the request's e
 it writes) and the GPU finishes the slot with reason ``abort`` at its next iteration. The epoch increments each time
 the agent reuses a slot, so a late cancel or a stale read of a recycled slot is detectable.
 
+Doorbells: after publishing READY the agent bumps ``submitted``, after writing a cancel word it bumps ``cancels``
+(both in the control block, both written only by the agent). The GPU reads these two words every iteration and scans
+the state column or the cancel words only when one moved, so an iteration with nothing new reads three words across
+PCIe instead of every slot.
+
 Ordering: a writer publishes the payload before the word that announces it (agent: header, prompt and epoch, then
-``state = READY``; GPU: zero ``n_generated`` and ``finish_reason``, fence, ``state = RUNNING``; tokens, fence, then
+``state = READY``, then ``submitted``; GPU: zero ``n_generated`` and ``finish_reason``, fence, ``state = RUNNING``; tokens, fence, then
 ``n_generated``; ``finish_reason``, fence, then ``state = FINISHED``). A reader loads the announcing word first,
 then the payload. The agent ignores ``n_generated`` and ``finish_reason`` of a READY slot: they still hold the
 previous request's values until the GPU admits it.
@@ -112,6 +117,8 @@ CONTROL_DTYPE = _struct([
     ("kv_pages_free", "<u4", 100),
     ("running", "<u4", 104),
     ("waiting", "<u4", 108),
+    ("submitted", "<u8", 112),      # agent doorbell: requests published READY so far
+    ("cancels", "<u8", 120),        # agent doorbell: cancel words written so far
 ], 256)
 
 GEOMETRY_FIELDS = ("n_slots", "max_prompt_tokens", "max_output_tokens", "max_stop_ids", "flags")

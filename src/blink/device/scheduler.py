@@ -5,9 +5,10 @@ One iteration (``iterate``), run by one thread block:
 1. **consume** the previous step's sampled tokens: token (and logprob) into the ring's output area, fence, then
    ``n_generated``; stop checks (EOS unless ignore_eos, stop ids -> "stop"; ``max_tokens`` -> "length");
 2. **retire** finished and cancelled sequences: pages back to the free stack, ``finish_reason``, fence, FINISHED;
-3. **scan** every slot's state word for READY (cancelled READY slots finish with "abort" right there) and key the
-   candidates with the admission policy;
-4. **admit** (``batcher.admit``), 5. **plan** the next step and write its inputs (``batcher.plan``);
+3. **collect** new READY requests into the waiting queue (``waiting.py``), only when the agent's ``submitted``
+   doorbell moved; cancels are looked for only when its ``cancels`` doorbell moved;
+4. **admit** from the queue's head (``batcher.admit``), 5. **plan** the next step and write its inputs
+   (``batcher.plan``);
 6. report heartbeat, counters and gauges in the ring's control block and return the bucket to launch (or ``IDLE``,
    or ``STOP`` once shutdown was requested and everything in flight was aborted).
 
@@ -27,12 +28,12 @@ from blink.device.numba_compat import cuda, load_volatile
 from blink.device.ring import (ENGINE_SERVING, ENGINE_STOPPED, FINISH_ABORT, FINISH_LENGTH, FINISH_NONE, FINISH_STOP,
                                FLAG_IGNORE_EOS, FLAG_LOGPROBS, READY)
 from blink.device.state import (C32_ENGINE_STATE, C32_KV_FREE, C32_RUNNING, C32_SHUTDOWN, C32_WAITING,
-                                C64_ADMITTED, C64_CANCELLED, C64_FINISHED, C64_HEARTBEAT, C64_PREEMPTED, C64_STEPS,
-                                C64_TOKENS, CFG_LOGPROBS, CFG_N_EOS, COUNTERS, FREE_TOP, H32_MAX_TOKENS,
-                                H32_PRIORITY, H32_PROMPT_LEN, H64_ARRIVAL, H64_REQUEST_ID, K_ADMITTED, K_CANCELLED,
-                                K_CANDIDATES, K_FINISHED, K_PREEMPTED, K_REJECTED, K_SHUTDOWN, K_TOKENS, MAX_CANDIDATES,
-                                N_COUNTERS, N_ROWS,
-                                N_RUNNING, N_WAITING, STOP, Scratch, finish_slot)
+                                C64_ADMITTED, C64_CANCELLED, C64_CANCELS, C64_FINISHED, C64_HEARTBEAT, C64_PREEMPTED,
+                                C64_STEPS, C64_SUBMITTED, C64_TOKENS, CFG_LOGPROBS, CFG_N_EOS, COUNTERS, FREE_TOP,
+                                K_ADMITTED, K_CANCEL_BELL, K_CANCELLED, K_FINISHED, K_PREEMPTED, K_SCAN, K_SHUTDOWN,
+                                K_TOKENS, MAX_CANDIDATES, N_COUNTERS, N_QUEUED, N_ROWS, N_RUNNING, QUEUE_HEAD,
+                                S_SEEN_CANCELS, S_SEEN_SUBMITTED, STOP, Scratch, finish_slot)
+from blink.device.waiting import cancel_queued, cancelled, collect, enqueue, refuse
 
 @cuda.jit(device=True)
 def stop_reason(s, slot, token):
@@ -58,11 +59,12 @@ def consume(s, sh):
         slot = s.row_slot[r]
         s.seq_computed[slot] += s.query_start_loc[r + 1] - s.query_start_loc[r]
         if s.logits_indices[r] >= 0:
-            token = s.sampled_ids[r]
+            # Written by the step's kernels on other SMs; a resident scheduler must not read a stale L1 line.
+            token = load_volatile(s.sampled_ids, r)
             n = s.seq_total[slot] - s.seq_prompt_len[slot]
             s.outputs[slot, n] = token
             if s.cfg[CFG_LOGPROBS] != 0 and (s.seq_flags[slot] & FLAG_LOGPROBS) != 0:
-                s.logprobs[slot, n] = s.sampled_logprobs[r]
+                s.logprobs[slot, n] = load_volatile(s.sampled_logprobs, r)
             cuda.threadfence_system()
             s.ngen[slot] = n + 1
             s.seq_total[slot] += 1
@@ -82,11 +84,9 @@ def retire(s, sh):
     for i in range(tid, n, nt):
         slot = s.running[i]
         reason = s.seq_finish[slot]
-        if reason == FINISH_NONE:
-            c = load_volatile(s.cancel, slot)
-            if c != 0 and c == load_volatile(s.epoch, slot):
-                reason = FINISH_ABORT
-                s.seq_finish[slot] = reason
+        if reason == FINISH_NONE and sh.counters[K_CANCEL_BELL] != 0 and cancelled(s, slot):
+            reason = FINISH_ABORT
+            s.seq_finish[slot] = reason
         sh.a[i] = 1 if reason != FINISH_NONE else 0
         sh.b[i] = 1 - sh.a[i]
     cuda.syncthreads()
@@ -118,36 +118,8 @@ def retire(s, sh):
 
 
 @cuda.jit(device=True)
-def scan_ready(s, sh, policy):
-    """Collect READY slots as admission candidates ``(policy key, slot)``; finish cancelled ones with "abort".
-
-    Keeps the first MAX_CANDIDATES found; the policy orders those. Returns how many were kept.
-    """
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    for slot in range(tid, s.state.shape[0], nt):
-        if load_volatile(s.state, slot) != READY:
-            continue
-        c = load_volatile(s.cancel, slot)
-        if c != 0 and c == load_volatile(s.epoch, slot):
-            s.ngen[slot] = 0
-            finish_slot(s, slot, FINISH_ABORT)
-            cuda.atomic.add(sh.counters, K_FINISHED, 1)
-            cuda.atomic.add(sh.counters, K_CANCELLED, 1)
-            continue
-        k = cuda.atomic.add(sh.counters, K_CANDIDATES, 1)
-        if k < MAX_CANDIDATES:
-            sh.slots[k] = slot
-            sh.keys[k] = policy(int64(s.hdr_u64[slot, H64_ARRIVAL]), s.hdr_i32[slot, H32_PROMPT_LEN],
-                                s.hdr_i32[slot, H32_MAX_TOKENS], s.hdr_i32[slot, H32_PRIORITY],
-                                int64(s.hdr_u64[slot, H64_REQUEST_ID]))
-    cuda.syncthreads()
-    return min(sh.counters[K_CANDIDATES], MAX_CANDIDATES)
-
-
-@cuda.jit(device=True)
 def abort_everything(s, sh):
-    """Shutdown: finish every READY and RUNNING request with "abort" and free all pages."""
+    """Shutdown: finish every READY (queued or not) and RUNNING request with "abort" and free all pages."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     n = s.sched[N_RUNNING]
@@ -162,14 +134,36 @@ def abort_everything(s, sh):
         cuda.atomic.add(sh.counters, K_CANCELLED, 1)
     for slot in range(tid, s.state.shape[0], nt):
         if load_volatile(s.state, slot) == READY:
-            s.ngen[slot] = 0
-            finish_slot(s, slot, FINISH_ABORT)
-            cuda.atomic.add(sh.counters, K_FINISHED, 1)
-            cuda.atomic.add(sh.counters, K_CANCELLED, 1)
+            s.seq_queued[slot] = 0
+            refuse(s, sh, slot, FINISH_ABORT)
     cuda.syncthreads()
     if tid == 0:
         s.sched[N_RUNNING] = 0
         s.sched[N_ROWS] = 0
+        s.sched[N_QUEUED] = 0
+        s.sched[QUEUE_HEAD] = 0
+
+
+@cuda.jit(device=True)
+def read_doorbells(s, sh):
+    """Three threads read shutdown and the two doorbells across PCIe at once; the block then agrees on them.
+
+    A doorbell that moved since the scheduler last acted on it sets K_SCAN / K_CANCEL_BELL for this iteration.
+    """
+    tid = cuda.threadIdx.x
+    if tid == 0:
+        sh.counters[K_SHUTDOWN] = load_volatile(s.ctl32, C32_SHUTDOWN)
+    if tid == min(1, cuda.blockDim.x - 1):
+        submitted = int64(load_volatile(s.ctl64, C64_SUBMITTED))
+        if submitted != s.stats[S_SEEN_SUBMITTED]:
+            s.stats[S_SEEN_SUBMITTED] = submitted
+            sh.counters[K_SCAN] = 1
+    if tid == min(2, cuda.blockDim.x - 1):
+        cancels = int64(load_volatile(s.ctl64, C64_CANCELS))
+        if cancels != s.stats[S_SEEN_CANCELS]:
+            s.stats[S_SEEN_CANCELS] = cancels
+            sh.counters[K_CANCEL_BELL] = 1
+    cuda.syncthreads()
 
 
 @cuda.jit(device=True)
@@ -185,7 +179,7 @@ def publish_stats(s, sh, launched):
         s.ctl64[k] = s.stats[k]
     s.ctl32[C32_KV_FREE] = s.sched[FREE_TOP]
     s.ctl32[C32_RUNNING] = s.sched[N_RUNNING]
-    s.ctl32[C32_WAITING] = s.sched[N_WAITING]
+    s.ctl32[C32_WAITING] = s.sched[N_QUEUED]
 
 
 def make_iterate(policy):
@@ -211,9 +205,7 @@ def make_iterate(policy):
             s.stats[C64_HEARTBEAT] += 1
             s.ctl64[C64_HEARTBEAT] = s.stats[C64_HEARTBEAT]
             s.ctl32[C32_ENGINE_STATE] = ENGINE_SERVING
-            # One read for the whole block: threads must agree on the branch (it contains barriers).
-            sh.counters[K_SHUTDOWN] = load_volatile(s.ctl32, C32_SHUTDOWN)
-        cuda.syncthreads()
+        read_doorbells(s, sh)
         if sh.counters[K_SHUTDOWN] != 0:
             abort_everything(s, sh)
             if tid == 0:
@@ -223,11 +215,13 @@ def make_iterate(policy):
             return STOP
         consume(s, sh)
         retire(s, sh)
-        n_candidates = scan_ready(s, sh, policy)
-        batcher.admit(s, sh, n_candidates)
+        if sh.counters[K_CANCEL_BELL] != 0:
+            cancel_queued(s, sh)
+        if sh.counters[K_SCAN] != 0:
+            enqueue(s, sh, collect(s, sh, policy))
+        batcher.admit(s, sh)
         bucket = batcher.plan(s, sh)
         if tid == 0:
-            s.sched[N_WAITING] = sh.counters[K_CANDIDATES] - sh.counters[K_ADMITTED] - sh.counters[K_REJECTED]
             publish_stats(s, sh, bucket >= 0)
         cuda.syncthreads()
         return bucket

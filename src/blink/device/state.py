@@ -16,8 +16,13 @@ from blink.device.ring import CONTROL_DTYPE, FINISHED, RingView, header_dtype
 from blink.device.step import StepLayout
 
 # Scheduler scalars (s.sched, int32).
-N_RUNNING, FREE_TOP, N_ROWS, BUCKET, N_WAITING = range(5)
+N_RUNNING, FREE_TOP, N_ROWS, BUCKET, N_QUEUED, QUEUE_HEAD = range(6)
 SCHED_WORDS = 8
+
+# s.stats holds device copies of the control block's u64 words (same indices) and, past them, the doorbell counts
+# the scheduler has acted on.
+STATS_WORDS = 32
+S_SEEN_SUBMITTED, S_SEEN_CANCELS = 30, 31
 
 IDLE = -1       # nothing to run: back off, then iterate again
 STOP = -2       # shutdown done: do not relaunch
@@ -40,6 +45,8 @@ C32_KV_TOTAL, C32_KV_FREE, C32_RUNNING, C32_WAITING = (_word(n, 4) for n in
                                                       ("kv_pages_total", "kv_pages_free", "running", "waiting"))
 C64_HEARTBEAT, C64_STEPS, C64_TOKENS, C64_ADMITTED, C64_FINISHED, C64_CANCELLED, C64_PREEMPTED = (
     _word(n, 8) for n in ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted"))
+C64_SUBMITTED, C64_CANCELS = _word("submitted", 8), _word("cancels", 8)
+assert max(C64_SUBMITTED, C64_CANCELS) < S_SEEN_SUBMITTED
 COUNTERS = (C64_HEARTBEAT, C64_STEPS, C64_TOKENS, C64_ADMITTED, C64_FINISHED, C64_CANCELLED, C64_PREEMPTED)
 
 
@@ -93,8 +100,8 @@ class SchedulerArrays(NamedTuple):
     sampled_ids: object
     sampled_logprobs: object
     # Scheduler state (device memory only).
-    sched: object           # i32 [SCHED_WORDS]  N_RUNNING, FREE_TOP, N_ROWS, BUCKET, N_WAITING
-    stats: object           # i64 [32]    device copies of the control block's u64 counters
+    sched: object           # i32 [SCHED_WORDS]  N_RUNNING, FREE_TOP, N_ROWS, BUCKET, N_QUEUED, QUEUE_HEAD
+    stats: object           # i64 [STATS_WORDS]  device copies of the control block's u64 counters, doorbells seen
     cfg: object             # i32 [CFG_WORDS]
     buckets: object         # i32 [n_buckets]
     eos_ids: object         # i32 [MAX_EOS]
@@ -115,6 +122,11 @@ class SchedulerArrays(NamedTuple):
     seq_temperature: object  # f32 [n]
     seq_top_p: object       # f32 [n]
     seq_seed: object        # i64 [n]
+    seq_queued: object      # i32 [n]  1 while the slot waits in the queue
+    queue_slots: object     # i32 [n]  the waiting queue (waiting.py), sorted by (key, slot)
+    queue_keys: object      # i64 [n]
+    queue_tmp_slots: object  # i32 [n] scratch for merging
+    queue_tmp_keys: object  # i64 [n]
     running: object         # i32 [max_num_seqs]  ring slots, in admission order
     row_slot: object        # i32 [max_num_seqs]  ring slot of each row of the last planned step
     row_version: object     # i32 [max_num_seqs]  seq_version of that slot when the row was last written
@@ -135,7 +147,8 @@ class Scratch(NamedTuple):
 
 
 # Scratch counters (sh.counters), zeroed at the start of each iteration.
-K_TOKENS, K_FINISHED, K_CANCELLED, K_CANDIDATES, K_ADMITTED, K_REJECTED, K_PREEMPTED, K_VICTIM, K_SHUTDOWN = range(9)
+K_TOKENS, K_FINISHED, K_CANCELLED, K_NEW, K_ADMITTED, K_REJECTED, K_PREEMPTED, K_VICTIM, K_SHUTDOWN, K_SCAN, \
+    K_CANCEL_BELL = range(11)
 N_COUNTERS = 16
 
 
@@ -192,13 +205,15 @@ def state_arrays(config: SchedulerConfig, n_slots: int, max_stop_ids: int, has_l
     eos[:len(config.eos_token_ids)] = config.eos_token_ids
     i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     return dict(
-        sched=sched, stats=np.zeros(32, np.int64), cfg=cfg, buckets=np.array(config.buckets, np.int32), eos_ids=eos,
+        sched=sched, stats=np.zeros(STATS_WORDS, np.int64), cfg=cfg, buckets=np.array(config.buckets, np.int32), eos_ids=eos,
         free_pages=np.arange(config.num_pages, dtype=np.int32),
         seq_pages=i32(n_slots, config.max_pages_per_seq), seq_npages=i32(n_slots), seq_computed=i32(n_slots),
         seq_total=i32(n_slots), seq_prompt_len=i32(n_slots), seq_max_tokens=i32(n_slots), seq_flags=i32(n_slots),
         seq_last=i32(n_slots), seq_version=i32(n_slots), seq_finish=i32(n_slots), seq_top_k=i32(n_slots), seq_n_stop=i32(n_slots),
         seq_stop=i32(n_slots, max(max_stop_ids, 1)), seq_temperature=np.zeros(n_slots, np.float32),
-        seq_top_p=np.ones(n_slots, np.float32), seq_seed=np.zeros(n_slots, np.int64),
+        seq_top_p=np.ones(n_slots, np.float32), seq_seed=np.zeros(n_slots, np.int64), seq_queued=i32(n_slots),
+        queue_slots=i32(n_slots), queue_keys=np.zeros(n_slots, np.int64), queue_tmp_slots=i32(n_slots),
+        queue_tmp_keys=np.zeros(n_slots, np.int64),
         running=i32(config.max_num_seqs), row_slot=np.full(config.max_num_seqs, -1, np.int32),
         row_version=i32(config.max_num_seqs), row_pages=i32(config.max_num_seqs))
 

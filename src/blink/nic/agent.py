@@ -64,6 +64,8 @@ class Agent:
         self._slot_of: dict[int, int] = {}
         self._next_id = 1
         self._heartbeat = int(control["heartbeat"])
+        self._submitted = int(control["submitted"])      # doorbells continue from an earlier agent's counts
+        self._cancels = int(control["cancels"])
         self._last_progress = time.monotonic()
 
     @property
@@ -88,6 +90,8 @@ class Agent:
         self._write_word("epoch", slot, epoch)
         check_transition(FREE, READY, AGENT)
         self._write_word("state", slot, READY)
+        self._submitted += 1
+        self._ring_doorbell("submitted", self._submitted)
         self._epoch[slot] = epoch
         self._request_id[slot] = request_id
         self._delivered[slot] = 0
@@ -130,6 +134,8 @@ class Agent:
         if slot is None:
             return False
         self._write_word("cancel", slot, int(self._epoch[slot]))
+        self._cancels += 1
+        self._ring_doorbell("cancels", self._cancels)
         return True
 
     def request_shutdown(self) -> None:
@@ -194,6 +200,9 @@ class Agent:
 
     def _read_word(self, column: str, slot: int) -> int:
         return int(np.frombuffer(self.memory.read(self.layout.status_at(column, slot), 4), _U32)[0])
+
+    def _ring_doorbell(self, name: str, count: int) -> None:
+        self.memory.write(CONTROL_DTYPE.fields[name][1], np.array([count], "<u8").tobytes())
 
     def _write_word(self, column: str, slot: int, value: int) -> None:
         self.memory.write(self.layout.status_at(column, slot), np.array([value], _U32).tobytes())

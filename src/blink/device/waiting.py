@@ -1,0 +1,194 @@
+"""The waiting queue: READY requests the GPU has seen, sorted by ``(policy key, slot)``, in device memory.
+
+Requests enter the queue when the agent's ``submitted`` doorbell moves: ``collect`` scans the ring's state column for
+READY slots not yet queued, finishes cancelled ones ("abort") and unservable ones ("error") on the spot, copies the
+header of the others into device memory and keys them with the admission policy; ``enqueue`` sorts the new keys and
+merges them into the queue. Admission (``batcher.admit``) pops a prefix from the head, so a backlog costs nothing per
+iteration. Entries live at ``queue_slots/queue_keys[head : head + count]`` (``QUEUE_HEAD``, ``N_QUEUED``);
+``seq_queued[slot]`` marks queued slots so a rescan never queues one twice.
+
+A scan keeps at most MAX_CANDIDATES new requests; when more were READY it asks for another scan next iteration, so a
+burst of more than that many requests is merged in several rounds (older ones may then be admitted after newer).
+"""
+from __future__ import annotations
+
+from numba import int64, uint32
+
+from blink.device.block import next_power_of_two, sort_pairs
+from blink.device.numba_compat import cuda, load_volatile
+from blink.device.ring import FINISH_ABORT, FINISH_ERROR, READY
+from blink.device.state import (CFG_MAX_MODEL_LEN, CFG_MAX_STOP, H32_FLAGS, H32_MAX_TOKENS, H32_N_STOP,
+                                H32_PRIORITY, H32_PROMPT_LEN, H32_STOP_IDS, H32_TOP_K, H64_ARRIVAL, H64_REQUEST_ID,
+                                H64_SEED, HF_TEMPERATURE, HF_TOP_P, K_CANCELLED, K_FINISHED, K_NEW, K_REJECTED,
+                                MAX_CANDIDATES, N_QUEUED, QUEUE_HEAD, S_SEEN_SUBMITTED, finish_slot)
+
+SCAN_UNROLL = 8     # state words each thread has in flight at once: the column is read across PCIe
+
+
+@cuda.jit(device=True)
+def cancelled(s, slot):
+    c = load_volatile(s.cancel, slot)
+    return c != 0 and c == load_volatile(s.epoch, slot)
+
+
+@cuda.jit(device=True)
+def servable(s, slot):
+    """Whether the header of ``slot`` describes a request this scheduler can ever run."""
+    prompt_len = s.hdr_i32[slot, H32_PROMPT_LEN]
+    max_tokens = s.hdr_i32[slot, H32_MAX_TOKENS]
+    n_stop = s.hdr_i32[slot, H32_N_STOP]
+    return (1 <= prompt_len <= s.prompts.shape[1] and 1 <= max_tokens <= s.outputs.shape[1]
+            and 0 <= n_stop <= s.cfg[CFG_MAX_STOP] and prompt_len + max_tokens <= s.cfg[CFG_MAX_MODEL_LEN])
+
+
+@cuda.jit(device=True)
+def load_header(s, slot):
+    """Copy what the scheduler needs of the request's header into device memory (read across PCIe once)."""
+    s.seq_prompt_len[slot] = s.hdr_i32[slot, H32_PROMPT_LEN]
+    s.seq_max_tokens[slot] = s.hdr_i32[slot, H32_MAX_TOKENS]
+    s.seq_flags[slot] = s.hdr_i32[slot, H32_FLAGS]
+    s.seq_top_k[slot] = s.hdr_i32[slot, H32_TOP_K]
+    s.seq_n_stop[slot] = s.hdr_i32[slot, H32_N_STOP]
+    for k in range(s.hdr_i32[slot, H32_N_STOP]):
+        s.seq_stop[slot, k] = s.hdr_i32[slot, H32_STOP_IDS + k]
+    s.seq_temperature[slot] = s.hdr_f32[slot, HF_TEMPERATURE]
+    s.seq_top_p[slot] = s.hdr_f32[slot, HF_TOP_P]
+    s.seq_seed[slot] = int64(s.hdr_u64[slot, H64_SEED])
+
+
+@cuda.jit(device=True)
+def refuse(s, sh, slot, reason):
+    """Finish a READY request that will never run."""
+    s.ngen[slot] = 0
+    finish_slot(s, slot, reason)
+    cuda.atomic.add(sh.counters, K_FINISHED, 1)
+    if reason == FINISH_ABORT:
+        cuda.atomic.add(sh.counters, K_CANCELLED, 1)
+    else:
+        cuda.atomic.add(sh.counters, K_REJECTED, 1)
+
+
+@cuda.jit(device=True)
+def take_new(s, sh, slot, policy):
+    """A READY slot seen for the first time: refuse it, or key it as a candidate."""
+    if cancelled(s, slot):
+        refuse(s, sh, slot, FINISH_ABORT)
+        return
+    if not servable(s, slot):
+        refuse(s, sh, slot, FINISH_ERROR)
+        return
+    k = cuda.atomic.add(sh.counters, K_NEW, 1)
+    if k >= MAX_CANDIDATES:
+        s.stats[S_SEEN_SUBMITTED] = -1          # more than fit: scan again next iteration
+        return
+    load_header(s, slot)
+    s.seq_queued[slot] = 1
+    sh.slots[k] = slot
+    sh.keys[k] = policy(int64(s.hdr_u64[slot, H64_ARRIVAL]), s.hdr_i32[slot, H32_PROMPT_LEN],
+                        s.hdr_i32[slot, H32_MAX_TOKENS], s.hdr_i32[slot, H32_PRIORITY],
+                        int64(s.hdr_u64[slot, H64_REQUEST_ID]))
+
+
+@cuda.jit(device=True)
+def collect(s, sh, policy):
+    """Scan the state column for READY slots not yet queued; return how many new candidates are in ``sh``."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    n = s.state.shape[0]
+    states = cuda.local.array(SCAN_UNROLL, uint32)
+    for base in range(0, n, nt * SCAN_UNROLL):
+        for k in range(SCAN_UNROLL):            # constant trip count: the loads are issued back to back
+            slot = base + k * nt + tid
+            states[k] = load_volatile(s.state, slot) if slot < n else uint32(0)
+        for k in range(SCAN_UNROLL):
+            slot = base + k * nt + tid
+            if slot < n and states[k] == READY and s.seq_queued[slot] == 0:
+                take_new(s, sh, slot, policy)
+    cuda.syncthreads()
+    return min(sh.counters[K_NEW], MAX_CANDIDATES)
+
+
+@cuda.jit(device=True)
+def less(key_a, slot_a, key_b, slot_b):
+    return key_a < key_b or (key_a == key_b and slot_a < slot_b)
+
+
+@cuda.jit(device=True)
+def rank_in(keys, slots, start, count, key, slot):
+    """How many of ``(keys, slots)[start : start + count]`` (sorted) order before ``(key, slot)``."""
+    lo = 0
+    hi = count
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if less(keys[start + mid], slots[start + mid], key, slot):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@cuda.jit(device=True)
+def enqueue(s, sh, n_new):
+    """Sort the new candidates and merge them into the queue (each element finds its place by binary search)."""
+    if n_new == 0:
+        return
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    sort_pairs(sh.keys, sh.slots, n_new, next_power_of_two(n_new))
+    head = s.sched[QUEUE_HEAD]
+    count = s.sched[N_QUEUED]
+    for j in range(tid, n_new, nt):
+        position = j + rank_in(s.queue_keys, s.queue_slots, head, count, sh.keys[j], sh.slots[j])
+        s.queue_tmp_keys[position] = sh.keys[j]
+        s.queue_tmp_slots[position] = sh.slots[j]
+    for i in range(tid, count, nt):
+        key = s.queue_keys[head + i]
+        slot = s.queue_slots[head + i]
+        position = i + rank_in(sh.keys, sh.slots, 0, n_new, key, slot)
+        s.queue_tmp_keys[position] = key
+        s.queue_tmp_slots[position] = slot
+    cuda.syncthreads()
+    for i in range(tid, count + n_new, nt):
+        s.queue_keys[i] = s.queue_tmp_keys[i]
+        s.queue_slots[i] = s.queue_tmp_slots[i]
+    cuda.syncthreads()
+    if tid == 0:
+        s.sched[QUEUE_HEAD] = 0
+        s.sched[N_QUEUED] = count + n_new
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def cancel_queued(s, sh):
+    """After a cancel doorbell: finish queued requests whose cancel word matches, and close the gaps."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    head = s.sched[QUEUE_HEAD]
+    count = s.sched[N_QUEUED]
+    for i in range(tid, count, nt):
+        slot = s.queue_slots[head + i]
+        if cancelled(s, slot):
+            s.seq_queued[slot] = 0
+            refuse(s, sh, slot, FINISH_ABORT)
+    cuda.syncthreads()
+    # Stable compaction into the scratch queue, then back (kept[i] -> position by an atomic-free prefix count).
+    if tid == 0:
+        kept = 0
+        for i in range(count):
+            slot = s.queue_slots[head + i]
+            if s.seq_queued[slot] != 0:
+                s.queue_tmp_slots[kept] = slot
+                s.queue_tmp_keys[kept] = s.queue_keys[head + i]
+                kept += 1
+        sh.counters[K_NEW] = kept
+    cuda.syncthreads()
+    kept = sh.counters[K_NEW]
+    for i in range(tid, kept, nt):
+        s.queue_slots[i] = s.queue_tmp_slots[i]
+        s.queue_keys[i] = s.queue_tmp_keys[i]
+    cuda.syncthreads()
+    if tid == 0:
+        s.sched[QUEUE_HEAD] = 0
+        s.sched[N_QUEUED] = kept
+        sh.counters[K_NEW] = 0
+    cuda.syncthreads()
