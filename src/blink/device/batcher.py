@@ -20,8 +20,8 @@ from blink.device.kv import allocate_pages, free_sequences
 from blink.device.numba_compat import cuda
 from blink.device.ring import RUNNING
 from blink.device.state import (BUCKET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_PAGE_SIZE, CFG_TOKEN_BUDGET,
-                                CFG_WATERMARK, FREE_TOP, IDLE, K_ADMITTED, K_PREEMPTED, K_VICTIM, N_QUEUED, N_ROWS,
-                                N_RUNNING, QUEUE_HEAD)
+                                CFG_WATERMARK, FREE_TOP, IDLE, K_ADMITTED, K_COPIES, K_DECODE_PAGES, K_NEED,
+                                K_PREEMPTED, K_PREFILLS, K_VICTIM, N_QUEUED, N_ROWS, N_RUNNING, QUEUE_HEAD)
 
 
 @cuda.jit(device=True)
@@ -102,26 +102,38 @@ def preempt_newest(s, sh):
 
 @cuda.jit(device=True)
 def plan_chunks(s, sh, n):
-    """Decide each running sequence's chunk ``sh.d[i]`` (0: not in this step). Preempts to fit the decodes."""
+    """Decide each running sequence's chunk ``sh.d[i]`` (0: not in this step). Preempts to fit the decodes.
+
+    Returns True when every running sequence decodes (one token each): the steady state, planned without scans.
+    Every decode gets its token, since ``max_num_batched_tokens >= max_num_seqs``.
+    """
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     page = s.cfg[CFG_PAGE_SIZE]
-    budget = s.cfg[CFG_TOKEN_BUDGET]
-    # a: decode flag -> decode rank; b: pages a decode needs -> pages needed by earlier decodes.
     while True:
+        if tid == 0:
+            sh.counters[K_PREFILLS] = 0
+            sh.counters[K_DECODE_PAGES] = 0
+        cuda.syncthreads()
         for i in range(tid, n, nt):
             slot = s.running[i]
-            decode = s.seq_total[slot] - s.seq_computed[slot] == 1
-            sh.a[i] = 1 if decode else 0
-            sh.b[i] = pages_for(s.seq_computed[slot] + 1, page) - s.seq_npages[slot] if decode else 0
+            computed = s.seq_computed[slot]
+            if s.seq_total[slot] - computed == 1:
+                sh.d[i] = 1
+                cuda.atomic.add(sh.counters, K_DECODE_PAGES, pages_for(computed + 1, page) - s.seq_npages[slot])
+            else:
+                sh.d[i] = 0
+                cuda.atomic.add(sh.counters, K_PREFILLS, 1)
         cuda.syncthreads()
-        decode_pages = exclusive_scan(sh.b, n, sh.partial)
+        decode_pages = sh.counters[K_DECODE_PAGES]
         if decode_pages <= s.sched[FREE_TOP] or not preempt_newest(s, sh):
             break
-    n_decode = exclusive_scan(sh.a, n, sh.partial)
-    tokens_left = budget - min(n_decode, budget)
+    n_prefill = sh.counters[K_PREFILLS]
+    if n_prefill == 0:
+        return True
+    tokens_left = s.cfg[CFG_TOKEN_BUDGET] - (n - n_prefill)
     pages_left = s.sched[FREE_TOP] - decode_pages
-    # c: prefill tokens wanted -> wanted by earlier prefills; d: chunk; b: prefill pages -> needed earlier.
+    # Prefill chunks in running order: c = tokens wanted by earlier prefills; b = their pages.
     for i in range(tid, n, nt):
         slot = s.running[i]
         remaining = s.seq_total[slot] - s.seq_computed[slot]
@@ -132,13 +144,11 @@ def plan_chunks(s, sh, n):
         slot = s.running[i]
         computed = s.seq_computed[slot]
         remaining = s.seq_total[slot] - computed
-        if remaining == 1:
-            chunk = 1 if sh.a[i] < budget else 0
-            sh.b[i] = 0
-        else:
+        sh.b[i] = 0
+        if remaining != 1:
             chunk = min(max(tokens_left - sh.c[i], 0), remaining)
             sh.b[i] = pages_for(computed + chunk, page) - s.seq_npages[slot]
-        sh.d[i] = chunk
+            sh.d[i] = chunk
     cuda.syncthreads()
     exclusive_scan(sh.b, n, sh.partial)
     for i in range(tid, n, nt):
@@ -149,6 +159,7 @@ def plan_chunks(s, sh, n):
             fits = (s.seq_npages[slot] + mine) * page - computed
             sh.d[i] = max(0, min(sh.d[i], fits))
     cuda.syncthreads()
+    return False
 
 
 @cuda.jit(device=True)
@@ -187,6 +198,8 @@ def write_rows(s, sh, n):
         copied = s.row_pages[r] if same else 0
         sh.keys[r] = copied                       # first block-table entry this row still lacks
         sh.b[r] = s.seq_npages[slot] - copied     # entries to copy
+        if sh.b[r] != 0:
+            cuda.atomic.add(sh.counters, K_COPIES, 1)
         s.row_slot[r] = slot
         s.row_version[r] = s.seq_version[slot]
         s.row_pages[r] = s.seq_npages[slot]
@@ -199,7 +212,7 @@ def write_tables_and_tokens(s, sh, n_rows, n_tokens):
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     page = s.cfg[CFG_PAGE_SIZE]
-    total = exclusive_scan(sh.b, n_rows, sh.partial)
+    total = exclusive_scan(sh.b, n_rows, sh.partial) if sh.counters[K_COPIES] != 0 else 0
     for index in range(tid, total, nt):
         r = locate(sh.b, n_rows, index)
         j = sh.keys[r] + index - sh.b[r]
@@ -237,20 +250,39 @@ def plan(s, sh):
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     n = s.sched[N_RUNNING]
-    plan_chunks(s, sh, n)
+    if n == 0:
+        if tid == 0:
+            s.sched[N_ROWS] = 0
+            s.sched[BUCKET] = IDLE
+        cuda.syncthreads()
+        return IDLE
+    all_decode = plan_chunks(s, sh, n)
     page = s.cfg[CFG_PAGE_SIZE]
     for i in range(tid, n, nt):
         slot = s.running[i]
         sh.slots[i] = slot
-        sh.b[i] = max(0, pages_for(s.seq_computed[slot] + sh.d[i], page) - s.seq_npages[slot])
+        need = max(0, pages_for(s.seq_computed[slot] + sh.d[i], page) - s.seq_npages[slot])
+        sh.b[i] = need
+        if need != 0:
+            cuda.atomic.add(sh.counters, K_NEED, need)
     cuda.syncthreads()
-    allocate_pages(s, sh.slots, sh.b, n, sh.partial)
-    for i in range(tid, n, nt):
-        sh.a[i] = 1 if sh.d[i] > 0 else 0
-        sh.c[i] = sh.d[i]
-    cuda.syncthreads()
-    n_rows = exclusive_scan(sh.a, n, sh.partial)
-    n_tokens = exclusive_scan(sh.c, n, sh.partial)
+    if sh.counters[K_NEED] != 0:
+        allocate_pages(s, sh.slots, sh.b, n, sh.partial)
+    # Rows are the sequences with a chunk, in running order: a = row index, c = first token row.
+    if all_decode:
+        for i in range(tid, n, nt):
+            sh.a[i] = i
+            sh.c[i] = i
+        cuda.syncthreads()
+        n_rows = n
+        n_tokens = n
+    else:
+        for i in range(tid, n, nt):
+            sh.a[i] = 1 if sh.d[i] > 0 else 0
+            sh.c[i] = sh.d[i]
+        cuda.syncthreads()
+        n_rows = exclusive_scan(sh.a, n, sh.partial)
+        n_tokens = exclusive_scan(sh.c, n, sh.partial)
     bucket = IDLE
     if n_tokens > 0:
         bucket = 0

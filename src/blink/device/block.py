@@ -10,6 +10,7 @@ from __future__ import annotations
 from blink.device.numba_compat import cuda
 
 MAX_THREADS = 1024          # size of the scan scratch: blockDim.x may not exceed it
+MIN_CHUNK = 8               # items per thread below which a scan uses fewer threads (and fewer barrier rounds)
 INT64_MAX = (1 << 63) - 1
 
 
@@ -17,32 +18,39 @@ INT64_MAX = (1 << 63) - 1
 def exclusive_scan(values, n, partial):
     """Replace ``values[0:n]`` by its exclusive prefix sum and return the total.
 
-    ``partial`` is scratch of at least ``blockDim.x`` elements of the same dtype (shared memory on the GPU). Each
-    thread sums a contiguous chunk, the chunk sums are scanned Hillis-Steele style, then each chunk is rewritten.
+    ``partial`` is scratch of at least ``blockDim.x`` elements of the same dtype (shared memory on the GPU). The
+    first ``p`` threads each sum a contiguous chunk of at least MIN_CHUNK items, the ``p`` chunk sums are scanned
+    Hillis-Steele style (log2(p) rounds of two barriers), then each chunk is rewritten. Small ``n`` thus costs few
+    barriers, which dominate an iteration of the scheduler; ``n == 0`` costs none.
     """
+    if n == 0:
+        return 0
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    chunk = (n + nt - 1) // nt
+    chunk = max((n + nt - 1) // nt, MIN_CHUNK)
+    p = (n + chunk - 1) // chunk
     lo = min(tid * chunk, n)
     hi = min(lo + chunk, n)
     own = 0
     for i in range(lo, hi):
         own += values[i]
-    partial[tid] = own
+    if tid < p:
+        partial[tid] = own
     cuda.syncthreads()
     offset = 1
-    while offset < nt:
-        add = partial[tid - offset] if tid >= offset else 0
+    while offset < p:
+        add = partial[tid - offset] if tid < p and tid >= offset else 0
         cuda.syncthreads()
-        partial[tid] += add
+        if tid < p:
+            partial[tid] += add
         cuda.syncthreads()
         offset *= 2
-    running = partial[tid] - own
+    running = partial[tid] - own if tid < p else 0
     for i in range(lo, hi):
         v = values[i]
         values[i] = running
         running += v
-    total = partial[nt - 1]
+    total = partial[p - 1]
     cuda.syncthreads()
     return total
 

@@ -30,7 +30,7 @@ from blink.device.ring import (ENGINE_SERVING, ENGINE_STOPPED, FINISH_ABORT, FIN
 from blink.device.state import (C32_ENGINE_STATE, C32_KV_FREE, C32_RUNNING, C32_SHUTDOWN, C32_WAITING,
                                 C64_ADMITTED, C64_CANCELLED, C64_CANCELS, C64_FINISHED, C64_HEARTBEAT, C64_PREEMPTED,
                                 C64_STEPS, C64_SUBMITTED, C64_TOKENS, CFG_LOGPROBS, CFG_N_EOS, COUNTERS, FREE_TOP,
-                                K_ADMITTED, K_CANCEL_BELL, K_CANCELLED, K_FINISHED, K_PREEMPTED, K_SCAN, K_SHUTDOWN,
+                                K_ADMITTED, K_CANCEL_BELL, K_CANCELLED, K_ENDING, K_FINISHED, K_PREEMPTED, K_SCAN, K_SHUTDOWN,
                                 K_TOKENS, MAX_CANDIDATES, N_COUNTERS, N_QUEUED, N_ROWS, N_RUNNING, QUEUE_HEAD,
                                 S_SEEN_CANCELS, S_SEEN_SUBMITTED, STOP, Scratch, finish_slot)
 from blink.device.waiting import cancel_queued, cancelled, collect, enqueue, refuse
@@ -89,10 +89,12 @@ def retire(s, sh):
             s.seq_finish[slot] = reason
         sh.a[i] = 1 if reason != FINISH_NONE else 0
         sh.b[i] = 1 - sh.a[i]
+        if reason != FINISH_NONE:
+            cuda.atomic.add(sh.counters, K_ENDING, 1)
     cuda.syncthreads()
-    n_finishing = exclusive_scan(sh.a, n, sh.partial)
-    if n_finishing == 0:
+    if sh.counters[K_ENDING] == 0:           # the common case: one barrier, no scans
         return
+    n_finishing = exclusive_scan(sh.a, n, sh.partial)
     n_kept = exclusive_scan(sh.b, n, sh.partial)
     for i in range(tid, n, nt):
         slot = s.running[i]

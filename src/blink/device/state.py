@@ -148,7 +148,7 @@ class Scratch(NamedTuple):
 
 # Scratch counters (sh.counters), zeroed at the start of each iteration.
 K_TOKENS, K_FINISHED, K_CANCELLED, K_NEW, K_ADMITTED, K_REJECTED, K_PREEMPTED, K_VICTIM, K_SHUTDOWN, K_SCAN, \
-    K_CANCEL_BELL = range(11)
+    K_CANCEL_BELL, K_ENDING, K_PREFILLS, K_DECODE_PAGES, K_NEED, K_COPIES = range(16)
 N_COUNTERS = 16
 
 
