@@ -58,8 +58,8 @@ class Rig:
         self.scheduler.close()
 
 
-def step_time(image: bytes, mode: str, batch: int, steps: int = 2000) -> dict:
-    rig = Rig(image, SchedulerConfig(**{**BASE.__dict__, "launch_mode": mode}))
+def step_time(image: bytes, mode: str, batch: int, threads: int = 256, steps: int = 2000) -> dict:
+    rig = Rig(image, SchedulerConfig(**{**BASE.__dict__, "launch_mode": mode, "block_threads": threads}))
     rig.scheduler.start()
     ngen = rig.view.status["n_generated"]
     slots = [rig.agent._slot_of[rig.agent.submit([1, 2, 3], SamplingParams(max_tokens=steps, ignore_eos=True))]
@@ -71,7 +71,8 @@ def step_time(image: bytes, mode: str, batch: int, steps: int = 2000) -> dict:
         pass
     t1, s1 = time.perf_counter(), rig.control("steps")
     rig.stop()
-    return {"mode": mode, "batch": batch, "steps": s1 - s0, "us_per_step": (t1 - t0) / (s1 - s0) * 1e6}
+    return {"mode": mode, "batch": batch, "threads": threads, "steps": s1 - s0,
+            "us_per_step": (t1 - t0) / (s1 - s0) * 1e6}
 
 
 def host_baseline(image: bytes, launches: int = 2000) -> dict:
@@ -171,7 +172,8 @@ def main() -> None:
         "link_seconds": link_s,
         "resources": kernel_resources(image),
         "host_baseline": host_baseline(image),
-        "step": [step_time(image, mode, batch) for mode in ("fire_and_forget", "tail") for batch in (1, 64)],
+        "step": [step_time(image, mode, batch) for mode in ("fire_and_forget", "tail") for batch in (1, 64)]
+        + [step_time(image, "fire_and_forget", 64, threads) for threads in (64, 128)],
         "idle": [idle_iteration(image, mode, case, scan) for mode in ("fire_and_forget", "tail")
                  for case in ("all_free", "half_finished", "all_finished", "ready_backlog") for scan in (False, True)],
         "admission": [admission_latency(image, ns) for ns in (0, 20_000)],
@@ -179,9 +181,9 @@ def main() -> None:
     print(f"scheduler bench, commit {result['commit']}, image linked in {link_s:.1f} s")
     print(f"  kernel resources: {json.dumps(result['resources'])}")
     print(f"  host back-to-back launches of the 1-row step graph: {result['host_baseline']['us_per_step']:.2f} us")
-    print(f"  {'mode':>16} {'batch':>5} {'us/step':>8}")
+    print(f"  {'mode':>16} {'batch':>5} {'threads':>7} {'us/step':>8}")
     for r in result["step"]:
-        print(f"  {r['mode']:>16} {r['batch']:>5} {r['us_per_step']:>8.2f}")
+        print(f"  {r['mode']:>16} {r['batch']:>5} {r['threads']:>7} {r['us_per_step']:>8.2f}")
     print(f"  {'mode':>16} {'ring (4096 slots)':>18} {'us/iteration':>13} {'with full scan':>15}")
     for plain, scanning in zip(result["idle"][::2], result["idle"][1::2]):
         print(f"  {plain['mode']:>16} {plain['case']:>18} {plain['us_per_iteration']:>13.2f} "
