@@ -52,10 +52,13 @@ class Rig:
     def control(self, name: str) -> int:
         return int(self.view.control[name][0])
 
-    def stop(self) -> None:
+    def stop(self) -> dict:
+        """End the loop; return its phase profile (us per iteration)."""
         self.scheduler.request_shutdown()
         self.scheduler.join(timeout_s=60)
+        profile = self.scheduler.profile()
         self.scheduler.close()
+        return profile
 
 
 def step_time(image: bytes, mode: str, batch: int, threads: int = 256, steps: int = 2000) -> dict:
@@ -70,9 +73,8 @@ def step_time(image: bytes, mode: str, batch: int, threads: int = 256, steps: in
     while rig.control("finished") < batch:
         pass
     t1, s1 = time.perf_counter(), rig.control("steps")
-    rig.stop()
     return {"mode": mode, "batch": batch, "threads": threads, "steps": s1 - s0,
-            "us_per_step": (t1 - t0) / (s1 - s0) * 1e6}
+            "us_per_step": (t1 - t0) / (s1 - s0) * 1e6, "profile_us": rig.stop()}
 
 
 def host_baseline(image: bytes, launches: int = 2000) -> dict:
@@ -119,9 +121,8 @@ def idle_iteration(image: bytes, mode: str, case: str, scan: bool, seconds: floa
     t1, h1 = time.perf_counter(), rig.control("heartbeat")
     if case != "ready_backlog":
         state[:] = 0
-    rig.stop()
     return {"mode": mode, "case": case, "scan": scan, "iterations": h1 - h0,
-            "us_per_iteration": (t1 - t0) / (h1 - h0) * 1e6}
+            "us_per_iteration": (t1 - t0) / (h1 - h0) * 1e6, "profile_us": rig.stop()}
 
 
 def admission_latency(image: bytes, idle_ns: int, trials: int = 200) -> dict:
@@ -181,13 +182,16 @@ def main() -> None:
     print(f"scheduler bench, commit {result['commit']}, image linked in {link_s:.1f} s")
     print(f"  kernel resources: {json.dumps(result['resources'])}")
     print(f"  host back-to-back launches of the 1-row step graph: {result['host_baseline']['us_per_step']:.2f} us")
-    print(f"  {'mode':>16} {'batch':>5} {'threads':>7} {'us/step':>8}")
+    print(f"  {'mode':>16} {'batch':>5} {'threads':>7} {'us/step':>8}  profile (us per iteration)")
     for r in result["step"]:
-        print(f"  {r['mode']:>16} {r['batch']:>5} {r['threads']:>7} {r['us_per_step']:>8.2f}")
+        profile = " ".join(f"{k}={v:.2f}" for k, v in r["profile_us"].items())
+        print(f"  {r['mode']:>16} {r['batch']:>5} {r['threads']:>7} {r['us_per_step']:>8.2f}  {profile}")
     print(f"  {'mode':>16} {'ring (4096 slots)':>18} {'us/iteration':>13} {'with full scan':>15}")
     for plain, scanning in zip(result["idle"][::2], result["idle"][1::2]):
         print(f"  {plain['mode']:>16} {plain['case']:>18} {plain['us_per_iteration']:>13.2f} "
-              f"{scanning['us_per_iteration']:>15.2f}")
+              f"{scanning['us_per_iteration']:>15.2f}  collect={scanning['profile_us']['collect']:.2f}")
+    quiet = result["idle"][0]["profile_us"]
+    print("  quiet iteration profile (us): " + " ".join(f"{k}={v:.2f}" for k, v in quiet.items()))
     for r in result["admission"]:
         print(f"  READY -> first token (idle sleep {r['idle_sleep_ns']} ns): median {r['median_us']:.1f} us, "
               f"p99 {r['p99_us']:.1f} us")

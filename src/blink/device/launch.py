@@ -35,14 +35,15 @@ from blink.device.policy import fcfs
 from blink.device.ring import CONTROL_DTYPE, RingGeometry, RingLayout
 from blink.device.scheduler import make_iterate
 from blink.device.standin import STANDIN_CUDA, STANDIN_VOCAB
-from blink.device.state import SchedulerArrays, control_gauges, ring_arrays, state_arrays
+from blink.device.state import (C64_HEARTBEAT, P_FIRST, PROFILE_PHASES, STATS_WORDS, SchedulerArrays,
+                                control_gauges, ring_arrays, state_arrays)
 from blink.device.step import StepLayout
 from blink.errors import BlinkError
 
 MAX_BUCKETS = 32
 WINDOW = 120                       # fire-and-forget launches per graph execution (a CUDA limit)
-LAUNCH_WORDS = 2 * MAX_BUCKETS + 2  # step graphs (two copies), done counter, parity
-DONE, PARITY = 2 * MAX_BUCKETS, 2 * MAX_BUCKETS + 1
+LAUNCH_WORDS = 2 * MAX_BUCKETS + 4  # step graphs (two copies), done counter, parity, step profile
+DONE, PARITY, STEP_CYCLES, STEPS_TIMED = (2 * MAX_BUCKETS + k for k in range(4))
 STOP_CODE = -2
 
 SHIM = r"""
@@ -50,8 +51,16 @@ SHIM = r"""
 #define WINDOW %(window)d
 #define DONE %(done)d
 #define PARITY %(parity)d
+#define STEP_CYCLES %(step_cycles)d
+#define STEPS_TIMED %(steps_timed)d
 #define STOP %(stop)d
 extern "C" __device__ int blink_iterate(long long *table);
+
+// clock64() for numba code (declared there with cuda.declare_device, numba's device-function ABI).
+extern "C" __device__ int blink_clock(long long *cycles) {
+  *cycles = clock64();
+  return 0;
+}
 
 // Launch a graph from the device; retry briefly (a graph that just signalled may not have retired yet), then
 // publish the error to the ring so the host and the agent can see it.
@@ -100,9 +109,12 @@ extern "C" __global__ void blink_scheduler_window(long long *table, unsigned lon
         unsigned long long before = *done, parity = launch[PARITY];
         launch[PARITY] = parity ^ 1ULL;
         cudaGraphExec_t step = (cudaGraphExec_t)launch[parity * MAX_BUCKETS + outcome];
+        long long start = clock64();
         if (blink_launch(step, cudaStreamGraphFireAndForget, launch_error)) {
           while (*done == before) __nanosleep(32);
           __threadfence();
+          launch[STEP_CYCLES] += clock64() - start;    // launch + step + wake-up, for the profile
+          launch[STEPS_TIMED] += 1;
         } else {
           go = STOP;
         }
@@ -123,7 +135,8 @@ extern "C" __global__ void blink_done(unsigned long long *launch) {
   __threadfence();
   atomicAdd(launch + DONE, 1ULL);
 }
-""" % dict(max_buckets=MAX_BUCKETS, window=WINDOW, done=DONE, parity=PARITY, stop=STOP_CODE) + STANDIN_CUDA
+""" % dict(max_buckets=MAX_BUCKETS, window=WINDOW, done=DONE, parity=PARITY, step_cycles=STEP_CYCLES,
+           steps_timed=STEPS_TIMED, stop=STOP_CODE) + STANDIN_CUDA
 
 
 class LaunchError(BlinkError):
@@ -344,6 +357,21 @@ class GpuScheduler:
         code = int(np.int32(self.control32[CONTROL_DTYPE.fields["launch_error"][1] // 4]))
         if code:
             raise LaunchError(f"a device-side cudaGraphLaunch failed with {cuda_error_name(code)} ({code})")
+
+    def profile(self) -> dict[str, float]:
+        """Microseconds per iteration in each phase (SM clock, thread 0), and per fire-and-forget step launch."""
+        from cuda.bindings import driver
+
+        stats = np.zeros(STATS_WORDS, np.int64)
+        _cu(driver.cuMemcpyDtoH(stats, self.state["stats"][0], stats.nbytes))
+        words = np.zeros(LAUNCH_WORDS, np.uint64)
+        _cu(driver.cuMemcpyDtoH(words, self.launch[0], words.nbytes))
+        khz = _cu(driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE,
+                                              _cu(driver.cuDeviceGet(0))))
+        iterations = max(int(stats[C64_HEARTBEAT]), 1)
+        result = {phase: stats[P_FIRST + k] / iterations / khz * 1e3 for k, phase in enumerate(PROFILE_PHASES)}
+        result["step_launch_to_done"] = float(words[STEP_CYCLES]) / max(int(words[STEPS_TIMED]), 1) / khz * 1e3
+        return result
 
     def close(self) -> None:
         """Free device memory and unregister the ring (the loop must have ended)."""

@@ -4,7 +4,8 @@ Import ``cuda`` from here, never ``numba.cuda`` directly:
 
 - numba-cuda 0.30.4 still calls ``np.row_stack``, which numpy 2.5 removed (the H200 image has numpy 2.5.2);
 - the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, set before numba is first imported) lacks ``ldcv``, so
-  ``load_volatile`` falls back to a plain load there (the simulator has no caches to bypass).
+  ``load_volatile`` falls back to a plain load there (the simulator has no caches to bypass), and ``clock`` (the
+  SM cycle counter, for the scheduler's phase profile) reads 0.
 """
 from __future__ import annotations
 
@@ -22,7 +23,12 @@ if SIMULATOR:
     def load_volatile(array, index):
         """A load that sees another agent's latest store (the ring is written by the NIC side)."""
         return array[index]
+
+    def clock():
+        """The SM's cycle counter (0 in the simulator, which has no cycles)."""
+        return 0
 else:
     load_volatile = cuda.ldcv  # ld.global.cv: bypass L1/L2 caching of host-mapped ring words
+    clock = cuda.declare_device("blink_clock", "int64()")   # clock64(), defined in launch.py's shim
 
-__all__ = ["cuda", "load_volatile", "SIMULATOR"]
+__all__ = ["cuda", "load_volatile", "clock", "SIMULATOR"]

@@ -24,14 +24,14 @@ from numba import int32, int64
 from blink.device import batcher
 from blink.device.block import MAX_THREADS, exclusive_scan
 from blink.device.kv import free_sequences
-from blink.device.numba_compat import cuda, load_volatile
+from blink.device.numba_compat import clock, cuda, load_volatile
 from blink.device.ring import (ENGINE_SERVING, ENGINE_STOPPED, FINISH_ABORT, FINISH_LENGTH, FINISH_NONE, FINISH_STOP,
                                FLAG_IGNORE_EOS, FLAG_LOGPROBS, READY)
 from blink.device.state import (C32_ENGINE_STATE, C32_KV_FREE, C32_RUNNING, C32_SHUTDOWN, C32_WAITING,
                                 C64_ADMITTED, C64_CANCELLED, C64_CANCELS, C64_FINISHED, C64_HEARTBEAT, C64_PREEMPTED,
                                 C64_STEPS, C64_SUBMITTED, C64_TOKENS, CFG_LOGPROBS, CFG_N_EOS, COUNTERS, FREE_TOP,
                                 K_ADMITTED, K_CANCEL_BELL, K_CANCELLED, K_ENDING, K_FINISHED, K_PREEMPTED, K_SCAN, K_SHUTDOWN,
-                                K_TOKENS, MAX_CANDIDATES, N_COUNTERS, N_QUEUED, N_ROWS, N_RUNNING, QUEUE_HEAD,
+                                K_TOKENS, MAX_CANDIDATES, N_COUNTERS, N_QUEUED, N_ROWS, N_RUNNING, P_FIRST, QUEUE_HEAD,
                                 S_SEEN_CANCELS, S_SEEN_SUBMITTED, STOP, Scratch, finish_slot)
 from blink.device.waiting import cancel_queued, cancelled, collect, enqueue, refuse
 
@@ -147,6 +147,15 @@ def abort_everything(s, sh):
 
 
 @cuda.jit(device=True)
+def lap(s, start, phase):
+    """Thread 0: add the cycles since ``start`` to the phase's profile word; return the new start."""
+    now = clock()
+    if cuda.threadIdx.x == 0:
+        s.stats[P_FIRST + phase] += now - start
+    return now
+
+
+@cuda.jit(device=True)
 def read_doorbells(s, sh):
     """Three threads read shutdown and the two doorbells across PCIe at once; the block then agrees on them.
 
@@ -200,6 +209,7 @@ def make_iterate(policy):
         partial = cuda.shared.array(MAX_THREADS, int32)
         counters = cuda.shared.array(N_COUNTERS, int32)
         sh = Scratch(slots, keys, a, b, c, d, partial, counters)
+        t = clock()
         for k in range(tid, N_COUNTERS, cuda.blockDim.x):
             sh.counters[k] = 0
         cuda.syncthreads()
@@ -215,17 +225,24 @@ def make_iterate(policy):
                 cuda.threadfence_system()
                 s.ctl32[C32_ENGINE_STATE] = ENGINE_STOPPED
             return STOP
+        t = lap(s, t, 0)
         consume(s, sh)
+        t = lap(s, t, 1)
         retire(s, sh)
+        t = lap(s, t, 2)
         if sh.counters[K_CANCEL_BELL] != 0:
             cancel_queued(s, sh)
         if sh.counters[K_SCAN] != 0:
             enqueue(s, sh, collect(s, sh, policy))
+        t = lap(s, t, 3)
         batcher.admit(s, sh)
+        t = lap(s, t, 4)
         bucket = batcher.plan(s, sh)
+        t = lap(s, t, 5)
         if tid == 0:
             publish_stats(s, sh, bucket >= 0)
         cuda.syncthreads()
+        lap(s, t, 6)
         return bucket
 
     return iterate

@@ -23,6 +23,9 @@ SCHED_WORDS = 8
 # the scheduler has acted on.
 STATS_WORDS = 32
 S_SEEN_SUBMITTED, S_SEEN_CANCELS = 30, 31
+# Words 16..23: SM cycles spent in each phase of the iteration, summed over iterations (thread 0's clock).
+PROFILE_PHASES = ("doorbells", "consume", "retire", "collect", "admit", "plan", "publish")
+P_FIRST = 16
 
 IDLE = -1       # nothing to run: back off, then iterate again
 STOP = -2       # shutdown done: do not relaunch
