@@ -292,12 +292,14 @@ class GpuScheduler:
 
     ``memory`` is a page-aligned mapping (``LocalMemory`` or ``SharedMemory``) of an initialised ring; it is
     registered with the GPU for the scheduler's lifetime. ``step_addresses`` maps every ``StepLayout`` field to the
-    device address of its buffer (e.g. ``tensor.data_ptr()`` of a CUDA ``StepBuffers``). ``capture_step(bucket_tokens,
-    stream)`` enqueues one step's work on ``stream`` (it is captured into a graph); by default, the stand-in step.
+    device address of its buffer (e.g. ``tensor.data_ptr()`` of a CUDA ``StepBuffers``). ``step_graph(bucket_tokens)``
+    returns the raw ``cudaGraph_t`` (as an int) of one step for that bucket, reading the step buffers, e.g.
+    ``torch.cuda.CUDAGraph(keep_graph=True).raw_cuda_graph()`` (keep the torch graph alive); by default, the stand-in
+    step. Each is wrapped with the "done" kernel and instantiated twice for device launch.
     """
 
     def __init__(self, memory, geometry: RingGeometry, config: SchedulerConfig, step_layout: StepLayout,
-                 step_addresses: dict[str, int], *, policy=fcfs, capture_step=None, image: bytes | None = None):
+                 step_addresses: dict[str, int], *, policy=fcfs, step_graph=None, image: bytes | None = None):
         from cuda.bindings import driver
 
         if len(config.buckets) > MAX_BUCKETS:
@@ -322,8 +324,7 @@ class GpuScheduler:
         self.table = self._to_device(self._address_table({**ring, **step, **self.state}))
         self.launch = self._to_device(np.zeros(LAUNCH_WORDS, np.uint64))
         self.launch_error = self._ring_address(view.control["launch_error"])
-        self._capture_step = capture_step or self._capture_standin
-        self.step_graphs = self._build_step_graphs()
+        self.step_graphs = self._build_step_graphs(step_graph or self._standin_graph)
         self.scheduler_graph = self._build_scheduler_graph()
         self.running = False
 
@@ -430,22 +431,26 @@ class GpuScheduler:
         _cu(driver.cuLaunchKernel(self._function(name), grid, 1, 1, block, 1, 1, 0, self.stream,
                                   (values, types), 0))
 
-    def _capture_standin(self, bucket_tokens: int, stream) -> None:
+    def _standin_graph(self, bucket_tokens: int) -> int:
         rows = self.step_layout.sample_rows(bucket_tokens)
         a = self.step_addresses
-        self._launch("blink_standin_step", (rows + 127) // 128, 128,
-                     [(a["logits_indices"], ctypes.c_void_p), (a["token_ids"], ctypes.c_void_p),
-                      (a["positions"], ctypes.c_void_p), (a["seed"], ctypes.c_void_p),
-                      (a["sampled_ids"], ctypes.c_void_p), (a["sampled_logprobs"], ctypes.c_void_p),
-                      (rows, ctypes.c_int), (STANDIN_VOCAB, ctypes.c_int)])
+        args = [(a["logits_indices"], ctypes.c_void_p), (a["token_ids"], ctypes.c_void_p),
+                (a["positions"], ctypes.c_void_p), (a["seed"], ctypes.c_void_p), (a["sampled_ids"], ctypes.c_void_p),
+                (a["sampled_logprobs"], ctypes.c_void_p), (rows, ctypes.c_int), (STANDIN_VOCAB, ctypes.c_int)]
+        return int(self._captured(lambda: self._launch("blink_standin_step", (rows + 127) // 128, 128, args)))
 
-    def _capture(self, enqueue) -> list:
-        """Capture ``enqueue()`` on the stream; return two device-launchable, uploaded instantiations."""
-        from cuda.bindings import driver, runtime
+    def _captured(self, enqueue):
+        """The graph of what ``enqueue()`` issues on the scheduler's stream."""
+        from cuda.bindings import driver
 
         _cu(driver.cuStreamBeginCapture(self.stream, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
         enqueue()
-        graph = _cu(driver.cuStreamEndCapture(self.stream))
+        return _cu(driver.cuStreamEndCapture(self.stream))
+
+    def _instantiate(self, graph) -> list:
+        """Two device-launchable, uploaded instantiations of ``graph`` (to alternate between)."""
+        from cuda.bindings import runtime
+
         flag = runtime.cudaGraphInstantiateFlags.cudaGraphInstantiateFlagDeviceLaunch
         stream = runtime.cudaStream_t(init_value=int(self.stream))
         execs = []
@@ -455,19 +460,22 @@ class GpuScheduler:
             execs.append(graph_exec)
         return execs
 
-    def _build_step_graphs(self) -> list:
+    def _build_step_graphs(self, step_graph) -> list:
+        """Per bucket: [the step's graph] -> [done kernel], instantiated twice; handles go to the launch table."""
+        from cuda.bindings import driver
+
         launch_address = self.launch[0]
+        done = self._captured(lambda: self._launch("blink_done", 1, 1, [(launch_address, ctypes.c_void_p)]))
         words = np.zeros(LAUNCH_WORDS, np.uint64)
         graphs = []
         for b, tokens in enumerate(self.config.buckets):
-            def enqueue(tokens=tokens):
-                self._capture_step(tokens, self.stream)
-                self._launch("blink_done", 1, 1, [(launch_address, ctypes.c_void_p)])
-            first, second = self._capture(enqueue)
+            parent = _cu(driver.cuGraphCreate(0))
+            step = driver.CUgraph(init_value=int(step_graph(tokens)))
+            step_node = _cu(driver.cuGraphAddChildGraphNode(parent, None, 0, step))
+            _cu(driver.cuGraphAddChildGraphNode(parent, [step_node], 1, done))
+            first, second = self._instantiate(parent)
             words[b], words[MAX_BUCKETS + b] = int(first), int(second)
             graphs += [first, second]
-        from cuda.bindings import driver
-
         _cu(driver.cuMemcpyHtoD(launch_address, words, words.nbytes))
         return graphs
 
@@ -475,5 +483,5 @@ class GpuScheduler:
         kernel = "blink_scheduler_window" if self.config.launch_mode == "fire_and_forget" else "blink_scheduler_tail"
         args = [(self.table[0], ctypes.c_void_p), (self.launch[0], ctypes.c_void_p),
                 (self.launch_error, ctypes.c_void_p), (self.config.idle_sleep_ns, ctypes.c_int)]
-        first, _ = self._capture(lambda: self._launch(kernel, 1, self.config.block_threads, args))
+        first, _ = self._instantiate(self._captured(lambda: self._launch(kernel, 1, self.config.block_threads, args)))
         return first
