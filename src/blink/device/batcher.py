@@ -18,7 +18,6 @@ from numba import int64
 from blink.device.block import exclusive_scan, locate
 from blink.device.kv import allocate_pages, free_sequences
 from blink.device.numba_compat import cuda
-from blink.device.ring import RUNNING
 from blink.device.state import (BUCKET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_PAGE_SIZE, CFG_TOKEN_BUDGET,
                                 CFG_WATERMARK, FREE_TOP, IDLE, K_ADMITTED, K_COPIES, K_DECODE_PAGES, K_NEED,
                                 K_PREEMPTED, K_PREFILLS, K_VICTIM, N_QUEUED, N_ROWS, N_RUNNING, QUEUE_HEAD)
@@ -31,7 +30,10 @@ def pages_for(tokens, page_size):
 
 @cuda.jit(device=True)
 def start_sequence(s, slot, index):
-    """Publish RUNNING for a queued request (its header is already in device memory) at running[index]."""
+    """Move a queued request (its header is already in device memory) to running[index].
+
+    Its output words are zeroed now; ``scheduler.publish`` stores RUNNING after the iteration's fence.
+    """
     s.seq_total[slot] = s.seq_prompt_len[slot]
     s.seq_computed[slot] = 0
     s.seq_npages[slot] = 0
@@ -40,8 +42,6 @@ def start_sequence(s, slot, index):
     s.seq_queued[slot] = 0
     s.ngen[slot] = 0
     s.finish[slot] = 0
-    cuda.threadfence_system()
-    s.state[slot] = RUNNING
     s.running[index] = slot
 
 
@@ -207,8 +207,11 @@ def write_rows(s, sh, n):
 
 
 @cuda.jit(device=True)
-def write_tables_and_tokens(s, sh, n_rows, n_tokens):
-    """Block-table deltas of each row, then token ids, positions and KV slots of every token row."""
+def write_tables_and_tokens(s, sh, n_rows, n_tokens, all_decode):
+    """Block-table deltas of each row, then token ids, positions and KV slots of every token row.
+
+    In an all-decode step token row t is row t; otherwise its row is found by binary search over the row starts.
+    """
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     page = s.cfg[CFG_PAGE_SIZE]
@@ -218,7 +221,7 @@ def write_tables_and_tokens(s, sh, n_rows, n_tokens):
         j = sh.keys[r] + index - sh.b[r]
         s.block_tables[r, j] = s.seq_pages[s.row_slot[r], j]
     for t in range(tid, n_tokens, nt):
-        r = locate(s.query_start_loc, n_rows, t)
+        r = t if all_decode else locate(s.query_start_loc, n_rows, t)
         slot = s.row_slot[r]
         q = s.query_start_loc[r + 1] - s.query_start_loc[r]
         position = s.seq_lens[r] - q + t - s.query_start_loc[r]
@@ -293,7 +296,7 @@ def plan(s, sh):
             s.query_start_loc[n_rows] = n_tokens
             s.num_seqs[0] = n_rows
         cuda.syncthreads()
-        write_tables_and_tokens(s, sh, n_rows, n_tokens)
+        write_tables_and_tokens(s, sh, n_rows, n_tokens, all_decode)
         pad(s, n_rows, n_tokens, s.buckets[bucket])
     if tid == 0:
         s.sched[N_ROWS] = n_rows

@@ -54,6 +54,9 @@ SHIM = r"""
 #define STEP_CYCLES %(step_cycles)d
 #define STEPS_TIMED %(steps_timed)d
 #define STOP %(stop)d
+#define SHUTDOWN_WORD %(shutdown_word)d
+#define SUBMITTED_WORD %(submitted_word)d
+#define CANCELS_WORD %(cancels_word)d
 extern "C" __device__ int blink_iterate(long long *table);
 
 // clock64() for numba code (declared there with cuda.declare_device, numba's device-function ABI).
@@ -85,7 +88,7 @@ __device__ int blink_step(long long *table) {
 }
 
 extern "C" __global__ void blink_scheduler_tail(long long *table, unsigned long long *launch, int *launch_error,
-                                                int idle_ns) {
+                                                int idle_ns, const unsigned int *control, long long *doorbells) {
   int outcome = blink_step(table);
   if (threadIdx.x != 0 || outcome == STOP) return;
   if (outcome >= 0) {
@@ -97,7 +100,7 @@ extern "C" __global__ void blink_scheduler_tail(long long *table, unsigned long 
 }
 
 extern "C" __global__ void blink_scheduler_window(long long *table, unsigned long long *launch, int *launch_error,
-                                                  int idle_ns) {
+                                                  int idle_ns, const unsigned int *control, long long *doorbells) {
   __shared__ int go;
   for (int k = 0; k < WINDOW; k++) {
     int outcome = blink_step(table);
@@ -111,7 +114,16 @@ extern "C" __global__ void blink_scheduler_window(long long *table, unsigned lon
         cudaGraphExec_t step = (cudaGraphExec_t)launch[parity * MAX_BUCKETS + outcome];
         long long start = clock64();
         if (blink_launch(step, cudaStreamGraphFireAndForget, launch_error)) {
+          // Read the agent's words across PCIe while the step runs; the next iteration takes them from here.
+          const volatile unsigned int *words = control;
+          unsigned int shutdown = words[SHUTDOWN_WORD];
+          unsigned long long submitted = *(const volatile unsigned long long *)(words + SUBMITTED_WORD);
+          unsigned long long cancels = *(const volatile unsigned long long *)(words + CANCELS_WORD);
           while (*done == before) __nanosleep(32);
+          doorbells[1] = shutdown;
+          doorbells[2] = (long long)submitted;
+          doorbells[3] = (long long)cancels;
+          doorbells[0] = 1;
           __threadfence();
           launch[STEP_CYCLES] += clock64() - start;    // launch + step + wake-up, for the profile
           launch[STEPS_TIMED] += 1;
@@ -136,7 +148,9 @@ extern "C" __global__ void blink_done(unsigned long long *launch) {
   atomicAdd(launch + DONE, 1ULL);
 }
 """ % dict(max_buckets=MAX_BUCKETS, window=WINDOW, done=DONE, parity=PARITY, step_cycles=STEP_CYCLES,
-           steps_timed=STEPS_TIMED, stop=STOP_CODE) + STANDIN_CUDA
+           steps_timed=STEPS_TIMED, stop=STOP_CODE, shutdown_word=CONTROL_DTYPE.fields["shutdown"][1] // 4,
+           submitted_word=CONTROL_DTYPE.fields["submitted"][1] // 4,
+           cancels_word=CONTROL_DTYPE.fields["cancels"][1] // 4) + STANDIN_CUDA
 
 
 class LaunchError(BlinkError):
@@ -482,6 +496,7 @@ class GpuScheduler:
     def _build_scheduler_graph(self):
         kernel = "blink_scheduler_window" if self.config.launch_mode == "fire_and_forget" else "blink_scheduler_tail"
         args = [(self.table[0], ctypes.c_void_p), (self.launch[0], ctypes.c_void_p),
-                (self.launch_error, ctypes.c_void_p), (self.config.idle_sleep_ns, ctypes.c_int)]
+                (self.launch_error, ctypes.c_void_p), (self.config.idle_sleep_ns, ctypes.c_int),
+                (self._ring_device, ctypes.c_void_p), (self.state["doorbells"][0], ctypes.c_void_p)]
         first, _ = self._instantiate(self._captured(lambda: self._launch(kernel, 1, self.config.block_threads, args)))
         return first

@@ -26,12 +26,13 @@ from blink.device.block import MAX_THREADS, exclusive_scan
 from blink.device.kv import free_sequences
 from blink.device.numba_compat import clock, cuda, load_volatile
 from blink.device.ring import (ENGINE_SERVING, ENGINE_STOPPED, FINISH_ABORT, FINISH_LENGTH, FINISH_NONE, FINISH_STOP,
-                               FLAG_IGNORE_EOS, FLAG_LOGPROBS, READY)
+                               FINISHED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, READY, RUNNING)
 from blink.device.state import (C32_ENGINE_STATE, C32_KV_FREE, C32_RUNNING, C32_SHUTDOWN, C32_WAITING,
                                 C64_ADMITTED, C64_CANCELLED, C64_CANCELS, C64_FINISHED, C64_HEARTBEAT, C64_PREEMPTED,
                                 C64_STEPS, C64_SUBMITTED, C64_TOKENS, CFG_LOGPROBS, CFG_N_EOS, COUNTERS, FREE_TOP,
                                 K_ADMITTED, K_CANCEL_BELL, K_CANCELLED, K_ENDING, K_FINISHED, K_PREEMPTED, K_SCAN, K_SHUTDOWN,
-                                K_TOKENS, MAX_CANDIDATES, N_COUNTERS, N_QUEUED, N_ROWS, N_RUNNING, P_FIRST, QUEUE_HEAD,
+                                K_TOKENS, MAX_CANDIDATES, N_CONSUMED, N_COUNTERS, N_PENDING_FINISHED, N_PUBLISHABLE,
+                                N_QUEUED, N_ROWS, N_RUNNING, P_FIRST, QUEUE_HEAD,
                                 S_SEEN_CANCELS, S_SEEN_SUBMITTED, STOP, Scratch, finish_slot)
 from blink.device.waiting import cancel_queued, cancelled, collect, enqueue, refuse
 
@@ -52,12 +53,16 @@ def stop_reason(s, slot, token):
 
 @cuda.jit(device=True)
 def consume(s, sh):
-    """Bring the previous step's results into the ring and decide which sequences stop."""
+    """Bring the previous step's tokens into the ring's output areas and decide which sequences stop.
+
+    The counts that announce the tokens are published at the end of the iteration (``publish``), after one fence.
+    """
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     for r in range(tid, s.sched[N_ROWS], nt):
         slot = s.row_slot[r]
         s.seq_computed[slot] += s.query_start_loc[r + 1] - s.query_start_loc[r]
+        s.consumed[r] = -1
         if s.logits_indices[r] >= 0:
             # Written by the step's kernels on other SMs; a resident scheduler must not read a stale L1 line.
             token = load_volatile(s.sampled_ids, r)
@@ -65,8 +70,7 @@ def consume(s, sh):
             s.outputs[slot, n] = token
             if s.cfg[CFG_LOGPROBS] != 0 and (s.seq_flags[slot] & FLAG_LOGPROBS) != 0:
                 s.logprobs[slot, n] = load_volatile(s.sampled_logprobs, r)
-            cuda.threadfence_system()
-            s.ngen[slot] = n + 1
+            s.consumed[r] = slot                  # n_generated is published after this iteration's fence
             s.seq_total[slot] += 1
             s.seq_last[slot] = token
             s.seq_finish[slot] = stop_reason(s, slot, token)
@@ -80,6 +84,7 @@ def retire(s, sh):
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     n = s.sched[N_RUNNING]
+    pending = s.sched[N_PENDING_FINISHED]    # read before a barrier: thread 0 rewrites it at the end
     # a[i]: finishing flag -> position among finishing; b[i]: kept flag -> new index.
     for i in range(tid, n, nt):
         slot = s.running[i]
@@ -108,7 +113,8 @@ def retire(s, sh):
         slot = sh.slots[i]
         reason = s.seq_finish[slot]
         s.seq_finish[slot] = FINISH_NONE
-        finish_slot(s, slot, reason)
+        s.finish[slot] = reason                   # FINISHED follows in the next iteration's publish
+        s.pending_finished[pending + i] = slot
         cuda.atomic.add(sh.counters, K_FINISHED, 1)
         if reason == FINISH_ABORT:
             cuda.atomic.add(sh.counters, K_CANCELLED, 1)
@@ -116,6 +122,44 @@ def retire(s, sh):
         s.running[i] = sh.c[i]
     if tid == 0:
         s.sched[N_RUNNING] = n_kept
+        s.sched[N_PENDING_FINISHED] = pending + n_finishing
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def publish(s, sh, first_admitted):
+    """Make this iteration's ring writes visible in the order the agent relies on, with ONE fence per thread.
+
+    Every ring write of the iteration (tokens, logprobs, finish reasons, zeroed counts of admitted requests) came
+    earlier, so by now most have landed and the fence is short. After it: the token counts, RUNNING for this
+    iteration's admissions, and FINISHED for the requests that finished in the PREVIOUS iteration: their final count
+    was stored then, before this fence. Requests finished now are published next iteration, for the same reason.
+    """
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    cuda.threadfence_system()
+    cuda.syncthreads()
+    for r in range(tid, s.sched[N_CONSUMED], nt):
+        slot = s.consumed[r]
+        if slot >= 0:
+            s.ngen[slot] = s.seq_total[slot] - s.seq_prompt_len[slot]
+    for i in range(first_admitted + tid, first_admitted + sh.counters[K_ADMITTED], nt):
+        s.state[s.running[i]] = RUNNING
+    published = s.sched[N_PUBLISHABLE]
+    for i in range(tid, published, nt):
+        s.state[s.pending_finished[i]] = FINISHED
+    cuda.syncthreads()
+    # Requests finished this iteration move to the front; they are published next time.
+    waiting = s.sched[N_PENDING_FINISHED] - published
+    for i in range(tid, waiting, nt):
+        sh.slots[i] = s.pending_finished[published + i]
+    cuda.syncthreads()
+    for i in range(tid, waiting, nt):
+        s.pending_finished[i] = sh.slots[i]
+    if tid == 0:
+        s.sched[N_PENDING_FINISHED] = waiting
+        s.sched[N_PUBLISHABLE] = waiting
+        s.sched[N_CONSUMED] = 0
     cuda.syncthreads()
 
 
@@ -124,6 +168,10 @@ def abort_everything(s, sh):
     """Shutdown: finish every READY (queued or not) and RUNNING request with "abort" and free all pages."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
+    cuda.threadfence_system()
+    cuda.syncthreads()
+    for i in range(tid, s.sched[N_PENDING_FINISHED], nt):
+        s.state[s.pending_finished[i]] = FINISHED
     n = s.sched[N_RUNNING]
     for i in range(tid, n, nt):
         sh.slots[i] = s.running[i]
@@ -144,6 +192,8 @@ def abort_everything(s, sh):
         s.sched[N_ROWS] = 0
         s.sched[N_QUEUED] = 0
         s.sched[QUEUE_HEAD] = 0
+        s.sched[N_PENDING_FINISHED] = 0
+        s.sched[N_PUBLISHABLE] = 0
 
 
 @cuda.jit(device=True)
@@ -159,9 +209,25 @@ def lap(s, start, phase):
 def read_doorbells(s, sh):
     """Three threads read shutdown and the two doorbells across PCIe at once; the block then agrees on them.
 
-    A doorbell that moved since the scheduler last acted on it sets K_SCAN / K_CANCEL_BELL for this iteration.
+    A doorbell that moved since the scheduler last acted on it sets K_SCAN / K_CANCEL_BELL for this iteration. The
+    fire-and-forget loop reads the three words while the previous step runs and leaves them in ``s.doorbells``
+    (``[valid, shutdown, submitted, cancels]``); then no PCIe read is on this iteration's path.
     """
     tid = cuda.threadIdx.x
+    prefetched = s.doorbells[0] != 0        # the resident loop read them while the last step ran (launch.py)
+    cuda.syncthreads()
+    if prefetched:
+        if tid == 0:
+            s.doorbells[0] = 0
+            sh.counters[K_SHUTDOWN] = s.doorbells[1]
+            if s.doorbells[2] != s.stats[S_SEEN_SUBMITTED]:
+                s.stats[S_SEEN_SUBMITTED] = s.doorbells[2]
+                sh.counters[K_SCAN] = 1
+            if s.doorbells[3] != s.stats[S_SEEN_CANCELS]:
+                s.stats[S_SEEN_CANCELS] = s.doorbells[3]
+                sh.counters[K_CANCEL_BELL] = 1
+        cuda.syncthreads()
+        return
     if tid == 0:
         sh.counters[K_SHUTDOWN] = load_volatile(s.ctl32, C32_SHUTDOWN)
     if tid == min(1, cuda.blockDim.x - 1):
@@ -226,6 +292,8 @@ def make_iterate(policy):
                 s.ctl32[C32_ENGINE_STATE] = ENGINE_STOPPED
             return STOP
         t = lap(s, t, 0)
+        if tid == 0:
+            s.sched[N_CONSUMED] = s.sched[N_ROWS]
         consume(s, sh)
         t = lap(s, t, 1)
         retire(s, sh)
@@ -235,10 +303,12 @@ def make_iterate(policy):
         if sh.counters[K_SCAN] != 0:
             enqueue(s, sh, collect(s, sh, policy))
         t = lap(s, t, 3)
+        first_admitted = s.sched[N_RUNNING]
         batcher.admit(s, sh)
         t = lap(s, t, 4)
         bucket = batcher.plan(s, sh)
         t = lap(s, t, 5)
+        publish(s, sh, first_admitted)
         if tid == 0:
             publish_stats(s, sh, bucket >= 0)
         cuda.syncthreads()

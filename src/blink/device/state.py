@@ -16,8 +16,8 @@ from blink.device.ring import CONTROL_DTYPE, FINISHED, RingView, header_dtype
 from blink.device.step import StepLayout
 
 # Scheduler scalars (s.sched, int32).
-N_RUNNING, FREE_TOP, N_ROWS, BUCKET, N_QUEUED, QUEUE_HEAD = range(6)
-SCHED_WORDS = 8
+N_RUNNING, FREE_TOP, N_ROWS, BUCKET, N_QUEUED, QUEUE_HEAD, N_CONSUMED, N_PENDING_FINISHED, N_PUBLISHABLE = range(9)
+SCHED_WORDS = 16
 
 # s.stats holds device copies of the control block's u64 words (same indices) and, past them, the doorbell counts
 # the scheduler has acted on.
@@ -131,6 +131,9 @@ class SchedulerArrays(NamedTuple):
     queue_tmp_slots: object  # i32 [n] scratch for merging
     queue_tmp_keys: object  # i64 [n]
     running: object         # i32 [max_num_seqs]  ring slots, in admission order
+    consumed: object        # i32 [max_num_seqs]  slot whose token row r of the last step delivered (-1: none)
+    pending_finished: object  # i32 [2 * max_num_seqs]  finished slots whose FINISHED state is not yet published
+    doorbells: object       # i64 [4]  [valid, shutdown, submitted, cancels] prefetched by the resident loop
     row_slot: object        # i32 [max_num_seqs]  ring slot of each row of the last planned step
     row_version: object     # i32 [max_num_seqs]  seq_version of that slot when the row was last written
     row_pages: object       # i32 [max_num_seqs]  block-table entries already copied into that row
@@ -217,7 +220,8 @@ def state_arrays(config: SchedulerConfig, n_slots: int, max_stop_ids: int, has_l
         seq_top_p=np.ones(n_slots, np.float32), seq_seed=np.zeros(n_slots, np.int64), seq_queued=i32(n_slots),
         queue_slots=i32(n_slots), queue_keys=np.zeros(n_slots, np.int64), queue_tmp_slots=i32(n_slots),
         queue_tmp_keys=np.zeros(n_slots, np.int64),
-        running=i32(config.max_num_seqs), row_slot=np.full(config.max_num_seqs, -1, np.int32),
+        running=i32(config.max_num_seqs), consumed=i32(config.max_num_seqs),
+        pending_finished=i32(2 * config.max_num_seqs), doorbells=np.zeros(4, np.int64), row_slot=np.full(config.max_num_seqs, -1, np.int32),
         row_version=i32(config.max_num_seqs), row_pages=i32(config.max_num_seqs))
 
 
