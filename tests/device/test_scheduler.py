@@ -43,6 +43,8 @@ class Harness:
 
     def iterate(self) -> int:
         outcome = self.scheduler.iteration()
+        running = int(self.scheduler.arrays.sched[N_RUNNING])
+        assert outcome != IDLE or running == 0, f"no step planned while {running} sequences run: no progress"
         if outcome >= 0:
             self.steps.append(check_step_contract(self.scheduler.arrays, self.config, outcome))
         for out in self.agent.poll():
@@ -233,3 +235,26 @@ def test_logprobs_reach_the_ring_only_when_asked():
     tokens = [4, 5] + standin_continuation([4, 5], 8, 3)
     assert got[with_lp] == [standin_logprob(tokens[p - 1], p, 8) for p in range(2, 5)]
     assert got[without] == []
+
+
+def test_a_request_cancelled_during_chunked_prefill_finishes_with_abort_and_no_tokens():
+    """Its previous steps sampled nothing, so nothing but the cancel makes its publication happen."""
+    h = Harness()
+    rid = h.agent.submit(list(range(40)), SamplingParams(max_tokens=4))     # 40 prompt tokens: 3 chunked steps
+    h.iterate()                                                          # admit + first chunk (nothing sampled)
+    h.agent.cancel(rid)
+    h.run_until_idle()
+    assert h.reasons[rid] == "abort" and h.outputs.get(rid, []) == []
+    assert int(h.scheduler.arrays.sched[FREE_TOP]) == CONFIG.num_pages
+
+
+def test_prefills_that_hold_every_page_are_unblocked_by_preemption():
+    """Regression: with no decode running, prefill chunks cut to zero free pages planned nothing forever."""
+    h = Harness()
+    s = h.scheduler.arrays
+    a = h.agent.submit(list(range(40)), SamplingParams(max_tokens=12, seed=1))
+    b = h.agent.submit(list(range(1, 41)), SamplingParams(max_tokens=12, seed=2))
+    h.iterate()                                  # both admitted (10 + 10 pages of 24); first chunk of `a`
+    s.sched[FREE_TOP] -= int(s.sched[FREE_TOP])  # pages vanish under them (as if other sequences had taken them)
+    outcome = h.scheduler.iteration()
+    assert outcome >= 0 and h.agent.stats()["preempted"] >= 1

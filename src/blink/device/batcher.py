@@ -20,7 +20,7 @@ from blink.device.kv import allocate_pages, free_sequences
 from blink.device.numba_compat import cuda
 from blink.device.state import (BUCKET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_PAGE_SIZE, CFG_TOKEN_BUDGET,
                                 CFG_WATERMARK, FREE_TOP, IDLE, K_ADMITTED, K_COPIES, K_DECODE_PAGES, K_NEED,
-                                K_PREEMPTED, K_PREFILLS, K_VICTIM, N_QUEUED, N_ROWS, N_RUNNING, QUEUE_HEAD)
+                                K_CHUNKED, K_PREEMPTED, K_PREFILLS, K_VICTIM, N_QUEUED, N_ROWS, N_RUNNING, QUEUE_HEAD)
 
 
 @cuda.jit(device=True)
@@ -107,12 +107,24 @@ def plan_chunks(s, sh, n):
     Returns True when every running sequence decodes (one token each): the steady state, planned without scans.
     Every decode gets its token, since ``max_num_batched_tokens >= max_num_seqs``.
     """
+    while True:
+        all_decode = chunks_once(s, sh, n)
+        # Progress: a step with running sequences but no token (prefills holding every page, no decode to force a
+        # preemption) would never end; preempt the newest holder and plan again.
+        if all_decode or sh.counters[K_CHUNKED] != 0 or not preempt_newest(s, sh):
+            return all_decode
+
+
+@cuda.jit(device=True)
+def chunks_once(s, sh, n):
+    """One planning pass (see ``plan_chunks``); counts the sequences that got a chunk in ``K_CHUNKED``."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     page = s.cfg[CFG_PAGE_SIZE]
     while True:
         if tid == 0:
             sh.counters[K_PREFILLS] = 0
+            sh.counters[K_CHUNKED] = 0
             sh.counters[K_DECODE_PAGES] = 0
         cuda.syncthreads()
         for i in range(tid, n, nt):
@@ -158,6 +170,8 @@ def plan_chunks(s, sh, n):
             mine = max(pages_left - sh.b[i], 0)
             fits = (s.seq_npages[slot] + mine) * page - computed
             sh.d[i] = max(0, min(sh.d[i], fits))
+        if sh.d[i] > 0:
+            cuda.atomic.add(sh.counters, K_CHUNKED, 1)
     cuda.syncthreads()
     return False
 

@@ -137,6 +137,9 @@ def publish(s, sh, first_admitted):
     """
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
+    if s.sched[N_CONSUMED] == 0 and sh.counters[K_ADMITTED] == 0 and s.sched[N_PENDING_FINISHED] == 0:
+        # Nothing to announce: skip the fence, which costs a PCIe round trip (~2.4 us on the H200) even when idle.
+        return
     cuda.threadfence_system()
     cuda.syncthreads()
     for r in range(tid, s.sched[N_CONSUMED], nt):

@@ -154,8 +154,8 @@ class Scratch(NamedTuple):
 
 # Scratch counters (sh.counters), zeroed at the start of each iteration.
 K_TOKENS, K_FINISHED, K_CANCELLED, K_NEW, K_ADMITTED, K_REJECTED, K_PREEMPTED, K_VICTIM, K_SHUTDOWN, K_SCAN, \
-    K_CANCEL_BELL, K_ENDING, K_PREFILLS, K_DECODE_PAGES, K_NEED, K_COPIES = range(16)
-N_COUNTERS = 16
+    K_CANCEL_BELL, K_ENDING, K_PREFILLS, K_DECODE_PAGES, K_NEED, K_COPIES, K_CHUNKED = range(17)
+N_COUNTERS = 20
 
 
 # -- ring writes shared by the phases ----------------------------------------------------------------------------
