@@ -62,6 +62,7 @@ class Rig:
 
 
 def step_time(image: bytes, mode: str, batch: int, threads: int = 256, steps: int = 2000) -> dict:
+    """Per-step time of ``batch`` decoding requests (2000 steps, timed on the host)."""
     rig = Rig(image, SchedulerConfig(**{**BASE.__dict__, "launch_mode": mode, "block_threads": threads}))
     rig.scheduler.start()
     ngen = rig.view.status["n_generated"]
@@ -70,11 +71,22 @@ def step_time(image: bytes, mode: str, batch: int, threads: int = 256, steps: in
     while (ngen[slots] < 2).any():
         pass
     t0, s0 = time.perf_counter(), rig.control("steps")
+    clock = sm_clock_mhz()
     while rig.control("finished") < batch:
         pass
     t1, s1 = time.perf_counter(), rig.control("steps")
-    return {"mode": mode, "batch": batch, "threads": threads, "steps": s1 - s0,
+    return {"mode": mode, "batch": batch, "threads": threads, "steps": s1 - s0, "sm_clock_mhz": clock,
             "us_per_step": (t1 - t0) / (s1 - s0) * 1e6, "profile_us": rig.stop()}
+
+
+def sm_clock_mhz() -> int | None:
+    """The SM clock nvidia-smi reports right now (the loop keeps one block busy: the GPU may not boost)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+        return int(out.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
 
 
 def host_baseline(image: bytes, launches: int = 2000) -> dict:
@@ -182,10 +194,11 @@ def main() -> None:
     print(f"scheduler bench, commit {result['commit']}, image linked in {link_s:.1f} s")
     print(f"  kernel resources: {json.dumps(result['resources'])}")
     print(f"  host back-to-back launches of the 1-row step graph: {result['host_baseline']['us_per_step']:.2f} us")
-    print(f"  {'mode':>16} {'batch':>5} {'threads':>7} {'us/step':>8}  profile (us per iteration)")
+    print(f"  {'mode':>16} {'batch':>5} {'threads':>7} {'us/step':>8} {'SM MHz':>7}  profile (us per iteration)")
     for r in result["step"]:
         profile = " ".join(f"{k}={v:.2f}" for k, v in r["profile_us"].items())
-        print(f"  {r['mode']:>16} {r['batch']:>5} {r['threads']:>7} {r['us_per_step']:>8.2f}  {profile}")
+        print(f"  {r['mode']:>16} {r['batch']:>5} {r['threads']:>7} {r['us_per_step']:>8.2f} "
+              f"{r['sm_clock_mhz'] or '?':>7}  {profile}")
     print(f"  {'mode':>16} {'ring (4096 slots)':>18} {'us/iteration':>13} {'with full scan':>15}")
     for plain, scanning in zip(result["idle"][::2], result["idle"][1::2]):
         print(f"  {plain['mode']:>16} {plain['case']:>18} {plain['us_per_iteration']:>13.2f} "
