@@ -189,3 +189,40 @@ def test_gpu_loop_serves_ten_thousand_requests_like_the_simulator(mode):
     assert measured["stats"]["finished"] == 10_000 and measured["stats"]["launch_error"] == 0
     # The host only sleeps in join(): far below one core even while 10k requests stream through.
     assert measured["host_cpu_s"] < 0.1 * measured["wall_s"] + 0.5
+
+
+@pytest.mark.gpu
+def test_a_failing_device_graph_launch_is_reported_by_name():
+    """A step graph instantiated without the device-launch flag cannot be launched from the GPU: the loop must stop,
+    record the error in the ring, and join() must raise it by name (so must the agent's poll)."""
+    import torch
+    from cuda.bindings import driver, runtime
+
+    from blink.device.launch import MAX_BUCKETS, GpuScheduler, LaunchError, _cu
+    from blink.device.step import StepBuffers, StepLayout
+    from blink.errors import EngineUnresponsive
+    from blink.nic.agent import Agent
+    from blink.nic.transport import LocalMemory
+
+    geometry = RingGeometry(n_slots=64, max_prompt_tokens=8, max_output_tokens=8)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, page_size=16, num_pages=64, max_model_len=16,
+                             buckets=(1, 2, 4, 8, 16))
+    layout = RingLayout(geometry)
+    step = StepBuffers(StepLayout(16, 8, 1), "cuda")
+    torch.cuda.synchronize()
+    with LocalMemory(layout.size) as memory:
+        memory.write(0, layout.control_bytes())
+        scheduler = GpuScheduler(memory, geometry, config, step.layout,
+                                 {k: t.data_ptr() for k, t in step.tensors().items()})
+        host_only = _cu(runtime.cudaGraphInstantiate(runtime.cudaGraph_t(init_value=int(
+            scheduler._captured(lambda: None))), 0))
+        words = np.full(2 * MAX_BUCKETS, int(host_only), np.uint64)
+        _cu(driver.cuMemcpyHtoD(scheduler.launch[0], words, words.nbytes))
+        agent = Agent(memory, geometry, liveness_timeout_s=30)
+        scheduler.start()
+        agent.submit([1, 2], SamplingParams(max_tokens=2))
+        with pytest.raises(LaunchError, match="cudaError"):
+            scheduler.join(timeout_s=60)
+        with pytest.raises(EngineUnresponsive, match="launch error"):
+            agent.poll()
+        scheduler.close()
