@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import multiprocessing as mp
 import os
@@ -11,7 +12,11 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from blink.errors import BlinkError
+
 _ring_numbers = itertools.count()
+# Errors that say what was wrong and what to do: shown as one line, without a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, BlinkError)
 
 
 @contextmanager
@@ -41,7 +46,70 @@ def standin_engine(geometry, **consumer_options):
             consumer.kill()
 
 
-def wait_until_serving(agent, engine=None, timeout_s: float = 120.0) -> None:
+@contextmanager
+def engine_process(config):
+    """The engine (``blink.engine.serve_ring``) in another process, on the shared-memory ring it creates.
+
+    Yields ``(memory, process)`` once the ring exists; on exit asks the engine to shut down through the ring, waits
+    for the process, and removes the ring if the engine could not.
+    """
+    from blink.device.ring import CONTROL_DTYPE
+    from blink.nic.transport import SharedMemory
+
+    process = mp.get_context("spawn").Process(target=_engine_entry, args=(config,), daemon=True)
+    process.start()
+    memory = None
+    try:
+        memory = _attach_ring(config, process)
+        yield memory, process
+    finally:
+        if memory is not None:
+            memory.write(CONTROL_DTYPE.fields["shutdown"][1], np.array([1], "<u4").tobytes())
+            memory.close()
+        process.join(60)
+        if process.is_alive():
+            process.terminate()
+            process.join(10)
+            process.kill()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SharedMemory.SHM_DIR, config.ring_name))
+
+
+def _engine_entry(config) -> None:
+    """``engine_process``'s target: the engine until shutdown, a start-up error reported in one line."""
+    from blink.engine import serve_ring
+
+    try:
+        serve_ring(config)
+    except USER_ERRORS as e:
+        print(f"blink engine: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _attach_ring(config, process, timeout_s: float = 600.0):
+    """Open the ring the engine process creates (it exists once it has its full size and its magic word)."""
+    from blink.device.ring import MAGIC, RingLayout
+    from blink.nic.transport import SharedMemory
+
+    size = RingLayout(config.geometry()).size
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            memory = SharedMemory.open(config.ring_name, size)
+        except (FileNotFoundError, ValueError):
+            memory = None       # not created yet, or not yet resized to its full size
+        if memory is not None:
+            if int(np.frombuffer(memory.read(0, 4), "<u4")[0]) == MAGIC:
+                return memory
+            memory.close()
+        if not process.is_alive():
+            raise SystemExit(f"the engine process exited (code {process.exitcode}) before it created its ring")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the engine did not create its ring /dev/shm/{config.ring_name} within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def wait_until_serving(agent, engine=None, timeout_s: float = 600.0) -> None:
     """Block until the ring's engine reports it is serving; ``SystemExit`` saying why if it does not."""
     from blink.device.ring import ENGINE_STARTING
 
@@ -96,21 +164,45 @@ def ring_demo(args) -> int:
 
 def serve(args) -> int:
     """The engine in another process and the agent's HTTP server in this one, over a shared-memory ring."""
-    from blink.device.ring import RingGeometry
     from blink.nic.text import Tokenizer
 
-    if not args.standin:
-        print("blink serve: the GPU engine is not built yet; pass --standin to serve the stand-in model "
-              "(deterministic hash tokens) through the whole HTTP path", file=sys.stderr)
-        return 2
-    model_dir = _model_dir(args.model)
+    model_dir = _model_dir(args.model_path or args.model)
     tokenizer = Tokenizer(model_dir)
-    geometry = RingGeometry(n_slots=args.slots, max_prompt_tokens=args.max_prompt_tokens,
-                            max_output_tokens=args.max_output_tokens)
-    # The stand-in draws tokens from the tokenizer's whole vocabulary, so every token it emits decodes.
-    with standin_engine(geometry, vocab_size=tokenizer.vocab_size,
-                        eos_token_ids=tokenizer.eos_token_ids) as (memory, engine):
-        return _serve_http(args, memory, geometry, tokenizer, model_dir, engine)
+    if args.standin:
+        geometry = _engine_config(args, model_dir).geometry()
+        # The stand-in draws tokens from the tokenizer's whole vocabulary, so every token it emits decodes.
+        engine = standin_engine(geometry, vocab_size=tokenizer.vocab_size, eos_token_ids=tokenizer.eos_token_ids)
+    else:
+        config = _engine_config(args, model_dir, ring_name=f"blink-{os.getpid()}-{next(_ring_numbers)}")
+        geometry = config.geometry()
+        engine = engine_process(config)
+    with engine as (memory, process):
+        return _serve_http(args, memory, geometry, tokenizer, model_dir, process)
+
+
+def engine(args) -> int:
+    """The engine on a new shared-memory ring until Ctrl-C or SIGTERM; ``blink agent --ring NAME`` serves HTTP on it."""
+    from blink.engine import serve_ring
+
+    serve_ring(_engine_config(args, _model_dir(args.model_path or args.model), ring_name=args.ring))
+    return 0
+
+
+def generate(args) -> int:
+    """One prompt through an in-process engine; the text streams to stdout."""
+    from blink.config import SamplingParams
+    from blink.engine import Engine
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    with Engine(_engine_config(args, _model_dir(args.model))) as llm:
+        prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        stream = llm.stream(prompt, params)
+        for delta in stream:
+            print(delta.text, end="", flush=True)
+        print(f"\n[{len(stream.output.token_ids)} tokens, finish reason: {stream.output.finish_reason}]",
+              file=sys.stderr)
+    return 0
 
 
 def agent(args) -> int:
@@ -147,6 +239,17 @@ def _model_dir(model):
     return default_model_path()
 
 
+def _engine_config(args, model_dir, **overrides):
+    from blink.config import EngineConfig
+
+    return EngineConfig(model=str(model_dir), device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                        num_pages=args.num_pages, gpu_memory_utilization=args.gpu_memory_utilization,
+                        cpu_kv_cache_gib=args.cpu_kv_cache_gib, n_slots=args.slots,
+                        max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
+                        **overrides)
+
+
 def _ring_geometry(memory):
     """The geometry an existing ring's creator wrote into its control block."""
     from blink.device.ring import CONTROL_DTYPE, MAGIC, RING_LOGPROBS, RingGeometry
@@ -162,6 +265,25 @@ def _ring_geometry(memory):
 
 def _cpu_list(text: str) -> set[int]:
     return {int(c) for c in text.split(",")}
+
+
+def _engine_options(parser, slots: int) -> None:
+    """Model, device, memory and ring sizes (``EngineConfig``)."""
+    from blink.config import DEVICES, EngineConfig
+
+    d = EngineConfig()
+    parser.add_argument("--device", choices=DEVICES, default=d.device, help="auto: the GPU if there is one")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                        help="default: the checkpoint's on a GPU, float32 on the CPU")
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory options)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    parser.add_argument("--cpu-kv-cache-gib", type=float, default=d.cpu_kv_cache_gib)
+    parser.add_argument("--slots", type=int, default=slots, help="ring request slots")
+    parser.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
+    parser.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens)
 
 
 def _http_options(parser) -> None:
@@ -184,19 +306,40 @@ def main(argv=None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=ring_demo)
     serve_cmd = sub.add_parser("serve", help="engine + OpenAI-compatible HTTP server (agent) over a shared ring")
+    serve_cmd.add_argument("model_path", nargs="?", metavar="MODEL", help="same as --model")
     _http_options(serve_cmd)
+    _engine_options(serve_cmd, slots=256)
     serve_cmd.add_argument("--standin", action="store_true",
                            help="run the reference consumer with the stand-in model as the engine")
-    serve_cmd.add_argument("--slots", type=int, default=256)
-    serve_cmd.add_argument("--max-prompt-tokens", type=int, default=2048)
-    serve_cmd.add_argument("--max-output-tokens", type=int, default=2048)
     serve_cmd.set_defaults(run=serve)
+    engine_cmd = sub.add_parser("engine", help="the engine alone, on a new shared-memory ring (see: blink agent)")
+    engine_cmd.add_argument("model_path", nargs="?", metavar="MODEL", help="same as --model")
+    engine_cmd.add_argument("--model", default=None, help="model directory (HF layout); default: the embedded SmolLM2")
+    engine_cmd.add_argument("--ring", required=True, help="name of the ring to create (/dev/shm/NAME)")
+    _engine_options(engine_cmd, slots=256)
+    engine_cmd.set_defaults(run=engine)
+    gen_cmd = sub.add_parser("generate", help="generate from one prompt with an in-process engine")
+    gen_cmd.add_argument("prompt")
+    gen_cmd.add_argument("--model", default=None, help="model directory (HF layout); default: the embedded SmolLM2")
+    gen_cmd.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen_cmd.add_argument("--max-tokens", type=int, default=128)
+    gen_cmd.add_argument("--temperature", type=float, default=0.0)
+    gen_cmd.add_argument("--top-p", type=float, default=1.0)
+    gen_cmd.add_argument("--top-k", type=int, default=0)
+    gen_cmd.add_argument("--seed", type=int, default=None)
+    gen_cmd.add_argument("--ignore-eos", action="store_true")
+    _engine_options(gen_cmd, slots=4)
+    gen_cmd.set_defaults(run=generate)
     agent_cmd = sub.add_parser("agent", help="OpenAI-compatible HTTP server on the ring of a running engine")
     _http_options(agent_cmd)
     agent_cmd.add_argument("--ring", required=True, help="the engine's shared-memory ring name (/dev/shm/NAME)")
     agent_cmd.set_defaults(run=agent)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except USER_ERRORS as e:
+        print(f"blink {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

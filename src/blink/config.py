@@ -113,3 +113,89 @@ class SchedulerConfig:
     @property
     def max_pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine serves and with how much memory (names follow vLLM's engine arguments where they mean the same).
+
+    ``model`` is an HF-layout directory; ``None`` serves the embedded SmolLM2-135M-Instruct. ``device="auto"`` takes
+    the GPU when torch sees one, else the CPU. ``dtype=None`` is the checkpoint's dtype on a GPU and float32 on the CPU.
+
+    The KV pool has ``num_pages`` pages of ``page_size`` tokens when given; otherwise, on a GPU, as many as fit in
+    ``gpu_memory_utilization`` of the GPU's memory once weights, step buffers and activations are placed, and on the
+    CPU ``cpu_kv_cache_gib`` GiB. ``max_model_len`` (prompt + output positions of one sequence) defaults to the model's
+    context or ``max_prompt_tokens + max_output_tokens``, whichever is smaller; the pool must hold at least one
+    sequence that long.
+
+    The ring has ``n_slots`` request slots of ``max_prompt_tokens`` prompt and ``max_output_tokens`` output tokens.
+    ``ring_name=None`` keeps it in this process (``Engine.generate`` drives it); a name puts it in POSIX shared memory
+    (``/dev/shm/<ring_name>``) for an agent in another process. ``sim_threads`` is the simulated scheduler block size
+    in CPU mode (each is a Python thread: keep it small).
+    """
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    page_size: int = 16
+    num_pages: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 1.0
+    n_slots: int = 1024
+    max_prompt_tokens: int = 2048
+    max_output_tokens: int = 2048
+    max_stop_ids: int = 8
+    logprobs: bool = True
+    ring_name: str | None = None
+    launch_mode: str = "fire_and_forget"
+    sim_threads: int = 4
+
+    def __post_init__(self):
+        owner = "EngineConfig"
+        _check(self.model is None or (isinstance(self.model, str) and self.model != ""), owner, "model",
+               "None (the embedded default model) or a model directory", self.model)
+        _check(self.device in DEVICES, owner, "device", f"one of {DEVICES}", self.device)
+        _check(self.dtype in (None, "float32", "float16", "bfloat16"), owner, "dtype",
+               "None, 'float32', 'float16' or 'bfloat16'", self.dtype)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "n_slots", "max_prompt_tokens",
+                     "max_output_tokens", "sim_threads"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, owner, name, "a positive int", value)
+        for name in ("max_model_len", "num_pages"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and value >= 1), owner, name, "None or a positive int", value)
+        _check(_is_int(self.max_stop_ids) and 0 <= self.max_stop_ids <= 64, owner, "max_stop_ids",
+               "an int in [0, 64]", self.max_stop_ids)
+        u = self.gpu_memory_utilization
+        _check(isinstance(u, float) and 0.0 < u <= 1.0, owner, "gpu_memory_utilization", "a float in (0, 1]", u)
+        g = self.cpu_kv_cache_gib
+        _check(isinstance(g, (int, float)) and not isinstance(g, bool) and g > 0, owner, "cpu_kv_cache_gib",
+               "a number > 0", g)
+        _check(isinstance(self.logprobs, bool), owner, "logprobs", "a bool", self.logprobs)
+        _check(self.ring_name is None or (isinstance(self.ring_name, str) and self.ring_name != ""
+                                          and "/" not in self.ring_name), owner, "ring_name",
+               "None (an in-process ring) or a shared-memory name without '/'", self.ring_name)
+        _check(self.launch_mode in LAUNCH_MODES, owner, "launch_mode", f"one of {LAUNCH_MODES}", self.launch_mode)
+        _check(self.max_num_batched_tokens >= self.max_num_seqs, owner, "max_num_batched_tokens",
+               f">= max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step",
+               self.max_num_batched_tokens)
+        _check(self.max_num_seqs <= SchedulerConfig.MAX_SEQS, owner, "max_num_seqs", f"<= {SchedulerConfig.MAX_SEQS}",
+               self.max_num_seqs)
+
+    def geometry(self):
+        """The ``RingGeometry`` of the engine's ring."""
+        from blink.device.ring import RingGeometry
+
+        return RingGeometry(self.n_slots, self.max_prompt_tokens, self.max_output_tokens, self.max_stop_ids,
+                            self.logprobs)
+
+    def buckets(self) -> tuple[int, ...]:
+        """Token counts a step graph is captured for: powers of two up to ``max_num_batched_tokens``, and it."""
+        sizes = [1 << k for k in range(self.max_num_batched_tokens.bit_length()) if 1 << k < self.max_num_batched_tokens]
+        return (*sizes, self.max_num_batched_tokens)
