@@ -1,0 +1,53 @@
+"""blink.backends: device selection against numba's simulator mode, and the KV pool's sizing rule. The backends
+themselves run in tests/test_engine.py."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from blink.backends import EngineError, kv_page_bytes, scheduler_config, select_device
+from blink.config import EngineConfig
+
+SRC = os.path.join(os.path.dirname(__file__), "..", "src")
+
+
+def test_the_cpu_engine_refuses_a_process_that_imported_numba_without_the_simulator():
+    code = textwrap.dedent("""
+        import numba
+        from blink.backends import EngineError, select_device
+        try:
+            select_device("cpu")
+        except EngineError as e:
+            print(e)
+    """)
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0", "PYTHONPATH": os.path.abspath(SRC)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "the cpu engine needs numba's CUDA simulator on, but this process already imported numba with it off" \
+        in out.stdout, out.stderr
+    assert "NUMBA_ENABLE_CUDASIM=1" in out.stdout
+
+
+def test_device_selection_without_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert select_device("auto") == select_device("cpu") == "cpu"
+    with pytest.raises(EngineError, match="torch sees no CUDA GPU: use device='cpu'"):
+        select_device("cuda")
+
+
+def test_the_pool_must_hold_one_longest_sequence():
+    from blink.models import ModelConfig, build_model
+
+    model = build_model(ModelConfig("LlamaForCausalLM", vocab_size=16, hidden_size=8, intermediate_size=8,
+                                    num_layers=3, num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-5,
+                                    rope_theta=1e4, rotary_dim=4, max_position_embeddings=64), dtype="float16")
+    assert kv_page_bytes(model, 16) == 3 * 2 * 16 * 1 * 4 * 2
+    config = EngineConfig(page_size=16, max_num_seqs=4, max_num_batched_tokens=32)
+    assert scheduler_config(config, 64, 4, (2,), "budget").num_pages == 4
+    with pytest.raises(ValueError, match=r"holds 3 pages of 16 tokens, but one sequence of max_model_len=64 "
+                                         r"tokens needs 4: give it more memory \(the knob\)"):
+        scheduler_config(config, 64, 3, (2,), "the knob")

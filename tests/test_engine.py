@@ -1,0 +1,266 @@
+"""blink.engine end to end on the CPU (simulated scheduler + torch step) with the embedded SmolLM2, against HF
+transformers' greedy ``generate``; start-up failures leave nothing behind. GPU tests (H200) at the end."""
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from blink import Engine, EngineConfig, SamplingParams
+from blink.models.config import ConfigError
+from blink.models.loader import CheckpointError
+
+# A small token budget forces chunked prefill (the longest prompt has 42 tokens), a small KV pool forces preemption.
+CONFIG = EngineConfig(device="cpu", n_slots=12, max_prompt_tokens=48, max_output_tokens=24, max_stop_ids=2,
+                      max_num_seqs=6, max_num_batched_tokens=16, page_size=4, num_pages=30, sim_threads=2)
+PROMPTS = ["The capital of France is", "def fibonacci(n):",
+           "The history of the Roman Empire spans more than a thousand years, from the founding of the city to the "
+           "fall of Constantinople in 1453, and it shaped law, language and architecture across Europe.",
+           "1, 2, 3, 4,", "Once upon a time, in a small village, there lived"]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = SamplingParams(max_tokens=20, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from blink.models import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    with Engine(CONFIG) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation; it stops after an EOS token, which it includes."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt], device=hf.device)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def staggered(engine, prompts, params) -> list:
+    """Submit one prompt after another, each once the earlier requests have produced more tokens; all run together."""
+    streams = []
+    for prompt in prompts:
+        for earlier in streams:
+            next(earlier, None)
+        streams.append(engine.stream(prompt, params))
+    return [s.result() for s in streams]
+
+
+def wait_idle(engine, timeout_s=30.0) -> dict:
+    """Until the scheduler runs nothing and every KV page is free again; returns the stats."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = engine.stats()
+        if stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]:
+            return stats
+        assert time.monotonic() < deadline, f"engine not idle: {stats}"
+        time.sleep(0.01)
+
+
+# -- outputs -----------------------------------------------------------------------------------------------------
+
+def test_greedy_outputs_equal_transformers_under_chunked_prefill_and_preemption(engine, hf):
+    prompts = [engine.encode(p) for p in PROMPTS] + [engine.tokenizer.encode_chat(CHAT)]
+    before = engine.stats()
+    outputs = staggered(engine, prompts, GREEDY)
+    after = wait_idle(engine)
+    assert after["preempted"] > before["preempted"], "the pool was meant to be too small for every sequence"
+    eos = engine.tokenizer.eos_token_ids
+    for prompt, out in zip(prompts, outputs):
+        want = hf_greedy(hf, prompt, GREEDY.max_tokens)
+        assert out.token_ids == want
+        assert out.finish_reason == ("stop" if want[-1] in eos else "length")
+        assert out.text == engine.tokenizer.decode(want)
+        assert out.prompt_token_ids == prompt
+
+
+def test_generate_takes_strings_and_token_lists_and_streams_the_same_text(engine):
+    params = SamplingParams(max_tokens=6, temperature=0)
+    by_text, by_ids = engine.generate([PROMPTS[0], engine.encode(PROMPTS[0])], params)
+    assert by_text.token_ids == by_ids.token_ids and len(by_text.token_ids) == 6
+    deltas = list(engine.stream(PROMPTS[0], params))
+    assert [t for d in deltas for t in d.token_ids] == by_text.token_ids
+    assert "".join(d.text for d in deltas) == by_text.text
+    assert [d.finish_reason for d in deltas][-1] == "length" and all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(engine):
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=1234, logprobs=True)
+    alone = engine.generate(PROMPTS[4], params)[0]
+    crowd = [SamplingParams(max_tokens=10, temperature=1.0, seed=s) for s in range(3)]
+    batched = engine.generate([PROMPTS[1], PROMPTS[4], PROMPTS[0], PROMPTS[3]], [crowd[0], params, *crowd[1:]])[1]
+    assert batched.token_ids == alone.token_ids
+    assert batched.logprobs == pytest.approx(alone.logprobs, abs=1e-4)     # batched GEMMs round differently
+    assert len(alone.logprobs) == 12 and all(lp <= 0 for lp in alone.logprobs)
+    other_seed = engine.generate(PROMPTS[4], SamplingParams(**{**params.__dict__, "seed": 99}))[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_max_tokens_eos_and_stop_ids_end_requests(engine, hf):
+    chat = engine.tokenizer.encode_chat(CHAT)
+    want = hf_greedy(hf, chat, 24)
+    eos = engine.tokenizer.eos_token_ids
+    assert want[-1] in eos and len(want) < 24, "the chat answer is meant to end with EOS"
+    by_eos, ignoring, short = engine.generate([chat] * 3, [
+        SamplingParams(max_tokens=24, temperature=0),
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=3, temperature=0)])
+    assert (by_eos.token_ids, by_eos.finish_reason) == (want, "stop")
+    assert ignoring.token_ids[:len(want)] == want and len(ignoring.token_ids) == 24
+    assert ignoring.finish_reason == "length"
+    assert (short.token_ids, short.finish_reason) == (want[:3], "length")
+    stop = want[4]
+    stopped = engine.generate(chat, SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(stop,)))[0]
+    assert (stopped.token_ids, stopped.finish_reason) == (want[:want.index(stop) + 1], "stop")
+
+
+def test_cancellation_returns_every_kv_page(engine):
+    wait_idle(engine)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    running = engine.stream(PROMPTS[2], params)
+    next(running)
+    # More requests than max_num_seqs: some are still waiting in the ring when they are cancelled.
+    others = [engine.stream(p, params) for p in PROMPTS * 2]
+    running.cancel()
+    for stream in others[::2]:
+        stream.cancel()
+    for stream in others[1::2]:
+        stream.close()          # cancels without reading on
+    assert running.result().finish_reason == "abort" and len(running.output.token_ids) < 24
+    assert {s.result().finish_reason for s in others[::2]} == {"abort"}
+    stats = wait_idle(engine)
+    assert stats["kv_pages_free"] == stats["kv_pages_total"] == CONFIG.num_pages
+
+
+def test_streams_from_several_threads(engine):
+    params = SamplingParams(max_tokens=5, temperature=0)
+    want = {p: engine.generate(p, params)[0].token_ids for p in PROMPTS[:3]}
+    got = {}
+
+    def consume(prompt):
+        got[prompt] = engine.stream(prompt, params).result().token_ids
+
+    threads = [threading.Thread(target=consume, args=(p,)) for p in PROMPTS[:3]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == want
+
+
+def test_bad_prompts_are_refused_before_the_ring(engine):
+    with pytest.raises(ValueError, match=r"token ids must be ints in \[0, 49152\)"):
+        engine.generate([[1, 2, 49152]])
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        engine.generate([[1] * 49])
+    with pytest.raises(ValueError, match="max_output_tokens"):
+        engine.generate("hi", SamplingParams(max_tokens=25))
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        engine.generate(["hi"], [GREEDY, GREEDY])
+
+
+# -- start-up and shutdown -------------------------------------------------------------------------------------
+
+def engine_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("blink-")]
+
+
+def write_model_dir(path, model_dir, config_edit=None, weights: bytes | None = None):
+    """A copy of the default model directory (weights linked), with its config or weights replaced."""
+    import json
+
+    path.mkdir()
+    for f in model_dir.iterdir():
+        (path / f.name).symlink_to(f)
+    if config_edit is not None:
+        config = json.loads((model_dir / "config.json").read_text())
+        config_edit(config)
+        (path / "config.json").unlink()
+        (path / "config.json").write_text(json.dumps(config))
+    if weights is not None:
+        (path / "model.safetensors").unlink()
+        (path / "model.safetensors").write_bytes(weights)
+    return path
+
+
+@pytest.mark.parametrize("case", ["missing", "corrupt", "architecture", "kv budget", "context", "ring"])
+def test_bad_start_up_raises_one_clear_error_and_leaves_nothing(case, tmp_path, model_dir):
+    ring = f"blink-test-{os.getpid()}-{case.replace(' ', '-')}"
+    threads = engine_threads()
+    config = EngineConfig(**{**CONFIG.__dict__, "ring_name": ring})
+    cases = {   # case -> (EngineConfig fields, given tmp_path; error; message)
+        "missing": (lambda: {"model": str(tmp_path / "nothing")}, ConfigError, "nothing: no such file"),
+        "corrupt": (lambda: {"model": str(write_model_dir(tmp_path / "m", model_dir, weights=b"\x00garbage"))},
+                    CheckpointError, "not a readable safetensors file"),
+        "architecture": (lambda: {"model": str(write_model_dir(
+            tmp_path / "m", model_dir, lambda c: c.update(architectures=["GPT2LMHeadModel"])))},
+            ConfigError, "'GPT2LMHeadModel' is not supported"),
+        "kv budget": (lambda: {"num_pages": 17}, ValueError,
+                      r"holds 17 pages of 4 tokens, but one sequence of max_model_len=72 tokens needs 18"),
+        "context": (lambda: {"max_model_len": 9000}, ValueError,
+                    r"max_model_len=9000 is longer than the model's context"),
+        "ring": (lambda: {"max_prompt_tokens": 8192, "max_output_tokens": 64}, ValueError,
+                 "max_prompt_tokens=8192 leaves no room to generate"),
+    }
+    overrides, error, message = cases[case]
+    with pytest.raises(error, match=message):
+        Engine(EngineConfig(**{**config.__dict__, **overrides()}))
+    assert not os.path.exists(f"/dev/shm/{ring}")
+    assert engine_threads() == threads
+
+
+def test_engine_config_names_the_bad_field():
+    with pytest.raises(ValueError, match=r"EngineConfig.device must be one of \('auto', 'cpu', 'cuda'\)"):
+        EngineConfig(device="tpu")
+    with pytest.raises(ValueError, match="EngineConfig.gpu_memory_utilization must be a float in"):
+        EngineConfig(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="EngineConfig.ring_name"):
+        EngineConfig(ring_name="a/b")
+    assert EngineConfig(max_num_batched_tokens=100, max_num_seqs=8).buckets() == (1, 2, 4, 8, 16, 32, 64, 100)
+
+
+def test_close_aborts_in_flight_requests_and_stops_the_loop(model_dir):
+    threads = engine_threads()
+    engine = Engine(EngineConfig(**{**CONFIG.__dict__, "num_pages": None, "cpu_kv_cache_gib": 0.01}))
+    assert engine.stats()["kv_pages_total"] == int(0.01 * 2**30) // (30 * 2 * 4 * 3 * 64 * 4)
+    stream = engine.stream(PROMPTS[0], SamplingParams(max_tokens=24, ignore_eos=True))
+    next(stream)
+    engine.close()
+    engine.close()
+    assert engine_threads() == threads
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        engine.generate("hi")
+
+
+# -- on the H200 -------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_greedy_outputs_equal_transformers(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    config = EngineConfig(**{**CONFIG.__dict__, "device": "cuda", "num_pages": None, "gpu_memory_utilization": 0.5,
+                             "launch_mode": "fire_and_forget"})
+    with Engine(config) as engine:
+        assert engine.device == "cuda"
+        prompts = [engine.encode(p) for p in PROMPTS] + [engine.tokenizer.encode_chat(CHAT)]
+        outputs = staggered(engine, prompts * 4, GREEDY)
+        stats = wait_idle(engine)
+    hf_model = hf_model.cuda()
+    for prompt, out in zip(prompts * 4, outputs):
+        want = hf_greedy(hf_model, prompt, GREEDY.max_tokens)
+        assert out.token_ids == want
+    assert stats["launch_error"] == 0 and stats["finished"] == len(outputs)
+
