@@ -1,6 +1,8 @@
-"""blink.nic.server end to end: the official openai client -> HTTP -> agent -> shared-memory ring -> the reference
-consumer (stand-in model) in another process, and back. Expected text is the stand-in's tokens decoded by
-transformers' tokenizer. Pausing the consumer process (SIGSTOP) plays a stalled GPU."""
+"""blink.nic.server end to end: the official openai client -> HTTP -> agent -> shared-memory ring -> the real CPU
+engine (``blink engine``: simulated GPU scheduler + SmolLM2 on torch) in another process, and back. Expected outputs
+come from an in-process ``Engine`` given the same prompts and seeds (seeded sampling does not depend on the batch),
+their text decoded by transformers' tokenizer. Pausing the engine process (SIGSTOP) plays a stalled GPU. Input
+validation runs against the stand-in engine (the reference consumer), where no model step is needed."""
 import asyncio
 import http.client
 import json
@@ -20,15 +22,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from blink.cli import standin_engine, wait_until_serving
-from blink.device.ring import FREE, RingGeometry
-from blink.device.standin import standin_continuation, standin_logprob
+from blink import Engine, EngineConfig, SamplingParams
+from blink.cli import engine_process, standin_engine, wait_until_serving
+from blink.device.ring import FREE
 from blink.nic.agent import Agent
 from blink.nic.server import OpenAIServer, ServerConfig, start
 from blink.nic.text import Tokenizer
 
 MODEL = "smollm2-test"
-GEOMETRY = RingGeometry(n_slots=8, max_prompt_tokens=256, max_output_tokens=64, max_stop_ids=4)
+ENGINE = EngineConfig(device="cpu", n_slots=8, max_prompt_tokens=256, max_output_tokens=32, max_stop_ids=4,
+                      max_num_seqs=8, max_num_batched_tokens=128, cpu_kv_cache_gib=0.25, sim_threads=2)
+GEOMETRY = ENGINE.geometry()
 CONFIG = ServerConfig(model_name=MODEL, max_queued=16, heartbeat_timeout_s=1.0)
 
 
@@ -36,7 +40,7 @@ CONFIG = ServerConfig(model_name=MODEL, max_queued=16, heartbeat_timeout_s=1.0)
 class Served:
     server: OpenAIServer
     agent: Agent
-    engine: object          # the consumer's multiprocessing.Process
+    engine: object          # the engine's multiprocessing.Process
     port: int
     loop: asyncio.AbstractEventLoop
 
@@ -57,7 +61,7 @@ class Served:
         finally:
             os.kill(self.engine.pid, signal.SIGCONT)
 
-    def wait_idle(self, timeout_s=10.0):
+    def wait_idle(self, timeout_s=30.0):
         """Until every slot is back with the agent; returns the ring's stats."""
         wait_for(lambda: self.on_loop(lambda: self.agent.in_flight == 0), timeout_s)
         return self.agent.stats()
@@ -82,32 +86,61 @@ def hf(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-@pytest.fixture(scope="module")
-def served(model_dir):
-    tokenizer = Tokenizer(model_dir)
-    with standin_engine(GEOMETRY, vocab_size=tokenizer.vocab_size,
-                        eos_token_ids=tokenizer.eos_token_ids) as (memory, engine):
+@contextmanager
+def serving(engine, tokenizer):
+    """The HTTP server on a background event loop, over the ring of ``engine`` (a context giving memory, process)."""
+    with engine as (memory, process):
         agent = Agent(memory, GEOMETRY)
-        wait_until_serving(agent, engine)
+        wait_until_serving(agent, process)
         server = OpenAIServer(agent, tokenizer, CONFIG)
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, daemon=True)
         thread.start()
         runner, port = asyncio.run_coroutine_threadsafe(start(server, "127.0.0.1", 0), loop).result()
-        yield Served(server, agent, engine, port, loop)
+        yield Served(server, agent, process, port, loop)
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
 
 
+@pytest.fixture(scope="module")
+def served(model_dir):
+    config = EngineConfig(**{**ENGINE.__dict__, "model": str(model_dir), "ring_name": f"blink-test-{os.getpid()}"})
+    with serving(engine_process(config), Tokenizer(model_dir)) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def standin_served(model_dir):
+    """The server over the stand-in engine: for input validation, where what the model says does not matter."""
+    tokenizer = Tokenizer(model_dir)
+    with serving(standin_engine(GEOMETRY, vocab_size=tokenizer.vocab_size,
+                                eos_token_ids=tokenizer.eos_token_ids), tokenizer) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """The same model and ring limits in this process: the engine's answers when nothing else is batched with them."""
+    config = EngineConfig(**{**ENGINE.__dict__, "model": str(model_dir), "n_slots": 32, "max_num_seqs": 32})
+    with Engine(config) as engine:
+        yield engine
+
+
 # -- the reference ---------------------------------------------------------------------------------------------------
 
-def expected(hf, prompt_ids, seed, max_tokens, stop=None):
-    """(text, finish_reason, completion_tokens) the stand-in engine + server must produce."""
-    tokens = standin_continuation(prompt_ids, seed, max_tokens, len(hf))
-    finish = "length"
-    if hf.eos_token_id in tokens:
-        tokens, finish = tokens[:tokens.index(hf.eos_token_id) + 1], "stop"
+def expected(reference, hf, prompt_ids, seed, max_tokens, stop=None):
+    """(text, finish_reason, completion_tokens) the served engine + server must produce."""
+    return expected_many(reference, hf, [prompt_ids], [seed], max_tokens, stop)[0]
+
+
+def expected_many(reference, hf, prompts, seeds, max_tokens, stop=None):
+    """``expected`` for several requests, generated together (the same tokens as one at a time)."""
+    params = [SamplingParams(max_tokens=max_tokens, seed=seed) for seed in seeds]
+    return [_finish(hf, out.token_ids, out.finish_reason, stop) for out in reference.generate(prompts, params)]
+
+
+def _finish(hf, tokens, finish, stop):
     text = hf.decode(tokens, skip_special_tokens=True)
     if stop is not None and stop in text:
         # One stop string: generation ends at the first token whose text contains it.
@@ -138,25 +171,25 @@ PROMPTS = ["Hello", "你好世界 👋🏽 — emoji and CJK", [1, 2, 3, 4000, 4
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("seed", [0, 12345])
-def test_completions_streamed_and_not_match_the_standin(served, hf, prompt, seed):
+def test_completions_streamed_and_not_match_the_engine(served, reference, hf, prompt, seed):
     ids = prompt if isinstance(prompt, list) else hf(prompt)["input_ids"]
-    want_text, want_finish, n = expected(hf, ids, seed, 40)
+    want_text, want_finish, n = expected(reference, hf, ids, seed, 16)
     client = served.client()
-    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, seed=seed)
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, seed=seed)
     assert (whole.choices[0].text, whole.choices[0].finish_reason) == (want_text, want_finish)
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), n)
-    chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, seed=seed, stream=True,
+    chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, seed=seed, stream=True,
                                        stream_options={"include_usage": True})
     text, finish, usage = streamed(chunks, chat=False)
     assert (text, finish, usage.completion_tokens) == (want_text, want_finish, n)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_chat_matches_the_standin(served, hf, stream):
+def test_chat_matches_the_engine(served, reference, hf, stream):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say 你好 🌍"}]
-    want_text, want_finish, n = expected(hf, chat_ids(hf, messages), 7, 50)
+    want_text, want_finish, n = expected(reference, hf, chat_ids(hf, messages), 7, 20)
     client = served.client()
-    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=50, seed=7, stream=stream,
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, seed=7, stream=stream,
                                            stream_options={"include_usage": True} if stream else None)
     if stream:
         text, finish, usage = streamed(reply, chat=True)
@@ -167,27 +200,28 @@ def test_chat_matches_the_standin(served, hf, stream):
     assert (text, finish, usage.completion_tokens) == (want_text, want_finish, n)
 
 
-def test_chat_max_tokens_defaults_to_the_room_left(served, hf):
+def test_chat_max_tokens_defaults_to_the_room_left(served, reference, hf):
     messages = [{"role": "user", "content": "go on"}]
     reply = served.client().chat.completions.create(model=MODEL, messages=messages, seed=3)
-    want_text, want_finish, n = expected(hf, chat_ids(hf, messages), 3, GEOMETRY.max_output_tokens)
+    want_text, want_finish, n = expected(reference, hf, chat_ids(hf, messages), 3, GEOMETRY.max_output_tokens)
     assert (reply.choices[0].message.content, reply.choices[0].finish_reason, reply.usage.completion_tokens) == (
         want_text, want_finish, n)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_stop_string_spanning_tokens_ends_the_request(served, hf, stream):
+def test_stop_string_spanning_tokens_ends_the_request(served, reference, hf, stream):
     prompt, seed = "Once upon a time", 99
     ids = hf(prompt)["input_ids"]
-    tokens = standin_continuation(ids, seed, 30, len(hf))
+    tokens = reference.generate(ids, SamplingParams(max_tokens=20, seed=seed))[0].token_ids
+    assert len(tokens) > 8
     # A stop string made of the end of token 5's text and the start of token 6's.
     boundary = len(hf.decode(tokens[:6], skip_special_tokens=True))
     full = hf.decode(tokens, skip_special_tokens=True)
     stop = full[boundary - 2:boundary + 2]
-    want_text, want_finish, n = expected(hf, ids, seed, 30, stop)
-    assert want_finish == "stop" and n < 30
+    want_text, want_finish, n = expected(reference, hf, ids, seed, 20, stop)
+    assert want_finish == "stop" and n < 20
     client = served.client()
-    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, seed=seed, stop=[stop, "\x00"],
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, seed=seed, stop=[stop, "\x00"],
                                       stream=stream, stream_options={"include_usage": True} if stream else None)
     text, finish, usage = streamed(reply, chat=False) if stream else (
         reply.choices[0].text, reply.choices[0].finish_reason, reply.usage)
@@ -195,35 +229,34 @@ def test_stop_string_spanning_tokens_ends_the_request(served, hf, stream):
     served.wait_idle()
 
 
-def test_logprobs_are_the_sampled_tokens(served, hf):
+def test_logprobs_are_the_sampled_tokens(served, reference, hf):
     ids = hf("Hi")["input_ids"]
-    tokens = standin_continuation(ids, 5, 6, len(hf))
-    positions = range(len(ids), len(ids) + len(tokens))
-    want = [standin_logprob(prev, p, 5) for prev, p in zip([ids[-1], *tokens[:-1]], positions, strict=True)]
+    want = reference.generate(ids, SamplingParams(max_tokens=6, seed=5, logprobs=True))[0]
     client = served.client()
     whole = client.completions.create(model=MODEL, prompt="Hi", max_tokens=6, seed=5, logprobs=0)
-    assert whole.choices[0].logprobs.token_logprobs == want
+    assert whole.choices[0].logprobs.token_logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    assert whole.choices[0].logprobs.tokens == [hf.decode([t]) for t in want.token_ids]
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                           seed=5, logprobs=True)
     assert len(chat.choices[0].logprobs.content) == 3
 
 
-def test_concurrent_streams_all_complete(served, hf):
-    """24 streams on 8 ring slots: the agent queues the overflow and every stream gets its own exact text."""
+def test_concurrent_streams_all_complete(served, reference, hf):
+    """12 streams on 8 ring slots: the agent queues the overflow and every stream gets its own exact text."""
     client = served.client(openai.AsyncOpenAI)
+    messages = [[{"role": "user", "content": f"request {i}"}] for i in range(12)]
 
     async def one(i):
-        chunks = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"request {i}"}], max_tokens=48, seed=i, stream=True)
+        chunks = await client.chat.completions.create(model=MODEL, messages=messages[i], max_tokens=16, seed=i,
+                                                      stream=True)
         return streamed([c async for c in chunks], chat=True)[:2]
 
     async def all_of_them():
-        return await asyncio.gather(*(one(i) for i in range(24)))
+        return await asyncio.gather(*(one(i) for i in range(12)))
 
     results = asyncio.run(all_of_them())
-    for i, (text, finish) in enumerate(results):
-        want_text, want_finish, _ = expected(hf, chat_ids(hf, [{"role": "user", "content": f"request {i}"}]), i, 48)
-        assert (text, finish) == (want_text, want_finish)
+    want = expected_many(reference, hf, [chat_ids(hf, m) for m in messages], range(12), 16)
+    assert results == [(text, finish) for text, finish, _ in want]
     served.wait_idle()
 
 
@@ -245,7 +278,8 @@ def raw_request(port, path, body: bytes, method="POST") -> tuple[int, dict, byte
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_cancels_the_request_and_frees_its_slot(served, stream):
     before = served.wait_idle()
-    body = json.dumps({"model": MODEL, "prompt": "never read", "max_tokens": 64, "stream": stream}).encode()
+    body = json.dumps({"model": MODEL, "prompt": "never read", "max_tokens": GEOMETRY.max_output_tokens,
+                       "stream": stream}).encode()
     with served.paused_engine():
         sock = socket.create_connection(("127.0.0.1", served.port))
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -264,7 +298,7 @@ def test_client_disconnect_cancels_the_request_and_frees_its_slot(served, stream
     assert status["state"][slot] == FREE
 
 
-def test_full_ring_queues_then_refuses_with_retry_after(served, hf):
+def test_full_ring_queues_then_refuses_with_retry_after(served, reference, hf):
     """8 slots + 16 queued are accepted while the engine is stalled; the next request gets 429 + Retry-After."""
     client = served.client(openai.AsyncOpenAI)
     capacity = GEOMETRY.n_slots + CONFIG.max_queued
@@ -283,7 +317,8 @@ def test_full_ring_queues_then_refuses_with_retry_after(served, hf):
     assert status == 429 and headers["Retry-After"] == "1"
     assert "at capacity" in body["error"]["message"]
     ids = hf("queued")["input_ids"]
-    assert [r.choices[0].text for r in replies] == [expected(hf, ids, i, 8)[0] for i in range(capacity)]
+    want = expected_many(reference, hf, [ids] * capacity, range(capacity), 8)
+    assert [r.choices[0].text for r in replies] == [text for text, _, _ in want]
     served.wait_idle()
 
 
@@ -299,7 +334,8 @@ def test_health_fails_while_the_heartbeat_is_stale(served):
 
 
 def test_metrics_report_ring_counters_and_latencies(served):
-    served.client().completions.create(model=MODEL, prompt="metrics", max_tokens=20, seed=1)
+    served.client().completions.create(model=MODEL, prompt="metrics", max_tokens=5, seed=1,
+                                       extra_body={"ignore_eos": True})
     stats = served.wait_idle()
     _, _, body = raw_request(served.port, "/metrics", b"", "GET")
     samples = {s.name + json.dumps(s.labels, sort_keys=True): s.value
@@ -364,7 +400,8 @@ BAD = [  # (path, body, status, what the message must mention)
 
 
 @pytest.mark.parametrize("path, body, status, mention", BAD)
-def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(served, path, body, status, mention):
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(standin_served, path, body, status, mention):
+    served = standin_served
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     got, _, response = raw_request(served.port, path, raw)
     error = json.loads(response)["error"]
@@ -373,7 +410,8 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(served, pat
     assert served.client().completions.create(model=MODEL, prompt="still here", max_tokens=2).choices[0].text
 
 
-def test_wrong_method_is_a_json_405(served):
+def test_wrong_method_is_a_json_405(standin_served):
+    served = standin_served
     status, _, body = raw_request(served.port, "/v1/completions", b"", "GET")
     assert status == 405 and "Method Not Allowed" in json.loads(body)["error"]["message"]
 
@@ -410,7 +448,8 @@ def requests(draw):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(request=requests())
-def test_fuzzed_requests_never_get_a_5xx(served, request):
+def test_fuzzed_requests_never_get_a_5xx(standin_served, request):
+    served = standin_served
     path, body = request
     status, _, response = raw_request(served.port, path, json.dumps(body).encode())
     assert status < 500, response
@@ -422,24 +461,86 @@ def test_fuzzed_requests_never_get_a_5xx(served, request):
 
 # -- command line ------------------------------------------------------------------------------------------------------
 
-def test_blink_agent_serves_an_existing_ring_and_stops_on_ctrl_c(model_dir, hf):
-    tokenizer = Tokenizer(model_dir)
-    geometry = RingGeometry(n_slots=4, max_prompt_tokens=64, max_output_tokens=16)
+CLI_ENGINE = ["--device", "cpu", "--slots", "4", "--max-prompt-tokens", "64", "--max-output-tokens", "16",
+              "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--cpu-kv-cache-gib", "0.05"]
+
+
+def blink_cli(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "blink.cli", *args])
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with standin_engine(geometry, vocab_size=tokenizer.vocab_size) as (memory, _):
-        agent = subprocess.Popen([sys.executable, "-m", "blink.cli", "agent", "--ring", memory.name, "--model",
-                                  str(model_dir), "--port", str(port), "--served-model-name", MODEL])
+        return s.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid``."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            wait_for(lambda: _healthy(port), timeout_s=60)
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-            text = client.completions.create(model=MODEL, prompt="cli", max_tokens=5, seed=2).choices[0].text
-            assert text == expected(hf, hf("cli")["input_ids"], 2, 5)[0]
-            agent.send_signal(signal.SIGINT)
-            assert agent.wait(20) == 0
-        finally:
-            agent.kill()
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:     # the field after state is the ppid
+                    found.append(int(entry))
+        except (FileNotFoundError, ProcessLookupError):
+            pass    # it ended meanwhile
+    return found
+
+
+def check_completion(port, reference, hf) -> None:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    text = client.completions.create(model=MODEL, prompt="cli", max_tokens=5, seed=2).choices[0].text
+    assert text == expected(reference, hf, hf("cli")["input_ids"], 2, 5)[0]
+
+
+def test_blink_engine_and_blink_agent_serve_a_ring_and_stop_on_ctrl_c(model_dir, reference, hf):
+    from blink.device.ring import MAGIC
+
+    ring, port = f"blink-test-cli-{os.getpid()}", free_port()
+    engine = blink_cli("engine", str(model_dir), "--ring", ring, *CLI_ENGINE)
+    agent = None
+    try:
+        def ring_ready():
+            with open(f"/dev/shm/{ring}", "rb") as f:
+                return int.from_bytes(f.read(4), "little") == MAGIC
+        wait_for(lambda: os.path.exists(f"/dev/shm/{ring}") and ring_ready(), timeout_s=120)
+        agent = blink_cli("agent", "--ring", ring, "--model", str(model_dir), "--port", str(port),
+                          "--served-model-name", MODEL)
+        wait_for(lambda: _healthy(port), timeout_s=120)
+        check_completion(port, reference, hf)
+        for process in (agent, engine):
+            process.send_signal(signal.SIGINT)
+            assert process.wait(60) == 0
+        assert not os.path.exists(f"/dev/shm/{ring}")
+    finally:
+        for process in (agent, engine):
+            if process is not None:
+                process.kill()
+
+
+def test_blink_serve_runs_the_engine_process_and_ctrl_c_stops_both(model_dir, reference, hf):
+    port = free_port()
+    serve = blink_cli("serve", str(model_dir), "--port", str(port), "--served-model-name", MODEL, *CLI_ENGINE)
+    try:
+        wait_for(lambda: _healthy(port), timeout_s=120)
+        check_completion(port, reference, hf)
+        spawned = children(serve.pid)
+        assert spawned, "the engine runs in a process of its own"
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(60) == 0
+        wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in spawned), timeout_s=30)
+        assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"blink-{serve.pid}-")]
+    finally:
+        serve.kill()
+
+
+def test_blink_serve_reports_a_bad_engine_config_in_one_line(model_dir):
+    done = subprocess.run([sys.executable, "-m", "blink.cli", "serve", str(model_dir), "--device", "cpu",
+                           "--max-model-len", "9000"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "max_model_len=9000 is longer than the model's context" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def _healthy(port) -> bool:
@@ -447,9 +548,3 @@ def _healthy(port) -> bool:
         return raw_request(port, "/health", b"", "GET")[0] == 200
     except OSError:
         return False
-
-
-def test_blink_serve_without_an_engine_says_what_to_do(capsys, model_dir):
-    from blink.cli import main
-    assert main(["serve", "--model", str(model_dir)]) == 2
-    assert "--standin" in capsys.readouterr().err
