@@ -78,7 +78,7 @@ def test_greedy_outputs_equal_transformers_under_chunked_prefill_and_preemption(
     after = wait_idle(engine)
     assert after["preempted"] > before["preempted"], "the pool was meant to be too small for every sequence"
     eos = engine.tokenizer.eos_token_ids
-    for prompt, out in zip(prompts, outputs):
+    for prompt, out in zip(prompts, outputs, strict=True):
         want = hf_greedy(hf, prompt, GREEDY.max_tokens)
         assert out.token_ids == want
         assert out.finish_reason == ("stop" if want[-1] in eos else "length")
@@ -244,23 +244,54 @@ def test_close_aborts_in_flight_requests_and_stops_the_loop(model_dir):
         engine.generate("hi")
 
 
+def test_dummy_weights_need_only_a_config(tmp_path):
+    """load_format="dummy": random weights for a config.json alone; no tokenizer, so prompts are token ids."""
+    import json
+
+    from blink.models import ModelConfig
+
+    config = ModelConfig("Qwen3ForCausalLM", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6, rotary_dim=16,
+                         max_position_embeddings=128)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_hf()))
+    with Engine(EngineConfig(**{**CONFIG.__dict__, "model": str(tmp_path), "load_format": "dummy"})) as engine:
+        out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0))[0]
+        assert len(out.token_ids) == 4 and all(0 <= t < 300 for t in out.token_ids) and out.text is None
+        with pytest.raises(ValueError, match="no tokenizer.json: pass prompts as lists of token ids"):
+            engine.generate("text")
+
+
 # -- on the H200 -------------------------------------------------------------------------------------------------
 
-@pytest.mark.gpu
-def test_gpu_greedy_outputs_equal_transformers(model_dir):
-    from transformers import AutoModelForCausalLM
+def smollm2_shaped_checkpoint(path):
+    """SmolLM2-135M's architecture with random weights (transformers' init), saved as an HF checkpoint. The real
+    checkpoint (a 94 MB GGUF) cannot travel to the GPU machine; CI checks it on the CPU above."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    config = EngineConfig(**{**CONFIG.__dict__, "device": "cuda", "num_pages": None, "gpu_memory_utilization": 0.5,
-                             "launch_mode": "fire_and_forget"})
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                         rope_theta=1e5, max_position_embeddings=8192, tie_word_embeddings=True,
+                         eos_token_id=None)     # the engine has no tokenizer here, so no EOS to stop at
+    model = LlamaForCausalLM(config).float().eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_outputs_equal_transformers(tmp_path, monkeypatch):
+    # float32 end to end: Triton would otherwise round float32 attention inputs to TF32 in tl.dot.
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    hf_model = smollm2_shaped_checkpoint(tmp_path)
+    config = EngineConfig(**{**CONFIG.__dict__, "model": str(tmp_path), "device": "cuda", "num_pages": None,
+                             "gpu_memory_utilization": 0.3})
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 49152, (n,), generator=generator).tolist() for n in (3, 9, 17, 30, 42, 48)] * 4
     with Engine(config) as engine:
         assert engine.device == "cuda"
-        prompts = [engine.encode(p) for p in PROMPTS] + [engine.tokenizer.encode_chat(CHAT)]
-        outputs = staggered(engine, prompts * 4, GREEDY)
+        outputs = staggered(engine, prompts, GREEDY)
         stats = wait_idle(engine)
     hf_model = hf_model.cuda()
-    for prompt, out in zip(prompts * 4, outputs):
-        want = hf_greedy(hf_model, prompt, GREEDY.max_tokens)
-        assert out.token_ids == want
+    want = {tuple(p): hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts}
+    assert [out.token_ids for out in outputs] == [want[tuple(p)] for p in prompts]
     assert stats["launch_error"] == 0 and stats["finished"] == len(outputs)
-

@@ -56,7 +56,7 @@ def engine_process(config):
     from blink.device.ring import CONTROL_DTYPE
     from blink.nic.transport import SharedMemory
 
-    process = mp.get_context("spawn").Process(target=_engine_entry, args=(config,), daemon=True)
+    process = mp.get_context("spawn").Process(target=_engine_entry, args=(config, os.getpid()), daemon=True)
     process.start()
     memory = None
     try:
@@ -75,15 +75,28 @@ def engine_process(config):
             os.unlink(os.path.join(SharedMemory.SHM_DIR, config.ring_name))
 
 
-def _engine_entry(config) -> None:
+def _engine_entry(config, parent: int) -> None:
     """``engine_process``'s target: the engine until shutdown, a start-up error reported in one line."""
     from blink.engine import serve_ring
 
+    _stop_with_parent(parent)
     try:
         serve_ring(config)
     except USER_ERRORS as e:
         print(f"blink engine: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+def _stop_with_parent(parent: int) -> None:
+    """SIGTERM this process when its parent dies (Linux), so a killed ``blink serve`` leaves no engine behind;
+    ``serve_ring`` turns SIGTERM into a clean stop that removes the ring."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent:      # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _attach_ring(config, process, timeout_s: float = 600.0):

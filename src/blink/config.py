@@ -116,13 +116,16 @@ class SchedulerConfig:
 
 
 DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """What the engine serves and with how much memory (names follow vLLM's engine arguments where they mean the same).
 
-    ``model`` is an HF-layout directory; ``None`` serves the embedded SmolLM2-135M-Instruct. ``device="auto"`` takes
+    ``model`` is an HF-layout directory; ``None`` serves the embedded SmolLM2-135M-Instruct. ``load_format="dummy"``
+    gives the model random weights instead of its checkpoint's (only ``config.json`` is read: benchmarks and shape
+    tests of large models). ``device="auto"`` takes
     the GPU when torch sees one, else the CPU. ``dtype=None`` is the checkpoint's dtype on a GPU and float32 on the CPU.
 
     The KV pool has ``num_pages`` pages of ``page_size`` tokens when given; otherwise, on a GPU, as many as fit in
@@ -138,6 +141,7 @@ class EngineConfig:
     """
 
     model: str | None = None
+    load_format: str = "auto"
     device: str = "auto"
     dtype: str | None = None
     max_num_seqs: int = 256
@@ -160,6 +164,7 @@ class EngineConfig:
         owner = "EngineConfig"
         _check(self.model is None or (isinstance(self.model, str) and self.model != ""), owner, "model",
                "None (the embedded default model) or a model directory", self.model)
+        _check(self.load_format in LOAD_FORMATS, owner, "load_format", f"one of {LOAD_FORMATS}", self.load_format)
         _check(self.device in DEVICES, owner, "device", f"one of {DEVICES}", self.device)
         _check(self.dtype in (None, "float32", "float16", "bfloat16"), owner, "dtype",
                "None, 'float32', 'float16' or 'bfloat16'", self.dtype)
@@ -197,5 +202,5 @@ class EngineConfig:
 
     def buckets(self) -> tuple[int, ...]:
         """Token counts a step graph is captured for: powers of two up to ``max_num_batched_tokens``, and it."""
-        sizes = [1 << k for k in range(self.max_num_batched_tokens.bit_length()) if 1 << k < self.max_num_batched_tokens]
-        return (*sizes, self.max_num_batched_tokens)
+        n = self.max_num_batched_tokens
+        return (*(1 << k for k in range(n.bit_length()) if 1 << k < n), n)

@@ -119,7 +119,7 @@ class Engine:
 
     def _start(self, config: EngineConfig) -> None:
         from blink.backends import CpuBackend, GpuBackend, select_device
-        from blink.models import ModelConfig, default_model_path, load_model
+        from blink.models import ModelConfig, default_model_path, load_model, random_model
 
         self.device = select_device(config.device)
         model_dir = Path(config.model) if config.model is not None else default_model_path()
@@ -130,9 +130,12 @@ class Engine:
         self.memory = self._stack.enter_context(create_ring(config.ring_name, self.geometry))
         started = time.monotonic()
         dtype = config.dtype or ("float32" if self.device == "cpu" else model_config.dtype)
-        model = load_model(model_dir, device=self.device, dtype=dtype)
-        progress(f"loaded {model_dir.name} ({model_config.architecture}, {dtype}, {self.device}) in "
-                 f"{time.monotonic() - started:.1f} s")
+        if config.load_format == "dummy":
+            model = random_model(model_config, device=self.device, dtype=dtype)
+        else:
+            model = load_model(model_dir, device=self.device, dtype=dtype)
+        progress(f"loaded {model_dir.name} ({model_config.architecture}, {dtype}, {config.load_format} weights, "
+                 f"{self.device}) in {time.monotonic() - started:.1f} s")
         self.vocab_size = model_config.vocab_size
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         backend_class = CpuBackend if self.device == "cpu" else GpuBackend
@@ -168,7 +171,8 @@ class Engine:
 
     # -- the Python API ---------------------------------------------------------------------------------------------
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] = SamplingParams()) -> list[GenerationOutput]:
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] = SamplingParams(),
+                 ) -> list[GenerationOutput]:
         """Run every prompt (a string, or a list of token ids) to completion; outputs in prompt order.
 
         ``prompts`` may also be one string or one token list. All requests are in the ring together, as far as its
@@ -179,7 +183,7 @@ class Engine:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        streams = [self.stream(p, sp) for p, sp in zip(prompts, params_list)]
+        streams = [self.stream(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
         return [s.result() for s in streams]
 
     def stream(self, prompt, params: SamplingParams = SamplingParams()) -> RequestStream:
