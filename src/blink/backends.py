@@ -95,7 +95,10 @@ class CpuBackend:
 
         page_bytes = kv_page_bytes(model, config.page_size)
         num_pages = config.num_pages or int(config.cpu_kv_cache_gib * 2**30 // page_bytes)
-        budget = "EngineConfig.num_pages" if config.num_pages else f"EngineConfig.cpu_kv_cache_gib={config.cpu_kv_cache_gib}"
+        if config.num_pages:
+            budget = "EngineConfig.num_pages"
+        else:
+            budget = f"EngineConfig.cpu_kv_cache_gib={config.cpu_kv_cache_gib}"
         self.config = scheduler_config(config, max_model_len, num_pages, eos_token_ids, budget)
         self.model = model
         self.kv = model.allocate_kv_cache(num_pages, config.page_size)
