@@ -244,6 +244,30 @@ def test_close_aborts_in_flight_requests_and_stops_the_loop(model_dir):
         engine.generate("hi")
 
 
+def test_a_shared_memory_ring_is_driven_by_an_agent_of_its_own(engine):
+    from blink.nic.agent import Agent
+    from blink.nic.transport import SharedMemory
+
+    ring = f"blink-test-{os.getpid()}-shared"
+    prompt = engine.encode(PROMPTS[1])
+    want = engine.generate([prompt], GREEDY)[0].token_ids
+    with Engine(EngineConfig(**{**CONFIG.__dict__, "ring_name": ring})) as shared:
+        with pytest.raises(RuntimeError, match="submit through the agent process"):
+            shared.generate("hi")
+        with SharedMemory.open(ring) as memory:
+            agent = Agent(memory, CONFIG.geometry())
+            request = agent.submit(prompt, GREEDY)
+            tokens, finished = [], False
+            while not finished:
+                for out in agent.poll():
+                    assert out.request_id == request
+                    tokens += out.new_tokens
+                    finished = out.finished
+                time.sleep(0.01)
+    assert tokens == want
+    assert not os.path.exists(f"/dev/shm/{ring}")
+
+
 def test_dummy_weights_need_only_a_config(tmp_path):
     """load_format="dummy": random weights for a config.json alone; no tokenizer, so prompts are token ids."""
     import json

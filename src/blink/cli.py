@@ -213,8 +213,8 @@ def generate(args) -> int:
         stream = llm.stream(prompt, params)
         for delta in stream:
             print(delta.text, end="", flush=True)
-        print(f"\n[{len(stream.output.token_ids)} tokens, finish reason: {stream.output.finish_reason}]",
-              file=sys.stderr)
+        print()
+        print(f"[{len(stream.output.token_ids)} tokens, finish reason: {stream.output.finish_reason}]", file=sys.stderr)
     return 0
 
 

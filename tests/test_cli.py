@@ -1,0 +1,29 @@
+"""``blink generate``: one prompt through an in-process engine, against transformers' greedy continuation. (``blink
+serve``, ``blink engine`` and ``blink agent`` run end to end in tests/nic/test_server.py.)"""
+import subprocess
+import sys
+
+import torch
+
+
+def test_blink_generate_streams_the_greedy_answer_to_a_chat_prompt():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from blink.models import default_model_path
+
+    model_dir = default_model_path()
+    question = "What is the capital of France?"
+    done = subprocess.run([sys.executable, "-m", "blink.cli", "generate", question, "--chat", "--max-tokens", "12",
+                           "--device", "cpu", "--slots", "2", "--max-prompt-tokens", "64", "--max-output-tokens", "16",
+                           "--cpu-kv-cache-gib", "0.05"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    want = out[0, ids.shape[1]:].tolist()
+    assert done.stdout == tokenizer.decode(want, skip_special_tokens=True) + "\n"
+    reason = "stop" if want[-1] == tokenizer.eos_token_id else "length"
+    assert f"[{len(want)} tokens, finish reason: {reason}]" in done.stderr
