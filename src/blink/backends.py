@@ -26,12 +26,6 @@ from blink.device.step import StepBuffers, StepLayout
 from blink.errors import BlinkError
 
 SHUTDOWN_TIMEOUT_S = 120.0   # a CPU step of a full 2048-token prefill can take seconds
-# An idle simulated iteration costs ~3 ms of CPU (a Python thread per simulated thread): while idle, the CPU loop
-# backs off from 1 ms to 50 ms between iterations (~6% of a core), and is back to full speed at the first work.
-CPU_IDLE_SLEEP_S = (1e-3, 50e-3)
-# numba's simulator swaps the kernel module's ``cuda`` global for the duration of a launch, so two simulated launches
-# at once (two CPU engines in one process) break each other: the iterations of all CPU engines take turns.
-_SIMULATOR_LOCK = threading.Lock()
 
 
 class EngineError(BlinkError):
@@ -124,18 +118,9 @@ class CpuBackend:
 
     def _loop(self) -> None:
         from blink.device.ring import ENGINE_STOPPED
-        from blink.device.state import STOP
 
-        shortest, longest = CPU_IDLE_SLEEP_S
-        idle_s = 0.0
         try:
-            while True:
-                with _SIMULATOR_LOCK:
-                    outcome = self.scheduler.iteration()
-                if outcome == STOP:
-                    return
-                idle_s = min(max(2 * idle_s, shortest), longest) if outcome < 0 else 0.0
-                time.sleep(idle_s)
+            self.scheduler.run()
         except BaseException as e:  # surfaced by Engine (the agent then sees the engine stopped)
             self.error = e
             self._view.control["engine_state"] = ENGINE_STOPPED

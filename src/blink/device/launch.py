@@ -320,10 +320,22 @@ class GpuScheduler:
             raise ValueError(f"SchedulerConfig.buckets has {len(config.buckets)} sizes; at most {MAX_BUCKETS}")
         self.geometry, self.config, self.step_layout = geometry, config, step_layout
         self.layout = RingLayout(geometry)
+        self.running = False
+        self._allocations: list = []
+        self._ring_host = None
         _cu(driver.cuInit(0))
         self._context = _cu(driver.cuDevicePrimaryCtxRetain(_cu(driver.cuDeviceGet(0))))
         _cu(driver.cuCtxSetCurrent(self._context))
-        self._allocations: list = []
+        try:
+            self._set_up(memory, step_addresses, policy, step_graph, image)
+        except BaseException:
+            self.close()                     # a failed start leaves no device memory or registration behind
+            raise
+
+    def _set_up(self, memory, step_addresses, policy, step_graph, image) -> None:
+        from cuda.bindings import driver
+
+        config, geometry, step_layout = self.config, self.geometry, self.step_layout
         self.stream = _cu(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING))
         self.module = _cu(driver.cuModuleLoadData(image if image is not None else link_image(policy)))
         self._ring_host, self._ring_device = self._register_ring(memory)
@@ -340,7 +352,6 @@ class GpuScheduler:
         self.launch_error = self._ring_address(view.control["launch_error"])
         self.step_graphs = self._build_step_graphs(step_graph or self._standin_graph)
         self.scheduler_graph = self._build_scheduler_graph()
-        self.running = False
 
     # -- public -----------------------------------------------------------------------------------------------
 

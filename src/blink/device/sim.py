@@ -58,16 +58,22 @@ def _shared_array(self, shape, dtype, alignment=None):
 
 _kernelapi.FakeCUDAShared.array = _shared_array
 
+# The simulator swaps the ``cuda`` global of the modules it runs for the duration of a launch, so two simulated
+# launches at once (two CPU schedulers in one process), or building a kernel during a launch, break each other:
+# they take turns.
+_LAUNCH_LOCK = threading.Lock()
+
 
 def make_kernel(policy):
     """A one-block kernel that runs one scheduler iteration and reports what to launch."""
-    iterate = make_iterate(policy)
+    with _LAUNCH_LOCK:      # while another scheduler's launch runs, ``cuda`` in these modules is the simulator's
+        iterate = make_iterate(policy)
 
-    @cuda.jit
-    def scheduler_kernel(s, result):
-        outcome = iterate(s)
-        if cuda.threadIdx.x == 0:
-            result[0] = outcome
+        @cuda.jit
+        def scheduler_kernel(s, result):
+            outcome = iterate(s)
+            if cuda.threadIdx.x == 0:
+                result[0] = outcome
 
     return scheduler_kernel
 
@@ -108,15 +114,21 @@ class SimScheduler:
 
     def iteration(self) -> int:
         """One scheduler iteration, then the step it planned. Returns the bucket index, IDLE or STOP."""
-        with _fast_thread_switching():
+        with _LAUNCH_LOCK, _fast_thread_switching():
             self._kernel[1, self.threads](self.arrays, self._result)
         outcome = int(self._result[0])
         if outcome >= 0:
             self.step_fn(self.arrays, self.config.buckets[outcome])
         return outcome
 
-    def run(self, idle_sleep_s: float = 1e-3) -> None:
-        """Iterate until shutdown is requested and everything in flight was aborted."""
+    def run(self, idle_sleep_s: tuple[float, float] = (1e-3, 50e-3)) -> None:
+        """Iterate until shutdown is requested and everything in flight was aborted.
+
+        An idle simulated iteration costs milliseconds of CPU (a Python thread per simulated thread), so while idle
+        the sleep between iterations doubles from ``idle_sleep_s[0]`` up to ``idle_sleep_s[1]``; work resets it.
+        """
+        shortest, longest = idle_sleep_s
+        sleep = 0.0
         while (outcome := self.iteration()) != STOP:
-            if outcome < 0:
-                time.sleep(idle_sleep_s)
+            sleep = min(max(2 * sleep, shortest), longest) if outcome < 0 else 0.0
+            time.sleep(sleep)
