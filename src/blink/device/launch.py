@@ -375,6 +375,7 @@ class GpuScheduler:
             if status == driver.CUresult.CUDA_SUCCESS:
                 break
             if status != driver.CUresult.CUDA_ERROR_NOT_READY:
+                self.running = False        # the loop died with the context; close() may free what is left
                 _cu((status,))
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the scheduler loop did not end within {timeout_s} s")
