@@ -190,7 +190,23 @@ def serve(args) -> int:
         geometry = config.geometry()
         engine = engine_process(config)
     with engine as (memory, process):
+        _split_cores(args, process)
         return _serve_http(args, memory, geometry, tokenizer, model_dir, process)
+
+
+def _split_cores(args, process) -> None:
+    """Unless ``--cpus`` says otherwise, give the agent the last core this process may use and the engine the rest,
+    so HTTP and tokenization never compete with the engine (where the OS supports affinity, with >= 2 cores)."""
+    if args.cpus or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return
+    args.cpus = [cores[-1]]
+    try:
+        os.sched_setaffinity(process.pid, cores[:-1])
+    except OSError as e:                       # the engine may have exited already: the agent reports that
+        print(f"could not pin the engine process to cores {cores[:-1]}: {e}", file=sys.stderr)
 
 
 def engine(args) -> int:
@@ -306,7 +322,9 @@ def _http_options(parser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-queued", type=int, default=1024,
                         help="requests that may wait in the agent for a free ring slot; beyond it: 429")
-    parser.add_argument("--cpus", type=_cpu_list, default=None, help="pin the agent to these cores, e.g. 2,3")
+    parser.add_argument("--cpus", type=_cpu_list, default=None,
+                        help="pin the agent to these cores, e.g. 2,3 (serve's default: the last core, the engine on "
+                             "the others)")
 
 
 def main(argv=None) -> int:

@@ -242,9 +242,9 @@ def test_logprobs_are_the_sampled_tokens(served, reference, hf):
 
 
 def test_concurrent_streams_all_complete(served, reference, hf):
-    """12 streams on 8 ring slots: the agent queues the overflow and every stream gets its own exact text."""
+    """16 streams on 8 ring slots: the agent queues the overflow and every stream gets its own exact text."""
     client = served.client(openai.AsyncOpenAI)
-    messages = [[{"role": "user", "content": f"request {i}"}] for i in range(12)]
+    messages = [[{"role": "user", "content": f"request {i}"}] for i in range(16)]
 
     async def one(i):
         chunks = await client.chat.completions.create(model=MODEL, messages=messages[i], max_tokens=16, seed=i,
@@ -252,10 +252,10 @@ def test_concurrent_streams_all_complete(served, reference, hf):
         return streamed([c async for c in chunks], chat=True)[:2]
 
     async def all_of_them():
-        return await asyncio.gather(*(one(i) for i in range(12)))
+        return await asyncio.gather(*(one(i) for i in range(16)))
 
     results = asyncio.run(all_of_them())
-    want = expected_many(reference, hf, [chat_ids(hf, m) for m in messages], range(12), 16)
+    want = expected_many(reference, hf, [chat_ids(hf, m) for m in messages], range(16), 16)
     assert results == [(text, finish) for text, finish, _ in want]
     served.wait_idle()
 
@@ -527,6 +527,10 @@ def test_blink_serve_runs_the_engine_process_and_ctrl_c_stops_both(model_dir, re
         check_completion(port, reference, hf)
         spawned = children(serve.pid)
         assert spawned, "the engine runs in a process of its own"
+        engines = [pid for pid in spawned if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        if len(os.sched_getaffinity(0)) >= 2:       # the agent keeps a core of its own, the engine the others
+            assert engines and all(not os.sched_getaffinity(pid) & os.sched_getaffinity(serve.pid)
+                                   for pid in engines)
         serve.send_signal(signal.SIGINT)
         assert serve.wait(60) == 0
         wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in spawned), timeout_s=30)
