@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from blink import Engine, EngineConfig, SamplingParams
 from blink.cli import engine_process, standin_engine, wait_until_serving
-from blink.device.ring import FREE
+from blink.device.ring import FREE, RUNNING
 from blink.nic.agent import Agent
 from blink.nic.server import OpenAIServer, ServerConfig, start
 from blink.nic.text import Tokenizer
@@ -276,26 +276,41 @@ def raw_request(port, path, body: bytes, method="POST") -> tuple[int, dict, byte
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_client_disconnect_cancels_the_request_and_frees_its_slot(served, stream):
+@pytest.mark.parametrize("engine_holds_it", [False, True])
+def test_client_disconnect_cancels_the_request_and_frees_its_slot(served, stream, engine_holds_it):
+    """Disconnect while the request waits in the ring (READY) or runs in the engine (RUNNING, holding KV pages):
+    either way it finishes as "abort", its slot comes back, and so does every KV page."""
     before = served.wait_idle()
     body = json.dumps({"model": MODEL, "prompt": "never read", "max_tokens": GEOMETRY.max_output_tokens,
                        "stream": stream}).encode()
-    with served.paused_engine():
+    status = served.agent.layout.view(served.agent.memory.buffer).status
+
+    def connect():
         sock = socket.create_connection(("127.0.0.1", served.port))
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         wait_for(lambda: served.on_loop(lambda: served.agent.in_flight) == 1)
+        [slot] = (status["state"] != FREE).nonzero()[0]
+        return sock, slot
+
+    if engine_holds_it:
+        sock, slot = connect()
+        wait_for(lambda: status["state"][slot] == RUNNING)
+    with served.paused_engine():
+        if engine_holds_it:
+            assert served.agent.stats()["kv_pages_free"] < served.agent.stats()["kv_pages_total"]
+        else:
+            sock, slot = connect()
         sock.close()
         # The server notices the disconnect while the GPU side is stalled and writes the cancel word.
-        status = served.agent.layout.view(served.agent.memory.buffer).status
-        [slot] = (status["state"] != FREE).nonzero()[0]
         wait_for(lambda: status["cancel"][slot] == status["epoch"][slot])
     after = served.wait_idle()
-    # Finished as "abort", not run to max_tokens; every slot is free again.
+    # Finished as "abort", not run to max_tokens; every slot and every KV page is free again.
     assert after["cancelled"] == before["cancelled"] + 1
     assert after["finished"] == before["finished"] + 1
     assert served.on_loop(lambda: served.agent.tracker.n_free) == GEOMETRY.n_slots
     assert status["state"][slot] == FREE
+    assert after["kv_pages_free"] == after["kv_pages_total"] > 0
 
 
 def test_full_ring_queues_then_refuses_with_retry_after(served, reference, hf):
