@@ -268,17 +268,16 @@ def serve_ring(config: EngineConfig) -> None:
     or until a shutdown is requested through the ring; then stop cleanly (the ring is removed)."""
     import signal
 
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
-    try:
-        with Engine(config) as engine:
-            # Once a second: sleep is all the host does while the loop serves.
-            while engine.backend.alive():
-                time.sleep(1.0)
-    except KeyboardInterrupt:
-        progress("stopped")
+    # The signal only sets an event: an exception raised asynchronously inside threading's own waits (is_alive,
+    # join) can leave a thread's state lock held, and the shutdown's join would then hang forever.
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    with Engine(config) as engine:
+        # Once a second: waiting is all the host does while the loop serves.
+        while engine.backend.alive() and not stop.wait(1.0):
+            pass
+    progress("stopped")
 
 
 def resolve_max_model_len(config: EngineConfig, model_config) -> int:
