@@ -230,3 +230,15 @@ def test_a_loop_killed_by_a_bad_step_graph_is_reported_not_hung():
                 agent.poll()
                 time.sleep(0.05)
         scheduler.close()
+
+
+def test_the_image_of_a_builtin_policy_is_linked_once_then_read_from_the_cache(tmp_path):
+    out = run_python(f"""
+        import os, time
+        os.environ["BLINK_CACHE_DIR"] = {str(tmp_path)!r}
+        from blink.device.launch import link_image
+        t = time.monotonic(); first = link_image(); linked = time.monotonic() - t
+        t = time.monotonic(); second = link_image(); cached = time.monotonic() - t
+        print(first == second, len(os.listdir({str(tmp_path / "scheduler")!r})), linked > 10 * cached)
+    """, simulator=False)
+    assert out.split() == ["True", "1", "True"]

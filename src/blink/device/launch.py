@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
+import os
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -39,6 +42,7 @@ from blink.device.state import (C64_HEARTBEAT, P_FIRST, PROFILE_PHASES, STATS_WO
                                 control_gauges, ring_arrays, state_arrays)
 from blink.device.step import StepLayout
 from blink.errors import BlinkError
+from blink.paths import cache_dir
 
 MAX_BUCKETS = 32
 WINDOW = 120                       # fire-and-forget launches per graph execution (a CUDA limit)
@@ -243,7 +247,44 @@ def compile_shim(arch: str = "sm_90") -> bytes:
 
 
 def link_image(policy=fcfs, arch: str = "sm_90") -> bytes:
-    """The linked cubin: policy + iteration (numba) + shim (NVRTC) + libcudadevrt (nvJitLink)."""
+    """The linked cubin: policy + iteration (numba) + shim (NVRTC) + libcudadevrt (nvJitLink).
+
+    Images of blink's own policies are cached under ``$BLINK_CACHE_DIR/scheduler`` by a hash of everything they are
+    built from (device sources, toolchain versions, arch): linking takes 15-30 s of every engine start otherwise. A
+    user's policy may call device code the hash cannot see, so its image is always rebuilt.
+    """
+    key = _image_key(policy, arch)
+    path = cache_dir() / "scheduler" / f"{key}.cubin" if key else None
+    if path is not None and path.exists():
+        return path.read_bytes()
+    cubin = _link(policy, arch)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.part")
+        partial.write_bytes(cubin)
+        partial.replace(path)                  # atomic: a concurrent start never reads half an image
+    return cubin
+
+
+def _image_key(policy, arch: str) -> str | None:
+    from importlib import metadata
+
+    function = getattr(policy, "py_func", policy)
+    if function.__module__ != "blink.device.policy":
+        return None
+    digest = hashlib.sha256(f"{arch} {function.__name__}".encode())
+    for dist in ("numba-cuda", "cuda-bindings", "nvidia-nvjitlink", "nvidia-cuda-nvrtc", "nvidia-nvvm"):
+        try:
+            digest.update(f"{dist}={metadata.version(dist)}".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{dist}=?".encode())
+    package = Path(__file__).parent
+    for source in sorted([*package.glob("*.py"), package.parent / "config.py"]):
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:24]
+
+
+def _link(policy, arch: str) -> bytes:
     import cuda.bindings.nvjitlink as nvjitlink
     from cuda.pathfinder import find_static_lib
 

