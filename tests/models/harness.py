@@ -110,3 +110,56 @@ def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+def device_launch(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream):
+    """Re-instantiate a captured graph for device launch (as the scheduler will), upload it, launch it once."""
+    from cuda.bindings import runtime as rt
+
+    def ok(result):
+        assert int(result[0]) == 0, result[0]
+        return result[1] if len(result) > 1 else None
+
+    flag = rt.cudaGraphInstantiateFlags.cudaGraphInstantiateFlagDeviceLaunch
+    exec_ = ok(rt.cudaGraphInstantiateWithFlags(rt.cudaGraph_t(init_value=graph.raw_cuda_graph()), flag))
+    rs = rt.cudaStream_t(init_value=stream.cuda_stream)
+    ok(rt.cudaGraphUpload(exec_, rs))
+    return lambda: ok(rt.cudaGraphLaunch(exec_, rs))
+
+
+def check_step_graph_device_launch(model, bucket: int = 48):
+    """Capture ``model``'s step (a CUDA model) for ``bucket`` tokens, re-instantiate it for device launch and check
+    that launches over two different batches (prefill, decodes at long contexts, a non-sampling chunk, sampling
+    parameters) reproduce eager steps bit for bit: logits, sampled ids and logprobs."""
+    runner = Runner(model, num_pages=256, layout=StepLayout(64, 16, 128))
+    vocab = model.config.vocab_size
+
+    def batch(seed):
+        g = torch.Generator().manual_seed(seed)
+        rand = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
+        return [runner.chunk(0, rand(20), 0), runner.chunk(1, rand(1), 300, temperature=0.7, top_p=0.9, seed=5),
+                runner.chunk(2 + seed, rand(9), 0, sample=False), runner.chunk(9, rand(1), 37, temperature=1.0,
+                                                                              top_k=20, seed=seed)]
+
+    def eager(chunks):
+        fill_step(runner.buf, chunks, PAGE_SIZE)
+        runner.buf.sampled_ids.fill_(-1)
+        logits = model(runner.buf, runner.kv, bucket).clone()
+        return logits, runner.buf.sampled_ids.clone(), runner.buf.sampled_logprobs.clone()
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        first = eager(batch(0))  # also compiles the kernels
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(graph, stream=stream):
+            static_logits = model(runner.buf, runner.kv, bucket)
+    launch = device_launch(graph, stream)
+    for seed, want in ((0, first), (1, None)):
+        with torch.cuda.stream(stream):
+            want = want or eager(batch(seed))
+            fill_step(runner.buf, batch(seed), PAGE_SIZE)
+            runner.buf.sampled_ids.fill_(-1)
+            launch()
+        stream.synchronize()
+        assert torch.equal(static_logits, want[0])
+        assert torch.equal(runner.buf.sampled_ids, want[1]) and torch.equal(runner.buf.sampled_logprobs, want[2])

@@ -19,8 +19,26 @@ def test_sharded_checkpoint_converts_dtype_and_fuses(hf_checkpoint, tmp_path):
     attn = model.model.layers[1].self_attn.qkv_proj.weight
     want = torch.cat([sd[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert attn.dtype == torch.bfloat16 and torch.equal(attn, want.bfloat16())
-    for name, (param, row0, row1) in checkpoint_targets(model).items():
-        assert torch.equal(param[row0:row1], sd[name].bfloat16()), name
+    for name, target in checkpoint_targets(model).items():
+        assert torch.equal(target, sd[name].bfloat16()), name
+
+
+def test_experts_stack_from_per_expert_tensors(hf_checkpoint):
+    _, path = hf_checkpoint("Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    tensors = load_file(path / "model.safetensors")
+    experts = load_model(path, dtype="bfloat16").model.layers[1].mlp.experts
+    per_expert = lambda name: [tensors[f"model.layers.1.mlp.experts.{e}.{name}.weight"] for e in range(4)]  # noqa: E731
+    gate_up = torch.stack([torch.cat(pair) for pair in zip(per_expert("gate_proj"), per_expert("up_proj"))])
+    assert torch.equal(experts.gate_up_proj.weight, gate_up.bfloat16())
+    assert torch.equal(experts.down_proj.weight, torch.stack(per_expert("down_proj")).bfloat16())
+    down = "model.layers.1.mlp.experts.2.down_proj.weight"
+    save_file(dict(tensors, **{down: tensors[down].T.contiguous()}), path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"tensor {down} has shape \(8, 64\), the config implies \(64, 8\)"):
+        load_model(path)
+    del tensors["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"lacks tensor\(s\) model.layers.0.mlp.experts.3.up_proj.weight"):
+        load_model(path)
 
 
 def _single_file(hf_checkpoint):

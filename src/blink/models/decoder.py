@@ -1,8 +1,10 @@
 """The decoder-only transformer every supported family is an instance of, run as one step over a flat packed batch.
 
 Families differ only in how their checkpoints name and split weights (``STACKED``) and in Qwen3's per-head q/k
-RMSNorm (``QK_NORM``); ``llama.py``, ``qwen3.py`` and ``phi3.py`` set those two class attributes. Inside blink q/k/v
-and gate/up are always fused (``qkv_proj``, ``gate_up_proj``): one GEMM each.
+RMSNorm (``QK_NORM``); ``llama.py``, ``qwen3.py``, ``qwen3_moe.py`` and ``phi3.py`` set those two class attributes.
+Inside blink q/k/v and gate/up are always fused (``qkv_proj``, ``gate_up_proj``): one GEMM each. A layer's MLP is
+dense or, where ``ModelConfig.is_moe_layer`` says so, a ``SparseMoE`` whose experts are stacked into 3-D parameters
+(one GEMM operand per expert) for the fused MoE kernel.
 
 ``DecoderLM.forward`` is the model step: it reads only the step buffers of ``blink.device.step`` (first ``T`` token
 rows, first ``sample_rows(T)`` sequence rows), writes new K/V into the paged pool, computes logits for the sampled
@@ -65,11 +67,32 @@ class MLP(nn.Module):
         return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
 
 
+class SparseMoE(nn.Module):
+    """Routed experts: ``gate`` scores each token's ``num_experts``; ``ops.fused_moe`` runs the top-k experts.
+
+    ``experts.gate_up_proj.weight [E, 2I, H]`` holds each expert's gate rows then up rows, ``experts.down_proj.weight
+    [E, H, I]`` its down projection (HF's in-memory layout; checkpoints store ``experts.<e>.gate_proj.weight`` etc.).
+    """
+
+    def __init__(self, c: ModelConfig, **kw):
+        super().__init__()
+        self.gate, self.experts = nn.Module(), nn.Module()
+        self.gate.weight = _param(c.num_experts, c.hidden_size, **kw)
+        self.experts.gate_up_proj, self.experts.down_proj = nn.Module(), nn.Module()
+        self.experts.gate_up_proj.weight = _param(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size, **kw)
+        self.experts.down_proj.weight = _param(c.num_experts, c.hidden_size, c.moe_intermediate_size, **kw)
+        self.top_k, self.renormalize = c.num_experts_per_tok, c.norm_topk_prob
+
+    def forward(self, x, ops):
+        return ops.fused_moe(x, F.linear(x, self.gate.weight), self.experts.gate_up_proj.weight,
+                             self.experts.down_proj.weight, self.top_k, self.renormalize)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, qk_norm: bool, **kw):
+    def __init__(self, c: ModelConfig, qk_norm: bool, moe: bool, **kw):
         super().__init__()
         self.self_attn = Attention(c, qk_norm, **kw)
-        self.mlp = MLP(c, **kw)
+        self.mlp = SparseMoE(c, **kw) if moe else MLP(c, **kw)
         self.input_layernorm, self.post_attention_layernorm = nn.Module(), nn.Module()
         self.input_layernorm.weight = _param(c.hidden_size, **kw)
         self.post_attention_layernorm.weight = _param(c.hidden_size, **kw)
@@ -98,7 +121,8 @@ class DecoderLM(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = nn.Module()
         self.model.embed_tokens.weight = _param(config.vocab_size, config.hidden_size, **kw)
-        self.model.layers = nn.ModuleList(DecoderLayer(config, self.QK_NORM, **kw) for _ in range(config.num_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(config, self.QK_NORM, config.is_moe_layer(i), **kw)
+                                          for i in range(config.num_layers))
         self.model.norm = nn.Module()
         self.model.norm.weight = _param(config.hidden_size, **kw)
         if not config.tie_word_embeddings:
@@ -110,11 +134,12 @@ class DecoderLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def shard_rows(self, fused: str) -> tuple[int, ...]:
-        """Row counts of the parts a fused parameter is stacked from, in ``STACKED`` order."""
+    def shard_rows(self, fused: str, matrix: torch.Tensor) -> tuple[int, ...]:
+        """Row counts of the parts the fused ``matrix`` (one expert's, for experts) is stacked from, in ``STACKED``
+        order: q/k/v heads, or gate and up halves (dense MLP and experts alike)."""
         c = self.config
-        return {"qkv_proj": (c.q_size, c.kv_size, c.kv_size),
-                "gate_up_proj": (c.intermediate_size, c.intermediate_size)}[fused]
+        half = matrix.shape[0] // 2
+        return {"qkv_proj": (c.q_size, c.kv_size, c.kv_size), "gate_up_proj": (half, half)}[fused]
 
     def kv_cache_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
         c = self.config

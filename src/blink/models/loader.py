@@ -17,9 +17,11 @@ from .decoder import DecoderLM, torch_dtype
 from .llama import LlamaForCausalLM
 from .phi3 import Phi3ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
+from .qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[DecoderLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM, "Phi3ForCausalLM": Phi3ForCausalLM}
+    "LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM, "Phi3ForCausalLM": Phi3ForCausalLM}
 LOADABLE_DTYPES = {"F32", "F16", "BF16"}
 INDEX = "model.safetensors.index.json"
 
@@ -56,21 +58,31 @@ def random_model(config: ModelConfig, device="cpu", dtype: torch.dtype | str | N
     return model
 
 
-def checkpoint_targets(model: DecoderLM) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """Checkpoint tensor name → (parameter, first row, end row) for every tensor a checkpoint must provide."""
+def checkpoint_targets(model: DecoderLM) -> dict[str, torch.Tensor]:
+    """Checkpoint tensor name → the view of a parameter it is copied into, for every tensor a checkpoint must provide.
+
+    A fused parameter (``STACKED``) takes its parts as consecutive row ranges. A 3-D parameter stacks one matrix per
+    expert: expert ``e``'s comes from ``<module>.<e>.<name>.<leaf>`` (``mlp.experts.3.up_proj.weight``).
+    """
     targets = {}
     for name, param in model.named_parameters():
         head, _, leaf = name.rpartition(".")
         module, _, fused = head.rpartition(".")
+        matrices = [(f"{module}.{e}", m) for e, m in enumerate(param)] if param.dim() == 3 else [(module, param)]
         parts = model.STACKED.get(fused)
-        if parts is None:
-            targets[name] = (param, 0, param.shape[0])
-            continue
-        row = 0
-        for part, rows in zip(parts, model.shard_rows(fused)):
-            targets[f"{module}.{part}.{leaf}"] = (param, row, row + rows)
-            row += rows
+        for prefix, matrix in matrices:
+            if parts is None:
+                targets[_join(prefix, fused, leaf)] = matrix
+                continue
+            row = 0
+            for part, rows in zip(parts, model.shard_rows(fused, matrix)):
+                targets[_join(prefix, part, leaf)] = matrix[row:row + rows]
+                row += rows
     return targets
+
+
+def _join(*names: str) -> str:
+    return ".".join(n for n in names if n)
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -100,7 +112,7 @@ def load_weights(model: DecoderLM, path: Path) -> None:
             with safe_open(file, framework="pt", device=str(model.device)) as f:
                 for name in f.keys():
                     if name in targets:
-                        _copy_tensor(f, file, name, *targets[name])
+                        _copy_tensor(f, file, name, targets[name])
                         loaded.add(name)
         except SafetensorError as e:
             raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
@@ -110,13 +122,13 @@ def load_weights(model: DecoderLM, path: Path) -> None:
         raise CheckpointError(f"{path}: checkpoint lacks tensor(s) {', '.join(missing[:5])}{more}")
 
 
-def _copy_tensor(f, file: Path, name: str, param: torch.Tensor, row0: int, row1: int) -> None:
+def _copy_tensor(f, file: Path, name: str, target: torch.Tensor) -> None:
     piece = f.get_slice(name)
     dtype = piece.get_dtype()
     if dtype not in LOADABLE_DTYPES:
         raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}; blink loads F32, F16 and BF16 weights")
-    shape, want = tuple(piece.get_shape()), (row1 - row0, *param.shape[1:])
+    shape, want = tuple(piece.get_shape()), tuple(target.shape)
     if shape != want:
         raise CheckpointError(f"{file}: tensor {name} has shape {shape}, the config implies {want}")
     with torch.no_grad():
-        param[row0:row1].copy_(f.get_tensor(name))
+        target.copy_(f.get_tensor(name))

@@ -33,6 +33,37 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF Qwen3-MoE's router: softmax over the experts in float32, the ``top_k`` largest, renormalised to sum to 1
+    when ``renormalize`` (``norm_topk_prob``), then rounded to the logits' dtype. ``router_logits [T, E]`` →
+    (weights ``[T, top_k]``, expert ids int64 ``[T, top_k]``), largest weight first."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` with ``expert_e(x) = down[e] @ silu_and_mul(gate_up[e] @ x)``,
+    accumulated in ``x.dtype`` expert by expert in ascending order, as HF does. ``x [T, H]``, ``gate_up [E, 2I, H]``,
+    ``down [E, H, I]``."""
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        token, slot = torch.where(ids == e)
+        h = F.linear(silu_and_mul(F.linear(x[token], gate_up[e])), down[e])
+        out.index_add_(0, token, h * weights[token, slot, None])
+    return out
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+              renormalize: bool) -> torch.Tensor:
+    """A mixture-of-experts MLP: ``route`` then ``moe_experts``. ``x [T, H]`` → ``[T, H]``."""
+    weights, ids = route(router_logits, top_k, renormalize)
+    return moe_experts(x, weights, ids, gate_up, down)
+
+
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
     """Rotate the first ``rotary_dim`` dims of every head of ``q [T, H, D]`` and ``k [T, KH, D]`` in place.
 

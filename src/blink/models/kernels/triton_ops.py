@@ -1,8 +1,9 @@
 """The CUDA implementations, under the names ``reference`` uses (see ``ops_for``)."""
 from .activation import silu_and_mul
 from .attention import attention, attention_plan
+from .moe import fused_moe
 from .norm import rms_norm
 from .rope_kv_write import rope_kv_write
 from .sampling import gumbel_argmax
 
-__all__ = ["attention", "attention_plan", "gumbel_argmax", "rms_norm", "rope_kv_write", "silu_and_mul"]
+__all__ = ["attention", "attention_plan", "fused_moe", "gumbel_argmax", "rms_norm", "rope_kv_write", "silu_and_mul"]

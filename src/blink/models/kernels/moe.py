@@ -1,0 +1,177 @@
+"""Fused mixture-of-experts MLP in Triton; reference: ``reference.fused_moe`` (``route`` + ``moe_experts``).
+
+A step of ``T`` tokens, each routed to ``top_k`` of ``E`` experts, has ``N = T * top_k`` (token, expert) *entries*;
+entry ``t * top_k + j`` is token ``t``'s ``j``-th choice. Four launches, all with grids fixed by ``(T, top_k, E)``, and
+no host reads, so the whole MLP captures into a step graph:
+
+1. ``_route_kernel`` (one program per token): softmax over the router logits in float32, the ``top_k`` largest
+   (ties: lowest expert), optionally renormalised, rounded to the model dtype.
+2. ``_align_kernel`` (one program per expert): counts every expert's entries (histogram), pads each expert's count to
+   a multiple of ``BLOCK_M`` and lays the experts out in order, so that every ``BLOCK_M`` block of ``sorted_entries``
+   belongs to one expert (``expert_blocks``). Entries keep their order within an expert; padding slots hold ``N``.
+   ``total`` (on the device) is the padded length: the per-expert counts never become Python values, so the buffers
+   are sized for the worst case, ``N + min(E, N) * (BLOCK_M - 1)`` slots.
+3. ``_moe_gemm_kernel`` twice, one program per (block, output tile), blocks past ``total`` exiting at once: a grouped
+   GEMM of each block's rows with its expert's weights. First ``x @ gate_up[e].T`` with SiLU-and-mul fused into the
+   epilogue (``[N, I]``), then ``@ down[e].T`` times the entry's routing weight (``[N, H]``).
+4. The weighted combine: the ``top_k`` rows of each token summed.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64
+BLOCK_K = 64
+CHUNK = 256
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride, TOP_K: tl.constexpr,
+                  TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + t * stride + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)  # lanes past num_experts hold 0, below every real expert's probability or tied with it
+    slots = tl.arange(0, TOP_K_P2)
+    w = tl.zeros([TOP_K_P2], tl.float32)
+    ids = tl.zeros([TOP_K_P2], tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(p, 0)  # the first maximum: the lowest expert wins a tie
+        w = tl.where(slots == j, tl.max(p, 0), w)
+        ids = tl.where(slots == j, best, ids)
+        p = tl.where(e == best, -1.0, p)
+    if RENORMALIZE:
+        w = w / tl.sum(w, 0)
+    tl.store(weights_ptr + t * TOP_K + slots, w.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + slots, ids, mask=slots < TOP_K)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, expert_blocks_ptr, total_ptr, num_entries, num_experts,
+                  BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr):
+    e = tl.program_id(0)
+    counts = tl.zeros([BINS], tl.int32)
+    for start in range(0, num_entries, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        counts += tl.histogram(tl.load(ids_ptr + offs, mask=offs < num_entries, other=num_experts), BINS)
+    bins = tl.arange(0, BINS)
+    counts = tl.where(bins < num_experts, counts, 0)  # bin num_experts counted the masked lanes
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    begin = tl.sum(tl.where(bins == e, ends - padded, 0), 0)
+    count = tl.sum(tl.where(bins == e, counts, 0), 0)
+    size = tl.sum(tl.where(bins == e, padded, 0), 0)
+    if e == 0:
+        tl.store(total_ptr, tl.sum(padded, 0))
+    placed = 0
+    for start in range(0, num_entries, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mine = tl.load(ids_ptr + offs, mask=offs < num_entries, other=num_experts) == e
+        rank = placed + tl.cumsum(mine.to(tl.int32), 0) - 1
+        tl.store(sorted_ptr + begin + rank, offs, mask=mine)
+        placed += tl.sum(mine.to(tl.int32), 0)
+    pad = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + begin + count + pad, num_entries, mask=pad < size - count)
+    for b in range(0, size // BLOCK_M, CHUNK):
+        blocks = b + tl.arange(0, CHUNK)
+        tl.store(expert_blocks_ptr + begin // BLOCK_M + blocks, e, mask=blocks < size // BLOCK_M)
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_blocks_ptr, total_ptr, num_entries,
+                     n_out, k_dim, a_stride, w_stride_e, w_stride_n, entries_per_a_row, GATED: tl.constexpr,
+                     WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``out[entry, n] = a[entry // entries_per_a_row] . w[expert, n]`` for the block's entries; ``GATED``: ``w``
+    has ``2 * n_out`` rows and ``out = silu(gate) * up`` of rows ``n`` and ``n_out + n``; ``WEIGHTED``: times the
+    entry's routing weight. Gate, up and the product are rounded to the output dtype as the reference does."""
+    block, tile = tl.program_id(0), tl.program_id(1)
+    if block * BLOCK_M >= tl.load(total_ptr):
+        return
+    entries = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = entries < num_entries
+    rows = (entries // entries_per_a_row).to(tl.int64)
+    w_base = w_ptr + tl.load(expert_blocks_ptr + block).to(tl.int64) * w_stride_e
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < n_out
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < k_dim
+        a = tl.load(a_ptr + rows[:, None] * a_stride + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        acc += tl.dot(a, tl.load(w_base + n[None, :] * w_stride_n + k[:, None], mask=w_mask, other=0.0))
+        if GATED:
+            up = tl.load(w_base + (n_out + n)[None, :] * w_stride_n + k[:, None], mask=w_mask, other=0.0)
+            acc_up += tl.dot(a, up)
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        gate = acc.to(dtype).to(tl.float32)
+        acc = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
+    if WEIGHTED:
+        weight = tl.load(weights_ptr + entries, mask=valid, other=0.0).to(tl.float32)
+        acc = acc.to(dtype).to(tl.float32) * weight[:, None]
+    out = out_ptr + entries.to(tl.int64)[:, None] * n_out + n[None, :]
+    tl.store(out, acc.to(dtype), mask=valid[:, None] & n_ok[None, :])
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``router_logits [T, E]`` (unit stride in E) → (weights ``[T, top_k]`` in the logits' dtype, int32 ids)."""
+    t, experts = router_logits.shape
+    weights = torch.empty((t, top_k), dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=router_logits.device)
+    _route_kernel[(t,)](router_logits, weights, ids, experts, router_logits.stride(0), TOP_K=top_k,
+                        TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+                        BLOCK_E=triton.next_power_of_2(experts))
+    return weights, ids
+
+
+def block_m_for(num_entries: int, num_experts: int) -> int:
+    """Rows per GEMM block: 16 while experts average at most 16 entries (decode), else 64 (prefill)."""
+    return 16 if num_entries <= 16 * num_experts else 64
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Entries ``ids`` (int32, ``N`` of them, each in ``[0, E)``) sorted by expert, each expert padded to
+    ``block_m``: (``sorted_entries`` int32 ``[max_slots]``, ``expert_blocks`` int32 ``[max_slots // block_m]``,
+    ``total`` int32 ``[1]``). Slots ``>= total`` and their blocks are unwritten."""
+    n = ids.numel()
+    max_slots = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
+    sorted_entries = torch.empty(max_slots, dtype=torch.int32, device=ids.device)
+    expert_blocks = torch.empty(max_slots // block_m, dtype=torch.int32, device=ids.device)
+    total = torch.empty(1, dtype=torch.int32, device=ids.device)
+    _align_kernel[(num_experts,)](ids, sorted_entries, expert_blocks, total, n, num_experts, BLOCK_M=block_m,
+                                  BINS=triton.next_power_of_2(num_experts + 1), CHUNK=CHUNK)
+    return sorted_entries, expert_blocks, total
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """``x [T, H]``, routing ``weights`` and int32 ``ids [T, top_k]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]``
+    (all contiguous) → ``[T, H]``."""
+    (t, hidden), (experts, two_i, _), top_k = x.shape, gate_up.shape, ids.shape[1]
+    inter, n = two_i // 2, t * top_k
+    block_m = block_m_for(n, experts)
+    sorted_entries, expert_blocks, total = align(ids, experts, block_m)
+    blocks = expert_blocks.numel()
+    act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
+    _moe_gemm_kernel[(blocks, triton.cdiv(inter, BLOCK_N))](
+        x, gate_up, act, weights, sorted_entries, expert_blocks, total, n, inter, hidden, x.stride(0),
+        gate_up.stride(0), gate_up.stride(1), top_k, GATED=True, WEIGHTED=False, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K)
+    y = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
+    _moe_gemm_kernel[(blocks, triton.cdiv(hidden, BLOCK_N))](
+        act, down, y, weights, sorted_entries, expert_blocks, total, n, hidden, inter, act.stride(0),
+        down.stride(0), down.stride(1), 1, GATED=False, WEIGHTED=True, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K)
+    return y.view(t, top_k, hidden).sum(dim=1)
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+              renormalize: bool) -> torch.Tensor:
+    """A mixture-of-experts MLP, ``x [T, H]`` → ``[T, H]``: ``route`` then ``moe_experts``."""
+    weights, ids = route(router_logits, top_k, renormalize)
+    return moe_experts(x, weights, ids, gate_up, down)
