@@ -276,7 +276,7 @@ def _engine_config(args, model_dir, **overrides):
                         num_pages=args.num_pages, gpu_memory_utilization=args.gpu_memory_utilization,
                         cpu_kv_cache_gib=args.cpu_kv_cache_gib, n_slots=args.slots,
                         max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
-                        **overrides)
+                        load_format=args.load_format, **overrides)
 
 
 def _ring_geometry(memory):
@@ -298,10 +298,12 @@ def _cpu_list(text: str) -> set[int]:
 
 def _engine_options(parser, slots: int) -> None:
     """Model, device, memory and ring sizes (``EngineConfig``)."""
-    from blink.config import DEVICES, EngineConfig
+    from blink.config import DEVICES, LOAD_FORMATS, EngineConfig
 
     d = EngineConfig()
     parser.add_argument("--device", choices=DEVICES, default=d.device, help="auto: the GPU if there is one")
+    parser.add_argument("--load-format", choices=LOAD_FORMATS, default=d.load_format,
+                        help="dummy: random weights, only config.json is read (benchmarks of large shapes)")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                         help="default: the checkpoint's on a GPU, float32 on the CPU")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
@@ -365,6 +367,9 @@ def main(argv=None) -> int:
     _http_options(agent_cmd)
     agent_cmd.add_argument("--ring", required=True, help="the engine's shared-memory ring name (/dev/shm/NAME)")
     agent_cmd.set_defaults(run=agent)
+    bench_cmd = sub.add_parser("bench", help="benchmarks: serve (online serving, vllm bench serve's metrics), report")
+    from blink.bench.serve import add_parsers
+    add_parsers(bench_cmd.add_subparsers(dest="bench_command", required=True))
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -1,0 +1,90 @@
+"""An OpenAI-compatible server as a benchmark backend: streamed ``/v1/completions``, the arrival time of each chunk.
+
+The request is what ``vllm bench serve`` sends for ``--backend openai``: the prompt (token ids here), ``max_tokens``,
+greedy sampling, ``stream`` with ``include_usage`` (the output token count comes from ``usage.completion_tokens``;
+a server that sends no usage is counted one token per chunk) and, with ``ignore_eos``, the vLLM extension of that name.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import aiohttp
+
+from blink.bench.datasets import SampleRequest
+from blink.bench.metrics import RequestOutput
+
+
+class OpenAIClient:
+    """``async with OpenAIClient(base_url) as client: await client.send(request)``. ``model=None`` asks the server
+    (the first entry of ``GET /v1/models``, as vLLM does)."""
+
+    def __init__(self, base_url: str, model: str | None = None, ignore_eos: bool = False):
+        self.base_url = base_url.rstrip("/")
+        self.model, self.ignore_eos = model, ignore_eos
+        self.session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self):
+        # No connection limit: the benchmark's --max-concurrency is the only cap on requests in flight.
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=6 * 3600),
+                                             connector=aiohttp.TCPConnector(limit=0))
+        if self.model is None:
+            self.model = await self.first_model()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.session.close()
+
+    async def first_model(self) -> str:
+        url = f"{self.base_url}/v1/models"
+        try:
+            async with self.session.get(url) as response:
+                response.raise_for_status()
+                models = (await response.json())["data"]
+        except (aiohttp.ClientError, KeyError, ValueError) as e:
+            raise ValueError(f"could not list the models at {url} ({e}): is the server running there? "
+                             "--base-url is the server's root, without /v1") from None
+        if not models:
+            raise ValueError(f"{url} lists no model: pass --model")
+        return models[0]["id"]
+
+    def info(self) -> dict:
+        return {"base_url": self.base_url, "model": self.model}
+
+    def payload(self, request: SampleRequest) -> dict:
+        body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.output_len, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+    async def send(self, request: SampleRequest) -> RequestOutput:
+        """One request, streamed; never raises: what went wrong is the output's ``error``."""
+        out = RequestOutput(request.prompt_len, start=time.perf_counter())
+        try:
+            async with self.session.post(f"{self.base_url}/v1/completions", json=self.payload(request)) as response:
+                if response.status != 200:
+                    out.error = f"HTTP {response.status}: {(await response.text())[:500]}"
+                    return out
+                async for line in response.content:
+                    self._on_event(out, line.strip())
+        except (aiohttp.ClientError, TimeoutError) as e:
+            out.error = f"{type(e).__name__}: {e}"
+        if out.error is None and not out.chunk_times:
+            out.error = "the stream ended without a token"
+        if out.error is None and not out.output_tokens:
+            out.output_tokens = len(out.chunk_times)
+        return out
+
+    @staticmethod
+    def _on_event(out: RequestOutput, line: bytes) -> None:
+        """One SSE line: a chunk with choices is a token arrival; ``usage`` gives the count; ``error`` fails it."""
+        if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+            return
+        chunk = json.loads(line[5:])
+        if chunk.get("choices"):
+            out.chunk_times.append(time.perf_counter())
+        if chunk.get("usage"):
+            out.output_tokens = chunk["usage"]["completion_tokens"]
+        if "error" in chunk:
+            out.error = f"error in the stream: {chunk['error'].get('message', chunk['error'])}"

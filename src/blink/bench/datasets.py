@@ -1,0 +1,87 @@
+"""Benchmark requests: ShareGPT_V3 conversations read from a local JSON file, or a synthetic ShareGPT-like set.
+
+Every request carries its prompt as token ids, so the server's prompt length is exactly ``prompt_len`` (no
+re-tokenization on the server), and ``output_len`` is the ``max_tokens`` it asks for.
+
+Filter (vLLM's ``is_valid_sequence`` for ShareGPT): ``prompt_len >= 4``, ``output_len >= 4`` (unless a fixed
+``output_len`` is asked for), ``prompt_len <= 1024``, ``prompt_len + output_len <= 2048``. Both datasets obey it.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+MIN_LEN, MAX_PROMPT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048
+
+# Log-normal token lengths, chosen so that after the filter the means match vLLM's ShareGPT_V3 sample (1000 prompts,
+# seed 0, Llama tokenizer: 215,196 prompt tokens, i.e. 215 per request; ~200 completion tokens per request). Medians:
+# 156 prompt, 137 output tokens; both have the long right tail of chat traffic.
+PROMPT_LOG_MEAN, PROMPT_LOG_STD = 5.05, 1.0
+OUTPUT_LOG_MEAN, OUTPUT_LOG_STD = 4.92, 0.9
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One benchmark request: ``prompt`` token ids (``len(prompt) == prompt_len``) and the tokens to generate."""
+
+    prompt: list[int]
+    prompt_len: int
+    output_len: int
+
+
+def is_valid(prompt_len: int, output_len: int, fixed_output: bool) -> bool:
+    """vLLM's ShareGPT filter (module docstring); a fixed output length skips the minimum-output check."""
+    if prompt_len < MIN_LEN or (not fixed_output and output_len < MIN_LEN):
+        return False
+    return prompt_len <= MAX_PROMPT_LEN and prompt_len + output_len <= MAX_TOTAL_LEN
+
+
+def synthetic(num_prompts: int, vocab_size: int, seed: int = 0, output_len: int | None = None) -> list[SampleRequest]:
+    """``num_prompts`` requests with log-normal, ShareGPT-like lengths and uniformly random prompt tokens.
+
+    Invariant: request ``i`` depends only on ``(seed, i)`` (and ``output_len``), so a smaller ``num_prompts`` gives a
+    prefix of a larger one. ``output_len`` fixes every request's output length instead of drawing it.
+    """
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1 (got {vocab_size})")
+    return [_synthetic_one(np.random.default_rng([seed, i]), vocab_size, output_len) for i in range(num_prompts)]
+
+
+def _synthetic_one(rng: np.random.Generator, vocab_size: int, output_len: int | None) -> SampleRequest:
+    while True:     # rejection sampling: the same filter that ShareGPT conversations go through
+        prompt_len = round(rng.lognormal(PROMPT_LOG_MEAN, PROMPT_LOG_STD))
+        out = output_len if output_len is not None else round(rng.lognormal(OUTPUT_LOG_MEAN, OUTPUT_LOG_STD))
+        if is_valid(prompt_len, out, output_len is not None):
+            prompt = rng.integers(0, vocab_size, prompt_len).tolist()
+            return SampleRequest(prompt, prompt_len, out)
+
+
+def sharegpt(path: str, encode, num_prompts: int, seed: int = 0, output_len: int | None = None) -> list[SampleRequest]:
+    """``num_prompts`` requests from a ShareGPT_V3 JSON file (``[{"conversations": [{"from", "value"}, ...]}, ...]``).
+
+    As vLLM samples it: conversations with at least two turns, shuffled with ``random.Random(seed)``; the first turn
+    is the prompt and the second turn's token count the output length (unless ``output_len`` fixes it); conversations
+    that fail the filter are skipped. ``encode(text) -> list[int]`` is the model's tokenizer. ``ValueError`` if the
+    file holds fewer usable conversations than asked for.
+    """
+    with open(path) as f:
+        data = json.load(f)
+    conversations = [entry["conversations"] for entry in (data if isinstance(data, list) else [])
+                     if isinstance(entry, dict) and len(entry.get("conversations", ())) >= 2]
+    random.Random(seed).shuffle(conversations)
+    requests = []
+    for turns in conversations:
+        if len(requests) == num_prompts:
+            break
+        prompt = encode(turns[0]["value"])
+        out = output_len if output_len is not None else len(encode(turns[1]["value"]))
+        if is_valid(len(prompt), out, output_len is not None):
+            requests.append(SampleRequest(prompt, len(prompt), out))
+    if len(requests) < num_prompts:
+        raise ValueError(f"{path} has only {len(requests)} usable conversations (list entries whose "
+                         f"'conversations' have two turns or more, with {MIN_LEN}..{MAX_PROMPT_LEN} prompt tokens and "
+                         f"at most {MAX_TOTAL_LEN} in all); --num-prompts asks for {num_prompts}")
+    return requests

@@ -1,0 +1,49 @@
+"""CPU and memory interference: ``n`` processes that keep host cores and memory bandwidth busy.
+
+Even-numbered hogs copy 64 MiB numpy arrays back and forth (memory bandwidth, the protocol of DESIGN.md section 6);
+odd-numbered ones zlib-compress 16 MiB of random bytes (integer CPU work with a cache-sized window). Each hog is a
+``python -c`` process that asks the kernel to kill it when its parent dies (``PR_SET_PDEATHSIG``), so none outlives
+a benchmark that is killed; a normal or failing exit of ``interference`` kills and reaps them all.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+
+# Dies with its parent: prctl(PR_SET_PDEATHSIG, SIGKILL), and exits if the parent is already gone.
+_GUARD = ("import ctypes, os, signal, sys\n"
+          "ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
+          "if os.getppid() != {parent}: sys.exit(0)\n")
+MEMORY_COPY = ("import numpy as np\n"
+               "a = np.ones(8 << 20); b = np.empty_like(a)\n"
+               "while True: np.copyto(b, a); np.copyto(a, b)\n")
+COMPRESSION = ("import os, zlib\n"
+               "data = os.urandom(16 << 20)\n"
+               "while True: zlib.compress(data, 6)\n")
+
+
+def hog_command(i: int, parent: int) -> list[str]:
+    """The command line of hog ``i`` (memory copy for even ``i``, compression for odd)."""
+    return [sys.executable, "-c", _GUARD.format(parent=parent) + (COMPRESSION if i % 2 else MEMORY_COPY)]
+
+
+@contextmanager
+def interference(n: int):
+    """Run ``n`` hogs for the duration of the ``with`` block; yields their ``Popen`` objects (``n == 0``: none).
+
+    Invariant: when the block is left, by any exit, every hog has been killed and waited for.
+    """
+    if n < 0:
+        raise ValueError(f"--interference must be >= 0 processes (got {n})")
+    hogs = []
+    try:
+        for i in range(n):
+            hogs.append(subprocess.Popen(hog_command(i, os.getpid()), stdin=subprocess.DEVNULL))
+        yield hogs
+    finally:
+        for hog in hogs:
+            hog.kill()
+        for hog in hogs:
+            hog.wait()

@@ -1,0 +1,219 @@
+"""``blink bench serve``: online-serving benchmark; ``blink bench report``: several results side by side, and plots.
+
+``serve`` sends the dataset's requests at the arrival times of each rate of the sweep (``traffic``), through an
+OpenAI-compatible server (``--backend openai``, ``client``) or transformers' continuous batching in this process
+(``--backend hf``, ``peer``), and computes ``vllm bench serve``'s metrics for each rate (``metrics``). With
+``--interference N`` the whole sweep runs twice: isolated, then colocated with N hog processes (``interference``).
+GPU energy is metered per run (``energy``). Before the sweep one request goes through alone (a failure stops the
+benchmark there, naming the error). Writes one JSON (``--result-json``: the options, then a record per run) and
+PNGs (``--plot-dir``); exits 1 if any request failed.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+from datetime import datetime
+from pathlib import Path
+
+HOG_SETTLE_S = 2.0       # hogs import numpy and fill their buffers before the colocated sweep starts
+
+
+def add_parsers(subparsers) -> None:
+    """``serve`` and ``report`` under ``blink bench``."""
+    p = subparsers.add_parser("serve", help="online-serving benchmark (vllm bench serve's metrics)",
+                              description=__doc__.split("\n")[0])
+    p.add_argument("--backend", choices=("openai", "hf"), default="openai",
+                   help="openai: an OpenAI-compatible server at --base-url; hf: transformers' continuous batching "
+                        "in this process on --model")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root (without /v1)")
+    p.add_argument("--model", default=None, help="openai: the model name to request (default: the server's first); "
+                   "hf: the model directory (HF layout)")
+    p.add_argument("--label", default=None, help="the name of this backend in results and plots (default: "
+                   "--backend)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="hf: dummy = random weights from config.json")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="hf: default the GPU if there is one")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="hf: default the checkpoint's on a GPU, float32 on the CPU")
+    p.add_argument("--dataset", choices=("synthetic", "sharegpt"), default="synthetic")
+    p.add_argument("--dataset-path", default=None, help="sharegpt: a ShareGPT_V3 JSON file")
+    p.add_argument("--tokenizer", default=None, help="model directory whose tokenizer.json encodes ShareGPT text "
+                   "and bounds synthetic token ids (default: --model if it has one, else the embedded SmolLM2)")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--output-len", type=int, default=None, help="fix every request's output length")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s; inf sends every request at once")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrival gaps: 1 is a Poisson process, < 1 burstier, > 1 more regular")
+    p.add_argument("--sweep", type=_rates, default=None, help="rates to run in turn, e.g. 1,2,4,inf "
+                   "(instead of --request-rate)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly each request's output length")
+    p.add_argument("--seed", type=int, default=0, help="dataset and arrival times")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO (vLLM: --goodput ttft:MS)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO (vLLM: --goodput tpot:MS)")
+    p.add_argument("--interference", type=int, default=0, metavar="N",
+                   help="also run the sweep with N CPU- and memory-heavy processes (e.g. 4 x the cores)")
+    p.add_argument("--result-json", default=None, help="write the results here")
+    p.add_argument("--plot-dir", default=None, help="write PNG plots here")
+    p.set_defaults(run=serve)
+    r = subparsers.add_parser("report", help="summary and plots of result JSONs of blink bench serve")
+    r.add_argument("results", nargs="+", help="result JSON files")
+    r.add_argument("--plot-dir", default=None, help="write PNG plots of every run here")
+    r.set_defaults(run=report)
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = sorted(float(r) for r in text.split(","))
+    except ValueError:
+        rates = []
+    if not rates or rates[0] <= 0:
+        raise argparse.ArgumentTypeError(f"request rates > 0 separated by commas, e.g. 1,2,4,inf (got {text!r})")
+    return rates
+
+
+def rate_json(rate: float):
+    """A request rate as vLLM writes it in JSON: the number, or ``"inf"`` (JSON has no infinity)."""
+    return "inf" if rate == float("inf") else rate
+
+
+def load_requests(args) -> list:
+    """The dataset's requests (``datasets``), with the tokenizer of ``tokenizer_dir(args)``."""
+    from blink.bench import datasets
+    from blink.nic.text import Tokenizer
+
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1 (got {args.num_prompts})")
+    tokenizer = Tokenizer(tokenizer_dir(args))
+    if args.dataset == "sharegpt":
+        if args.dataset_path is None:
+            raise ValueError("--dataset sharegpt needs --dataset-path (a ShareGPT_V3 JSON file)")
+        return datasets.sharegpt(args.dataset_path, tokenizer.encode, args.num_prompts, args.seed, args.output_len)
+    return datasets.synthetic(args.num_prompts, tokenizer.vocab_size, args.seed, args.output_len)
+
+
+def tokenizer_dir(args) -> str:
+    if args.tokenizer is not None:
+        return args.tokenizer
+    if args.model is not None and (Path(args.model) / "tokenizer.json").is_file():
+        return args.model
+    from blink.models import default_model_path
+    return str(default_model_path())
+
+
+def make_backend(args, requests):
+    if args.backend == "hf":
+        from blink.bench.peer import HFPeer
+
+        if args.model is None:
+            raise ValueError("--backend hf needs --model (a model directory)")
+        return HFPeer(args.model, requests, load_format=args.load_format, device=args.device, dtype=args.dtype,
+                      ignore_eos=args.ignore_eos, seed=args.seed)
+    from blink.bench.client import OpenAIClient
+
+    return OpenAIClient(args.base_url, args.model, args.ignore_eos)
+
+
+async def benchmark(backend, requests: list, args) -> tuple[list[dict], dict]:
+    """Every (condition, rate) run of ``args`` through ``backend``; returns ``(run records, backend info)``."""
+    from blink.bench import metrics
+    from blink.bench.energy import EnergyMeter
+    from blink.bench.interference import interference
+    from blink.bench.traffic import arrival_times, send_all
+
+    rates = args.sweep or [args.request_rate]
+    conditions = [("isolated", 0)] + ([("colocated", args.interference)] if args.interference else [])
+    runs = []
+    async with backend:
+        first = await backend.send(requests[0])
+        if first.error is not None:
+            raise ValueError(f"the first request failed: {first.error}")
+        for condition, hogs in conditions:
+            with interference(hogs):
+                if hogs:
+                    await asyncio.sleep(HOG_SETTLE_S)
+                for rate in rates:
+                    print(f"\n{args.label or args.backend} {condition}: {len(requests)} requests at "
+                          f"{rate} req/s (burstiness {args.burstiness})", flush=True)
+                    arrivals = arrival_times(len(requests), rate, args.burstiness, args.seed)
+                    with EnergyMeter() as meter:
+                        outputs, duration = await send_all(backend.send, requests, arrivals, args.max_concurrency)
+                    result = metrics.compute(outputs, duration, slo_ttft_ms=args.slo_ttft_ms,
+                                             slo_tpot_ms=args.slo_tpot_ms)
+                    print(metrics.table(result, rate, args.max_concurrency), flush=True)
+                    runs.append({"label": args.label or args.backend, "condition": condition, "interference": hogs,
+                                 "request_rate": rate_json(rate),
+                                 "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+                                 "energy": meter.result(result["total_output_tokens"]), **result})
+        info = backend.info()
+    return runs, info
+
+
+def serve(args) -> int:
+    requests = load_requests(args)
+    runs, info = asyncio.run(benchmark(make_backend(args, requests), requests, args))
+    options = {k: v for k, v in vars(args).items() if k != "run"}
+    options.update(request_rate=rate_json(args.request_rate), sweep=args.sweep and [rate_json(r) for r in args.sweep])
+    result = {"date": datetime.now().isoformat(timespec="seconds"), "host": host(), "backend_info": info,
+              **options, "runs": runs}
+    if args.result_json:
+        Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.result_json, "w") as f:
+            json.dump(result, f, indent=1, allow_nan=False)
+    summarize(runs, args.plot_dir)
+    failed = sum(r["failed"] for r in runs)
+    if failed:
+        first = next(e for r in runs for e in r["errors"] if e)
+        print(f"{failed} requests failed; the first: {first}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def host() -> dict:
+    return {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()}
+
+
+def summary(runs: list[dict]) -> str:
+    """One line per run, then isolated vs colocated ratios per label and rate, then each series' saturation."""
+    from blink.bench.plots import colocation_pairs, series
+
+    lines = [(f"{'label':<10} {'condition':<10} {'rate':>6} {'req/s':>8} {'out tok/s':>10} {'P99 TTFT ms':>12} "
+              f"{'P99 TPOT ms':>12} {'J/out tok':>10}")]
+    for run in runs:
+        joules = run["energy"]["joules_per_output_token"]
+        lines.append(f"{run['label']:<10} {run['condition']:<10} {run['request_rate']:>6} "
+                     f"{run['request_throughput']:>8.2f} {run['output_throughput']:>10.1f} {run['p99_ttft_ms']:>12.2f} "
+                     f"{run['p99_tpot_ms']:>12.2f} {'n/a' if joules is None else f'{joules:.4f}':>10}")
+    for iso, col in colocation_pairs(runs):
+        lines.append(f"{iso['label']} @ {iso['request_rate']}: colocated/isolated output throughput "
+                     f"{_ratio(col['output_throughput'], iso['output_throughput'])}, P99 TPOT "
+                     f"{_ratio(col['p99_tpot_ms'], iso['p99_tpot_ms'])} ({col['interference']} hogs)")
+    for name, rs in series(runs).items():
+        lines.append(f"saturation {name}: {max(r['output_throughput'] for r in rs):.1f} output tokens/s")
+    return "\n".join(lines)
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}" if b else "n/a"
+
+
+def report(args) -> int:
+    runs = []
+    for path in args.results:
+        with open(path) as f:
+            runs += json.load(f)["runs"]
+    summarize(runs, args.plot_dir)
+    return 0
+
+
+def summarize(runs: list[dict], plot_dir: str | None) -> None:
+    """Print ``summary(runs)``; write the plots into ``plot_dir`` if given."""
+    print(summary(runs))
+    if plot_dir:
+        from blink.bench.plots import write_plots
+        for path in write_plots(runs, plot_dir):
+            print(f"wrote {path}")
