@@ -2,5 +2,7 @@
 from .config import ConfigError, ModelConfig
 from .default import default_model_path
 from .loader import CheckpointError, build_model, load_model, random_model
+from .memory import MemoryPlan, plan_memory
 
-__all__ = ["ConfigError", "CheckpointError", "ModelConfig", "build_model", "default_model_path", "load_model", "random_model"]
+__all__ = ["ConfigError", "CheckpointError", "MemoryPlan", "ModelConfig", "build_model", "default_model_path",
+           "load_model", "plan_memory", "random_model"]
