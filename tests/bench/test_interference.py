@@ -1,0 +1,79 @@
+"""blink.bench.interference: hogs start and burn CPU, and are always gone afterwards — on a normal exit, on an
+exception, and when the benchmark process itself is killed."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from blink.bench.interference import interference
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def command_line(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
+def gone(pid: int) -> bool:
+    """Not running: no such process, or a zombie (dead, waiting for a parent that is not us to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_until(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_hogs_copy_memory_and_compress_while_the_block_runs_and_are_reaped_after():
+    with interference(2) as hogs:
+        time.sleep(1.5)
+        commands = [command_line(h.pid) for h in hogs]
+        busy = [cpu_seconds(h.pid) for h in hogs]
+    assert b"np.copyto" in commands[0] and b"zlib.compress" in commands[1]
+    assert all(seconds > 0.3 for seconds in busy), busy
+    assert all(h.returncode is not None for h in hogs), "killed and waited for"
+    assert all(gone(h.pid) for h in hogs)
+
+
+def test_hogs_are_reaped_when_the_block_raises():
+    with pytest.raises(RuntimeError, match="benchmark failed"), interference(3) as hogs:
+        raise RuntimeError("benchmark failed")
+    assert len(hogs) == 3 and all(h.returncode is not None for h in hogs)
+
+
+def test_hogs_die_with_a_killed_benchmark():
+    code = ("import sys, time\nfrom blink.bench.interference import interference\n"
+            "with interference(2) as hogs:\n"
+            "    print(' '.join(str(h.pid) for h in hogs), flush=True)\n"
+            "    time.sleep(60)\n")
+    bench = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in bench.stdout.readline().split()]
+        assert len(pids) == 2 and not any(gone(p) for p in pids)
+        bench.send_signal(signal.SIGKILL)
+        bench.wait()
+        wait_until(lambda: all(gone(p) for p in pids))
+    finally:
+        bench.kill()
+        bench.wait()
+
+
+def test_no_interference_and_bad_counts():
+    with interference(0) as hogs:
+        assert hogs == []
+    with pytest.raises(ValueError, match="--interference must be >= 0"), interference(-1):
+        pass

@@ -1,0 +1,131 @@
+"""``blink bench serve`` end to end: against ``blink serve --standin`` (the HTTP server over the reference consumer
+and its stand-in model), and the transformers peer on a tiny random model. What was sent is known from the dataset
+(``--ignore-eos``: the server must generate exactly each request's output length), so token totals are checked
+exactly; the JSON must be strict JSON and the PNGs readable images."""
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from blink.bench.datasets import synthetic
+from blink.bench.shapes import write_model_dir
+from blink.nic.text import Tokenizer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy(port: int) -> bool:
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+        connection.request("GET", "/health")
+        return connection.getresponse().status == 200
+    except OSError:
+        return False
+
+
+def strict_json(path) -> dict:
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+    with open(path) as f:
+        return json.load(f, parse_constant=refuse)
+
+
+def bench(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "blink.cli", "bench", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+@pytest.fixture(scope="module")
+def standin_server():
+    """``blink serve --standin`` on a free port; yields its base URL."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--standin", "--port", str(port),
+                               "--slots", "64", "--max-prompt-tokens", "1024", "--max-output-tokens", "1024"])
+    try:
+        deadline = time.monotonic() + 120
+        while not healthy(port):
+            assert server.poll() is None, "blink serve --standin exited"
+            assert time.monotonic() < deadline, "blink serve --standin did not become healthy"
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def test_sweep_isolated_and_colocated_writes_json_and_plots(standin_server, tmp_path):
+    from blink.models import default_model_path
+
+    result_json, plots = tmp_path / "result.json", tmp_path / "img"
+    done = bench("serve", "--base-url", standin_server, "--num-prompts", "12", "--sweep", "20,inf", "--seed", "3",
+                 "--ignore-eos", "--interference", "1", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "500",
+                 "--label", "standin", "--result-json", str(result_json), "--plot-dir", str(plots))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("============ Serving Benchmark Result ============") == 4
+    result = strict_json(result_json)
+    sent = synthetic(12, Tokenizer(default_model_path()).vocab_size, seed=3)
+    assert [(r["condition"], r["request_rate"], r["interference"]) for r in result["runs"]] == [
+        ("isolated", 20.0, 0), ("isolated", "inf", 0), ("colocated", 20.0, 1), ("colocated", "inf", 1)]
+    for run in result["runs"]:
+        assert (run["completed"], run["failed"], run["label"]) == (12, 0, "standin")
+        assert run["input_lens"] == [r.prompt_len for r in sent]
+        assert run["output_lens"] == [r.output_len for r in sent]
+        assert run["total_output_tokens"] == sum(r.output_len for r in sent)
+        assert all(0 < ttft <= e2e for ttft, e2e in zip(run["ttfts"], run["latencies"]))
+        assert run["request_goodput"] is not None
+        assert run["energy"]["available"] is False and run["energy"]["reason"]
+    # At 20 req/s the last of 12 requests is sent 12 / 20 s after the first.
+    assert result["runs"][0]["duration"] >= 12 / 20
+    assert result["sweep"] == [20.0, "inf"] and result["request_rate"] == "inf"
+    import matplotlib.image
+
+    for name in ("latency_vs_rate.png", "throughput_vs_rate.png", "isolated_vs_colocated.png"):
+        image = matplotlib.image.imread(plots / name)
+        assert image.shape[0] > 100 and image.shape[1] > 100
+    # blink bench report reads the JSON back and plots it again.
+    again = bench("report", str(result_json), "--plot-dir", str(tmp_path / "again"))
+    assert again.returncode == 0, again.stderr
+    assert "standin @ inf: colocated/isolated output throughput" in again.stdout
+    assert sorted(os.listdir(tmp_path / "again")) == sorted(os.listdir(plots))
+
+
+def test_a_failing_first_request_stops_the_benchmark_naming_the_error(standin_server):
+    done = bench("serve", "--base-url", standin_server, "--model", "no-such-model", "--num-prompts", "2")
+    assert done.returncode == 1
+    assert "the first request failed: HTTP 404" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_no_server_is_one_line_of_error():
+    done = bench("serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "2")
+    assert done.returncode == 1
+    assert "could not list the models at" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_transformers_peer_runs_the_same_workload(tmp_path):
+    model = write_model_dir(tmp_path / "tiny", "tiny-qwen3")
+    result_json = tmp_path / "hf.json"
+    done = bench("serve", "--backend", "hf", "--model", str(model), "--load-format", "dummy", "--device", "cpu",
+                 "--num-prompts", "6", "--output-len", "8", "--sweep", "8,inf", "--ignore-eos",
+                 "--result-json", str(result_json))
+    assert done.returncode == 0, done.stderr
+    result = strict_json(result_json)
+    sent = synthetic(6, 512, seed=0, output_len=8)
+    assert result["backend_info"]["device"] == "cpu"
+    for run in result["runs"]:
+        assert (run["completed"], run["failed"], run["label"]) == (6, 0, "hf")
+        assert run["input_lens"] == [r.prompt_len for r in sent]
+        assert run["output_lens"] == [8] * 6
+        assert run["mean_tpot_ms"] > 0 and run["mean_itl_ms"] > 0     # 8 tokens streamed one by one
