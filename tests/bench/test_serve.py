@@ -50,7 +50,7 @@ def standin_server():
     """``blink serve --standin`` on a free port; yields its base URL."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--standin", "--port", str(port),
-                               "--slots", "64", "--max-prompt-tokens", "1024", "--max-output-tokens", "1024"])
+                               "--slots", "64", "--max-prompt-tokens", "1024", "--max-output-tokens", "2048"])
     try:
         deadline = time.monotonic() + 120
         while not healthy(port):

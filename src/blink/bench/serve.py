@@ -119,8 +119,9 @@ def make_backend(args, requests):
     return OpenAIClient(args.base_url, args.model, args.ignore_eos)
 
 
-async def benchmark(backend, requests: list, args) -> tuple[list[dict], dict]:
-    """Every (condition, rate) run of ``args`` through ``backend``; returns ``(run records, backend info)``."""
+async def benchmark(backend, requests: list, args, save) -> list[dict]:
+    """Every (condition, rate) run of ``args`` through ``backend``; calls ``save(runs so far, backend info)`` after
+    each run, so a benchmark cut short keeps what it measured. Returns the run records."""
     from blink.bench import metrics
     from blink.bench.energy import EnergyMeter
     from blink.bench.interference import interference
@@ -150,21 +151,23 @@ async def benchmark(backend, requests: list, args) -> tuple[list[dict], dict]:
                                  "request_rate": rate_json(rate),
                                  "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
                                  "energy": meter.result(result["total_output_tokens"]), **result})
-        info = backend.info()
-    return runs, info
+                    save(runs, backend.info())
+    return runs
 
 
 def serve(args) -> int:
     requests = load_requests(args)
-    runs, info = asyncio.run(benchmark(make_backend(args, requests), requests, args))
     options = {k: v for k, v in vars(args).items() if k != "run"}
     options.update(request_rate=rate_json(args.request_rate), sweep=args.sweep and [rate_json(r) for r in args.sweep])
-    result = {"date": datetime.now().isoformat(timespec="seconds"), "host": host(), "backend_info": info,
-              **options, "runs": runs}
-    if args.result_json:
-        Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.result_json, "w") as f:
-            json.dump(result, f, indent=1, allow_nan=False)
+    header = {"date": datetime.now().isoformat(timespec="seconds"), "host": host(), **options}
+
+    def save(runs, info):
+        if args.result_json:
+            Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
+            with open(args.result_json, "w") as f:
+                json.dump({**header, "backend_info": info, "runs": runs}, f, indent=1, allow_nan=False)
+
+    runs = asyncio.run(benchmark(make_backend(args, requests), requests, args, save))
     summarize(runs, args.plot_dir)
     failed = sum(r["failed"] for r in runs)
     if failed:

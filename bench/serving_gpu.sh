@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Serving benchmark (part `serving` of bench/gpu_suite.sh): `blink serve` on a random-weights model of SHAPE against
+# transformers' continuous batching on the same synthetic ShareGPT-like workload (`--ignore-eos`: every request
+# generates its drawn output length), each isolated and with HOGS CPU+memory hogs; GPU energy per run.
+# Writes $OUT/serving_{blink,hf}.json (+ .log), $OUT/serving_report.txt and PNGs in $OUT/serving_img/.
+#
+# Environment (defaults): SHAPE=qwen3-8b DEVICE=cuda PROMPTS=256 RATES=16,32,64,inf PEER_PROMPTS=128 PEER_RATES=inf
+#   HOGS=4*nproc PEER_TIMEOUT=300 (s; the peer's JSON is rewritten after each run, so a cut-off run keeps the others)
+#   PORT=8321 BENCH_ARGS="" (more `blink bench serve` options for both backends). The peer runs the first
+#   PEER_PROMPTS requests of the same dataset (request i depends only on the seed and i).
+# CPU dry run of the recipe: SHAPE=tiny-qwen3 DEVICE=cpu PROMPTS=8 RATES=4,inf PEER_PROMPTS=4 HOGS=2 \
+#   BENCH_ARGS="--output-len 16" bash bench/serving_gpu.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+OUT=${OUT:-out}
+SHAPE=${SHAPE:-qwen3-8b} DEVICE=${DEVICE:-cuda} PROMPTS=${PROMPTS:-256} RATES=${RATES:-16,32,64,inf}
+PEER_PROMPTS=${PEER_PROMPTS:-128} PEER_RATES=${PEER_RATES:-inf} HOGS=${HOGS:-$((4 * $(nproc)))}
+PEER_TIMEOUT=${PEER_TIMEOUT:-300} PORT=${PORT:-8321} BENCH_ARGS=${BENCH_ARGS:-}
+mkdir -p "$OUT"
+# The GPU machine has no network: if its image lacks nvidia-ml-py (energy) or matplotlib (plots), install them from
+# wheels/ (downloaded on a networked machine, see docs/benchmarks.md); without them energy is reported unavailable.
+python -c "import pynvml, matplotlib" 2>/dev/null \
+  || python -m pip install -q --no-index --find-links wheels nvidia-ml-py matplotlib \
+  || echo "serving: nvidia-ml-py / matplotlib missing and no wheels/ to install them from"
+model=$(mktemp -d)/$SHAPE
+python -m blink.bench.shapes "$model" --shape "$SHAPE" || exit 1
+status=0
+
+# blink: engine + agent over a shared-memory ring; prompts <= 1024 and prompt + output <= 2048 tokens (datasets.py).
+python -m blink.cli serve "$model" --load-format dummy --device "$DEVICE" --port "$PORT" --slots 512 \
+  --max-prompt-tokens 1024 --max-output-tokens 2048 > "$OUT/serving_server.log" 2>&1 &
+server=$!
+python - "$PORT" "$server" <<'PY' || status=1
+import http.client, os, sys, time
+port, pid, deadline = int(sys.argv[1]), int(sys.argv[2]), time.monotonic() + 400
+while time.monotonic() < deadline:
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        connection.request("GET", "/health")
+        if connection.getresponse().status == 200:
+            print(f"blink serve is healthy after {time.monotonic() - deadline + 400:.0f} s"); sys.exit(0)
+    except OSError:
+        pass
+    if not os.path.exists(f"/proc/{pid}"):
+        sys.exit("blink serve exited before it was healthy: see serving_server.log")
+    time.sleep(1)
+sys.exit("blink serve was not healthy within 400 s: see serving_server.log")
+PY
+if [ $status -eq 0 ]; then
+  python -m blink.cli bench serve --label blink --base-url "http://127.0.0.1:$PORT" --tokenizer "$model" \
+    --num-prompts "$PROMPTS" --sweep "$RATES" --ignore-eos --interference "$HOGS" $BENCH_ARGS \
+    --result-json "$OUT/serving_blink.json" 2>&1 | tee "$OUT/serving_blink.log" || status=1
+fi
+kill -INT $server; wait $server
+
+# The peer, on the GPU once blink has released it.
+timeout "$PEER_TIMEOUT" python -m blink.cli bench serve --backend hf --label hf --model "$model" \
+  --load-format dummy --device "$DEVICE" --num-prompts "$PEER_PROMPTS" --sweep "$PEER_RATES" --ignore-eos \
+  --interference "$HOGS" $BENCH_ARGS --result-json "$OUT/serving_hf.json" 2>&1 | tee "$OUT/serving_hf.log" || status=1
+
+results=$(ls "$OUT"/serving_blink.json "$OUT"/serving_hf.json 2>/dev/null)
+python -m blink.cli bench report $results --plot-dir "$OUT/serving_img" 2>&1 | tee "$OUT/serving_report.txt" \
+  || status=1
+exit $status
