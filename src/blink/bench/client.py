@@ -68,7 +68,7 @@ class OpenAIClient:
                     return out
                 async for line in response.content:
                     self._on_event(out, line.strip())
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:     # ValueError: a malformed event
             out.error = f"{type(e).__name__}: {e}"
         if out.error is None and not out.chunk_times:
             out.error = "the stream ended without a token"

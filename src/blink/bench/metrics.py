@@ -28,8 +28,9 @@ LATENCIES = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per
 @dataclass
 class RequestOutput:
     """What one request gave back. ``start`` and ``chunk_times`` are ``time.perf_counter()`` seconds: when the
-    request was sent, and when each streamed chunk carrying generated tokens arrived (non-decreasing). A request
-    succeeded iff ``error is None`` and at least one chunk arrived."""
+    request was sent, and when each streamed chunk carrying generated tokens arrived (non-decreasing);
+    ``output_tokens`` is how many tokens it generated in all. A request succeeded iff ``error is None`` and at least
+    one chunk arrived (backends set ``error`` when none did)."""
 
     prompt_len: int
     start: float = 0.0

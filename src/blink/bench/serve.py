@@ -83,12 +83,14 @@ def rate_json(rate: float):
 
 
 def load_requests(args) -> list:
-    """The dataset's requests (``datasets``), with the tokenizer of ``tokenizer_dir(args)``."""
+    """The dataset's requests (``datasets``), with the tokenizer of ``tokenizer_dir(args)``; checks the counts."""
     from blink.bench import datasets
     from blink.nic.text import Tokenizer
 
-    if args.num_prompts < 1:
-        raise ValueError(f"--num-prompts must be >= 1 (got {args.num_prompts})")
+    for option, value in (("--num-prompts", args.num_prompts), ("--output-len", args.output_len),
+                          ("--max-concurrency", args.max_concurrency)):
+        if value is not None and value < 1:
+            raise ValueError(f"{option} must be >= 1 (got {value})")
     tokenizer = Tokenizer(tokenizer_dir(args))
     if args.dataset == "sharegpt":
         if args.dataset_path is None:
