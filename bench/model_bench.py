@@ -1,17 +1,22 @@
 """Model-step speed on one GPU against the floors measured in the same run.
 
-For Qwen3-8B- and Llama-3-8B-shaped models (random bf16 weights): the graph-captured decode step at batch 1/16/64/256
-with every sequence at context 1K and 8K, and a 2048-token prefill step. Floors: bytes the step must read (weights +
-the KV it attends over) at the measured HBM copy rate; for prefill also its matmul FLOPs at the measured bf16 GEMM
-rate. Times are medians of CUDA-event-timed graph replays after warm-up.
+For the paper's four models at full size (``blink.models.shapes``: Llama-3-8B, Phi-4, Qwen3-32B, Qwen3-30B-A3B;
+random bf16 weights; ``--models qwen3-8b`` adds the earlier Qwen3-8B shape): the graph-captured decode step at batch
+1/16/64/256 with every sequence at context 1K and 8K, and a 2048-token prefill step. Floors: bytes the step must read
+(weights + the KV it attends over) at the measured HBM copy rate; for prefill also its matmul FLOPs at the measured
+bf16 GEMM rate. A MoE step reads only the experts its tokens are routed to: its weight bytes count the expected
+share of experts hit by uniform routing, ``1 - (1 - top_k / E) ** tokens`` (random weights route near-uniformly),
+and its FLOPs the ``top_k`` experts per token. Times are medians of CUDA-event-timed graph replays after warm-up.
 
-Every sequence gets its own pages, scattered over a pool of ``--kv-gib`` GiB; a (batch, context) whose KV does not
-fit is skipped (aliasing pages would let concurrent sequences share reads through L2 and beat the floor). A
+Every sequence gets its own pages, scattered over a pool of ``--kv-gib`` GiB at most (less when the memory plan of
+``blink.models.memory`` leaves less beside the weights); a (batch, context) whose KV does not fit is skipped
+(aliasing pages would let concurrent sequences share reads through L2 and beat the floor). For a dense model a
 "gemms" row times the step's weight GEMMs alone (cuBLAS, same shapes, one graph): the part of the gap that is GEMM
-efficiency rather than the other kernels and their launches.
+efficiency rather than the other kernels and their launches (for the MoE kernel: ``bench/moe_bench.py``). Each model
+also prints its memory plan against what it allocated.
 
-Run: ``PYTHONPATH=src python3 bench/model_bench.py [--out results.json]`` (writes ``$OUT/model_bench.json`` when
-``$OUT`` is set). Correctness of what is timed: ``tests/models`` (``-m gpu`` on the GPU).
+Run: ``PYTHONPATH=src python3 bench/model_bench.py [--models llama-3-8b ...] [--out results.json]`` (writes
+``$OUT/model_bench.json`` when ``$OUT`` is set). Correctness of what is timed: ``tests/models`` (``-m gpu`` on the GPU).
 """
 from __future__ import annotations
 
@@ -24,18 +29,18 @@ import time
 import torch
 
 from blink.device.step import StepBuffers, StepLayout
-from blink.models import ModelConfig, random_model
+from blink.models import ModelConfig, plan_memory, random_model
 from blink.models.batch import SeqChunk, fill_step
+from blink.models.decoder import SparseMoE
+from blink.models.memory import GIB, weight_bytes
+from blink.models.shapes import SHAPES, shape_config
 
-MODELS = {
-    "Qwen3-8B": ModelConfig("Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                            rope_theta=1e6, rotary_dim=128, max_position_embeddings=40960),
-    "Llama-3-8B": ModelConfig("LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                              num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                              rope_theta=5e5, rotary_dim=128, max_position_embeddings=8192),
-}
+MODELS = {name: shape_config(name) for name in SHAPES}
+MODELS["qwen3-8b"] = ModelConfig("Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                 num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                                 rope_theta=1e6, rotary_dim=128, max_position_embeddings=40960)
 PAGE = 16
+LAYOUT = StepLayout(max_num_batched_tokens=2048, max_num_seqs=256, max_pages_per_seq=8192 // PAGE)
 
 
 def events_median_ms(fn, reps: int) -> float:
@@ -69,14 +74,22 @@ def matmul_rate() -> float:
     return 2 * 8192 ** 3 / (ms / 1e3)
 
 
-def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def expert_bytes(model) -> int:
+    return sum(weight_bytes(layer.mlp.experts) for layer in model.model.layers if isinstance(layer.mlp, SparseMoE))
+
+
+def read_weight_bytes(model, tokens: int) -> float:
+    """Weight bytes a step of ``tokens`` tokens reads: all, but of the experts only the expected share hit."""
+    c, experts = model.config, expert_bytes(model)
+    hit = 1 - (1 - c.num_experts_per_tok / c.num_experts) ** tokens if experts else 0.0
+    return weight_bytes(model) - experts + hit * experts
 
 
 def linear_flops_per_token(c: ModelConfig) -> int:
-    per_layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size \
-        + 3 * c.hidden_size * c.intermediate_size
-    return 2 * c.num_layers * per_layer
+    attention = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+    dense = 3 * c.hidden_size * c.intermediate_size
+    moe = c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size + c.num_experts * c.hidden_size
+    return 2 * sum(attention + (moe if c.is_moe_layer(i) else dense) for i in range(c.num_layers))
 
 
 def capture(model, buf, kv, tokens: int):
@@ -127,12 +140,16 @@ def gemms_only_ms(model, batch: int, reps: int) -> float:
 
 def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib: float, reps: int) -> list[dict]:
     t0 = time.time()
+    plan = plan_memory(config, torch.cuda.mem_get_info()[1], PAGE, 0.9, LAYOUT.max_num_batched_tokens,
+                       LAYOUT.max_num_seqs)
+    print(f"{name}: plan {plan.summary()}", flush=True)
+    before = torch.cuda.memory_allocated()
     model = random_model(config, "cuda")
     wbytes = weight_bytes(model)
-    layout = StepLayout(max_num_batched_tokens=2048, max_num_seqs=256, max_pages_per_seq=8192 // PAGE)
-    buf = StepBuffers(layout, "cuda")
-    page_bytes = 2 * config.num_layers * PAGE * config.kv_size * 2
-    num_pages = int(kv_gib * 2**30 // page_bytes)
+    print(f"{name}: allocated {(torch.cuda.memory_allocated() - before) / GIB:.2f} GiB for the model (plan: "
+          f"{plan.weight_bytes / GIB:.2f} GiB of weights)", flush=True)
+    buf = StepBuffers(LAYOUT, "cuda")
+    num_pages = min(int(kv_gib * GIB // plan.kv_page_bytes), plan.num_pages)
     kv = model.allocate_kv_cache(num_pages, PAGE)
     kv.normal_()
     print(f"{name}: weights {wbytes / 1e9:.2f} GB, KV pool {num_pages} pages, setup {time.time() - t0:.1f}s",
@@ -147,13 +164,13 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
             graph = capture(model, buf, kv, batch)
             ms = events_median_ms(graph.replay, reps)
             kv_bytes = batch * ctx * config.num_layers * 2 * config.kv_size * 2
-            floor = (wbytes + kv_bytes) / bw * 1e3
+            floor = (read_weight_bytes(model, batch) + kv_bytes) / bw * 1e3
             rows.append(dict(model=name, kind="decode", batch=batch, context=ctx, step_ms=ms, floor_ms=floor,
                              ratio=ms / floor, tokens_per_s=batch / ms * 1e3))
             print(f"  decode B={batch:4d} ctx={ctx:5d}: {ms:7.3f} ms  floor {floor:7.3f} ms  x{ms / floor:.2f}",
                   flush=True)
             del graph
-    for batch in (1, 256):
+    for batch in (1, 256) if not config.num_experts else ():
         ms = gemms_only_ms(model, batch, reps)
         floor = wbytes / bw * 1e3
         rows.append(dict(model=name, kind="gemms", batch=batch, context=0, step_ms=ms, floor_ms=floor,
@@ -166,13 +183,15 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
     c = config
     attn_flops = c.num_layers * c.num_heads * c.head_dim * 2 * 2 * tokens * (tokens + 1) / 2
     flop_floor = (linear_flops_per_token(c) * tokens + attn_flops) / flops * 1e3
-    hbm_floor = wbytes / bw * 1e3
+    hbm_floor = read_weight_bytes(model, tokens) / bw * 1e3
     floor = max(flop_floor, hbm_floor)
     rows.append(dict(model=name, kind="prefill", batch=1, context=tokens, step_ms=ms, floor_ms=floor,
                      hbm_floor_ms=hbm_floor, flop_floor_ms=flop_floor, ratio=ms / floor,
                      tokens_per_s=tokens / ms * 1e3))
     print(f"  prefill {tokens} tokens: {ms:.3f} ms = {tokens / ms * 1e3:.0f} tok/s  floor {floor:.3f} ms "
           f"(FLOP {flop_floor:.3f}, HBM {hbm_floor:.3f})  x{ms / floor:.2f}", flush=True)
+    peak = torch.cuda.max_memory_allocated() - before - wbytes - kv.numel() * kv.element_size()
+    print(f"  activations: {peak / GIB:.2f} GiB at most (plan: {plan.activation_bytes / GIB:.2f} GiB)", flush=True)
     del graph, kv, model
     torch.cuda.empty_cache()
     return rows
@@ -181,7 +200,7 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "model_bench.json"))
-    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--models", nargs="*", default=list(SHAPES), choices=list(MODELS))
     parser.add_argument("--kv-gib", type=float, default=96.0)
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
@@ -190,15 +209,18 @@ def main():
     torch.cuda.empty_cache()  # give the measurement buffers back before the KV pool
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {flops / 1e12:.0f} TFLOP/s",
           flush=True)
-    rows = [r for name in args.models for r in bench_model(name, MODELS[name], bw, flops, args.kv_gib, args.reps)]
-    print(f"\n{'model':11} {'kind':7} {'B':>4} {'ctx':>5} {'step ms':>9} {'floor ms':>9} {'ratio':>6} {'tok/s':>9}")
-    for r in rows:
-        print(f"{r['model']:11} {r['kind']:7} {r['batch']:4d} {r['context']:5d} {r['step_ms']:9.3f} "
-              f"{r['floor_ms']:9.3f} {r['ratio']:6.2f} {r['tokens_per_s']:9.0f}")
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bytes_per_s=bw,
-                  bf16_flop_per_s=flops, rows=rows)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+                  bf16_flop_per_s=flops, rows=[])
+    rows = result["rows"]
+    for name in args.models:
+        torch.cuda.reset_peak_memory_stats()
+        rows += bench_model(name, MODELS[name], bw, flops, args.kv_gib, args.reps)
+        with open(args.out, "w") as f:  # after every model: a run cut short keeps what it measured
+            json.dump(result, f, indent=2)
+    print(f"\n{'model':13} {'kind':7} {'B':>4} {'ctx':>5} {'step ms':>9} {'floor ms':>9} {'ratio':>6} {'tok/s':>9}")
+    for r in rows:
+        print(f"{r['model']:13} {r['kind']:7} {r['batch']:4d} {r['context']:5d} {r['step_ms']:9.3f} "
+              f"{r['floor_ms']:9.3f} {r['ratio']:6.2f} {r['tokens_per_s']:9.0f}")
 
 
 if __name__ == "__main__":

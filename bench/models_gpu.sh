@@ -1,16 +1,33 @@
 #!/usr/bin/env bash
-# Everything the models need from the H200 in one call: the GPU tests of tests/models, then bench/model_bench.py.
+# Everything the models need from the H200 in one call, in three parts (default: all, in this order):
+#   tests   the GPU tests of tests/models (kernels at bf16 incl. the fused MoE, step graphs re-instantiated for
+#           device launch, dense and Qwen3-MoE)
+#   moe     bench/moe_bench.py: the fused MoE kernel against its reference, then its speed (Qwen3-30B-A3B layer)
+#   models  bench/model_bench.py: the four full-size models (Llama-3-8B, Phi-4, Qwen3-32B, Qwen3-30B-A3B)
+#   bash bench/models_gpu.sh [tests] [moe] [models] [-- model_bench.py arguments, e.g. --models qwen3-30b-a3b]
 # Logs and JSON go under $OUT (the device tool's output folder; ./out elsewhere).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1 NUMBA_ENABLE_CUDASIM=0  # tests/conftest.py: 0 = the real GPU
 OUT=${OUT:-out}
 mkdir -p "$OUT"
+parts=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do parts+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+[ ${#parts[@]} -eq 0 ] && parts=(tests moe models)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
 git rev-parse HEAD >>"$OUT/gpu.txt" 2>/dev/null
-python3 -m pytest -m gpu tests/models -q -p no:cacheprovider 2>&1 | tee "$OUT/models_gpu_tests.log"
-tests=${PIPESTATUS[0]}
-python3 bench/model_bench.py --out "$OUT/model_bench.json" "$@" 2>&1 | tee "$OUT/model_bench.log"
-bench=${PIPESTATUS[0]}
-echo "gpu tests rc=$tests, bench rc=$bench"
-exit $((tests || bench))
+status=0
+for part in "${parts[@]}"; do
+  start=$SECONDS
+  case "$part" in
+    tests) python3 -m pytest -m gpu tests/models -q -p no:cacheprovider 2>&1 | tee "$OUT/models_gpu_tests.log" ;;
+    moe) python3 bench/moe_bench.py --out "$OUT/moe_bench.json" 2>&1 | tee "$OUT/moe_bench.log" ;;
+    models) python3 bench/model_bench.py --out "$OUT/model_bench.json" "$@" 2>&1 | tee "$OUT/model_bench.log" ;;
+    *) echo "unknown part: $part (tests | moe | models)"; false ;;
+  esac
+  rc=${PIPESTATUS[0]}
+  echo "$part: rc=$rc in $((SECONDS - start)) s"
+  [ "$rc" -eq 0 ] || status=1
+done
+exit $status

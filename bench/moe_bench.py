@@ -1,0 +1,89 @@
+"""The fused MoE kernel on one GPU: correctness against the torch reference at bf16, then speed against its floors.
+
+One Qwen3-30B-A3B MoE layer (hidden 2048, 128 experts of width 768, top-8, renormalised; random bf16 weights and
+``randn`` router logits, which route near-uniformly) at 1..2048 tokens. Each size first checks ``fused_moe`` against
+``reference.fused_moe`` (relative error of the output < 1e-2; exits non-zero otherwise), then times the fused MLP
+captured in a CUDA graph (median of CUDA-event-timed replays). Floors: the bytes of the experts actually hit (counted
+from the routing) at the measured HBM copy rate, and the experts' FLOPs (``top_k`` per token) at the measured bf16
+GEMM rate. ``reference_ms`` times the eager reference (one GEMM pair per hit expert, host-synchronising: the
+baseline a plain torch model step would have).
+
+Run: ``PYTHONPATH=src python3 bench/moe_bench.py [--out moe_bench.json]`` (``$OUT/moe_bench.json`` by default when
+``$OUT`` is set). Correctness tests of the kernels: ``tests/models/kernels/test_moe.py`` (``-m gpu`` at bf16).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from model_bench import copy_bandwidth, events_median_ms, matmul_rate
+
+from blink.models.kernels import reference
+from blink.models.kernels.moe import fused_moe
+from blink.models.shapes import shape_config
+
+TOKENS = (1, 8, 64, 256, 1024, 2048)
+
+
+def bench_tokens(tokens: int, weights, top_k: int, bw: float, flops: float, reps: int) -> dict:
+    gate_up, down = weights
+    experts, two_i, hidden = gate_up.shape
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16)
+    want = reference.fused_moe(x, logits, gate_up, down, top_k, True)
+    got = fused_moe(x, logits, gate_up, down, top_k, True)
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    hit = reference.route(logits, top_k, True)[1].unique().numel()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fused_moe(x, logits, gate_up, down, top_k, True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fused_moe(x, logits, gate_up, down, top_k, True)
+    torch.cuda.synchronize()
+    ms = events_median_ms(graph.replay, reps)
+    reference_ms = events_median_ms(lambda: reference.fused_moe(x, logits, gate_up, down, top_k, True), 5)
+    expert_bytes = 3 * hidden * (two_i // 2) * 2
+    hbm_floor = hit * expert_bytes / bw * 1e3
+    flop_floor = 2 * tokens * top_k * 3 * hidden * (two_i // 2) / flops * 1e3
+    floor = max(hbm_floor, flop_floor)
+    return dict(tokens=tokens, experts_hit=hit, rel_err=err, fused_ms=ms, reference_ms=reference_ms, floor_ms=floor,
+                hbm_floor_ms=hbm_floor, flop_floor_ms=flop_floor, ratio=ms / floor)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "moe_bench.json"))
+    parser.add_argument("--reps", type=int, default=50)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bw, flops = copy_bandwidth(), matmul_rate()
+    torch.cuda.empty_cache()
+    c = shape_config("qwen3-30b-a3b")
+    weights = (torch.randn(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size, device="cuda",
+                           dtype=torch.bfloat16) * c.hidden_size ** -0.5,
+               torch.randn(c.num_experts, c.hidden_size, c.moe_intermediate_size, device="cuda",
+                           dtype=torch.bfloat16) * c.moe_intermediate_size ** -0.5)
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {flops / 1e12:.0f} TFLOP/s; "
+          f"Qwen3-30B-A3B MoE layer: {c.num_experts} experts {c.hidden_size}x{c.moe_intermediate_size}, "
+          f"top-{c.num_experts_per_tok}", flush=True)
+    print(f"{'tokens':>6} {'hit':>4} {'rel err':>8} {'fused ms':>9} {'ref ms':>8} {'floor ms':>9} {'ratio':>6}")
+    rows = []
+    for tokens in TOKENS:
+        r = bench_tokens(tokens, weights, c.num_experts_per_tok, bw, flops, args.reps)
+        rows.append(r)
+        print(f"{tokens:6d} {r['experts_hit']:4d} {r['rel_err']:8.1e} {r['fused_ms']:9.4f} {r['reference_ms']:8.3f} "
+              f"{r['floor_ms']:9.4f} {r['ratio']:6.2f}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bytes_per_s=bw,
+                       bf16_flop_per_s=flops, rows=rows), f, indent=2)
+    bad = [r["tokens"] for r in rows if not r["rel_err"] < 1e-2]
+    if bad:
+        sys.exit(f"fused_moe differs from the reference at {bad} tokens (relative error >= 1e-2)")
+
+
+if __name__ == "__main__":
+    main()
