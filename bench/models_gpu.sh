@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Everything the models need from the H200 in one call, in three parts (default: all, in this order):
-#   tests   the GPU tests of tests/models (kernels at bf16 incl. the fused MoE, step graphs re-instantiated for
-#           device launch, dense and Qwen3-MoE)
+# Everything the models need from the H200 in one call, in four parts (default: all, in this order):
+#   tests   the quick GPU tests of tests/models (kernels at bf16 incl. the fused MoE, step graphs re-instantiated
+#           for device launch, dense and Qwen3-MoE)
 #   moe     bench/moe_bench.py: the fused MoE kernel against its reference, then its speed (Qwen3-30B-A3B layer)
+#   engine  the slow GPU tests: the four full-size models (random weights) served through the Engine
 #   models  bench/model_bench.py: the four full-size models (Llama-3-8B, Phi-4, Qwen3-32B, Qwen3-30B-A3B)
-#   bash bench/models_gpu.sh [tests] [moe] [models] [-- model_bench.py arguments, e.g. --models qwen3-30b-a3b]
+#   bash bench/models_gpu.sh [tests] [moe] [engine] [models] [-- model_bench.py arguments, e.g. --models phi-4]
 # Logs and JSON go under $OUT (the device tool's output folder; ./out elsewhere).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,17 +15,20 @@ mkdir -p "$OUT"
 parts=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do parts+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
-[ ${#parts[@]} -eq 0 ] && parts=(tests moe models)
+[ ${#parts[@]} -eq 0 ] && parts=(tests moe engine models)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
 git rev-parse HEAD >>"$OUT/gpu.txt" 2>/dev/null
 status=0
 for part in "${parts[@]}"; do
   start=$SECONDS
   case "$part" in
-    tests) python3 -m pytest -m gpu tests/models -q -p no:cacheprovider 2>&1 | tee "$OUT/models_gpu_tests.log" ;;
+    tests) python3 -m pytest -q -p no:cacheprovider -m "gpu and not slow" tests/models 2>&1 \
+             | tee "$OUT/models_gpu_tests.log" ;;
+    engine) python3 -m pytest -q -p no:cacheprovider -m "gpu and slow" tests/models 2>&1 \
+              | tee "$OUT/models_engine_tests.log" ;;
     moe) python3 bench/moe_bench.py --out "$OUT/moe_bench.json" 2>&1 | tee "$OUT/moe_bench.log" ;;
     models) python3 bench/model_bench.py --out "$OUT/model_bench.json" "$@" 2>&1 | tee "$OUT/model_bench.log" ;;
-    *) echo "unknown part: $part (tests | moe | models)"; false ;;
+    *) echo "unknown part: $part (tests | moe | engine | models)"; false ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "$part: rc=$rc in $((SECONDS - start)) s"

@@ -1,7 +1,7 @@
 """Qwen3-MoE against HF transformers on tiny random checkpoints: the router (softmax, top-k, ``norm_topk_prob``),
 experts stacked from per-expert checkpoint tensors, dense layers where ``mlp_only_layers`` / ``decoder_sparse_step``
-put them; prefill, chunked prefill and decodes mixed in one padded step over shuffled pages, and greedy
-continuations."""
+put them; prefill, chunked prefill and decodes mixed in one padded step over shuffled pages, greedy continuations,
+and the same tokens through the Engine."""
 import random
 
 import pytest
@@ -49,6 +49,23 @@ def test_dense_layers_follow_mlp_only_layers_and_decoder_sparse_step(hf_checkpoi
     kinds = [isinstance(layer.mlp, SparseMoE) for layer in model.model.layers]
     assert kinds == [hasattr(layer.mlp, "experts") for layer in hf_model.model.layers] == [False, True, False, False]
     check_mixed_batches(model, hf_model, seed=1)
+
+
+def test_the_engine_serves_it_unchanged(hf_checkpoint):
+    from blink import Engine, EngineConfig, SamplingParams
+
+    hf_model, path = hf_checkpoint(ARCH, **SHAPES["8-experts-top-2"])
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    config = EngineConfig(model=str(path), device="cpu", num_pages=64, max_prompt_tokens=32, max_output_tokens=16,
+                          n_slots=8, max_num_seqs=4, max_num_batched_tokens=32)
+    engine = Engine(config)
+    try:
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
+    finally:
+        engine.close()
+    for prompt, out in zip(prompts, outputs):
+        want = hf_greedy(hf_model, prompt, 6)
+        assert out.token_ids[:len(want)] == want
 
 
 @pytest.mark.gpu
