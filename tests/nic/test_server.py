@@ -297,9 +297,9 @@ def test_client_disconnect_cancels_the_request_and_frees_its_slot(served, stream
         sock, slot = connect()
         wait_for(lambda: status["state"][slot] == RUNNING)
     with served.paused_engine():
-        if engine_holds_it:
-            assert served.agent.stats()["kv_pages_free"] < served.agent.stats()["kv_pages_total"]
-        else:
+        # RUNNING is published at the end of the iteration that allocated the request's first pages (the gauge
+        # in the control block may lag by that one iteration, so it is not checked here).
+        if not engine_holds_it:
             sock, slot = connect()
         sock.close()
         # The server notices the disconnect while the GPU side is stalled and writes the cancel word.
