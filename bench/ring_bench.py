@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -24,40 +23,29 @@ import time
 import numpy as np
 
 from blink.config import SamplingParams
-from blink.device.reference import serve_shared_ring
+from blink.device.reference import standin_engine
 from blink.device.ring import RingGeometry, RingLayout
 from blink.nic.agent import Agent
 from blink.nic.slots import SlotTracker
-from blink.nic.transport import LocalMemory, SharedMemory
+from blink.nic.transport import LocalMemory
 
 N_SLOTS = 4096
 GEOMETRY = RingGeometry(n_slots=N_SLOTS, max_prompt_tokens=128, max_output_tokens=16)
 
 
 def cross_process_throughput(n_requests: int) -> dict:
-    layout = RingLayout(GEOMETRY)
-    name = f"blink-bench-{os.getpid()}"
-    with SharedMemory.create(name, layout.size) as memory:
-        memory.write(0, layout.control_bytes())
-        consumer = mp.get_context("spawn").Process(target=serve_shared_ring, args=(name, GEOMETRY),
-                                                   kwargs={"max_running": N_SLOTS}, daemon=True)
-        consumer.start()
-        try:
-            agent = Agent(memory, GEOMETRY)
-            prompt, params = list(range(16)), SamplingParams(max_tokens=1, seed=0)
-            submitted = finished = polls = 0
-            start = time.perf_counter()
-            while finished < n_requests:
-                while submitted < n_requests and agent.tracker.n_free:
-                    agent.submit(prompt, params)
-                    submitted += 1
-                finished += sum(out.finished for out in agent.poll())
-                polls += 1
-            elapsed = time.perf_counter() - start
-            agent.request_shutdown()
-            consumer.join(10)
-        finally:
-            consumer.kill()
+    with standin_engine(GEOMETRY, max_running=N_SLOTS) as (memory, _):
+        agent = Agent(memory, GEOMETRY)
+        prompt, params = list(range(16)), SamplingParams(max_tokens=1, seed=0)
+        submitted = finished = polls = 0
+        start = time.perf_counter()
+        while finished < n_requests:
+            while submitted < n_requests and agent.tracker.n_free:
+                agent.submit(prompt, params)
+                submitted += 1
+            finished += sum(out.finished for out in agent.poll())
+            polls += 1
+        elapsed = time.perf_counter() - start
     return {"requests": n_requests, "seconds": elapsed, "requests_per_s": n_requests / elapsed, "polls": polls}
 
 

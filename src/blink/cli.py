@@ -12,38 +12,12 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from blink.device.reference import standin_engine
 from blink.errors import BlinkError
 
 _ring_numbers = itertools.count()
 # Errors that say what was wrong and what to do: shown as one line, without a traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, BlinkError)
-
-
-@contextmanager
-def standin_engine(geometry, **consumer_options):
-    """A fresh shared-memory ring, served from another process by the reference consumer and its stand-in model.
-
-    Yields ``(memory, process)``; on exit asks the consumer to shut down, then removes the ring.
-    """
-    from blink.device.reference import serve_shared_ring
-    from blink.device.ring import CONTROL_DTYPE, RingLayout
-    from blink.nic.transport import SharedMemory
-
-    layout = RingLayout(geometry)
-    name = f"blink-{os.getpid()}-{next(_ring_numbers)}"
-    with SharedMemory.create(name, layout.size) as memory:
-        memory.write(0, layout.control_bytes())
-        consumer = mp.get_context("spawn").Process(target=serve_shared_ring, args=(name, geometry),
-                                                   kwargs=consumer_options, daemon=True)
-        consumer.start()
-        print(f"ring /dev/shm/{name}: {layout.size / 2**20:.1f} MiB, {geometry.n_slots} slots; "
-              f"stand-in engine pid {consumer.pid}", file=sys.stderr)
-        try:
-            yield memory, consumer
-        finally:
-            memory.write(CONTROL_DTYPE.fields["shutdown"][1], np.array([1], "<u4").tobytes())
-            consumer.join(10)
-            consumer.kill()
 
 
 @contextmanager

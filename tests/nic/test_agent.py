@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from blink.config import SamplingParams
+from blink.device.reference import expected_output, standin_engine
 from blink.device.ring import FREE, RingGeometry, RingLayout
 from blink.device.standin import standin_continuation, standin_logprob, standin_token
 from blink.errors import EngineUnresponsive, IllegalTransition, RingFull, RingMismatch
@@ -209,28 +210,11 @@ def test_stand_in_token_is_a_pure_function_of_its_inputs():
 
 # -- agent and consumer in separate processes, over POSIX shared memory ----------------------------------------------
 
-def _start_consumer(geometry, **options):
-    import multiprocessing as mp
-    import uuid
-
-    from blink.device.reference import serve_shared_ring
-    from blink.nic.transport import SharedMemory
-
-    layout = RingLayout(geometry)
-    memory = SharedMemory.create(f"blink-test-{uuid.uuid4().hex[:12]}", layout.size)
-    memory.write(0, layout.control_bytes())
-    process = mp.get_context("spawn").Process(target=serve_shared_ring, args=(memory.name, geometry), kwargs=options,
-                                              daemon=True)
-    process.start()
-    return memory, process
-
-
 def test_ten_thousand_requests_across_processes_each_answered_once_and_right():
     geometry = RingGeometry(n_slots=256, max_prompt_tokens=32, max_output_tokens=16, max_stop_ids=1)
     eos = 7
-    memory, process = _start_consumer(geometry, eos_token_ids=[eos], max_running=128)
     rng = np.random.default_rng(1234)
-    try:
+    with standin_engine(geometry, eos_token_ids=[eos], max_running=128) as (memory, process):
         agent = Agent(memory, geometry, liveness_timeout_s=30)
         expected, received = {}, {}
         total, submitted, deadline = 10_000, 0, time.monotonic() + 240
@@ -248,10 +232,7 @@ def test_ten_thousand_requests_across_processes_each_answered_once_and_right():
                 received[out.request_id] = (tokens + out.new_tokens, out.finish_reason)
         assert len(received) == total
         for rid, (prompt, params) in expected.items():
-            full = standin_continuation(prompt, params.seed, params.max_tokens)
-            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else {eos})
-            end = next((i + 1 for i, t in enumerate(full) if t in stops), len(full))
-            assert received[rid] == (full[:end], "stop" if end < len(full) or full[-1] in stops else "length"), rid
+            assert received[rid] == expected_output(prompt, params, (eos,)), rid
         assert agent.tracker.n_free == geometry.n_slots
         assert agent.poll() == []                      # a final poll sees nothing new
         stats = agent.stats()
@@ -259,15 +240,11 @@ def test_ten_thousand_requests_across_processes_each_answered_once_and_right():
         agent.request_shutdown()
         process.join(10)
         assert process.exitcode == 0
-    finally:
-        process.kill()
-        memory.close()
 
 
 def test_a_killed_consumer_process_gives_a_clear_error_not_a_hang():
     geometry = RingGeometry(n_slots=16, max_prompt_tokens=4, max_output_tokens=1000)
-    memory, process = _start_consumer(geometry)
-    try:
+    with standin_engine(geometry) as (memory, process):
         agent = Agent(memory, geometry, liveness_timeout_s=0.5)
         while agent.stats()["heartbeat"] < 10:         # the consumer is serving
             time.sleep(0.01)
@@ -281,9 +258,6 @@ def test_a_killed_consumer_process_gives_a_clear_error_not_a_hang():
                 time.sleep(0.01)
         assert time.monotonic() - start < 5
         assert agent.in_flight == 1 and rid in agent._slot_of
-    finally:
-        process.kill()
-        memory.close()
 
 
 def test_a_recycled_ready_slot_does_not_report_the_previous_occupants_tokens(local_ring):

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from blink import Engine, EngineConfig, SamplingParams
-from blink.cli import engine_process, standin_engine, wait_until_serving
+from blink.cli import engine_process, wait_until_serving
+from blink.device.reference import standin_engine
 from blink.device.ring import FREE, RUNNING
 from blink.nic.agent import Agent
 from blink.nic.server import OpenAIServer, ServerConfig, start

@@ -16,7 +16,12 @@ stopped.
 """
 from __future__ import annotations
 
+import itertools
+import multiprocessing as mp
+import os
+import sys
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -26,6 +31,8 @@ from blink.device.ring import (CONTROL_DTYPE, ENGINE_SERVING, ENGINE_STOPPED, FI
                                check_transition)
 from blink.device.standin import STANDIN_VOCAB, standin_continuation, standin_logprob, standin_token
 from blink.errors import IllegalTransition
+
+_standin_numbers = itertools.count()
 
 
 def stop_reason(token: int, n_generated: int, header: np.void, eos_token_ids: frozenset[int]) -> int:
@@ -178,3 +185,29 @@ def serve_shared_ring(name: str, geometry: RingGeometry, **consumer_options) -> 
     with SharedMemory.open(name, layout.size) as memory:
         layout.verify(memory.read(0, CONTROL_DTYPE.itemsize))
         ReferenceConsumer(layout.view(memory.buffer), **consumer_options).run()
+
+
+@contextmanager
+def standin_engine(geometry: RingGeometry, **consumer_options):
+    """A fresh shared-memory ring, served from another process by the reference consumer and its stand-in model.
+
+    Yields ``(memory, process)``; on exit asks the consumer to shut down, then removes the ring (also when the
+    consumer was killed meanwhile).
+    """
+    from blink.nic.transport import SharedMemory
+
+    layout = RingLayout(geometry)
+    name = f"blink-{os.getpid()}-standin-{next(_standin_numbers)}"
+    with SharedMemory.create(name, layout.size) as memory:
+        memory.write(0, layout.control_bytes())
+        consumer = mp.get_context("spawn").Process(target=serve_shared_ring, args=(name, geometry),
+                                                   kwargs=consumer_options, daemon=True)
+        consumer.start()
+        print(f"ring /dev/shm/{name}: {layout.size / 2**20:.1f} MiB, {geometry.n_slots} slots; "
+              f"stand-in engine pid {consumer.pid}", file=sys.stderr)
+        try:
+            yield memory, consumer
+        finally:
+            memory.write(CONTROL_DTYPE.fields["shutdown"][1], np.array([1], "<u4").tobytes())
+            consumer.join(10)
+            consumer.kill()
