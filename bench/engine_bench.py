@@ -18,15 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 import numpy as np
 
-HOG = ("import numpy as np\n"
-       "a = np.ones(8 << 20); b = np.empty_like(a)\n"
-       "while True: np.copyto(b, a); np.copyto(a, b)\n")
+from blink.bench.interference import MEMORY_COPY, interference
 
 
 def bench_model(model: str | None) -> tuple[str, str]:
@@ -126,14 +123,9 @@ def main() -> int:
         load.run_for(args.warmup)
         result["isolated"] = measure(load, process.pid, args.window)
         print(json.dumps(result["isolated"]), flush=True)
-        hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(args.hogs)]
-        try:
+        with interference(args.hogs, programs=(MEMORY_COPY,)):
             load.run_for(args.warmup)
             result["hogs"] = measure(load, process.pid, args.window)
-        finally:
-            for hog in hogs:
-                hog.kill()
-                hog.wait()
         print(json.dumps(result["hogs"]), flush=True)
         result["hog_ratio"] = result["hogs"]["tokens_per_s"] / result["isolated"]["tokens_per_s"]
         result["stats"] = agent.stats()

@@ -33,12 +33,11 @@ from blink.models import ModelConfig, plan_memory, random_model
 from blink.models.batch import SeqChunk, fill_step
 from blink.models.decoder import SparseMoE
 from blink.models.memory import GIB, weight_bytes
+from blink.bench.shapes import SHAPES as BENCH_SHAPES
 from blink.models.shapes import SHAPES, shape_config
 
 MODELS = {name: shape_config(name) for name in SHAPES}
-MODELS["qwen3-8b"] = ModelConfig("Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                                 num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                                 rope_theta=1e6, rotary_dim=128, max_position_embeddings=40960)
+MODELS["qwen3-8b"] = BENCH_SHAPES["qwen3-8b"]
 PAGE = 16
 LAYOUT = StepLayout(max_num_batched_tokens=2048, max_num_seqs=256, max_pages_per_seq=8192 // PAGE)
 

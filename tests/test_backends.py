@@ -7,7 +7,8 @@ import textwrap
 
 import pytest
 
-from blink.backends import EngineError, kv_page_bytes, scheduler_config, select_device
+from blink.backends import EngineError, scheduler_config, select_device
+from blink.models.memory import kv_page_bytes
 from blink.config import EngineConfig
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")

@@ -55,12 +55,6 @@ def select_device(requested: str) -> str:
     return device
 
 
-def kv_page_bytes(model, page_size: int) -> int:
-    """Bytes of one KV page across all layers (K and V)."""
-    c = model.config
-    return c.num_layers * 2 * page_size * c.num_kv_heads * c.head_dim * model.dtype.itemsize
-
-
 def scheduler_config(config: EngineConfig, max_model_len: int, num_pages: int, eos_token_ids: tuple[int, ...],
                      budget: str) -> SchedulerConfig:
     """The scheduler's limits; ``ValueError`` naming what to change if the pool cannot hold one longest sequence."""
@@ -86,6 +80,7 @@ class CpuBackend:
                  eos_token_ids: tuple[int, ...], progress):
         from blink.device.ring import RingLayout
         from blink.device.sim import SimScheduler
+        from blink.models.memory import kv_page_bytes
 
         page_bytes = kv_page_bytes(model, config.page_size)
         num_pages = config.num_pages or int(config.cpu_kv_cache_gib * 2**30 // page_bytes)
@@ -145,6 +140,7 @@ class GpuBackend:
         import torch
 
         from blink.device.launch import GpuScheduler, link_image
+        from blink.models.memory import kv_page_bytes
 
         self.model = model
         self.step = StepBuffers(step_layout(config, max_model_len), "cuda")

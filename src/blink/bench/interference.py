@@ -24,13 +24,14 @@ COMPRESSION = ("import os, zlib\n"
                "while True: zlib.compress(data, 6)\n")
 
 
-def hog_command(i: int, parent: int) -> list[str]:
-    """The command line of hog ``i`` (memory copy for even ``i``, compression for odd)."""
-    return [sys.executable, "-c", _GUARD.format(parent=parent) + (COMPRESSION if i % 2 else MEMORY_COPY)]
+def hog_command(i: int, parent: int, programs: tuple[str, ...] = (MEMORY_COPY, COMPRESSION)) -> list[str]:
+    """The command line of hog ``i``: ``programs[i % len(programs)]`` (by default memory copy for even ``i``,
+    compression for odd)."""
+    return [sys.executable, "-c", _GUARD.format(parent=parent) + programs[i % len(programs)]]
 
 
 @contextmanager
-def interference(n: int):
+def interference(n: int, programs: tuple[str, ...] = (MEMORY_COPY, COMPRESSION)):
     """Run ``n`` hogs for the duration of the ``with`` block; yields their ``Popen`` objects (``n == 0``: none).
 
     Invariant: when the block is left, by any exit, every hog has been killed and waited for.
@@ -40,7 +41,7 @@ def interference(n: int):
     hogs = []
     try:
         for i in range(n):
-            hogs.append(subprocess.Popen(hog_command(i, os.getpid()), stdin=subprocess.DEVNULL))
+            hogs.append(subprocess.Popen(hog_command(i, os.getpid(), programs), stdin=subprocess.DEVNULL))
         yield hogs
     finally:
         for hog in hogs:

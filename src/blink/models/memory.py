@@ -62,6 +62,11 @@ def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_num_s
     return max_num_batched_tokens * per_token + max_num_seqs * 4 * c.vocab_size * 4
 
 
+def kv_page_bytes(model, page_size: int) -> int:
+    """Bytes of one KV page across all layers (K and V): one page of the pool ``model.allocate_kv_cache`` makes."""
+    return math.prod(model.kv_cache_shape(1, page_size)) * model.dtype.itemsize
+
+
 def plan_memory(config: ModelConfig, gpu_bytes: int, page_size: int = 16, utilization: float = 0.9,
                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                 dtype: torch.dtype | str | None = None) -> MemoryPlan:
@@ -69,7 +74,7 @@ def plan_memory(config: ModelConfig, gpu_bytes: int, page_size: int = 16, utiliz
     naming the sizes when the weights and activations alone exceed ``utilization`` of it."""
     model = build_model(config, "meta", dtype)
     weights = weight_bytes(model)
-    page = math.prod(model.kv_cache_shape(1, page_size)) * model.dtype.itemsize
+    page = kv_page_bytes(model, page_size)
     activations = activation_bytes(config, max_num_batched_tokens, max_num_seqs, model.dtype.itemsize)
     left = utilization * gpu_bytes - weights - activations
     if left < page:
