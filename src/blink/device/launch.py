@@ -514,14 +514,14 @@ class GpuScheduler:
         enqueue()
         return _cu(driver.cuStreamEndCapture(self.stream))
 
-    def _instantiate(self, graph) -> list:
-        """Two device-launchable, uploaded instantiations of ``graph`` (to alternate between)."""
+    def _instantiate(self, graph, copies: int = 2) -> list:
+        """``copies`` device-launchable, uploaded instantiations of ``graph`` (a step's two alternate)."""
         from cuda.bindings import runtime
 
         flag = runtime.cudaGraphInstantiateFlags.cudaGraphInstantiateFlagDeviceLaunch
         stream = runtime.cudaStream_t(init_value=int(self.stream))
         execs = []
-        for _ in range(2):
+        for _ in range(copies):
             graph_exec = _cu(runtime.cudaGraphInstantiateWithFlags(runtime.cudaGraph_t(init_value=int(graph)), flag))
             _cu(runtime.cudaGraphUpload(graph_exec, stream))
             execs.append(graph_exec)
@@ -551,5 +551,6 @@ class GpuScheduler:
         args = [(self.table[0], ctypes.c_void_p), (self.launch[0], ctypes.c_void_p),
                 (self.launch_error, ctypes.c_void_p), (self.config.idle_sleep_ns, ctypes.c_int),
                 (self._ring_device, ctypes.c_void_p), (self.state["doorbells"][0], ctypes.c_void_p)]
-        first, _ = self._instantiate(self._captured(lambda: self._launch(kernel, 1, self.config.block_threads, args)))
-        return first
+        (scheduler,) = self._instantiate(
+            self._captured(lambda: self._launch(kernel, 1, self.config.block_threads, args)), copies=1)
+        return scheduler

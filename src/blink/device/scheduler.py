@@ -85,7 +85,7 @@ def retire(s, sh):
     nt = cuda.blockDim.x
     n = s.sched[N_RUNNING]
     pending = s.sched[N_PENDING_FINISHED]    # read before a barrier: thread 0 rewrites it at the end
-    # a[i]: finishing flag -> position among finishing; b[i]: kept flag -> new index.
+    # a[i]: finishing flag -> finishing sequences before i (a kept sequence moves to i - a[i]).
     for i in range(tid, n, nt):
         slot = s.running[i]
         reason = s.seq_finish[slot]
@@ -93,20 +93,19 @@ def retire(s, sh):
             reason = FINISH_ABORT
             s.seq_finish[slot] = reason
         sh.a[i] = 1 if reason != FINISH_NONE else 0
-        sh.b[i] = 1 - sh.a[i]
         if reason != FINISH_NONE:
             cuda.atomic.add(sh.counters, K_ENDING, 1)
     cuda.syncthreads()
     if sh.counters[K_ENDING] == 0:           # the common case: one barrier, no scans
         return
     n_finishing = exclusive_scan(sh.a, n, sh.partial)
-    n_kept = exclusive_scan(sh.b, n, sh.partial)
+    n_kept = n - n_finishing
     for i in range(tid, n, nt):
         slot = s.running[i]
         if s.seq_finish[slot] != FINISH_NONE:
             sh.slots[sh.a[i]] = slot
         else:
-            sh.c[sh.b[i]] = slot
+            sh.c[i - sh.a[i]] = slot
     cuda.syncthreads()
     free_sequences(s, sh.slots, n_finishing, sh.d, sh.partial)
     for i in range(tid, n_finishing, nt):
