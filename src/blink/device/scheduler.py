@@ -30,11 +30,11 @@ from blink.device.ring import (ENGINE_SERVING, ENGINE_STOPPED, FINISH_ABORT, FIN
 from blink.device.state import (C32_ENGINE_STATE, C32_KV_FREE, C32_RUNNING, C32_SHUTDOWN, C32_WAITING,
                                 C64_ADMITTED, C64_CANCELLED, C64_CANCELS, C64_FINISHED, C64_HEARTBEAT, C64_PREEMPTED,
                                 C64_STEPS, C64_SUBMITTED, C64_TOKENS, CFG_LOGPROBS, CFG_N_EOS, COUNTERS, FREE_TOP,
-                                K_ADMITTED, K_CANCEL_BELL, K_CANCELLED, K_ENDING, K_FINISHED, K_PREEMPTED, K_SCAN, K_SHUTDOWN,
+                                K_ADMITTED, K_CANCEL_BELL, K_CANCELLED, K_ENDING, K_FINISHED, K_REFUSED, K_PREEMPTED, K_SCAN, K_SHUTDOWN,
                                 K_TOKENS, MAX_CANDIDATES, N_CONSUMED, N_COUNTERS, N_PENDING_FINISHED, N_PUBLISHABLE,
                                 N_QUEUED, N_ROWS, N_RUNNING, P_FIRST, QUEUE_HEAD,
-                                S_SEEN_CANCELS, S_SEEN_SUBMITTED, STOP, Scratch, finish_slot)
-from blink.device.waiting import cancel_queued, cancelled, collect, enqueue, refuse
+                                S_SEEN_CANCELS, S_SEEN_SUBMITTED, STOP, Scratch)
+from blink.device.waiting import cancel_queued, cancelled, collect, enqueue
 
 @cuda.jit(device=True)
 def stop_reason(s, slot, token):
@@ -166,28 +166,45 @@ def publish(s, sh, first_admitted):
 
 
 @cuda.jit(device=True)
-def abort_everything(s, sh):
-    """Shutdown: finish every READY (queued or not) and RUNNING request with "abort" and free all pages."""
+def shut_down(s, sh):
+    """Finish every READY (queued or not) and RUNNING request with "abort", free all pages, publish the counters,
+    then (after one fence) every FINISHED state and the engine's STOPPED state.
+
+    Slots to mark FINISHED are collected in ``queue_tmp_slots`` (free at shutdown): the running list, the requests
+    already finished but not yet published, and every READY slot.
+    """
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    cuda.threadfence_system()
-    cuda.syncthreads()
-    for i in range(tid, s.sched[N_PENDING_FINISHED], nt):
-        s.state[s.pending_finished[i]] = FINISHED
     n = s.sched[N_RUNNING]
+    pending = s.sched[N_PENDING_FINISHED]
     for i in range(tid, n, nt):
         sh.slots[i] = s.running[i]
     cuda.syncthreads()
     free_sequences(s, sh.slots, n, sh.d, sh.partial)
     for i in range(tid, n, nt):
-        s.seq_finish[sh.slots[i]] = FINISH_NONE
-        finish_slot(s, sh.slots[i], FINISH_ABORT)
+        slot = sh.slots[i]
+        s.seq_finish[slot] = FINISH_NONE
+        s.finish[slot] = FINISH_ABORT
+        s.queue_tmp_slots[i] = slot
         cuda.atomic.add(sh.counters, K_FINISHED, 1)
         cuda.atomic.add(sh.counters, K_CANCELLED, 1)
+    for i in range(tid, pending, nt):
+        s.queue_tmp_slots[n + i] = s.pending_finished[i]
     for slot in range(tid, s.state.shape[0], nt):
         if load_volatile(s.state, slot) == READY:
             s.seq_queued[slot] = 0
-            refuse(s, sh, slot, FINISH_ABORT)
+            s.ngen[slot] = 0
+            s.finish[slot] = FINISH_ABORT
+            s.queue_tmp_slots[n + pending + cuda.atomic.add(sh.counters, K_REFUSED, 1)] = slot
+            cuda.atomic.add(sh.counters, K_FINISHED, 1)
+            cuda.atomic.add(sh.counters, K_CANCELLED, 1)
+    cuda.syncthreads()
+    if tid == 0:
+        publish_stats(s, sh, False)
+    cuda.threadfence_system()
+    cuda.syncthreads()
+    for i in range(tid, n + pending + sh.counters[K_REFUSED], nt):
+        s.state[s.queue_tmp_slots[i]] = FINISHED
     cuda.syncthreads()
     if tid == 0:
         s.sched[N_RUNNING] = 0
@@ -196,6 +213,8 @@ def abort_everything(s, sh):
         s.sched[QUEUE_HEAD] = 0
         s.sched[N_PENDING_FINISHED] = 0
         s.sched[N_PUBLISHABLE] = 0
+        cuda.threadfence_system()
+        s.ctl32[C32_ENGINE_STATE] = ENGINE_STOPPED
 
 
 @cuda.jit(device=True)
@@ -287,11 +306,7 @@ def make_iterate(policy):
             s.ctl32[C32_ENGINE_STATE] = ENGINE_SERVING
         read_doorbells(s, sh)
         if sh.counters[K_SHUTDOWN] != 0:
-            abort_everything(s, sh)
-            if tid == 0:
-                publish_stats(s, sh, False)
-                cuda.threadfence_system()
-                s.ctl32[C32_ENGINE_STATE] = ENGINE_STOPPED
+            shut_down(s, sh)
             return STOP
         t = lap(s, t, 0)
         if tid == 0:
@@ -304,6 +319,9 @@ def make_iterate(policy):
             cancel_queued(s, sh)
         if sh.counters[K_SCAN] != 0:
             enqueue(s, sh, collect(s, sh, policy))
+        if tid == 0:                            # refused READY requests are published like finished ones
+            s.sched[N_PENDING_FINISHED] += sh.counters[K_REFUSED]
+        cuda.syncthreads()
         t = lap(s, t, 3)
         first_admitted = s.sched[N_RUNNING]
         batcher.admit(s, sh)

@@ -1,4 +1,4 @@
-"""The scheduler's memory: every array one iteration touches, the word indices into them, and ring writes.
+"""The scheduler's memory: every array one iteration touches and the word indices into them.
 
 ``SchedulerArrays`` groups the ring (views of the region the agent writes), the step buffers (``step.py``) and the
 scheduler's own state in device memory. The same tuple is built from numpy arrays for the CPU simulator and from
@@ -11,8 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 from blink.config import SchedulerConfig
-from blink.device.numba_compat import cuda
-from blink.device.ring import CONTROL_DTYPE, FINISHED, RingView, header_dtype
+from blink.device.ring import CONTROL_DTYPE, RingView, header_dtype
 from blink.device.step import StepLayout
 
 # Scheduler scalars (s.sched, int32).
@@ -132,7 +131,7 @@ class SchedulerArrays(NamedTuple):
     queue_tmp_keys: object  # i64 [n]
     running: object         # i32 [max_num_seqs]  ring slots, in admission order
     consumed: object        # i32 [max_num_seqs]  slot whose token row r of the last step delivered (-1: none)
-    pending_finished: object  # i32 [2 * max_num_seqs]  finished slots whose FINISHED state is not yet published
+    pending_finished: object  # i32 [n]  finished slots whose FINISHED state is not yet published (each at most once)
     doorbells: object       # i64 [4]  [valid, shutdown, submitted, cancels] prefetched by the resident loop
     row_slot: object        # i32 [max_num_seqs]  ring slot of each row of the last planned step
     row_version: object     # i32 [max_num_seqs]  seq_version of that slot when the row was last written
@@ -154,19 +153,8 @@ class Scratch(NamedTuple):
 
 # Scratch counters (sh.counters), zeroed at the start of each iteration.
 K_TOKENS, K_FINISHED, K_CANCELLED, K_NEW, K_ADMITTED, K_REJECTED, K_PREEMPTED, K_VICTIM, K_SHUTDOWN, K_SCAN, \
-    K_CANCEL_BELL, K_ENDING, K_PREFILLS, K_DECODE_PAGES, K_NEED, K_COPIES, K_CHUNKED = range(17)
+    K_CANCEL_BELL, K_ENDING, K_PREFILLS, K_DECODE_PAGES, K_NEED, K_COPIES, K_CHUNKED, K_REFUSED = range(18)
 N_COUNTERS = 20
-
-
-# -- ring writes shared by the phases ----------------------------------------------------------------------------
-
-
-@cuda.jit(device=True)
-def finish_slot(s, slot, reason):
-    """Publish the end of a request: reason, then (after a system fence) the FINISHED state the agent polls."""
-    s.finish[slot] = reason
-    cuda.threadfence_system()
-    s.state[slot] = FINISHED
 
 
 # -- host side: the arrays of one scheduler ----------------------------------------------------------------------
@@ -221,7 +209,7 @@ def state_arrays(config: SchedulerConfig, n_slots: int, max_stop_ids: int, has_l
         queue_slots=i32(n_slots), queue_keys=np.zeros(n_slots, np.int64), queue_tmp_slots=i32(n_slots),
         queue_tmp_keys=np.zeros(n_slots, np.int64),
         running=i32(config.max_num_seqs), consumed=i32(config.max_num_seqs),
-        pending_finished=i32(2 * config.max_num_seqs), doorbells=np.zeros(4, np.int64), row_slot=np.full(config.max_num_seqs, -1, np.int32),
+        pending_finished=i32(n_slots), doorbells=np.zeros(4, np.int64), row_slot=np.full(config.max_num_seqs, -1, np.int32),
         row_version=i32(config.max_num_seqs), row_pages=i32(config.max_num_seqs))
 
 

@@ -19,8 +19,9 @@ from blink.device.numba_compat import cuda, load_volatile
 from blink.device.ring import FINISH_ABORT, FINISH_ERROR, READY
 from blink.device.state import (CFG_MAX_MODEL_LEN, CFG_MAX_STOP, H32_FLAGS, H32_MAX_TOKENS, H32_N_STOP,
                                 H32_PRIORITY, H32_PROMPT_LEN, H32_STOP_IDS, H32_TOP_K, H64_ARRIVAL, H64_REQUEST_ID,
-                                H64_SEED, HF_TEMPERATURE, HF_TOP_P, K_CANCELLED, K_FINISHED, K_NEW, K_REJECTED,
-                                MAX_CANDIDATES, N_QUEUED, QUEUE_HEAD, S_SEEN_SUBMITTED, finish_slot)
+                                H64_SEED, HF_TEMPERATURE, HF_TOP_P, K_CANCELLED, K_FINISHED, K_NEW, K_REFUSED,
+                                K_REJECTED, MAX_CANDIDATES, N_PENDING_FINISHED, N_QUEUED, QUEUE_HEAD,
+                                S_SEEN_SUBMITTED)
 
 SCAN_UNROLL = 8     # state words each thread has in flight at once: the column is read across PCIe
 
@@ -58,9 +59,14 @@ def load_header(s, slot):
 
 @cuda.jit(device=True)
 def refuse(s, sh, slot, reason):
-    """Finish a READY request that will never run."""
+    """Finish a READY request that will never run.
+
+    Like a retired request, its FINISHED state is published after the next iteration's fence (``publish``), so the
+    agent never sees it finished before the counters (published at the end of this iteration) count it.
+    """
     s.ngen[slot] = 0
-    finish_slot(s, slot, reason)
+    s.finish[slot] = reason
+    s.pending_finished[s.sched[N_PENDING_FINISHED] + cuda.atomic.add(sh.counters, K_REFUSED, 1)] = slot
     cuda.atomic.add(sh.counters, K_FINISHED, 1)
     if reason == FINISH_ABORT:
         cuda.atomic.add(sh.counters, K_CANCELLED, 1)
