@@ -170,11 +170,11 @@ class ReferenceConsumer:
         if state == READY:
             self._reset_outputs(slot)
         status["finish_reason"][slot] = reason
-        status["state"][slot] = FINISHED                      # last: the agent reads the state first
         self._running.pop(slot, None)
-        self._ctl["finished"] += 1
+        self._ctl["finished"] += 1                            # counted before the agent can see it finished
         if reason == FINISH_ABORT:
             self._ctl["cancelled"] += 1
+        status["state"][slot] = FINISHED                      # last: the agent reads the state first
 
 
 def serve_shared_ring(name: str, geometry: RingGeometry, **consumer_options) -> None:
