@@ -1,0 +1,235 @@
+"""The agent inside the asyncio event loop: ``AgentLoop`` (submissions, the wait queue for a full ring, the one task
+that polls the ring and fans the new tokens out to per-request queues, the engine's health) and the Prometheus
+``Metrics`` it keeps. Invariants:
+
+- every submitted request is closed exactly once, by its handler when it leaves (``AgentLoop.close``), whether the
+  ring finished it or not (stop string, client disconnect, error); closing an unfinished request cancels its slot,
+  tokens the ring still delivers for it are dropped, and the agent frees the slot once the GPU side finishes it;
+- a request the ring has no free slot for waits in the agent (FIFO, at most ``ServerConfig.max_queued``); beyond
+  that bound, and whenever the engine is not serving, requests are refused with 429 / 503 and ``Retry-After``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from blink.config import SamplingParams
+from blink.device.ring import ENGINE_STARTING, ENGINE_STOPPED
+from blink.errors import EngineUnresponsive, RingFull
+from blink.nic.agent import Agent, RequestOutput
+from blink.nic.requests import ApiError
+
+if TYPE_CHECKING:
+    from blink.nic.server import ServerConfig
+
+log = logging.getLogger("blink.server")
+
+
+@dataclass(eq=False)
+class Submission:
+    """One request's life in the agent: waiting for a slot, then in the ring, then closed."""
+
+    prompt: list[int]
+    params: SamplingParams
+    priority: int
+    arrival: float = field(default_factory=time.monotonic)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutputs, or an exception that ends it
+    request_id: int | None = None       # set once the ring has it
+    last_token_at: float | None = None
+    finish_reason: str | None = None    # what the client was told, once it was
+    closed: bool = False
+
+
+class AgentLoop:
+    """Owns the Agent inside the event loop: submissions, the wait queue for a full ring, and the polling task."""
+
+    HEARTBEAT_SAMPLE_S = 0.1
+
+    def __init__(self, agent: Agent, metrics: Metrics, config: ServerConfig):
+        self.agent, self.metrics, self.config = agent, metrics, config
+        self.waiting: deque[Submission] = deque()       # the ring was full: FIFO, at most config.max_queued
+        self._active: dict[int, Submission] = {}        # request id -> request whose outputs someone awaits
+        self._wakeup = asyncio.Event()
+        self._stats = agent.stats()
+        self._beat_at = self._sampled_at = time.monotonic()
+        self._crashed: str | None = None
+
+    def submit(self, prompt: list[int], params: SamplingParams, priority: int) -> Submission:
+        problem = self.health()
+        if problem:
+            raise ApiError(503, f"{problem}: retry later", retry_after_s=self.config.retry_after_s)
+        req = Submission(prompt, params, priority)
+        if self.waiting or not self._to_ring(req):
+            if len(self.waiting) >= self.config.max_queued:
+                raise ApiError(429, f"the server is at capacity ({self.agent.in_flight} requests in the ring, "
+                                    f"{len(self.waiting)} queued): retry later",
+                               retry_after_s=self.config.retry_after_s)
+            self.waiting.append(req)
+        self.metrics.prompt_tokens.inc(len(prompt))
+        self._wakeup.set()
+        return req
+
+    def close(self, req: Submission) -> None:
+        """The handler is done with ``req``; if the ring has not finished it, cancel it. Idempotent."""
+        if req.closed:
+            return
+        req.closed = True
+        if req.request_id is None:
+            self.waiting.remove(req)
+        elif self._active.pop(req.request_id, None) is not None:
+            self.agent.cancel(req.request_id)
+        self.metrics.finished(req, req.finish_reason or "abort")
+
+    def health(self) -> str | None:
+        """Why the engine cannot serve now, or None when it can."""
+        if self._crashed:
+            return self._crashed
+        stats = self._sample_heartbeat()
+        if stats["launch_error"]:
+            return f"the GPU loop reported device graph launch error {stats['launch_error']}"
+        if stats["engine_state"] == ENGINE_STOPPED:
+            return "the engine has stopped"
+        if stats["engine_state"] == ENGINE_STARTING:
+            return "the engine is still starting"
+        still = time.monotonic() - self._beat_at
+        if still > self.config.heartbeat_timeout_s:
+            return f"the engine's heartbeat has not moved for {still:.1f} s"
+        return None
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await self._iterate()
+        except Exception as e:
+            log.exception("the agent loop crashed")
+            self._crashed = f"the agent loop crashed ({e!r})"
+            self._fail_all(self._crashed)
+            raise
+
+    async def _iterate(self) -> None:
+        if not self.agent.in_flight and not self.waiting:
+            # Idle: sleep until a submission, waking now and then to keep the heartbeat sample fresh.
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), self.HEARTBEAT_SAMPLE_S)
+            self._wakeup.clear()
+        if time.monotonic() - self._sampled_at > self.HEARTBEAT_SAMPLE_S:
+            self._sample_heartbeat()
+        try:
+            outputs = self.agent.poll()
+        except EngineUnresponsive as e:
+            self._fail_all(str(e))
+            await asyncio.sleep(self.HEARTBEAT_SAMPLE_S)
+            return
+        for out in outputs:
+            self._deliver(out)
+        while self.waiting and self._to_ring(self.waiting[0]):
+            self.waiting.popleft()
+        await asyncio.sleep(0 if outputs else self.config.poll_interval_s)
+
+    def _to_ring(self, req: Submission) -> bool:
+        """Submit ``req`` to the ring; False if no slot is free."""
+        try:
+            req.request_id = self.agent.submit(req.prompt, req.params, priority=req.priority)
+        except RingFull:
+            return False
+        self._active[req.request_id] = req
+        return True
+
+    def _deliver(self, out: RequestOutput) -> None:
+        req = self._active.get(out.request_id)
+        if req is None:
+            return      # closed by its handler; the agent frees the slot once the GPU side has finished it
+        self.metrics.tokens(req, len(out.new_tokens))
+        req.queue.put_nowait(out)
+        if out.finished:
+            del self._active[out.request_id]
+
+    def _fail_all(self, problem: str) -> None:
+        """End every open request with ``problem``; their handlers answer 503 and close them."""
+        error = ApiError(503, f"{problem}: retry later", retry_after_s=self.config.retry_after_s)
+        for req in [*self._active.values(), *self.waiting]:
+            req.queue.put_nowait(error)
+
+    def _sample_heartbeat(self) -> dict:
+        now = time.monotonic()
+        stats = self.agent.stats()
+        if stats["heartbeat"] != self._stats["heartbeat"]:
+            self._beat_at = now
+        self._stats, self._sampled_at = stats, now
+        return stats
+
+
+# -- metrics -------------------------------------------------------------------------------------------------------
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    """Prometheus metrics: the agent's own timings and counters, plus the ring's control block read at scrape time."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("blink_time_to_first_token_seconds", "From submission to the first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("blink_inter_token_latency_seconds", "Between consecutive tokens of a request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("blink_e2e_request_latency_seconds", "From submission to the end of the request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("blink_prompt_tokens", "Prompt tokens submitted", registry=r)
+        self.requests = Counter("blink_requests_finished", "Requests ended, by finish reason", ["finish_reason"],
+                                registry=r)
+
+    def watch(self, loop: AgentLoop) -> None:
+        self.registry.register(_RingCollector(loop))
+
+    def tokens(self, req: Submission, n: int) -> None:
+        if not n:
+            return
+        now = time.monotonic()
+        if req.last_token_at is None:
+            self.ttft.observe(now - req.arrival)
+        else:
+            # Tokens that arrive in one poll share the gap since the previous poll's tokens.
+            for _ in range(n):
+                self.itl.observe((now - req.last_token_at) / n)
+        req.last_token_at = now
+
+    def finished(self, req: Submission, reason: str) -> None:
+        self.e2e.observe(time.monotonic() - req.arrival)
+        self.requests.labels(finish_reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _RingCollector:
+    """Gauges and counters the GPU side keeps in the ring's control block, plus the agent's wait queue."""
+
+    def __init__(self, loop: AgentLoop):
+        self.loop = loop
+
+    def collect(self):
+        s = self.loop.agent.stats()
+        gauges = {"blink_requests_running": ("Requests the engine is running", s["running"]),
+                  "blink_requests_waiting": ("Requests in the ring not yet admitted", s["waiting"]),
+                  "blink_requests_queued": ("Requests waiting in the agent for a free ring slot",
+                                            len(self.loop.waiting)),
+                  "blink_kv_cache_usage_ratio": ("Fraction of KV-cache pages in use",
+                                                 1 - s["kv_pages_free"] / s["kv_pages_total"]
+                                                 if s["kv_pages_total"] else 0.0)}
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {"blink_generation_tokens": ("Tokens generated by the engine", s["tokens"]),
+                    "blink_preemptions": ("Recompute preemptions", s["preempted"]),
+                    "blink_engine_steps": ("Model steps launched", s["steps"])}
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)

@@ -1,0 +1,239 @@
+"""OpenAI request bodies (/v1/completions, /v1/chat/completions) parsed and validated into ``Job``s, and the
+OpenAI-style errors (``ApiError``) every refusal leaves as.
+
+Bad input never reaches the ring: it gets a 4xx with an OpenAI-style body ``{"error": {"message", "type", "param",
+"code"}}``, whose message says what was wrong and what to do.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from blink.config import SamplingParams
+from blink.nic.agent import Agent
+from blink.nic.text import Tokenizer, max_tokens_for
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # the OpenAI API's default for /v1/completions; chat defaults to the room left
+MAX_STOP_STRINGS = 16
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Accepted only at their neutral values: anything else asks for a feature this server does not have.
+UNSUPPORTED = {"echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,),
+               "frequency_penalty": (0,), "tools": ([],), "response_format": ({"type": "text"},)}
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable_error"}
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-style body; ``message`` says what was wrong and what to do."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = {"Retry-After": str(retry_after_s)} if retry_after_s else None
+
+    def body(self) -> dict:
+        kind = _ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+
+# -- request parsing -----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Job:
+    """A validated request, ready for the ring."""
+
+    chat: bool
+    prompt: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    priority: int
+
+
+async def json_body(request: web.Request) -> dict:
+    raw = await request.read()      # aiohttp answers 413 beyond the app's client_max_size
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8 ({e.reason} at byte {e.start}): "
+                            "send UTF-8 encoded JSON") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _field(body: dict, name: str, kinds: tuple, rule: str, default=None, ok=lambda v: True):
+    """``body[name]`` checked to be one of ``kinds`` (bool only if listed) and ``ok``; ``default`` if absent/null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds) or not ok(value):
+        raise ApiError(400, f"'{name}' must be {rule} (got {_show(value)})", param=name)
+    return value
+
+
+def _text(value: str, param: str) -> str:
+    """Tokenizers need valid Unicode: JSON can smuggle in unpaired surrogates (\\ud800)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"'{param}' contains an unpaired UTF-16 surrogate: send valid Unicode text",
+                       param=param) from None
+    return value
+
+
+class Parser:
+    """Turns request bodies into ``Job``s against one model and one ring's limits."""
+
+    def __init__(self, tokenizer: Tokenizer, model_name: str, agent: Agent):
+        g = agent.geometry
+        self.tokenizer, self.model_name, self.geometry = tokenizer, model_name, g
+        self.context_len = tokenizer.context_len or g.max_prompt_tokens + g.max_output_tokens
+        self.max_prompt = min(g.max_prompt_tokens, self.context_len - 1)
+
+    def completion(self, body: dict) -> Job:
+        prompt = self._completion_prompt(body.get("prompt"))
+        logprobs = _field(body, "logprobs", (int,), "0 (only the sampled token's logprob is available) or null",
+                          None, lambda v: v == 0)
+        return self._job(body, prompt, chat=False, logprobs=logprobs is not None,
+                         max_tokens=body.get("max_tokens"), default_max=COMPLETIONS_DEFAULT_MAX_TOKENS)
+
+    def chat(self, body: dict) -> Job:
+        messages = self._messages(body.get("messages"))
+        try:
+            prompt = self.tokenizer.encode_chat(messages)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        _field(body, "top_logprobs", (int,), "0 or null (only the sampled token's logprob is available)", 0,
+               lambda v: v == 0)
+        logprobs = _field(body, "logprobs", (bool,), "a boolean", False)
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        return self._job(body, prompt, chat=True, logprobs=logprobs, max_tokens=max_tokens, default_max=None)
+
+    def _job(self, body: dict, prompt: list[int], *, chat: bool, logprobs: bool, max_tokens, default_max) -> Job:
+        self._check_model(body)
+        for name, neutral in UNSUPPORTED.items():
+            if body.get(name) not in (None, *neutral):
+                raise ApiError(400, f"'{name}' is not supported by this server (got {_show(body[name])}): "
+                                    "leave it out", param=name)
+        _field(body, "n", (int,), "1: this server returns one choice per request, send n requests instead", 1,
+               lambda v: v == 1)
+        if len(prompt) > self.max_prompt:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens but this server accepts at most "
+                                f"{self.max_prompt}: shorten it", param="messages" if chat else "prompt",
+                           code="context_length_exceeded")
+        if logprobs and not self.geometry.logprobs:
+            raise ApiError(400, "logprobs are not available: the ring was built without a logprobs area",
+                           param="logprobs")
+        stream = _field(body, "stream", (bool,), "a boolean", False)
+        options = _field(body, "stream_options", (dict,), "an object like {\"include_usage\": true}", {})
+        include_usage = _field(options, "include_usage", (bool,), "a boolean", False)
+        priority = _field(body, "priority", (int,), "an integer in [-2**31, 2**31)", 0,
+                          lambda v: -2**31 <= v < 2**31)
+        params = self._sampling(body, len(prompt), max_tokens, default_max, logprobs)
+        return Job(chat, prompt, params, self._stop(body), stream, include_usage, priority)
+
+    def _sampling(self, body, prompt_len: int, max_tokens, default_max: int | None, logprobs: bool) -> SamplingParams:
+        requested = _field({"max_tokens": max_tokens}, "max_tokens", (int,), "an integer >= 1", None,
+                           lambda v: v >= 1)
+        try:
+            room = max_tokens_for(requested, prompt_len, self.context_len, self.geometry.max_output_tokens)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
+        if requested is None and default_max is not None:
+            room = min(room, default_max)
+        vocab = self.tokenizer.vocab_size
+        stop_ids = _field(body, "stop_token_ids", (list,),
+                          f"a list of at most {self.geometry.max_stop_ids} token ids in [0, {vocab})", [],
+                          lambda v: len(v) <= self.geometry.max_stop_ids and all(_is_token(t, vocab) for t in v))
+        seed = _field(body, "seed", (int,), "an integer in [-2**63, 2**64)", None, lambda v: -2**63 <= v < 2**64)
+        top_k = _field(body, "top_k", (int,), "an integer >= -1 (-1 or 0: no top-k)", 0, lambda v: v >= -1)
+        return SamplingParams(
+            max_tokens=room,
+            temperature=_field(body, "temperature", (int, float), "a number >= 0 (0: greedy)", 1.0,
+                               lambda v: 0 <= v and math.isfinite(v)),
+            top_p=_field(body, "top_p", (int, float), "a number in (0, 1]", 1.0, lambda v: 0 < v <= 1),
+            top_k=max(top_k, 0),
+            seed=None if seed is None else seed % 2**64,
+            stop_token_ids=tuple(stop_ids),
+            ignore_eos=_field(body, "ignore_eos", (bool,), "a boolean", False),
+            logprobs=logprobs)
+
+    def _check_model(self, body: dict) -> None:
+        model = _field(body, "model", (str,), "a string", self.model_name)
+        if model != self.model_name:
+            raise ApiError(404, f"the model {_show(model)} does not exist: this server serves "
+                                f"{self.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
+
+    def _stop(self, body: dict) -> tuple[str, ...]:
+        rule = f"a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings"
+        stop = body.get("stop")
+        stop = [stop] if isinstance(stop, str) else stop
+        _field({"stop": stop}, "stop", (list,), rule, None,
+               lambda v: len(v) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in v))
+        return tuple(_text(s, "stop") for s in stop or ())
+
+    def _completion_prompt(self, prompt) -> list[int]:
+        """A string or a list of token ids, alone or as a one-element batch."""
+        rule = ("a string, a list of token ids, or a one-element list of either (batches of prompts: send one "
+                "request per prompt)")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(_text(prompt, "prompt"))
+        elif isinstance(prompt, list) and all(_is_token(t, self.tokenizer.vocab_size) for t in prompt):
+            ids = prompt
+        else:
+            raise ApiError(400, f"'prompt' must be {rule}, with token ids in [0, {self.tokenizer.vocab_size}) "
+                                f"(got {_show(prompt)})", param="prompt")
+        if not ids:
+            raise ApiError(400, "the prompt is empty: send at least one token", param="prompt")
+        return ids
+
+    def _messages(self, messages) -> list[dict]:
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, f"'messages' must be a non-empty list of messages (got {_show(messages)})",
+                           param="messages")
+        return [self._message(m, i) for i, m in enumerate(messages)]
+
+    def _message(self, message, i: int) -> dict:
+        param = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+            raise ApiError(400, f"'{param}' must be an object with a 'role' in {list(CHAT_ROLES)} "
+                                f"(got {_show(message)})", param=param)
+        content = message.get("content")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content):
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"'{param}.content' must be a string or a list of text parts "
+                                f"({{\"type\": \"text\", \"text\": ...}}); only text is supported "
+                                f"(got {_show(content)})", param=f"{param}.content")
+        return {"role": message["role"], "content": _text(content, f"{param}.content")}
+
+
+def _is_token(value, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
