@@ -2,12 +2,12 @@
 with exactly the parameter counts their checkpoints have."""
 import pytest
 import torch
+from harness import Runner
 
 from blink.device.step import StepLayout
 from blink.models import build_model
 from blink.models.decoder import SparseMoE
 from blink.models.shapes import SHAPES, shape_config, shape_dir
-from harness import Runner
 
 # Parameters of the published bf16 checkpoints (Meta-Llama-3-8B, phi-4, Qwen3-32B, Qwen3-30B-A3B)
 PARAMETERS = {"llama-3-8b": 8_030_261_248, "phi-4": 14_659_507_200, "qwen3-32b": 32_762_123_264,
@@ -65,3 +65,61 @@ def test_full_size_model_serves_through_the_engine(name):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, shape_config(name).vocab_size, (n,), generator=g).tolist() for n in (5, 40, 130)]
     engine_against_eager_step(str(shape_dir(name)), "cuda", prompts, tolerance=0.05)
+
+
+
+def engine_greedy_against_reference(model_dir, device: str, tie: float, n: int = 16) -> None:
+    """Serve six random prompts greedily from ``model_dir`` (random weights) through the Engine, with a token budget
+    that splits the longer prompts into chunks sharing steps with the others' decodes; then check every generated
+    token against the torch reference kernels run on the same weights, eagerly, teacher-forced with the Engine's
+    tokens. Where rounding makes a near-tie (the reference's best two logprobs within ``tie``) either token is
+    greedy; that must stay rare, and the Engine's logprob of each token must be the reference's."""
+    from blink import Engine, EngineConfig, SamplingParams
+    from blink.models import ModelConfig
+    from blink.models.kernels import reference
+
+    g = torch.Generator().manual_seed(1)
+    vocab = ModelConfig.from_file(model_dir).vocab_size
+    prompts = [torch.randint(0, vocab, (k,), generator=g).tolist() for k in (5, 17, 40, 77, 130, 200)]
+    config = EngineConfig(model=str(model_dir), load_format="dummy", device=device, max_num_seqs=8,
+                          max_num_batched_tokens=128, n_slots=16, max_prompt_tokens=256, max_output_tokens=n)
+    with Engine(config) as engine:
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, logprobs=True))
+        stats = engine.stats()
+        model = engine.backend.model
+    assert stats["launch_error"] == 0 and [len(out.token_ids) for out in outputs] == [n] * len(prompts)
+
+    model.ops = reference
+    runner = Runner(model, num_pages=256, layout=StepLayout(512, 8, 64))
+    chunks = [runner.chunk(i, p, 0) for i, p in enumerate(prompts)]
+    exact = 0
+    for step in range(n):
+        logits, _, _ = runner.step(chunks)
+        logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+        for row, out in enumerate(outputs):
+            token, best = out.token_ids[step], logprobs[row].max()
+            assert logprobs[row, token] >= best - tie, (row, step)
+            assert abs(out.logprobs[step] - logprobs[row, token]) < tie, (row, step)
+            exact += int(token == logprobs[row].argmax())
+        chunks = [runner.chunk(i, [out.token_ids[step]], len(p) + step) for i, (p, out) in
+                  enumerate(zip(prompts, outputs))]
+    assert exact >= 0.9 * n * len(prompts), f"only {exact} of {n * len(prompts)} tokens are the reference's argmax"
+
+
+def test_engine_greedy_equals_the_reference_path_on_the_cpu(tmp_path):
+    """The same check on the CPU (float32, a tiny shape): chunked, batched serving changes no token."""
+    from blink.bench.shapes import write_model_dir
+
+    engine_greedy_against_reference(write_model_dir(tmp_path, "tiny-qwen3"), "cpu", tie=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3-8b", "llama-3-8b"])
+def test_engine_greedy_equals_the_torch_reference_path_at_8b_shapes(name, tmp_path):
+    """Random bf16 weights at 8B shapes on the H200: the Engine (Triton kernels in device-launched step graphs)
+    against the torch reference kernels (bf16 rounds the two paths differently, hence the tie tolerance)."""
+    from blink.bench.shapes import write_model_dir
+
+    model_dir = write_model_dir(tmp_path, name) if name == "qwen3-8b" else shape_dir(name)
+    engine_greedy_against_reference(model_dir, "cuda", tie=0.05)
