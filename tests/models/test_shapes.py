@@ -5,9 +5,9 @@ import torch
 from harness import Runner
 
 # The logits of a random-weight full-size model reach |4..8|, where one bf16 step is 1/32: two paths that round
-# differently (graph buckets, batch shapes, Triton against torch) measured 1 to 4 steps apart on the H200 (0.03 to
-# 0.125 in logprob). A wrong kernel moves logits by whole units, not steps.
-BF16_LOGPROB = 0.2
+# differently (graph buckets, batch shapes, Triton against torch) measured 1 to 7 steps apart on the H200 (0.03 to
+# 0.22 in logprob). A wrong kernel moves logits by whole units, not steps.
+BF16_LOGPROB = 0.3
 
 from blink.device.step import StepLayout
 from blink.models import build_model
