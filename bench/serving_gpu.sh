@@ -6,7 +6,7 @@
 #
 # Environment (defaults): SHAPE=qwen3-8b DEVICE=cuda PROMPTS=256 RATES=16,32,64,inf PEER_PROMPTS=128 PEER_RATES=inf
 #   HOGS=4*nproc PEER_TIMEOUT=300 (s; the peer's JSON is rewritten after each run, so a cut-off run keeps the others)
-#   PORT=8321 BENCH_ARGS="" (more `blink bench serve` options for both backends). The peer runs the first
+#   PEER_PROMPTS=0 runs blink alone. PORT=8321 BENCH_ARGS="" (more `blink bench serve` options for both backends). The peer runs the first
 #   PEER_PROMPTS requests of the same dataset (request i depends only on the seed and i).
 # CPU dry run of the recipe: SHAPE=tiny-qwen3 DEVICE=cpu PROMPTS=8 RATES=4,inf PEER_PROMPTS=4 HOGS=2 \
 #   BENCH_ARGS="--output-len 16" bash bench/serving_gpu.sh
@@ -54,10 +54,13 @@ if [ $status -eq 0 ]; then
 fi
 kill -INT $server; wait $server
 
-# The peer, on the GPU once blink has released it.
-timeout "$PEER_TIMEOUT" python -m blink.cli bench serve --backend hf --label hf --model "$model" \
-  --load-format dummy --device "$DEVICE" --num-prompts "$PEER_PROMPTS" --sweep "$PEER_RATES" --ignore-eos \
-  --interference "$HOGS" $BENCH_ARGS --result-json "$OUT/serving_hf.json" 2>&1 | tee "$OUT/serving_hf.log" || status=1
+# The peer, on the GPU once blink has released it (PEER_PROMPTS=0: no peer).
+if [ "$PEER_PROMPTS" -gt 0 ]; then
+  timeout "$PEER_TIMEOUT" python -m blink.cli bench serve --backend hf --label hf --model "$model" \
+    --load-format dummy --device "$DEVICE" --num-prompts "$PEER_PROMPTS" --sweep "$PEER_RATES" --ignore-eos \
+    --interference "$HOGS" $BENCH_ARGS --result-json "$OUT/serving_hf.json" 2>&1 | tee "$OUT/serving_hf.log" \
+    || status=1
+fi
 
 results=$(ls "$OUT"/serving_blink.json "$OUT"/serving_hf.json 2>/dev/null)
 python -m blink.cli bench report $results --plot-dir "$OUT/serving_img" 2>&1 | tee "$OUT/serving_report.txt" \

@@ -4,7 +4,7 @@ A directory holds ``config.json`` (the shape) and a word-level tokenizer over th
 the word ``t<i>``), so that every token id a random model samples decodes to text and both ``blink serve`` and the
 transformers peer can read it; the real tokenizer is not needed because benchmark prompts are token ids.
 
-    python -m blink.bench.shapes DIR [--shape qwen3-8b]
+    python -m blink.bench.shapes DIR [--shape qwen3-8b | tiny-qwen3 | llama-3-8b | phi-4 | qwen3-32b | qwen3-30b-a3b]
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from blink.models import ModelConfig
+from blink.models import shapes as full_size
 
 SHAPES = {
     "qwen3-8b": ModelConfig("Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -33,11 +34,16 @@ def word_tokenizer(vocab_size: int) -> dict:
             "model": {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(vocab_size)}, "unk_token": "t0"}}
 
 
+def shape_names() -> list[str]:
+    """The shapes above and the paper's four full-size models (``blink.models.shapes``)."""
+    return [*SHAPES, *full_size.SHAPES]
+
+
 def write_model_dir(directory, shape: str) -> Path:
     """Write ``config.json``, ``tokenizer.json`` and ``tokenizer_config.json`` of ``shape`` into ``directory``."""
-    if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}: one of {', '.join(SHAPES)}")
-    config = SHAPES[shape]
+    if shape not in shape_names():
+        raise ValueError(f"unknown shape {shape!r}: one of {', '.join(shape_names())}")
+    config = SHAPES[shape] if shape in SHAPES else full_size.shape_config(shape)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config.to_hf(), indent=1))
@@ -49,7 +55,7 @@ def write_model_dir(directory, shape: str) -> Path:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m blink.bench.shapes", description=__doc__.split("\n")[0])
     parser.add_argument("directory")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    parser.add_argument("--shape", choices=shape_names(), default="qwen3-8b")
     args = parser.parse_args(argv)
     print(write_model_dir(args.directory, args.shape))
     return 0
