@@ -15,8 +15,10 @@ Every sequence gets its own pages, scattered over a pool of ``--kv-gib`` GiB at 
 efficiency rather than the other kernels and their launches (for the MoE kernel: ``bench/moe_bench.py``). Each model
 also prints its memory plan against what it allocated.
 
-Run: ``PYTHONPATH=src python3 bench/model_bench.py [--models llama-3-8b ...] [--out results.json]`` (writes
-``$OUT/model_bench.json`` when ``$OUT`` is set). Correctness of what is timed: ``tests/models`` (``-m gpu`` on the GPU).
+Run: ``PYTHONPATH=src python3 bench/model_bench.py [--models llama-3-8b ...] [--profile 1,1024 ...] [--out F]``
+(writes ``$OUT/model_bench.json`` when ``$OUT`` is set); ``--profile B,CTX`` also breaks that decode step down per
+kernel (GPU time per step, and the time no kernel runs). Correctness of what is timed: ``tests/models`` (``-m gpu``
+on the GPU).
 """
 from __future__ import annotations
 
@@ -28,12 +30,12 @@ import time
 
 import torch
 
+from blink.bench.shapes import SHAPES as BENCH_SHAPES
 from blink.device.step import StepBuffers, StepLayout
 from blink.models import ModelConfig, plan_memory, random_model
 from blink.models.batch import SeqChunk, fill_step
 from blink.models.decoder import SparseMoE
 from blink.models.memory import GIB, weight_bytes
-from blink.bench.shapes import SHAPES as BENCH_SHAPES
 from blink.models.shapes import SHAPES, shape_config
 
 MODELS = {name: shape_config(name) for name in SHAPES}
@@ -137,7 +139,30 @@ def gemms_only_ms(model, batch: int, reps: int) -> float:
     return events_median_ms(graph.replay, reps)
 
 
-def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib: float, reps: int) -> list[dict]:
+def kernel_profile(graph, step_ms: float, steps: int = 10, top: int = 15) -> dict:
+    """GPU time per kernel over ``steps`` replays of a captured step (CUPTI traces the kernels a graph launches),
+    per step: where a step's time goes, and how much of it no kernel runs (launch gaps, dependencies)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", 0) or 0
+        if us > 0:
+            kernels.append(dict(kernel=e.key, per_step=e.count / steps, us_per_step=us / steps))
+    kernels.sort(key=lambda k: -k["us_per_step"])
+    busy_ms = sum(k["us_per_step"] for k in kernels) / 1e3
+    print(f"    kernels busy {busy_ms:.3f} of {step_ms:.3f} ms per step ({len(kernels)} kernel kinds)", flush=True)
+    for k in kernels[:top]:
+        print(f"    {k['us_per_step']:9.1f} us  x{k['per_step']:5.0f}  {k['kernel'][:90]}", flush=True)
+    return dict(step_ms=step_ms, busy_ms=busy_ms, kernels=kernels)
+
+
+def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib: float, reps: int,
+                profile: set[tuple[int, int]]) -> list[dict]:
     t0 = time.time()
     plan = plan_memory(config, torch.cuda.mem_get_info()[1], PAGE, 0.9, LAYOUT.max_num_batched_tokens,
                        LAYOUT.max_num_seqs)
@@ -168,6 +193,8 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
                              ratio=ms / floor, tokens_per_s=batch / ms * 1e3))
             print(f"  decode B={batch:4d} ctx={ctx:5d}: {ms:7.3f} ms  floor {floor:7.3f} ms  x{ms / floor:.2f}",
                   flush=True)
+            if (batch, ctx) in profile:
+                rows[-1]["profile"] = kernel_profile(graph, ms)
             del graph
     for batch in (1, 256) if not config.num_experts else ():
         ms = gemms_only_ms(model, batch, reps)
@@ -202,7 +229,10 @@ def main():
     parser.add_argument("--models", nargs="*", default=list(SHAPES), choices=list(MODELS))
     parser.add_argument("--kv-gib", type=float, default=96.0)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--profile", nargs="*", default=[], metavar="B,CTX",
+                        help="decode shapes (batch,context) whose step is also broken down per kernel, e.g. 1,1024")
     args = parser.parse_args()
+    profile = {tuple(int(v) for v in shape.split(",")) for shape in args.profile}
     torch.manual_seed(0)
     bw, flops = copy_bandwidth(), matmul_rate()
     torch.cuda.empty_cache()  # give the measurement buffers back before the KV pool
@@ -213,7 +243,7 @@ def main():
     rows = result["rows"]
     for name in args.models:
         torch.cuda.reset_peak_memory_stats()
-        rows += bench_model(name, MODELS[name], bw, flops, args.kv_gib, args.reps)
+        rows += bench_model(name, MODELS[name], bw, flops, args.kv_gib, args.reps, profile)
         with open(args.out, "w") as f:  # after every model: a run cut short keeps what it measured
             json.dump(result, f, indent=2)
     print(f"\n{'model':13} {'kind':7} {'B':>4} {'ctx':>5} {'step ms':>9} {'floor ms':>9} {'ratio':>6} {'tok/s':>9}")
