@@ -1,5 +1,6 @@
 """``blink generate``: one prompt through an in-process engine, against transformers' greedy continuation. (``blink
 serve``, ``blink engine`` and ``blink agent`` run end to end in tests/nic/test_server.py.)"""
+import os
 import subprocess
 import sys
 
@@ -27,3 +28,30 @@ def test_blink_generate_streams_the_greedy_answer_to_a_chat_prompt():
     assert done.stdout == tokenizer.decode(want, skip_special_tokens=True) + "\n"
     reason = "stop" if want[-1] == tokenizer.eos_token_id else "length"
     assert f"[{len(want)} tokens, finish reason: {reason}]" in done.stderr
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def raising_priority_is_permitted() -> bool:
+    return run_python("import os; os.setpriority(os.PRIO_PROCESS, 0, -10)").returncode == 0
+
+
+def test_agent_priority_is_applied_or_refused_with_a_clear_error():
+    high = run_python("import os; from blink.cli import set_agent_priority; set_agent_priority('high'); "
+                      "print(os.getpriority(os.PRIO_PROCESS, 0))")
+    realtime = run_python("import os; from blink.cli import set_agent_priority; set_agent_priority('realtime'); "
+                          "print(os.sched_getscheduler(0) == os.SCHED_RR)")
+    if raising_priority_is_permitted():
+        assert (high.returncode, high.stdout) == (0, "-10\n"), high.stderr
+        assert (realtime.returncode, realtime.stdout) == (0, "True\n"), realtime.stderr
+    else:
+        assert high.returncode == 1 and "--agent-priority high: not permitted" in high.stderr
+    # An unprivileged user may not raise its priority: one line that says what to do, no traceback.
+    unprivileged = "os.setgid(65534); os.setuid(65534); " if os.geteuid() == 0 else ""
+    denied = run_python(f"import os; from blink.cli import set_agent_priority; {unprivileged}"
+                        "set_agent_priority('realtime')")
+    assert denied.returncode == 1 and "Traceback" not in denied.stderr
+    assert "--agent-priority realtime: not permitted" in denied.stderr
+    assert "Use --agent-priority normal." in denied.stderr

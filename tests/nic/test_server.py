@@ -537,7 +537,10 @@ def test_blink_engine_and_blink_agent_serve_a_ring_and_stop_on_ctrl_c(model_dir,
 
 def test_blink_serve_runs_the_engine_process_and_ctrl_c_stops_both(model_dir, reference, hf):
     port = free_port()
-    serve = blink_cli("serve", str(model_dir), "--port", str(port), "--served-model-name", MODEL, *CLI_ENGINE)
+    # Where this user may raise priorities, the agent (this process) takes nice -10 and the engine keeps its own.
+    high = subprocess.run([sys.executable, "-c", "import os; os.setpriority(os.PRIO_PROCESS, 0, -10)"]).returncode == 0
+    serve = blink_cli("serve", str(model_dir), "--port", str(port), "--served-model-name", MODEL, *CLI_ENGINE,
+                      *(["--agent-priority", "high"] if high else []))
     try:
         wait_for(lambda: _healthy(port), timeout_s=120)
         check_completion(port, reference, hf)
@@ -547,6 +550,9 @@ def test_blink_serve_runs_the_engine_process_and_ctrl_c_stops_both(model_dir, re
         if len(os.sched_getaffinity(0)) >= 2:       # the agent keeps a core of its own, the engine the others
             assert engines and all(not os.sched_getaffinity(pid) & os.sched_getaffinity(serve.pid)
                                    for pid in engines)
+        if high:
+            assert os.getpriority(os.PRIO_PROCESS, serve.pid) == -10
+            assert engines and all(os.getpriority(os.PRIO_PROCESS, pid) == 0 for pid in engines)
         serve.send_signal(signal.SIGINT)
         assert serve.wait(60) == 0
         wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in spawned), timeout_s=30)
