@@ -6,8 +6,9 @@
 #
 # Environment (defaults): SHAPE=qwen3-8b DEVICE=cuda PROMPTS=256 RATES=16,32,64,inf PEER_PROMPTS=128 PEER_RATES=inf
 #   HOGS=4*nproc PEER_TIMEOUT=300 (s; the peer's JSON is rewritten after each run, so a cut-off run keeps the others)
-#   PEER_PROMPTS=0 runs blink alone. PORT=8321 BENCH_ARGS="" (more `blink bench serve` options for both backends). The peer runs the first
-#   PEER_PROMPTS requests of the same dataset (request i depends only on the seed and i).
+#   PEER_PROMPTS=0 runs blink alone. PORT=8321 BENCH_ARGS="" (more `blink bench serve` options for both backends)
+#   SERVE_ARGS="" (more `blink serve` options, e.g. "--agent-priority high"). The peer runs the first PEER_PROMPTS
+#   requests of the same dataset (request i depends only on the seed and i).
 # CPU dry run of the recipe: SHAPE=tiny-qwen3 DEVICE=cpu PROMPTS=8 RATES=4,inf PEER_PROMPTS=4 HOGS=2 \
 #   BENCH_ARGS="--output-len 16" bash bench/serving_gpu.sh
 set -uo pipefail
@@ -16,7 +17,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 SHAPE=${SHAPE:-qwen3-8b} DEVICE=${DEVICE:-cuda} PROMPTS=${PROMPTS:-256} RATES=${RATES:-16,32,64,inf}
 PEER_PROMPTS=${PEER_PROMPTS:-128} PEER_RATES=${PEER_RATES:-inf} HOGS=${HOGS:-$((4 * $(nproc)))}
-PEER_TIMEOUT=${PEER_TIMEOUT:-300} PORT=${PORT:-8321} BENCH_ARGS=${BENCH_ARGS:-}
+PEER_TIMEOUT=${PEER_TIMEOUT:-300} PORT=${PORT:-8321} BENCH_ARGS=${BENCH_ARGS:-} SERVE_ARGS=${SERVE_ARGS:-}
 mkdir -p "$OUT"
 # The GPU machine has no network: if its image lacks nvidia-ml-py (energy) or matplotlib (plots), install them from
 # wheels/ (downloaded on a networked machine, see docs/benchmarks.md); without them energy is reported unavailable.
@@ -29,7 +30,7 @@ status=0
 
 # blink: engine + agent over a shared-memory ring; prompts <= 1024 and prompt + output <= 2048 tokens (datasets.py).
 python -m blink.cli serve "$model" --load-format dummy --device "$DEVICE" --port "$PORT" --slots 512 \
-  --max-prompt-tokens 1024 --max-output-tokens 2048 > "$OUT/serving_server.log" 2>&1 &
+  --max-prompt-tokens 1024 --max-output-tokens 2048 $SERVE_ARGS > "$OUT/serving_server.log" 2>&1 &
 server=$!
 python - "$PORT" "$server" <<'PY' || status=1
 import http.client, os, sys, time
