@@ -8,43 +8,62 @@ from the routing) at the measured HBM copy rate, and the experts' FLOPs (``top_k
 GEMM rate. ``reference_ms`` times the eager reference (one GEMM pair per hit expert, host-synchronising: the
 baseline a plain torch model step would have).
 
-Run: ``PYTHONPATH=src python3 bench/moe_bench.py [--out moe_bench.json]`` (``$OUT/moe_bench.json`` by default when
-``$OUT`` is set). Correctness tests of the kernels: ``tests/models/kernels/test_moe.py`` (``-m gpu`` at bf16).
+``--sweep`` then times the expert GEMMs (routing done once, outside the graph) with every launch shape of ``SWEEP``
+at each size, each checked against the reference first, and prints the fastest against the default ``tiles_for``.
+
+Run: ``PYTHONPATH=src python3 bench/moe_bench.py [--sweep] [--out moe_bench.json]`` (``$OUT/moe_bench.json`` by
+default when ``$OUT`` is set). Correctness tests of the kernels: ``tests/models/kernels/test_moe.py`` (``-m gpu`` at bf16).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
+from dataclasses import asdict
 
 import torch
 from model_bench import copy_bandwidth, events_median_ms, matmul_rate
 
 from blink.models.kernels import reference
-from blink.models.kernels.moe import fused_moe
+from blink.models.kernels.moe import Tiles, fused_moe, moe_experts, route, tiles_for
 from blink.models.shapes import shape_config
 
 TOKENS = (1, 8, 64, 256, 1024, 2048)
+SWEEP = [Tiles(m, n, k, warps, stages) for m, n, k, warps, stages in
+         itertools.product((16, 64), (32, 64, 128), (64, 128), (4, 8), (3,))]
+
+
+def inputs(tokens: int, hidden: int, experts: int):
+    return (torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16),
+            torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16))
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def graph_ms(fn, reps: int) -> float:
+    """Median time of ``fn`` captured in a CUDA graph (after one eager call that compiles its kernels)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.synchronize()
+    return events_median_ms(graph.replay, reps)
 
 
 def bench_tokens(tokens: int, weights, top_k: int, bw: float, flops: float, reps: int) -> dict:
     gate_up, down = weights
     experts, two_i, hidden = gate_up.shape
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16)
+    x, logits = inputs(tokens, hidden, experts)
     want = reference.fused_moe(x, logits, gate_up, down, top_k, True)
-    got = fused_moe(x, logits, gate_up, down, top_k, True)
-    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    err = rel_err(fused_moe(x, logits, gate_up, down, top_k, True), want)
     hit = reference.route(logits, top_k, True)[1].unique().numel()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fused_moe(x, logits, gate_up, down, top_k, True)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            fused_moe(x, logits, gate_up, down, top_k, True)
-    torch.cuda.synchronize()
-    ms = events_median_ms(graph.replay, reps)
+    ms = graph_ms(lambda: fused_moe(x, logits, gate_up, down, top_k, True), reps)
     reference_ms = events_median_ms(lambda: reference.fused_moe(x, logits, gate_up, down, top_k, True), 5)
     expert_bytes = 3 * hidden * (two_i // 2) * 2
     hbm_floor = hit * expert_bytes / bw * 1e3
@@ -54,10 +73,38 @@ def bench_tokens(tokens: int, weights, top_k: int, bw: float, flops: float, reps
                 hbm_floor_ms=hbm_floor, flop_floor_ms=flop_floor, ratio=ms / floor)
 
 
+def sweep_tokens(tokens: int, weights, top_k: int, reps: int) -> list[dict]:
+    """The expert GEMMs alone (routing computed once) with every launch shape of ``SWEEP``; a shape whose output is
+    not the reference's (relative error >= 1e-2) is reported and not timed."""
+    gate_up, down = weights
+    x, logits = inputs(tokens, gate_up.shape[2], gate_up.shape[0])
+    want = reference.fused_moe(x, logits, gate_up, down, top_k, True)
+    routing = route(logits, top_k, True)
+    rows = []
+    for tiles in SWEEP:
+        err = rel_err(moe_experts(x, *routing, gate_up, down, tiles), want)
+        ms = graph_ms(lambda tiles=tiles: moe_experts(x, *routing, gate_up, down, tiles), reps) \
+            if err < 1e-2 else None
+        rows.append(dict(tokens=tokens, **asdict(tiles), rel_err=err, experts_ms=ms))
+    default = asdict(tiles_for(tokens * top_k, gate_up.shape[0]))
+    timed = sorted((r for r in rows if r["experts_ms"] is not None), key=lambda r: r["experts_ms"])
+    base = next(r["experts_ms"] for r in rows if all(r[k] == v for k, v in default.items()))
+    print(f"  sweep, {tokens} tokens: default {default} {'wrong' if base is None else f'{base:.4f} ms'}; fastest:",
+          flush=True)
+    for r in timed[:3]:
+        print(f"    {r['experts_ms']:.4f} ms  block_m={r['block_m']} block_n={r['block_n']} block_k={r['block_k']} "
+              f"warps={r['num_warps']} stages={r['num_stages']}", flush=True)
+    for r in rows:
+        if r["experts_ms"] is None:
+            print(f"    WRONG (rel err {r['rel_err']:.1e}): {r}", flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "moe_bench.json"))
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--sweep", action="store_true", help="also time every launch shape of SWEEP")
     args = parser.parse_args()
     torch.manual_seed(0)
     bw, flops = copy_bandwidth(), matmul_rate()
@@ -77,10 +124,12 @@ def main():
         rows.append(r)
         print(f"{tokens:6d} {r['experts_hit']:4d} {r['rel_err']:8.1e} {r['fused_ms']:9.4f} {r['reference_ms']:8.3f} "
               f"{r['floor_ms']:9.4f} {r['ratio']:6.2f}", flush=True)
+    sweep = [r for tokens in TOKENS for r in sweep_tokens(tokens, weights, c.num_experts_per_tok, args.reps)] \
+        if args.sweep else []
     with open(args.out, "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bytes_per_s=bw,
-                       bf16_flop_per_s=flops, rows=rows), f, indent=2)
-    bad = [r["tokens"] for r in rows if not r["rel_err"] < 1e-2]
+                       bf16_flop_per_s=flops, rows=rows, sweep=sweep), f, indent=2)
+    bad = [r["tokens"] for r in rows + sweep if not r["rel_err"] < 1e-2]
     if bad:
         sys.exit(f"fused_moe differs from the reference at {bad} tokens (relative error >= 1e-2)")
 

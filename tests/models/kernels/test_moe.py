@@ -37,9 +37,9 @@ def test_route_matches_reference(backend, tokens, experts, top_k, renormalize):
 def test_align_lays_entries_out_in_expert_blocks(backend, tokens, experts, top_k, renormalize):
     device, dtype, _ = backend
     ids = reference.route(skewed_router_logits(tokens, experts, device, dtype), top_k, renormalize)[1].int()
-    from blink.models.kernels.moe import align, block_m_for
+    from blink.models.kernels.moe import align, tiles_for
 
-    n, block_m = ids.numel(), block_m_for(ids.numel(), experts)
+    n, block_m = ids.numel(), tiles_for(ids.numel(), experts).block_m
     sorted_entries, expert_blocks, total = align(ids, experts, block_m)
     counts = torch.bincount(ids.flatten().long(), minlength=experts).cpu()
     assert counts[5] == counts[6] == 0 and counts[0] >= 2 * tokens // 3 > counts[2:].max()  # uneven, some empty
@@ -70,3 +70,28 @@ def test_fused_moe_matches_reference(backend, tokens, experts, top_k, renormaliz
     out = fused_moe(x, logits, gate_up, down, top_k, renormalize)
     assert out.shape == x.shape and out.dtype == dtype
     assert rel_err(out, reference.fused_moe(x, logits, gate_up, down, top_k, renormalize)) < tol
+
+
+@pytest.mark.parametrize("tiles", [dict(block_m=16, block_n=32, block_k=128, num_warps=8, num_stages=2),
+                                   dict(block_m=64, block_n=128, block_k=32, num_warps=4, num_stages=4)])
+def test_fused_moe_matches_reference_with_other_tiles(backend, tiles):
+    """The launch shapes ``bench/moe_bench.py --sweep`` tries compute the same MLP."""
+    device, dtype, tol = backend
+    from blink.models.kernels.moe import Tiles, moe_experts, route
+
+    tokens, experts, top_k, hidden, inter = 37, 8, 2, 96, 80
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    gate_up = torch.randn(experts, 2 * inter, hidden, device=device, dtype=dtype) * hidden ** -0.5
+    down = torch.randn(experts, hidden, inter, device=device, dtype=dtype) * inter ** -0.5
+    logits = skewed_router_logits(tokens, experts, device, dtype)
+    out = moe_experts(x, *route(logits, top_k, True), gate_up, down, Tiles(**tiles))
+    assert rel_err(out, reference.fused_moe(x, logits, gate_up, down, top_k, True)) < tol
+
+
+def test_tiles_name_the_bad_field():
+    from blink.models.kernels.moe import Tiles
+
+    with pytest.raises(ValueError, match="Tiles.block_n must be a power of two >= 16"):
+        Tiles(block_m=16, block_n=48)
+    with pytest.raises(ValueError, match="Tiles.num_warps must be"):
+        Tiles(block_m=16, num_warps=3)

@@ -18,13 +18,41 @@ no host reads, so the whole MLP captures into a step graph:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 64
-BLOCK_K = 64
 CHUNK = 256
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape of the two expert GEMMs: ``block_m`` rows per block (entries of one expert), ``block_n`` outputs
+    and ``block_k`` reduction columns per tile (powers of two, at least 16 for ``tl.dot``), and Triton's warps and
+    software-pipeline stages. ``tiles_for`` picks the default; ``bench/moe_bench.py --sweep`` times others."""
+
+    block_m: int
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"Tiles.{name} must be a power of two >= 16 (got {value!r})")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"Tiles.num_warps must be 1, 2, 4, 8 or 16 (got {self.num_warps!r})")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"Tiles.num_stages must be a positive int (got {self.num_stages!r})")
+
+
+def tiles_for(num_entries: int, num_experts: int) -> Tiles:
+    """16-row blocks while experts average at most 16 entries (decode), else 64 (prefill)."""
+    return Tiles(block_m=16 if num_entries <= 16 * num_experts else 64)
 
 
 @triton.jit
@@ -129,11 +157,6 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
-def block_m_for(num_entries: int, num_experts: int) -> int:
-    """Rows per GEMM block: 16 while experts average at most 16 entries (decode), else 64 (prefill)."""
-    return 16 if num_entries <= 16 * num_experts else 64
-
-
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Entries ``ids`` (int32, ``N`` of them, each in ``[0, E)``) sorted by expert, each expert padded to
     ``block_m``: (``sorted_entries`` int32 ``[max_slots]``, ``expert_blocks`` int32 ``[max_slots // block_m]``,
@@ -149,24 +172,24 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor) -> torch.Tensor:
+                down: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
     """``x [T, H]``, routing ``weights`` and int32 ``ids [T, top_k]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]``
     (all contiguous) → ``[T, H]``."""
     (t, hidden), (experts, two_i, _), top_k = x.shape, gate_up.shape, ids.shape[1]
     inter, n = two_i // 2, t * top_k
-    block_m = block_m_for(n, experts)
-    sorted_entries, expert_blocks, total = align(ids, experts, block_m)
+    tiles = tiles or tiles_for(n, experts)
+    sorted_entries, expert_blocks, total = align(ids, experts, tiles.block_m)
     blocks = expert_blocks.numel()
+    shape = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+                 num_stages=tiles.num_stages)
     act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
-    _moe_gemm_kernel[(blocks, triton.cdiv(inter, BLOCK_N))](
+    _moe_gemm_kernel[(blocks, triton.cdiv(inter, tiles.block_n))](
         x, gate_up, act, weights, sorted_entries, expert_blocks, total, n, inter, hidden, x.stride(0),
-        gate_up.stride(0), gate_up.stride(1), top_k, GATED=True, WEIGHTED=False, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K)
+        gate_up.stride(0), gate_up.stride(1), top_k, GATED=True, WEIGHTED=False, **shape)
     y = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
-    _moe_gemm_kernel[(blocks, triton.cdiv(hidden, BLOCK_N))](
+    _moe_gemm_kernel[(blocks, triton.cdiv(hidden, tiles.block_n))](
         act, down, y, weights, sorted_entries, expert_blocks, total, n, hidden, inter, act.stride(0),
-        down.stride(0), down.stride(1), 1, GATED=False, WEIGHTED=True, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K)
+        down.stride(0), down.stride(1), 1, GATED=False, WEIGHTED=True, **shape)
     return y.view(t, top_k, hidden).sum(dim=1)
 
 
