@@ -27,7 +27,7 @@ for part in "${parts[@]}"; do
       python bench/scheduler_bench.py --json "$OUT/scheduler_bench.json" 2>&1 | tee "$OUT/scheduler_bench.log"
       rc=${PIPESTATUS[0]} ;;
     models)
-      bash bench/models_gpu.sh moe models -- --profile 1,1024 64,1024; rc=$? ;;
+      bash bench/models_gpu.sh moe models -- --profile 1,1024 64,1024 prefill; rc=$? ;;
     engine)
       python bench/engine_bench.py --json "$OUT/engine_bench.json" 2>&1 | tee "$OUT/engine_bench.log"
       rc=${PIPESTATUS[0]} ;;

@@ -15,10 +15,10 @@ Every sequence gets its own pages, scattered over a pool of ``--kv-gib`` GiB at 
 efficiency rather than the other kernels and their launches (for the MoE kernel: ``bench/moe_bench.py``). Each model
 also prints its memory plan against what it allocated.
 
-Run: ``PYTHONPATH=src python3 bench/model_bench.py [--models llama-3-8b ...] [--profile 1,1024 ...] [--out F]``
+Run: ``PYTHONPATH=src python3 bench/model_bench.py [--models llama-3-8b ...] [--profile 1,1024 prefill] [--out F]``
 (writes ``$OUT/model_bench.json`` when ``$OUT`` is set); ``--profile B,CTX`` also breaks that decode step down per
-kernel (GPU time per step, and the time no kernel runs). Correctness of what is timed: ``tests/models`` (``-m gpu``
-on the GPU).
+kernel (``prefill``: the prefill step): GPU time per step and the time no kernel runs. Correctness of what is
+timed: ``tests/models`` (``-m gpu`` on the GPU).
 """
 from __future__ import annotations
 
@@ -162,7 +162,7 @@ def kernel_profile(graph, step_ms: float, steps: int = 10, top: int = 15) -> dic
 
 
 def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib: float, reps: int,
-                profile: set[tuple[int, int]]) -> list[dict]:
+                profile: set) -> list[dict]:
     t0 = time.time()
     plan = plan_memory(config, torch.cuda.mem_get_info()[1], PAGE, 0.9, LAYOUT.max_num_batched_tokens,
                        LAYOUT.max_num_seqs)
@@ -216,6 +216,8 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
                      tokens_per_s=tokens / ms * 1e3))
     print(f"  prefill {tokens} tokens: {ms:.3f} ms = {tokens / ms * 1e3:.0f} tok/s  floor {floor:.3f} ms "
           f"(FLOP {flop_floor:.3f}, HBM {hbm_floor:.3f})  x{ms / floor:.2f}", flush=True)
+    if "prefill" in profile:
+        rows[-1]["profile"] = kernel_profile(graph, ms)
     peak = torch.cuda.max_memory_allocated() - before - wbytes - kv.numel() * kv.element_size()
     print(f"  activations: {peak / GIB:.2f} GiB at most (plan: {plan.activation_bytes / GIB:.2f} GiB)", flush=True)
     del graph, kv, model
@@ -229,10 +231,11 @@ def main():
     parser.add_argument("--models", nargs="*", default=list(SHAPES), choices=list(MODELS))
     parser.add_argument("--kv-gib", type=float, default=96.0)
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--profile", nargs="*", default=[], metavar="B,CTX",
-                        help="decode shapes (batch,context) whose step is also broken down per kernel, e.g. 1,1024")
+    parser.add_argument("--profile", nargs="*", default=[], metavar="B,CTX|prefill",
+                        help="steps also broken down per kernel: decode shapes (batch,context), e.g. 1,1024, and/or "
+                             "prefill")
     args = parser.parse_args()
-    profile = {tuple(int(v) for v in shape.split(",")) for shape in args.profile}
+    profile = {shape if shape == "prefill" else tuple(int(v) for v in shape.split(",")) for shape in args.profile}
     torch.manual_seed(0)
     bw, flops = copy_bandwidth(), matmul_rate()
     torch.cuda.empty_cache()  # give the measurement buffers back before the KV pool
