@@ -258,3 +258,29 @@ def test_prefills_that_hold_every_page_are_unblocked_by_preemption():
     s.sched[FREE_TOP] -= int(s.sched[FREE_TOP])  # pages vanish under them (as if other sequences had taken them)
     outcome = h.scheduler.iteration()
     assert outcome >= 0 and h.agent.stats()["preempted"] >= 1
+
+
+@pytest.mark.parametrize("refused_by", ["cancel of a queued request", "unservable request"])
+def test_a_refused_request_is_finished_once_while_new_requests_arrive(refused_by):
+    """Regression: a refused request stays READY in the ring until its FINISHED is published an iteration later; a
+    scan in between (a new submission) took it again and counted it finished (and cancelled) twice."""
+    config = SchedulerConfig(**{**CONFIG.__dict__, "max_model_len": 48})
+    h = Harness(config, threads=1)
+    running = [h.agent.submit([1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True, seed=i)) for i in range(4)]
+    if refused_by == "unservable request":
+        refused = h.agent.submit(list(range(40)), SamplingParams(max_tokens=12))     # 52 > max_model_len 48
+        h.iterate()
+    else:
+        refused = h.agent.submit([4], SamplingParams(max_tokens=2))      # waits: max_num_seqs (4) are running
+        h.iterate()
+        h.agent.cancel(refused)
+    later = [h.agent.submit([5], SamplingParams(max_tokens=1, seed=9))]
+    h.iterate()                                  # refuses (or already refused) and scans for `later`
+    later.append(h.agent.submit([6], SamplingParams(max_tokens=1, seed=9)))
+    h.run_until_idle()                           # another scan before and after the refusal is published
+    expected_reason = "abort" if refused_by.startswith("cancel") else "error"
+    assert h.reasons[refused] == expected_reason and h.outputs.get(refused, []) == []
+    assert all(h.reasons[r] == "length" for r in running + later)
+    stats = h.agent.stats()
+    assert stats["finished"] == len(running) + len(later) + 1
+    assert stats["cancelled"] == (1 if expected_reason == "abort" else 0)

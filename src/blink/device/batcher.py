@@ -39,7 +39,7 @@ def start_sequence(s, slot, index):
     s.seq_npages[slot] = 0
     s.seq_finish[slot] = 0
     s.seq_version[slot] += 1
-    s.seq_queued[slot] = 0
+    s.seq_seen[slot] = 0
     s.ngen[slot] = 0
     s.finish[slot] = 0
     s.running[index] = slot

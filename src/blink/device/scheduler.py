@@ -32,7 +32,7 @@ from blink.device.state import (C32_ENGINE_STATE, C32_KV_FREE, C32_RUNNING, C32_
                                 C64_STEPS, C64_SUBMITTED, C64_TOKENS, CFG_LOGPROBS, CFG_N_EOS, COUNTERS, FREE_TOP,
                                 K_ADMITTED, K_CANCEL_BELL, K_CANCELLED, K_ENDING, K_FINISHED, K_REFUSED, K_PREEMPTED, K_SCAN, K_SHUTDOWN,
                                 K_TOKENS, MAX_CANDIDATES, N_CONSUMED, N_COUNTERS, N_PENDING_FINISHED, N_PUBLISHABLE,
-                                N_QUEUED, N_ROWS, N_RUNNING, P_FIRST, QUEUE_HEAD,
+                                N_QUEUED, N_ROWS, N_RUNNING, P_FIRST, QUEUE_HEAD, REFUSED,
                                 S_SEEN_CANCELS, S_SEEN_SUBMITTED, STOP, Scratch)
 from blink.device.waiting import cancel_queued, cancelled, collect, enqueue
 
@@ -149,7 +149,9 @@ def publish(s, sh, first_admitted):
         s.state[s.running[i]] = RUNNING
     published = s.sched[N_PUBLISHABLE]
     for i in range(tid, published, nt):
-        s.state[s.pending_finished[i]] = FINISHED
+        slot = s.pending_finished[i]
+        s.seq_seen[slot] = 0                # a refused slot leaves READY now: scans may take its next request
+        s.state[slot] = FINISHED
     cuda.syncthreads()
     # Requests finished this iteration move to the front; they are published next time.
     waiting = s.sched[N_PENDING_FINISHED] - published
@@ -191,8 +193,7 @@ def shut_down(s, sh):
     for i in range(tid, pending, nt):
         s.queue_tmp_slots[n + i] = s.pending_finished[i]
     for slot in range(tid, s.state.shape[0], nt):
-        if load_volatile(s.state, slot) == READY:
-            s.seq_queued[slot] = 0
+        if load_volatile(s.state, slot) == READY and s.seq_seen[slot] != REFUSED:   # refused: in pending already
             s.ngen[slot] = 0
             s.finish[slot] = FINISH_ABORT
             s.queue_tmp_slots[n + pending + cuda.atomic.add(sh.counters, K_REFUSED, 1)] = slot
@@ -204,7 +205,9 @@ def shut_down(s, sh):
     cuda.threadfence_system()
     cuda.syncthreads()
     for i in range(tid, n + pending + sh.counters[K_REFUSED], nt):
-        s.state[s.queue_tmp_slots[i]] = FINISHED
+        slot = s.queue_tmp_slots[i]
+        s.seq_seen[slot] = 0
+        s.state[slot] = FINISHED
     cuda.syncthreads()
     if tid == 0:
         s.sched[N_RUNNING] = 0

@@ -124,7 +124,7 @@ class SchedulerArrays(NamedTuple):
     seq_temperature: object  # f32 [n]
     seq_top_p: object       # f32 [n]
     seq_seed: object        # i64 [n]
-    seq_queued: object      # i32 [n]  1 while the slot waits in the queue
+    seq_seen: object        # i32 [n]  a READY slot the scheduler holds: QUEUED or REFUSED (0: none; see below)
     queue_slots: object     # i32 [n]  the waiting queue (waiting.py), sorted by (key, slot)
     queue_keys: object      # i64 [n]
     queue_tmp_slots: object  # i32 [n] scratch for merging
@@ -150,6 +150,10 @@ class Scratch(NamedTuple):
     partial: object     # i32 [MAX_THREADS]
     counters: object    # i32 [N_COUNTERS]
 
+
+# seq_seen values. QUEUED: the slot waits in the queue. REFUSED: finished while READY (cancelled or unservable),
+# its FINISHED state not yet published; the slot stays READY in the ring until then and no scan may take it again.
+QUEUED, REFUSED = 1, 2
 
 # Scratch counters (sh.counters), zeroed at the start of each iteration.
 K_TOKENS, K_FINISHED, K_CANCELLED, K_NEW, K_ADMITTED, K_REJECTED, K_PREEMPTED, K_VICTIM, K_SHUTDOWN, K_SCAN, \
@@ -205,7 +209,7 @@ def state_arrays(config: SchedulerConfig, n_slots: int, max_stop_ids: int, has_l
         seq_total=i32(n_slots), seq_prompt_len=i32(n_slots), seq_max_tokens=i32(n_slots), seq_flags=i32(n_slots),
         seq_last=i32(n_slots), seq_version=i32(n_slots), seq_finish=i32(n_slots), seq_top_k=i32(n_slots), seq_n_stop=i32(n_slots),
         seq_stop=i32(n_slots, max(max_stop_ids, 1)), seq_temperature=np.zeros(n_slots, np.float32),
-        seq_top_p=np.ones(n_slots, np.float32), seq_seed=np.zeros(n_slots, np.int64), seq_queued=i32(n_slots),
+        seq_top_p=np.ones(n_slots, np.float32), seq_seed=np.zeros(n_slots, np.int64), seq_seen=i32(n_slots),
         queue_slots=i32(n_slots), queue_keys=np.zeros(n_slots, np.int64), queue_tmp_slots=i32(n_slots),
         queue_tmp_keys=np.zeros(n_slots, np.int64),
         running=i32(config.max_num_seqs), consumed=i32(config.max_num_seqs),

@@ -5,7 +5,8 @@ READY slots not yet queued, finishes cancelled ones ("abort") and unservable one
 header of the others into device memory and keys them with the admission policy; ``enqueue`` sorts the new keys and
 merges them into the queue. Admission (``batcher.admit``) pops a prefix from the head, so a backlog costs nothing per
 iteration. Entries live at ``queue_slots/queue_keys[head : head + count]`` (``QUEUE_HEAD``, ``N_QUEUED``);
-``seq_queued[slot]`` marks queued slots so a rescan never queues one twice.
+``seq_seen[slot]`` marks queued slots (QUEUED) and refused ones whose FINISHED is not yet published (REFUSED), so a
+rescan never takes a slot twice.
 
 A scan keeps at most MAX_CANDIDATES new requests; when more were READY it asks for another scan next iteration, so a
 burst of more than that many requests is merged in several rounds (older ones may then be admitted after newer).
@@ -20,8 +21,8 @@ from blink.device.ring import FINISH_ABORT, FINISH_ERROR, READY
 from blink.device.state import (CFG_MAX_MODEL_LEN, CFG_MAX_STOP, H32_FLAGS, H32_MAX_TOKENS, H32_N_STOP,
                                 H32_PRIORITY, H32_PROMPT_LEN, H32_STOP_IDS, H32_TOP_K, H64_ARRIVAL, H64_REQUEST_ID,
                                 H64_SEED, HF_TEMPERATURE, HF_TOP_P, K_CANCELLED, K_FINISHED, K_NEW, K_REFUSED,
-                                K_REJECTED, MAX_CANDIDATES, N_PENDING_FINISHED, N_QUEUED, QUEUE_HEAD,
-                                S_SEEN_SUBMITTED)
+                                K_REJECTED, MAX_CANDIDATES, N_PENDING_FINISHED, N_QUEUED, QUEUE_HEAD, QUEUED,
+                                REFUSED, S_SEEN_SUBMITTED)
 
 SCAN_UNROLL = 8     # state words each thread has in flight at once: the column is read across PCIe
 
@@ -64,6 +65,7 @@ def refuse(s, sh, slot, reason):
     Like a retired request, its FINISHED state is published after the next iteration's fence (``publish``), so the
     agent never sees it finished before the counters (published at the end of this iteration) count it.
     """
+    s.seq_seen[slot] = REFUSED
     s.ngen[slot] = 0
     s.finish[slot] = reason
     s.pending_finished[s.sched[N_PENDING_FINISHED] + cuda.atomic.add(sh.counters, K_REFUSED, 1)] = slot
@@ -88,7 +90,7 @@ def take_new(s, sh, slot, policy):
         s.stats[S_SEEN_SUBMITTED] = -1          # more than fit: scan again next iteration
         return
     load_header(s, slot)
-    s.seq_queued[slot] = 1
+    s.seq_seen[slot] = QUEUED
     sh.slots[k] = slot
     sh.keys[k] = policy(int64(s.hdr_u64[slot, H64_ARRIVAL]), s.hdr_i32[slot, H32_PROMPT_LEN],
                         s.hdr_i32[slot, H32_MAX_TOKENS], s.hdr_i32[slot, H32_PRIORITY],
@@ -108,7 +110,7 @@ def collect(s, sh, policy):
             states[k] = load_volatile(s.state, slot) if slot < n else uint32(0)
         for k in range(SCAN_UNROLL):
             slot = base + k * nt + tid
-            if slot < n and states[k] == READY and s.seq_queued[slot] == 0:
+            if slot < n and states[k] == READY and s.seq_seen[slot] == 0:
                 take_new(s, sh, slot, policy)
     cuda.syncthreads()
     return min(sh.counters[K_NEW], MAX_CANDIDATES)
@@ -174,7 +176,6 @@ def cancel_queued(s, sh):
     for i in range(tid, count, nt):
         slot = s.queue_slots[head + i]
         if cancelled(s, slot):
-            s.seq_queued[slot] = 0
             refuse(s, sh, slot, FINISH_ABORT)
     cuda.syncthreads()
     # Stable compaction into the scratch queue, then back (kept[i] -> position by an atomic-free prefix count).
@@ -182,7 +183,7 @@ def cancel_queued(s, sh):
         kept = 0
         for i in range(count):
             slot = s.queue_slots[head + i]
-            if s.seq_queued[slot] != 0:
+            if s.seq_seen[slot] == QUEUED:
                 s.queue_tmp_slots[kept] = slot
                 s.queue_tmp_keys[kept] = s.queue_keys[head + i]
                 kept += 1
