@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
-# The H200's work in two calls (each under the device tool's 10 minutes), logs and JSON under $OUT:
-#   bash bench/gpu_suite.sh            the benchmarks: scheduler, models (four full-size models + fused MoE), engine,
-#                                      serving (Qwen3-8B shape, blink against transformers, isolated and with hogs)
+# The H200's work in two calls (each under the device tool's 10 minutes):
+#   bash bench/gpu_suite.sh            the benchmarks: scheduler, models (four full-size models + fused MoE, with
+#                                      per-kernel profiles), engine, serving (Qwen3-8B shape, blink against
+#                                      transformers, isolated and with hogs)
 #   bash bench/gpu_suite.sh tests      every GPU test (pytest -m gpu: scheduler, models incl. full size, engine,
 #                                      energy)
-#   bash bench/gpu_suite.sh PART ...   any of: tests scheduler models engine serving
+#   bash bench/gpu_suite.sh PART ...   any of: tests scheduler models engine serving, and two that are not in the
+#                                      default set: serving-models (bench/serving_models.sh; PEER_PROMPTS,
+#                                      BENCH_ARGS, LIMIT as there) and moe-sweep (bench/moe_bench.py --sweep)
 # Serving runs at the suite's sizes (SUITE_PROMPTS=192 requests at 16,32,64,inf req/s; SUITE_PEER_PROMPTS=24 for
 # the peer) so the benchmarks fit 8 minutes; the sizes of the published results are bench/serving_gpu.sh's defaults.
+# Parts write into a scratch folder that is bundled into $OUT/suite.tgz after every part (the device tool returns
+# at most 8 files; a run cut short keeps the parts it finished); $OUT also gets gpu.txt and suite_times.txt.
 # Run from the repository root of a copied tree: PYTHONPATH=src, the device's own torch/numba/cuda-python.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src NUMBA_ENABLE_CUDASIM=0 PYTHONUNBUFFERED=1   # tests/conftest.py: 0 = the real GPU
-OUT=${OUT:-out}
-mkdir -p "$OUT"
+FINAL=${OUT:-out}
+mkdir -p "$FINAL"
+OUT=$(mktemp -d)
+export OUT
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(scheduler models engine serving)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+git rev-parse HEAD >> "$OUT/gpu.txt" 2>/dev/null
 status=0
 for part in "${parts[@]}"; do
   start=$SECONDS
@@ -33,9 +41,16 @@ for part in "${parts[@]}"; do
       rc=${PIPESTATUS[0]} ;;
     serving)
       PROMPTS=${SUITE_PROMPTS:-192} PEER_PROMPTS=${SUITE_PEER_PROMPTS:-24} bash bench/serving_gpu.sh; rc=$? ;;
-    *) echo "unknown part: $part (tests | scheduler | models | engine | serving)"; rc=2 ;;
+    serving-models)
+      bash bench/serving_models.sh; rc=$? ;;
+    moe-sweep)
+      python bench/moe_bench.py --sweep --out "$OUT/moe_sweep.json" 2>&1 | tee "$OUT/moe_sweep.log"
+      rc=${PIPESTATUS[0]} ;;
+    *) echo "unknown part: $part (tests | scheduler | models | engine | serving | serving-models | moe-sweep)"; rc=2 ;;
   esac
   echo "gpu_suite $part: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/suite_times.txt"
   [ "$rc" -eq 0 ] || status=1
+  cp "$OUT/gpu.txt" "$OUT/suite_times.txt" "$FINAL/"
+  tar -czf "$FINAL/suite.tgz.tmp" -C "$OUT" . && mv "$FINAL/suite.tgz.tmp" "$FINAL/suite.tgz"
 done
 exit $status
