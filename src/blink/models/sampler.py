@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from .hashing import row_key
-
 CANDIDATES = 1024
 
 
@@ -25,7 +23,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
     threshold = filter_threshold(scaled, top_k, top_p)
-    ids = ops.gumbel_argmax(scaled, threshold, row_key(seed, seq_lens), greedy)
+    ids = ops.gumbel_argmax(scaled, threshold, seed, seq_lens, greedy)
     logprobs = logits.gather(1, ids[:, None].long())[:, 0] - torch.logsumexp(logits, dim=1)
     return ids, logprobs
 

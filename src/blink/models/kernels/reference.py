@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..hashing import gumbel_noise
+from ..hashing import gumbel_noise, row_key
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -141,10 +141,12 @@ def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scal
     return out
 
 
-def gumbel_argmax(scaled: torch.Tensor, threshold: torch.Tensor, key: torch.Tensor,
+def gumbel_argmax(scaled: torch.Tensor, threshold: torch.Tensor, seed: torch.Tensor, seq_lens: torch.Tensor,
                   greedy: torch.Tensor) -> torch.Tensor:
     """Per row: ``argmax(scaled)`` where ``greedy``, else ``argmax(scaled + gumbel(key, index))`` over the entries
-    ``>= threshold``. Ties go to the lowest index. Returns int32 token ids ``[S]``."""
+    ``>= threshold``, with ``key = row_key(seed, seq_len)``. Ties go to the lowest index. Returns int32 token ids
+    ``[S]``."""
+    key = row_key(seed, seq_lens)
     vocab = torch.arange(scaled.shape[1], device=scaled.device)
     noisy = torch.where(scaled >= threshold[:, None], scaled + gumbel_noise(key[:, None], vocab[None, :]),
                         float("-inf"))

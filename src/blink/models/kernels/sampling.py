@@ -1,8 +1,9 @@
 """Gumbel-max token choice in Triton; reference: ``reference.gumbel_argmax``, noise: ``blink.models.hashing``.
 
-Program ``(row, chunk)`` scans ``CHUNK`` vocabulary entries and writes its best (value, index); the host-free
-``torch.max`` over the chunks of a row picks the token. The first chunk wins a tie, as the lowest index does in the
-reference.
+Program ``(row, chunk)`` derives the row's key from its seed and length (``hashing.row_key``, in uint32: one kernel
+instead of the ~40 elementwise launches of the torch version), scans ``CHUNK`` vocabulary entries and writes its
+best (value, index); the host-free ``torch.max`` over the chunks of a row picks the token. The first chunk wins a
+tie, as the lowest index does in the reference.
 """
 from __future__ import annotations
 
@@ -24,11 +25,19 @@ def _hash32(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(scaled_ptr, thr_ptr, key_ptr, greedy_ptr, best_val_ptr, best_idx_ptr, vocab, stride,
-                          n_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _row_key(seed, length):
+    """``hashing.row_key`` of one row: int64 ``seed`` split in 32-bit halves, int ``length``."""
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    return _hash32(_hash32(_hash32(hi) ^ lo) ^ length.to(tl.uint32))
+
+
+@triton.jit
+def _gumbel_argmax_kernel(scaled_ptr, thr_ptr, seed_ptr, len_ptr, greedy_ptr, best_val_ptr, best_idx_ptr, vocab,
+                          stride, n_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     row, chunk = tl.program_id(0), tl.program_id(1)
     thr = tl.load(thr_ptr + row)
-    key = tl.load(key_ptr + row).to(tl.uint32)
+    key = _row_key(tl.load(seed_ptr + row).to(tl.int64), tl.load(len_ptr + row))
     greedy = tl.load(greedy_ptr + row) != 0
     best_val = tl.full([], float("-inf"), tl.float32)
     best_idx = tl.full([], 0, tl.int32) + chunk * CHUNK
@@ -49,13 +58,13 @@ def _gumbel_argmax_kernel(scaled_ptr, thr_ptr, key_ptr, greedy_ptr, best_val_ptr
     tl.store(best_idx_ptr + row * n_chunks + chunk, best_idx)
 
 
-def gumbel_argmax(scaled: torch.Tensor, threshold: torch.Tensor, key: torch.Tensor,
+def gumbel_argmax(scaled: torch.Tensor, threshold: torch.Tensor, seed: torch.Tensor, seq_lens: torch.Tensor,
                   greedy: torch.Tensor) -> torch.Tensor:
     """``scaled [S, V]`` float32 (unit stride in V) → int32 token ids ``[S]``."""
     rows, vocab = scaled.shape
     n_chunks = triton.cdiv(vocab, CHUNK)
     best_val = torch.empty((rows, n_chunks), dtype=torch.float32, device=scaled.device)
     best_idx = torch.empty((rows, n_chunks), dtype=torch.int32, device=scaled.device)
-    _gumbel_argmax_kernel[(rows, n_chunks)](scaled, threshold, key, greedy, best_val, best_idx, vocab,
+    _gumbel_argmax_kernel[(rows, n_chunks)](scaled, threshold, seed, seq_lens, greedy, best_val, best_idx, vocab,
                                             scaled.stride(0), n_chunks, CHUNK=CHUNK, BLOCK=1024)
     return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True))[:, 0]
