@@ -130,5 +130,4 @@ def test_engine_greedy_equals_the_torch_reference_path_at_8b_shapes(name, tmp_pa
     against the torch reference kernels (bf16 rounds the two paths differently, hence the tie tolerance)."""
     from blink.bench.shapes import write_model_dir
 
-    model_dir = write_model_dir(tmp_path / name, name) if name == "qwen3-8b" else shape_dir(name)
-    engine_greedy_against_reference(model_dir, "cuda", tie=BF16_LOGPROB)
+    engine_greedy_against_reference(write_model_dir(tmp_path / name, name), "cuda", tie=BF16_LOGPROB)
