@@ -191,11 +191,11 @@ def test_gpu_loop_serves_ten_thousand_requests_like_the_simulator(mode):
     assert measured["host_cpu_s"] < 0.1 * measured["wall_s"] + 0.5
 
 
-@pytest.mark.gpu
-def test_a_loop_killed_by_a_bad_step_graph_is_reported_not_hung():
-    """A step "graph" that was never instantiated for device launch (a host-only instantiation) kills the loop: the
-    device runtime faults on the handle (seen on the H200: CUDA_ERROR_ILLEGAL_ADDRESS, not a clean cudaGraphLaunch
-    error code). join() must raise, and the agent must see the engine as unresponsive, instead of waiting forever."""
+def bad_step_graph_process(outcome) -> None:
+    """Runs a loop whose step "graph" was never instantiated for device launch (a host-only instantiation) and puts
+    what join() and the agent reported on ``outcome``. A process of its own: the device runtime faults on the handle
+    (seen on the H200: CUDA_ERROR_ILLEGAL_ADDRESS, not a clean cudaGraphLaunch error code), and that error is sticky:
+    every later CUDA call of the process fails."""
     import torch
     from cuda.bindings import driver, runtime
 
@@ -222,14 +222,32 @@ def test_a_loop_killed_by_a_bad_step_graph_is_reported_not_hung():
         agent = Agent(memory, geometry, liveness_timeout_s=2)
         scheduler.start()
         agent.submit([1, 2], SamplingParams(max_tokens=2))
-        with pytest.raises(LaunchError):
+        try:
             scheduler.join(timeout_s=60)
+            outcome.put(("join", "returned"))
+        except LaunchError as e:
+            outcome.put(("join", f"LaunchError: {e}"))
         deadline = time.monotonic() + 20
-        with pytest.raises(EngineUnresponsive):
+        try:
             while time.monotonic() < deadline:
                 agent.poll()
                 time.sleep(0.05)
-        scheduler.close()
+            outcome.put(("agent", "kept polling for 20 s"))
+        except EngineUnresponsive as e:
+            outcome.put(("agent", f"EngineUnresponsive: {e}"))
+
+
+@pytest.mark.gpu
+def test_a_loop_killed_by_a_bad_step_graph_is_reported_not_hung():
+    """join() must raise, and the agent must see the engine as unresponsive, instead of waiting forever."""
+    context = mp.get_context("spawn")
+    outcome = context.Queue()
+    process = context.Process(target=bad_step_graph_process, args=(outcome,))
+    process.start()
+    reports = dict(outcome.get(timeout=120) for _ in range(2))
+    process.join(60)
+    assert reports["join"].startswith("LaunchError"), reports
+    assert reports["agent"].startswith("EngineUnresponsive"), reports
 
 
 def test_the_image_of_a_builtin_policy_is_linked_once_then_read_from_the_cache(tmp_path):
