@@ -8,7 +8,7 @@
 #   bash bench/gpu_suite.sh PART ...   any of: tests scheduler models engine serving, and two that are not in the
 #                                      default set: serving-models (bench/serving_models.sh; PEER_PROMPTS,
 #                                      BENCH_ARGS, LIMIT as there) and moe-sweep (bench/moe_bench.py --sweep)
-# Serving runs at the suite's sizes (SUITE_PROMPTS=192 requests at 16,32,64,inf req/s; SUITE_PEER_PROMPTS=24 for
+# Serving runs at the suite's sizes (SUITE_PROMPTS=192 requests at 16,32,64,inf req/s; SUITE_PEER_PROMPTS=8 for
 # the peer) so the benchmarks fit 8 minutes; the sizes of the published results are bench/serving_gpu.sh's defaults.
 # Parts write into a scratch folder that is bundled into $OUT/suite.tgz after every part (the device tool returns
 # at most 8 files; a run cut short keeps the parts it finished); $OUT also gets gpu.txt and suite_times.txt.
@@ -44,7 +44,7 @@ for part in "${parts[@]}"; do
       python bench/engine_bench.py --json "$OUT/engine_bench.json" 2>&1 | tee "$OUT/engine_bench.log"
       rc=${PIPESTATUS[0]} ;;
     serving)
-      PROMPTS=${SUITE_PROMPTS:-192} PEER_PROMPTS=${SUITE_PEER_PROMPTS:-24} bash bench/serving_gpu.sh; rc=$? ;;
+      PROMPTS=${SUITE_PROMPTS:-192} PEER_PROMPTS=${SUITE_PEER_PROMPTS:-8} bash bench/serving_gpu.sh; rc=$? ;;
     serving-models)
       bash bench/serving_models.sh; rc=$? ;;
     moe-sweep)
