@@ -57,3 +57,35 @@ def test_default_plan_splits_decode_buckets_only(backend):
 
     assert attention_plan(buf, 1, 32, 1, 128, PAGE, dtype).num_splits > 1
     assert attention_plan(buf, 256, 32, 8, 128, PAGE, dtype).num_splits == 1
+
+
+@pytest.mark.parametrize("tiles", [dict(query_rows=32, block_n=32, num_warps=8, num_stages=2),
+                                   dict(query_rows=128, block_n=128, num_warps=8, num_stages=4)])
+def test_paged_attention_matches_reference_with_other_tiles(backend, tiles):
+    """Launch shapes other than the defaults (the ones bench/attention_bench.py --sweep times): blocks of several
+    and of one query token, key blocks shorter and longer than a sequence, split KV."""
+    device, dtype, tol = backend
+    heads, kv_heads, dim = 8, 2, 64
+    buf, n = _batch(device, [(37, 0), (1, 90), (20, 45), (5, 11), (1, 0)])
+    q = torch.randn(n, heads, dim, device=device, dtype=dtype)
+    cache = torch.randn(2, 64, PAGE, kv_heads, dim, device=device, dtype=dtype)
+    from blink.models.kernels.attention import Tiles, attention, attention_plan
+
+    for splits in (1, 2):
+        plan = attention_plan(buf, n, heads, kv_heads, dim, PAGE, dtype, num_splits=splits, tiles=Tiles(**tiles))
+        assert plan.block_q == tiles["query_rows"] // (heads // kv_heads)
+        out = attention(q, cache, plan, dim ** -0.5)
+        ref = reference.attention(q, cache, reference.attention_plan(buf, n, heads, kv_heads, dim, PAGE), dim ** -0.5)
+        assert rel_err(out, ref) < tol, splits
+
+
+def test_tiles_name_the_bad_field():
+    from blink.models.kernels.attention import Tiles, tiles_for
+
+    with pytest.raises(ValueError, match="Tiles.query_rows must be a power of two >= 16"):
+        Tiles(query_rows=8)
+    with pytest.raises(ValueError, match="Tiles.block_n must be a power of two >= 16"):
+        Tiles(query_rows=16, block_n=96)
+    with pytest.raises(ValueError, match="Tiles.num_stages must be a positive int"):
+        Tiles(query_rows=16, num_stages=0)
+    assert tiles_for(256, 256) == Tiles(16) and tiles_for(512, 256) == Tiles(64)

@@ -8,6 +8,8 @@ suffice and surplus programs exit at once), and attends causally over split ``sp
 (cached prefix plus this step's tokens, read through the block table). With one split it writes the output; with
 several (decode-heavy buckets: long contexts and few sequences would leave most SMs idle) each split writes a
 partial output and its log-sum-exp, and ``_combine_kernel`` merges them. Rows past the batch's last token stay 0.
+The launch shape (rows per query block, keys per iteration, warps, stages) is a ``Tiles``; ``tiles_for`` picks it
+per bucket and ``bench/attention_bench.py --sweep`` times others.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from .tiles import check_tiles
 
 
 @triton.jit
@@ -120,6 +124,26 @@ def _combine_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, num_seqs_ptr, nu
 
 
 @dataclass(frozen=True)
+class Tiles:
+    """Launch shape of ``_attention_kernel``: ``query_rows`` rows of Q per program (query tokens times the GQA group
+    padded to a power of two; a larger group takes one token per program), ``block_n`` keys per loop iteration, and
+    Triton's warps and software-pipeline stages."""
+
+    query_rows: int
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        check_tiles(self)
+
+
+def tiles_for(num_tokens: int, max_num_seqs: int) -> Tiles:
+    """Decode-sized buckets take 16-row blocks (a decode has one query token), prefill buckets 64."""
+    return Tiles(query_rows=16 if num_tokens <= max_num_seqs else 64)
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """Launch shape of one step's attention (fixed per bucket) and the buffers all layers share.
 
@@ -128,6 +152,7 @@ class AttentionPlan:
 
     buf: object
     num_tokens: int
+    tiles: Tiles
     block_q: int
     num_splits: int
     out: torch.Tensor
@@ -136,13 +161,14 @@ class AttentionPlan:
 
 
 def attention_plan(buf, num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                   dtype: torch.dtype | None = None, num_splits: int | None = None) -> AttentionPlan:
-    """``num_splits`` defaults to enough splits for about two programs per SM when every sequence decodes."""
+                   dtype: torch.dtype | None = None, num_splits: int | None = None,
+                   tiles: Tiles | None = None) -> AttentionPlan:
+    """``num_splits`` defaults to enough splits for about two programs per SM when every sequence decodes;
+    ``tiles`` to ``tiles_for`` the bucket."""
     device = buf.token_ids.device
     seqs = buf.layout.sample_rows(num_tokens)
-    group_p2 = triton.next_power_of_2(num_heads // num_kv_heads)
-    # Decode-sized buckets take small query blocks (a decode has one query token); prefill buckets larger ones.
-    block_q = max(1, (16 if num_tokens <= buf.layout.max_num_seqs else 64) // group_p2)
+    tiles = tiles or tiles_for(num_tokens, buf.layout.max_num_seqs)
+    block_q = max(1, tiles.query_rows // triton.next_power_of_2(num_heads // num_kv_heads))
     if num_splits is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
         num_splits = min(32, triton.next_power_of_2(triton.cdiv(2 * sms, seqs * num_kv_heads)))
@@ -153,7 +179,7 @@ def attention_plan(buf, num_tokens: int, num_heads: int, num_kv_heads: int, head
     if num_splits > 1:
         part_o = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
         part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=device)
-    return AttentionPlan(buf, num_tokens, block_q, num_splits, out, part_o, part_lse)
+    return AttentionPlan(buf, num_tokens, tiles, block_q, num_splits, out, part_o, part_lse)
 
 
 def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: float,
@@ -169,7 +195,8 @@ def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scal
         q, kv_layer, plan.out, plan.part_o, plan.part_lse, buf.query_start_loc, buf.seq_lens, buf.block_tables,
         buf.num_seqs, q.stride(0), q.stride(1), buf.block_tables.stride(0), kv_layer[0].numel(), scale,
         sliding_window, heads, kv_heads, dim, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
-        BLOCK_Q=plan.block_q, BLOCK_N=64, BLOCK_D=block_d, PAGE_SIZE=page_size, NUM_SPLITS=plan.num_splits)
+        BLOCK_Q=plan.block_q, BLOCK_N=plan.tiles.block_n, BLOCK_D=block_d, PAGE_SIZE=page_size,
+        NUM_SPLITS=plan.num_splits, num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages)
     if plan.num_splits > 1:
         _combine_kernel[(t, heads)](plan.out, plan.part_o, plan.part_lse, buf.query_start_loc, buf.num_seqs, heads,
                                     dim, NUM_SPLITS=plan.num_splits, BLOCK_D=block_d)

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .tiles import check_tiles
+
 CHUNK = 256
 
 
@@ -40,14 +42,7 @@ class Tiles:
     num_stages: int = 3
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
-                raise ValueError(f"Tiles.{name} must be a power of two >= 16 (got {value!r})")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"Tiles.num_warps must be 1, 2, 4, 8 or 16 (got {self.num_warps!r})")
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"Tiles.num_stages must be a positive int (got {self.num_stages!r})")
+        check_tiles(self)
 
 
 def tiles_for(num_entries: int, num_experts: int) -> Tiles:
