@@ -1,0 +1,170 @@
+"""The paged attention kernel on one GPU: correctness against the torch reference at bf16, then speed against its
+floors, at the default launch shape and (``--sweep``) at every shape of ``PREFILL_SWEEP`` / ``DECODE_SWEEP``.
+
+Llama-3-8B's attention (32 query heads, 8 KV heads of 128, pages of 16 tokens scattered over the pool) in the
+step's cases: a 2048-token prompt, a 512-token chunk on a 1536-token cached prefix, and decodes (one token per
+sequence) at batch 1 and 64 with 1K context and batch 1 with 8K. Every case first checks the kernel against
+``reference.attention`` (relative error < 1e-2; exits non-zero otherwise), then times ``LAYERS`` back-to-back calls
+captured in one CUDA graph (as a step runs them) and reports the time per call. Floors: the KV bytes read at the
+measured HBM copy rate, or the causal attention FLOPs at the measured bf16 GEMM rate when larger.
+
+Run: ``PYTHONPATH=src python3 bench/attention_bench.py [--sweep] [--out attention_bench.json]`` (``$OUT/...`` by
+default when ``$OUT`` is set). Correctness tests: ``tests/models/kernels/test_attention.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+from model_bench import copy_bandwidth, matmul_rate
+from moe_bench import graph_ms, rel_err
+from triton.runtime.errors import OutOfResources
+
+from blink.device.step import StepBuffers, StepLayout
+from blink.models.batch import SeqChunk, fill_step
+from blink.models.kernels import reference
+from blink.models.kernels.attention import Tiles, attention, attention_plan, tiles_for
+
+HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
+LAYERS = 32
+LAYOUT = StepLayout(max_num_batched_tokens=2048, max_num_seqs=256, max_pages_per_seq=8192 // PAGE)
+PREFILL_SWEEP = [dict(tiles=Tiles(rows, n, warps, stages)) for rows, n, warps, stages in
+                 itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3))]
+DECODE_SWEEP = [dict(tiles=Tiles(16, n, warps, stages), num_splits=splits) for n, warps, stages, splits in
+                itertools.product((32, 64, 128), (2, 4), (2, 3), (4, 8, 16, 32))]
+
+
+@dataclass(frozen=True)
+class Case:
+    """``seqs`` sequences, each ``q_len`` query tokens on a cached prefix of ``prefix`` tokens."""
+
+    name: str
+    seqs: int
+    q_len: int
+    prefix: int
+
+    @property
+    def tokens(self) -> int:
+        return self.seqs * self.q_len
+
+    @property
+    def decode(self) -> bool:
+        return self.q_len == 1
+
+
+CASES = (Case("prefill 2048", 1, 2048, 0), Case("chunk 512 on 1536", 1, 512, 1536),
+         Case("decode B=1 ctx 1K", 1, 1, 1023), Case("decode B=64 ctx 1K", 64, 1, 1023),
+         Case("decode B=1 ctx 8K", 1, 1, 8191))
+
+
+def inputs(case: Case):
+    """Step buffers of the case (pages scattered over a pool just large enough), q, and ``LAYERS`` KV pools: each
+    call reads its own, as each layer of a step does (one pool would be served from L2 after the first call)."""
+    per_seq = -(-(case.prefix + case.q_len) // PAGE)
+    pages = list(range(case.seqs * per_seq))
+    random.Random(0).shuffle(pages)
+    chunks = [SeqChunk([1] * case.q_len, case.prefix, pages[i * per_seq:(i + 1) * per_seq]) for i in range(case.seqs)]
+    buf = StepBuffers(LAYOUT, "cuda")
+    fill_step(buf, chunks, PAGE)
+    q = torch.randn(case.tokens, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    caches = torch.randn(LAYERS, 2, len(pages), PAGE, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    return buf, q, caches
+
+
+def floors_ms(case: Case, bw: float, flops: float) -> tuple[float, float]:
+    """(KV bytes read / copy rate, causal attention FLOPs / GEMM rate) of one call."""
+    context = case.prefix + case.q_len
+    kv_bytes = case.seqs * context * KV_HEADS * DIM * 2 * 2
+    visible = case.seqs * sum(case.prefix + i + 1 for i in range(case.q_len))
+    return kv_bytes / bw * 1e3, 4 * HEADS * DIM * visible / flops * 1e3
+
+
+def run(case: Case, data, reps: int, want: torch.Tensor, **shape) -> dict:
+    """Checks one launch shape against ``want``, then times it (not when it is wrong or does not fit the SM)."""
+    buf, q, caches = data
+    try:
+        plan = attention_plan(buf, case.tokens, HEADS, KV_HEADS, DIM, PAGE, torch.bfloat16, **shape)
+        err = rel_err(attention(q, caches[0], plan, DIM ** -0.5), want)
+    except OutOfResources as e:
+        return dict(**describe(shape), rel_err=None, call_us=None, error=str(e).splitlines()[0])
+
+    def layers():
+        for cache in caches:
+            attention(q, cache, plan, DIM ** -0.5)
+
+    us = graph_ms(layers, reps) * 1e3 / LAYERS if err < 1e-2 else None
+    return dict(**describe(shape), num_splits_used=plan.num_splits, rel_err=err, call_us=us, error=None)
+
+
+def describe(shape: dict) -> dict:
+    return {**asdict(shape["tiles"]), "num_splits": shape.get("num_splits")} if "tiles" in shape else {}
+
+
+def bench_case(case: Case, bw: float, flops: float, reps: int, sweep: bool) -> dict:
+    data = inputs(case)
+    buf, q, caches = data
+    want = reference.attention(q, caches[0], reference.attention_plan(buf, case.tokens, HEADS, KV_HEADS, DIM, PAGE),
+                               DIM ** -0.5)
+    hbm, flop = floors_ms(case, bw, flops)
+    floor_us = max(hbm, flop) * 1e3
+    default = {**run(case, data, reps, want), **asdict(tiles_for(case.tokens, LAYOUT.max_num_seqs))}
+    row = dict(case=case.name, seqs=case.seqs, q_len=case.q_len, prefix=case.prefix, floor_us=floor_us,
+               hbm_floor_us=hbm * 1e3, flop_floor_us=flop * 1e3, default=default, sweep=[])
+    print(f"{case.name:>20}  default {fmt(default)}  floor {floor_us:8.1f} us  "
+          f"x{default['call_us'] / floor_us:.2f}" if default["call_us"] else f"{case.name}: default WRONG {default}",
+          flush=True)
+    if sweep:
+        row["sweep"] = [run(case, data, reps, want, **shape) for shape in
+                        (DECODE_SWEEP if case.decode else PREFILL_SWEEP)]
+        timed = sorted((r for r in row["sweep"] if r["call_us"] is not None), key=lambda r: r["call_us"])
+        for r in timed[:3]:
+            print(f"{'':>20}  {fmt(r)}  x{r['call_us'] / floor_us:.2f}  {describe_row(r)}", flush=True)
+        for r in row["sweep"]:
+            if r["call_us"] is None:
+                print(f"{'':>20}  {'WRONG' if r['error'] is None else 'does not fit'}: {describe_row(r)} "
+                      f"{r['error'] or r['rel_err']}", flush=True)
+    return row
+
+
+def fmt(r: dict) -> str:
+    return f"{r['call_us']:8.1f} us (rel err {r['rel_err']:.1e})"
+
+
+def describe_row(r: dict) -> str:
+    return (f"query_rows={r['query_rows']} block_n={r['block_n']} warps={r['num_warps']} stages={r['num_stages']}"
+            f" splits={r.get('num_splits_used')}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "attention_bench.json"))
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--sweep", action="store_true", help="also time every launch shape of the sweeps")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bw, flops = copy_bandwidth(), matmul_rate()
+    torch.cuda.empty_cache()
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {flops / 1e12:.0f} TFLOP/s; "
+          f"attention {HEADS} heads, {KV_HEADS} KV heads of {DIM}, pages of {PAGE}; per call of {LAYERS} in a graph",
+          flush=True)
+    rows = []
+    for case in CASES:
+        rows.append(bench_case(case, bw, flops, args.reps, args.sweep))
+        torch.cuda.empty_cache()  # the next case's KV pools
+    with open(args.out, "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bytes_per_s=bw,
+                       bf16_flop_per_s=flops, layers=LAYERS, rows=rows), f, indent=2)
+    wrong = [r["case"] for r in rows for x in [r["default"], *r["sweep"]]
+             if x["error"] is None and not x["rel_err"] < 1e-2]
+    if wrong:
+        sys.exit(f"attention differs from the reference in {sorted(set(wrong))} (relative error >= 1e-2)")
+
+
+if __name__ == "__main__":
+    main()
