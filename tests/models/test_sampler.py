@@ -26,7 +26,9 @@ def test_greedy_and_logprobs():
 def test_filter_keeps_what_transformers_keeps(top_k, top_p):
     torch.manual_seed(top_k)
     scaled = torch.randn(8, 3000) * 2
-    allowed = scaled >= filter_threshold(scaled, torch.full((8,), top_k), torch.full((8,), top_p))[:, None]
+    threshold = filter_threshold(scaled, torch.ones(8), torch.logsumexp(scaled, 1), torch.full((8,), top_k),
+                                 torch.full((8,), top_p))
+    allowed = scaled >= threshold[:, None]
     want = scaled
     if top_k:
         want = TopKLogitsWarper(min(top_k, CANDIDATES))(None, want)
@@ -59,3 +61,16 @@ def test_seed_fixes_tokens_whatever_the_batch():
     assert alone[0] == ids[2]
     other_seed, _ = _sample(logits, temperature=1.0, top_p=0.9, seed=seeds + 100, seq_lens=lens)
     assert not torch.equal(other_seed, ids)
+
+
+def test_threshold_of_logits_and_temperature_is_that_of_the_scaled_row():
+    """The sampler never stores ``logits / T``: its candidates are the top logits, divided. Dividing by a positive
+    T keeps the order, so the threshold must be exactly the one computed from the scaled row itself."""
+    torch.manual_seed(3)
+    logits = torch.randn(6, 3000) * 3
+    divisor = torch.tensor([0.05, 0.3, 0.7, 1.0, 1.5, 4.0])
+    scaled = logits / divisor[:, None]
+    top_k, top_p = torch.tensor([0, 5, 0, 40, 2000, 0]), torch.tensor([0.9, 1.0, 0.5, 0.95, 0.9, 1.0])
+    lse = torch.logsumexp(scaled, 1)
+    assert torch.equal(filter_threshold(logits, divisor, lse, top_k, top_p),
+                       filter_threshold(scaled, torch.ones(6), lse, top_k, top_p))

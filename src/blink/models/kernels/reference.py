@@ -141,11 +141,17 @@ def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scal
     return out
 
 
-def gumbel_argmax(scaled: torch.Tensor, threshold: torch.Tensor, seed: torch.Tensor, seq_lens: torch.Tensor,
-                  greedy: torch.Tensor) -> torch.Tensor:
-    """Per row: ``argmax(scaled)`` where ``greedy``, else ``argmax(scaled + gumbel(key, index))`` over the entries
-    ``>= threshold``, with ``key = row_key(seed, seq_len)``. Ties go to the lowest index. Returns int32 token ids
-    ``[S]``."""
+def row_logsumexp(logits: torch.Tensor, divisor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``logits [S, V]`` float32: (log-sum-exp of the row, log-sum-exp of the row divided by ``divisor``)."""
+    return torch.logsumexp(logits, dim=1), torch.logsumexp(logits / divisor[:, None], dim=1)
+
+
+def gumbel_argmax(logits: torch.Tensor, divisor: torch.Tensor, threshold: torch.Tensor, seed: torch.Tensor,
+                  seq_lens: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """Per row, with ``scaled = logits / divisor``: ``argmax(scaled)`` where ``greedy``, else
+    ``argmax(scaled + gumbel(key, index))`` over the entries ``>= threshold``, with ``key = row_key(seed, seq_len)``.
+    Ties go to the lowest index. Returns int32 token ids ``[S]``."""
+    scaled = logits / divisor[:, None]
     key = row_key(seed, seq_lens)
     vocab = torch.arange(scaled.shape[1], device=scaled.device)
     noisy = torch.where(scaled >= threshold[:, None], scaled + gumbel_noise(key[:, None], vocab[None, :]),

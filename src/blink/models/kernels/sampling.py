@@ -1,9 +1,14 @@
-"""Gumbel-max token choice in Triton; reference: ``reference.gumbel_argmax``, noise: ``blink.models.hashing``.
+"""The sampler's two passes over the logits in Triton; references: ``reference.row_logsumexp`` and
+``reference.gumbel_argmax``, noise: ``blink.models.hashing``.
 
-Program ``(row, chunk)`` derives the row's key from its seed and length (``hashing.row_key``, in uint32: one kernel
-instead of the ~40 elementwise launches of the torch version), scans ``CHUNK`` vocabulary entries and writes its
-best (value, index); the host-free ``torch.max`` over the chunks of a row picks the token. The first chunk wins a
-tie, as the lowest index does in the reference.
+Both read the float32 logits and divide by the row's temperature as they read (``div_rn``: the correctly rounded
+division torch does), so the scaled rows are never stored.
+
+- ``row_logsumexp``: one program per row keeps a running max and sum of exponentials per lane for the row and for
+  the scaled row (one pass instead of torch's two reductions of each), then folds the lanes.
+- ``gumbel_argmax``: program ``(row, chunk)`` derives the row's key from its seed and length (``hashing.row_key``,
+  in uint32), scans ``CHUNK`` vocabulary entries and writes its best (value, index); the host-free ``torch.max``
+  over the chunks of a row picks the token. The first chunk wins a tie, as the lowest index does in the reference.
 """
 from __future__ import annotations
 
@@ -33,9 +38,52 @@ def _row_key(seed, length):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(scaled_ptr, thr_ptr, seed_ptr, len_ptr, greedy_ptr, best_val_ptr, best_idx_ptr, vocab,
-                          stride, n_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _online_update(m, s, x):
+    """Running per-lane max ``m`` and sum ``s`` of ``exp(x - m)``; lanes that saw only ``-inf`` keep 0 (no NaN)."""
+    m_new = tl.maximum(m, x)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
+
+
+@triton.jit
+def _fold(m, s):
+    top = tl.max(m, 0)
+    return top + tl.log(tl.sum(s * tl.exp(m - top), 0))
+
+
+@triton.jit
+def _row_logsumexp_kernel(logits_ptr, div_ptr, lse_ptr, lse_scaled_ptr, vocab, stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    divisor = tl.load(div_ptr + row)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    m_scaled = tl.full([BLOCK], float("-inf"), tl.float32)
+    s_scaled = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        x = tl.load(logits_ptr + row * stride + idx, mask=idx < vocab, other=float("-inf"))
+        m, s = _online_update(m, s, x)
+        m_scaled, s_scaled = _online_update(m_scaled, s_scaled, tl.math.div_rn(x, divisor))
+    tl.store(lse_ptr + row, _fold(m, s))
+    tl.store(lse_scaled_ptr + row, _fold(m_scaled, s_scaled))
+
+
+def row_logsumexp(logits: torch.Tensor, divisor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits [S, V]`` float32 (unit stride in V), ``divisor [S]`` > 0 → (log-sum-exp of each row, of each row
+    divided by its divisor), float32 ``[S]`` each."""
+    rows, vocab = logits.shape
+    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    lse_scaled = torch.empty_like(lse)
+    _row_logsumexp_kernel[(rows,)](logits, divisor, lse, lse_scaled, vocab, logits.stride(0), BLOCK=2048,
+                                   num_warps=8)
+    return lse, lse_scaled
+
+
+@triton.jit
+def _gumbel_argmax_kernel(logits_ptr, div_ptr, thr_ptr, seed_ptr, len_ptr, greedy_ptr, best_val_ptr, best_idx_ptr,
+                          vocab, stride, n_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     row, chunk = tl.program_id(0), tl.program_id(1)
+    divisor = tl.load(div_ptr + row)
     thr = tl.load(thr_ptr + row)
     key = _row_key(tl.load(seed_ptr + row).to(tl.int64), tl.load(len_ptr + row))
     greedy = tl.load(greedy_ptr + row) != 0
@@ -44,7 +92,7 @@ def _gumbel_argmax_kernel(scaled_ptr, thr_ptr, seed_ptr, len_ptr, greedy_ptr, be
     for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         ok = idx < vocab
-        x = tl.load(scaled_ptr + row * stride + idx, mask=ok, other=float("-inf"))
+        x = tl.math.div_rn(tl.load(logits_ptr + row * stride + idx, mask=ok, other=float("-inf")), divisor)
         bits = _hash32(key ^ _hash32(idx.to(tl.uint32))) >> 8
         u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         noisy = tl.where(x >= thr, x - tl.log(-tl.log(u)), float("-inf"))
@@ -58,13 +106,13 @@ def _gumbel_argmax_kernel(scaled_ptr, thr_ptr, seed_ptr, len_ptr, greedy_ptr, be
     tl.store(best_idx_ptr + row * n_chunks + chunk, best_idx)
 
 
-def gumbel_argmax(scaled: torch.Tensor, threshold: torch.Tensor, seed: torch.Tensor, seq_lens: torch.Tensor,
-                  greedy: torch.Tensor) -> torch.Tensor:
-    """``scaled [S, V]`` float32 (unit stride in V) → int32 token ids ``[S]``."""
-    rows, vocab = scaled.shape
+def gumbel_argmax(logits: torch.Tensor, divisor: torch.Tensor, threshold: torch.Tensor, seed: torch.Tensor,
+                  seq_lens: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """``logits [S, V]`` float32 (unit stride in V), ``divisor [S]`` > 0 → int32 token ids ``[S]``."""
+    rows, vocab = logits.shape
     n_chunks = triton.cdiv(vocab, CHUNK)
-    best_val = torch.empty((rows, n_chunks), dtype=torch.float32, device=scaled.device)
-    best_idx = torch.empty((rows, n_chunks), dtype=torch.int32, device=scaled.device)
-    _gumbel_argmax_kernel[(rows, n_chunks)](scaled, threshold, seed, seq_lens, greedy, best_val, best_idx, vocab,
-                                            scaled.stride(0), n_chunks, CHUNK=CHUNK, BLOCK=1024)
+    best_val = torch.empty((rows, n_chunks), dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty((rows, n_chunks), dtype=torch.int32, device=logits.device)
+    _gumbel_argmax_kernel[(rows, n_chunks)](logits, divisor, threshold, seed, seq_lens, greedy, best_val, best_idx,
+                                            vocab, logits.stride(0), n_chunks, CHUNK=CHUNK, BLOCK=1024)
     return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True))[:, 0]
