@@ -6,8 +6,9 @@ import torch
 from blink.models.kernels import reference
 from conftest import rel_err
 
-# (tokens, experts, top_k, renormalize): decode- and prefill-sized blocks, Qwen3-30B-A3B's 128 experts top-8
-CASES = [(37, 8, 2, False), (300, 8, 2, True), (6, 128, 8, True)]
+# (tokens, experts, top_k, renormalize): decode- and prefill-sized blocks, Qwen3-30B-A3B's 128 experts top-8, and
+# more entries than one chunk of the align kernel (moe.MAX_CHUNK)
+CASES = [(37, 8, 2, False), (300, 8, 2, True), (6, 128, 8, True), (1100, 8, 2, True)]
 
 
 def skewed_router_logits(tokens: int, experts: int, device, dtype) -> torch.Tensor:

@@ -10,11 +10,13 @@ no host reads, so the whole MLP captures into a step graph:
    a multiple of ``BLOCK_M`` and lays the experts out in order, so that every ``BLOCK_M`` block of ``sorted_entries``
    belongs to one expert (``expert_blocks``). Entries keep their order within an expert; padding slots hold ``N``.
    ``total`` (on the device) is the padded length: the per-expert counts never become Python values, so the buffers
-   are sized for the worst case, ``N + min(E, N) * (BLOCK_M - 1)`` slots.
+   are sized for the worst case, ``N + min(E, N) * (BLOCK_M - 1)`` slots. Each program scans the entries in chunks
+   of up to ``MAX_CHUNK`` (its loops are latency-bound: at 2048 tokens, 256-entry chunks took 58 us per layer).
 3. ``_moe_gemm_kernel`` twice, one program per (block, output tile), blocks past ``total`` exiting at once: a grouped
    GEMM of each block's rows with its expert's weights. First ``x @ gate_up[e].T`` with SiLU-and-mul fused into the
    epilogue (``[N, I]``), then ``@ down[e].T`` times the entry's routing weight (``[N, H]``).
-4. The weighted combine: the ``top_k`` rows of each token summed.
+4. ``_sum_top_k_kernel``: the weighted combine, each token's ``top_k`` rows summed in float32 and rounded once, as
+   torch's sum of them does (one launch instead of torch's strided reduction).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import triton.language as tl
 
 from .tiles import check_tiles
 
-CHUNK = 256
+MAX_CHUNK = 2048
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,17 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_bloc
     tl.store(out, acc.to(dtype), mask=valid[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _sum_top_k_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    t, tile = tl.program_id(0), tl.program_id(1)
+    h = tile * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = h < hidden
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + j).to(tl.int64) * hidden + h, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * hidden + h, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``router_logits [T, E]`` (unit stride in E) → (weights ``[T, top_k]`` in the logits' dtype, int32 ids)."""
     t, experts = router_logits.shape
@@ -162,7 +175,8 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     expert_blocks = torch.empty(max_slots // block_m, dtype=torch.int32, device=ids.device)
     total = torch.empty(1, dtype=torch.int32, device=ids.device)
     _align_kernel[(num_experts,)](ids, sorted_entries, expert_blocks, total, n, num_experts, BLOCK_M=block_m,
-                                  BINS=triton.next_power_of_2(num_experts + 1), CHUNK=CHUNK)
+                                  BINS=triton.next_power_of_2(num_experts + 1),
+                                  CHUNK=min(MAX_CHUNK, triton.next_power_of_2(max(n, 16))))
     return sorted_entries, expert_blocks, total
 
 
@@ -185,7 +199,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     _moe_gemm_kernel[(blocks, triton.cdiv(hidden, tiles.block_n))](
         act, down, y, weights, sorted_entries, expert_blocks, total, n, hidden, inter, act.stride(0),
         down.stride(0), down.stride(1), 1, GATED=False, WEIGHTED=True, **shape)
-    return y.view(t, top_k, hidden).sum(dim=1)
+    out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
+    _sum_top_k_kernel[(t, triton.cdiv(hidden, 256))](y, out, hidden, TOP_K=top_k, BLOCK_H=256)
+    return out
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
