@@ -13,17 +13,14 @@ default when ``$OUT`` is set). Correctness tests: ``tests/models/kernels/test_at
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
-import os
 import random
 import sys
 from dataclasses import asdict, dataclass
 
 import torch
-from model_bench import copy_bandwidth, matmul_rate
-from moe_bench import graph_ms, rel_err
+from moe_bench import graph_ms, kernel_bench_start, rel_err
 from triton.runtime.errors import OutOfResources
 
 from blink.device.step import StepBuffers, StepLayout
@@ -142,14 +139,7 @@ def describe_row(r: dict) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "attention_bench.json"))
-    parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--sweep", action="store_true", help="also time every launch shape of the sweeps")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    bw, flops = copy_bandwidth(), matmul_rate()
-    torch.cuda.empty_cache()
+    args, bw, flops = kernel_bench_start(__doc__, "attention_bench.json", reps=30)
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {flops / 1e12:.0f} TFLOP/s; "
           f"attention {HEADS} heads, {KV_HEADS} KV heads of {DIM}, pages of {PAGE}; per call of {LAYERS} in a graph",
           flush=True)

@@ -100,15 +100,22 @@ def sweep_tokens(tokens: int, weights, top_k: int, reps: int) -> list[dict]:
     return rows
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "moe_bench.json"))
-    parser.add_argument("--reps", type=int, default=50)
-    parser.add_argument("--sweep", action="store_true", help="also time every launch shape of SWEEP")
+def kernel_bench_start(doc: str, json_name: str, reps: int) -> tuple[argparse.Namespace, float, float]:
+    """The command line shared by the kernel benches (``--out``, ``--reps``, ``--sweep``), then the copy and GEMM
+    rates their floors use, measured now: (args, bytes/s, FLOP/s)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), json_name))
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--sweep", action="store_true", help="also time every launch shape of the sweep")
     args = parser.parse_args()
     torch.manual_seed(0)
     bw, flops = copy_bandwidth(), matmul_rate()
     torch.cuda.empty_cache()
+    return args, bw, flops
+
+
+def main():
+    args, bw, flops = kernel_bench_start(__doc__, "moe_bench.json", reps=50)
     c = shape_config("qwen3-30b-a3b")
     weights = (torch.randn(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size, device="cuda",
                            dtype=torch.bfloat16) * c.hidden_size ** -0.5,
