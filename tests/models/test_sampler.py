@@ -27,7 +27,7 @@ def test_filter_keeps_what_transformers_keeps(top_k, top_p):
     torch.manual_seed(top_k)
     scaled = torch.randn(8, 3000) * 2
     threshold = filter_threshold(scaled, torch.ones(8), torch.logsumexp(scaled, 1), torch.full((8,), top_k),
-                                 torch.full((8,), top_p))
+                                 torch.full((8,), top_p), reference)
     allowed = scaled >= threshold[:, None]
     want = scaled
     if top_k:
@@ -72,5 +72,5 @@ def test_threshold_of_logits_and_temperature_is_that_of_the_scaled_row():
     scaled = logits / divisor[:, None]
     top_k, top_p = torch.tensor([0, 5, 0, 40, 2000, 0]), torch.tensor([0.9, 1.0, 0.5, 0.95, 0.9, 1.0])
     lse = torch.logsumexp(scaled, 1)
-    assert torch.equal(filter_threshold(logits, divisor, lse, top_k, top_p),
-                       filter_threshold(scaled, torch.ones(6), lse, top_k, top_p))
+    assert torch.equal(filter_threshold(logits, divisor, lse, top_k, top_p, reference),
+                       filter_threshold(scaled, torch.ones(6), lse, top_k, top_p, reference))

@@ -10,8 +10,8 @@ row (tokens whose scaled logit is ``>=`` it stay), found among the ``CANDIDATES`
 The token is then ``argmax(logit / T + gumbel)`` (Gumbel-max draws exactly from the softmax), with the noise a hash of
 ``(seed, seq_len, token)``. The returned logprob is of the model's own distribution (before temperature or filters).
 The scaled logits ``logit / T`` are never stored: the kernels divide as they read (``ops.row_logsumexp`` gives both
-rows' log-sum-exps in one pass, ``ops.gumbel_argmax`` picks the token), and the candidates are the top logits,
-scaled, since dividing by a positive ``T`` keeps their order.
+rows' log-sum-exps in one pass, ``ops.candidate_threshold`` applies the filters to the top logits, scaled, since
+dividing by a positive ``T`` keeps their order, and ``ops.gumbel_argmax`` picks the token).
 """
 from __future__ import annotations
 
@@ -26,28 +26,15 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     greedy = temperature <= 0
     divisor = torch.where(greedy, 1.0, temperature)
     lse, lse_scaled = ops.row_logsumexp(logits, divisor)
-    threshold = filter_threshold(logits, divisor, lse_scaled, top_k, top_p)
+    threshold = filter_threshold(logits, divisor, lse_scaled, top_k, top_p, ops)
     ids = ops.gumbel_argmax(logits, divisor, threshold, seed, seq_lens, greedy)
     logprobs = logits.gather(1, ids[:, None].long())[:, 0] - lse
     return ids, logprobs
 
 
 def filter_threshold(logits: torch.Tensor, divisor: torch.Tensor, lse_scaled: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor) -> torch.Tensor:
+                     top_p: torch.Tensor, ops) -> torch.Tensor:
     """Smallest scaled logit (``logits / divisor``, ``divisor > 0``) each row keeps (``-inf`` keeps all);
     ``lse_scaled`` is the log-sum-exp of each scaled row."""
     n = min(CANDIDATES, logits.shape[1])
-    cand = torch.topk(logits, n, dim=1).values / divisor[:, None]  # descending, as topk(logits / divisor) would be
-    rank = torch.arange(n, device=logits.device)[None, :]
-    k_on = top_k > 0
-    k = torch.where(k_on, top_k.clamp(max=n), n)[:, None]
-    in_k = rank < k
-    masked = torch.where(in_k, cand, float("-inf"))
-    # Top-p renormalises over what top-k kept; without top-k, over the whole row.
-    norm = torch.where(k_on, torch.logsumexp(masked, dim=1), lse_scaled)
-    probs = torch.exp(masked - norm[:, None])
-    mass_before = torch.cumsum(probs, dim=1) - probs
-    keep = in_k & ((mass_before < top_p[:, None]) | (rank == 0))
-    threshold = torch.where(keep, cand, float("inf")).amin(dim=1)
-    unclosed = ~k_on & keep[:, -1]
-    return torch.where(unclosed, float("-inf"), threshold)
+    return ops.candidate_threshold(torch.topk(logits, n, dim=1).values, divisor, lse_scaled, top_k, top_p)

@@ -44,3 +44,25 @@ def test_row_logsumexp_matches_reference(backend):
     want, want_scaled = (torch.logsumexp(x.double(), dim=1) for x in (logits, logits / divisor[:, None]))
     assert lse.dtype == lse_scaled.dtype == torch.float32
     assert rel_err(lse, want) < 1e-6 and rel_err(lse_scaled, want_scaled) < 1e-6
+
+
+def test_candidate_threshold_matches_reference(backend):
+    """Top-k alone, top-p alone (renormalised over the whole row), both, neither, a top-k past the candidates, and
+    rows whose candidates fall short of top-p (flat logits: not truncated, -inf), at two candidate counts (a power of
+    two and not)."""
+    device, _, _ = backend
+    from blink.models.kernels.sampling import candidate_threshold
+
+    for vocab, n in ((5000, 1024), (700, 700)):
+        logits = torch.randn(12, vocab, device=device) * 3
+        logits[10:] *= 0.01  # flat rows
+        divisor = _divisor(12, device)
+        lse_scaled = torch.logsumexp(logits / divisor[:, None], dim=1)
+        top_k = torch.tensor([0, 5, 0, 40, 2000, 0, 1, 0, 3, 0, 0, 7], dtype=torch.int32, device=device)
+        top_p = torch.tensor([1.0, 1.0, 0.5, 0.95, 0.9, 0.999, 1.0, 0.05, 0.3, 0.8, 0.9, 0.9], device=device)
+        cand = torch.topk(logits, n, dim=1).values
+        got = candidate_threshold(cand, divisor, lse_scaled, top_k, top_p)
+        want = reference.candidate_threshold(cand, divisor, lse_scaled, top_k, top_p)
+        assert torch.equal(got, want), (vocab, got, want)
+        assert want[0] == float("-inf") and torch.isfinite(want[[1, 2, 3, 11]]).all()
+        assert (want[10] == float("-inf")) == (n < vocab)  # a flat row's nucleus is wider than the candidates

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-OPS = ("rms_norm", "silu_and_mul", "rope_kv_write", "attention_plan", "attention", "row_logsumexp", "gumbel_argmax",
-       "fused_moe")
+OPS = ("rms_norm", "silu_and_mul", "rope_kv_write", "attention_plan", "attention", "row_logsumexp",
+       "candidate_threshold", "gumbel_argmax", "fused_moe")
 
 
 def ops_for(device):

@@ -146,6 +146,29 @@ def row_logsumexp(logits: torch.Tensor, divisor: torch.Tensor) -> tuple[torch.Te
     return torch.logsumexp(logits, dim=1), torch.logsumexp(logits / divisor[:, None], dim=1)
 
 
+def candidate_threshold(cand: torch.Tensor, divisor: torch.Tensor, lse_scaled: torch.Tensor, top_k: torch.Tensor,
+                        top_p: torch.Tensor) -> torch.Tensor:
+    """The filters of ``blink.models.sampler`` on each row's ``n`` largest logits ``cand [S, n]`` (descending):
+    the smallest of them, divided by ``divisor`` (> 0, which keeps the order), that top-k and top-p keep, ``-inf``
+    where top-p (top-k off) is still short of ``top_p`` after all ``n``. ``lse_scaled`` is the log-sum-exp of each
+    whole scaled row: top-p renormalises over it without top-k, over the top-k survivors with it."""
+    n = cand.shape[1]
+    cand = cand / divisor[:, None]
+    rank = torch.arange(n, device=cand.device)[None, :]
+    k_on = top_k > 0
+    k = torch.where(k_on, top_k.clamp(max=n), n)[:, None]
+    in_k = rank < k
+    masked = torch.where(in_k, cand, float("-inf"))
+    norm = torch.where(k_on, torch.logsumexp(masked, dim=1), lse_scaled)
+    probs = torch.exp(masked - norm[:, None])
+    mass_before = torch.cumsum(probs, dim=1) - probs
+    # top_p >= 1 is off: the running mass can round to 1 before the last candidate.
+    keep = in_k & ((top_p[:, None] >= 1) | (mass_before < top_p[:, None]) | (rank == 0))
+    threshold = torch.where(keep, cand, float("inf")).amin(dim=1)
+    unclosed = ~k_on & keep[:, -1]
+    return torch.where(unclosed, float("-inf"), threshold)
+
+
 def gumbel_argmax(logits: torch.Tensor, divisor: torch.Tensor, threshold: torch.Tensor, seed: torch.Tensor,
                   seq_lens: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     """Per row, with ``scaled = logits / divisor``: ``argmax(scaled)`` where ``greedy``, else
