@@ -1,7 +1,7 @@
-"""The sampler's two passes over the logits in Triton; references: ``reference.row_logsumexp`` and
+"""The sampler's kernels in Triton; references: ``reference.row_logsumexp``, ``reference.candidate_threshold`` and
 ``reference.gumbel_argmax``, noise: ``blink.models.hashing``.
 
-Both read the float32 logits and divide by the row's temperature as they read (``div_rn``: the correctly rounded
+Each reads float32 logits and divides by the row's temperature as it reads (``div_rn``: the correctly rounded
 division torch does), so the scaled rows are never stored.
 
 - ``row_logsumexp``: one program per row keeps a running max and sum of exponentials per lane for the row and for
