@@ -31,8 +31,9 @@ from blink.models.kernels.moe import Tiles, fused_moe, moe_experts, route, tiles
 from blink.models.shapes import shape_config
 
 TOKENS = (1, 8, 64, 256, 1024, 2048)
+# Narrow output tiles and long K steps too: at one token the default's 96 programs stream 512 KB each, fewer than SMs.
 SWEEP = [Tiles(m, n, k, warps, stages) for m, n, k, warps, stages in
-         itertools.product((16, 64), (32, 64, 128), (64, 128), (4, 8), (3,))]
+         itertools.product((16, 64), (16, 32, 64, 128), (64, 128, 256), (4, 8), (3,))]
 
 
 def inputs(tokens: int, hidden: int, experts: int):
