@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import time
 
-
 from blink.config import SamplingParams, SchedulerConfig
 from blink.device.launch import GpuScheduler, link_image
 from blink.device.ring import FINISHED, RingGeometry, RingLayout
