@@ -5,10 +5,10 @@
 #                                      transformers, isolated and with hogs)
 #   bash bench/gpu_suite.sh tests      every GPU test (pytest -m gpu: scheduler, models incl. full size, engine,
 #                                      energy)
-#   bash bench/gpu_suite.sh PART ...   any of: tests scheduler models engine serving, and three that are not in the
+#   bash bench/gpu_suite.sh PART ...   any of: tests scheduler models engine serving, and four that are not in the
 #                                      default set: serving-models (bench/serving_models.sh; PEER_PROMPTS,
-#                                      BENCH_ARGS, LIMIT as there), moe-sweep (bench/moe_bench.py --sweep) and
-#                                      attention-sweep (bench/attention_bench.py --sweep)
+#                                      BENCH_ARGS, LIMIT as there), moe-sweep (bench/moe_bench.py --sweep),
+#                                      attention-sweep (bench/attention_bench.py --sweep) and gemv (bench/gemv_bench.py)
 # Serving runs at the suite's sizes (SUITE_PROMPTS=192 requests at 16,32,64,inf req/s; SUITE_PEER_PROMPTS=8 for
 # the peer) so the benchmarks fit 8 minutes; the sizes of the published results are bench/serving_gpu.sh's defaults.
 # Parts write into a scratch folder that is bundled into $OUT/suite.tgz after every part (the device tool returns
@@ -54,8 +54,11 @@ for part in "${parts[@]}"; do
     attention-sweep)
       python bench/attention_bench.py --sweep --out "$OUT/attention_sweep.json" 2>&1 | tee "$OUT/attention_sweep.log"
       rc=${PIPESTATUS[0]} ;;
+    gemv)
+      python bench/gemv_bench.py --out "$OUT/gemv_bench.json" 2>&1 | tee "$OUT/gemv_bench.log"
+      rc=${PIPESTATUS[0]} ;;
     *) echo "unknown part: $part (tests | scheduler | models | engine | serving | serving-models | moe-sweep |" \
-         "attention-sweep)"; rc=2 ;;
+         "attention-sweep | gemv)"; rc=2 ;;
   esac
   echo "gpu_suite $part: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/suite_times.txt"
   [ "$rc" -eq 0 ] || status=1
