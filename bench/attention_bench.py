@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 import torch
-from moe_bench import graph_ms, kernel_bench_start, rel_err
+from gpu_timing import graph_ms, kernel_bench_start, rel_err
 from triton.runtime.errors import OutOfResources
 
 from blink.device.step import StepBuffers, StepLayout

@@ -21,7 +21,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from moe_bench import graph_ms, kernel_bench_start, rel_err
+from gpu_timing import graph_ms, kernel_bench_start, rel_err
 from triton.runtime.errors import OutOfResources
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}

@@ -25,10 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
+from gpu_timing import copy_bandwidth, events_median_ms, matmul_rate
 
 from blink.bench.shapes import SHAPES as BENCH_SHAPES
 from blink.device.step import StepBuffers, StepLayout
@@ -42,37 +42,6 @@ MODELS = {name: shape_config(name) for name in SHAPES}
 MODELS["qwen3-8b"] = BENCH_SHAPES["qwen3-8b"]
 PAGE = 16
 LAYOUT = StepLayout(max_num_batched_tokens=2048, max_num_seqs=256, max_pages_per_seq=8192 // PAGE)
-
-
-def events_median_ms(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a 2 GiB device-to-device copy, counting read + write."""
-    x = torch.randint(0, 255, (2 << 30,), dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    ms = events_median_ms(lambda: y.copy_(x), 20)
-    return 2 * x.numel() / (ms / 1e3)
-
-
-def matmul_rate() -> float:
-    """bf16 FLOP/s of an 8192^3 GEMM on random data."""
-    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    ms = events_median_ms(lambda: a @ b, 20)
-    return 2 * 8192 ** 3 / (ms / 1e3)
 
 
 def expert_bytes(model) -> int:

@@ -16,15 +16,13 @@ default when ``$OUT`` is set). Correctness tests of the kernels: ``tests/models/
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
-import os
 import sys
 from dataclasses import asdict
 
 import torch
-from model_bench import copy_bandwidth, events_median_ms, matmul_rate
+from gpu_timing import events_median_ms, graph_ms, kernel_bench_start, rel_err
 from triton.runtime.errors import OutOfResources
 
 from blink.models.kernels import reference
@@ -40,22 +38,6 @@ SWEEP = [Tiles(m, n, k, warps, stages) for m, n, k, warps, stages in
 def inputs(tokens: int, hidden: int, experts: int):
     return (torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16),
             torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16))
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
-
-
-def graph_ms(fn, reps: int) -> float:
-    """Median time of ``fn`` captured in a CUDA graph (after one eager call that compiles its kernels)."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-    torch.cuda.synchronize()
-    return events_median_ms(graph.replay, reps)
 
 
 def bench_tokens(tokens: int, weights, top_k: int, bw: float, flops: float, reps: int) -> dict:
@@ -105,22 +87,6 @@ def sweep_tokens(tokens: int, weights, top_k: int, reps: int) -> list[dict]:
         if r["experts_ms"] is None:
             print(f"    {'does not fit' if r['error'] else 'WRONG'}: {r}", flush=True)
     return rows
-
-
-def kernel_bench_start(doc: str, json_name: str, reps: int,
-                       sweep: bool = True) -> tuple[argparse.Namespace, float, float]:
-    """The command line shared by the kernel benches (``--out``, ``--reps``, and ``--sweep`` where the sweep is
-    optional), then the copy and GEMM rates their floors use, measured now: (args, bytes/s, FLOP/s)."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), json_name))
-    parser.add_argument("--reps", type=int, default=reps)
-    if sweep:
-        parser.add_argument("--sweep", action="store_true", help="also time every launch shape of the sweep")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    bw, flops = copy_bandwidth(), matmul_rate()
-    torch.cuda.empty_cache()
-    return args, bw, flops
 
 
 def main():

@@ -1,0 +1,75 @@
+"""GPU timing and the rates floors are measured against, shared by the benchmarks in ``bench/``.
+
+Times are medians of CUDA-event-timed calls (``events_median_ms``), or of replays of a CUDA graph captured after one
+eager call that compiles the kernels (``graph_ms``); floors use the copy and GEMM rates measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+
+
+def events_median_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, counting read + write."""
+    x = torch.randint(0, 255, (2 << 30,), dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    ms = events_median_ms(lambda: y.copy_(x), 20)
+    return 2 * x.numel() / (ms / 1e3)
+
+
+def matmul_rate() -> float:
+    """bf16 FLOP/s of an 8192^3 GEMM on random data."""
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    ms = events_median_ms(lambda: a @ b, 20)
+    return 2 * 8192 ** 3 / (ms / 1e3)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def graph_ms(fn, reps: int) -> float:
+    """Median time of ``fn`` captured in a CUDA graph (after one eager call that compiles its kernels)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.synchronize()
+    return events_median_ms(graph.replay, reps)
+
+
+def kernel_bench_start(doc: str, json_name: str, reps: int,
+                       sweep: bool = True) -> tuple[argparse.Namespace, float, float]:
+    """The command line shared by the kernel benches (``--out``, ``--reps``, and ``--sweep`` where the sweep is
+    optional), then the copy and GEMM rates their floors use, measured now: (args, bytes/s, FLOP/s)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), json_name))
+    parser.add_argument("--reps", type=int, default=reps)
+    if sweep:
+        parser.add_argument("--sweep", action="store_true", help="also time every launch shape of the sweep")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bw, flops = copy_bandwidth(), matmul_rate()
+    torch.cuda.empty_cache()
+    return args, bw, flops
