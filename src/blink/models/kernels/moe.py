@@ -29,6 +29,7 @@ import triton.language as tl
 from .tiles import check_tiles
 
 MAX_CHUNK = 2048
+SUM_BLOCK = 256  # hidden columns per program of the top-k combine
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
         act, down, y, weights, sorted_entries, expert_blocks, total, n, hidden, inter, act.stride(0),
         down.stride(0), down.stride(1), 1, GATED=False, WEIGHTED=True, **shape)
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
-    _sum_top_k_kernel[(t, triton.cdiv(hidden, 256))](y, out, hidden, TOP_K=top_k, BLOCK_H=256)
+    _sum_top_k_kernel[(t, triton.cdiv(hidden, SUM_BLOCK))](y, out, hidden, TOP_K=top_k, BLOCK_H=SUM_BLOCK)
     return out
 
 
