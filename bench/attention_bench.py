@@ -6,7 +6,9 @@ step's cases: a 2048-token prompt, a 512-token chunk on a 1536-token cached pref
 sequence) at batch 1 and 64 with 1K context and batch 1 with 8K. Every case first checks the kernel against
 ``reference.attention`` (relative error < 1e-2; exits non-zero otherwise), then times ``LAYERS`` back-to-back calls
 captured in one CUDA graph (as a step runs them) and reports the time per call. Floors: the KV bytes read at the
-measured HBM copy rate, or the causal attention FLOPs at the measured bf16 GEMM rate when larger.
+measured HBM copy rate, or the causal attention FLOPs at the measured bf16 GEMM rate when larger. For a prompt with
+no cached prefix the same attention on contiguous K/V by torch's ``scaled_dot_product_attention`` (its flash
+kernel) is timed the same way, as a yardstick of what a dense kernel reaches on this GPU.
 
 Run: ``PYTHONPATH=src python3 bench/attention_bench.py [--sweep] [--out attention_bench.json]`` (``$OUT/...`` by
 default when ``$OUT`` is set). Correctness tests: ``tests/models/kernels/test_attention.py``.
@@ -100,6 +102,14 @@ def run(case: Case, data, reps: int, want: torch.Tensor, **shape) -> dict:
     return dict(**describe(shape), num_splits_used=plan.num_splits, rel_err=err, call_us=us, error=None)
 
 
+def sdpa_us(case: Case, reps: int) -> float:
+    """Causal GQA attention of one prompt over contiguous K/V (``LAYERS`` copies) by torch's flash kernel, per call."""
+    q = torch.randn(1, HEADS, case.q_len, DIM, device="cuda", dtype=torch.bfloat16)
+    kvs = torch.randn(LAYERS, 2, 1, KV_HEADS, case.q_len, DIM, device="cuda", dtype=torch.bfloat16)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return graph_ms(lambda: [sdpa(q, k, v, is_causal=True, enable_gqa=True) for k, v in kvs], reps) * 1e3 / LAYERS
+
+
 def describe(shape: dict) -> dict:
     return {**asdict(shape["tiles"]), "num_splits": shape.get("num_splits")} if "tiles" in shape else {}
 
@@ -113,10 +123,11 @@ def bench_case(case: Case, bw: float, flops: float, reps: int, sweep: bool) -> d
     floor_us = max(hbm, flop) * 1e3
     default = {**run(case, data, reps, want), **asdict(tiles_for(case.tokens, LAYOUT.max_num_seqs))}
     row = dict(case=case.name, seqs=case.seqs, q_len=case.q_len, prefix=case.prefix, floor_us=floor_us,
-               hbm_floor_us=hbm * 1e3, flop_floor_us=flop * 1e3, default=default, sweep=[])
+               hbm_floor_us=hbm * 1e3, flop_floor_us=flop * 1e3, default=default, sweep=[],
+               sdpa_us=sdpa_us(case, reps) if case.prefix == 0 and not case.decode else None)
     print(f"{case.name:>20}  default {fmt(default)}  floor {floor_us:8.1f} us  "
           f"x{default['call_us'] / floor_us:.2f}" if default["call_us"] else f"{case.name}: default WRONG {default}",
-          flush=True)
+          f"  torch flash (contiguous K/V) {row['sdpa_us']:.1f} us" if row["sdpa_us"] else "", flush=True)
     if sweep:
         row["sweep"] = [run(case, data, reps, want, **shape) for shape in
                         (DECODE_SWEEP if case.decode else PREFILL_SWEEP)]

@@ -1,10 +1,10 @@
 """Paged attention in Triton for any mix of prefill chunks and decodes; reference: ``reference.attention``.
 
-One launch serves the whole packed batch, so its grid depends only on the bucket: program ``(b, kv_head, split)``
+One launch serves the whole packed batch, so its grid depends only on the bucket: program ``(kv_head, b, split)``
 takes query block ``b`` (``BLOCK_Q`` query tokens of one sequence, times the ``GROUP`` query heads sharing
 ``kv_head``: GQA loads each K/V tile once for the whole group), finds its sequence by binary search over
 ``query_start_loc`` (sequence ``i`` owns blocks ``qsl[i] // BLOCK_Q + i ..``, so ``T // BLOCK_Q + S`` blocks always
-suffice and surplus programs exit at once), and attends causally over split ``split`` of the keys its block can see
+suffice and surplus programs exit at once; a sequence's blocks are numbered last first), and attends causally over split ``split`` of the keys its block can see
 (cached prefix plus this step's tokens, read through the block table). With one split it writes the output; with
 several (decode-heavy buckets: long contexts and few sequences would leave most SMs idle) each split writes a
 partial output and its log-sum-exp, and ``_combine_kernel`` merges them. Rows past the batch's last token stay 0.
@@ -21,6 +21,8 @@ import triton.language as tl
 
 from .tiles import check_tiles
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension, which counts query blocks
+
 
 @triton.jit
 def _find_seq(qsl_ptr, block, num_seqs, BLOCK_Q: tl.constexpr):
@@ -36,19 +38,52 @@ def _find_seq(qsl_ptr, block, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _attend(acc, m_i, l_i, q, cache_ptr, bt_ptr, seq, bt_stride, v_offset, kv_head, num_kv_heads, head_dim, qk_scale,
+            q_pos, window, start, stop, d, d_ok, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+            MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Online softmax (base 2: ``qk_scale`` holds log2(e)) of ``q`` over keys ``[start, stop)``, ``BLOCK_N`` at a
+    time. Unmasked (``MASKED`` false) only where every row sees every key and ``stop - start`` is a multiple of
+    ``BLOCK_N``: the causal and window comparisons then cost nothing."""
+    for block_start in range(start, stop, BLOCK_N):
+        n = block_start + tl.arange(0, BLOCK_N)
+        n_ok = n < stop
+        page = tl.load(bt_ptr + seq * bt_stride + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        kv = ((page * PAGE_SIZE + n % PAGE_SIZE) * num_kv_heads + kv_head) * head_dim
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(cache_ptr + kv[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                visible &= n[None, :] > q_pos[:, None] - window
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: 2^-inf = 0, no NaN
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + v_offset + kv[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attention_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
                       num_seqs_ptr, q_st, q_sh, bt_stride, v_offset, scale, window, num_heads, num_kv_heads,
                       head_dim, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                      NUM_SPLITS: tl.constexpr):
-    block, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                      NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    kv_head, block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = _find_seq(qsl_ptr, block, tl.load(num_seqs_ptr), BLOCK_Q)
     if seq < 0:
         return
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    local = block - (q_start // BLOCK_Q + seq)
-    if local * BLOCK_Q >= q_len:
+    # A sequence's blocks run last query block first: the GPU starts programs in grid order (kv_head fastest), so
+    # the longest causal rows start first and the short ones fill the tail of the launch.
+    local = tl.cdiv(q_len, BLOCK_Q) - 1 - (block - (q_start // BLOCK_Q + seq))
+    if local < 0:
         return
     prefix = tl.load(seq_lens_ptr + seq) - q_len
 
@@ -69,29 +104,21 @@ def _attention_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, qsl_p
     chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     split_lo = lo + split * chunk
     split_hi = tl.minimum(hi, split_lo + chunk)
+    # Whole key blocks below the block's first query position are visible to every row (without a window).
+    full_hi = split_lo
+    if not HAS_WINDOW:
+        full_hi += tl.maximum(tl.minimum(split_hi, prefix + local * BLOCK_Q + 1) - split_lo, 0) // BLOCK_N * BLOCK_N
 
+    qk_scale = scale * 1.4426950408889634  # log2(e): exp2 below
     m_i = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P2, BLOCK_D], tl.float32)
-    for start in range(split_lo, split_hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < split_hi
-        page = tl.load(bt_ptr + seq * bt_stride + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        kv = ((page * PAGE_SIZE + n % PAGE_SIZE) * num_kv_heads + kv_head) * head_dim
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(cache_ptr + kv[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
-        visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
-        visible &= (window == 0) | (n[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: exp(-inf) = 0, no NaN
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + v_offset + kv[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, cache_ptr, bt_ptr, seq, bt_stride, v_offset, kv_head, num_kv_heads,
+                            head_dim, qk_scale, q_pos, window, split_lo, full_hi, d, d_ok, BLOCK_N, PAGE_SIZE,
+                            False, HAS_WINDOW)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, cache_ptr, bt_ptr, seq, bt_stride, v_offset, kv_head, num_kv_heads,
+                            head_dim, qk_scale, q_pos, window, full_hi, split_hi, d, d_ok, BLOCK_N, PAGE_SIZE,
+                            True, HAS_WINDOW)
 
     l_safe = tl.where(l_i == 0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -101,8 +128,9 @@ def _attention_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, qsl_p
                  o.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         part = (token * num_heads + head) * NUM_SPLITS + split
+        lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # back to base e for _combine_kernel
         tl.store(part_o_ptr + part[:, None] * head_dim + d[None, :], o, mask=mask)
-        tl.store(part_lse_ptr + part, tl.where(l_i == 0, float("-inf"), m_i + tl.log(l_safe)), mask=row_ok)
+        tl.store(part_lse_ptr + part, tl.where(l_i == 0, float("-inf"), lse), mask=row_ok)
 
 
 @triton.jit
@@ -154,6 +182,7 @@ class AttentionPlan:
     num_tokens: int
     tiles: Tiles
     block_q: int
+    num_blocks: int
     num_splits: int
     out: torch.Tensor
     part_o: torch.Tensor | None
@@ -174,12 +203,16 @@ def attention_plan(buf, num_tokens: int, num_heads: int, num_kv_heads: int, head
         num_splits = min(32, triton.next_power_of_2(triton.cdiv(2 * sms, seqs * num_kv_heads)))
     if num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two (got {num_splits})")
+    num_blocks = num_tokens // block_q + seqs  # query blocks: see the module docstring
+    if num_blocks > MAX_GRID_Y:
+        raise ValueError(f"{num_blocks} query blocks of {block_q} tokens exceed the launch grid's {MAX_GRID_Y}: "
+                         f"use larger Tiles.query_rows or a smaller bucket (num_tokens={num_tokens})")
     out = torch.zeros((num_tokens, num_heads, head_dim), dtype=dtype or torch.bfloat16, device=device)
     part_o = part_lse = None
     if num_splits > 1:
         part_o = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
         part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=device)
-    return AttentionPlan(buf, num_tokens, tiles, block_q, num_splits, out, part_o, part_lse)
+    return AttentionPlan(buf, num_tokens, tiles, block_q, num_blocks, num_splits, out, part_o, part_lse)
 
 
 def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: float,
@@ -188,15 +221,14 @@ def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scal
     buf, t = plan.buf, plan.num_tokens
     heads, kv_heads, dim, page_size = q.shape[1], kv_layer.shape[3], q.shape[2], kv_layer.shape[2]
     group = heads // kv_heads
-    seqs = buf.layout.sample_rows(t)
-    grid = (t // plan.block_q + seqs, kv_heads, plan.num_splits)
+    grid = (kv_heads, plan.num_blocks, plan.num_splits)
     block_d = triton.next_power_of_2(dim)
     _attention_kernel[grid](
         q, kv_layer, plan.out, plan.part_o, plan.part_lse, buf.query_start_loc, buf.seq_lens, buf.block_tables,
         buf.num_seqs, q.stride(0), q.stride(1), buf.block_tables.stride(0), kv_layer[0].numel(), scale,
         sliding_window, heads, kv_heads, dim, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
         BLOCK_Q=plan.block_q, BLOCK_N=plan.tiles.block_n, BLOCK_D=block_d, PAGE_SIZE=page_size,
-        NUM_SPLITS=plan.num_splits, num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages)
+        NUM_SPLITS=plan.num_splits, HAS_WINDOW=sliding_window > 0, num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages)
     if plan.num_splits > 1:
         _combine_kernel[(t, heads)](plan.out, plan.part_o, plan.part_lse, buf.query_start_loc, buf.num_seqs, heads,
                                     dim, NUM_SPLITS=plan.num_splits, BLOCK_D=block_d)
