@@ -8,7 +8,8 @@
 #   bash bench/gpu_suite.sh PART ...   any of: tests scheduler models engine serving, and four that are not in the
 #                                      default set: serving-models (bench/serving_models.sh; PEER_PROMPTS,
 #                                      BENCH_ARGS, LIMIT as there), moe-sweep (bench/moe_bench.py --sweep),
-#                                      attention-sweep (bench/attention_bench.py --sweep) and gemv (bench/gemv_bench.py)
+#                                      attention (bench/attention_bench.py), attention-sweep (the same, --sweep),
+#                                      gemv (bench/gemv_bench.py) and pdl (bench/pdl_bench.py)
 # Serving runs at the suite's sizes (SUITE_PROMPTS=192 requests at 16,32,64,inf req/s; SUITE_PEER_PROMPTS=8 for
 # the peer) so the benchmarks fit 8 minutes; the sizes of the published results are bench/serving_gpu.sh's defaults.
 # Parts write into a scratch folder that is bundled into $OUT/suite.tgz after every part (the device tool returns
@@ -51,6 +52,12 @@ for part in "${parts[@]}"; do
     moe-sweep)
       python bench/moe_bench.py --sweep --out "$OUT/moe_sweep.json" 2>&1 | tee "$OUT/moe_sweep.log"
       rc=${PIPESTATUS[0]} ;;
+    attention)
+      python bench/attention_bench.py --out "$OUT/attention_bench.json" 2>&1 | tee "$OUT/attention_bench.log"
+      rc=${PIPESTATUS[0]} ;;
+    pdl)
+      python bench/pdl_bench.py --out "$OUT/pdl_bench.json" 2>&1 | tee "$OUT/pdl_bench.log"
+      rc=${PIPESTATUS[0]} ;;
     attention-sweep)
       python bench/attention_bench.py --sweep --out "$OUT/attention_sweep.json" 2>&1 | tee "$OUT/attention_sweep.log"
       rc=${PIPESTATUS[0]} ;;
@@ -58,7 +65,7 @@ for part in "${parts[@]}"; do
       python bench/gemv_bench.py --out "$OUT/gemv_bench.json" 2>&1 | tee "$OUT/gemv_bench.log"
       rc=${PIPESTATUS[0]} ;;
     *) echo "unknown part: $part (tests | scheduler | models | engine | serving | serving-models | moe-sweep |" \
-         "attention-sweep | gemv)"; rc=2 ;;
+         "attention | attention-sweep | gemv | pdl)"; rc=2 ;;
   esac
   echo "gpu_suite $part: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/suite_times.txt"
   [ "$rc" -eq 0 ] || status=1
