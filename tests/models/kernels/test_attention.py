@@ -88,4 +88,4 @@ def test_tiles_name_the_bad_field():
         Tiles(query_rows=16, block_n=96)
     with pytest.raises(ValueError, match="Tiles.num_stages must be a positive int"):
         Tiles(query_rows=16, num_stages=0)
-    assert tiles_for(256, 256) == Tiles(16) and tiles_for(512, 256) == Tiles(64)
+    assert tiles_for(256, 256) == Tiles(16, num_stages=3) and tiles_for(512, 256) == Tiles(64)

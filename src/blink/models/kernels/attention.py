@@ -167,12 +167,15 @@ class Tiles:
 
 
 def tiles_for(num_tokens: int, max_num_seqs: int) -> Tiles:
-    """Decode-sized buckets take 16-row blocks (a decode has one query token), prefill buckets 64; 64 keys per
-    iteration, 4 warps, 2 stages. From ``bench/attention_bench.py --sweep`` on the H200 (c160fdc, Llama-3-8B's heads):
-    2 stages instead of 3 took a 2048-token prompt from 134.5 to 122.4 us per layer, a 512-token chunk on a 1536-token
-    prefix from 58.5 to 55.7 us, decodes by 0.5 us; 128-row blocks of 32 keys ran the prompt in 115 us but the chunk
-    in 98 us."""
-    return Tiles(query_rows=16 if num_tokens <= max_num_seqs else 64)
+    """Decode-sized buckets take 16-row blocks (a decode has one query token) and 3 pipeline stages; prefill buckets
+    64-row blocks and 2 stages; both 64 keys per iteration and 4 warps. From ``bench/attention_bench.py --sweep`` on
+    the H200 (c160fdc, Llama-3-8B's heads): 2 stages instead of 3 took a 2048-token prompt from 134.5 to 122.4 us per
+    layer and a 512-token chunk on a 1536-token prefix from 58.5 to 55.7 us (128-row blocks of 32 keys: the prompt in
+    115 us, the chunk in 98 us); for decodes 2 stages gained <= 0.6 us in the sweep but Llama-3-8B's B=16 8K decode
+    step took 10.5 ms against 9.2 with 3."""
+    if num_tokens <= max_num_seqs:
+        return Tiles(query_rows=16, num_stages=3)
+    return Tiles(query_rows=64)
 
 
 @dataclass(frozen=True)
