@@ -39,9 +39,9 @@ def raising_priority_is_permitted() -> bool:
 
 
 def test_agent_priority_is_applied_or_refused_with_a_clear_error():
-    high = run_python("import os; from blink.cli import set_agent_priority; set_agent_priority('high'); "
+    high = run_python("import os; from blink.cli import set_priority; set_priority('high'); "
                       "print(os.getpriority(os.PRIO_PROCESS, 0))")
-    realtime = run_python("import os; from blink.cli import set_agent_priority; set_agent_priority('realtime'); "
+    realtime = run_python("import os; from blink.cli import set_priority; set_priority('realtime'); "
                           "print(os.sched_getscheduler(0) == os.SCHED_RR)")
     if raising_priority_is_permitted():
         assert (high.returncode, high.stdout) == (0, "-10\n"), high.stderr
@@ -50,8 +50,8 @@ def test_agent_priority_is_applied_or_refused_with_a_clear_error():
         assert high.returncode == 1 and "--agent-priority high: not permitted" in high.stderr
     # An unprivileged user may not raise its priority: one line that says what to do, no traceback.
     unprivileged = "os.setgid(65534); os.setuid(65534); " if os.geteuid() == 0 else ""
-    denied = run_python(f"import os; from blink.cli import set_agent_priority; {unprivileged}"
-                        "set_agent_priority('realtime')")
+    denied = run_python(f"import os; from blink.cli import set_priority; {unprivileged}"
+                        "set_priority('realtime')")
     assert denied.returncode == 1 and "Traceback" not in denied.stderr
     assert "--agent-priority realtime: not permitted" in denied.stderr
     assert "Use --agent-priority normal." in denied.stderr

@@ -228,7 +228,7 @@ def _serve_http(args, memory, geometry, tokenizer, model_dir, engine) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.cpus:
         os.sched_setaffinity(0, args.cpus)      # keep the agent off the engine's cores
-    set_agent_priority(args.agent_priority)     # before any thread starts: threads inherit it
+    set_priority(args.agent_priority)           # before any thread starts: threads inherit it
     agent = Agent(memory, geometry)
     wait_until_serving(agent, engine)
     config = ServerConfig(model_name=args.served_model_name or Path(model_dir).name, max_queued=args.max_queued)
@@ -236,26 +236,27 @@ def _serve_http(args, memory, geometry, tokenizer, model_dir, engine) -> int:
     return 0
 
 
-AGENT_PRIORITIES = ("normal", "high", "realtime")
+PRIORITIES = ("normal", "high", "realtime")
 
 
-def set_agent_priority(level: str) -> None:
-    """Raise the calling process's CPU priority for a host shared with noisy neighbours (the agent is the only host
-    process on the per-token path; the engine process only sleeps). ``high``: nice -10, so where busy processes at
-    nice 0 share the agent's core it gets ~10x their CPU share and its wake-ups preempt them. ``realtime``: SCHED_RR
-    10, so it runs whenever it is runnable; it sleeps between polls, and Linux keeps 5% of every core for normal
-    tasks. Both need CAP_SYS_NICE (root) or a raised RLIMIT_NICE / RLIMIT_RTPRIO; processes started afterwards
-    inherit the priority (``serve`` starts the engine first)."""
-    if level not in AGENT_PRIORITIES:
-        raise ValueError(f"agent priority must be one of {', '.join(AGENT_PRIORITIES)} (got {level!r})")
+def set_priority(level: str, option: str = "--agent-priority") -> None:
+    """Raise the calling process's CPU priority for a host shared with noisy neighbours: the agent's (the only host
+    process on the per-token path; the engine process only sleeps) or a benchmark client's. ``high``: nice -10, so
+    where busy processes at nice 0 share a core this one gets ~10x their CPU share and its wake-ups preempt them.
+    ``realtime``: SCHED_RR 10, so it runs whenever it is runnable; it sleeps between polls, and Linux keeps 5% of
+    every core for normal tasks. Both need CAP_SYS_NICE (root) or a raised RLIMIT_NICE / RLIMIT_RTPRIO; processes
+    started afterwards inherit the priority (``serve`` starts the engine first). ``option`` names the command-line
+    option in the error."""
+    if level not in PRIORITIES:
+        raise ValueError(f"{option} must be one of {', '.join(PRIORITIES)} (got {level!r})")
     try:
         if level == "high":
             os.setpriority(os.PRIO_PROCESS, 0, -10)
         elif level == "realtime":
             os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(10))
     except PermissionError as e:
-        raise SystemExit(f"--agent-priority {level}: not permitted ({e.strerror}); it needs CAP_SYS_NICE (root) or a "
-                         f"raised RLIMIT_NICE / RLIMIT_RTPRIO. Use --agent-priority normal.") from None
+        raise SystemExit(f"{option} {level}: not permitted ({e.strerror}); it needs CAP_SYS_NICE (root) or a "
+                         f"raised RLIMIT_NICE / RLIMIT_RTPRIO. Use {option} normal.") from None
 
 
 def _model_dir(model):
@@ -321,7 +322,7 @@ def _http_options(parser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-queued", type=int, default=1024,
                         help="requests that may wait in the agent for a free ring slot; beyond it: 429")
-    parser.add_argument("--agent-priority", choices=AGENT_PRIORITIES, default="normal",
+    parser.add_argument("--agent-priority", choices=PRIORITIES, default="normal",
                         help="CPU priority of the agent on a shared host: high = nice -10, realtime = SCHED_RR "
                              "(both need CAP_SYS_NICE)")
     parser.add_argument("--cpus", type=_cpu_list, default=None,

@@ -72,6 +72,22 @@ def test_hogs_die_with_a_killed_benchmark():
         bench.wait()
 
 
+@pytest.mark.parametrize("parent_nice", [-10, 5])
+def test_hogs_run_at_nice_0_under_a_raised_client_and_keep_a_lowered_one(parent_nice):
+    """A benchmark that raised its own priority (--client-priority high) still gets neighbours at nice 0; one that
+    runs below normal (``nice blink bench serve``) gets hogs at its nice, which is all an unprivileged hog may do."""
+    code = ("import os, time\nfrom blink.bench.interference import interference\n"
+            f"os.setpriority(os.PRIO_PROCESS, 0, {parent_nice})\n"
+            "with interference(2) as hogs:\n"
+            "    time.sleep(1.0)\n"
+            "    print(' '.join(str(os.getpriority(os.PRIO_PROCESS, h.pid)) for h in hogs), flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    if parent_nice < 0 and "PermissionError" in done.stderr:
+        pytest.skip("raising a priority needs CAP_SYS_NICE here")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(max(parent_nice, 0))] * 2
+
+
 def test_no_interference_and_bad_counts():
     with interference(0) as hogs:
         assert hogs == []
