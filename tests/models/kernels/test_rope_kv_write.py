@@ -1,5 +1,6 @@
 """The fused q/k RMSNorm + RoPE + KV write against the composed references, on views of one qkv GEMM output,
-with partial rotary dims, padding rows (slot -1) and a NaN-poisoned pool (unwritten slots must stay NaN)."""
+with partial rotary dims, padding rows (slot -1), a NaN-poisoned pool (unwritten slots must stay NaN), and query
+heads that do not fill the kernel's last block of them (9 heads in blocks of 4)."""
 import pytest
 import torch
 
@@ -7,10 +8,11 @@ from blink.models.kernels import reference
 from conftest import rel_err
 
 
-@pytest.mark.parametrize("rotary_dim, norm", [(64, False), (32, False), (64, True)])
-def test_rope_kv_write_matches_reference(backend, rotary_dim, norm):
+@pytest.mark.parametrize("rotary_dim, norm, heads, kv_heads", [(64, False, 6, 2), (32, False, 6, 2), (64, True, 6, 2),
+                                                                (64, True, 9, 3)])
+def test_rope_kv_write_matches_reference(backend, rotary_dim, norm, heads, kv_heads):
     device, dtype, tol = backend
-    heads, kv_heads, dim, t, pages, page_size = 6, 2, 64, 11, 8, 4
+    dim, t, pages, page_size = 64, 11, 8, 4
     qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, device=device, dtype=dtype)
     angles = torch.rand(100, rotary_dim // 2, device=device) * 6
     cos_sin = torch.cat([angles.cos(), angles.sin()], 1)
