@@ -7,8 +7,10 @@
 # Environment (defaults): SHAPE=qwen3-8b DEVICE=cuda PROMPTS=256 RATES=16,32,64,inf PEER_PROMPTS=128 PEER_RATES=inf
 #   HOGS=4*nproc PEER_TIMEOUT=300 (s; the peer's JSON is rewritten after each run, so a cut-off run keeps the others)
 #   PEER_PROMPTS=0 runs blink alone. PORT=8321 BENCH_ARGS="" (more `blink bench serve` options for both backends)
-#   SERVE_ARGS="" (more `blink serve` options, e.g. "--agent-priority high"). The peer runs the first PEER_PROMPTS
-#   requests of the same dataset (request i depends only on the seed and i).
+#   SERVE_ARGS="" (more `blink serve` options, e.g. "--agent-priority high"). CLIENT_PRIORITY=normal (high: blink's
+#   load generator at nice -10, so that the hogs contend with the server and not with the client that measures it;
+#   the peer's client keeps normal priority, as its model runs in that process). The peer runs the first
+#   PEER_PROMPTS requests of the same dataset (request i depends only on the seed and i).
 # CPU dry run of the recipe: SHAPE=tiny-qwen3 DEVICE=cpu PROMPTS=8 RATES=4,inf PEER_PROMPTS=4 HOGS=2 \
 #   BENCH_ARGS="--output-len 16" bash bench/serving_gpu.sh
 set -uo pipefail
@@ -18,6 +20,7 @@ OUT=${OUT:-out}
 SHAPE=${SHAPE:-qwen3-8b} DEVICE=${DEVICE:-cuda} PROMPTS=${PROMPTS:-256} RATES=${RATES:-16,32,64,inf}
 PEER_PROMPTS=${PEER_PROMPTS:-128} PEER_RATES=${PEER_RATES:-inf} HOGS=${HOGS:-$((4 * $(nproc)))}
 PEER_TIMEOUT=${PEER_TIMEOUT:-300} PORT=${PORT:-8321} BENCH_ARGS=${BENCH_ARGS:-} SERVE_ARGS=${SERVE_ARGS:-}
+CLIENT_PRIORITY=${CLIENT_PRIORITY:-normal}
 mkdir -p "$OUT"
 # The GPU machine has no network: if its image lacks nvidia-ml-py (energy) or matplotlib (plots), install them from
 # wheels/ (downloaded on a networked machine, see docs/benchmarks.md); without them energy is reported unavailable.
@@ -51,7 +54,7 @@ PY
 if [ $status -eq 0 ]; then
   python -m blink.cli bench serve --label blink --base-url "http://127.0.0.1:$PORT" --tokenizer "$model" \
     --num-prompts "$PROMPTS" --sweep "$RATES" --ignore-eos --interference "$HOGS" $BENCH_ARGS \
-    --result-json "$OUT/serving_blink.json" 2>&1 | tee "$OUT/serving_blink.log" || status=1
+    --client-priority "$CLIENT_PRIORITY" --result-json "$OUT/serving_blink.json" 2>&1 | tee "$OUT/serving_blink.log" || status=1
 fi
 kill -INT $server; wait $server
 
