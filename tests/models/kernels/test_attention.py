@@ -89,3 +89,17 @@ def test_tiles_name_the_bad_field():
     with pytest.raises(ValueError, match="Tiles.num_stages must be a positive int"):
         Tiles(query_rows=16, num_stages=0)
     assert tiles_for(256, 256) == Tiles(16, num_stages=3) and tiles_for(512, 256) == Tiles(64)
+
+
+def test_a_bucket_past_the_launch_grid_is_refused_with_what_to_do():
+    """Query blocks are the launch grid's second dimension (at most 65535): one-token blocks of a 65536-token bucket
+    do not fit, four-token blocks do."""
+    pytest.importorskip("triton")
+    from blink.models.kernels.attention import Tiles, attention_plan
+
+    buf = StepBuffers(StepLayout(65536, 256, 32), "cpu")
+    with pytest.raises(ValueError, match="65792 query blocks of 1 tokens exceed the launch grid's 65535: use larger "
+                                         "Tiles.query_rows"):
+        attention_plan(buf, 65536, 16, 1, 16, PAGE, torch.bfloat16, num_splits=1, tiles=Tiles(16))
+    plan = attention_plan(buf, 65536, 16, 1, 16, PAGE, torch.bfloat16, num_splits=1, tiles=Tiles(64))
+    assert (plan.block_q, plan.num_blocks) == (4, 65536 // 4 + 256)
