@@ -17,7 +17,9 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do parts+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 [ ${#parts[@]} -eq 0 ] && parts=(tests moe engine models)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
-git rev-parse HEAD >>"$OUT/gpu.txt" 2>/dev/null
+# The device tool's copy of the tree carries a .git from an earlier sync, so its HEAD can be stale: the caller writes
+# the commit it copied into the command, e.g. `BLINK_COMMIT=b157c94 bash bench/gpu_suite.sh models`.
+echo "tree: ${BLINK_COMMIT:-unknown (set BLINK_COMMIT)}" >> "$OUT/gpu.txt"
 status=0
 for part in "${parts[@]}"; do
   start=$SECONDS
