@@ -54,7 +54,8 @@ PY
 if [ $status -eq 0 ]; then
   python -m blink.cli bench serve --label blink --base-url "http://127.0.0.1:$PORT" --tokenizer "$model" \
     --num-prompts "$PROMPTS" --sweep "$RATES" --ignore-eos --interference "$HOGS" $BENCH_ARGS \
-    --client-priority "$CLIENT_PRIORITY" --result-json "$OUT/serving_blink.json" 2>&1 | tee "$OUT/serving_blink.log" || status=1
+    --client-priority "$CLIENT_PRIORITY" --result-json "$OUT/serving_blink.json" 2>&1 \
+    | tee "$OUT/serving_blink.log" || status=1
 fi
 kill -INT $server; wait $server
 
