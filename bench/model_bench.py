@@ -127,6 +127,9 @@ def kernel_profile(graph, step_ms: float, steps: int = 10, top: int = 15) -> dic
     print(f"    kernels busy {busy_ms:.3f} of {step_ms:.3f} ms per step ({len(kernels)} kernel kinds)", flush=True)
     for k in kernels[:top]:
         print(f"    {k['us_per_step']:9.1f} us  x{k['per_step']:5.0f}  {k['kernel'][:90]}", flush=True)
+    if len(kernels) > top:  # the JSON lists every kind
+        rest = sum(k["us_per_step"] for k in kernels[top:])
+        print(f"    {rest:9.1f} us  in the other {len(kernels) - top} kinds", flush=True)
     return dict(step_ms=step_ms, busy_ms=busy_ms, kernels=kernels)
 
 
