@@ -55,3 +55,15 @@ def test_agent_priority_is_applied_or_refused_with_a_clear_error():
     assert denied.returncode == 1 and "Traceback" not in denied.stderr
     assert "--agent-priority realtime: not permitted" in denied.stderr
     assert "Use --agent-priority normal." in denied.stderr
+
+
+def test_bench_client_priority_is_applied_before_the_benchmark_or_refused():
+    """``blink bench serve --client-priority high`` raises the benchmark process's priority before it sends anything:
+    unprivileged, it stops at once with the same one-line advice (no server is needed to get there)."""
+    unprivileged = "os.setgid(65534); os.setuid(65534); " if os.geteuid() == 0 else ""
+    denied = run_python(f"import os, sys; from blink.cli import main; import blink.bench.serve; {unprivileged}"
+                        "sys.exit(main(['bench', 'serve', '--client-priority', 'high', '--base-url', "
+                        "'http://127.0.0.1:9', '--num-prompts', '1']))")
+    assert denied.returncode == 1 and "Traceback" not in denied.stderr, denied.stderr
+    assert "--client-priority high: not permitted" in denied.stderr
+    assert "Use --client-priority normal." in denied.stderr
