@@ -9,7 +9,7 @@
 #                                      default set: serving-models (bench/serving_models.sh; PEER_PROMPTS,
 #                                      BENCH_ARGS, LIMIT as there), moe-sweep (bench/moe_bench.py --sweep),
 #                                      attention (bench/attention_bench.py), attention-sweep (the same, --sweep),
-#                                      gemv (bench/gemv_bench.py) and pdl (bench/pdl_bench.py)
+#                                      gemv (bench/gemv_bench.py) and decode-chain (bench/decode_chain_bench.py)
 # Serving runs at the suite's sizes (SUITE_PROMPTS=192 requests at 16,32,64,inf req/s; SUITE_PEER_PROMPTS=8 for
 # the peer) so the benchmarks fit 8 minutes; the sizes of the published results are bench/serving_gpu.sh's defaults.
 # Parts write into a scratch folder that is bundled into $OUT/suite.tgz after every part (the device tool returns
@@ -57,8 +57,8 @@ for part in "${parts[@]}"; do
     attention)
       python bench/attention_bench.py --out "$OUT/attention_bench.json" 2>&1 | tee "$OUT/attention_bench.log"
       rc=${PIPESTATUS[0]} ;;
-    pdl)
-      python bench/pdl_bench.py --out "$OUT/pdl_bench.json" 2>&1 | tee "$OUT/pdl_bench.log"
+    decode-chain)
+      python bench/decode_chain_bench.py --out "$OUT/decode_chain_bench.json" 2>&1 | tee "$OUT/decode_chain_bench.log"
       rc=${PIPESTATUS[0]} ;;
     attention-sweep)
       python bench/attention_bench.py --sweep --out "$OUT/attention_sweep.json" 2>&1 | tee "$OUT/attention_sweep.log"
@@ -67,7 +67,7 @@ for part in "${parts[@]}"; do
       python bench/gemv_bench.py --out "$OUT/gemv_bench.json" 2>&1 | tee "$OUT/gemv_bench.log"
       rc=${PIPESTATUS[0]} ;;
     *) echo "unknown part: $part (tests | scheduler | models | engine | serving | serving-models | moe-sweep |" \
-         "attention | attention-sweep | gemv | pdl)"; rc=2 ;;
+         "attention | attention-sweep | gemv | decode-chain)"; rc=2 ;;
   esac
   echo "gpu_suite $part: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/suite_times.txt"
   [ "$rc" -eq 0 ] || status=1
