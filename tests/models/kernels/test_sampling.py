@@ -33,17 +33,21 @@ def test_gumbel_argmax_matches_reference(backend):
 
 def test_row_logsumexp_matches_reference(backend):
     """Both log-sum-exps of each row in one pass, over a vocabulary that is not a multiple of the block, with rows
-    of very different scales (a temperature of 0.05 makes one logit dominate)."""
+    of very different scales (a temperature of 0.05 makes one logit dominate), a row whose first 4096-entry chunk is
+    all -inf, and one that is -inf throughout (-inf, as torch, not NaN)."""
     device, _, _ = backend
     rows, vocab = 6, 5003
     logits = torch.randn(rows, vocab, device=device, dtype=torch.float64).mul(4).float()
+    logits[2, :4096] = float("-inf")
+    logits[5] = float("-inf")
     divisor = _divisor(rows, device)
     from blink.models.kernels.sampling import row_logsumexp
 
     lse, lse_scaled = row_logsumexp(logits, divisor)
     want, want_scaled = (torch.logsumexp(x.double(), dim=1) for x in (logits, logits / divisor[:, None]))
     assert lse.dtype == lse_scaled.dtype == torch.float32
-    assert rel_err(lse, want) < 1e-6 and rel_err(lse_scaled, want_scaled) < 1e-6
+    assert torch.all(lse[5] == float("-inf")) and torch.all(lse_scaled[5] == float("-inf"))
+    assert rel_err(lse[:5], want[:5]) < 1e-6 and rel_err(lse_scaled[:5], want_scaled[:5]) < 1e-6
 
 
 def test_candidate_threshold_matches_reference(backend):

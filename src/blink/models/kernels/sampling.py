@@ -51,8 +51,9 @@ def _online_update(m, s, x):
 
 @triton.jit
 def _fold(m, s):
-    top = tl.max(m, 0)
-    return top + tl.log(tl.sum(s * tl.exp(m - top), 0))
+    """Lanes' running (max, sum) → log-sum-exp; ``-inf`` where every lane saw only ``-inf`` (as torch)."""
+    top, total = _fold_lanes(m, s)
+    return top + tl.log(total)
 
 
 @triton.jit
