@@ -112,7 +112,7 @@ def chain(variant: str, xs: list[torch.Tensor], weights: list[torch.Tensor], nor
         if variant in ("cublas", "norm+cublas"):
             torch.nn.functional.linear(x, w, out=out)
         else:
-            skinny_linear(x, w, out, shape, pdl=variant.endswith("pdl") or variant == "pdl+prefetch",
+            skinny_linear(x, w, out, shape, pdl="pdl" in variant,
                           prefetch=variant == "pdl+prefetch", norm_weight=nw if variant.startswith("fused") else None)
 
 

@@ -28,6 +28,14 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "
 # The device tool's copy of the tree carries a .git from an earlier sync, so its HEAD can be stale: the caller writes
 # the commit it copied into the command, e.g. `BLINK_COMMIT=b157c94 bash bench/gpu_suite.sh models`.
 echo "tree: ${BLINK_COMMIT:-unknown (set BLINK_COMMIT)}" >> "$OUT/gpu.txt"
+# A Python bench part: `bench_part NAME SCRIPT ARGS... OPTION` runs `python bench/SCRIPT ARGS... OPTION $OUT/NAME.json`
+# (OPTION: the script's flag for its JSON file) with its output also in $OUT/NAME.log; returns the script's status.
+bench_part() {
+  local name=$1 script=$2
+  shift 2
+  python "bench/$script" "$@" "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
+  return "${PIPESTATUS[0]}"
+}
 status=0
 for part in "${parts[@]}"; do
   start=$SECONDS
@@ -40,32 +48,25 @@ for part in "${parts[@]}"; do
       python -m pytest -m gpu -q -p no:cacheprovider "${files[@]}" 2>&1 | tee "$OUT/gpu_tests.log"
       rc=${PIPESTATUS[0]} ;;
     scheduler)
-      python bench/scheduler_bench.py --json "$OUT/scheduler_bench.json" 2>&1 | tee "$OUT/scheduler_bench.log"
-      rc=${PIPESTATUS[0]} ;;
+      bench_part scheduler_bench scheduler_bench.py --json; rc=$? ;;
     models)
       bash bench/models_gpu.sh moe models -- --profile 1,1024 64,1024 prefill; rc=$? ;;
     engine)
-      python bench/engine_bench.py --json "$OUT/engine_bench.json" 2>&1 | tee "$OUT/engine_bench.log"
-      rc=${PIPESTATUS[0]} ;;
+      bench_part engine_bench engine_bench.py --json; rc=$? ;;
     serving)
       PROMPTS=${SUITE_PROMPTS:-192} PEER_PROMPTS=${SUITE_PEER_PROMPTS:-8} bash bench/serving_gpu.sh; rc=$? ;;
     serving-models)
       bash bench/serving_models.sh; rc=$? ;;
     moe-sweep)
-      python bench/moe_bench.py --sweep --out "$OUT/moe_sweep.json" 2>&1 | tee "$OUT/moe_sweep.log"
-      rc=${PIPESTATUS[0]} ;;
+      bench_part moe_sweep moe_bench.py --sweep --out; rc=$? ;;
     attention)
-      python bench/attention_bench.py --out "$OUT/attention_bench.json" 2>&1 | tee "$OUT/attention_bench.log"
-      rc=${PIPESTATUS[0]} ;;
+      bench_part attention_bench attention_bench.py --out; rc=$? ;;
     decode-chain)
-      python bench/decode_chain_bench.py --out "$OUT/decode_chain_bench.json" 2>&1 | tee "$OUT/decode_chain_bench.log"
-      rc=${PIPESTATUS[0]} ;;
+      bench_part decode_chain_bench decode_chain_bench.py --out; rc=$? ;;
     attention-sweep)
-      python bench/attention_bench.py --sweep --out "$OUT/attention_sweep.json" 2>&1 | tee "$OUT/attention_sweep.log"
-      rc=${PIPESTATUS[0]} ;;
+      bench_part attention_sweep attention_bench.py --sweep --out; rc=$? ;;
     gemv)
-      python bench/gemv_bench.py --out "$OUT/gemv_bench.json" 2>&1 | tee "$OUT/gemv_bench.log"
-      rc=${PIPESTATUS[0]} ;;
+      bench_part gemv_bench gemv_bench.py --out; rc=$? ;;
     *) echo "unknown part: $part (tests | scheduler | models | engine | serving | serving-models | moe-sweep |" \
          "attention | attention-sweep | gemv | decode-chain)"; rc=2 ;;
   esac
