@@ -4,20 +4,24 @@ PDL launches still instantiate for device launch? An experiment for issue 4, not
 
 The B=1 decode step is ~400 dependent kernels: small GEMMs at 1.4-1.8x their weight bytes' floor, 65 RMSNorm and
 32 SiLU-mul kernels of 1.5-2.4 us, ~160 us per step in gaps (profiles in docs/benchmarks.md). Here ``CALLS``
-chained steps ``x_(i+1) = x_i @ W_i.T`` (square, each W its own copy, bf16 out), or with the norm
-``x_(i+1) = rms_norm(x_i) @ W_i.T``, are captured in one CUDA graph and timed per step, as:
+chained steps ``x_(i+1) = x_i @ W_i.T`` (square, each W its own copy, bf16 out), with the norm
+``x_(i+1) = rms_norm(x_i) @ W_i.T``, or gated ``x_(i+1) = silu(x_i @ W_i.T) * (x_i @ U_i.T)`` (the MLP's gate_up
+and SiLU-mul; its floor is twice the others'), are captured in one CUDA graph and timed per step, as:
 
 - ``cublas``: ``torch.nn.functional.linear``;
 - ``triton``: the skinny GEMM kernel below, plain launches;
 - ``pdl``: the same launched with PDL: each program waits (``gdc_wait``) only before it reads x, so the next GEMM's
-  programs are placed while the previous one drains;
-- ``pdl+prefetch``: as ``pdl``, and before waiting each program prefetches its weight rows into L2
-  (``prefetch.global.L2``), so weight streaming starts under the previous kernel's tail;
-- ``norm+cublas``: blink's RMSNorm kernel, then cuBLAS (the step's unfused pair);
-- ``norm+triton``: blink's RMSNorm kernel, then the skinny GEMM;
-- ``fused``: the skinny GEMM normalising x as it loads it (each program first sums the squares of its rows of x,
-  ``k`` entries each, then streams the weights);
-- ``fused+pdl``: as ``fused``, launched with PDL.
+  programs are placed while the previous one drains (``b1c020f`` also timed an L2 prefetch of each program's weight
+  rows before the wait: slower, 15.5 us against 11.9 per 4096^2 call at M=1, ``pdl_bench_h200_b1c020f.json``);
+- ``norm+cublas`` / ``norm+triton``: blink's RMSNorm kernel, then cuBLAS (the step's unfused pair) / the skinny GEMM;
+- ``fused-in`` / ``fused-pre`` / ``fused-post``: the skinny GEMM with the norm folded in: its weight folded into W's
+  columns ahead of time, the per-row scale ``rsqrt(mean(x^2) + eps)`` applied to the accumulator, the squares
+  summed from the x tiles the loop loads, in a pass over x before the loop, or after it; ``fused-in+pdl`` with PDL.
+  Two versions that multiplied each loaded x tile by the norm weight before its ``tl.dot`` (squares summed before
+  the loop / in it) took 23.1 / 30.8 us per 4096^2 call at M=1 against 14.6 for norm+triton
+  (``bench/results/decode_chain_bench_h200_fused_v1.json``, ``_v2.json``; the three kinds of pass: ``_v3.json``);
+- ``silu+cublas``: cuBLAS on the stacked [W; U], then blink's SiLU-mul kernel;
+- ``gated`` / ``gated+pdl``: one skinny kernel with two weight streams and SiLU-mul in its epilogue.
 
 Each variant is first checked against float64 (relative error < 1e-2). Then the ``pdl`` chain's raw graph is
 instantiated with ``cudaGraphInstantiateFlagDeviceLaunch`` (as blink's step graphs are) and uploaded; the result
@@ -37,6 +41,7 @@ import triton
 import triton.language as tl
 from gpu_timing import graph_ms, kernel_bench_start, rel_err
 
+from blink.models.kernels.activation import _silu_and_mul_kernel
 from blink.models.kernels.norm import rms_norm
 
 SIZES = (4096, 8192)
@@ -44,95 +49,127 @@ ROWS = (1, 16)
 CALLS = 8
 SHAPES = [dict(block_n=n, block_k=k, num_warps=4, num_stages=s) for n, k, s in
           itertools.product((32, 64), (128, 256), (3, 4))]
-VARIANTS = ("triton", "pdl", "pdl+prefetch", "norm+cublas", "norm+triton", "fused", "fused+pdl")
+# variant -> (kernel's NORM mode, PDL); NORM: 0 none, 1 squares summed from the x tiles the loop loads anyway,
+# 2 in a pass over x before the loop, 3 in a pass after it
+FUSED = {"fused-in": (1, False), "fused-pre": (2, False), "fused-post": (3, False), "fused-in+pdl": (1, True)}
+VARIANTS = ("triton", "pdl", "norm+cublas", "norm+triton", *FUSED, "silu+cublas", "gated", "gated+pdl")
 EPS = 1e-5
-NORM_BLOCK = 1024  # entries of x per step of the fused kernel's sum of squares
+NORM_BLOCK = 1024  # entries of x per step of a separate pass of squares (NORM 2 and 3)
+
+
+@triton.jit
+def _row_squares(x_ptr, rows, m, k, NORM_BLOCK: tl.constexpr):
+    squares = tl.zeros(rows.shape, tl.float32)
+    for k0 in range(0, k, NORM_BLOCK):
+        ks = k0 + tl.arange(0, NORM_BLOCK)
+        x = tl.load(x_ptr + rows[:, None] * k + ks[None, :], mask=(rows[:, None] < m) & (ks[None, :] < k),
+                    other=0.0).to(tl.float32)
+        squares += tl.sum(x * x, axis=1)
+    return squares
 
 
 @triton.jit(do_not_specialize=["m"])
-def _chain_linear_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, m, n, k, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                         NORM: tl.constexpr):
-    """``out[:m, tile] = a[:m] @ w[tile].T`` in bf16 for output tile ``program_id(0)``; ``a`` is ``x``, or with
-    ``NORM`` its RMSNorm by weight ``nw`` (rounded as ``reference.rms_norm``: the normalised value, then its product
-    with the weight, to bf16)."""
+def _chain_linear_kernel(x_ptr, w_ptr, up_ptr, out_ptr, m, n, k, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr,
+                         GATED: tl.constexpr):
+    """``out[:m, tile] = x[:m] @ w[tile].T`` in bf16 for output tile ``program_id(0)``.
+
+    ``NORM`` > 0: the RMSNorm of x before the GEMM, its weight already folded into ``w``'s columns by the caller,
+    so only the per-row scale is left: ``rsqrt(mean(x^2) + eps) * (x @ w.T)``; x goes into the dot unchanged (an
+    elementwise op between a loaded x tile and ``tl.dot`` costs a round trip through registers per K step).
+    ``GATED``: SiLU-and-mul of two GEMMs, ``silu(x @ w.T) * (x @ up.T)``: the gate_up projection with the
+    activation in its epilogue (two weight streams per program)."""
     tile = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = w_ptr + cols[:, None].to(tl.int64) * k
-    if PREFETCH:  # one 128-byte line per 64 bf16 of this program's weight rows
-        for k0 in range(0, k, BLOCK_K):
-            lines = w_rows + k0 + tl.arange(0, BLOCK_K // 64)[None, :] * 64
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+    w_offsets = cols[:, None].to(tl.int64) * k
     if PDL:
         tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
         tl.extra.cuda.gdc_launch_dependents()
-    rstd = tl.zeros([BLOCK_M], tl.float32)
-    if NORM:
+    if NORM == 2:
+        squares = _row_squares(x_ptr, rows, m, k, NORM_BLOCK)
+    else:
         squares = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, k, NORM_BLOCK):
-            ks = k0 + tl.arange(0, NORM_BLOCK)
-            x = tl.load(x_ptr + rows[:, None] * k + ks[None, :], mask=(rows[:, None] < m) & (ks[None, :] < k),
-                        other=0.0).to(tl.float32)
-            squares += tl.sum(x * x, axis=1)
-        rstd = tl.rsqrt(squares / k + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + rows[:, None] * k + ks[None, :], mask=(rows[:, None] < m) & (ks[None, :] < k), other=0.0)
-        if NORM:
-            nw = tl.load(nw_ptr + ks, mask=ks < k, other=0.0).to(tl.float32)
-            normed = (a.to(tl.float32) * rstd[:, None]).to(a.dtype).to(tl.float32)
-            a = (nw[None, :] * normed).to(a.dtype)
-        w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < n) & (ks[None, :] < k), other=0.0)
-        acc += tl.dot(a, tl.trans(w))
+        w_mask = (cols[:, None] < n) & (ks[None, :] < k)
+        acc += tl.dot(a, tl.trans(tl.load(w_ptr + w_offsets + ks[None, :], mask=w_mask, other=0.0)))
+        if GATED:
+            acc_up += tl.dot(a, tl.trans(tl.load(up_ptr + w_offsets + ks[None, :], mask=w_mask, other=0.0)))
+        if NORM == 1:
+            af = a.to(tl.float32)
+            squares += tl.sum(af * af, axis=1)
+    if NORM == 3:
+        squares = _row_squares(x_ptr, rows, m, k, NORM_BLOCK)
+    if NORM > 0:
+        acc *= tl.rsqrt(squares / k + eps)[:, None]
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
     tl.store(out_ptr + rows[:, None] * n + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(rows[:, None] < m) & (cols[None, :] < n))
 
 
+def silu_and_mul_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    """blink's SiLU-and-mul kernel (as ``activation.silu_and_mul`` launches it), writing into ``out``."""
+    n = out.shape[1]
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_and_mul_kernel[(out.shape[0], triton.cdiv(n, block))](x, out, n, BLOCK=block)
+
+
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, shape: dict, pdl: bool = False,
-                  prefetch: bool = False, norm_weight: torch.Tensor | None = None) -> None:
-    """``out = x @ w.T`` (or ``rms_norm(x) @ w.T`` with ``norm_weight``), bf16, ``x`` at most 16 rows."""
+                  norm: int = 0, up: torch.Tensor | None = None) -> None:
+    """``out = x @ w.T`` in bf16, ``x`` at most 16 rows; ``norm``/``up`` as the kernel's ``NORM``/``GATED``."""
     n, k = w.shape
-    norm = norm_weight is not None
     _chain_linear_kernel[(triton.cdiv(n, shape["block_n"]),)](
-        x, norm_weight if norm else x, w, out, x.shape[0], n, k, EPS, BLOCK_M=16, BLOCK_N=shape["block_n"],
-        BLOCK_K=shape["block_k"], NORM_BLOCK=NORM_BLOCK, PDL=pdl, PREFETCH=prefetch, NORM=norm,
+        x, w, up if up is not None else w, out, x.shape[0], n, k, EPS, BLOCK_M=16, BLOCK_N=shape["block_n"],
+        BLOCK_K=shape["block_k"], NORM_BLOCK=NORM_BLOCK, PDL=pdl, NORM=norm, GATED=up is not None,
         num_warps=shape["num_warps"], num_stages=shape["num_stages"], launch_pdl=pdl)
 
 
-def chain(variant: str, xs: list[torch.Tensor], weights: list[torch.Tensor], norm_weights: list[torch.Tensor],
-          shape: dict | None) -> None:
-    """``xs[i + 1] = xs[i] @ weights[i].T`` for every weight (the ``norm`` and ``fused`` variants normalise
-    ``xs[i]`` by ``norm_weights[i]`` first)."""
-    for x, w, nw, out in zip(xs, weights, norm_weights, xs[1:]):
+def chain(variant: str, xs: list[torch.Tensor], p: dict, shape: dict | None) -> None:
+    """One step per weight: ``xs[i + 1] = xs[i] @ w[i].T``; the ``norm`` / ``fused`` variants normalise ``xs[i]``
+    by ``norm_w[i]`` first (``fused``: folded into ``folded[i] = w[i] * norm_w[i]``). The gated variants compute
+    ``xs[i + 1] = silu(xs[0] @ w[i].T) * (xs[0] @ up[i].T)``: each from the first x, since a chain of them decays
+    to zero (``silu(g) * u`` is about ``g * u / 2`` for small values); stream order still serialises the steps."""
+    for i, (x, out) in enumerate(zip(xs, xs[1:])):
         if variant.startswith("norm+"):
-            x = rms_norm(x, nw, EPS)[0]
+            x = rms_norm(x, p["norm_w"][i], EPS)[0]
         if variant in ("cublas", "norm+cublas"):
-            torch.nn.functional.linear(x, w, out=out)
+            torch.nn.functional.linear(x, p["w"][i], out=out)
+        elif variant == "silu+cublas":
+            silu_and_mul_into(torch.nn.functional.linear(xs[0], p["gate_up"][i]), out)
+        elif variant in FUSED:
+            norm, pdl = FUSED[variant]
+            skinny_linear(x, p["folded"][i], out, shape, pdl=pdl, norm=norm)
+        elif variant.startswith("gated"):
+            skinny_linear(xs[0], p["w"][i], out, shape, pdl=variant.endswith("pdl"), up=p["up"][i])
         else:
-            skinny_linear(x, w, out, shape, pdl="pdl" in variant,
-                          prefetch=variant == "pdl+prefetch", norm_weight=nw if variant.startswith("fused") else None)
+            skinny_linear(x, p["w"][i], out, shape, pdl=variant == "pdl")
 
 
-def reference_chain(variant: str, x: torch.Tensor, weights: list[torch.Tensor], norm_weights: list[torch.Tensor]):
-    """The chain of ``variant`` in float64."""
+def reference_chain(variant: str, x: torch.Tensor, p: dict):
+    """The last output of ``variant``'s chain, in float64."""
+    if variant.startswith(("silu", "gated")):
+        x = x.double()
+        return torch.nn.functional.silu(x @ p["w"][-1].double().T) * (x @ p["up"][-1].double().T)
     want = x.double()
-    for w, nw in zip(weights, norm_weights):
-        if "norm" in variant or variant.startswith("fused"):
-            want = want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + EPS) * nw.double()
+    for i, w in enumerate(p["w"]):
+        if variant.startswith(("norm", "fused")):
+            want = want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + EPS) * p["norm_w"][i].double()
         want = want @ w.double().T
     return want
 
 
-def device_launch_check(xs, weights, norm_weights, shape) -> str:
+def device_launch_check(xs, p, shape) -> str:
     """Instantiates the ``pdl`` chain's graph for device launch, as blink does its step graphs."""
     from cuda.bindings import runtime
 
     graph = torch.cuda.CUDAGraph(keep_graph=True)
     with torch.cuda.graph(graph):
-        chain("pdl", xs, weights, norm_weights, shape)
+        chain("pdl", xs, p, shape)
     flag = runtime.cudaGraphInstantiateFlags.cudaGraphInstantiateFlagDeviceLaunch
     err, graph_exec = runtime.cudaGraphInstantiateWithFlags(
         runtime.cudaGraph_t(init_value=graph.raw_cuda_graph()), flag)
@@ -142,20 +179,29 @@ def device_launch_check(xs, weights, norm_weights, shape) -> str:
     return "ok" if err == runtime.cudaError_t.cudaSuccess else f"upload: {err.name}"
 
 
+def gated_floors(variant: str) -> int:
+    """Weight matrices per step of ``variant``: its floor in units of one matrix's bytes."""
+    return 2 if variant.startswith(("silu", "gated")) else 1
+
+
 def bench_size(size: int, m: int, bw: float, reps: int) -> dict:
-    weights = [torch.randn(size, size, device="cuda", dtype=torch.bfloat16) * size ** -0.5 for _ in range(CALLS)]
-    norm_weights = [torch.rand(size, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(CALLS)]
+    def matrices():
+        return [torch.randn(size, size, device="cuda", dtype=torch.bfloat16) * size ** -0.5 for _ in range(CALLS)]
+    p = dict(w=matrices(), up=matrices(), norm_w=[torch.rand(size, device="cuda", dtype=torch.bfloat16) + 0.5
+                                                 for _ in range(CALLS)])
+    p["folded"] = [w * nw for w, nw in zip(p["w"], p["norm_w"])]
+    p["gate_up"] = [torch.cat([w, up]) for w, up in zip(p["w"], p["up"])]
     xs = [torch.randn(m, size, device="cuda", dtype=torch.bfloat16)] + [
-        torch.empty(m, size, device="cuda", dtype=torch.bfloat16) for _ in weights]
+        torch.empty(m, size, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS)]
     floor_us = size * size * 2 / bw * 1e6
-    cublas_us = graph_ms(lambda: chain("cublas", xs, weights, norm_weights, None), reps) * 1e3 / CALLS
+    cublas_us = graph_ms(lambda: chain("cublas", xs, p, None), reps) * 1e3 / CALLS
     row = dict(size=size, m=m, floor_us=floor_us, cublas_us=cublas_us,
-               rel_err_cublas=rel_err(xs[-1], reference_chain("cublas", xs[0], weights, norm_weights)), runs=[])
+               rel_err_cublas=rel_err(xs[-1], reference_chain("cublas", xs[0], p)), runs=[])
     for variant, shape in itertools.product(VARIANTS, SHAPES):
         try:
-            chain(variant, xs, weights, norm_weights, shape)
-            err = rel_err(xs[-1], reference_chain(variant, xs[0], weights, norm_weights))
-            us = graph_ms(lambda: chain(variant, xs, weights, norm_weights, shape), reps) * 1e3 / CALLS \
+            chain(variant, xs, p, shape)
+            err = rel_err(xs[-1], reference_chain(variant, xs[0], p))
+            us = graph_ms(lambda: chain(variant, xs, p, shape), reps) * 1e3 / CALLS \
                 if err < 1e-2 else None
             row["runs"].append(dict(variant=variant, **shape, rel_err=err, us=us, error=None))
         except Exception as e:  # an image without PDL support, or shared memory too small: reported, not fatal
@@ -165,14 +211,14 @@ def bench_size(size: int, m: int, bw: float, reps: int) -> dict:
                    default=None) for v in VARIANTS}
     row["best"] = best
     print(f"size {size:5d} m={m:2d}: floor {floor_us:6.2f} us  cublas {cublas_us:6.2f} (x{cublas_us / floor_us:.2f})"
-          + "".join(f"\n    {v:>13} " + (f"{b['us']:6.2f} (x{b['us'] / floor_us:.2f})" if b else "none")
-                    for v, b in best.items()), flush=True)
+          + "".join(f"\n    {v:>13} " + (f"{b['us']:6.2f} (x{b['us'] / floor_us / gated_floors(v):.2f})" if b
+                                           else "none") for v, b in best.items()), flush=True)
     for r in row["runs"]:
         if r["us"] is None:
             print(f"    {'WRONG' if r['error'] is None else 'failed'}: {r}", flush=True)
     if best["pdl"]:
         shape = {k: best["pdl"][k] for k in SHAPES[0]}
-        row["device_launch"] = device_launch_check(xs, weights, norm_weights, shape)
+        row["device_launch"] = device_launch_check(xs, p, shape)
         print(f"    PDL chain graph instantiated for device launch: {row['device_launch']}", flush=True)
     return row
 
