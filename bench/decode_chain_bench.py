@@ -43,6 +43,7 @@ from gpu_timing import graph_ms, kernel_bench_start, rel_err
 
 from blink.models.kernels.activation import _silu_and_mul_kernel
 from blink.models.kernels.norm import rms_norm
+from blink.models.kernels.pdl import pdl_args
 
 SIZES = (4096, 8192)
 ROWS = (1, 16)
@@ -116,7 +117,7 @@ def silu_and_mul_into(x: torch.Tensor, out: torch.Tensor) -> None:
     """blink's SiLU-and-mul kernel (as ``activation.silu_and_mul`` launches it), writing into ``out``."""
     n = out.shape[1]
     block = min(1024, triton.next_power_of_2(n))
-    _silu_and_mul_kernel[(out.shape[0], triton.cdiv(n, block))](x, out, n, BLOCK=block)
+    _silu_and_mul_kernel[(out.shape[0], triton.cdiv(n, block))](x, out, n, BLOCK=block, **pdl_args(x.device))
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, shape: dict, pdl: bool = False,

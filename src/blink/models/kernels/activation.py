@@ -5,9 +5,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, wait_for_previous
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row, col = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < n
     gate = tl.load(x_ptr + row * 2 * n + col, mask=mask, other=0.0).to(tl.float32)
@@ -20,5 +23,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     t, n = x.shape[0], x.shape[1] // 2
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
-    _silu_and_mul_kernel[(t, triton.cdiv(n, block))](x, out, n, BLOCK=block)
+    _silu_and_mul_kernel[(t, triton.cdiv(n, block))](x, out, n, BLOCK=block, **pdl_args(x.device))
     return out

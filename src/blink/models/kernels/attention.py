@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, wait_for_previous
 from .tiles import check_tiles
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension, which counts query blocks
@@ -74,19 +75,22 @@ def _attention_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, qsl_p
                       num_seqs_ptr, q_st, q_sh, bt_stride, v_offset, scale, window, num_heads, num_kv_heads,
                       head_dim, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                      NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                      NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr):
     kv_head, block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # The batch's layout comes from step buffers, so it is read before waiting for the previous kernel (q, K, V).
     seq = _find_seq(qsl_ptr, block, tl.load(num_seqs_ptr), BLOCK_Q)
+    found = tl.maximum(seq, 0)
+    q_start = tl.load(qsl_ptr + found)
+    q_len = tl.load(qsl_ptr + found + 1) - q_start
+    prefix = tl.load(seq_lens_ptr + found) - q_len
+    wait_for_previous(PDL)
     if seq < 0:
         return
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
     # A sequence's blocks run last query block first: the GPU starts programs in grid order (kv_head fastest), so
     # the longest causal rows start first and the short ones fill the tail of the launch.
     local = tl.cdiv(q_len, BLOCK_Q) - 1 - (block - (q_start // BLOCK_Q + seq))
     if local < 0:
         return
-    prefix = tl.load(seq_lens_ptr + seq) - q_len
 
     rows = tl.arange(0, BLOCK_Q * GROUP_P2)
     q_local = local * BLOCK_Q + rows // GROUP_P2
@@ -136,8 +140,10 @@ def _attention_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, qsl_p
 
 @triton.jit
 def _combine_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, num_seqs_ptr, num_heads, head_dim,
-                    NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+                    NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     token, head = tl.program_id(0), tl.program_id(1)
+    padding = token >= tl.load(qsl_ptr + tl.load(num_seqs_ptr))  # step buffers: read before the wait
+    wait_for_previous(PDL)
     s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, BLOCK_D)
     part = (token * num_heads + head) * NUM_SPLITS + s
@@ -147,7 +153,7 @@ def _combine_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, num_seqs_ptr, nu
     o = tl.load(part_o_ptr + part[:, None] * head_dim + d[None, :], mask=d[None, :] < head_dim, other=0.0)
     total = tl.sum(w, 0)
     o = tl.sum(w[:, None] * o, 0) / tl.where(total == 0, 1.0, total)
-    if token >= tl.load(qsl_ptr + tl.load(num_seqs_ptr)):  # padding rows: no program wrote their partials
+    if padding:  # no program wrote the partials of padding rows
         o = tl.zeros([BLOCK_D], tl.float32)
     tl.store(out_ptr + (token * num_heads + head) * head_dim + d, o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
 
@@ -231,14 +237,15 @@ def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scal
     group = heads // kv_heads
     grid = (kv_heads, plan.num_blocks, plan.num_splits)
     block_d = triton.next_power_of_2(dim)
+    pdl = pdl_args(q.device)
     _attention_kernel[grid](
         q, kv_layer, plan.out, plan.part_o, plan.part_lse, buf.query_start_loc, buf.seq_lens, buf.block_tables,
         buf.num_seqs, q.stride(0), q.stride(1), buf.block_tables.stride(0), kv_layer[0].numel(), scale,
         sliding_window, heads, kv_heads, dim, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
         BLOCK_Q=plan.block_q, BLOCK_N=plan.tiles.block_n, BLOCK_D=block_d, PAGE_SIZE=page_size,
         NUM_SPLITS=plan.num_splits, HAS_WINDOW=sliding_window > 0, num_warps=plan.tiles.num_warps,
-        num_stages=plan.tiles.num_stages)
+        num_stages=plan.tiles.num_stages, **pdl)
     if plan.num_splits > 1:
         _combine_kernel[(t, heads)](plan.out, plan.part_o, plan.part_lse, buf.query_start_loc, buf.num_seqs, heads,
-                                    dim, NUM_SPLITS=plan.num_splits, BLOCK_D=block_d)
+                                    dim, NUM_SPLITS=plan.num_splits, BLOCK_D=block_d, **pdl)
     return plan.out

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, wait_for_previous
 from .tiles import check_tiles
 
 MAX_CHUNK = 2048
@@ -60,8 +61,9 @@ def tiles_for(num_entries: int, num_experts: int) -> Tiles:
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride, TOP_K: tl.constexpr,
-                  TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+                  TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0)
+    wait_for_previous(PDL)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * stride + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
@@ -82,8 +84,9 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride, TOP_K: 
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, expert_blocks_ptr, total_ptr, num_entries, num_experts,
-                  BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     e = tl.program_id(0)
+    wait_for_previous(PDL)
     counts = tl.zeros([BINS], tl.int32)
     for start in range(0, num_entries, CHUNK):
         offs = start + tl.arange(0, CHUNK)
@@ -114,11 +117,13 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_blocks_ptr, total_ptr, num_entries
 @triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_blocks_ptr, total_ptr, num_entries,
                      n_out, k_dim, a_stride, w_stride_e, w_stride_n, entries_per_a_row, GATED: tl.constexpr,
-                     WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr):
     """``out[entry, n] = a[entry // entries_per_a_row] . w[expert, n]`` for the block's entries; ``GATED``: ``w``
     has ``2 * n_out`` rows and ``out = silu(gate) * up`` of rows ``n`` and ``n_out + n``; ``WEIGHTED``: times the
     entry's routing weight. Gate, up and the product are rounded to the output dtype as the reference does."""
     block, tile = tl.program_id(0), tl.program_id(1)
+    wait_for_previous(PDL)
     if block * BLOCK_M >= tl.load(total_ptr):
         return
     entries = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -150,8 +155,9 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_bloc
 
 
 @triton.jit
-def _sum_top_k_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _sum_top_k_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     t, tile = tl.program_id(0), tl.program_id(1)
+    wait_for_previous(PDL)
     h = tile * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = h < hidden
     acc = tl.zeros([BLOCK_H], tl.float32)
@@ -169,7 +175,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     # twice a round: ~3.9 us per call at batch 1 on the H200, 16 rounds for top-8).
     _route_kernel[(t,)](router_logits, weights, ids, experts, router_logits.stride(0), TOP_K=top_k,
                         TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-                        BLOCK_E=triton.next_power_of_2(experts), num_warps=1)
+                        BLOCK_E=triton.next_power_of_2(experts), num_warps=1, **pdl_args(router_logits.device))
     return weights, ids
 
 
@@ -184,7 +190,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     total = torch.empty(1, dtype=torch.int32, device=ids.device)
     _align_kernel[(num_experts,)](ids, sorted_entries, expert_blocks, total, n, num_experts, BLOCK_M=block_m,
                                   BINS=triton.next_power_of_2(num_experts + 1),
-                                  CHUNK=min(MAX_CHUNK, triton.next_power_of_2(max(n, 16))))
+                                  CHUNK=min(MAX_CHUNK, triton.next_power_of_2(max(n, 16))), **pdl_args(ids.device))
     return sorted_entries, expert_blocks, total
 
 
@@ -198,7 +204,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     sorted_entries, expert_blocks, total = align(ids, experts, tiles.block_m)
     blocks = expert_blocks.numel()
     shape = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
-                 num_stages=tiles.num_stages)
+                 num_stages=tiles.num_stages, **pdl_args(x.device))
     act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
     _moe_gemm_kernel[(blocks, triton.cdiv(inter, tiles.block_n))](
         x, gate_up, act, weights, sorted_entries, expert_blocks, total, n, inter, hidden, x.stride(0),
@@ -208,7 +214,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
         act, down, y, weights, sorted_entries, expert_blocks, total, n, hidden, inter, act.stride(0),
         down.stride(0), down.stride(1), 1, GATED=False, WEIGHTED=True, **shape)
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
-    _sum_top_k_kernel[(t, triton.cdiv(hidden, SUM_BLOCK))](y, out, hidden, TOP_K=top_k, BLOCK_H=SUM_BLOCK)
+    _sum_top_k_kernel[(t, triton.cdiv(hidden, SUM_BLOCK))](y, out, hidden, TOP_K=top_k, BLOCK_H=SUM_BLOCK,
+                                                           **pdl_args(x.device))
     return out
 
 

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, wait_for_previous
+
 
 @triton.jit
 def _normed(x_ptr, h, d, mask, w_ptr, rstd, NORM: tl.constexpr):
@@ -53,9 +55,10 @@ def _norm_rope_heads(x_ptr, stride_h, w_ptr, heads, dim, half, cos_ptr, eps, NOR
 @triton.jit
 def _rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_st, q_sh, k_st, k_sh, v_st, v_sh, pos_ptr, cs_ptr, cache_ptr,
                           slot_ptr, qw_ptr, kw_ptr, eps, q_heads, kv_heads, dim, half, v_offset, NORM: tl.constexpr,
-                          BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     t, c = tl.program_id(0), tl.program_id(1)
-    cos_ptr = cs_ptr + tl.load(pos_ptr + t).to(tl.int64) * 2 * half
+    cos_ptr = cs_ptr + tl.load(pos_ptr + t).to(tl.int64) * 2 * half  # a step buffer: read before the wait
+    wait_for_previous(PDL)
     first_q = c * BLOCK_KH
     if first_q < q_heads:
         _norm_rope_heads(q_ptr + t * q_st + first_q * q_sh, q_sh, qw_ptr, tl.minimum(q_heads - first_q, BLOCK_KH),
@@ -84,5 +87,5 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), positions, cos_sin,
         kv_layer, slot_mapping, q_weight if norm else q, k_weight if norm else k, eps, heads, kv_heads, dim,
         cos_sin.shape[1] // 2, kv_layer[0].numel(), NORM=norm, BLOCK_KH=block_kh,
-        BLOCK_D=triton.next_power_of_2(dim))
+        BLOCK_D=triton.next_power_of_2(dim), **pdl_args(q.device))
     return q

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..hashing import MIX
+from .pdl import pdl_args, wait_for_previous
 
 CHUNK = 4096
 _MIX = tl.constexpr(MIX)
@@ -58,9 +59,10 @@ def _fold(m, s):
 
 @triton.jit
 def _chunk_logsumexp_kernel(logits_ptr, div_ptr, part_ptr, vocab, stride, n_chunks, CHUNK: tl.constexpr,
-                            BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program ``(row, chunk)``: (max, sum of exp(x - max)) of ``CHUNK`` entries of the row and of the scaled row."""
     row, chunk = tl.program_id(0), tl.program_id(1)
+    wait_for_previous(PDL)
     divisor = tl.load(div_ptr + row)
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK], tl.float32)
@@ -88,8 +90,9 @@ def _fold_lanes(m, s):
 
 
 @triton.jit
-def _fold_chunks_kernel(part_ptr, lse_ptr, lse_scaled_ptr, n_chunks, CHUNKS_P2: tl.constexpr):
+def _fold_chunks_kernel(part_ptr, lse_ptr, lse_scaled_ptr, n_chunks, CHUNKS_P2: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
+    wait_for_previous(PDL)
     c = tl.arange(0, CHUNKS_P2)
     part = part_ptr + (row * n_chunks + c) * 4
     ok = c < n_chunks
@@ -107,15 +110,17 @@ def row_logsumexp(logits: torch.Tensor, divisor: torch.Tensor) -> tuple[torch.Te
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse_scaled = torch.empty_like(lse)
     _chunk_logsumexp_kernel[(rows, n_chunks)](logits, divisor, parts, vocab, logits.stride(0), n_chunks, CHUNK=CHUNK,
-                                              BLOCK=1024, num_warps=4)
-    _fold_chunks_kernel[(rows,)](parts, lse, lse_scaled, n_chunks, CHUNKS_P2=triton.next_power_of_2(n_chunks))
+                                              BLOCK=1024, num_warps=4, **pdl_args(logits.device))
+    _fold_chunks_kernel[(rows,)](parts, lse, lse_scaled, n_chunks, CHUNKS_P2=triton.next_power_of_2(n_chunks),
+                                 **pdl_args(logits.device))
     return lse, lse_scaled
 
 
 @triton.jit
 def _candidate_threshold_kernel(cand_ptr, div_ptr, lse_scaled_ptr, top_k_ptr, top_p_ptr, thr_ptr, n, stride,
-                                N_P2: tl.constexpr):
+                                N_P2: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
+    wait_for_previous(PDL)
     rank = tl.arange(0, N_P2)
     cand = tl.math.div_rn(tl.load(cand_ptr + row * stride + rank, mask=rank < n, other=float("-inf")),
                           tl.load(div_ptr + row))
@@ -141,14 +146,15 @@ def candidate_threshold(cand: torch.Tensor, divisor: torch.Tensor, lse_scaled: t
     rows, n = cand.shape
     threshold = torch.empty(rows, dtype=torch.float32, device=cand.device)
     _candidate_threshold_kernel[(rows,)](cand, divisor, lse_scaled, top_k, top_p, threshold, n, cand.stride(0),
-                                         N_P2=triton.next_power_of_2(n), num_warps=4)
+                                         N_P2=triton.next_power_of_2(n), num_warps=4, **pdl_args(cand.device))
     return threshold
 
 
 @triton.jit
 def _gumbel_argmax_kernel(logits_ptr, div_ptr, thr_ptr, seed_ptr, len_ptr, greedy_ptr, best_val_ptr, best_idx_ptr,
-                          vocab, stride, n_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                          vocab, stride, n_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row, chunk = tl.program_id(0), tl.program_id(1)
+    wait_for_previous(PDL)
     divisor = tl.load(div_ptr + row)
     thr = tl.load(thr_ptr + row)
     key = _row_key(tl.load(seed_ptr + row).to(tl.int64), tl.load(len_ptr + row))
@@ -180,5 +186,6 @@ def gumbel_argmax(logits: torch.Tensor, divisor: torch.Tensor, threshold: torch.
     best_val = torch.empty((rows, n_chunks), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((rows, n_chunks), dtype=torch.int32, device=logits.device)
     _gumbel_argmax_kernel[(rows, n_chunks)](logits, divisor, threshold, seed, seq_lens, greedy, best_val, best_idx,
-                                            vocab, logits.stride(0), n_chunks, CHUNK=CHUNK, BLOCK=1024)
+                                            vocab, logits.stride(0), n_chunks, CHUNK=CHUNK, BLOCK=1024,
+                                            **pdl_args(logits.device))
     return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True))[:, 0]

@@ -1,0 +1,53 @@
+"""Programmatic dependent launch (PDL) for the model step's Triton kernels.
+
+Launched with PDL, a kernel's programs may be placed on the SMs while the kernel before it in the stream is still
+running; each program then waits (``wait_for_previous``: PTX ``griddepcontrol.wait``) until that kernel has finished
+and its writes are visible, and lets the kernel after it be placed the same way. Captured into a CUDA graph the
+launches become programmatic edges; such a graph instantiates for device launch (``bench/decode_chain_bench.py``).
+
+Invariants every step kernel keeps:
+
+- What a program reads before it waits is never written by the step's own kernels: only weights, and the step
+  buffers filled before the step (positions, slot mapping, query start locations, sequence lengths, block tables).
+  Activations, the KV cache and anything a torch op computes inside the step are read after the wait.
+- Every program waits, before any early return. A kernel then never finishes before the kernels ahead of it, so a
+  later kernel that waits only for its predecessor has also waited for all of them.
+
+``BLINK_PDL=0`` launches plainly (for comparison, or a driver that misbehaves). Triton's interpreter has no
+``griddepcontrol``, so off CUDA (and before Hopper) the wait is compiled out and launches are plain.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """Waits for the previous kernel's writes and lets the next kernel be placed (no-op unless ``PDL``)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether launches on ``device`` use PDL: CUDA of compute capability >= 9 and ``BLINK_PDL`` not ``0``."""
+    if device.type != "cuda" or os.environ.get("BLINK_PDL", "1") == "0":
+        return False
+    return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_args(device: torch.device) -> dict:
+    """The keyword arguments that launch a step kernel on ``device``: its ``PDL`` constexpr and Triton's
+    ``launch_pdl``, both on or both off."""
+    on = pdl_enabled(device)
+    return {"PDL": on, "launch_pdl": on}

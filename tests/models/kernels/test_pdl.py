@@ -1,0 +1,108 @@
+"""Programmatic dependent launch: each step kernel, launched right after a producer that lets it be placed at once
+and writes the kernel's input only later, must still read the written input (its programs wait). The producer is a
+copy that triggers its dependents first and then spins on global loads for a while; the kernel's result on the late
+copy must equal its result on the original, bit for bit. Without the wait a kernel reads the zeros."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from blink.models.kernels.pdl import pdl_args, pdl_enabled
+
+SPINS = 20000  # dependent global loads before the producer copies: tens of microseconds
+
+
+def test_pdl_is_off_without_cuda_and_when_disabled(monkeypatch):
+    monkeypatch.delenv("BLINK_PDL", raising=False)
+    assert not pdl_enabled(torch.device("cpu"))
+    assert pdl_args(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+    monkeypatch.setenv("BLINK_PDL", "0")
+    assert pdl_args(torch.device("cuda", 0)) == {"PDL": False, "launch_pdl": False}  # decided before any CUDA call
+
+
+@triton.jit
+def _late_copy_kernel(src_ptr, dst_ptr, flag_ptr, n, spins, BLOCK: tl.constexpr):
+    tl.extra.cuda.gdc_launch_dependents()  # the next kernel may be placed at once
+    seen = 0
+    for _ in range(spins):
+        seen += tl.load(flag_ptr, volatile=True)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = (offs < n) & (seen == 0)  # the copy depends on the spin, so it cannot be moved ahead of it
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+
+
+def _late_copy(src: torch.Tensor) -> torch.Tensor:
+    """A zeroed tensor that a producer kernel fills with ``src`` after letting the next kernel launch."""
+    dst = torch.zeros_like(src)
+    flag = torch.zeros(1, dtype=torch.int32, device=src.device)
+    _late_copy_kernel[(triton.cdiv(src.numel(), 1024),)](src, dst, flag, src.numel(), SPINS, BLOCK=1024)
+    return dst
+
+
+def _rms_norm(x):
+    from blink.models.kernels.norm import rms_norm
+
+    weight = torch.full((x.shape[1],), 1.5, device=x.device, dtype=x.dtype)
+    return torch.cat(rms_norm(x, weight, 1e-6, torch.ones_like(x)))
+
+
+def _silu_and_mul(x):
+    from blink.models.kernels.activation import silu_and_mul
+
+    return silu_and_mul(x)
+
+
+def _rope_kv_write(q):
+    from blink.models.kernels.rope_kv_write import rope_kv_write
+
+    t, dim = q.shape[0], q.shape[2]
+    k, v = (torch.ones(t, 2, dim, device=q.device, dtype=q.dtype) for _ in range(2))
+    angles = torch.arange(32 * dim // 2, device=q.device).view(32, dim // 2) * 0.01
+    cache = torch.zeros(2, 4, 16, 2, dim, device=q.device, dtype=q.dtype)
+    positions = torch.arange(t, device=q.device, dtype=torch.int32)
+    q = rope_kv_write(q, k, v, positions, torch.cat([angles.cos(), angles.sin()], 1), cache,
+                      positions.long(), None, None, 0.0)
+    return torch.cat([q.flatten(), cache.flatten()])
+
+
+def _attention(q):
+    """A batch of decodes with split KV: the attention kernel waits for q, the combine kernel for the partials."""
+    from blink.device.step import StepBuffers, StepLayout
+    from blink.models.batch import SeqChunk, fill_step
+    from blink.models.kernels.attention import attention, attention_plan
+
+    buf = StepBuffers(StepLayout(64, 64, 8), q.device)
+    fill_step(buf, [SeqChunk([1], 40 * i, list(range(8 * i, 8 * i + 8))) for i in range(q.shape[0])], 16)
+    gen = torch.Generator(q.device).manual_seed(0)
+    cache = torch.randn(2, 8 * q.shape[0], 16, 2, q.shape[2], device=q.device, dtype=q.dtype, generator=gen)
+    plan = attention_plan(buf, q.shape[0], q.shape[1], 2, q.shape[2], 16, q.dtype, num_splits=4)
+    return attention(q, cache, plan, q.shape[2] ** -0.5).clone()
+
+
+def _row_logsumexp(logits):
+    from blink.models.kernels.sampling import row_logsumexp
+
+    return torch.cat(row_logsumexp(logits, torch.full((logits.shape[0],), 0.7, device=logits.device)))
+
+
+KERNELS = {  # name: (kernel reading a tensor of the shape, shape, dtype)
+    "rms_norm": (_rms_norm, (8, 4096), torch.bfloat16),
+    "silu_and_mul": (_silu_and_mul, (8, 2 * 4096), torch.bfloat16),
+    "rope_kv_write": (_rope_kv_write, (8, 8, 64), torch.bfloat16),
+    "attention": (_attention, (4, 8, 64), torch.bfloat16),
+    "row_logsumexp": (_row_logsumexp, (4, 50000), torch.float32),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_kernel_waits_for_a_late_producer(name):
+    if not pdl_enabled(torch.device("cuda")):
+        pytest.skip("PDL is off (BLINK_PDL=0 or a GPU before Hopper)")
+    fn, shape, dtype = KERNELS[name]
+    src = torch.randn(shape, device="cuda", dtype=dtype)
+    want = fn(src.clone())
+    torch.cuda.synchronize()
+    got = fn(_late_copy(src))
+    torch.cuda.synchronize()
+    assert torch.equal(got, want), f"{name} read its input before the producer wrote it"
