@@ -39,58 +39,67 @@ def _late_copy(src: torch.Tensor) -> torch.Tensor:
     return dst
 
 
-def _rms_norm(x):
+# Each ``_setup_*`` makes a kernel's other inputs, then returns the launch alone: nothing may run between the
+# producer and the kernel, or the kernel would follow that instead.
+
+def _setup_rms_norm(x):
     from blink.models.kernels.norm import rms_norm
 
-    weight = torch.full((x.shape[1],), 1.5, device=x.device, dtype=x.dtype)
-    return torch.cat(rms_norm(x, weight, 1e-6, torch.ones_like(x)))
+    weight, residual = torch.full((x.shape[1],), 1.5, device=x.device, dtype=x.dtype), torch.ones_like(x)
+    return lambda x: torch.cat(rms_norm(x, weight, 1e-6, residual))
 
 
-def _silu_and_mul(x):
+def _setup_silu_and_mul(x):
     from blink.models.kernels.activation import silu_and_mul
 
-    return silu_and_mul(x)
+    return silu_and_mul
 
 
-def _rope_kv_write(q):
+def _setup_rope_kv_write(q):
     from blink.models.kernels.rope_kv_write import rope_kv_write
 
     t, dim = q.shape[0], q.shape[2]
     k, v = (torch.ones(t, 2, dim, device=q.device, dtype=q.dtype) for _ in range(2))
     angles = torch.arange(32 * dim // 2, device=q.device).view(32, dim // 2) * 0.01
+    cos_sin = torch.cat([angles.cos(), angles.sin()], 1)
     cache = torch.zeros(2, 4, 16, 2, dim, device=q.device, dtype=q.dtype)
     positions = torch.arange(t, device=q.device, dtype=torch.int32)
-    q = rope_kv_write(q, k, v, positions, torch.cat([angles.cos(), angles.sin()], 1), cache,
-                      positions.long(), None, None, 0.0)
-    return torch.cat([q.flatten(), cache.flatten()])
+    slots = positions.long()
+
+    def run(q):
+        q = rope_kv_write(q, k, v, positions, cos_sin, cache, slots, None, None, 0.0)
+        return torch.cat([q.flatten(), cache.flatten()])
+    return run
 
 
-def _attention(q):
+def _setup_attention(q):
     """A batch of decodes with split KV: the attention kernel waits for q, the combine kernel for the partials."""
     from blink.device.step import StepBuffers, StepLayout
     from blink.models.batch import SeqChunk, fill_step
     from blink.models.kernels.attention import attention, attention_plan
 
+    seqs, heads, dim = q.shape
     buf = StepBuffers(StepLayout(64, 64, 8), q.device)
-    fill_step(buf, [SeqChunk([1], 40 * i, list(range(8 * i, 8 * i + 8))) for i in range(q.shape[0])], 16)
+    fill_step(buf, [SeqChunk([1], 40 * i, list(range(8 * i, 8 * i + 8))) for i in range(seqs)], 16)
     gen = torch.Generator(q.device).manual_seed(0)
-    cache = torch.randn(2, 8 * q.shape[0], 16, 2, q.shape[2], device=q.device, dtype=q.dtype, generator=gen)
-    plan = attention_plan(buf, q.shape[0], q.shape[1], 2, q.shape[2], 16, q.dtype, num_splits=4)
-    return attention(q, cache, plan, q.shape[2] ** -0.5).clone()
+    cache = torch.randn(2, 8 * seqs, 16, 2, dim, device=q.device, dtype=q.dtype, generator=gen)
+    plan = attention_plan(buf, seqs, heads, 2, dim, 16, q.dtype, num_splits=4)
+    return lambda q: attention(q, cache, plan, dim ** -0.5).clone()
 
 
-def _row_logsumexp(logits):
+def _setup_row_logsumexp(logits):
     from blink.models.kernels.sampling import row_logsumexp
 
-    return torch.cat(row_logsumexp(logits, torch.full((logits.shape[0],), 0.7, device=logits.device)))
+    divisor = torch.full((logits.shape[0],), 0.7, device=logits.device)
+    return lambda logits: torch.cat(row_logsumexp(logits, divisor))
 
 
-KERNELS = {  # name: (kernel reading a tensor of the shape, shape, dtype)
-    "rms_norm": (_rms_norm, (8, 4096), torch.bfloat16),
-    "silu_and_mul": (_silu_and_mul, (8, 2 * 4096), torch.bfloat16),
-    "rope_kv_write": (_rope_kv_write, (8, 8, 64), torch.bfloat16),
-    "attention": (_attention, (4, 8, 64), torch.bfloat16),
-    "row_logsumexp": (_row_logsumexp, (4, 50000), torch.float32),
+KERNELS = {  # name: (setup of a kernel reading a tensor of the shape, shape, dtype)
+    "rms_norm": (_setup_rms_norm, (8, 4096), torch.bfloat16),
+    "silu_and_mul": (_setup_silu_and_mul, (8, 2 * 4096), torch.bfloat16),
+    "rope_kv_write": (_setup_rope_kv_write, (8, 8, 64), torch.bfloat16),
+    "attention": (_setup_attention, (4, 8, 64), torch.bfloat16),
+    "row_logsumexp": (_setup_row_logsumexp, (4, 50000), torch.float32),
 }
 
 
@@ -99,10 +108,11 @@ KERNELS = {  # name: (kernel reading a tensor of the shape, shape, dtype)
 def test_kernel_waits_for_a_late_producer(name):
     if not pdl_enabled(torch.device("cuda")):
         pytest.skip("PDL is off (BLINK_PDL=0 or a GPU before Hopper)")
-    fn, shape, dtype = KERNELS[name]
+    setup, shape, dtype = KERNELS[name]
     src = torch.randn(shape, device="cuda", dtype=dtype)
-    want = fn(src.clone())
+    want = setup(src)(src.clone())
+    run = setup(src)
     torch.cuda.synchronize()
-    got = fn(_late_copy(src))
+    got = run(_late_copy(src))
     torch.cuda.synchronize()
     assert torch.equal(got, want), f"{name} read its input before the producer wrote it"

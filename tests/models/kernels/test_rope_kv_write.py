@@ -1,6 +1,6 @@
 """The fused q/k RMSNorm + RoPE + KV write against the composed references, on views of one qkv GEMM output,
 with partial rotary dims, padding rows (slot -1), a NaN-poisoned pool (unwritten slots must stay NaN), and query
-heads that do not fill the kernel's last block of them (9 heads in blocks of 4)."""
+heads that do not fill the kernel's last block of them (9 heads in blocks of 8; 20 in 8, 8 and 4)."""
 import pytest
 import torch
 
@@ -9,7 +9,7 @@ from conftest import rel_err
 
 
 @pytest.mark.parametrize("rotary_dim, norm, heads, kv_heads", [(64, False, 6, 2), (32, False, 6, 2), (64, True, 6, 2),
-                                                                (64, True, 9, 3)])
+                                                                (64, True, 9, 3), (64, True, 20, 4)])
 def test_rope_kv_write_matches_reference(backend, rotary_dim, norm, heads, kv_heads):
     device, dtype, tol = backend
     dim, t, pages, page_size = 64, 11, 8, 4

@@ -2,9 +2,11 @@
 reference: ``reference.rope_kv_write`` (composed of ``reference.rms_norm``, ``rope`` and ``kv_write``).
 
 Fusing matters at small batches, where a decode step is a few hundred tiny launches: this replaces up to four per
-layer. Program ``(t, c)`` takes token ``t``'s query heads ``c * KH ..`` (``KH`` = the KV heads, as many as one
-program of K handles) or, for the last ``c``, its K heads and the KV write: one program per token left one SM to do
-all of a decode token's heads in series (3.2 us per layer for Llama-3-8B at batch 1 on the H200, 2.6 us split).
+layer. Program ``(t, c)`` takes token ``t``'s query heads ``c * B ..`` or, for the last ``c``, its K heads and the KV
+write, where ``B`` (``BLOCK_KH``) is the KV head count rounded up to a power of two, at least ``MIN_BLOCK_HEADS``: one
+program per token left one SM to do all of a decode token's heads in series (3.2 us per layer for Llama-3-8B at batch
+1 on the H200, 2.6 us split), while blocks of 4 heads (Qwen3-30B-A3B's KV heads) made 9 programs per token and took
+its 2048-token prefill's RoPE from 847 to 1154 us.
 Roundings follow the reference (the normalised value and its product with the weight are rounded to the model dtype
 before the rotation), so the result matches it to the last bit or nearly.
 """
@@ -15,6 +17,8 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_args, wait_for_previous
+
+MIN_BLOCK_HEADS = 8  # query heads per program at least (see the module docstring)
 
 
 @triton.jit
@@ -82,7 +86,7 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     """``q [T, H, D]``, ``k, v [T, KH, D]`` (unit stride in D; q and k are overwritten) → the rotated q."""
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     norm = q_weight is not None
-    block_kh = triton.next_power_of_2(kv_heads)
+    block_kh = max(triton.next_power_of_2(kv_heads), MIN_BLOCK_HEADS)
     _rope_kv_write_kernel[(q.shape[0], triton.cdiv(heads, block_kh) + 1)](
         q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), positions, cos_sin,
         kv_layer, slot_mapping, q_weight if norm else q, k_weight if norm else k, eps, heads, kv_heads, dim,
