@@ -1,14 +1,19 @@
 """Programmatic dependent launch (PDL) for the model step's Triton kernels.
 
-Launched with PDL, a kernel's programs may be placed on the SMs while the kernel before it in the stream is still
-running; each program then waits (``wait_for_previous``: PTX ``griddepcontrol.wait``) until that kernel has finished
-and its writes are visible, and lets the kernel after it be placed the same way. Captured into a CUDA graph the
-launches become programmatic edges; such a graph instantiates for device launch (``bench/decode_chain_bench.py``).
+Launched with PDL, a kernel may be placed on the SMs as the kernel before it in the stream finishes, before that
+kernel's completion is processed; its programs then wait (``wait_for_previous``: PTX ``griddepcontrol.wait``) until
+that kernel's writes are visible. What a program does before the wait (address arithmetic, reads of step buffers)
+overlaps the previous kernel's tail. Captured into a CUDA graph the launches become programmatic edges; such a graph
+instantiates for device launch (``bench/decode_chain_bench.py``) and the engine's GPU tests run it so.
+
+The kernels do not trigger their dependents early (``gdc_launch_dependents``): on the H200 that made
+Qwen3-30B-A3B's batch-1 decode step 4% slower (3.757 -> 3.906 ms) though batches 16-64 gained ~1.3%; placed at
+completion, batch 1 gained 0.8% and no cell lost beyond noise (docs/benchmarks.md).
 
 Invariants every step kernel keeps:
 
 - What a program reads before it waits is never written by the step's own kernels: only weights, and the step
-  buffers filled before the step (positions, slot mapping, query start locations, sequence lengths, block tables).
+  buffers filled before the step (positions, query start locations, sequence lengths, block tables).
   Activations, the KV cache and anything a torch op computes inside the step are read after the wait.
 - Every program waits, before any early return. A kernel then never finishes before the kernels ahead of it, so a
   later kernel that waits only for its predecessor has also waited for all of them.
@@ -28,10 +33,9 @@ import triton.language as tl
 
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
-    """Waits for the previous kernel's writes and lets the next kernel be placed (no-op unless ``PDL``)."""
+    """Waits for the previous kernel's writes to be visible (no-op unless ``PDL``)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @functools.lru_cache(maxsize=None)
