@@ -5,8 +5,9 @@ PDL launches still instantiate for device launch? An experiment for issue 4, not
 The B=1 decode step is ~400 dependent kernels: small GEMMs at 1.4-1.8x their weight bytes' floor, 65 RMSNorm and
 32 SiLU-mul kernels of 1.5-2.4 us, ~160 us per step in gaps (profiles in docs/benchmarks.md). Here ``CALLS``
 chained steps ``x_(i+1) = x_i @ W_i.T`` (square, each W its own copy, bf16 out), with the norm
-``x_(i+1) = rms_norm(x_i) @ W_i.T``, or gated ``x_(i+1) = silu(x_i @ W_i.T) * (x_i @ U_i.T)`` (the MLP's gate_up
-and SiLU-mul; its floor is twice the others'), are captured in one CUDA graph and timed per step, as:
+``x_(i+1) = rms_norm(x_i) @ W_i.T``, or gated ``x_(i+1) = silu(x_0 @ W_i.T) * (x_0 @ U_i.T)`` (the MLP's gate_up
+and SiLU-mul, each step from the first x as a chain of them decays to zero; its floor is twice the others'), are
+captured in one CUDA graph and timed per step, as:
 
 - ``cublas``: ``torch.nn.functional.linear``;
 - ``triton``: the skinny GEMM kernel below, plain launches;
@@ -26,7 +27,8 @@ and SiLU-mul; its floor is twice the others'), are captured in one CUDA graph an
 Each variant is first checked against float64 (relative error < 1e-2). Then the ``pdl`` chain's raw graph is
 instantiated with ``cudaGraphInstantiateFlagDeviceLaunch`` (as blink's step graphs are) and uploaded; the result
 (ok or the CUDA error) is printed. The first results (PDL variants only, as ``bench/pdl_bench.py``):
-``bench/results/pdl_bench_h200_b1c020f.json``.
+``bench/results/pdl_bench_h200_b1c020f.json``; every variant: ``decode_chain_bench_h200_a4e792e.json`` (table and
+reading in docs/benchmarks.md: no folded norm beats the norm kernel + GEMM; the gated kernel gains 1-2 us a call).
 Run: ``PYTHONPATH=src python3 bench/decode_chain_bench.py [--out decode_chain_bench.json]`` (``$OUT/...`` when
 ``$OUT`` is set).
 """
@@ -180,7 +182,7 @@ def device_launch_check(xs, p, shape) -> str:
     return "ok" if err == runtime.cudaError_t.cudaSuccess else f"upload: {err.name}"
 
 
-def gated_floors(variant: str) -> int:
+def matrices_per_step(variant: str) -> int:
     """Weight matrices per step of ``variant``: its floor in units of one matrix's bytes."""
     return 2 if variant.startswith(("silu", "gated")) else 1
 
@@ -212,7 +214,7 @@ def bench_size(size: int, m: int, bw: float, reps: int) -> dict:
                    default=None) for v in VARIANTS}
     row["best"] = best
     print(f"size {size:5d} m={m:2d}: floor {floor_us:6.2f} us  cublas {cublas_us:6.2f} (x{cublas_us / floor_us:.2f})"
-          + "".join(f"\n    {v:>13} " + (f"{b['us']:6.2f} (x{b['us'] / floor_us / gated_floors(v):.2f})" if b
+          + "".join(f"\n    {v:>13} " + (f"{b['us']:6.2f} (x{b['us'] / floor_us / matrices_per_step(v):.2f})" if b
                                            else "none") for v, b in best.items()), flush=True)
     for r in row["runs"]:
         if r["us"] is None:
