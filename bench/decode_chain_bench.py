@@ -43,9 +43,8 @@ import triton
 import triton.language as tl
 from gpu_timing import graph_ms, kernel_bench_start, rel_err
 
-from blink.models.kernels.activation import _silu_and_mul_kernel
+from blink.models.kernels.activation import silu_and_mul
 from blink.models.kernels.norm import rms_norm
-from blink.models.kernels.pdl import pdl_args
 
 SIZES = (4096, 8192)
 ROWS = (1, 16)
@@ -115,13 +114,6 @@ def _chain_linear_kernel(x_ptr, w_ptr, up_ptr, out_ptr, m, n, k, eps, BLOCK_M: t
              mask=(rows[:, None] < m) & (cols[None, :] < n))
 
 
-def silu_and_mul_into(x: torch.Tensor, out: torch.Tensor) -> None:
-    """blink's SiLU-and-mul kernel (as ``activation.silu_and_mul`` launches it), writing into ``out``."""
-    n = out.shape[1]
-    block = min(1024, triton.next_power_of_2(n))
-    _silu_and_mul_kernel[(out.shape[0], triton.cdiv(n, block))](x, out, n, BLOCK=block, **pdl_args(x.device))
-
-
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, shape: dict, pdl: bool = False,
                   norm: int = 0, up: torch.Tensor | None = None) -> None:
     """``out = x @ w.T`` in bf16, ``x`` at most 16 rows; ``norm``/``up`` as the kernel's ``NORM``/``GATED``."""
@@ -143,7 +135,7 @@ def chain(variant: str, xs: list[torch.Tensor], p: dict, shape: dict | None) -> 
         if variant in ("cublas", "norm+cublas"):
             torch.nn.functional.linear(x, p["w"][i], out=out)
         elif variant == "silu+cublas":
-            silu_and_mul_into(torch.nn.functional.linear(xs[0], p["gate_up"][i]), out)
+            silu_and_mul(torch.nn.functional.linear(xs[0], p["gate_up"][i]), out=out)
         elif variant in FUSED:
             norm, pdl = FUSED[variant]
             skinny_linear(x, p["folded"][i], out, shape, pdl=pdl, norm=norm)

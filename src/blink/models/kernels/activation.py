@@ -18,10 +18,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constex
     tl.store(out_ptr + row * n + col, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``x [T, 2I]`` contiguous → ``[T, I]``."""
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [T, 2I]`` contiguous → ``[T, I]`` (written into ``out``, contiguous, when given)."""
     t, n = x.shape[0], x.shape[1] // 2
-    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((t, n), dtype=x.dtype, device=x.device) if out is None else out
     block = min(1024, triton.next_power_of_2(n))
     _silu_and_mul_kernel[(t, triton.cdiv(n, block))](x, out, n, BLOCK=block, **pdl_args(x.device))
     return out

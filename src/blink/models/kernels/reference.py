@@ -27,10 +27,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return (weight * out.to(x.dtype)), x
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``x = [gate | up]`` along the last dim → ``silu(gate) * up``."""
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x = [gate | up]`` along the last dim → ``silu(gate) * up`` (written into ``out`` when given)."""
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate) * up if out is None else torch.mul(F.silu(gate), up, out=out)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
