@@ -20,10 +20,10 @@ from gpu_timing import graph_ms, kernel_bench_start
 
 from blink.models.kernels.prefetch import l2_prefetch
 
-SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096)}
 ROWS = (1, 16)
-GAPS_US = (0, 5, 10, 20)
-FRACS = (0.0, 0.5, 1.0)
+GAPS_US = (10, 20)
+FRACS = (0.0, 1.0, -1.0)  # -1: warm, the weight read by a GEMM before the window
 CALLS = 8
 
 
@@ -39,11 +39,14 @@ def window(gap_cycles: int):
         torch.cuda._sleep(gap_cycles)
 
 
-def calls(x, weights, gap_cycles: int, frac: float, outs: list):
+def calls(x, weights, gap_cycles: int, frac: float, outs: list, last: bool = True):
     for i, w in enumerate(weights):
-        with l2_prefetch([w], int(frac * w.numel() * w.element_size())):
+        if frac < 0:
+            F.linear(x, w)
+        with l2_prefetch([w], int(max(frac, 0) * w.numel() * w.element_size())):
             window(gap_cycles)
-        outs[i] = F.linear(x, w)
+        if last:
+            outs[i] = F.linear(x, w)
 
 
 def main():
@@ -61,8 +64,8 @@ def main():
             want = [F.linear(x, w) for w in weights]
             for gap in GAPS_US:
                 cycles = int(gap * per_us)
-                alone_us = graph_ms(lambda: [window(cycles) for _ in weights], args.reps) * 1e3 / CALLS
                 for frac in FRACS:
+                    alone_us = graph_ms(lambda: calls(x, weights, cycles, frac, [], False), args.reps) * 1e3 / CALLS
                     outs = [None] * CALLS
                     us = graph_ms(lambda: calls(x, weights, cycles, frac, outs), args.reps) * 1e3 / CALLS
                     if any(not torch.equal(o, w) for o, w in zip(outs, want)):
