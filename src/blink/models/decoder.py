@@ -13,8 +13,6 @@ captures into a CUDA graph per bucket ``T``; on CPU it uses the torch references
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,12 +23,6 @@ from .rope import cos_sin_cache
 from .sampler import sample
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _prefetch_budget(x) -> int:  # experiment
-    if x.shape[0] > int(os.environ.get("BLINK_L2_PREFETCH_MAX_TOKENS", "64")):
-        return 0
-    return int(float(os.environ.get("BLINK_L2_PREFETCH_MB", "32")) * 2 ** 20)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -53,16 +45,14 @@ class Attention(nn.Module):
             self.q_norm.weight = _param(c.head_dim, **kw)
             self.k_norm.weight = _param(c.head_dim, **kw)
         self.c, self.qk_norm = c, qk_norm
-        self.prefetched = [self.o_proj.weight]
 
     def forward(self, x, positions, cos_sin, kv_layer, slot_mapping, plan, ops):
         c = self.c
         q, k, v = F.linear(x, self.qkv_proj.weight).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q, k, v = (t.unflatten(-1, (-1, c.head_dim)) for t in (q, k, v))
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-        with ops.l2_prefetch(self.prefetched, _prefetch_budget(x)):
-            q = ops.rope_kv_write(q, k, v, positions, cos_sin, kv_layer, slot_mapping, *norms, c.rms_norm_eps)
-            o = ops.attention(q, kv_layer, plan, c.head_dim ** -0.5, c.sliding_window)
+        q = ops.rope_kv_write(q, k, v, positions, cos_sin, kv_layer, slot_mapping, *norms, c.rms_norm_eps)
+        o = ops.attention(q, kv_layer, plan, c.head_dim ** -0.5, c.sliding_window)
         return F.linear(o.flatten(1), self.o_proj.weight)
 
 
@@ -103,8 +93,6 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(c, qk_norm, **kw)
         self.mlp = SparseMoE(c, **kw) if moe else MLP(c, **kw)
-        if not moe and os.environ.get("BLINK_L2_PREFETCH_GATE_UP") == "1":  # experiment
-            self.self_attn.prefetched.append(self.mlp.gate_up_proj.weight)
         self.input_layernorm, self.post_attention_layernorm = nn.Module(), nn.Module()
         self.input_layernorm.weight = _param(c.hidden_size, **kw)
         self.post_attention_layernorm.weight = _param(c.hidden_size, **kw)

@@ -7,7 +7,6 @@ head_dim]``.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -32,11 +31,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     """``x = [gate | up]`` along the last dim → ``silu(gate) * up`` (written into ``out`` when given)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up if out is None else torch.mul(F.silu(gate), up, out=out)
-
-
-def l2_prefetch(weights: list[torch.Tensor], max_bytes: int):
-    """A cache hint on the GPU (``prefetch.l2_prefetch``); here nothing to do: a context that does nothing."""
-    return contextlib.nullcontext()
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
