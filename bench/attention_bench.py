@@ -3,7 +3,7 @@ floors, at the default launch shape and (``--sweep``) at every shape of ``PREFIL
 
 Llama-3-8B's attention (32 query heads, 8 KV heads of 128, pages of 16 tokens scattered over the pool) in the
 step's cases: a 2048-token prompt, a 512-token chunk on a 1536-token cached prefix, and decodes (one token per
-sequence) at batch 1 and 64 with 1K context and batch 1 with 8K. Every case first checks the kernel against
+sequence) at batch 1, 16 and 64 with 1K context and batch 1 and 16 with 8K (``--cases`` picks some). Every case first checks the kernel against
 ``reference.attention`` (relative error < 1e-2; exits non-zero otherwise), then times ``LAYERS`` back-to-back calls
 captured in one CUDA graph (as a step runs them) and reports the time per call. Floors: the KV bytes read at the
 measured HBM copy rate, or the causal attention FLOPs at the measured bf16 GEMM rate when larger. For a prompt with
@@ -33,11 +33,11 @@ from blink.models.kernels.attention import Tiles, attention, attention_plan, til
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
 LAYERS = 32
 LAYOUT = StepLayout(max_num_batched_tokens=2048, max_num_seqs=256, max_pages_per_seq=8192 // PAGE)
-# About 60 shapes (each compiled once, then timed per case): ~5 minutes on the H200, by estimate.
+# 78 shapes (each compiled once, then timed per case).
 PREFILL_SWEEP = [dict(tiles=Tiles(rows, n, warps, stages)) for rows, n, warps, stages in
                  itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]
-DECODE_SWEEP = [dict(tiles=Tiles(16, n, warps, stages), num_splits=splits) for n, warps, stages, splits in
-                itertools.product((32, 64, 128), (2, 4), (2, 3), (1, 8, 32))]
+DECODE_SWEEP = [dict(tiles=Tiles(16, n, 4, stages), num_splits=splits) for n, stages, splits in
+                itertools.product((32, 64, 128), (2, 3, 4), (4, 8, 16, 32, 64, 128))]
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,9 @@ class Case:
 
 
 CASES = (Case("prefill 2048", 1, 2048, 0), Case("chunk 512 on 1536", 1, 512, 1536),
-         Case("decode B=1 ctx 1K", 1, 1, 1023), Case("decode B=64 ctx 1K", 64, 1, 1023),
-         Case("decode B=1 ctx 8K", 1, 1, 8191))
+         Case("decode B=1 ctx 1K", 1, 1, 1023), Case("decode B=16 ctx 1K", 16, 1, 1023),
+         Case("decode B=64 ctx 1K", 64, 1, 1023), Case("decode B=1 ctx 8K", 1, 1, 8191),
+         Case("decode B=16 ctx 8K", 16, 1, 8191))
 
 
 def inputs(case: Case):
@@ -151,12 +152,12 @@ def describe_row(r: dict) -> str:
 
 
 def main():
-    args, bw, flops = kernel_bench_start(__doc__, "attention_bench.json", reps=30)
+    args, bw, flops = kernel_bench_start(__doc__, "attention_bench.json", reps=30, cases=[c.name for c in CASES])
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {flops / 1e12:.0f} TFLOP/s; "
           f"attention {HEADS} heads, {KV_HEADS} KV heads of {DIM}, pages of {PAGE}; per call of {LAYERS} in a graph",
           flush=True)
     rows = []
-    for case in CASES:
+    for case in (c for c in CASES if c.name in args.cases):
         rows.append(bench_case(case, bw, flops, args.reps, args.sweep))
         torch.cuda.empty_cache()  # the next case's KV pools
     with open(args.out, "w") as f:

@@ -59,15 +59,18 @@ def graph_ms(fn, reps: int) -> float:
     return events_median_ms(graph.replay, reps)
 
 
-def kernel_bench_start(doc: str, json_name: str, reps: int,
-                       sweep: bool = True) -> tuple[argparse.Namespace, float, float]:
-    """The command line shared by the kernel benches (``--out``, ``--reps``, and ``--sweep`` where the sweep is
-    optional), then the copy and GEMM rates their floors use, measured now: (args, bytes/s, FLOP/s)."""
+def kernel_bench_start(doc: str, json_name: str, reps: int, sweep: bool = True,
+                       cases: list[str] | None = None) -> tuple[argparse.Namespace, float, float]:
+    """The command line shared by the kernel benches (``--out``, ``--reps``, ``--sweep`` where the sweep is
+    optional, ``--cases`` to run some of ``cases``), then the copy and GEMM rates their floors use, measured now:
+    (args, bytes/s, FLOP/s)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), json_name))
     parser.add_argument("--reps", type=int, default=reps)
     if sweep:
         parser.add_argument("--sweep", action="store_true", help="also time every launch shape of the sweep")
+    if cases:
+        parser.add_argument("--cases", nargs="+", default=cases, choices=cases, help="the cases to run (all)")
     args = parser.parse_args()
     torch.manual_seed(0)
     bw, flops = copy_bandwidth(), matmul_rate()
