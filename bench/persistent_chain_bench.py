@@ -1,0 +1,194 @@
+"""Does one persistent kernel stream a decode layer's weights closer to the HBM floor than a chain of GEMM kernels?
+An experiment for issue 4 (the step at <= 1.10x its floor), not a step kernel.
+
+The decode step at batches 1-16 loses most of its time to fixed costs per kernel: each of Llama-3-8B's small GEMMs
+takes 3-6 us beyond its weight bytes' floor in ramp and tail (cuBLAS and Triton alike: ``bench/gemv_bench.py``),
+and PDL did not hide them (``bench/decode_chain_bench.py``). A persistent kernel keeps every SM busy across GEMM
+boundaries: one program per SM walks the ops in order, takes the output tiles ``pid, pid + P, ...`` of each, and
+waits at a grid barrier (an atomic counter, release/acquire at GPU scope) before the next op reads what this one
+wrote.
+
+The chain is ``LAYERS`` of Llama-3-8B's MLP-and-projection GEMMs at M rows: qkv (4096 -> 6144), o_proj (the first
+4096 columns of qkv's output -> 4096), gate_up with SiLU-mul (4096 -> 2 x 14336 -> 14336), down (14336 -> 4096,
+the next layer's input); attention, RoPE and the norms are left out (they are what the GEMMs would wrap). Timed as:
+
+- ``cublas``: ``torch.nn.functional.linear`` per GEMM plus blink's SiLU-mul kernel, captured in one CUDA graph;
+- ``persistent``: the kernel below at each launch shape of ``SHAPES``, the counter zeroed in the same graph.
+
+Both are checked against a float64 chain (relative error < 2e-2 at the last output). The floor is the layers'
+weight bytes at the measured copy rate.
+
+Run: ``PYTHONPATH=src python3 bench/persistent_chain_bench.py [--out persistent_chain_bench.json]``.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from gpu_timing import graph_ms, kernel_bench_start, rel_err
+
+from blink.models.kernels.activation import silu_and_mul
+
+HIDDEN, QKV, INTER = 4096, 6144, 14336
+LAYERS = 8
+ROWS = (1, 16)
+SHAPES = [dict(block_n=n, block_k=k, num_stages=s, per_sm=p) for n, k, s, p in
+          ((32, 256, 3, 1), (32, 256, 4, 1), (64, 128, 4, 1), (16, 256, 4, 1), (32, 128, 4, 2), (16, 256, 3, 2))]
+
+
+@triton.jit
+def _tile(src, ld_src, w, n, k, m, cols, rows, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr):
+    """``src[:m, :k] @ w[cols, :k].T`` in float32 (activations through L2 only: other SMs wrote them)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(src + rows[:, None] * ld_src + ks[None, :], mask=(rows[:, None] < m) & (ks[None, :] < k),
+                    other=0.0, cache_modifier=".cg")
+        wt = tl.load(w + cols[:, None].to(tl.int64) * k + ks[None, :], mask=(cols[:, None] < n) & (ks[None, :] < k),
+                     other=0.0)
+        acc += tl.dot(x, tl.trans(wt))
+    return acc
+
+
+@triton.jit
+def _persistent_chain_kernel(ops_ptr, counter_ptr, m, num_ops, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+    """Op ``i`` is row ``i`` of ``ops [num_ops, 8]`` int64: weight, src, dst addresses, n, k, src row stride,
+    gated (W holds n gate rows then n up rows; the output is silu(gate) * up)."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    rows = tl.arange(0, BLOCK_M)
+    for op in range(num_ops):
+        row = ops_ptr + op * 8
+        w = tl.load(row).to(tl.pointer_type(tl.bfloat16))
+        src = tl.load(row + 1).to(tl.pointer_type(tl.bfloat16))
+        dst = tl.load(row + 2).to(tl.pointer_type(tl.bfloat16))
+        n, k, ld_src, gated = tl.load(row + 3), tl.load(row + 4), tl.load(row + 5), tl.load(row + 6)
+        for t in range(pid, tl.cdiv(n, BLOCK_N), programs):
+            cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = _tile(src, ld_src, w, n, k, m, cols, rows, BLOCK_M, BLOCK_N, BLOCK_K)
+            if gated != 0:
+                up = _tile(src, ld_src, w + n * k, n, k, m, cols, rows, BLOCK_M, BLOCK_N, BLOCK_K)
+                acc = acc * tl.sigmoid(acc) * up
+            tl.store(dst + rows[:, None] * n + cols[None, :], acc.to(tl.bfloat16),
+                     mask=(rows[:, None] < m) & (cols[None, :] < n))
+        # Grid barrier: this program's stores, then its arrival (release); wait for every program's (acquire).
+        tl.debug_barrier()
+        tl.atomic_add(counter_ptr, 1, sem="release")
+        target = (op + 1) * programs
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+        while seen < target:
+            seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+        tl.debug_barrier()
+
+
+class Chain:
+    """The layers' weights (bf16, ~N(0, 1/k)) and activation buffers of ``m`` rows."""
+
+    def __init__(self, m: int):
+        def weight(n, k):
+            return (torch.randn(n, k, device="cuda") * k ** -0.5).to(torch.bfloat16)
+
+        self.m = m
+        self.layers = [dict(qkv=weight(QKV, HIDDEN), o=weight(HIDDEN, HIDDEN), gate_up=weight(2 * INTER, HIDDEN),
+                            down=weight(HIDDEN, INTER)) for _ in range(LAYERS)]
+        self.x0 = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        self.x = self.x0.clone()
+        self.qkv = torch.empty(m, QKV, device="cuda", dtype=torch.bfloat16)
+        self.o = torch.empty(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        self.act = torch.empty(m, INTER, device="cuda", dtype=torch.bfloat16)
+        self.weight_bytes = sum(w.numel() * 2 for layer in self.layers for w in layer.values())
+
+    def reference(self) -> torch.Tensor:
+        x = self.x0.double()
+        for layer in self.layers:
+            qkv = x @ layer["qkv"].double().T
+            o = qkv[:, :HIDDEN] @ layer["o"].double().T
+            g, u = (o @ layer["gate_up"].double().T).chunk(2, dim=-1)
+            x = (g * torch.sigmoid(g) * u) @ layer["down"].double().T
+        return x
+
+    def cublas(self):
+        self.x.copy_(self.x0)
+        for layer in self.layers:
+            torch.matmul(self.x, layer["qkv"].T, out=self.qkv)
+            torch.matmul(self.qkv[:, :HIDDEN], layer["o"].T, out=self.o)
+            silu_and_mul(F.linear(self.o, layer["gate_up"]), out=self.act)
+            torch.matmul(self.act, layer["down"].T, out=self.x)
+
+    def op_table(self) -> torch.Tensor:
+        ops = []
+        for layer in self.layers:
+            ops += [(layer["qkv"], self.x, self.qkv, QKV, HIDDEN, HIDDEN, 0),
+                    (layer["o"], self.qkv, self.o, HIDDEN, HIDDEN, QKV, 0),
+                    (layer["gate_up"], self.o, self.act, INTER, HIDDEN, HIDDEN, 1),
+                    (layer["down"], self.act, self.x, HIDDEN, INTER, INTER, 0)]
+        return torch.tensor([[w.data_ptr(), s.data_ptr(), d.data_ptr(), n, k, ld, g, 0]
+                             for w, s, d, n, k, ld, g in ops], dtype=torch.int64, device="cuda")
+
+
+SM_REGISTERS, SM_SHARED, BLOCK_RESERVED = 65536, 233472, 1024  # per H100/H200 SM
+
+
+def resident_programs(block_n: int, block_k: int, num_stages: int, per_sm: int) -> int:
+    """How many programs of this shape fit one SM at once (registers and shared memory), compiled without a launch:
+    a grid barrier with programs that cannot all be resident never returns."""
+    kernel = _persistent_chain_kernel.warmup(torch.int64, torch.int32, 1, 1, BLOCK_M=16, BLOCK_N=block_n,
+                                             BLOCK_K=block_k, num_warps=4, num_stages=num_stages, grid=(1,))
+    kernel._init_handles()
+    by_regs = SM_REGISTERS // max(1, kernel.n_regs * 4 * 32)
+    by_shared = SM_SHARED // (kernel.metadata.shared + BLOCK_RESERVED)
+    return min(by_regs, by_shared)
+
+
+def persistent(chain: Chain, ops: torch.Tensor, counter: torch.Tensor, block_n: int, block_k: int, num_stages: int,
+               per_sm: int):
+    chain.x.copy_(chain.x0)
+    counter.zero_()
+    programs = torch.cuda.get_device_properties(0).multi_processor_count * per_sm
+    _persistent_chain_kernel[(programs,)](ops, counter, chain.m, ops.shape[0], BLOCK_M=16, BLOCK_N=block_n,
+                                          BLOCK_K=block_k, num_warps=4, num_stages=num_stages)
+
+
+def main():
+    args, bw, _ = kernel_bench_start(__doc__, "persistent_chain_bench.json", reps=20, sweep=False)
+    rows, wrong = [], []
+    for m in ROWS:
+        chain = Chain(m)
+        want, floor_us = chain.reference(), chain.weight_bytes / bw * 1e6 / LAYERS
+        chain.cublas()
+        err = rel_err(chain.x, want)
+        us = graph_ms(chain.cublas, args.reps) * 1e3 / LAYERS
+        rows.append(dict(m=m, variant="cublas", rel_err=err, us_per_layer=us, floor_us=floor_us))
+        print(f"m={m:2d} cublas      {us:7.2f} us/layer  floor {floor_us:6.2f}  x{us / floor_us:.2f}  "
+              f"(rel err {err:.1e})", flush=True)
+        ops, counter = chain.op_table(), torch.zeros(1, dtype=torch.int32, device="cuda")
+        for shape in SHAPES:
+            try:
+                resident = resident_programs(**shape)
+            except triton.runtime.errors.OutOfResources as e:
+                print(f"m={m:2d} persistent  {shape}: does not fit ({str(e).splitlines()[0]})", flush=True)
+                continue
+            if resident < shape["per_sm"]:
+                print(f"m={m:2d} persistent  {shape}: only {resident} program(s) fit an SM", flush=True)
+                continue
+            persistent(chain, ops, counter, **shape)
+            err = rel_err(chain.x, want)
+            us = graph_ms(lambda shape=shape: persistent(chain, ops, counter, **shape), args.reps) * 1e3 / LAYERS
+            rows.append(dict(m=m, variant="persistent", **shape, rel_err=err, us_per_layer=us, floor_us=floor_us))
+            print(f"m={m:2d} persistent  {us:7.2f} us/layer  floor {floor_us:6.2f}  x{us / floor_us:.2f}  "
+                  f"(rel err {err:.1e})  {shape}", flush=True)
+            wrong += [(m, str(shape))] if not err < 2e-2 else []
+    with open(args.out, "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bytes_per_s=bw, rows=rows),
+                  f, indent=2)
+    if wrong:
+        sys.exit(f"the persistent chain differs from float64 at {wrong}")
+
+
+if __name__ == "__main__":
+    main()
