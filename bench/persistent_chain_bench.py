@@ -16,8 +16,9 @@ would wrap). Timed as:
 - ``cublas``: ``torch.nn.functional.linear`` per GEMM plus blink's SiLU-mul kernel, captured in one CUDA graph;
 - ``persistent``: the kernel below at each launch shape of ``SHAPES``, the counter zeroed in the same graph.
 
-Both are checked against a float64 chain (relative error < 2e-2 at the last output). The floor is the layers'
-weight bytes at the measured copy rate.
+Both are checked against a float64 chain: the relative error of what the layers added to the input is < 0.1
+(bf16 rounding of the residual stream alone makes ~0.03; a wrong tile makes ~1).
+The floor is the layers' weight bytes at the measured copy rate.
 
 Run: ``PYTHONPATH=src python3 bench/persistent_chain_bench.py [--out persistent_chain_bench.json]``.
 """
@@ -94,15 +95,16 @@ def _persistent_chain_kernel(ops_ptr, counter_ptr, m, num_ops, BLOCK_M: tl.const
 
 
 class Chain:
-    """The layers' weights (bf16, ~N(0, 1/k)) and activation buffers of ``m`` rows."""
+    """The layers' weights (bf16, ~N(0, 1/k); down 10x smaller, so the residual stream keeps its scale: SiLU-mul is
+    quadratic) and activation buffers of ``m`` rows."""
 
     def __init__(self, m: int):
-        def weight(n, k):
-            return (torch.randn(n, k, device="cuda") * k ** -0.5).to(torch.bfloat16)
+        def weight(n, k, scale=1.0):
+            return (torch.randn(n, k, device="cuda") * scale * k ** -0.5).to(torch.bfloat16)
 
         self.m = m
         self.layers = [dict(qkv=weight(QKV, HIDDEN), o=weight(HIDDEN, HIDDEN), gate_up=weight(2 * INTER, HIDDEN),
-                            down=weight(HIDDEN, INTER)) for _ in range(LAYERS)]
+                            down=weight(HIDDEN, INTER, 0.1)) for _ in range(LAYERS)]
         self.x0 = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
         self.x = self.x0.clone()
         self.qkv = torch.empty(m, QKV, device="cuda", dtype=torch.bfloat16)
@@ -170,7 +172,7 @@ def main():
         chain = Chain(m)
         want, floor_us = chain.reference(), chain.weight_bytes / bw * 1e6 / LAYERS
         chain.cublas()
-        err = rel_err(chain.x, want)
+        err = rel_err(chain.x - chain.x0, want - chain.x0.double())
         us = graph_ms(chain.cublas, args.reps) * 1e3 / LAYERS
         rows.append(dict(m=m, variant="cublas", rel_err=err, us_per_layer=us, floor_us=floor_us))
         print(f"m={m:2d} cublas      {us:7.2f} us/layer  floor {floor_us:6.2f}  x{us / floor_us:.2f}  "
@@ -186,12 +188,12 @@ def main():
                 print(f"m={m:2d} persistent  {shape}: only {resident} program(s) fit an SM", flush=True)
                 continue
             persistent(chain, ops, counter, **shape)
-            err = rel_err(chain.x, want)
+            err = rel_err(chain.x - chain.x0, want - chain.x0.double())
             us = graph_ms(lambda shape=shape: persistent(chain, ops, counter, **shape), args.reps) * 1e3 / LAYERS
             rows.append(dict(m=m, variant="persistent", **shape, rel_err=err, us_per_layer=us, floor_us=floor_us))
             print(f"m={m:2d} persistent  {us:7.2f} us/layer  floor {floor_us:6.2f}  x{us / floor_us:.2f}  "
                   f"(rel err {err:.1e})  {shape}", flush=True)
-            wrong += [(m, str(shape))] if not err < 2e-2 else []
+            wrong += [(m, str(shape))] if not err < 0.1 else []
     with open(args.out, "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bytes_per_s=bw, rows=rows),
                   f, indent=2)
