@@ -38,8 +38,9 @@ from blink.models.kernels.activation import silu_and_mul
 HIDDEN, QKV, INTER = 4096, 6144, 14336
 LAYERS = 8
 ROWS = (1, 16)
-SHAPES = [dict(block_n=n, block_k=k, num_stages=s, per_sm=p) for n, k, s, p in
-          ((32, 256, 3, 1), (32, 256, 4, 1), (64, 128, 4, 1), (16, 256, 4, 1), (32, 128, 4, 2), (16, 256, 3, 2))]
+SHAPES = [dict(block_n=n, block_k=k, num_stages=s, per_sm=p, num_warps=w) for n, k, s, p, w in
+          ((32, 256, 4, 1, 4), (64, 128, 4, 1, 4), (32, 256, 4, 2, 4), (64, 256, 3, 1, 8), (64, 256, 4, 1, 8),
+           (32, 512, 3, 1, 8), (128, 128, 4, 1, 8), (32, 256, 3, 2, 8))]
 
 
 @triton.jit
@@ -145,24 +146,35 @@ class Chain:
 SM_REGISTERS, SM_SHARED, BLOCK_RESERVED = 65536, 233472, 1024  # per H100/H200 SM
 
 
-def resident_programs(block_n: int, block_k: int, num_stages: int, per_sm: int) -> int:
+def resident_programs(block_n: int, block_k: int, num_stages: int, per_sm: int, num_warps: int) -> int:
     """How many programs of this shape fit one SM at once (registers and shared memory), compiled without a launch:
     a grid barrier with programs that cannot all be resident never returns."""
     kernel = _persistent_chain_kernel.warmup(torch.int64, torch.int32, 1, 1, BLOCK_M=16, BLOCK_N=block_n,
-                                             BLOCK_K=block_k, num_warps=4, num_stages=num_stages, grid=(1,))
+                                             BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, grid=(1,))
     kernel._init_handles()
-    by_regs = SM_REGISTERS // max(1, kernel.n_regs * 4 * 32)
+    by_regs = SM_REGISTERS // max(1, kernel.n_regs * num_warps * 32)
     by_shared = SM_SHARED // (kernel.metadata.shared + BLOCK_RESERVED)
     return min(by_regs, by_shared)
 
 
 def persistent(chain: Chain, ops: torch.Tensor, counter: torch.Tensor, block_n: int, block_k: int, num_stages: int,
-               per_sm: int):
+               per_sm: int, num_warps: int):
     chain.x.copy_(chain.x0)
     counter.zero_()
     programs = torch.cuda.get_device_properties(0).multi_processor_count * per_sm
     _persistent_chain_kernel[(programs,)](ops, counter, chain.m, ops.shape[0], BLOCK_M=16, BLOCK_N=block_n,
-                                          BLOCK_K=block_k, num_warps=4, num_stages=num_stages)
+                                          BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+
+
+def barrier_cost(chain: Chain, ops: torch.Tensor, counter: torch.Tensor, reps: int) -> dict:
+    """Time per op of the kernel on ``ops`` with every op cut to one 16x16 tile: the grid barrier and the op's
+    bookkeeping alone."""
+    tiny = ops.clone()
+    tiny[:, 3:6] = 16
+    shape = SHAPES[0]
+    us = graph_ms(lambda: persistent(chain, tiny, counter, **shape), reps) * 1e3 / ops.shape[0]
+    print(f"grid barrier: {us:.2f} us per op ({shape})", flush=True)
+    return dict(variant="barrier", **shape, us_per_op=us)
 
 
 def main():
@@ -178,6 +190,8 @@ def main():
         print(f"m={m:2d} cublas      {us:7.2f} us/layer  floor {floor_us:6.2f}  x{us / floor_us:.2f}  "
               f"(rel err {err:.1e})", flush=True)
         ops, counter = chain.op_table(), torch.zeros(1, dtype=torch.int32, device="cuda")
+        if m == ROWS[0]:
+            rows.append(barrier_cost(chain, ops, counter, args.reps))
         for shape in SHAPES:
             try:
                 resident = resident_programs(**shape)
