@@ -57,7 +57,7 @@ class Runner:
     def step(self, chunks: list[SeqChunk], bucket: int | None = None):
         """Returns (logits of the sampled rows, sampled ids, sampled logprobs) for rows ``0..len(chunks)-1``."""
         n = fill_step(self.buf, chunks, PAGE_SIZE)
-        logits = self.model(self.buf, self.kv, bucket or n)
+        logits = self.model(self.buf, self.kv, bucket or n).float()
         k = len(chunks)
         return logits[:k], self.buf.sampled_ids[:k].clone(), self.buf.sampled_logprobs[:k].clone()
 

@@ -22,6 +22,17 @@ def test_greedy_and_logprobs():
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, 1).gather(1, ids[:, None].long())[:, 0])
 
 
+def test_bf16_logits_sample_as_their_float32_copy():
+    """The step hands the sampler its bf16 logits: tokens and logprobs are those of the exact float32 copy."""
+    logits = (torch.randn(8, 3000) * 3).bfloat16()
+    params = dict(temperature=torch.tensor([0.0, 0.7, 1.0, 1.3] * 2), top_k=torch.tensor([0, 0, 5, 40] * 2),
+                  top_p=torch.tensor([1.0, 0.9, 0.95, 0.5] * 2), seed=torch.arange(8))
+    ids, logprobs = _sample(logits, **params)
+    want_ids, want_logprobs = _sample(logits.float(), **params)
+    assert torch.equal(ids, want_ids) and torch.equal(logprobs, want_logprobs)
+    assert logprobs.dtype == torch.float32
+
+
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.7), (7, 0.5), (40, 0.95), (2000, 0.9)])
 def test_filter_keeps_what_transformers_keeps(top_k, top_p):
     torch.manual_seed(top_k)

@@ -153,7 +153,8 @@ class DecoderLM(nn.Module):
         """One model step over the first ``num_tokens`` token rows of ``buf`` (a ``StepBuffers``).
 
         Writes ``buf.sampled_ids`` / ``buf.sampled_logprobs`` for rows with ``logits_indices >= 0`` (others keep
-        their values) and returns the float32 logits ``[sample_rows(num_tokens), vocab]`` of the sampled rows.
+        their values) and returns the logits ``[sample_rows(num_tokens), vocab]`` of the sampled rows in the model's
+        dtype (sampling reads them as they are; a float32 copy would cost a pass over them every step).
         """
         c, ops, t = self.config, self.ops, num_tokens
         s = buf.layout.sample_rows(t)
@@ -166,7 +167,7 @@ class DecoderLM(nn.Module):
         # Only the sampled rows go through the final norm and the LM head (rows with -1 read row 0, unused).
         last = rows.clamp(min=0).long()
         h, _ = ops.rms_norm(h[last], self.model.norm.weight, c.rms_norm_eps, residual[last])
-        logits = F.linear(h, self.lm_head_weight()).float()
+        logits = F.linear(h, self.lm_head_weight())
         ids, logprobs = sample(logits, buf.temperature[:s], buf.top_k[:s], buf.top_p[:s], buf.seed[:s],
                                buf.seq_lens[:s], ops)
         valid = rows >= 0

@@ -22,13 +22,14 @@ CANDIDATES = 1024
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            seed: torch.Tensor, seq_lens: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits [S, V]`` float32 → (token ids int32 ``[S]``, their logprobs float32 ``[S]``)."""
+    """``logits [S, V]`` (the model's dtype: the kernels read it as it is and compute in float32) → (token ids int32
+    ``[S]``, their logprobs float32 ``[S]``)."""
     greedy = temperature <= 0
     divisor = torch.where(greedy, 1.0, temperature)
     lse, lse_scaled = ops.row_logsumexp(logits, divisor)
     threshold = filter_threshold(logits, divisor, lse_scaled, top_k, top_p, ops)
     ids = ops.gumbel_argmax(logits, divisor, threshold, seed, seq_lens, greedy)
-    logprobs = logits.gather(1, ids[:, None].long())[:, 0] - lse
+    logprobs = logits.gather(1, ids[:, None].long())[:, 0].float() - lse
     return ids, logprobs
 
 
@@ -37,4 +38,6 @@ def filter_threshold(logits: torch.Tensor, divisor: torch.Tensor, lse_scaled: to
     """Smallest scaled logit (``logits / divisor``, ``divisor > 0``) each row keeps (``-inf`` keeps all);
     ``lse_scaled`` is the log-sum-exp of each scaled row."""
     n = min(CANDIDATES, logits.shape[1])
+    # Converting to float32 is exact and keeps the order, so the top of the model-dtype row is the same set of values
+    # (half the bytes to search in bf16).
     return ops.candidate_threshold(torch.topk(logits, n, dim=1).values, divisor, lse_scaled, top_k, top_p)

@@ -29,6 +29,10 @@ def test_gumbel_argmax_matches_reference(backend):
     assert ids.dtype == torch.int32
     assert torch.equal(ids, ref)
     assert torch.all(scaled.gather(1, ids[:, None].long())[:, 0] >= threshold)
+    # The step's logits are bf16: read as they are, they draw what their exact float32 copy draws.
+    half = logits.bfloat16()
+    assert torch.equal(gumbel_argmax(half, divisor, threshold, seed, seq_lens, greedy),
+                       reference.gumbel_argmax(half.float(), divisor, threshold, seed, seq_lens, greedy))
 
 
 def test_row_logsumexp_matches_reference(backend):
@@ -48,6 +52,9 @@ def test_row_logsumexp_matches_reference(backend):
     assert lse.dtype == lse_scaled.dtype == torch.float32
     assert torch.all(lse[5] == float("-inf")) and torch.all(lse_scaled[5] == float("-inf"))
     assert rel_err(lse[:5], want[:5]) < 1e-6 and rel_err(lse_scaled[:5], want_scaled[:5]) < 1e-6
+    half = logits.bfloat16()
+    for got, want in zip(row_logsumexp(half, divisor), row_logsumexp(half.float(), divisor)):
+        assert torch.equal(got, want)  # bf16 read as it is: the same sums as its float32 copy
 
 
 def test_candidate_threshold_matches_reference(backend):
@@ -68,5 +75,8 @@ def test_candidate_threshold_matches_reference(backend):
         got = candidate_threshold(cand, divisor, lse_scaled, top_k, top_p)
         want = reference.candidate_threshold(cand, divisor, lse_scaled, top_k, top_p)
         assert torch.equal(got, want), (vocab, got, want)
+        half = cand.bfloat16()
+        assert torch.equal(candidate_threshold(half, divisor, lse_scaled, top_k, top_p),
+                           candidate_threshold(half.float(), divisor, lse_scaled, top_k, top_p))
         assert want[0] == float("-inf") and torch.isfinite(want[[1, 2, 3, 11]]).all()
         assert (want[10] == float("-inf")) == (n < vocab)  # a flat row's nucleus is wider than the candidates

@@ -142,7 +142,9 @@ def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scal
 
 
 def row_logsumexp(logits: torch.Tensor, divisor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of ``logits [S, V]`` float32: (log-sum-exp of the row, log-sum-exp of the row divided by ``divisor``)."""
+    """Per row of ``logits [S, V]`` (any float dtype, computed in float32): (log-sum-exp of the row, log-sum-exp of
+    the row divided by ``divisor``)."""
+    logits = logits.float()
     return torch.logsumexp(logits, dim=1), torch.logsumexp(logits / divisor[:, None], dim=1)
 
 
@@ -153,7 +155,7 @@ def candidate_threshold(cand: torch.Tensor, divisor: torch.Tensor, lse_scaled: t
     where top-p (top-k off) is still short of ``top_p`` after all ``n``. ``lse_scaled`` is the log-sum-exp of each
     whole scaled row: top-p renormalises over it without top-k, over the top-k survivors with it."""
     n = cand.shape[1]
-    cand = cand / divisor[:, None]
+    cand = cand.float() / divisor[:, None]
     rank = torch.arange(n, device=cand.device)[None, :]
     k_on = top_k > 0
     k = torch.where(k_on, top_k.clamp(max=n), n)[:, None]
@@ -174,7 +176,7 @@ def gumbel_argmax(logits: torch.Tensor, divisor: torch.Tensor, threshold: torch.
     """Per row, with ``scaled = logits / divisor``: ``argmax(scaled)`` where ``greedy``, else
     ``argmax(scaled + gumbel(key, index))`` over the entries ``>= threshold``, with ``key = row_key(seed, seq_len)``.
     Ties go to the lowest index. Returns int32 token ids ``[S]``."""
-    scaled = logits / divisor[:, None]
+    scaled = logits.float() / divisor[:, None]
     key = row_key(seed, seq_lens)
     vocab = torch.arange(scaled.shape[1], device=scaled.device)
     noisy = torch.where(scaled >= threshold[:, None], scaled + gumbel_noise(key[:, None], vocab[None, :]),

@@ -1,8 +1,9 @@
 """The sampler's kernels in Triton; references: ``reference.row_logsumexp``, ``reference.candidate_threshold`` and
 ``reference.gumbel_argmax``, noise: ``blink.models.hashing``.
 
-Each reads float32 logits and divides by the row's temperature as it reads (``div_rn``: the correctly rounded
-division torch does), so the scaled rows are never stored.
+Each reads logits in the model's dtype (bf16 on the GPU: half the bytes of float32), converts them to float32 (exact)
+and divides by the row's temperature as it reads (``div_rn``: the correctly rounded division torch does), so neither
+a float32 copy nor the scaled rows are ever stored.
 
 - ``row_logsumexp``: program ``(row, chunk)`` keeps a running max and sum of exponentials per lane over ``CHUNK``
   entries of the row and of the scaled row (one pass instead of torch's two reductions of each) and folds its
@@ -70,7 +71,7 @@ def _chunk_logsumexp_kernel(logits_ptr, div_ptr, part_ptr, vocab, stride, n_chun
     s_scaled = tl.zeros([BLOCK], tl.float32)
     for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         idx = start + tl.arange(0, BLOCK)
-        x = tl.load(logits_ptr + row * stride + idx, mask=idx < vocab, other=float("-inf"))
+        x = tl.load(logits_ptr + row * stride + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
         m, s = _online_update(m, s, x)
         m_scaled, s_scaled = _online_update(m_scaled, s_scaled, tl.math.div_rn(x, divisor))
     part = part_ptr + (row * n_chunks + chunk) * 4
@@ -102,7 +103,7 @@ def _fold_chunks_kernel(part_ptr, lse_ptr, lse_scaled_ptr, n_chunks, CHUNKS_P2: 
 
 
 def row_logsumexp(logits: torch.Tensor, divisor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits [S, V]`` float32 (unit stride in V), ``divisor [S]`` > 0 → (log-sum-exp of each row, of each row
+    """``logits [S, V]`` floating (unit stride in V), ``divisor [S]`` > 0 → (log-sum-exp of each row, of each row
     divided by its divisor), float32 ``[S]`` each."""
     rows, vocab = logits.shape
     n_chunks = triton.cdiv(vocab, CHUNK)
@@ -122,8 +123,8 @@ def _candidate_threshold_kernel(cand_ptr, div_ptr, lse_scaled_ptr, top_k_ptr, to
     row = tl.program_id(0)
     wait_for_previous(PDL)
     rank = tl.arange(0, N_P2)
-    cand = tl.math.div_rn(tl.load(cand_ptr + row * stride + rank, mask=rank < n, other=float("-inf")),
-                          tl.load(div_ptr + row))
+    cand = tl.load(cand_ptr + row * stride + rank, mask=rank < n, other=float("-inf")).to(tl.float32)
+    cand = tl.math.div_rn(cand, tl.load(div_ptr + row))
     top_k = tl.load(top_k_ptr + row)
     k_on = top_k > 0
     in_k = rank < tl.where(k_on, tl.minimum(top_k, n), n)
@@ -141,7 +142,7 @@ def _candidate_threshold_kernel(cand_ptr, div_ptr, lse_scaled_ptr, top_k_ptr, to
 
 def candidate_threshold(cand: torch.Tensor, divisor: torch.Tensor, lse_scaled: torch.Tensor, top_k: torch.Tensor,
                         top_p: torch.Tensor) -> torch.Tensor:
-    """``cand [S, n]`` float32, each row descending (unit stride in n) → float32 thresholds ``[S]``; as
+    """``cand [S, n]`` floating, each row descending (unit stride in n) → float32 thresholds ``[S]``; as
     ``reference.candidate_threshold``."""
     rows, n = cand.shape
     threshold = torch.empty(rows, dtype=torch.float32, device=cand.device)
@@ -164,7 +165,8 @@ def _gumbel_argmax_kernel(logits_ptr, div_ptr, thr_ptr, seed_ptr, len_ptr, greed
     for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         ok = idx < vocab
-        x = tl.math.div_rn(tl.load(logits_ptr + row * stride + idx, mask=ok, other=float("-inf")), divisor)
+        x = tl.math.div_rn(tl.load(logits_ptr + row * stride + idx, mask=ok, other=float("-inf")).to(tl.float32),
+                           divisor)
         bits = _hash32(key ^ _hash32(idx.to(tl.uint32))) >> 8
         u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         noisy = tl.where(x >= thr, x - tl.log(-tl.log(u)), float("-inf"))
@@ -180,7 +182,7 @@ def _gumbel_argmax_kernel(logits_ptr, div_ptr, thr_ptr, seed_ptr, len_ptr, greed
 
 def gumbel_argmax(logits: torch.Tensor, divisor: torch.Tensor, threshold: torch.Tensor, seed: torch.Tensor,
                   seq_lens: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-    """``logits [S, V]`` float32 (unit stride in V), ``divisor [S]`` > 0 → int32 token ids ``[S]``."""
+    """``logits [S, V]`` floating (unit stride in V), ``divisor [S]`` > 0 → int32 token ids ``[S]``."""
     rows, vocab = logits.shape
     n_chunks = triton.cdiv(vocab, CHUNK)
     best_val = torch.empty((rows, n_chunks), dtype=torch.float32, device=logits.device)
