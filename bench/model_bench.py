@@ -6,7 +6,10 @@ random bf16 weights; ``--models qwen3-8b`` adds the earlier Qwen3-8B shape): the
 (weights + the KV it attends over) at the measured HBM copy rate; for prefill also its matmul FLOPs at the measured
 bf16 GEMM rate. A MoE step reads only the experts its tokens are routed to: its weight bytes count the expected
 share of experts hit by uniform routing, ``1 - (1 - top_k / E) ** tokens`` (random weights route near-uniformly),
-and its FLOPs the ``top_k`` experts per token. Times are medians of CUDA-event-timed graph replays after warm-up.
+and its FLOPs the ``top_k`` experts per token; of an untied embedding table a step reads only the rows it gathers.
+Beside the floor, the roofline sums each big op's own roofline (``roofline_ms``): where GEMMs turn compute-bound
+(large batches) it exceeds the HBM floor, and no sequence of kernels can beat it. Times are medians of
+CUDA-event-timed graph replays after warm-up.
 
 Every sequence gets its own pages, scattered over a pool of ``--kv-gib`` GiB at most (less when the memory plan of
 ``blink.models.memory`` leaves less beside the weights); a (batch, context) whose KV does not fit is skipped
@@ -48,11 +51,43 @@ def expert_bytes(model) -> int:
     return sum(weight_bytes(layer.mlp.experts) for layer in model.model.layers if isinstance(layer.mlp, SparseMoE))
 
 
+def hit_share(c: ModelConfig, tokens: int) -> float:
+    """Expected share of a MoE layer's experts that ``tokens`` uniformly routed tokens hit."""
+    return 1 - (1 - c.num_experts_per_tok / c.num_experts) ** tokens if c.num_experts else 0.0
+
+
 def read_weight_bytes(model, tokens: int) -> float:
-    """Weight bytes a step of ``tokens`` tokens reads: all, but of the experts only the expected share hit."""
-    c, experts = model.config, expert_bytes(model)
-    hit = 1 - (1 - c.num_experts_per_tok / c.num_experts) ** tokens if experts else 0.0
-    return weight_bytes(model) - experts + hit * experts
+    """Weight bytes a step of ``tokens`` tokens reads: all, but of the experts only the expected share hit, and of
+    an untied embedding table only the ``tokens`` rows it gathers (a tied one is the LM head: read whole)."""
+    c, experts, embed = model.config, expert_bytes(model), model.model.embed_tokens.weight
+    table = embed.numel() * embed.element_size()
+    gathered = table if c.tie_word_embeddings else min(tokens, c.vocab_size) * c.hidden_size * embed.element_size()
+    return weight_bytes(model) - table + gathered - experts + hit_share(c, tokens) * experts
+
+
+def roofline_ms(model, tokens: int, sampled: int, kv_bytes: float, attn_flops: float, bw: float,
+                flops: float) -> float:
+    """The step's time if each of its big ops ran at its own roofline, one after another: the sum over the weight
+    GEMMs (the MoE experts as one op), the attention and the LM head of max(bytes / copy rate, FLOPs / GEMM rate).
+    Above the HBM floor wherever an op is compute-bound (large batches, prefill); the small kernels count 0."""
+    c = model.config
+
+    def op(nbytes: float, nflops: float) -> float:
+        return max(nbytes / bw, nflops / flops)
+
+    def gemm(w: torch.Tensor, rows: int) -> float:
+        return op(w.numel() * w.element_size(), 2 * rows * w.numel())
+
+    total = op(kv_bytes, attn_flops) + gemm(model.lm_head_weight(), sampled)
+    for layer in model.model.layers:
+        total += gemm(layer.self_attn.qkv_proj.weight, tokens) + gemm(layer.self_attn.o_proj.weight, tokens)
+        mlp = layer.mlp
+        if isinstance(mlp, SparseMoE):
+            expert_flops = 2 * tokens * c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size
+            total += gemm(mlp.gate.weight, tokens) + op(hit_share(c, tokens) * weight_bytes(mlp.experts), expert_flops)
+        else:
+            total += gemm(mlp.gate_up_proj.weight, tokens) + gemm(mlp.down_proj.weight, tokens)
+    return total * 1e3
 
 
 def linear_flops_per_token(c: ModelConfig) -> int:
@@ -89,14 +124,23 @@ def decode_chunks(batch: int, ctx: int, num_pages: int, seed: int) -> list[SeqCh
     return chunks
 
 
+def gemm_weights(model) -> list[torch.Tensor]:
+    """A dense model's weight GEMM operands, in step order: per layer qkv, o, gate/up, down; then the LM head."""
+    return [w for layer in model.model.layers for w in (
+        layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
+        layer.mlp.down_proj.weight)] + [model.lm_head_weight()]
+
+
+def gemm_weight_bytes(model) -> int:
+    return sum(w.numel() * w.element_size() for w in gemm_weights(model))
+
+
 def gemms_only_ms(model, batch: int, reps: int) -> float:
     """The step's weight GEMMs alone at ``batch`` rows (the LM head at one row per sequence), graph-captured."""
     c = model.config
     x = {n: torch.randn(batch, n, device="cuda", dtype=model.dtype) for n in (c.hidden_size, c.q_size,
                                                                              c.intermediate_size)}
-    weights = [(x[w.shape[1]], w) for layer in model.model.layers for w in (
-        layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
-        layer.mlp.down_proj.weight)] + [(x[c.hidden_size], model.lm_head_weight())]
+    weights = [(x[w.shape[1]], w) for w in gemm_weights(model)]
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for a, w in weights:
@@ -161,16 +205,18 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
             ms = events_median_ms(graph.replay, reps)
             kv_bytes = batch * ctx * config.num_layers * 2 * config.kv_size * 2
             floor = (read_weight_bytes(model, batch) + kv_bytes) / bw * 1e3
+            attn_flops = config.num_layers * config.num_heads * config.head_dim * 4 * batch * ctx
+            roof = roofline_ms(model, batch, batch, kv_bytes, attn_flops, bw, flops)
             rows.append(dict(model=name, kind="decode", batch=batch, context=ctx, step_ms=ms, floor_ms=floor,
-                             ratio=ms / floor, tokens_per_s=batch / ms * 1e3))
-            print(f"  decode B={batch:4d} ctx={ctx:5d}: {ms:7.3f} ms  floor {floor:7.3f} ms  x{ms / floor:.2f}",
-                  flush=True)
+                             ratio=ms / floor, roofline_ms=roof, tokens_per_s=batch / ms * 1e3))
+            print(f"  decode B={batch:4d} ctx={ctx:5d}: {ms:7.3f} ms  floor {floor:7.3f} ms  x{ms / floor:.2f}  "
+                  f"roofline {roof:7.3f} ms  x{ms / roof:.2f}", flush=True)
             if (batch, ctx) in profile:
                 rows[-1]["profile"] = kernel_profile(graph, ms)
             del graph
     for batch in (1, 256) if not config.num_experts else ():
         ms = gemms_only_ms(model, batch, reps)
-        floor = wbytes / bw * 1e3
+        floor = gemm_weight_bytes(model) / bw * 1e3
         rows.append(dict(model=name, kind="gemms", batch=batch, context=0, step_ms=ms, floor_ms=floor,
                          ratio=ms / floor, tokens_per_s=batch / ms * 1e3))
         print(f"  weight GEMMs only, B={batch}: {ms:.3f} ms  floor {floor:.3f} ms  x{ms / floor:.2f}", flush=True)
@@ -183,11 +229,14 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
     flop_floor = (linear_flops_per_token(c) * tokens + attn_flops) / flops * 1e3
     hbm_floor = read_weight_bytes(model, tokens) / bw * 1e3
     floor = max(flop_floor, hbm_floor)
+    kv_bytes = tokens * c.num_layers * 2 * c.kv_size * 2  # written once, read back by the causal attention
+    roof = roofline_ms(model, tokens, 1, kv_bytes, attn_flops, bw, flops)
     rows.append(dict(model=name, kind="prefill", batch=1, context=tokens, step_ms=ms, floor_ms=floor,
-                     hbm_floor_ms=hbm_floor, flop_floor_ms=flop_floor, ratio=ms / floor,
+                     hbm_floor_ms=hbm_floor, flop_floor_ms=flop_floor, ratio=ms / floor, roofline_ms=roof,
                      tokens_per_s=tokens / ms * 1e3))
     print(f"  prefill {tokens} tokens: {ms:.3f} ms = {tokens / ms * 1e3:.0f} tok/s  floor {floor:.3f} ms "
-          f"(FLOP {flop_floor:.3f}, HBM {hbm_floor:.3f})  x{ms / floor:.2f}", flush=True)
+          f"(FLOP {flop_floor:.3f}, HBM {hbm_floor:.3f})  x{ms / floor:.2f}  roofline {roof:.3f} ms  "
+          f"x{ms / roof:.2f}", flush=True)
     if "prefill" in profile:
         rows[-1]["profile"] = kernel_profile(graph, ms)
     peak = torch.cuda.max_memory_allocated() - before - wbytes - kv.numel() * kv.element_size()
@@ -221,10 +270,13 @@ def main():
         rows += bench_model(name, MODELS[name], bw, flops, args.kv_gib, args.reps, profile)
         with open(args.out, "w") as f:  # after every model: a run cut short keeps what it measured
             json.dump(result, f, indent=2)
-    print(f"\n{'model':13} {'kind':7} {'B':>4} {'ctx':>5} {'step ms':>9} {'floor ms':>9} {'ratio':>6} {'tok/s':>9}")
+    print(f"\n{'model':13} {'kind':7} {'B':>4} {'ctx':>5} {'step ms':>9} {'floor ms':>9} {'ratio':>6} {'roof ms':>9} "
+          f"{'/roof':>6} {'tok/s':>9}")
     for r in rows:
+        roof = r.get("roofline_ms")
         print(f"{r['model']:13} {r['kind']:7} {r['batch']:4d} {r['context']:5d} {r['step_ms']:9.3f} "
-              f"{r['floor_ms']:9.3f} {r['ratio']:6.2f} {r['tokens_per_s']:9.0f}")
+              f"{r['floor_ms']:9.3f} {r['ratio']:6.2f} " + (f"{roof:9.3f} {r['step_ms'] / roof:6.2f} " if roof else
+                                                              f"{'-':>9} {'-':>6} ") + f"{r['tokens_per_s']:9.0f}")
 
 
 if __name__ == "__main__":
