@@ -50,7 +50,7 @@ for part in "${parts[@]}"; do
     scheduler)
       bench_part scheduler_bench scheduler_bench.py --json; rc=$? ;;
     models)
-      bash bench/models_gpu.sh moe models -- --profile 1,1024 64,1024 prefill; rc=$? ;;
+      bash bench/models_gpu.sh moe models profile; rc=$? ;;
     engine)
       bench_part engine_bench engine_bench.py --json; rc=$? ;;
     serving)

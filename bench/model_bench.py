@@ -19,9 +19,10 @@ efficiency rather than the other kernels and their launches (for the MoE kernel:
 also prints its memory plan against what it allocated.
 
 Run: ``PYTHONPATH=src python3 bench/model_bench.py [--models llama-3-8b ...] [--profile 1,1024 prefill] [--out F]``
-(writes ``$OUT/model_bench.json`` when ``$OUT`` is set); ``--profile B,CTX`` also breaks that decode step down per
-kernel (``prefill``: the prefill step): GPU time per step and the time no kernel runs. Correctness of what is
-timed: ``tests/models`` (``-m gpu`` on the GPU).
+(writes ``$OUT/model_bench.json`` when ``$OUT`` is set). ``--profile B,CTX`` runs only the decode step at batch B and
+context CTX (``prefill``: the prefill step), timed and then broken down per kernel: GPU time per step and the time
+no kernel runs. Profiles run in a process of their own because graph replays after a CUPTI profile in the same
+process are slower (docs/benchmarks.md). Correctness of what is timed: ``tests/models`` (``-m gpu`` on the GPU).
 """
 from __future__ import annotations
 
@@ -179,6 +180,7 @@ def kernel_profile(graph, step_ms: float, steps: int = 10, top: int = 15) -> dic
 
 def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib: float, reps: int,
                 profile: set) -> list[dict]:
+    """Every step of the table, or (``profile`` not empty) only the profiled ones."""
     t0 = time.time()
     plan = plan_memory(config, torch.cuda.mem_get_info()[1], PAGE, 0.9, LAYOUT.max_num_batched_tokens,
                        LAYOUT.max_num_seqs)
@@ -197,6 +199,8 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
     rows = []
     for ctx in (1024, 8192):
         for batch in (1, 16, 64, 256):
+            if profile and (batch, ctx) not in profile:
+                continue
             if batch * -(-ctx // PAGE) > num_pages:
                 print(f"  decode B={batch:4d} ctx={ctx:5d}: skipped, its KV does not fit the pool", flush=True)
                 continue
@@ -214,36 +218,43 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
             if (batch, ctx) in profile:
                 rows[-1]["profile"] = kernel_profile(graph, ms)
             del graph
-    for batch in (1, 256) if not config.num_experts else ():
+    for batch in (1, 256) if not (config.num_experts or profile) else ():
         ms = gemms_only_ms(model, batch, reps)
         floor = gemm_weight_bytes(model) / bw * 1e3
         rows.append(dict(model=name, kind="gemms", batch=batch, context=0, step_ms=ms, floor_ms=floor,
                          ratio=ms / floor, tokens_per_s=batch / ms * 1e3))
         print(f"  weight GEMMs only, B={batch}: {ms:.3f} ms  floor {floor:.3f} ms  x{ms / floor:.2f}", flush=True)
+    if not profile or "prefill" in profile:
+        rows.append(bench_prefill(name, model, buf, kv, bw, flops, reps, "prefill" in profile))
+    peak = torch.cuda.max_memory_allocated() - before - wbytes - kv.numel() * kv.element_size()
+    print(f"  activations: {peak / GIB:.2f} GiB at most (plan: {plan.activation_bytes / GIB:.2f} GiB)", flush=True)
+    del kv, model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def bench_prefill(name: str, model, buf, kv, bw: float, flops: float, reps: int, profile: bool) -> dict:
+    """One 2048-token prompt from position 0, against max(FLOP floor, HBM floor) and the per-op roofline."""
     tokens = 2048
     fill_step(buf, [SeqChunk(list(range(tokens)), 0, list(range(tokens // PAGE)))], PAGE)
     graph = capture(model, buf, kv, tokens)
     ms = events_median_ms(graph.replay, reps)
-    c = config
+    c = model.config
     attn_flops = c.num_layers * c.num_heads * c.head_dim * 2 * 2 * tokens * (tokens + 1) / 2
     flop_floor = (linear_flops_per_token(c) * tokens + attn_flops) / flops * 1e3
     hbm_floor = read_weight_bytes(model, tokens) / bw * 1e3
     floor = max(flop_floor, hbm_floor)
     kv_bytes = tokens * c.num_layers * 2 * c.kv_size * 2  # written once, read back by the causal attention
     roof = roofline_ms(model, tokens, 1, kv_bytes, attn_flops, bw, flops)
-    rows.append(dict(model=name, kind="prefill", batch=1, context=tokens, step_ms=ms, floor_ms=floor,
-                     hbm_floor_ms=hbm_floor, flop_floor_ms=flop_floor, ratio=ms / floor, roofline_ms=roof,
-                     tokens_per_s=tokens / ms * 1e3))
+    row = dict(model=name, kind="prefill", batch=1, context=tokens, step_ms=ms, floor_ms=floor,
+               hbm_floor_ms=hbm_floor, flop_floor_ms=flop_floor, ratio=ms / floor, roofline_ms=roof,
+               tokens_per_s=tokens / ms * 1e3)
     print(f"  prefill {tokens} tokens: {ms:.3f} ms = {tokens / ms * 1e3:.0f} tok/s  floor {floor:.3f} ms "
           f"(FLOP {flop_floor:.3f}, HBM {hbm_floor:.3f})  x{ms / floor:.2f}  roofline {roof:.3f} ms  "
           f"x{ms / roof:.2f}", flush=True)
-    if "prefill" in profile:
-        rows[-1]["profile"] = kernel_profile(graph, ms)
-    peak = torch.cuda.max_memory_allocated() - before - wbytes - kv.numel() * kv.element_size()
-    print(f"  activations: {peak / GIB:.2f} GiB at most (plan: {plan.activation_bytes / GIB:.2f} GiB)", flush=True)
-    del graph, kv, model
-    torch.cuda.empty_cache()
-    return rows
+    if profile:
+        row["profile"] = kernel_profile(graph, ms)
+    return row
 
 
 def main():
@@ -253,8 +264,8 @@ def main():
     parser.add_argument("--kv-gib", type=float, default=96.0)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--profile", nargs="*", default=[], metavar="B,CTX|prefill",
-                        help="steps also broken down per kernel: decode shapes (batch,context), e.g. 1,1024, and/or "
-                             "prefill")
+                        help="only these steps, each also broken down per kernel: decode shapes (batch,context), "
+                             "e.g. 1,1024, and/or prefill")
     args = parser.parse_args()
     profile = {shape if shape == "prefill" else tuple(int(v) for v in shape.split(",")) for shape in args.profile}
     torch.manual_seed(0)

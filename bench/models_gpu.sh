@@ -5,7 +5,10 @@
 #   moe     bench/moe_bench.py: the fused MoE kernel against its reference, then its speed (Qwen3-30B-A3B layer)
 #   engine  the slow GPU tests: the four full-size models (random weights) served through the Engine
 #   models  bench/model_bench.py: the four full-size models (Llama-3-8B, Phi-4, Qwen3-32B, Qwen3-30B-A3B)
-#   bash bench/models_gpu.sh [tests] [moe] [engine] [models] [-- model_bench.py arguments, e.g. --models phi-4]
+#   profile the same for the steps in PROFILE (default "1,1024 64,1024 prefill") only, each broken down per kernel,
+#           in a process of its own (graph replays after a CUPTI profile in the same process are slower)
+#   bash bench/models_gpu.sh [tests] [moe] [engine] [models] [profile] [-- model_bench.py arguments, e.g.
+#   --models phi-4]
 # Logs and JSON go under $OUT (the device tool's output folder; ./out elsewhere).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +18,7 @@ mkdir -p "$OUT"
 parts=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do parts+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
-[ ${#parts[@]} -eq 0 ] && parts=(tests moe engine models)
+[ ${#parts[@]} -eq 0 ] && parts=(tests moe engine models profile)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
 # The device tool's copy of the tree carries a .git from an earlier sync, so its HEAD can be stale: the caller writes
 # the commit it copied into the command, e.g. `BLINK_COMMIT=b157c94 bash bench/gpu_suite.sh models`.
@@ -30,7 +33,10 @@ for part in "${parts[@]}"; do
               | tee "$OUT/models_engine_tests.log" ;;
     moe) python3 bench/moe_bench.py --out "$OUT/moe_bench.json" 2>&1 | tee "$OUT/moe_bench.log" ;;
     models) python3 bench/model_bench.py --out "$OUT/model_bench.json" "$@" 2>&1 | tee "$OUT/model_bench.log" ;;
-    *) echo "unknown part: $part (tests | moe | engine | models)"; false ;;
+    profile) read -ra shapes <<< "${PROFILE:-1,1024 64,1024 prefill}"
+             python3 bench/model_bench.py --out "$OUT/model_bench_profile.json" --profile "${shapes[@]}" "$@" 2>&1 \
+               | tee "$OUT/model_bench_profile.log" ;;
+    *) echo "unknown part: $part (tests | moe | engine | models | profile)"; false ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "$part: rc=$rc in $((SECONDS - start)) s"
