@@ -21,8 +21,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from gpu_timing import graph_ms, kernel_bench_start, rel_err
-from triton.runtime.errors import OutOfResources
+from gpu_timing import graph_ms, kernel_bench_start, rel_err, sweep_timed
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = (1, 4, 16)
@@ -77,18 +76,8 @@ def bench_shape(name: str, n: int, k: int, bw: float, reps: int) -> list[dict]:
         want = x.double() @ weights[0].double().T
         cublas_us = graph_ms(lambda: [torch.nn.functional.linear(x, w) for w in weights], reps) * 1e3 / CALLS
         outs = [torch.empty(m, n, device="cuda", dtype=torch.float32) for _ in weights]
-        results = []
-        for shape in SWEEP:
-            try:
-                err = rel_err(skinny_linear(x, weights[0], outs[0], **shape), want)
-            except OutOfResources as e:
-                results.append(dict(**shape, rel_err=None, us=None, error=str(e).splitlines()[0]))
-                continue
-            us = graph_ms(lambda shape=shape: [skinny_linear(x, w, o, **shape) for w, o in zip(weights, outs)],
-                          reps) * 1e3 / CALLS if err < 1e-2 else None
-            results.append(dict(**shape, rel_err=err, us=us, error=None))
-        timed = sorted((r for r in results if r["us"] is not None), key=lambda r: r["us"])
-        best = timed[0] if timed else None
+        results, best = sweep_timed(SWEEP, lambda shape: rel_err(skinny_linear(x, weights[0], outs[0], **shape), want),
+                                    lambda shape, i: skinny_linear(x, weights[i], outs[i], **shape), CALLS, reps)
         rows.append(dict(shape=name, n=n, k=k, m=m, floor_us=floor_us, cublas_us=cublas_us, best=best,
                          sweep=results))
         print(f"{name:>8} m={m:2d}: floor {floor_us:7.2f} us  cuBLAS {cublas_us:7.2f} (x{cublas_us / floor_us:.2f})  "

@@ -76,3 +76,23 @@ def kernel_bench_start(doc: str, json_name: str, reps: int, sweep: bool = True,
     bw, flops = copy_bandwidth(), matmul_rate()
     torch.cuda.empty_cache()
     return args, bw, flops
+
+
+def sweep_timed(sweep: list[dict], check, call, calls: int, reps: int) -> tuple[list[dict], dict | None]:
+    """Every launch shape of ``sweep``: ``check(shape)`` returns its relative error against the reference (a shape
+    that does not fit the SM is recorded with the error instead); a correct one (< 1e-2) is then timed as ``calls``
+    launches ``call(shape, i)`` captured in one graph, µs per launch. Returns (the results, the fastest correct one,
+    or None)."""
+    from triton.runtime.errors import OutOfResources
+
+    results = []
+    for shape in sweep:
+        try:
+            err = check(shape)
+        except OutOfResources as e:
+            results.append(dict(**shape, rel_err=None, us=None, error=str(e).splitlines()[0]))
+            continue
+        us = graph_ms(lambda: [call(shape, i) for i in range(calls)], reps) * 1e3 / calls if err < 1e-2 else None
+        results.append(dict(**shape, rel_err=err, us=us, error=None))
+    timed = sorted((r for r in results if r["us"] is not None), key=lambda r: r["us"])
+    return results, timed[0] if timed else None
