@@ -77,6 +77,6 @@ def test_candidate_threshold_matches_reference(backend):
         assert torch.equal(got, want), (vocab, got, want)
         half = cand.bfloat16()
         assert torch.equal(candidate_threshold(half, divisor, lse_scaled, top_k, top_p),
-                           candidate_threshold(half.float(), divisor, lse_scaled, top_k, top_p))
+                           reference.candidate_threshold(half.float(), divisor, lse_scaled, top_k, top_p))
         assert want[0] == float("-inf") and torch.isfinite(want[[1, 2, 3, 11]]).all()
         assert (want[10] == float("-inf")) == (n < vocab)  # a flat row's nucleus is wider than the candidates
