@@ -3,8 +3,9 @@ floors, at the default launch shape and (``--sweep``) at every shape of ``PREFIL
 
 Llama-3-8B's attention (32 query heads, 8 KV heads of 128, pages of 16 tokens scattered over the pool) in the
 step's cases: a 2048-token prompt, a 512-token chunk on a 1536-token cached prefix, and decodes (one token per
-sequence) at batch 1, 16 and 64 with 1K context and batch 1 and 16 with 8K (``--cases`` picks some). Every case first checks the kernel against
-``reference.attention`` (relative error < 1e-2; exits non-zero otherwise), then times ``LAYERS`` back-to-back calls
+sequence) at batch 1, 16 and 64 with 1K context and batch 1 and 16 with 8K (``--cases`` picks some). Every case
+first checks the kernel against ``reference.attention`` (relative error < 1e-2; exits non-zero otherwise), then
+times ``LAYERS`` back-to-back calls
 captured in one CUDA graph (as a step runs them) and reports the time per call. Floors: the KV bytes read at the
 measured HBM copy rate, or the causal attention FLOPs at the measured bf16 GEMM rate when larger. For a prompt with
 no cached prefix the same attention on contiguous K/V by torch's ``scaled_dot_product_attention`` (its flash
@@ -64,8 +65,8 @@ CASES = (Case("prefill 2048", 1, 2048, 0), Case("chunk 512 on 1536", 1, 512, 153
          Case("decode B=16 ctx 8K", 16, 1, 8191))
 
 
-def inputs(case: Case):
-    """Step buffers of the case (pages scattered over a pool just large enough), q, and ``LAYERS`` KV pools: each
+def inputs(case: Case, layers: int = LAYERS):
+    """Step buffers of the case (pages scattered over a pool just large enough), q, and ``layers`` KV pools: each
     call reads its own, as each layer of a step does (one pool would be served from L2 after the first call)."""
     per_seq = -(-(case.prefix + case.q_len) // PAGE)
     pages = list(range(case.seqs * per_seq))
@@ -74,7 +75,7 @@ def inputs(case: Case):
     buf = StepBuffers(LAYOUT, "cuda")
     fill_step(buf, chunks, PAGE)
     q = torch.randn(case.tokens, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
-    caches = torch.randn(LAYERS, 2, len(pages), PAGE, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    caches = torch.randn(layers, 2, len(pages), PAGE, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     return buf, q, caches
 
 

@@ -20,34 +20,19 @@ Run: ``PYTHONPATH=src python3 bench/overlap_bench.py [--out overlap_bench.json]`
 from __future__ import annotations
 
 import json
-import random
 
 import torch
 import torch.nn.functional as F
+from attention_bench import DIM, HEADS, KV_HEADS, PAGE, Case, inputs
 from gpu_timing import graph_ms, kernel_bench_start, rel_err
 
-from blink.device.step import StepBuffers, StepLayout
-from blink.models.batch import SeqChunk, fill_step
 from blink.models.kernels import reference
 from blink.models.kernels.attention import attention, attention_plan
 
-HIDDEN, QKV, INTER, HEADS, KV_HEADS, DIM, PAGE = 4096, 6144, 14336, 32, 8, 128, 16
+HIDDEN, QKV, INTER = 4096, 6144, 14336
 HALF = 128
 CONTEXT = 1024
 LAYERS = 16
-LAYOUT = StepLayout(max_num_batched_tokens=2048, max_num_seqs=256, max_pages_per_seq=CONTEXT // PAGE)
-
-
-def attention_inputs():
-    """Step buffers of ``HALF`` sequences decoding at ``CONTEXT`` on scattered pages, q, one KV pool per layer."""
-    per_seq = CONTEXT // PAGE
-    pages = list(range(HALF * per_seq))
-    random.Random(0).shuffle(pages)
-    buf = StepBuffers(LAYOUT, "cuda")
-    fill_step(buf, [SeqChunk([1], CONTEXT - 1, pages[i * per_seq:(i + 1) * per_seq]) for i in range(HALF)], PAGE)
-    q = torch.randn(HALF, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
-    caches = torch.randn(LAYERS, 2, len(pages), PAGE, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
-    return buf, q, caches
 
 
 def gemm_inputs():
@@ -62,7 +47,7 @@ def gemm_inputs():
 
 def main():
     args, bw, flops = kernel_bench_start(__doc__, "overlap_bench.json", reps=20, sweep=False)
-    buf, q, caches = attention_inputs()
+    buf, q, caches = inputs(Case("half batch", HALF, 1, CONTEXT - 1), LAYERS)  # scattered pages, a pool per layer
     plan = attention_plan(buf, HALF, HEADS, KV_HEADS, DIM, PAGE, torch.bfloat16)
     want = reference.attention(q, caches[0], reference.attention_plan(buf, HALF, HEADS, KV_HEADS, DIM, PAGE),
                                DIM ** -0.5)
