@@ -59,7 +59,7 @@ class Load:
     """Keeps ``n`` requests in the ring through one agent."""
 
     def __init__(self, agent, n: int, max_tokens: int, vocab: int):
-        from blink.config import SamplingParams
+        from blink.ring.request import SamplingParams
 
         self.agent, self.n, self.rng = agent, n, np.random.default_rng(0)
         self.params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, ignore_eos=True)

@@ -22,12 +22,13 @@ import time
 
 import numpy as np
 
-from blink.config import SamplingParams
-from blink.device.reference import standin_engine
-from blink.device.ring import RingGeometry, RingLayout
 from blink.nic.agent import Agent
 from blink.nic.slots import SlotTracker
-from blink.nic.transport import LocalMemory
+from blink.ring.geometry import RingGeometry
+from blink.ring.layout import RingLayout
+from blink.ring.reference import standin_engine
+from blink.ring.request import SamplingParams
+from blink.ring.transport import LocalMemory
 
 N_SLOTS = 4096
 GEOMETRY = RingGeometry(n_slots=N_SLOTS, max_prompt_tokens=128, max_output_tokens=16)

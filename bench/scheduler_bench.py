@@ -22,12 +22,14 @@ import statistics
 import subprocess
 import time
 
-from blink.config import SamplingParams, SchedulerConfig
+from blink.device.config import SchedulerConfig
 from blink.device.launch import GpuScheduler, link_image
-from blink.device.ring import FINISHED, RingGeometry, RingLayout
 from blink.device.step import StepBuffers, StepLayout
 from blink.nic.agent import Agent
-from blink.nic.transport import LocalMemory
+from blink.ring.geometry import RingGeometry
+from blink.ring.layout import FINISHED, RingLayout
+from blink.ring.request import SamplingParams
+from blink.ring.transport import LocalMemory
 
 GEOMETRY = RingGeometry(n_slots=4096, max_prompt_tokens=16, max_output_tokens=2048, max_stop_ids=0, logprobs=False)
 BASE = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048, page_size=16, num_pages=40_000,

@@ -33,10 +33,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def local_ring():
     """Factory: an initialised in-process ring, an Agent on it, and the ReferenceConsumer playing the GPU."""
-    from blink.device.reference import ReferenceConsumer
-    from blink.device.ring import RingLayout
     from blink.nic.agent import Agent
-    from blink.nic.transport import LocalMemory
+    from blink.ring.layout import RingLayout
+    from blink.ring.reference import ReferenceConsumer
+    from blink.ring.transport import LocalMemory
 
     memories = []
 

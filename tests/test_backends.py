@@ -7,9 +7,10 @@ import textwrap
 
 import pytest
 
-from blink.backends import EngineError, scheduler_config, select_device
+from blink.backends import scheduler_config, select_device
+from blink.config import EngineConfig, SchedulerConfig
+from blink.errors import EngineError
 from blink.models.memory import kv_page_bytes
-from blink.config import EngineConfig
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 
@@ -17,7 +18,8 @@ SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 def test_the_cpu_engine_refuses_a_process_that_imported_numba_without_the_simulator():
     code = textwrap.dedent("""
         import numba
-        from blink.backends import EngineError, select_device
+        from blink.backends import select_device
+        from blink.errors import EngineError
         try:
             select_device("cpu")
         except EngineError as e:
@@ -47,7 +49,7 @@ def test_the_pool_must_hold_one_longest_sequence():
                                     num_layers=3, num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-5,
                                     rope_theta=1e4, rotary_dim=4, max_position_embeddings=64), dtype="float16")
     assert kv_page_bytes(model, 16) == 3 * 2 * 16 * 1 * 4 * 2
-    config = EngineConfig(page_size=16, max_num_seqs=4, max_num_batched_tokens=32)
+    config = EngineConfig(scheduler=SchedulerConfig(page_size=16, max_num_seqs=4, max_num_batched_tokens=32))
     assert scheduler_config(config, 64, 4, (2,), "budget").num_pages == 4
     with pytest.raises(ValueError, match=r"holds 3 pages of 16 tokens, but one sequence of max_model_len=64 "
                                          r"tokens needs 4: give it more memory \(the knob\)"):

@@ -3,17 +3,19 @@ transformers' greedy ``generate``; start-up failures leave nothing behind. GPU t
 import os
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
-from blink import Engine, EngineConfig, SamplingParams
-from blink.models.config import ConfigError
-from blink.models.loader import CheckpointError
+from blink import Engine, EngineConfig, SamplingParams, SchedulerConfig
+from blink.core import EngineCore
+from blink.errors import CheckpointError, ConfigError, EngineClosed
 
 # A small token budget forces chunked prefill (the longest prompt has 42 tokens), a small KV pool forces preemption.
 CONFIG = EngineConfig(device="cpu", n_slots=12, max_prompt_tokens=48, max_output_tokens=24, max_stop_ids=2,
-                      max_num_seqs=6, max_num_batched_tokens=16, page_size=4, num_pages=30, sim_threads=2)
+                      scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=16, page_size=4, num_pages=30,
+                                                max_model_len=72), sim_threads=2)
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "The history of the Roman Empire spans more than a thousand years, from the founding of the city to the "
            "fall of Constantinople in 1453, and it shaped law, language and architecture across Europe.",
@@ -141,7 +143,7 @@ def test_cancellation_returns_every_kv_page(engine):
     assert running.result().finish_reason == "abort" and len(running.output.token_ids) < 24
     assert {s.result().finish_reason for s in others[::2]} == {"abort"}
     stats = wait_idle(engine)
-    assert stats["kv_pages_free"] == stats["kv_pages_total"] == CONFIG.num_pages
+    assert stats["kv_pages_free"] == stats["kv_pages_total"] == CONFIG.scheduler.num_pages
 
 
 def test_streams_from_several_threads(engine):
@@ -199,7 +201,7 @@ def write_model_dir(path, model_dir, config_edit=None, weights: bytes | None = N
 def test_bad_start_up_raises_one_clear_error_and_leaves_nothing(case, tmp_path, model_dir):
     ring = f"blink-test-{os.getpid()}-{case.replace(' ', '-')}"
     threads = engine_threads()
-    config = EngineConfig(**{**CONFIG.__dict__, "ring_name": ring})
+    config = replace(CONFIG, ring_name=ring)
     cases = {   # case -> (EngineConfig fields, given tmp_path; error; message)
         "missing": (lambda: {"model": str(tmp_path / "nothing")}, ConfigError, "nothing: no such file"),
         "corrupt": (lambda: {"model": str(write_model_dir(tmp_path / "m", model_dir, weights=b"\x00garbage"))},
@@ -207,16 +209,18 @@ def test_bad_start_up_raises_one_clear_error_and_leaves_nothing(case, tmp_path, 
         "architecture": (lambda: {"model": str(write_model_dir(
             tmp_path / "m", model_dir, lambda c: c.update(architectures=["GPT2LMHeadModel"])))},
             ConfigError, "'GPT2LMHeadModel' is not supported"),
-        "kv budget": (lambda: {"num_pages": 17}, ValueError,
+        # 17.5 pages of SmolLM2's float32 KV (30 layers x K, V x 4 tokens x 3 heads x 64 x 4 B): 17 fit
+        "kv budget": (lambda: {"scheduler": replace(CONFIG.scheduler, num_pages=None),
+                               "cpu_kv_cache_gib": 17.5 * 30 * 2 * 4 * 3 * 64 * 4 / 2**30}, ValueError,
                       r"holds 17 pages of 4 tokens, but one sequence of max_model_len=72 tokens needs 18"),
-        "context": (lambda: {"max_model_len": 9000}, ValueError,
+        "context": (lambda: {"scheduler": replace(CONFIG.scheduler, max_model_len=9000, num_pages=None)}, ValueError,
                     r"max_model_len=9000 is longer than the model's context"),
         "ring": (lambda: {"max_prompt_tokens": 8192, "max_output_tokens": 64}, ValueError,
                  "max_prompt_tokens=8192 leaves no room to generate"),
     }
     overrides, error, message = cases[case]
     with pytest.raises(error, match=message):
-        Engine(EngineConfig(**{**config.__dict__, **overrides()}))
+        EngineCore(replace(config, **overrides()))
     assert not os.path.exists(f"/dev/shm/{ring}")
     assert engine_threads() == threads
 
@@ -228,34 +232,33 @@ def test_engine_config_names_the_bad_field():
         EngineConfig(gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="EngineConfig.ring_name"):
         EngineConfig(ring_name="a/b")
-    assert EngineConfig(max_num_batched_tokens=100, max_num_seqs=8).buckets() == (1, 2, 4, 8, 16, 32, 64, 100)
 
 
 def test_close_aborts_in_flight_requests_and_stops_the_loop(model_dir):
     threads = engine_threads()
-    engine = Engine(EngineConfig(**{**CONFIG.__dict__, "num_pages": None, "cpu_kv_cache_gib": 0.01}))
+    engine = Engine(replace(CONFIG, scheduler=replace(CONFIG.scheduler, num_pages=None), cpu_kv_cache_gib=0.01))
     assert engine.stats()["kv_pages_total"] == int(0.01 * 2**30) // (30 * 2 * 4 * 3 * 64 * 4)
     stream = engine.stream(PROMPTS[0], SamplingParams(max_tokens=24, ignore_eos=True))
     next(stream)
     engine.close()
     engine.close()
     assert engine_threads() == threads
-    with pytest.raises(RuntimeError, match="the engine is closed"):
+    with pytest.raises(EngineClosed, match="the engine is closed"):
         engine.generate("hi")
 
 
 def test_a_shared_memory_ring_is_driven_by_an_agent_of_its_own(engine):
     from blink.nic.agent import Agent
-    from blink.nic.transport import SharedMemory
+    from blink.ring.transport import SharedMemory
 
     ring = f"blink-test-{os.getpid()}-shared"
     prompt = engine.encode(PROMPTS[1])
     want = engine.generate([prompt], GREEDY)[0].token_ids
-    with Engine(EngineConfig(**{**CONFIG.__dict__, "ring_name": ring})) as shared:
-        with pytest.raises(RuntimeError, match="submit through the agent process"):
-            shared.generate("hi")
+    with pytest.raises(ValueError, match="driven by an agent process of its own"):
+        Engine(replace(CONFIG, ring_name=ring))
+    with EngineCore(replace(CONFIG, ring_name=ring)) as shared:
         with SharedMemory.open(ring) as memory:
-            agent = Agent(memory, CONFIG.geometry())
+            agent = Agent(memory, shared.geometry)
             request = agent.submit(prompt, GREEDY)
             tokens, finished = [], False
             while not finished:
@@ -278,7 +281,7 @@ def test_dummy_weights_need_only_a_config(tmp_path):
                          num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6, rotary_dim=16,
                          max_position_embeddings=128)
     (tmp_path / "config.json").write_text(json.dumps(config.to_hf()))
-    with Engine(EngineConfig(**{**CONFIG.__dict__, "model": str(tmp_path), "load_format": "dummy"})) as engine:
+    with Engine(replace(CONFIG, model=str(tmp_path), load_format="dummy")) as engine:
         out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0))[0]
         assert len(out.token_ids) == 4 and all(0 <= t < 300 for t in out.token_ids) and out.text is None
         with pytest.raises(ValueError, match="no tokenizer.json: pass prompts as lists of token ids"):
@@ -307,8 +310,8 @@ def test_gpu_greedy_outputs_equal_transformers(tmp_path, monkeypatch):
     # float32 end to end: Triton would otherwise round float32 attention inputs to TF32 in tl.dot.
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
     hf_model = smollm2_shaped_checkpoint(tmp_path)
-    config = EngineConfig(**{**CONFIG.__dict__, "model": str(tmp_path), "device": "cuda", "num_pages": None,
-                             "gpu_memory_utilization": 0.3})
+    config = replace(CONFIG, model=str(tmp_path), device="cuda", scheduler=replace(CONFIG.scheduler, num_pages=None),
+                     gpu_memory_utilization=0.3)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 49152, (n,), generator=generator).tolist() for n in (3, 9, 17, 30, 42, 48)] * 4
     with Engine(config) as engine:
@@ -319,3 +322,91 @@ def test_gpu_greedy_outputs_equal_transformers(tmp_path, monkeypatch):
     want = {tuple(p): hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts}
     assert [out.token_ids for out in outputs] == [want[tuple(p)] for p in prompts]
     assert stats["launch_error"] == 0 and stats["finished"] == len(outputs)
+
+
+# -- stop strings and the asyncio API ----------------------------------------------------------------------------
+
+def test_stop_strings_cut_the_text_and_end_the_request(engine):
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    full = engine.generate(PROMPTS[4], params)[0]
+    stop = full.text[len(full.text) // 2:][:3]
+    cut = engine.generate(PROMPTS[4], replace(params, stop=(stop,)))[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index(stop)]
+    assert cut.token_ids == full.token_ids[:len(cut.token_ids)] and len(cut.token_ids) < len(full.token_ids)
+    assert engine.tokenizer.decode(cut.token_ids).find(stop) >= 0, "the last token kept completes the stop string"
+    assert stop not in engine.tokenizer.decode(cut.token_ids[:-1])
+    wait_idle(engine)       # the request was cancelled in the ring: its pages are back
+
+
+@pytest.fixture(scope="module")
+def async_engine():
+    import asyncio
+
+    from blink import AsyncEngine
+
+    loop = asyncio.new_event_loop()
+    engine = loop.run_until_complete(AsyncEngine.start(CONFIG))
+    yield loop, engine
+    loop.run_until_complete(engine.close())
+    loop.close()
+
+
+def test_async_engine_generates_and_streams_what_the_engine_does(engine, async_engine):
+    loop, aengine = async_engine
+    want = engine.generate(PROMPTS[:3], GREEDY)
+
+    async def run():
+        import asyncio
+
+        outputs = await asyncio.gather(*(aengine.generate(p, GREEDY) for p in PROMPTS[:3]))
+        deltas = [d async for d in aengine.stream(PROMPTS[0], GREEDY)]
+        return outputs, deltas
+
+    outputs, deltas = loop.run_until_complete(run())
+    assert [o.token_ids for o in outputs] == [w.token_ids for w in want]
+    assert [o.text for o in outputs] == [w.text for w in want]
+    assert [t for d in deltas for t in d.token_ids] == want[0].token_ids
+    assert "".join(d.text for d in deltas) == want[0].text and deltas[-1].finish_reason == want[0].finish_reason
+
+
+def test_async_streams_are_cancelled_with_their_task_or_by_cancel(async_engine):
+    import asyncio
+
+    loop, aengine = async_engine
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    async def consume(stream, started):
+        async for _ in stream:
+            started.set()
+
+    async def run():
+        started = asyncio.Event()
+        task = asyncio.create_task(consume(aengine.stream(PROMPTS[2], params), started))
+        await started.wait()
+        task.cancel()                          # the consumer goes away mid-stream: its request is aborted
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        stream = aengine.stream(PROMPTS[1], params)
+        first = await anext(stream)
+        await stream.cancel()
+        rest = [d async for d in stream]
+        waiting = [aengine.stream(p, params) for p in PROMPTS * 2]     # more than max_num_seqs: some never start
+        for s in waiting:
+            await s.cancel()
+        reasons = [(await s.result()).finish_reason for s in waiting]
+        return first, rest, reasons
+
+    first, rest, reasons = loop.run_until_complete(run())
+    assert rest[-1].finish_reason == "abort" and len(first.token_ids) + sum(len(d.token_ids) for d in rest) < 24
+    assert set(reasons) == {"abort"}
+    stats = wait_idle(aengine)
+    assert stats["kv_pages_free"] == CONFIG.scheduler.num_pages
+
+
+def test_async_engine_stop_strings_and_closed_engine(async_engine):
+    loop, aengine = async_engine
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    full = loop.run_until_complete(aengine.generate(PROMPTS[4], params))
+    stop = full.text[len(full.text) // 2:][:3]
+    cut = loop.run_until_complete(aengine.generate(PROMPTS[4], replace(params, stop=(stop,))))
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index(stop)]

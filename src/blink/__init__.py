@@ -1,7 +1,19 @@
-"""blink: LLM serving with no host CPU on the steady-state path."""
+"""blink: LLM serving with no host CPU on the steady-state path.
 
-from blink.config import EngineConfig, SamplingParams
-from blink.engine import Engine, GenerationOutput, StreamDelta
+The public API: ``Engine`` and ``AsyncEngine`` serve a model to Python code (``EngineConfig`` says which and how,
+``SchedulerConfig`` the scheduler's limits, ``SamplingParams`` how to sample a request); ``GenerationOutput`` and
+``StreamDelta`` are what they return; every exception they raise is importable from here (``blink.errors``).
+"""
+
+from blink.config import EngineConfig, SamplingParams, SchedulerConfig
+from blink.engine import AsyncEngine, AsyncRequestStream, Engine, RequestStream
+from blink.errors import (BlinkError, CheckpointError, ConfigError, EngineClosed, EngineError, EngineUnavailable,
+                          EngineUnresponsive, GGUFError, IllegalTransition, LaunchError, Overloaded, RingFull,
+                          RingMismatch)
+from blink.outputs import GenerationOutput, StreamDelta
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "EngineConfig", "GenerationOutput", "SamplingParams", "StreamDelta"]
+__all__ = ["AsyncEngine", "AsyncRequestStream", "BlinkError", "CheckpointError", "ConfigError", "Engine",
+           "EngineClosed", "EngineConfig", "EngineError", "EngineUnavailable", "EngineUnresponsive", "GGUFError",
+           "GenerationOutput", "IllegalTransition", "LaunchError", "Overloaded", "RequestStream", "RingFull",
+           "RingMismatch", "SamplingParams", "SchedulerConfig", "StreamDelta"]

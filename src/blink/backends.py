@@ -15,21 +15,20 @@ imported numba the other way.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
 import time
 
-from blink.config import EngineConfig, SchedulerConfig
-from blink.device.ring import RingGeometry
+from blink.config import EngineConfig
+from blink.device.config import SchedulerConfig
 from blink.device.step import StepBuffers, StepLayout
-from blink.errors import BlinkError
+from blink.errors import EngineError
+from blink.ring.geometry import RingGeometry
 
 SHUTDOWN_TIMEOUT_S = 120.0   # a CPU step of a full 2048-token prefill can take seconds
-
-
-class EngineError(BlinkError):
-    """The engine cannot start or run in this process (device, numba mode, scheduler loop)."""
+log = logging.getLogger("blink")
 
 
 def select_device(requested: str) -> str:
@@ -57,45 +56,54 @@ def select_device(requested: str) -> str:
 
 def scheduler_config(config: EngineConfig, max_model_len: int, num_pages: int, eos_token_ids: tuple[int, ...],
                      budget: str) -> SchedulerConfig:
-    """The scheduler's limits; ``ValueError`` naming what to change if the pool cannot hold one longest sequence."""
-    need = -(-max_model_len // config.page_size)
+    """``config.scheduler`` resolved for this model and pool; ``ValueError`` naming what to change if the pool
+    cannot hold one longest sequence."""
+    page_size = config.scheduler.page_size
+    need = -(-max_model_len // page_size)
     if num_pages < need:
         raise ValueError(
-            f"the KV cache holds {num_pages} pages of {config.page_size} tokens, but one sequence of "
+            f"the KV cache holds {num_pages} pages of {page_size} tokens, but one sequence of "
             f"max_model_len={max_model_len} tokens needs {need}: give it more memory ({budget}) or lower "
-            "EngineConfig.max_model_len")
-    return SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                           page_size=config.page_size, num_pages=num_pages, max_model_len=max_model_len,
-                           buckets=config.buckets(), eos_token_ids=eos_token_ids, launch_mode=config.launch_mode)
+            "SchedulerConfig.max_model_len")
+    return config.scheduler.resolve(num_pages=num_pages, max_model_len=max_model_len, eos_token_ids=eos_token_ids)
 
 
-def step_layout(config: EngineConfig, max_model_len: int) -> StepLayout:
-    return StepLayout(config.buckets()[-1], config.max_num_seqs, -(-max_model_len // config.page_size))
+def step_layout(config: SchedulerConfig, max_model_len: int) -> StepLayout:
+    """The step buffers' sizes: the largest bucket, every running sequence, one longest sequence's pages."""
+    return StepLayout(config.buckets[-1], config.max_num_seqs, -(-max_model_len // config.page_size))
+
+
+def _budget(config: EngineConfig, memory_option: str) -> str:
+    if config.scheduler.num_pages:
+        return "SchedulerConfig.num_pages"
+    return f"EngineConfig.{memory_option}={getattr(config, memory_option)}"
+
+
+def _log_pool(num_pages: int, page_size: int, page_bytes: int) -> None:
+    log.info("KV cache: %d pages x %d tokens (%.2f GiB)", num_pages, page_size, num_pages * page_bytes / 2**30)
 
 
 class CpuBackend:
     """``SimScheduler`` in a background thread; its step runs the model on torch CPU over the step buffers."""
 
     def __init__(self, model, memory, geometry: RingGeometry, config: EngineConfig, max_model_len: int,
-                 eos_token_ids: tuple[int, ...], progress):
-        from blink.device.ring import RingLayout
+                 eos_token_ids: tuple[int, ...]):
         from blink.device.sim import SimScheduler
         from blink.models.memory import kv_page_bytes
+        from blink.ring.layout import RingLayout
 
-        page_bytes = kv_page_bytes(model, config.page_size)
-        num_pages = config.num_pages or int(config.cpu_kv_cache_gib * 2**30 // page_bytes)
-        if config.num_pages:
-            budget = "EngineConfig.num_pages"
-        else:
-            budget = f"EngineConfig.cpu_kv_cache_gib={config.cpu_kv_cache_gib}"
-        self.config = scheduler_config(config, max_model_len, num_pages, eos_token_ids, budget)
+        page_size = config.scheduler.page_size
+        page_bytes = kv_page_bytes(model, page_size)
+        num_pages = config.scheduler.num_pages or int(config.cpu_kv_cache_gib * 2**30 // page_bytes)
+        self.config = scheduler_config(config, max_model_len, num_pages, eos_token_ids,
+                                       _budget(config, "cpu_kv_cache_gib"))
         self.model = model
-        self.kv = model.allocate_kv_cache(num_pages, config.page_size)
-        progress(f"KV cache: {num_pages} pages x {config.page_size} tokens ({num_pages * page_bytes / 2**30:.2f} GiB)")
-        self.step = StepBuffers(step_layout(config, max_model_len))
+        self.kv = model.allocate_kv_cache(num_pages, page_size)
+        _log_pool(num_pages, page_size, page_bytes)
+        self.step = StepBuffers(step_layout(self.config, max_model_len))
         self._view = RingLayout(geometry).view(memory.buffer)
         self.scheduler = SimScheduler(self._view, geometry, self.config, self.step, step_fn=self._run_step,
-                                      threads=config.sim_threads)
+                                      policy=config.policy_function(), threads=config.sim_threads)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="blink-cpu-scheduler", daemon=True)
 
@@ -112,7 +120,7 @@ class CpuBackend:
         self.model(self.step, self.kv, n_tokens)
 
     def _loop(self) -> None:
-        from blink.device.ring import ENGINE_STOPPED
+        from blink.ring.control import ENGINE_STOPPED
 
         try:
             self.scheduler.run()
@@ -136,34 +144,35 @@ class GpuBackend:
     """Torch-captured step graphs per bucket, device-launched by ``GpuScheduler`` from its persistent loop."""
 
     def __init__(self, model, memory, geometry: RingGeometry, config: EngineConfig, max_model_len: int,
-                 eos_token_ids: tuple[int, ...], progress):
+                 eos_token_ids: tuple[int, ...]):
         import torch
 
-        from blink.device.launch import GpuScheduler, link_image
+        from blink.device.graphs import capture_steps
+        from blink.device.image import link_image
+        from blink.device.runtime import GpuScheduler
         from blink.models.memory import kv_page_bytes
 
+        page_size = config.scheduler.page_size
         self.model = model
-        self.step = StepBuffers(step_layout(config, max_model_len), "cuda")
-        page_bytes = kv_page_bytes(model, config.page_size)
-        if config.num_pages:
-            num_pages, budget = config.num_pages, "EngineConfig.num_pages"
-        else:
-            num_pages = self._pages_that_fit(config, page_bytes)
-            budget = f"EngineConfig.gpu_memory_utilization={config.gpu_memory_utilization}"
-        self.config = scheduler_config(config, max_model_len, num_pages, eos_token_ids, budget)
-        self.kv = model.allocate_kv_cache(num_pages, config.page_size)
-        progress(f"KV cache: {num_pages} pages x {config.page_size} tokens ({num_pages * page_bytes / 2**30:.2f} GiB)")
+        self.step = StepBuffers(step_layout(config.scheduler, max_model_len), "cuda")
+        page_bytes = kv_page_bytes(model, page_size)
+        num_pages = config.scheduler.num_pages or self._pages_that_fit(config, page_bytes)
+        self.config = scheduler_config(config, max_model_len, num_pages, eos_token_ids,
+                                       _budget(config, "gpu_memory_utilization"))
+        self.kv = model.allocate_kv_cache(num_pages, page_size)
+        _log_pool(num_pages, page_size, page_bytes)
         started = time.monotonic()
-        self.graphs = self._capture(self.config.buckets)
-        progress(f"captured {len(self.graphs)} step graphs ({self.config.buckets[0]}..{self.config.buckets[-1]} "
-                 f"tokens) in {time.monotonic() - started:.1f} s")
+        self.graphs = capture_steps(lambda tokens: self.model(self.step, self.kv, tokens), self.config.buckets)
+        log.info("captured %d step graphs (%d..%d tokens) in %.1f s", len(self.graphs), self.config.buckets[0],
+                 self.config.buckets[-1], time.monotonic() - started)
         started = time.monotonic()
-        image = link_image()
-        progress(f"compiled and linked the scheduler in {time.monotonic() - started:.1f} s")
+        image = link_image(config.policy_function())
+        log.info("compiled and linked the scheduler in %.1f s", time.monotonic() - started)
         addresses = {name: tensor.data_ptr() for name, tensor in self.step.tensors().items()}
         torch.cuda.synchronize()
         self.scheduler = GpuScheduler(memory, geometry, self.config, self.step.layout, addresses,
-                                      step_graph=lambda tokens: self.graphs[tokens].raw_cuda_graph(), image=image)
+                                      step_graph=lambda tokens: self.graphs[tokens].raw_cuda_graph(), image=image,
+                                      device=torch.cuda.current_device())
         self.error: BaseException | None = None
 
     def _pages_that_fit(self, config: EngineConfig, page_bytes: int) -> int:
@@ -177,7 +186,8 @@ class GpuBackend:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        self.model(self.step, self.model.allocate_kv_cache(1, config.page_size), config.buckets()[-1])
+        self.model(self.step, self.model.allocate_kv_cache(1, config.scheduler.page_size),
+                   config.scheduler.buckets[-1])
         torch.cuda.synchronize()
         activations = torch.cuda.max_memory_allocated() - before
         torch.cuda.empty_cache()
@@ -185,38 +195,12 @@ class GpuBackend:
         budget = config.gpu_memory_utilization * total - (total - free) - activations
         return max(int(budget // page_bytes), 0)
 
-    def _capture(self, buckets: tuple[int, ...]) -> dict:
-        """One ``CUDAGraph(keep_graph=True)`` per bucket, sharing one memory pool (steps never run concurrently).
-
-        Warm-up runs first on the capture stream (Triton compiles its kernels there); then the largest bucket is
-        captured first, so the shared pool is sized by it. The step buffers hold padding only (slot_mapping -1,
-        logits_indices -1), so neither warm-up nor capture writes the KV pool or sampled ids.
-        """
-        import torch
-
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for tokens in buckets:
-                self.model(self.step, self.kv, tokens)
-        stream.synchronize()
-        pool = torch.cuda.graph_pool_handle()
-        graphs = {}
-        for tokens in reversed(buckets):
-            graph = torch.cuda.CUDAGraph(keep_graph=True)
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.model(self.step, self.kv, tokens)
-            graphs[tokens] = graph
-        return graphs
-
     def start(self) -> None:
         self.scheduler.start()
 
     def alive(self) -> bool:
         """The scheduler loop is still running (its stream has work)."""
-        from cuda.bindings import driver
-
-        return driver.cuStreamQuery(self.scheduler.stream)[0] == driver.CUresult.CUDA_ERROR_NOT_READY
+        return self.scheduler.alive()
 
     def join(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         """Wait for the loop to end (after shutdown was requested through the ring); raise its launch error."""

@@ -1,175 +1,92 @@
-"""The engine: model + ring + scheduler loop on the GPU (or the CPU), and a Python API that drives the ring.
+"""The Python API: ``Engine`` (threads) and ``AsyncEngine`` (asyncio), each an ``EngineCore`` on an in-process ring
+driven by an agent in this process.
 
-Start-up (``Engine(config)``) checks the configuration against the model before it loads anything heavy, creates
-the ring (in this process, or in shared memory for an agent process), loads the model, sizes the KV pool, builds the
-backend (``blink.backends``: captured step graphs + the GPU scheduler, or the simulated scheduler + torch CPU) and
-starts its loop. Every resource is registered for release as it is acquired, so a failure at any point releases
-what was acquired so far and raises one error; ``close()`` releases the same way after a shutdown through the ring.
+``Engine``: ``generate`` and ``stream`` submit requests and poll the ring for tokens. Polls from several threads are
+serialised by one lock, and each poll's outputs are routed to the queue of the request they belong to, so any number
+of streams can be consumed from any threads.
 
-With an in-process ring an ``Agent`` in this process drives it: ``generate`` and ``stream`` submit requests and
-poll the ring for tokens. Polls from several threads are serialised by one lock, and each poll's outputs are routed
-to the queue of the request they belong to, so any number of streams can be consumed from any threads.
+``AsyncEngine``: the agent runs in the event loop (``blink.nic.agent_loop``, as under the HTTP server): one task
+polls the ring and fans tokens out to per-request queues; ``stream`` is an async iterator, and cancelling the task
+that consumes it (or ``aclose``) cancels the request. Both accept stop strings (``SamplingParams.stop``).
 """
 from __future__ import annotations
 
-import sys
+import asyncio
 import threading
 import time
 from collections import deque
-from contextlib import ExitStack
-from dataclasses import dataclass, field
-from pathlib import Path
 
-from blink.config import EngineConfig, SamplingParams
-from blink.device.ring import CONTROL_DTYPE, RingGeometry, RingLayout
-from blink.errors import EngineUnresponsive, RingFull
+from blink.config import EngineConfig
+from blink.core import EngineCore
+from blink.errors import EngineClosed, EngineUnresponsive, RingFull
+from blink.outputs import GenerationOutput, OutputBuilder, StreamDelta
+from blink.ring.request import SamplingParams
 
 POLL_INTERVAL_S = 1e-3
 
 
-def progress(message: str) -> None:
-    print(f"blink: {message}", file=sys.stderr, flush=True)
+class _Engine:
+    """What both APIs share: the core on an in-process ring, prompt encoding, and the agent on the ring."""
+
+    def __init__(self, config: EngineConfig):
+        if config.ring_name is not None:
+            raise ValueError(f"EngineConfig.ring_name={config.ring_name!r}: an engine on a shared ring is driven by "
+                             "an agent process of its own (blink.process.engine_process, blink serve); leave "
+                             "ring_name out to drive the engine from Python")
+        from blink.nic.agent import Agent
+
+        self.config = config
+        self.core = EngineCore(config)
+        self.agent = Agent(self.core.memory, self.core.geometry)
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    @property
+    def device(self) -> str:
+        return self.core.device
+
+    def encode(self, prompt) -> list[int]:
+        """A prompt as token ids: a string goes through the tokenizer; token ids must be in the vocabulary."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer.json: pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt)
+        tokens = list(prompt)
+        vocab = self.core.vocab_size
+        bad = [t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab}) (got {bad[:5]})")
+        return tokens
+
+    def stats(self) -> dict[str, int]:
+        """The scheduler's counters and gauges from the ring's control block."""
+        return self.core.stats()
+
+    def _check_open(self) -> None:
+        if self.core.closed:
+            raise EngineClosed("the engine is closed: create a new Engine to submit requests")
 
 
-@dataclass
-class GenerationOutput:
-    """One finished request. ``text`` is None when the model directory has no tokenizer."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str | None = None
-    finish_reason: str | None = None     # "stop", "length", "abort" or "error"
-    logprobs: list[float] | None = None
-
-
-@dataclass(frozen=True)
-class StreamDelta:
-    """What one request produced since the previous delta; the last one carries the finish reason."""
-
-    token_ids: list[int]
-    text: str | None
-    logprobs: list[float] | None
-    finish_reason: str | None
-
-
-class RequestStream:
-    """Iterator over the ``StreamDelta``s of one submitted request; ``output`` accumulates them.
-
-    ``cancel()`` asks the scheduler to finish the request with "abort" (the stream then ends with that reason).
-    ``close()`` cancels an unfinished request and stops routing its outputs here.
-    """
-
-    def __init__(self, engine: Engine, request_id: int, prompt: list[int], params: SamplingParams):
-        self.engine, self.request_id = engine, request_id
-        self.output = GenerationOutput(list(prompt), logprobs=[] if params.logprobs else None)
-        self._detokenizer = engine.detokenizer()
-        if self._detokenizer is not None:
-            self.output.text = ""
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> StreamDelta:
-        if self.output.finish_reason is not None:
-            raise StopIteration
-        out = self.engine._next_output(self.request_id)
-        text = None
-        if self._detokenizer is not None:
-            text = "".join(self._detokenizer.push(t) for t in out.new_tokens)
-            text += self._detokenizer.flush() if out.finished else ""
-            self.output.text += text
-        self.output.token_ids += out.new_tokens
-        if out.new_logprobs is not None:
-            self.output.logprobs += out.new_logprobs
-        self.output.finish_reason = out.finish_reason
-        if out.finished:
-            self.engine._forget(self.request_id)
-        return StreamDelta(out.new_tokens, text, out.new_logprobs, out.finish_reason)
-
-    def result(self) -> GenerationOutput:
-        """Consume the rest of the stream; the finished output."""
-        for _ in self:
-            pass
-        return self.output
-
-    def cancel(self) -> None:
-        self.engine._cancel(self.request_id)
-
-    def close(self) -> None:
-        if self.output.finish_reason is None:
-            self.engine._cancel(self.request_id)
-        self.engine._forget(self.request_id)
-
-
-class Engine:
-    """Serves one model. ``with Engine(EngineConfig(...)) as engine: engine.generate(["Hello"])``."""
+class Engine(_Engine):
+    """Serves one model to threads. ``with Engine(EngineConfig(...)) as engine: engine.generate(["Hello"])``."""
 
     def __init__(self, config: EngineConfig = EngineConfig()):
-        self.config = config
-        self._stack = ExitStack()
+        super().__init__(config)
         self._lock = threading.Lock()
         self._queues: dict[int, deque] = {}
-        try:
-            self._start(config)
-        except BaseException:
-            self._stack.close()
-            raise
-
-    # -- start-up ---------------------------------------------------------------------------------------------------
-
-    def _start(self, config: EngineConfig) -> None:
-        from blink.backends import CpuBackend, GpuBackend, select_device
-        from blink.models import ModelConfig, default_model_path, load_model, random_model
-
-        self.device = select_device(config.device)
-        model_dir = Path(config.model) if config.model is not None else default_model_path()
-        model_config = ModelConfig.from_file(model_dir)
-        self.max_model_len = resolve_max_model_len(config, model_config)
-        self.tokenizer = _tokenizer(model_dir)
-        self.geometry = config.geometry()
-        self.memory = self._stack.enter_context(create_ring(config.ring_name, self.geometry))
-        started = time.monotonic()
-        dtype = config.dtype or ("float32" if self.device == "cpu" else model_config.dtype)
-        if config.load_format == "dummy":
-            model = random_model(model_config, device=self.device, dtype=dtype)
-        else:
-            model = load_model(model_dir, device=self.device, dtype=dtype)
-        progress(f"loaded {model_dir.name} ({model_config.architecture}, {dtype}, {config.load_format} weights, "
-                 f"{self.device}) in {time.monotonic() - started:.1f} s")
-        self.vocab_size = model_config.vocab_size
-        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
-        backend_class = CpuBackend if self.device == "cpu" else GpuBackend
-        self.backend = backend_class(model, self.memory, self.geometry, config, self.max_model_len, eos, progress)
-        self._stack.callback(self._stop)
-        self.backend.start()
-        if config.ring_name is None:
-            from blink.nic.agent import Agent
-
-            self.agent = Agent(self.memory, self.geometry)
-        else:
-            self.agent = None
-            progress(f"ring /dev/shm/{config.ring_name}: {self.memory.size / 2**20:.1f} MiB, "
-                     f"{self.geometry.n_slots} slots")
-        progress(f"serving on {self.device} ({time.monotonic() - started:.1f} s after loading began)")
-
-    def _stop(self) -> None:
-        """Shutdown through the ring (in-flight requests end with "abort"), wait for the loop, free the backend."""
-        self.memory.write(CONTROL_DTYPE.fields["shutdown"][1], (1).to_bytes(4, "little"))
-        backend, self.backend = self.backend, None
-        backend.close()
 
     def close(self) -> None:
-        """Stop the loop and release everything (idempotent)."""
+        """Abort what is in flight, stop the loop and release everything (idempotent)."""
         with self._lock:
-            self._stack.close()
+            self.core.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
-
-    # -- the Python API ---------------------------------------------------------------------------------------------
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] = SamplingParams(),
                  ) -> list[GenerationOutput]:
@@ -189,55 +106,25 @@ class Engine:
     def stream(self, prompt, params: SamplingParams = SamplingParams()) -> RequestStream:
         """Submit one request now (waiting for a free ring slot if need be); iterate the result for its tokens."""
         tokens = self.encode(prompt)
+        builder = OutputBuilder(tokens, params, self.tokenizer)
         while True:
             with self._lock:
-                agent = self._agent()
+                self._check_open()
                 try:
-                    request_id = agent.submit(tokens, params)
+                    request_id = self.agent.submit(tokens, params)
                 except RingFull:
                     self._poll_locked()
                 else:
                     self._queues[request_id] = deque()
-                    return RequestStream(self, request_id, tokens, params)
+                    return RequestStream(self, request_id, builder)
             time.sleep(POLL_INTERVAL_S)
 
-    def encode(self, prompt) -> list[int]:
-        """A prompt as token ids: a string goes through the tokenizer; token ids must be in the vocabulary."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer.json: pass prompts as lists of token ids")
-            return self.tokenizer.encode(prompt)
-        tokens = list(prompt)
-        bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size}) (got {bad[:5]})")
-        return tokens
-
-    def detokenizer(self):
-        from blink.nic.text import Detokenizer
-
-        return Detokenizer(self.tokenizer) if self.tokenizer is not None else None
-
-    def stats(self) -> dict[str, int]:
-        """The scheduler's counters and gauges from the ring's control block."""
-        control = RingLayout(self.geometry).view(self.memory.buffer).control[0]
-        return {name: int(control[name]) for name in CONTROL_DTYPE.names}
-
-    # -- routing outputs to requests --------------------------------------------------------------------------------
-
-    def _agent(self):
-        if self.backend is None:
-            raise RuntimeError("the engine is closed")
-        if self.agent is None:
-            raise RuntimeError(f"this engine serves the shared ring {self.config.ring_name!r}: submit through the "
-                               "agent process that drives it (blink agent), not through Engine.generate")
-        return self.agent
-
     def _poll_locked(self) -> None:
+        self._check_open()
         try:
-            outputs = self._agent().poll()
+            outputs = self.agent.poll()
         except EngineUnresponsive as e:
-            raise e from self.backend.error
+            raise e from self.core.error
         for out in outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:
@@ -256,56 +143,154 @@ class Engine:
 
     def _cancel(self, request_id: int) -> None:
         with self._lock:
-            self._agent().cancel(request_id)
+            if not self.core.closed:
+                self.agent.cancel(request_id)
 
     def _forget(self, request_id: int) -> None:
         with self._lock:
             self._queues.pop(request_id, None)
 
 
-def serve_ring(config: EngineConfig) -> None:
-    """Process entry point (``blink engine``): serve the shared ring ``config.ring_name`` until SIGINT or SIGTERM,
-    or until a shutdown is requested through the ring; then stop cleanly (the ring is removed)."""
-    import signal
+class RequestStream:
+    """Iterator over the ``StreamDelta``s of one submitted request; ``output`` accumulates them.
 
-    # The signal only sets an event: an exception raised asynchronously inside threading's own waits (is_alive,
-    # join) can leave a thread's state lock held, and the shutdown's join would then hang forever.
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    with Engine(config) as engine:
-        # Once a second: waiting is all the host does while the loop serves.
-        while engine.backend.alive() and not stop.wait(1.0):
+    ``cancel()`` asks the scheduler to finish the request with "abort" (the stream then ends with that reason).
+    ``close()`` cancels an unfinished request and stops routing its outputs here.
+    """
+
+    def __init__(self, engine: Engine, request_id: int, builder: OutputBuilder):
+        self.engine, self.request_id, self._builder = engine, request_id, builder
+
+    @property
+    def output(self) -> GenerationOutput:
+        return self._builder.output
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StreamDelta:
+        if self._builder.finished:
+            raise StopIteration
+        out = self.engine._next_output(self.request_id)
+        delta = self._builder.push(out.new_tokens, out.new_logprobs, out.finish_reason)
+        if self._builder.stopped:
+            self.close()                # a stop string: the ring's request is not needed any more
+        elif out.finished:
+            self.engine._forget(self.request_id)
+        return delta
+
+    def result(self) -> GenerationOutput:
+        """Consume the rest of the stream; the finished output."""
+        for _ in self:
             pass
-    progress("stopped")
+        return self.output
+
+    def cancel(self) -> None:
+        self.engine._cancel(self.request_id)
+
+    def close(self) -> None:
+        if not self._builder.finished or self._builder.stopped:
+            self.engine._cancel(self.request_id)
+        self.engine._forget(self.request_id)
 
 
-def resolve_max_model_len(config: EngineConfig, model_config) -> int:
-    """``EngineConfig.max_model_len`` or its default; ``ValueError`` if the model or the ring cannot use it."""
-    context = model_config.max_position_embeddings
-    length = config.max_model_len or min(context, config.max_prompt_tokens + config.max_output_tokens)
-    if length > context:
-        raise ValueError(f"EngineConfig.max_model_len={length} is longer than the model's context "
-                         f"(max_position_embeddings={context}): lower it")
-    if config.max_prompt_tokens >= length:
-        raise ValueError(f"EngineConfig.max_prompt_tokens={config.max_prompt_tokens} leaves no room to generate in "
-                         f"sequences of max_model_len={length} tokens (the model's context is {context}): lower "
-                         "max_prompt_tokens")
-    return length
+class AsyncEngine(_Engine):
+    """Serves one model to asyncio code. Start it with ``await AsyncEngine.start(config)`` (loading runs in a thread)
+    or construct it directly; use it inside one event loop, and ``await close()`` it there."""
+
+    def __init__(self, config: EngineConfig = EngineConfig()):
+        super().__init__(config)
+        self._loop = None
+        self._task = None
+
+    @classmethod
+    async def start(cls, config: EngineConfig = EngineConfig()) -> AsyncEngine:
+        """Load and start the engine without blocking the event loop."""
+        return await asyncio.to_thread(cls, config)
+
+    async def close(self) -> None:
+        """Abort what is in flight, stop the loop and release everything (idempotent)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await asyncio.to_thread(self.core.close)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    def stream(self, prompt, params: SamplingParams = SamplingParams(), *, priority: int = 0) -> AsyncRequestStream:
+        """Submit one request now (it waits in the agent if every ring slot is busy); ``async for`` its deltas."""
+        self._check_open()
+        tokens = self.encode(prompt)
+        builder = OutputBuilder(tokens, params, self.tokenizer)
+        return AsyncRequestStream(self._agent_loop(), self._agent_loop().submit(tokens, params, priority), builder)
+
+    async def generate(self, prompt, params: SamplingParams = SamplingParams()) -> GenerationOutput:
+        """Run one prompt to completion."""
+        async with self.stream(prompt, params) as stream:
+            return await stream.result()
+
+    def _agent_loop(self):
+        from blink.nic.agent_loop import AgentLoop, Metrics
+
+        if self._loop is None:
+            self._loop = AgentLoop(self.agent, Metrics())
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop.run())
+        return self._loop
 
 
-def create_ring(name: str | None, geometry: RingGeometry):
-    """A fresh ring: in this process (``name=None``) or in POSIX shared memory; control block initialised."""
-    from blink.nic.transport import LocalMemory, SharedMemory
+class AsyncRequestStream:
+    """Async iterator over one request's ``StreamDelta``s; ``output`` accumulates them. ``await cancel()`` asks the
+    scheduler to finish it with "abort"; ``aclose()`` (also on leaving ``async with``, or when the consuming task
+    is cancelled) cancels an unfinished request and stops its outputs."""
 
-    layout = RingLayout(geometry)
-    memory = LocalMemory(layout.size) if name is None else SharedMemory.create(name, layout.size)
-    memory.write(0, layout.control_bytes())
-    return memory
+    def __init__(self, loop, submission, builder: OutputBuilder):
+        self._loop, self._submission, self._builder = loop, submission, builder
 
+    @property
+    def output(self) -> GenerationOutput:
+        return self._builder.output
 
-def _tokenizer(model_dir: Path):
-    """The model's tokenizer, or None for a directory without one (random-weight shapes: token ids only)."""
-    from blink.nic.text import Tokenizer
+    def __aiter__(self):
+        return self
 
-    return Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+    async def __anext__(self) -> StreamDelta:
+        if self._builder.finished:
+            await self.aclose()
+            raise StopAsyncIteration
+        try:
+            out = await self._submission.queue.get()
+        except BaseException:
+            await self.aclose()         # cancelled while waiting: the request goes too
+            raise
+        if isinstance(out, Exception):
+            await self.aclose()
+            raise out
+        delta = self._builder.push(out.new_tokens, out.new_logprobs, out.finish_reason)
+        if self._builder.finished:
+            self._submission.finish_reason = delta.finish_reason
+            await self.aclose()
+        return delta
+
+    async def result(self) -> GenerationOutput:
+        """Consume the rest of the stream; the finished output."""
+        async for _ in self:
+            pass
+        return self.output
+
+    async def cancel(self) -> None:
+        self._loop.cancel(self._submission)
+
+    async def aclose(self) -> None:
+        self._loop.close(self._submission)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()

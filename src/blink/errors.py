@@ -1,21 +1,53 @@
-"""Exceptions that cross module boundaries. Bad arguments raise plain ``ValueError`` naming the field."""
+"""Every public exception of blink, importable from ``blink`` too.
+
+A leaf module: it imports only the ring's own errors (``blink.ring.errors``), so every package may import it.
+Errors about bad input (a configuration, a checkpoint, a request) are also ``ValueError``s; errors of a running
+engine are ``RuntimeError``s. Every message says what was wrong and what to do.
+"""
+from blink.ring.errors import BlinkError, EngineUnresponsive, IllegalTransition, RingFull, RingMismatch
 
 
-class BlinkError(RuntimeError):
-    """Base class of blink's runtime errors."""
+class EngineError(BlinkError):
+    """The engine cannot start or run in this process (device, numba mode, scheduler loop)."""
 
 
-class RingMismatch(BlinkError):
-    """An existing ring region was written by a different layout (magic, version or geometry differ)."""
+class EngineClosed(BlinkError):
+    """The engine was closed (or its loop has ended): no request can be submitted to it any more."""
 
 
-class IllegalTransition(BlinkError):
-    """A slot state change that the NIC↔GPU state machine does not allow for that writer."""
+class EngineUnavailable(BlinkError):
+    """The engine cannot take or finish requests now (starting, stopped, unresponsive). Retry after
+    ``retry_after_s`` (HTTP 503)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
-class RingFull(BlinkError):
-    """Every request slot is in use. Retry after ``Agent.poll`` has released finished requests (HTTP 429/503)."""
+class Overloaded(BlinkError):
+    """Every ring slot is busy and the agent's wait queue is full. Retry after ``retry_after_s`` (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
-class EngineUnresponsive(BlinkError):
-    """The GPU side stopped making progress (heartbeat frozen) or has stopped while requests were in flight."""
+class LaunchError(BlinkError):
+    """A CUDA call of the scheduler (host side, or a device-side graph launch) failed."""
+
+
+class ConfigError(BlinkError, ValueError):
+    """A model's config.json cannot be served (unknown architecture, missing or inconsistent fields)."""
+
+
+class CheckpointError(BlinkError, ValueError):
+    """A checkpoint does not match its config (missing, extra or misshapen tensors, unreadable files)."""
+
+
+class GGUFError(BlinkError, ValueError):
+    """A GGUF file cannot be converted (unsupported architecture, tensor type or metadata)."""
+
+
+__all__ = ["BlinkError", "CheckpointError", "ConfigError", "EngineClosed", "EngineError", "EngineUnavailable",
+           "EngineUnresponsive", "GGUFError", "IllegalTransition", "LaunchError", "Overloaded", "RingFull",
+           "RingMismatch"]

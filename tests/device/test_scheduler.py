@@ -8,16 +8,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blink.config import SamplingParams, SchedulerConfig
-from blink.device.reference import expected_output
-from blink.device.ring import ENGINE_STOPPED, RingGeometry, RingLayout
+from blink.device.config import SchedulerConfig
 from blink.device.sim import SimScheduler
-from blink.device.standin import standin_continuation
 from blink.device.state import FREE_TOP, IDLE, N_RUNNING, STOP
 from blink.device.step import StepBuffers, StepLayout
 from blink.errors import RingFull
 from blink.nic.agent import Agent
-from blink.nic.transport import LocalMemory
+from blink.ring.control import ENGINE_STOPPED
+from blink.ring.geometry import RingGeometry
+from blink.ring.layout import RingLayout
+from blink.ring.reference import expected_output
+from blink.ring.request import SamplingParams
+from blink.ring.standin import standin_continuation
+from blink.ring.transport import LocalMemory
 
 GEOMETRY = RingGeometry(n_slots=12, max_prompt_tokens=40, max_output_tokens=12, max_stop_ids=2)
 CONFIG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, page_size=4, num_pages=24, max_model_len=52,
@@ -222,7 +225,7 @@ def test_shutdown_aborts_in_flight_requests_and_stops():
 
 
 def test_logprobs_reach_the_ring_only_when_asked():
-    from blink.device.standin import standin_logprob
+    from blink.ring.standin import standin_logprob
 
     h = Harness()
     with_lp = h.agent.submit([4, 5], SamplingParams(max_tokens=3, seed=8, logprobs=True))

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from harness import tiny_hf_model
+from tests.models.harness import tiny_hf_model
 
 
 @pytest.fixture

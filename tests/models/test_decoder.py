@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from blink.models import load_model
-
-from harness import Runner, check_mixed_batches, check_step_graph_device_launch, hf_logits
+from tests.models.harness import Runner, check_mixed_batches, check_step_graph_device_launch, hf_logits
 
 FAMILIES = ["LlamaForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"]
 

@@ -2,7 +2,7 @@
 import torch
 
 from blink.models import default_model_path, load_model
-from harness import check_mixed_batches, greedy_continuations, hf_greedy
+from tests.models.harness import check_mixed_batches, greedy_continuations, hf_greedy
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"]

@@ -2,7 +2,7 @@
 import torch
 
 from blink.models import load_model
-from harness import check_mixed_batches
+from tests.models.harness import check_mixed_batches
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16, "rope_theta": 500000.0}

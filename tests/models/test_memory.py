@@ -1,10 +1,10 @@
 """Memory plans: weights measured on the model, KV pages of the pool's layout, and the pages that fit beside them."""
 import pytest
 import torch
+from tests.models.test_shapes import PARAMETERS
 
 from blink.models.memory import GIB, plan_memory
 from blink.models.shapes import SHAPES, shape_config
-from test_shapes import PARAMETERS
 
 H200 = 139 * GIB
 

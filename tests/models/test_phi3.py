@@ -3,7 +3,7 @@ the test sequences."""
 import torch
 
 from blink.models import load_model
-from harness import check_mixed_batches
+from tests.models.harness import check_mixed_batches
 
 
 def test_partial_rotary_and_sliding_window_match_transformers(hf_checkpoint):

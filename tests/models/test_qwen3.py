@@ -2,7 +2,7 @@
 import torch
 
 from blink.models import load_model
-from harness import check_mixed_batches
+from tests.models.harness import check_mixed_batches
 
 
 def test_decoupled_head_dim_matches_transformers(hf_checkpoint):

@@ -2,7 +2,8 @@
 with exactly the parameter counts their checkpoints have."""
 import pytest
 import torch
-from harness import Runner
+
+from tests.models.harness import Runner
 
 # The logits of a random-weight full-size model reach |4..8|, where one bf16 step is 1/32: two paths that round
 # differently (graph buckets, batch shapes, Triton against torch) measured 1 to 7 steps apart on the H200 (0.03 to
@@ -43,14 +44,15 @@ def engine_against_eager_step(model_dir: str, device: str, prompts: list[list[in
     """Serve ``prompts`` greedily (8 tokens) from ``model_dir`` with random weights through the Engine, then run the
     Engine's own model eagerly on the prompts: each first token must be that step's argmax up to ``tolerance`` (in
     logprob), and the Engine's logprob of it that step's."""
-    from blink import Engine, EngineConfig, SamplingParams
+    from blink import Engine, EngineConfig, SamplingParams, SchedulerConfig
 
-    config = EngineConfig(model=model_dir, load_format="dummy", device=device, max_num_seqs=16,
-                          max_num_batched_tokens=256, n_slots=64, max_prompt_tokens=256, max_output_tokens=16)
+    config = EngineConfig(model=model_dir, load_format="dummy", device=device, n_slots=64, max_prompt_tokens=256,
+                          max_output_tokens=16, scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256,
+                                                                          max_model_len=272))
     with Engine(config) as engine:
         outputs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, logprobs=True))
         stats = engine.stats()
-        model = engine.backend.model
+        model = engine.core.backend.model
     assert stats["launch_error"] == 0 and [len(out.token_ids) for out in outputs] == [8] * len(prompts)
     runner = Runner(model, num_pages=128, layout=StepLayout(256, 8, 64))
     logits, _, _ = runner.step([runner.chunk(i, p, 0) for i, p in enumerate(prompts)])
@@ -79,19 +81,20 @@ def engine_greedy_against_reference(model_dir, device: str, tie: float, n: int =
     token against the torch reference kernels run on the same weights, eagerly, teacher-forced with the Engine's
     tokens. Where rounding makes a near-tie (the reference's best two logprobs within ``tie``) either token is
     greedy; that must stay a minority, and the Engine's logprob of each token must be the reference's."""
-    from blink import Engine, EngineConfig, SamplingParams
+    from blink import Engine, EngineConfig, SamplingParams, SchedulerConfig
     from blink.models import ModelConfig
     from blink.models.kernels import reference
 
     g = torch.Generator().manual_seed(1)
     vocab = ModelConfig.from_file(model_dir).vocab_size
     prompts = [torch.randint(0, vocab, (k,), generator=g).tolist() for k in (5, 17, 40, 77, 130, 200)]
-    config = EngineConfig(model=str(model_dir), load_format="dummy", device=device, max_num_seqs=8,
-                          max_num_batched_tokens=128, n_slots=16, max_prompt_tokens=256, max_output_tokens=n)
+    config = EngineConfig(model=str(model_dir), load_format="dummy", device=device, n_slots=16, max_prompt_tokens=256,
+                          max_output_tokens=n, scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128,
+                                                                         max_model_len=256 + n))
     with Engine(config) as engine:
         outputs = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, logprobs=True))
         stats = engine.stats()
-        model = engine.backend.model
+        model = engine.core.backend.model
     assert stats["launch_error"] == 0 and [len(out.token_ids) for out in outputs] == [n] * len(prompts)
 
     model.ops = reference

@@ -4,9 +4,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from blink.device.ring import FINISHED, FREE, READY, RUNNING
 from blink.errors import RingFull
 from blink.nic.slots import SlotTracker
+from blink.ring.layout import FINISHED, FREE, READY, RUNNING
 
 
 def reference_scan(free: set[int], hint: int, n: int) -> int:

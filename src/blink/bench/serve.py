@@ -162,7 +162,7 @@ async def benchmark(backend, requests: list, args, save) -> list[dict]:
 
 
 def serve(args) -> int:
-    from blink.cli import set_priority
+    from blink.process import set_priority
 
     set_priority(args.client_priority, "--client-priority")
     requests = load_requests(args)

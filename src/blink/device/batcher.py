@@ -18,9 +18,9 @@ from numba import int64
 from blink.device.block import exclusive_scan, locate
 from blink.device.kv import allocate_pages, free_sequences
 from blink.device.numba_compat import cuda
-from blink.device.state import (BUCKET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_PAGE_SIZE, CFG_TOKEN_BUDGET,
-                                CFG_WATERMARK, FREE_TOP, IDLE, K_ADMITTED, K_COPIES, K_DECODE_PAGES, K_NEED,
-                                K_CHUNKED, K_PREEMPTED, K_PREFILLS, K_VICTIM, N_QUEUED, N_ROWS, N_RUNNING, QUEUE_HEAD)
+from blink.device.state import (BUCKET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_PAGE_SIZE, CFG_TOKEN_BUDGET, CFG_WATERMARK,
+                                FREE_TOP, IDLE, K_ADMITTED, K_CHUNKED, K_COPIES, K_DECODE_PAGES, K_NEED, K_PREEMPTED,
+                                K_PREFILLS, K_VICTIM, N_QUEUED, N_ROWS, N_RUNNING, QUEUE_HEAD)
 
 
 @cuda.jit(device=True)
@@ -57,14 +57,14 @@ def admit(s, sh):
         return
     head = s.sched[QUEUE_HEAD]
     page = s.cfg[CFG_PAGE_SIZE]
-    for j in range(tid, window, nt):            # b -> pages the prompts before j need
-        sh.b[j] = pages_for(s.seq_prompt_len[s.queue_slots[head + j]], page)
+    for j in range(tid, window, nt):            # pages -> pages the prompts before j need
+        sh.pages[j] = pages_for(s.seq_prompt_len[s.queue_slots[head + j]], page)
     cuda.syncthreads()
-    exclusive_scan(sh.b, window, sh.partial)
+    exclusive_scan(sh.pages, window, sh.partial)
     free = s.sched[FREE_TOP] - s.cfg[CFG_WATERMARK]
     for j in range(tid, window, nt):
         slot = s.queue_slots[head + j]
-        if sh.b[j] + pages_for(s.seq_prompt_len[slot], page) <= free:
+        if sh.pages[j] + pages_for(s.seq_prompt_len[slot], page) <= free:
             start_sequence(s, slot, running + j)
             cuda.atomic.add(sh.counters, K_ADMITTED, 1)
     cuda.syncthreads()
@@ -91,7 +91,7 @@ def preempt_newest(s, sh):
     victim = sh.counters[K_VICTIM]
     if victim < 0:
         return False
-    free_sequences(s, sh.slots, 1, sh.d, sh.partial)
+    free_sequences(s, sh.slots, 1, sh.pages, sh.partial)
     if tid == 0:
         s.seq_computed[victim] = 0
         s.seq_version[victim] += 1
@@ -102,7 +102,7 @@ def preempt_newest(s, sh):
 
 @cuda.jit(device=True)
 def plan_chunks(s, sh, n):
-    """Decide each running sequence's chunk ``sh.d[i]`` (0: not in this step). Preempts to fit the decodes.
+    """Decide each running sequence's chunk ``sh.chunk[i]`` (0: not in this step). Preempts to fit the decodes.
 
     Returns True when every running sequence decodes (one token each): the steady state, planned without scans.
     Every decode gets its token, since ``max_num_batched_tokens >= max_num_seqs``.
@@ -131,10 +131,10 @@ def chunks_once(s, sh, n):
             slot = s.running[i]
             computed = s.seq_computed[slot]
             if s.seq_total[slot] - computed == 1:
-                sh.d[i] = 1
+                sh.chunk[i] = 1
                 cuda.atomic.add(sh.counters, K_DECODE_PAGES, pages_for(computed + 1, page) - s.seq_npages[slot])
             else:
-                sh.d[i] = 0
+                sh.chunk[i] = 0
                 cuda.atomic.add(sh.counters, K_PREFILLS, 1)
         cuda.syncthreads()
         decode_pages = sh.counters[K_DECODE_PAGES]
@@ -145,32 +145,32 @@ def chunks_once(s, sh, n):
         return True
     tokens_left = s.cfg[CFG_TOKEN_BUDGET] - (n - n_prefill)
     pages_left = s.sched[FREE_TOP] - decode_pages
-    # Prefill chunks in running order: c = tokens wanted by earlier prefills; b = their pages.
+    # Prefill chunks in running order: tokens = tokens wanted by earlier prefills; pages = their pages.
     for i in range(tid, n, nt):
         slot = s.running[i]
         remaining = s.seq_total[slot] - s.seq_computed[slot]
-        sh.c[i] = 0 if remaining == 1 else remaining
+        sh.tokens[i] = 0 if remaining == 1 else remaining
     cuda.syncthreads()
-    exclusive_scan(sh.c, n, sh.partial)
+    exclusive_scan(sh.tokens, n, sh.partial)
     for i in range(tid, n, nt):
         slot = s.running[i]
         computed = s.seq_computed[slot]
         remaining = s.seq_total[slot] - computed
-        sh.b[i] = 0
+        sh.pages[i] = 0
         if remaining != 1:
-            chunk = min(max(tokens_left - sh.c[i], 0), remaining)
-            sh.b[i] = pages_for(computed + chunk, page) - s.seq_npages[slot]
-            sh.d[i] = chunk
+            chunk = min(max(tokens_left - sh.tokens[i], 0), remaining)
+            sh.pages[i] = pages_for(computed + chunk, page) - s.seq_npages[slot]
+            sh.chunk[i] = chunk
     cuda.syncthreads()
-    exclusive_scan(sh.b, n, sh.partial)
+    exclusive_scan(sh.pages, n, sh.partial)
     for i in range(tid, n, nt):
         slot = s.running[i]
         computed = s.seq_computed[slot]
-        if s.seq_total[slot] - computed != 1 and sh.d[i] > 0:
-            mine = max(pages_left - sh.b[i], 0)
+        if s.seq_total[slot] - computed != 1 and sh.chunk[i] > 0:
+            mine = max(pages_left - sh.pages[i], 0)
             fits = (s.seq_npages[slot] + mine) * page - computed
-            sh.d[i] = max(0, min(sh.d[i], fits))
-        if sh.d[i] > 0:
+            sh.chunk[i] = max(0, min(sh.chunk[i], fits))
+        if sh.chunk[i] > 0:
             cuda.atomic.add(sh.counters, K_CHUNKED, 1)
     cuda.syncthreads()
     return False
@@ -190,16 +190,16 @@ def token_at(s, slot, position):
 
 @cuda.jit(device=True)
 def write_rows(s, sh, n):
-    """Per-row step inputs for sequences with a chunk; ``sh.a`` = row index, ``sh.c`` = first token row."""
+    """Per-row step inputs for sequences with a chunk; ``sh.rank`` = row index, ``sh.tokens`` = first token row."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     for i in range(tid, n, nt):
-        chunk = sh.d[i]
+        chunk = sh.chunk[i]
         if chunk == 0:
             continue
         slot = s.running[i]
-        r = sh.a[i]
-        start = sh.c[i]
+        r = sh.rank[i]
+        start = sh.tokens[i]
         length = s.seq_computed[slot] + chunk
         s.query_start_loc[r] = start
         s.seq_lens[r] = length
@@ -211,8 +211,8 @@ def write_rows(s, sh, n):
         same = s.row_slot[r] == slot and s.row_version[r] == s.seq_version[slot]
         copied = s.row_pages[r] if same else 0
         sh.keys[r] = copied                       # first block-table entry this row still lacks
-        sh.b[r] = s.seq_npages[slot] - copied     # entries to copy
-        if sh.b[r] != 0:
+        sh.pages[r] = s.seq_npages[slot] - copied     # entries to copy
+        if sh.pages[r] != 0:
             cuda.atomic.add(sh.counters, K_COPIES, 1)
         s.row_slot[r] = slot
         s.row_version[r] = s.seq_version[slot]
@@ -229,10 +229,10 @@ def write_tables_and_tokens(s, sh, n_rows, n_tokens, all_decode):
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     page = s.cfg[CFG_PAGE_SIZE]
-    total = exclusive_scan(sh.b, n_rows, sh.partial) if sh.counters[K_COPIES] != 0 else 0
+    total = exclusive_scan(sh.pages, n_rows, sh.partial) if sh.counters[K_COPIES] != 0 else 0
     for index in range(tid, total, nt):
-        r = locate(sh.b, n_rows, index)
-        j = sh.keys[r] + index - sh.b[r]
+        r = locate(sh.pages, n_rows, index)
+        j = sh.keys[r] + index - sh.pages[r]
         s.block_tables[r, j] = s.seq_pages[s.row_slot[r], j]
     for t in range(tid, n_tokens, nt):
         r = t if all_decode else locate(s.query_start_loc, n_rows, t)
@@ -278,28 +278,28 @@ def plan(s, sh):
     for i in range(tid, n, nt):
         slot = s.running[i]
         sh.slots[i] = slot
-        need = max(0, pages_for(s.seq_computed[slot] + sh.d[i], page) - s.seq_npages[slot])
-        sh.b[i] = need
+        need = max(0, pages_for(s.seq_computed[slot] + sh.chunk[i], page) - s.seq_npages[slot])
+        sh.pages[i] = need
         if need != 0:
             cuda.atomic.add(sh.counters, K_NEED, need)
     cuda.syncthreads()
     if sh.counters[K_NEED] != 0:
-        allocate_pages(s, sh.slots, sh.b, n, sh.partial)
-    # Rows are the sequences with a chunk, in running order: a = row index, c = first token row.
+        allocate_pages(s, sh.slots, sh.pages, n, sh.partial)
+    # Rows are the sequences with a chunk, in running order: rank = row index, tokens = first token row.
     if all_decode:
         for i in range(tid, n, nt):
-            sh.a[i] = i
-            sh.c[i] = i
+            sh.rank[i] = i
+            sh.tokens[i] = i
         cuda.syncthreads()
         n_rows = n
         n_tokens = n
     else:
         for i in range(tid, n, nt):
-            sh.a[i] = 1 if sh.d[i] > 0 else 0
-            sh.c[i] = sh.d[i]
+            sh.rank[i] = 1 if sh.chunk[i] > 0 else 0
+            sh.tokens[i] = sh.chunk[i]
         cuda.syncthreads()
-        n_rows = exclusive_scan(sh.a, n, sh.partial)
-        n_tokens = exclusive_scan(sh.c, n, sh.partial)
+        n_rows = exclusive_scan(sh.rank, n, sh.partial)
+        n_tokens = exclusive_scan(sh.tokens, n, sh.partial)
     bucket = IDLE
     if n_tokens > 0:
         bucket = 0

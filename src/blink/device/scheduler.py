@@ -25,16 +25,19 @@ from blink.device import batcher
 from blink.device.block import MAX_THREADS, exclusive_scan
 from blink.device.kv import free_sequences
 from blink.device.numba_compat import clock, cuda, load_volatile
-from blink.device.ring import (ENGINE_SERVING, ENGINE_STOPPED, FINISH_ABORT, FINISH_LENGTH, FINISH_NONE, FINISH_STOP,
-                               FINISHED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, READY, RUNNING)
-from blink.device.state import (C32_ENGINE_STATE, C32_KV_FREE, C32_RUNNING, C32_SHUTDOWN, C32_WAITING,
-                                C64_ADMITTED, C64_CANCELLED, C64_CANCELS, C64_FINISHED, C64_HEARTBEAT, C64_PREEMPTED,
-                                C64_STEPS, C64_SUBMITTED, C64_TOKENS, CFG_LOGPROBS, CFG_N_EOS, COUNTERS, FREE_TOP,
-                                K_ADMITTED, K_CANCEL_BELL, K_CANCELLED, K_ENDING, K_FINISHED, K_REFUSED, K_PREEMPTED, K_SCAN, K_SHUTDOWN,
-                                K_TOKENS, MAX_CANDIDATES, N_CONSUMED, N_COUNTERS, N_PENDING_FINISHED, N_PUBLISHABLE,
-                                N_QUEUED, N_ROWS, N_RUNNING, P_FIRST, QUEUE_HEAD, REFUSED,
-                                S_SEEN_CANCELS, S_SEEN_SUBMITTED, STOP, Scratch)
+from blink.device.state import (C32_ENGINE_STATE, C32_KV_FREE, C32_RUNNING, C32_SHUTDOWN, C32_WAITING, C64_ADMITTED,
+                                C64_CANCELLED, C64_CANCELS, C64_FINISHED, C64_HEARTBEAT, C64_PREEMPTED, C64_STEPS,
+                                C64_SUBMITTED, C64_TOKENS, CFG_LOGPROBS, CFG_N_EOS, COUNTERS, DB_CANCELS, DB_SHUTDOWN,
+                                DB_SUBMITTED, DB_VALID, FREE_TOP, K_ADMITTED, K_CANCEL_BELL, K_CANCELLED, K_ENDING,
+                                K_FINISHED, K_PREEMPTED, K_REFUSED, K_SCAN, K_SHUTDOWN, K_TOKENS, MAX_CANDIDATES,
+                                N_CONSUMED, N_COUNTERS, N_PENDING_FINISHED, N_PUBLISHABLE, N_QUEUED, N_ROWS, N_RUNNING,
+                                P_ADMIT, P_COLLECT, P_CONSUME, P_DOORBELLS, P_PLAN, P_PUBLISH, P_RETIRE, QUEUE_HEAD,
+                                REFUSED, S_SEEN_CANCELS, S_SEEN_SUBMITTED, STOP, Scratch)
 from blink.device.waiting import cancel_queued, cancelled, collect, enqueue
+from blink.ring.control import ENGINE_SERVING, ENGINE_STOPPED
+from blink.ring.layout import (FINISH_ABORT, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, FINISHED, FLAG_IGNORE_EOS,
+                               FLAG_LOGPROBS, READY, RUNNING)
+
 
 @cuda.jit(device=True)
 def stop_reason(s, slot, token):
@@ -85,29 +88,29 @@ def retire(s, sh):
     nt = cuda.blockDim.x
     n = s.sched[N_RUNNING]
     pending = s.sched[N_PENDING_FINISHED]    # read before a barrier: thread 0 rewrites it at the end
-    # a[i]: finishing flag -> finishing sequences before i (a kept sequence moves to i - a[i]).
+    # rank[i]: finishing flag -> finishing sequences before i (a kept sequence moves to i - rank[i]).
     for i in range(tid, n, nt):
         slot = s.running[i]
         reason = s.seq_finish[slot]
         if reason == FINISH_NONE and sh.counters[K_CANCEL_BELL] != 0 and cancelled(s, slot):
             reason = FINISH_ABORT
             s.seq_finish[slot] = reason
-        sh.a[i] = 1 if reason != FINISH_NONE else 0
+        sh.rank[i] = 1 if reason != FINISH_NONE else 0
         if reason != FINISH_NONE:
             cuda.atomic.add(sh.counters, K_ENDING, 1)
     cuda.syncthreads()
     if sh.counters[K_ENDING] == 0:           # the common case: one barrier, no scans
         return
-    n_finishing = exclusive_scan(sh.a, n, sh.partial)
+    n_finishing = exclusive_scan(sh.rank, n, sh.partial)
     n_kept = n - n_finishing
     for i in range(tid, n, nt):
         slot = s.running[i]
         if s.seq_finish[slot] != FINISH_NONE:
-            sh.slots[sh.a[i]] = slot
+            sh.slots[sh.rank[i]] = slot
         else:
-            sh.c[i - sh.a[i]] = slot
+            sh.kept[i - sh.rank[i]] = slot
     cuda.syncthreads()
-    free_sequences(s, sh.slots, n_finishing, sh.d, sh.partial)
+    free_sequences(s, sh.slots, n_finishing, sh.pages, sh.partial)
     for i in range(tid, n_finishing, nt):
         slot = sh.slots[i]
         reason = s.seq_finish[slot]
@@ -118,7 +121,7 @@ def retire(s, sh):
         if reason == FINISH_ABORT:
             cuda.atomic.add(sh.counters, K_CANCELLED, 1)
     for i in range(tid, n_kept, nt):
-        s.running[i] = sh.c[i]
+        s.running[i] = sh.kept[i]
     if tid == 0:
         s.sched[N_RUNNING] = n_kept
         s.sched[N_PENDING_FINISHED] = pending + n_finishing
@@ -182,7 +185,7 @@ def shut_down(s, sh):
     for i in range(tid, n, nt):
         sh.slots[i] = s.running[i]
     cuda.syncthreads()
-    free_sequences(s, sh.slots, n, sh.d, sh.partial)
+    free_sequences(s, sh.slots, n, sh.pages, sh.partial)
     for i in range(tid, n, nt):
         slot = sh.slots[i]
         s.seq_finish[slot] = FINISH_NONE
@@ -222,10 +225,10 @@ def shut_down(s, sh):
 
 @cuda.jit(device=True)
 def lap(s, start, phase):
-    """Thread 0: add the cycles since ``start`` to the phase's profile word; return the new start."""
+    """Thread 0: add the cycles since ``start`` to the profile word ``phase`` (P_*); return the new start."""
     now = clock()
     if cuda.threadIdx.x == 0:
-        s.stats[P_FIRST + phase] += now - start
+        s.stats[phase] += now - start
     return now
 
 
@@ -235,20 +238,20 @@ def read_doorbells(s, sh):
 
     A doorbell that moved since the scheduler last acted on it sets K_SCAN / K_CANCEL_BELL for this iteration. The
     fire-and-forget loop reads the three words while the previous step runs and leaves them in ``s.doorbells``
-    (``[valid, shutdown, submitted, cancels]``); then no PCIe read is on this iteration's path.
+    (``DB_*``); then no PCIe read is on this iteration's path.
     """
     tid = cuda.threadIdx.x
-    prefetched = s.doorbells[0] != 0        # the resident loop read them while the last step ran (launch.py)
+    prefetched = s.doorbells[DB_VALID] != 0   # the resident loop read them while the last step ran (shim.cu)
     cuda.syncthreads()
     if prefetched:
         if tid == 0:
-            s.doorbells[0] = 0
-            sh.counters[K_SHUTDOWN] = s.doorbells[1]
-            if s.doorbells[2] != s.stats[S_SEEN_SUBMITTED]:
-                s.stats[S_SEEN_SUBMITTED] = s.doorbells[2]
+            s.doorbells[DB_VALID] = 0
+            sh.counters[K_SHUTDOWN] = s.doorbells[DB_SHUTDOWN]
+            if s.doorbells[DB_SUBMITTED] != s.stats[S_SEEN_SUBMITTED]:
+                s.stats[S_SEEN_SUBMITTED] = s.doorbells[DB_SUBMITTED]
                 sh.counters[K_SCAN] = 1
-            if s.doorbells[3] != s.stats[S_SEEN_CANCELS]:
-                s.stats[S_SEEN_CANCELS] = s.doorbells[3]
+            if s.doorbells[DB_CANCELS] != s.stats[S_SEEN_CANCELS]:
+                s.stats[S_SEEN_CANCELS] = s.doorbells[DB_CANCELS]
                 sh.counters[K_CANCEL_BELL] = 1
         cuda.syncthreads()
         return
@@ -292,13 +295,14 @@ def make_iterate(policy):
         # One shared array per line: the CUDA simulator tells shared arrays apart by source line.
         slots = cuda.shared.array(MAX_CANDIDATES, int32)
         keys = cuda.shared.array(MAX_CANDIDATES, int64)
-        a = cuda.shared.array(MAX_CANDIDATES, int32)
-        b = cuda.shared.array(MAX_CANDIDATES, int32)
-        c = cuda.shared.array(MAX_CANDIDATES, int32)
-        d = cuda.shared.array(MAX_CANDIDATES, int32)
+        rank = cuda.shared.array(MAX_CANDIDATES, int32)
+        pages = cuda.shared.array(MAX_CANDIDATES, int32)
+        tokens = cuda.shared.array(MAX_CANDIDATES, int32)
+        chunk = cuda.shared.array(MAX_CANDIDATES, int32)
+        kept = cuda.shared.array(MAX_CANDIDATES, int32)
         partial = cuda.shared.array(MAX_THREADS, int32)
         counters = cuda.shared.array(N_COUNTERS, int32)
-        sh = Scratch(slots, keys, a, b, c, d, partial, counters)
+        sh = Scratch(slots, keys, rank, pages, tokens, chunk, kept, partial, counters)
         t = clock()
         for k in range(tid, N_COUNTERS, cuda.blockDim.x):
             sh.counters[k] = 0
@@ -311,13 +315,13 @@ def make_iterate(policy):
         if sh.counters[K_SHUTDOWN] != 0:
             shut_down(s, sh)
             return STOP
-        t = lap(s, t, 0)
+        t = lap(s, t, P_DOORBELLS)
         if tid == 0:
             s.sched[N_CONSUMED] = s.sched[N_ROWS]
         consume(s, sh)
-        t = lap(s, t, 1)
+        t = lap(s, t, P_CONSUME)
         retire(s, sh)
-        t = lap(s, t, 2)
+        t = lap(s, t, P_RETIRE)
         if sh.counters[K_CANCEL_BELL] != 0:
             cancel_queued(s, sh)
         if sh.counters[K_SCAN] != 0:
@@ -325,17 +329,17 @@ def make_iterate(policy):
         if tid == 0:                            # refused READY requests are published like finished ones
             s.sched[N_PENDING_FINISHED] += sh.counters[K_REFUSED]
         cuda.syncthreads()
-        t = lap(s, t, 3)
+        t = lap(s, t, P_COLLECT)
         first_admitted = s.sched[N_RUNNING]
         batcher.admit(s, sh)
-        t = lap(s, t, 4)
+        t = lap(s, t, P_ADMIT)
         bucket = batcher.plan(s, sh)
-        t = lap(s, t, 5)
+        t = lap(s, t, P_PLAN)
         publish(s, sh, first_admitted)
         if tid == 0:
             publish_stats(s, sh, bucket >= 0)
         cuda.syncthreads()
-        lap(s, t, 6)
+        lap(s, t, P_PUBLISH)
         return bucket
 
     return iterate

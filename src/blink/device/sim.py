@@ -17,14 +17,15 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import numpy as np  # noqa: E402
 
-from blink.config import SchedulerConfig  # noqa: E402
+from blink.device.config import SchedulerConfig  # noqa: E402
 from blink.device.numba_compat import SIMULATOR, cuda  # noqa: E402
 from blink.device.policy import fcfs  # noqa: E402
-from blink.device.ring import RingGeometry, RingView  # noqa: E402
 from blink.device.scheduler import make_iterate  # noqa: E402
-from blink.device.standin import standin_step  # noqa: E402
 from blink.device.state import STOP, SchedulerArrays, control_gauges, ring_arrays, state_arrays  # noqa: E402
 from blink.device.step import StepBuffers  # noqa: E402
+from blink.ring.geometry import RingGeometry  # noqa: E402
+from blink.ring.layout import RingView  # noqa: E402
+from blink.ring.standin import standin_step  # noqa: E402
 
 if not SIMULATOR:
     raise ImportError("blink.device.sim needs numba's CUDA simulator, but numba was imported without it: set "

@@ -10,46 +10,58 @@ from typing import NamedTuple
 
 import numpy as np
 
-from blink.config import SchedulerConfig
-from blink.device.ring import CONTROL_DTYPE, RingView, header_dtype
+from blink.device.config import MAX_EOS, MAX_SEQS, SchedulerConfig
 from blink.device.step import StepLayout
+from blink.ring.control import word_index
+from blink.ring.layout import RingView, header_dtype
+
+
+def _names(*names: str) -> range:
+    """Consecutive word indices 0, 1, ... for ``names`` (the names document what each index holds)."""
+    return range(len(names))
+
 
 # Scheduler scalars (s.sched, int32).
-N_RUNNING, FREE_TOP, N_ROWS, BUCKET, N_QUEUED, QUEUE_HEAD, N_CONSUMED, N_PENDING_FINISHED, N_PUBLISHABLE = range(9)
-SCHED_WORDS = 16
-
-# s.stats holds device copies of the control block's u64 words (same indices) and, past them, the doorbell counts
-# the scheduler has acted on.
-STATS_WORDS = 32
-S_SEEN_SUBMITTED, S_SEEN_CANCELS = 30, 31
-# Words 16..23: SM cycles spent in each phase of the iteration, summed over iterations (thread 0's clock).
-PROFILE_PHASES = ("doorbells", "consume", "retire", "collect", "admit", "plan", "publish")
-P_FIRST = 16
+SCHED_NAMES = ("running", "free_top", "rows", "bucket", "queued", "queue_head", "consumed", "pending_finished",
+               "publishable")
+N_RUNNING, FREE_TOP, N_ROWS, BUCKET, N_QUEUED, QUEUE_HEAD, N_CONSUMED, N_PENDING_FINISHED, N_PUBLISHABLE = \
+    _names(*SCHED_NAMES)
+SCHED_WORDS = len(SCHED_NAMES)
 
 IDLE = -1       # nothing to run: back off, then iterate again
 STOP = -2       # shutdown done: do not relaunch
 
 # Scheduler configuration words (s.cfg).
+CFG_NAMES = ("page_size", "token_budget", "max_num_seqs", "n_buckets", "n_eos", "watermark", "max_model_len",
+             "logprobs", "max_stop")
 CFG_PAGE_SIZE, CFG_TOKEN_BUDGET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_N_EOS, CFG_WATERMARK, CFG_MAX_MODEL_LEN, \
-    CFG_LOGPROBS, CFG_MAX_STOP = range(9)
-CFG_WORDS = 16
-
-
-def _word(name: str, size: int) -> int:
-    offset = CONTROL_DTYPE.fields[name][1]
-    assert offset % size == 0
-    return offset // size
-
+    CFG_LOGPROBS, CFG_MAX_STOP = _names(*CFG_NAMES)
+CFG_WORDS = len(CFG_NAMES)
 
 # Control-block words, as indices into the u32 (C32_*) and u64 (C64_*) views of the block.
-C32_SHUTDOWN, C32_ENGINE_STATE = _word("shutdown", 4), _word("engine_state", 4)
-C32_KV_TOTAL, C32_KV_FREE, C32_RUNNING, C32_WAITING = (_word(n, 4) for n in
+C32_SHUTDOWN, C32_ENGINE_STATE = word_index("shutdown", 4), word_index("engine_state", 4)
+C32_KV_TOTAL, C32_KV_FREE, C32_RUNNING, C32_WAITING = (word_index(n, 4) for n in
                                                       ("kv_pages_total", "kv_pages_free", "running", "waiting"))
 C64_HEARTBEAT, C64_STEPS, C64_TOKENS, C64_ADMITTED, C64_FINISHED, C64_CANCELLED, C64_PREEMPTED = (
-    _word(n, 8) for n in ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted"))
-C64_SUBMITTED, C64_CANCELS = _word("submitted", 8), _word("cancels", 8)
-assert max(C64_SUBMITTED, C64_CANCELS) < S_SEEN_SUBMITTED
+    word_index(n, 8) for n in ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted"))
+C64_SUBMITTED, C64_CANCELS = word_index("submitted", 8), word_index("cancels", 8)
 COUNTERS = (C64_HEARTBEAT, C64_STEPS, C64_TOKENS, C64_ADMITTED, C64_FINISHED, C64_CANCELLED, C64_PREEMPTED)
+
+# s.stats (int64): first the device copies of the control block's u64 words (same indices as C64_*), then the SM
+# cycles spent in each phase of the iteration, summed over iterations (thread 0's clock), then the doorbell counts
+# the scheduler has acted on.
+PROFILE_PHASES = ("doorbells", "consume", "retire", "collect", "admit", "plan", "publish")
+P_FIRST = max(*COUNTERS, C64_SUBMITTED, C64_CANCELS) + 1
+P_DOORBELLS, P_CONSUME, P_RETIRE, P_COLLECT, P_ADMIT, P_PLAN, P_PUBLISH = (P_FIRST + k for k in
+                                                                           _names(*PROFILE_PHASES))
+S_SEEN_SUBMITTED = P_FIRST + len(PROFILE_PHASES)
+S_SEEN_CANCELS = S_SEEN_SUBMITTED + 1
+STATS_WORDS = S_SEEN_CANCELS + 1
+
+# s.doorbells (int64): the words the resident loop read across PCIe while the last step ran (shim.cu), for the next
+# iteration; ``valid`` says they are fresh.
+DOORBELL_NAMES = ("valid", "shutdown", "submitted", "cancels")
+DB_VALID, DB_SHUTDOWN, DB_SUBMITTED, DB_CANCELS = _names(*DOORBELL_NAMES)
 
 
 def _header_word(name: str, size: int) -> int:
@@ -66,7 +78,7 @@ HF_TEMPERATURE, HF_TOP_P = _header_word("temperature", 4), _header_word("top_p",
 
 # Shared-memory scratch sizes (compile-time constants).
 MAX_CANDIDATES = 1024
-assert MAX_CANDIDATES >= SchedulerConfig.MAX_SEQS + 1
+assert MAX_CANDIDATES >= MAX_SEQS + 1
 
 
 class SchedulerArrays(NamedTuple):
@@ -132,21 +144,31 @@ class SchedulerArrays(NamedTuple):
     running: object         # i32 [max_num_seqs]  ring slots, in admission order
     consumed: object        # i32 [max_num_seqs]  slot whose token row r of the last step delivered (-1: none)
     pending_finished: object  # i32 [n]  finished slots whose FINISHED state is not yet published (each at most once)
-    doorbells: object       # i64 [4]  [valid, shutdown, submitted, cancels] prefetched by the resident loop
+    doorbells: object       # i64 [DOORBELL_NAMES]  prefetched by the resident loop (DB_*)
     row_slot: object        # i32 [max_num_seqs]  ring slot of each row of the last planned step
     row_version: object     # i32 [max_num_seqs]  seq_version of that slot when the row was last written
     row_pages: object       # i32 [max_num_seqs]  block-table entries already copied into that row
 
 
 class Scratch(NamedTuple):
-    """Shared-memory work arrays of one iteration (each phase documents what it keeps where)."""
+    """Shared-memory work arrays of one iteration, by role (each phase's docstring says what it keeps in which).
+
+    ``slots``: the ring slots a phase works on (finishing, a preemption victim, new candidates); ``keys``: their
+    int64 sort keys, or per step row the first block-table entry it still lacks; ``rank``: a 0/1 flag per running
+    sequence, scanned into its rank among the flagged ones (finishing; having a chunk = its step row); ``pages``:
+    page counts per item, scanned into offsets (pages to free, to allocate, to copy into a row's block table);
+    ``tokens``: token counts per running sequence, scanned into offsets (tokens wanted before it, its first token
+    row); ``chunk``: the tokens each running sequence gets in the planned step; ``kept``: the running list being
+    compacted; ``partial``: per-warp partial sums of the block scans; ``counters``: the iteration's K_* counters.
+    """
 
     slots: object       # i32 [MAX_CANDIDATES]
     keys: object        # i64 [MAX_CANDIDATES]
-    a: object           # i32 [MAX_CANDIDATES]
-    b: object
-    c: object
-    d: object
+    rank: object        # i32 [MAX_CANDIDATES]
+    pages: object
+    tokens: object
+    chunk: object
+    kept: object
     partial: object     # i32 [MAX_THREADS]
     counters: object    # i32 [N_COUNTERS]
 
@@ -156,9 +178,12 @@ class Scratch(NamedTuple):
 QUEUED, REFUSED = 1, 2
 
 # Scratch counters (sh.counters), zeroed at the start of each iteration.
+COUNTER_NAMES = ("tokens", "finished", "cancelled", "new", "admitted", "rejected", "preempted", "victim", "shutdown",
+                 "scan", "cancel_bell", "ending", "prefills", "decode_pages", "need", "copies", "chunked", "refused")
 K_TOKENS, K_FINISHED, K_CANCELLED, K_NEW, K_ADMITTED, K_REJECTED, K_PREEMPTED, K_VICTIM, K_SHUTDOWN, K_SCAN, \
-    K_CANCEL_BELL, K_ENDING, K_PREFILLS, K_DECODE_PAGES, K_NEED, K_COPIES, K_CHUNKED, K_REFUSED = range(18)
-N_COUNTERS = 20
+    K_CANCEL_BELL, K_ENDING, K_PREFILLS, K_DECODE_PAGES, K_NEED, K_COPIES, K_CHUNKED, K_REFUSED = \
+    _names(*COUNTER_NAMES)
+N_COUNTERS = len(COUNTER_NAMES)
 
 
 # -- host side: the arrays of one scheduler ----------------------------------------------------------------------
@@ -199,7 +224,7 @@ def state_arrays(config: SchedulerConfig, n_slots: int, max_stop_ids: int, has_l
     sched = np.zeros(SCHED_WORDS, np.int32)
     sched[FREE_TOP] = config.num_pages
     sched[BUCKET] = IDLE
-    eos = np.zeros(SchedulerConfig.MAX_EOS, np.int32)
+    eos = np.zeros(MAX_EOS, np.int32)
     eos[:len(config.eos_token_ids)] = config.eos_token_ids
     i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     return dict(
@@ -213,7 +238,7 @@ def state_arrays(config: SchedulerConfig, n_slots: int, max_stop_ids: int, has_l
         queue_slots=i32(n_slots), queue_keys=np.zeros(n_slots, np.int64), queue_tmp_slots=i32(n_slots),
         queue_tmp_keys=np.zeros(n_slots, np.int64),
         running=i32(config.max_num_seqs), consumed=i32(config.max_num_seqs),
-        pending_finished=i32(n_slots), doorbells=np.zeros(4, np.int64), row_slot=np.full(config.max_num_seqs, -1, np.int32),
+        pending_finished=i32(n_slots), doorbells=np.zeros(len(DOORBELL_NAMES), np.int64), row_slot=np.full(config.max_num_seqs, -1, np.int32),
         row_version=i32(config.max_num_seqs), row_pages=i32(config.max_num_seqs))
 
 

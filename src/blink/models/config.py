@@ -12,13 +12,11 @@ import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from blink.errors import ConfigError
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
-
-
-class ConfigError(ValueError):
-    """A config.json blink cannot serve; the message names the file or field."""
 
 
 @dataclass(frozen=True)

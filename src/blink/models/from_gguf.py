@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from blink.errors import GGUFError
+
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # llama.cpp token types
 _TENSOR_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
@@ -26,10 +28,6 @@ _TENSOR_NAMES = {
 }
 # How llama.cpp splits text before BPE, as tokenizers pre-tokenizers, by `tokenizer.ggml.pre`.
 _DIGITS_THEN_GPT2 = ("smollm",)
-
-
-class GGUFError(ValueError):
-    """A GGUF file this converter cannot turn into an HF directory; the message names the file and field."""
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from blink.errors import CheckpointError
+
 from .config import ModelConfig
 from .decoder import DecoderLM, torch_dtype
 from .llama import LlamaForCausalLM
@@ -24,10 +26,6 @@ ARCHITECTURES: dict[str, type[DecoderLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM, "Phi3ForCausalLM": Phi3ForCausalLM}
 LOADABLE_DTYPES = {"F32", "F16", "BF16"}
 INDEX = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file and tensor."""
 
 
 def build_model(config: ModelConfig, device="cpu", dtype: torch.dtype | str | None = None) -> DecoderLM:

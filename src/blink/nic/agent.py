@@ -14,12 +14,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blink.config import SamplingParams
-from blink.device.ring import (AGENT, CONTROL_DTYPE, ENGINE_STOPPED, FINISH_NAMES, FINISHED, FLAG_IGNORE_EOS,
-                               FLAG_LOGPROBS, FREE, READY, RUNNING, RingGeometry, RingLayout, check_transition)
 from blink.errors import EngineUnresponsive, IllegalTransition
 from blink.nic.slots import SlotTracker
-from blink.nic.transport import RemoteMemory
+from blink.ring import control
+from blink.ring.control import CONTROL_DTYPE, ENGINE_STOPPED
+from blink.ring.geometry import RingGeometry
+from blink.ring.layout import AGENT, FINISH_NAMES, FINISHED, FREE, READY, RUNNING, RingLayout, check_transition
+from blink.ring.request import SamplingParams, encode_header
+from blink.ring.transport import RemoteMemory
 
 _U32 = np.dtype("<u4")
 
@@ -68,37 +70,52 @@ class Agent:
         self._cancels = int(control["cancels"])
         self._last_progress = time.monotonic()
 
+    @classmethod
+    def attach(cls, memory: RemoteMemory, **options) -> Agent:
+        """An agent on an existing ring, with the geometry its creator wrote into the control block."""
+        return cls(memory, control.geometry_of(memory.read(0, control.CONTROL_DTYPE.itemsize)), **options)
+
     @property
     def in_flight(self) -> int:
         return len(self._slot_of)
 
     def submit(self, prompt_tokens, params: SamplingParams = SamplingParams(), *, priority: int = 0) -> int:
-        """Publish one request; return its id. Raises ``ValueError`` (ring untouched) or ``RingFull``.
+        """Publish one request; return its id. Raises ``ValueError`` naming the field (ring untouched, no slot
+        claimed) or ``RingFull``.
 
         ``priority`` is passed to the GPU's admission policy (the default policy, FCFS, ignores it).
         """
         prompt = self._validate(prompt_tokens, params)
-        if not isinstance(priority, int) or not -2**31 <= priority < 2**31:
-            raise ValueError(f"priority must be an int in [-2**31, 2**31) (got {priority!r})")
-        slot = self.tracker.claim()
-        epoch = int(self._epoch[slot]) % 0xFFFFFFFF + 1      # never 0: cancel == 0 means "no cancel"
         request_id = self._next_id
+        seed = random.getrandbits(64) if params.seed is None else params.seed
+        header = encode_header(self.layout.header_dtype, request_id=request_id, arrival_ns=time.monotonic_ns(),
+                               seed=seed, prompt_len=len(prompt), params=params, priority=priority)
+        slot = self.tracker.claim()
+        try:
+            self._publish(slot, header, prompt)
+        except BaseException:
+            self.tracker.release(slot)      # the slot was never published READY: it is still the agent's
+            raise
         self._next_id += 1
-        layout = self.layout
-        self.memory.write(layout.header_at(slot), self._header(request_id, len(prompt), params, priority).tobytes())
-        self.memory.write(layout.prompt_at(slot), prompt.tobytes())
-        self._write_word("epoch", slot, epoch)
-        check_transition(FREE, READY, AGENT)
-        self._write_word("state", slot, READY)
-        self._submitted += 1
-        self._ring_doorbell("submitted", self._submitted)
-        self._epoch[slot] = epoch
         self._request_id[slot] = request_id
         self._delivered[slot] = 0
         self._seen_running[slot] = False
         self._wants_logprobs[slot] = params.logprobs
         self._slot_of[request_id] = slot
         return request_id
+
+    def _publish(self, slot: int, header: bytes, prompt: np.ndarray) -> None:
+        """Payload first, then the new epoch, then READY, then the doorbell (docs/architecture.md)."""
+        epoch = int(self._epoch[slot]) % 0xFFFFFFFF + 1      # never 0: cancel == 0 means "no cancel"
+        layout = self.layout
+        self.memory.write(layout.header_at(slot), header)
+        self.memory.write(layout.prompt_at(slot), prompt.tobytes())
+        self._write_word("epoch", slot, epoch)
+        self._epoch[slot] = epoch
+        check_transition(FREE, READY, AGENT)
+        self._write_word("state", slot, READY)
+        self._submitted += 1
+        self._ring_doorbell("submitted", self._submitted)
 
     def poll(self) -> list[RequestOutput]:
         """One bulk read of the control block and status words; return the progress of every request that moved."""
@@ -140,12 +157,11 @@ class Agent:
 
     def request_shutdown(self) -> None:
         """Ask the GPU loop to finish in-flight requests with "abort" and stop."""
-        self.memory.write(CONTROL_DTYPE.fields["shutdown"][1], np.array([1], _U32).tobytes())
+        control.request_shutdown(self.memory)
 
     def stats(self) -> dict[str, int]:
         """The GPU side's counters and gauges from the control block."""
-        control = np.frombuffer(self.memory.read(0, CONTROL_DTYPE.itemsize), CONTROL_DTYPE)[0]
-        return {name: int(control[name]) for name in CONTROL_DTYPE.names}
+        return control.read(self.memory)
 
     # -- internals ------------------------------------------------------------------------------------------------
 
@@ -175,23 +191,6 @@ class Agent:
             raise ValueError("logprobs=True needs a ring built with RingGeometry(logprobs=True)")
         return prompt.astype("<i4")
 
-    def _header(self, request_id: int, prompt_len: int, params: SamplingParams, priority: int) -> np.ndarray:
-        header = np.zeros(1, self.layout.header_dtype)
-        header["request_id"] = request_id
-        header["arrival_ns"] = time.monotonic_ns()
-        header["seed"] = random.getrandbits(64) if params.seed is None else params.seed
-        header["prompt_len"] = prompt_len
-        header["max_tokens"] = params.max_tokens
-        header["temperature"] = params.temperature
-        header["top_p"] = params.top_p
-        header["top_k"] = params.top_k
-        header["flags"] = (FLAG_IGNORE_EOS if params.ignore_eos else 0) | (FLAG_LOGPROBS if params.logprobs else 0)
-        header["n_stop"] = len(params.stop_token_ids)
-        header["priority"] = priority
-        if params.stop_token_ids:
-            header["stop_ids"][0, :len(params.stop_token_ids)] = params.stop_token_ids
-        return header
-
     def _snapshot(self) -> tuple[np.void, np.void]:
         raw = self.memory.read(0, self._snapshot_bytes)
         control = np.frombuffer(raw, CONTROL_DTYPE, count=1)[0]
@@ -202,7 +201,7 @@ class Agent:
         return int(np.frombuffer(self.memory.read(self.layout.status_at(column, slot), 4), _U32)[0])
 
     def _ring_doorbell(self, name: str, count: int) -> None:
-        self.memory.write(CONTROL_DTYPE.fields[name][1], np.array([count], "<u8").tobytes())
+        self.memory.write(control.offset_of(name), np.array([count], "<u8").tobytes())
 
     def _write_word(self, column: str, slot: int, value: int) -> None:
         self.memory.write(self.layout.status_at(column, slot), np.array([value], _U32).tobytes())

@@ -5,8 +5,12 @@ that polls the ring and fans the new tokens out to per-request queues, the engin
 - every submitted request is closed exactly once, by its handler when it leaves (``AgentLoop.close``), whether the
   ring finished it or not (stop string, client disconnect, error); closing an unfinished request cancels its slot,
   tokens the ring still delivers for it are dropped, and the agent frees the slot once the GPU side finishes it;
-- a request the ring has no free slot for waits in the agent (FIFO, at most ``ServerConfig.max_queued``); beyond
-  that bound, and whenever the engine is not serving, requests are refused with 429 / 503 and ``Retry-After``.
+- a request the ring has no free slot for waits in the agent (FIFO, at most ``LoopConfig.max_queued``); beyond
+  that bound a submission raises ``Overloaded``, and whenever the engine is not serving ``EngineUnavailable``
+  (HTTP turns them into 429 / 503 with ``Retry-After``); requests in flight when the engine stops serving end with
+  ``EngineUnavailable`` on their queue.
+
+Nothing here knows HTTP: the OpenAI server (``blink.nic.openai``) and ``blink.AsyncEngine`` both run on it.
 """
 from __future__ import annotations
 
@@ -16,21 +20,30 @@ import time
 from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from blink.config import SamplingParams
-from blink.device.ring import ENGINE_STARTING, ENGINE_STOPPED
-from blink.errors import EngineUnresponsive, RingFull
+from blink.errors import EngineUnavailable, EngineUnresponsive, Overloaded, RingFull
 from blink.nic.agent import Agent, RequestOutput
-from blink.nic.requests import ApiError
+from blink.ring.control import ENGINE_STARTING, ENGINE_STOPPED
+from blink.ring.request import SamplingParams
 
-if TYPE_CHECKING:
-    from blink.nic.server import ServerConfig
+log = logging.getLogger("blink.agent")
 
-log = logging.getLogger("blink.server")
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """``max_queued``: requests that may wait in the agent for a free ring slot; more raise ``Overloaded``.
+    ``heartbeat_timeout_s``: how long the engine's heartbeat may stand still before the engine counts as not serving.
+    ``poll_interval_s``: pause between polls while requests are in flight and the last poll found nothing.
+    ``retry_after_s``: the retry hint of ``Overloaded`` and ``EngineUnavailable``.
+    """
+
+    max_queued: int = 1024
+    heartbeat_timeout_s: float = 5.0
+    poll_interval_s: float = 200e-6
+    retry_after_s: int = 1
 
 
 @dataclass(eq=False)
@@ -41,7 +54,7 @@ class Submission:
     params: SamplingParams
     priority: int
     arrival: float = field(default_factory=time.monotonic)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutputs, or an exception that ends it
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutputs, or an error that ends it
     request_id: int | None = None       # set once the ring has it
     last_token_at: float | None = None
     finish_reason: str | None = None    # what the client was told, once it was
@@ -53,7 +66,7 @@ class AgentLoop:
 
     HEARTBEAT_SAMPLE_S = 0.1
 
-    def __init__(self, agent: Agent, metrics: Metrics, config: ServerConfig):
+    def __init__(self, agent: Agent, metrics: Metrics, config: LoopConfig = LoopConfig()):
         self.agent, self.metrics, self.config = agent, metrics, config
         self.waiting: deque[Submission] = deque()       # the ring was full: FIFO, at most config.max_queued
         self._active: dict[int, Submission] = {}        # request id -> request whose outputs someone awaits
@@ -65,13 +78,12 @@ class AgentLoop:
     def submit(self, prompt: list[int], params: SamplingParams, priority: int) -> Submission:
         problem = self.health()
         if problem:
-            raise ApiError(503, f"{problem}: retry later", retry_after_s=self.config.retry_after_s)
+            raise EngineUnavailable(f"{problem}: retry later", self.config.retry_after_s)
         req = Submission(prompt, params, priority)
         if self.waiting or not self._to_ring(req):
             if len(self.waiting) >= self.config.max_queued:
-                raise ApiError(429, f"the server is at capacity ({self.agent.in_flight} requests in the ring, "
-                                    f"{len(self.waiting)} queued): retry later",
-                               retry_after_s=self.config.retry_after_s)
+                raise Overloaded(f"the server is at capacity ({self.agent.in_flight} requests in the ring, "
+                                 f"{len(self.waiting)} queued): retry later", self.config.retry_after_s)
             self.waiting.append(req)
         self.metrics.prompt_tokens.inc(len(prompt))
         self._wakeup.set()
@@ -83,10 +95,21 @@ class AgentLoop:
             return
         req.closed = True
         if req.request_id is None:
-            self.waiting.remove(req)
+            with suppress(ValueError):      # already taken out by cancel()
+                self.waiting.remove(req)
         elif self._active.pop(req.request_id, None) is not None:
             self.agent.cancel(req.request_id)
         self.metrics.finished(req, req.finish_reason or "abort")
+
+    def cancel(self, req: Submission) -> None:
+        """Ask the engine to finish ``req`` with "abort"; its queue then ends with that finish reason."""
+        if req.closed or req.finish_reason is not None:
+            return
+        if req.request_id is None:
+            self.waiting.remove(req)
+            req.queue.put_nowait(RequestOutput(0, [], [] if req.params.logprobs else None, True, "abort"))
+        else:
+            self.agent.cancel(req.request_id)
 
     def health(self) -> str | None:
         """Why the engine cannot serve now, or None when it can."""
@@ -117,8 +140,11 @@ class AgentLoop:
     async def _iterate(self) -> None:
         if not self.agent.in_flight and not self.waiting:
             # Idle: sleep until a submission, waking now and then to keep the heartbeat sample fresh.
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancel that arrives as the wait
+            # ends, and this task then never stops.
             with suppress(TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), self.HEARTBEAT_SAMPLE_S)
+                async with asyncio.timeout(self.HEARTBEAT_SAMPLE_S):
+                    await self._wakeup.wait()
             self._wakeup.clear()
         if time.monotonic() - self._sampled_at > self.HEARTBEAT_SAMPLE_S:
             self._sample_heartbeat()
@@ -153,8 +179,8 @@ class AgentLoop:
             del self._active[out.request_id]
 
     def _fail_all(self, problem: str) -> None:
-        """End every open request with ``problem``; their handlers answer 503 and close them."""
-        error = ApiError(503, f"{problem}: retry later", retry_after_s=self.config.retry_after_s)
+        """End every open request with ``problem``; their handlers report it and close them."""
+        error = EngineUnavailable(f"{problem}: retry later", self.config.retry_after_s)
         for req in [*self._active.values(), *self.waiting]:
             req.queue.put_nowait(error)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from blink.device.ring import FREE
 from blink.errors import RingFull
+from blink.ring.layout import FREE
 
 _FREE = b"\x01"
 

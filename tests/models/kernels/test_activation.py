@@ -1,7 +1,7 @@
 import torch
 
 from blink.models.kernels import reference
-from conftest import rel_err
+from tests.models.kernels.conftest import rel_err
 
 
 def test_silu_and_mul(backend):

@@ -8,7 +8,7 @@ import torch
 from blink.device.step import StepBuffers, StepLayout
 from blink.models.batch import SeqChunk, fill_step
 from blink.models.kernels import reference
-from conftest import rel_err
+from tests.models.kernels.conftest import rel_err
 
 PAGE = 16
 

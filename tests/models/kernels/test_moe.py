@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from blink.models.kernels import reference
-from conftest import rel_err
+from tests.models.kernels.conftest import rel_err
 
 # (tokens, experts, top_k, renormalize): decode- and prefill-sized blocks, Qwen3-30B-A3B's 128 experts top-8, and
 # more entries than one chunk of the align kernel (moe.MAX_CHUNK)

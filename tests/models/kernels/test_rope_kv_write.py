@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from blink.models.kernels import reference
-from conftest import rel_err
+from tests.models.kernels.conftest import rel_err
 
 
 @pytest.mark.parametrize("rotary_dim, norm, heads, kv_heads", [(64, False, 6, 2), (32, False, 6, 2), (64, True, 6, 2),

@@ -7,7 +7,7 @@ import torch
 
 from blink.models import load_model
 from blink.models.kernels import OPS, reference
-from harness import check_mixed_batches
+from tests.models.harness import check_mixed_batches
 
 
 def test_same_functions_and_signatures_as_the_references():

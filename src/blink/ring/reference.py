@@ -17,22 +17,25 @@ stopped.
 from __future__ import annotations
 
 import itertools
+import logging
 import multiprocessing as mp
 import os
-import sys
 import time
 from contextlib import contextmanager
 
 import numpy as np
 
-from blink.device.ring import (CONTROL_DTYPE, ENGINE_SERVING, ENGINE_STOPPED, FINISH_ABORT, FINISH_ERROR,
-                               FINISH_LENGTH, FINISH_NAMES, FINISH_NONE, FINISH_STOP, FINISHED, FLAG_IGNORE_EOS,
-                               FLAG_LOGPROBS, GPU, READY, RUNNING, STATE_NAMES, RingGeometry, RingLayout, RingView,
-                               check_transition)
-from blink.device.standin import STANDIN_VOCAB, standin_continuation, standin_logprob, standin_token
-from blink.errors import IllegalTransition
+from blink.ring import control
+from blink.ring.control import CONTROL_DTYPE, ENGINE_SERVING, ENGINE_STOPPED
+from blink.ring.errors import IllegalTransition
+from blink.ring.geometry import RingGeometry
+from blink.ring.layout import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_NAMES, FINISH_NONE, FINISH_STOP,
+                               FINISHED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, GPU, READY, RUNNING, STATE_NAMES, RingLayout,
+                               RingView, check_transition)
+from blink.ring.standin import STANDIN_VOCAB, standin_continuation, standin_logprob, standin_token
 
 _standin_numbers = itertools.count()
+log = logging.getLogger("blink")
 
 
 def stop_reason(token: int, n_generated: int, header: np.void, eos_token_ids: frozenset[int]) -> int:
@@ -179,7 +182,7 @@ class ReferenceConsumer:
 
 def serve_shared_ring(name: str, geometry: RingGeometry, **consumer_options) -> None:
     """Process entry point: open the shared-memory ring ``name``, check its layout, serve it until shutdown."""
-    from blink.nic.transport import SharedMemory
+    from blink.ring.transport import SharedMemory
 
     layout = RingLayout(geometry)
     with SharedMemory.open(name, layout.size) as memory:
@@ -194,20 +197,20 @@ def standin_engine(geometry: RingGeometry, **consumer_options):
     Yields ``(memory, process)``; on exit asks the consumer to shut down, then removes the ring (also when the
     consumer was killed meanwhile).
     """
-    from blink.nic.transport import SharedMemory
+    from blink.ring.transport import SharedMemory
 
     layout = RingLayout(geometry)
     name = f"blink-{os.getpid()}-standin-{next(_standin_numbers)}"
     with SharedMemory.create(name, layout.size) as memory:
-        memory.write(0, layout.control_bytes())
+        layout.initialise(memory)
         consumer = mp.get_context("spawn").Process(target=serve_shared_ring, args=(name, geometry),
                                                    kwargs=consumer_options, daemon=True)
         consumer.start()
-        print(f"ring /dev/shm/{name}: {layout.size / 2**20:.1f} MiB, {geometry.n_slots} slots; "
-              f"stand-in engine pid {consumer.pid}", file=sys.stderr)
+        log.info("ring /dev/shm/%s: %.1f MiB, %d slots; stand-in engine pid %d", name, layout.size / 2**20,
+                 geometry.n_slots, consumer.pid)
         try:
             yield memory, consumer
         finally:
-            memory.write(CONTROL_DTYPE.fields["shutdown"][1], np.array([1], "<u4").tobytes())
+            control.request_shutdown(memory)
             consumer.join(10)
             consumer.kill()

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from blink.errors import EngineUnavailable, Overloaded
 from blink.nic.agent import Agent
-from blink.nic.agent_loop import AgentLoop, Metrics, Submission
-from blink.nic.requests import ApiError, Job, Parser, json_body
+from blink.nic.agent_loop import AgentLoop, LoopConfig, Metrics, Submission
+from blink.nic.openai.requests import ApiError, Job, Parser, json_body
 from blink.nic.text import TextStream, Tokenizer
 
 log = logging.getLogger("blink.server")
@@ -29,16 +30,22 @@ log = logging.getLogger("blink.server")
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """``max_queued``: requests that may wait in the agent for a free ring slot; more get 429.
-    ``heartbeat_timeout_s``: how long the engine's heartbeat may stand still before /health fails and new requests
-    get 503. ``poll_interval_s``: pause between polls while requests are in flight and the last poll found nothing.
-    """
+    """``model_name``: the name clients use; ``loop``: the agent loop's bounds and timing (``LoopConfig``: the wait
+    queue beyond which requests get 429, the heartbeat timeout beyond which /health fails and requests get 503)."""
 
     model_name: str
-    max_queued: int = 1024
-    heartbeat_timeout_s: float = 5.0
-    poll_interval_s: float = 200e-6
-    retry_after_s: int = 1
+    loop: LoopConfig = LoopConfig()
+
+
+def api_error(error: Exception) -> ApiError:
+    """The HTTP form of an agent-loop refusal: 503 for an unavailable engine, 429 for a full server."""
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, EngineUnavailable):
+        return ApiError(503, str(error), retry_after_s=error.retry_after_s)
+    if isinstance(error, Overloaded):
+        return ApiError(429, str(error), retry_after_s=error.retry_after_s)
+    raise TypeError(f"no HTTP form for {error!r}")
 
 
 @web.middleware
@@ -46,8 +53,8 @@ async def _errors(request, handler):
     """Every error leaves as an OpenAI-style JSON body, aiohttp's own (404, 405, 413) included."""
     try:
         return await handler(request)
-    except ApiError as e:
-        return e.response()
+    except (ApiError, EngineUnavailable, Overloaded) as e:
+        return api_error(e).response()
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -64,7 +71,7 @@ class OpenAIServer:
         self.tokenizer, self.config = tokenizer, config
         self.parser = Parser(tokenizer, config.model_name, agent)
         self.metrics = Metrics()
-        self.loop = AgentLoop(agent, self.metrics, config)
+        self.loop = AgentLoop(agent, self.metrics, config.loop)
         self.metrics.watch(self.loop)
         self.created = int(time.time())
         self.app = web.Application(middlewares=[_errors])
@@ -95,7 +102,7 @@ class OpenAIServer:
     async def health(self, request: web.Request) -> web.Response:
         problem = self.loop.health()
         if problem:
-            raise ApiError(503, problem, retry_after_s=self.config.retry_after_s)
+            raise ApiError(503, problem, retry_after_s=self.config.loop.retry_after_s)
         return web.json_response({"status": "ok"})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
@@ -118,7 +125,7 @@ class OpenAIServer:
         """Yield ``(delta, [(token, logprob)], finish_reason)`` per batch of tokens; the last has a finish_reason."""
         while True:
             out = await req.queue.get()
-            if isinstance(out, ApiError):
+            if isinstance(out, Exception):
                 raise out
             delta, tokens = "", []
             for i, token in enumerate(out.new_tokens):
@@ -155,8 +162,8 @@ class OpenAIServer:
                     await _send(response, {**head, "choices": [self._choice(job, delta, tokens, finish, chunk=True)]})
             if job.include_usage:
                 await _send(response, {**head, "choices": [], "usage": self._usage(job, text)})
-        except ApiError as e:
-            await _send(response, e.body())
+        except (ApiError, EngineUnavailable) as e:
+            await _send(response, api_error(e).body())
         except ConnectionResetError:
             return response     # the client left; _serve's finally cancels the request
         await response.write(b"data: [DONE]\n\n")

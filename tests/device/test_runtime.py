@@ -1,62 +1,23 @@
-"""The real scheduler image: it links for sm_90 on a machine without a GPU (CI), and on the H200 the loop serves
-the ring by device graph launch with the same outputs as the simulator.
+"""The scheduler loop on the H200: it serves the ring by device graph launch with the same outputs as the simulator,
+and a loop that dies is reported, not hung.
 
 GPU tests need ``NUMBA_ENABLE_CUDASIM=0`` (bench/gpu_suite.sh sets it); everything numba-related runs in
 subprocesses here, so this module also loads under the simulator.
 """
 import json
 import multiprocessing as mp
-import os
 import resource
-import subprocess
-import sys
-import textwrap
 import time
 import uuid
 
 import numpy as np
 import pytest
 
-from blink.config import SamplingParams, SchedulerConfig
-from blink.device.ring import RingGeometry, RingLayout
-
-REPO_SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
-
-
-def run_python(code: str, simulator: bool, timeout: int = 600) -> str:
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1" if simulator else "0",
-           "PYTHONPATH": os.path.abspath(REPO_SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout
-
-
-def test_the_scheduler_image_links_for_sm90_without_a_gpu(tmp_path):
-    out = tmp_path / "image.cubin"
-    run_python(f"""
-        from blink.device.launch import link_image
-        from blink.device.numba_compat import cuda
-        from numba import int64
-
-        @cuda.jit(device=True)
-        def shortest_prompt_first(arrival_ns, prompt_len, max_tokens, priority, request_id):
-            return int64(prompt_len)
-
-        open({str(out)!r}, "wb").write(link_image(shortest_prompt_first))
-    """, simulator=False)
-    image = out.read_bytes()
-    assert image[:4] == b"\x7fELF"
-    for kernel in (b"blink_scheduler_tail", b"blink_scheduler_window", b"blink_done", b"blink_standin_step"):
-        assert kernel in image, kernel
-
-
-def test_compiling_the_gpu_image_under_the_simulator_is_refused():
-    from blink.device.launch import LaunchError, compile_policy
-
-    with pytest.raises(LaunchError, match="NUMBA_ENABLE_CUDASIM"):
-        compile_policy()
-
+from blink.device.config import SchedulerConfig
+from blink.ring.geometry import RingGeometry
+from blink.ring.layout import RingLayout
+from blink.ring.request import SamplingParams
+from tests.device.fresh_python import run_python
 
 # -- on the H200 -------------------------------------------------------------------------------------------------
 
@@ -80,7 +41,7 @@ def agent_process(name: str, geometry: RingGeometry, requests, result_path: str)
     """Submit every request as slots allow, collect outputs, write them as JSON, then ask the loop to stop."""
     from blink.errors import RingFull
     from blink.nic.agent import Agent
-    from blink.nic.transport import SharedMemory
+    from blink.ring.transport import SharedMemory
 
     with SharedMemory.open(name) as memory:
         agent = Agent(memory, geometry, liveness_timeout_s=60)
@@ -108,12 +69,14 @@ def simulate(requests, geometry, config) -> dict:
     """Outputs of the same requests through the simulator backend, in a subprocess (the simulator is per process)."""
     code = f"""
         import json, sys
-        from blink.config import SamplingParams, SchedulerConfig
-        from blink.device.ring import RingGeometry, RingLayout
+        from blink.device.config import SchedulerConfig
+        from blink.ring.request import SamplingParams
+        from blink.ring.geometry import RingGeometry
+        from blink.ring.layout import RingLayout
         from blink.device.sim import SimScheduler
         from blink.device.step import StepBuffers, StepLayout
         from blink.nic.agent import Agent
-        from blink.nic.transport import LocalMemory
+        from blink.ring.transport import LocalMemory
         geometry = RingGeometry(**{geometry.__dict__!r})
         config = SchedulerConfig(**{ {**config.__dict__, "block_threads": 4}!r})
         requests = json.loads({json.dumps(requests)!r})
@@ -140,9 +103,9 @@ def serve_on_gpu(mode: str, requests) -> tuple[dict, dict]:
     """GpuScheduler (stand-in step) in this process, the agent in another; returns outputs and measurements."""
     import torch
 
-    from blink.device.launch import GpuScheduler
+    from blink.device.runtime import GpuScheduler
     from blink.device.step import StepBuffers, StepLayout
-    from blink.nic.transport import SharedMemory
+    from blink.ring.transport import SharedMemory
 
     config = SchedulerConfig(**{**GPU_CONFIG.__dict__, "launch_mode": mode})
     layout = RingLayout(GPU_GEOMETRY)
@@ -174,7 +137,7 @@ def serve_on_gpu(mode: str, requests) -> tuple[dict, dict]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["fire_and_forget", "tail"])
 def test_gpu_loop_serves_ten_thousand_requests_like_the_simulator(mode):
-    from blink.device.reference import expected_output
+    from blink.ring.reference import expected_output
 
     requests = make_requests(10_000)
     outputs, measured = serve_on_gpu(mode, requests)
@@ -199,11 +162,14 @@ def bad_step_graph_process(outcome) -> None:
     import torch
     from cuda.bindings import driver, runtime
 
-    from blink.device.launch import MAX_BUCKETS, GpuScheduler, LaunchError, _cu
+    from blink.device import graphs
+    from blink.device.driver import check
+    from blink.device.image import MAX_BUCKETS
+    from blink.device.runtime import GpuScheduler
     from blink.device.step import StepBuffers, StepLayout
-    from blink.errors import EngineUnresponsive
+    from blink.errors import EngineUnresponsive, LaunchError
     from blink.nic.agent import Agent
-    from blink.nic.transport import LocalMemory
+    from blink.ring.transport import LocalMemory
 
     geometry = RingGeometry(n_slots=64, max_prompt_tokens=8, max_output_tokens=8)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, page_size=16, num_pages=64, max_model_len=16,
@@ -215,10 +181,10 @@ def bad_step_graph_process(outcome) -> None:
         memory.write(0, layout.control_bytes())
         scheduler = GpuScheduler(memory, geometry, config, step.layout,
                                  {k: t.data_ptr() for k, t in step.tensors().items()})
-        host_only = _cu(runtime.cudaGraphInstantiate(runtime.cudaGraph_t(init_value=int(
-            scheduler._captured(lambda: None))), 0))
+        host_only = check(runtime.cudaGraphInstantiate(runtime.cudaGraph_t(init_value=int(
+            graphs.captured(scheduler.stream, lambda: None))), 0))
         words = np.full(2 * MAX_BUCKETS, int(host_only), np.uint64)
-        _cu(driver.cuMemcpyHtoD(scheduler.launch[0], words, words.nbytes))
+        check(driver.cuMemcpyHtoD(scheduler.launch[0], words, words.nbytes))
         agent = Agent(memory, geometry, liveness_timeout_s=2)
         scheduler.start()
         agent.submit([1, 2], SamplingParams(max_tokens=2))
@@ -248,15 +214,3 @@ def test_a_loop_killed_by_a_bad_step_graph_is_reported_not_hung():
     process.join(60)
     assert reports["join"].startswith("LaunchError"), reports
     assert reports["agent"].startswith("EngineUnresponsive"), reports
-
-
-def test_the_image_of_a_builtin_policy_is_linked_once_then_read_from_the_cache(tmp_path):
-    out = run_python(f"""
-        import os, time
-        os.environ["BLINK_CACHE_DIR"] = {str(tmp_path)!r}
-        from blink.device.launch import link_image
-        t = time.monotonic(); first = link_image(); linked = time.monotonic() - t
-        t = time.monotonic(); second = link_image(); cached = time.monotonic() - t
-        print(first == second, len(os.listdir({str(tmp_path / "scheduler")!r})), linked > 10 * cached)
-    """, simulator=False)
-    assert out.split() == ["True", "1", "True"]

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import openai
 import pytest
@@ -22,19 +22,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from blink import Engine, EngineConfig, SamplingParams
-from blink.cli import engine_process, wait_until_serving
-from blink.device.reference import standin_engine
-from blink.device.ring import FREE, RUNNING
+from blink import Engine, EngineConfig, SamplingParams, SchedulerConfig
 from blink.nic.agent import Agent
-from blink.nic.server import OpenAIServer, ServerConfig, start
+from blink.nic.agent_loop import LoopConfig
+from blink.nic.openai.server import OpenAIServer, ServerConfig, start
 from blink.nic.text import Tokenizer
+from blink.process import engine_process, wait_until_serving
+from blink.ring.layout import FREE, RUNNING
+from blink.ring.reference import standin_engine
 
 MODEL = "smollm2-test"
 ENGINE = EngineConfig(device="cpu", n_slots=8, max_prompt_tokens=256, max_output_tokens=32, max_stop_ids=4,
-                      max_num_seqs=8, max_num_batched_tokens=128, cpu_kv_cache_gib=0.25, sim_threads=2)
-GEOMETRY = ENGINE.geometry()
-CONFIG = ServerConfig(model_name=MODEL, max_queued=16, heartbeat_timeout_s=1.0)
+                      scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=288),
+                      cpu_kv_cache_gib=0.25, sim_threads=2)
+GEOMETRY = ENGINE.geometry(ENGINE.scheduler.max_model_len)
+CONFIG = ServerConfig(model_name=MODEL, loop=LoopConfig(max_queued=16, heartbeat_timeout_s=1.0))
 
 
 @dataclass
@@ -106,7 +108,7 @@ def serving(engine, tokenizer):
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    config = EngineConfig(**{**ENGINE.__dict__, "model": str(model_dir), "ring_name": f"blink-test-{os.getpid()}"})
+    config = replace(ENGINE, model=str(model_dir), ring_name=f"blink-test-{os.getpid()}")
     with serving(engine_process(config), Tokenizer(model_dir)) as served:
         yield served
 
@@ -123,7 +125,7 @@ def standin_served(model_dir):
 @pytest.fixture(scope="module")
 def reference(model_dir):
     """The same model and ring limits in this process: the engine's answers when nothing else is batched with them."""
-    config = EngineConfig(**{**ENGINE.__dict__, "model": str(model_dir), "n_slots": 32, "max_num_seqs": 32})
+    config = replace(ENGINE, model=str(model_dir), n_slots=32, scheduler=replace(ENGINE.scheduler, max_num_seqs=32))
     with Engine(config) as engine:
         yield engine
 
@@ -317,13 +319,13 @@ def test_client_disconnect_cancels_the_request_and_frees_its_slot(served, stream
 def test_full_ring_queues_then_refuses_with_retry_after(served, reference, hf):
     """8 slots + 16 queued are accepted while the engine is stalled; the next request gets 429 + Retry-After."""
     client = served.client(openai.AsyncOpenAI)
-    capacity = GEOMETRY.n_slots + CONFIG.max_queued
+    capacity = GEOMETRY.n_slots + CONFIG.loop.max_queued
 
     async def scenario():
         with served.paused_engine():
             tasks = [asyncio.create_task(client.completions.create(model=MODEL, prompt="queued", max_tokens=8,
                                                                    seed=i)) for i in range(capacity)]
-            while served.on_loop(lambda: len(served.server.loop.waiting)) < CONFIG.max_queued:
+            while served.on_loop(lambda: len(served.server.loop.waiting)) < CONFIG.loop.max_queued:
                 await asyncio.sleep(0.01)
             status, headers, body = await asyncio.to_thread(
                 raw_request, served.port, "/v1/completions", json.dumps({"prompt": "one too many"}).encode())
@@ -341,7 +343,7 @@ def test_full_ring_queues_then_refuses_with_retry_after(served, reference, hf):
 def test_health_fails_while_the_heartbeat_is_stale(served):
     assert raw_request(served.port, "/health", b"", "GET")[0] == 200
     with served.paused_engine():
-        time.sleep(CONFIG.heartbeat_timeout_s + 0.3)
+        time.sleep(CONFIG.loop.heartbeat_timeout_s + 0.3)
         status, headers, body = raw_request(served.port, "/health", b"", "GET")
         assert status == 503 and "heartbeat" in json.loads(body)["error"]["message"] and "Retry-After" in headers
         status, _, body = raw_request(served.port, "/v1/completions", b'{"prompt": "x"}')
@@ -511,7 +513,7 @@ def check_completion(port, reference, hf) -> None:
 
 
 def test_blink_engine_and_blink_agent_serve_a_ring_and_stop_on_ctrl_c(model_dir, reference, hf):
-    from blink.device.ring import MAGIC
+    from blink.ring.control import MAGIC
 
     ring, port = f"blink-test-cli-{os.getpid()}", free_port()
     engine = blink_cli("engine", str(model_dir), "--ring", ring, *CLI_ENGINE)

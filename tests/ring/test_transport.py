@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from blink.nic import rdma
-from blink.nic.transport import LocalMemory, SharedMemory
+from blink.ring.transport import LocalMemory, SharedMemory
 
 
 def _shm_name():

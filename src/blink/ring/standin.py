@@ -2,7 +2,8 @@
 
 Token at position ``p`` (``p >= prompt_len``) of a request = ``standin_token(token at p-1, p, seed, vocab)``. It is a
 splitmix64 hash, so outputs depend on exactly the inputs a real sampler would see and nothing else (not on batch
-composition, slot or timing). The GPU stand-in step computes the same function; tests pin the two together.
+composition, slot or timing). The GPU stand-in step (``blink_standin_step`` in ``blink/device/shim.cu``) computes the
+same function; tests pin the two together.
 """
 from __future__ import annotations
 
@@ -51,26 +52,3 @@ def standin_step(step, bucket_tokens: int) -> None:
         prev, position, seed = int(step.token_ids[t]), int(step.positions[t]) + 1, int(step.seed[r]) & MASK64
         step.sampled_ids[r] = standin_token(prev, position, seed)
         step.sampled_logprobs[r] = standin_logprob(prev, position, seed)
-
-
-# The same step for the GPU (compiled with the scheduler's NVRTC shim). One thread per row.
-STANDIN_CUDA = r"""
-__device__ unsigned long long blink_mix64(unsigned long long x) {
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-extern "C" __global__ void blink_standin_step(const int *logits_indices, const int *token_ids, const int *positions,
-                                              const long long *seed, int *sampled_ids, float *sampled_logprobs,
-                                              int rows, int vocab) {
-  int r = blockIdx.x * blockDim.x + threadIdx.x;
-  if (r >= rows) return;
-  int t = logits_indices[r];
-  if (t < 0) return;
-  unsigned long long prev = (unsigned long long)token_ids[t], position = (unsigned long long)(positions[t] + 1);
-  unsigned long long h = blink_mix64((unsigned long long)seed[r] ^ (prev * 0x9E3779B97F4A7C15ULL)
-                                     ^ (position * 0xC2B2AE3D27D4EB4FULL));
-  sampled_ids[r] = (int)(h % (unsigned long long)vocab);
-  sampled_logprobs[r] = -(float)((h >> 32) % 4096ULL) / 256.0f;
-}
-"""

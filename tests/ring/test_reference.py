@@ -3,10 +3,12 @@ import threading
 import numpy as np
 import pytest
 
-from blink.config import SamplingParams
-from blink.device.ring import ENGINE_STOPPED, FINISHED, FREE, RUNNING, RingGeometry
-from blink.device.standin import standin_continuation
 from blink.errors import IllegalTransition
+from blink.ring.control import ENGINE_STOPPED
+from blink.ring.geometry import RingGeometry
+from blink.ring.layout import FINISHED, FREE, RUNNING
+from blink.ring.request import SamplingParams
+from blink.ring.standin import standin_continuation
 
 GEOMETRY = RingGeometry(n_slots=8, max_prompt_tokens=8, max_output_tokens=8, max_stop_ids=2)
 

@@ -43,10 +43,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blink.errors import IllegalTransition, RingMismatch
+from blink.ring import control
+from blink.ring.control import CONTROL_DTYPE, struct
+from blink.ring.errors import IllegalTransition
+from blink.ring.geometry import RingGeometry
 
-MAGIC = 0x4B4E4C42  # "BLNK" in little-endian bytes
-VERSION = 1
 REGION_ALIGN = 4096
 
 # Slot states.
@@ -61,12 +62,6 @@ FINISH_NAMES = {FINISH_NONE: None, FINISH_STOP: "stop", FINISH_LENGTH: "length",
 # Request header flags.
 FLAG_IGNORE_EOS = 1
 FLAG_LOGPROBS = 2
-
-# Control block flags.
-RING_LOGPROBS = 1
-
-# Engine states (control.engine_state, written by the GPU side).
-ENGINE_STARTING, ENGINE_SERVING, ENGINE_STOPPED = 0, 1, 2
 
 AGENT, GPU = "agent", "gpu"
 TRANSITIONS = {
@@ -87,44 +82,6 @@ def check_transition(old: int, new: int, writer: str) -> None:
             f"{writer} may not move a slot {STATE_NAMES.get(old, old)} -> {STATE_NAMES.get(new, new)} ({who} may)")
 
 
-def _struct(fields: list[tuple[str, str, int]], itemsize: int) -> np.dtype:
-    """A little-endian structured dtype with the byte offsets spelled out: the offsets ARE the contract."""
-    names = [f[0] for f in fields]
-    formats = [f[1] for f in fields]
-    offsets = [f[2] for f in fields]
-    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": itemsize})
-
-
-CONTROL_DTYPE = _struct([
-    ("magic", "<u4", 0),
-    ("version", "<u4", 4),
-    ("n_slots", "<u4", 8),
-    ("max_prompt_tokens", "<u4", 12),
-    ("max_output_tokens", "<u4", 16),
-    ("max_stop_ids", "<u4", 20),
-    ("flags", "<u4", 24),
-    ("shutdown", "<u4", 28),        # host or agent: ask the GPU loop to end
-    ("engine_state", "<u4", 32),    # GPU: ENGINE_STARTING / SERVING / STOPPED
-    ("launch_error", "<i4", 36),    # GPU: first failing device-side cudaGraphLaunch code, 0 if none
-    ("heartbeat", "<u8", 40),       # GPU: +1 per scheduler iteration
-    ("steps", "<u8", 48),           # GPU: model steps launched
-    ("tokens", "<u8", 56),          # GPU: tokens generated
-    ("admitted", "<u8", 64),        # GPU: requests moved READY -> RUNNING
-    ("finished", "<u8", 72),        # GPU: requests moved to FINISHED (any reason)
-    ("cancelled", "<u8", 80),       # GPU: requests finished with reason abort
-    ("preempted", "<u8", 88),       # GPU: recompute preemptions
-    ("kv_pages_total", "<u4", 96),  # GPU gauges
-    ("kv_pages_free", "<u4", 100),
-    ("running", "<u4", 104),
-    ("waiting", "<u4", 108),
-    ("submitted", "<u8", 112),      # agent doorbell: requests published READY so far
-    ("cancels", "<u8", 120),        # agent doorbell: cancel words written so far
-], 256)
-
-GEOMETRY_FIELDS = ("n_slots", "max_prompt_tokens", "max_output_tokens", "max_stop_ids", "flags")
-STATS_FIELDS = ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted", "kv_pages_total",
-                "kv_pages_free", "running", "waiting")
-
 # The status table is column-major: one u32 column per field, each ``[n_slots]`` and padded to 64 bytes, so the
 # GPU's scan for READY slots reads only the packed state column and the agent still gets everything in one read.
 STATUS_COLUMNS = (
@@ -139,7 +96,7 @@ STATUS_COLUMNS = (
 def status_dtype(n_slots: int) -> np.dtype:
     """One record whose fields are the status columns: ``record["state"]`` is the ``[n_slots]`` state column."""
     stride = status_column_stride(n_slots)
-    return _struct([(name, ("<u4", (n_slots,)), i * stride) for i, name in enumerate(STATUS_COLUMNS)],
+    return struct([(name, ("<u4", (n_slots,)), i * stride) for i, name in enumerate(STATUS_COLUMNS)],
                    stride * len(STATUS_COLUMNS))
 
 
@@ -164,32 +121,11 @@ def header_dtype(max_stop_ids: int) -> np.dtype:
     ]
     if max_stop_ids:
         fixed.append(("stop_ids", ("<i4", (max_stop_ids,)), 64))
-    return _struct(fixed, _round_up(64 + 4 * max_stop_ids, 16))
+    return struct(fixed, _round_up(64 + 4 * max_stop_ids, 16))
 
 
 def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
-
-
-@dataclass(frozen=True)
-class RingGeometry:
-    """Sizes of the ring. Both sides must build their ``RingLayout`` from equal geometries."""
-
-    n_slots: int = 4096
-    max_prompt_tokens: int = 2048
-    max_output_tokens: int = 2048
-    max_stop_ids: int = 8
-    logprobs: bool = True
-
-    def __post_init__(self):
-        limits = {"n_slots": (1, 1 << 20), "max_prompt_tokens": (1, 1 << 24), "max_output_tokens": (1, 1 << 24),
-                  "max_stop_ids": (0, 64)}
-        for name, (lo, hi) in limits.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-                raise ValueError(f"RingGeometry.{name} must be an int in [{lo}, {hi}] (got {value!r})")
-        if not isinstance(self.logprobs, bool):
-            raise ValueError(f"RingGeometry.logprobs must be a bool (got {self.logprobs!r})")
 
 
 @dataclass(frozen=True)
@@ -247,27 +183,15 @@ class RingLayout:
 
     def control_bytes(self) -> bytes:
         """The control block of a fresh ring: identity and geometry set, every counter zero."""
-        control = np.zeros(1, CONTROL_DTYPE)
-        control["magic"] = MAGIC
-        control["version"] = VERSION
-        for name, value in self._geometry_words().items():
-            control[name] = value
-        return control.tobytes()
+        return control.fresh(self.geometry)
 
     def verify(self, control_block: bytes) -> None:
         """Raise ``RingMismatch`` naming the first field of ``control_block`` that this layout does not expect."""
-        if len(control_block) < CONTROL_DTYPE.itemsize:
-            raise RingMismatch(f"control block is {len(control_block)} bytes, expected {CONTROL_DTYPE.itemsize}")
-        control = np.frombuffer(control_block, CONTROL_DTYPE, count=1)[0]
-        if int(control["magic"]) != MAGIC:
-            raise RingMismatch(f"ring field 'magic' is {int(control['magic']):#x}, expected {MAGIC:#x}: this region "
-                               "is not a blink ring or was never initialised")
-        expected = {"version": VERSION, **self._geometry_words()}
-        for name, want in expected.items():
-            got = int(control[name])
-            if got != want:
-                raise RingMismatch(f"ring field '{name}' is {got} in the region but {want} in this RingLayout: "
-                                   "build the agent and the engine from the same RingGeometry")
+        control.verify(control_block, self.geometry)
+
+    def initialise(self, memory) -> None:
+        """Write a fresh control block at the start of ``memory`` (a ``RemoteMemory`` of at least ``size`` bytes)."""
+        memory.write(0, self.control_bytes())
 
     def view(self, buffer) -> RingView:
         """Numpy views over ``buffer`` (any writable object exporting the buffer protocol, at least ``size`` bytes)."""
@@ -286,9 +210,3 @@ class RingLayout:
             outputs=region("outputs", np.dtype("<i4"), (g.n_slots, g.max_output_tokens)),
             logprobs=region("logprobs", np.dtype("<f4"), (g.n_slots, g.max_output_tokens)) if g.logprobs else None,
         )
-
-    def _geometry_words(self) -> dict[str, int]:
-        g = self.geometry
-        return {"n_slots": g.n_slots, "max_prompt_tokens": g.max_prompt_tokens,
-                "max_output_tokens": g.max_output_tokens, "max_stop_ids": g.max_stop_ids,
-                "flags": RING_LOGPROBS if g.logprobs else 0}

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from blink.config import SamplingParams
 from blink.nic.agent import Agent
 from blink.nic.text import Tokenizer, max_tokens_for
+from blink.ring.request import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # the OpenAI API's default for /v1/completions; chat defaults to the room left
 MAX_STOP_STRINGS = 16

@@ -1,0 +1,118 @@
+"""``EngineCore``: one model served through one ring — the model, the ring, the scheduler loop on the GPU (or the
+CPU), and nothing that submits requests (that is an agent's job: ``blink.engine`` in this process, ``blink agent``
+in another).
+
+Start-up checks the configuration against the model before it loads anything heavy, creates the ring (in this
+process, or in shared memory for an agent process), loads the model, sizes the KV pool, builds the backend
+(``blink.backends``: captured step graphs + the GPU scheduler, or the simulated scheduler + torch CPU) and starts
+its loop. Every resource is registered for release as it is acquired, so a failure at any point releases what was
+acquired so far and raises one error; ``close()`` releases the same way after a shutdown through the ring.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from blink.config import EngineConfig
+from blink.ring import control
+from blink.ring.geometry import RingGeometry
+from blink.ring.layout import RingLayout
+
+log = logging.getLogger("blink")
+
+
+class EngineCore:
+    """Serves ``config.model`` through a ring it creates; ``close()`` stops the loop and releases everything."""
+
+    def __init__(self, config: EngineConfig = EngineConfig()):
+        self.config = config
+        self.backend = None
+        self._stack = ExitStack()
+        try:
+            self._start(config)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _start(self, config: EngineConfig) -> None:
+        from blink.backends import CpuBackend, GpuBackend, select_device
+        from blink.models import ModelConfig, default_model_path, load_model, random_model
+
+        self.device = select_device(config.device)
+        model_dir = Path(config.model) if config.model is not None else default_model_path()
+        model_config = ModelConfig.from_file(model_dir)
+        self.max_model_len = config.max_model_len(model_config.max_position_embeddings)
+        self.geometry = config.geometry(self.max_model_len)
+        self.tokenizer = _tokenizer(model_dir)
+        config.policy_function()            # a bad policy path fails before the model loads
+        self.memory = self._stack.enter_context(create_ring(config.ring_name, self.geometry))
+        started = time.monotonic()
+        dtype = config.dtype or ("float32" if self.device == "cpu" else model_config.dtype)
+        if config.load_format == "dummy":
+            model = random_model(model_config, device=self.device, dtype=dtype)
+        else:
+            model = load_model(model_dir, device=self.device, dtype=dtype)
+        log.info("loaded %s (%s, %s, %s weights, %s) in %.1f s", model_dir.name, model_config.architecture, dtype,
+                 config.load_format, self.device, time.monotonic() - started)
+        self.vocab_size = model_config.vocab_size
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        backend_class = CpuBackend if self.device == "cpu" else GpuBackend
+        self.backend = backend_class(model, self.memory, self.geometry, config, self.max_model_len, eos)
+        self._stack.callback(self._stop)
+        self.backend.start()
+        if config.ring_name is not None:
+            log.info("ring /dev/shm/%s: %.1f MiB, %d slots", config.ring_name, self.memory.size / 2**20,
+                     self.geometry.n_slots)
+        log.info("serving on %s (%.1f s after loading began)", self.device, time.monotonic() - started)
+
+    def _stop(self) -> None:
+        """Shutdown through the ring (in-flight requests end with "abort"), wait for the loop, free the backend."""
+        control.request_shutdown(self.memory)
+        backend, self.backend = self.backend, None
+        backend.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.backend is None
+
+    def alive(self) -> bool:
+        """The scheduler loop runs."""
+        return self.backend is not None and self.backend.alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        """What ended the loop, if it ended by itself (CPU backend: the exception the loop raised)."""
+        return self.backend.error if self.backend is not None else None
+
+    def stats(self) -> dict[str, int]:
+        """The scheduler's counters and gauges from the ring's control block."""
+        return control.read(self.memory)
+
+    def close(self) -> None:
+        """Stop the loop and release everything (idempotent)."""
+        self._stack.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def create_ring(name: str | None, geometry: RingGeometry):
+    """A fresh ring: in this process (``name=None``) or in POSIX shared memory; control block initialised."""
+    from blink.ring.transport import LocalMemory, SharedMemory
+
+    layout = RingLayout(geometry)
+    memory = LocalMemory(layout.size) if name is None else SharedMemory.create(name, layout.size)
+    layout.initialise(memory)
+    return memory
+
+
+def _tokenizer(model_dir: Path):
+    """The model's tokenizer, or None for a directory without one (random-weight shapes: token ids only)."""
+    from blink.nic.text import Tokenizer
+
+    return Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None

@@ -1,0 +1,114 @@
+"""``SchedulerConfig``: the limits and knobs of the GPU-resident scheduler, validated at construction.
+
+Names follow vLLM where they mean the same. Three fields may be left to the engine, which knows them only once the
+model is loaded: ``num_pages`` (None: as many as the memory budget holds), ``max_model_len`` (None: the model's
+context, capped by the ring) and ``eos_token_ids`` (the tokenizer's are added). ``resolve`` fills them in; the device
+code only ever sees a resolved configuration (``resolved`` is True).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+LAUNCH_MODES = ("fire_and_forget", "tail")
+MAX_SEQS = 512          # the scheduler's shared-memory arrays are sized for this many running sequences
+MAX_EOS = 8             # end-of-sequence ids the device checks per token
+MAX_BLOCK_THREADS = 1024
+MAX_IDLE_SLEEP_NS = 1_000_000
+
+
+def check(ok: bool, owner: str, field: str, rule: str, value) -> None:
+    """``ValueError`` naming ``owner.field``, the rule it breaks and the value, unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{owner}.{field} must be {rule} (got {value!r})")
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def power_of_two_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Powers of two below ``max_num_batched_tokens``, and it."""
+    n = max_num_batched_tokens
+    return (*(1 << k for k in range(n.bit_length()) if 1 << k < n), n)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits and knobs of the GPU-resident scheduler.
+
+    ``buckets`` are the token counts for which a step graph is captured (default: powers of two up to
+    ``max_num_batched_tokens``, and it); a step of ``n`` tokens runs the smallest bucket ``>= n``, so the largest
+    bucket caps ``max_num_batched_tokens``. ``num_pages`` KV pages of ``page_size`` tokens are shared by all sequences;
+    one sequence may use at most ``max_model_len`` positions, and admission keeps ``watermark_pages`` free.
+    ``block_threads`` is the scheduler kernel's block size (the simulator runs far fewer threads; results do not
+    depend on it). An idle loop sleeps ``idle_sleep_ns`` between iterations. ``launch_mode`` is how the loop launches
+    step graphs (``fire_and_forget``: a resident scheduler; ``tail``: one iteration per launch).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    num_pages: int | None = None
+    max_model_len: int | None = None
+    buckets: tuple[int, ...] | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    watermark_pages: int = 0
+    block_threads: int = 256
+    idle_sleep_ns: int = 20_000
+    launch_mode: str = "fire_and_forget"
+
+    def __post_init__(self):
+        owner = "SchedulerConfig"
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "block_threads"):
+            value = getattr(self, name)
+            check(is_int(value) and value >= 1, owner, name, "a positive int", value)
+        for name in ("num_pages", "max_model_len"):
+            value = getattr(self, name)
+            check(value is None or (is_int(value) and 1 <= value < 2**31), owner, name,
+                  "None (decided at start-up) or an int in [1, 2**31)", value)
+        check(self.max_num_seqs <= MAX_SEQS, owner, "max_num_seqs", f"<= {MAX_SEQS}", self.max_num_seqs)
+        check(self.block_threads <= MAX_BLOCK_THREADS, owner, "block_threads", f"<= {MAX_BLOCK_THREADS}",
+              self.block_threads)
+        if self.buckets is None:
+            object.__setattr__(self, "buckets", power_of_two_buckets(self.max_num_batched_tokens))
+        b = self.buckets
+        check(isinstance(b, tuple) and len(b) > 0 and all(is_int(x) and x >= 1 for x in b)
+              and list(b) == sorted(set(b)), owner, "buckets", "a non-empty strictly increasing tuple of ints >= 1", b)
+        check(self.max_num_batched_tokens <= b[-1], owner, "max_num_batched_tokens",
+              f"<= the largest bucket {b[-1]}", self.max_num_batched_tokens)
+        check(self.max_num_batched_tokens >= self.max_num_seqs, owner, "max_num_batched_tokens",
+              f">= max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step",
+              self.max_num_batched_tokens)
+        eos = self.eos_token_ids
+        check(isinstance(eos, tuple) and len(eos) <= MAX_EOS and all(is_int(t) and 0 <= t < 2**31 for t in eos),
+              owner, "eos_token_ids", f"a tuple of at most {MAX_EOS} token ids in [0, 2**31)", eos)
+        check(is_int(self.watermark_pages) and self.watermark_pages >= 0, owner, "watermark_pages", "an int >= 0",
+              self.watermark_pages)
+        if self.num_pages is not None:
+            check(self.watermark_pages < self.num_pages, owner, "watermark_pages", "an int in [0, num_pages)",
+                  self.watermark_pages)
+        if self.resolved:
+            check(self.max_pages_per_seq <= self.num_pages - self.watermark_pages, owner, "num_pages",
+                  f">= watermark_pages + {self.max_pages_per_seq} (one max_model_len sequence must fit)",
+                  self.num_pages)
+        check(is_int(self.idle_sleep_ns) and 0 <= self.idle_sleep_ns <= MAX_IDLE_SLEEP_NS, owner, "idle_sleep_ns",
+              f"an int in [0, {MAX_IDLE_SLEEP_NS}]", self.idle_sleep_ns)
+        check(self.launch_mode in LAUNCH_MODES, owner, "launch_mode", f"one of {LAUNCH_MODES}", self.launch_mode)
+
+    @property
+    def resolved(self) -> bool:
+        """Every size the device code needs is known."""
+        return self.num_pages is not None and self.max_model_len is not None
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        if self.max_model_len is None:
+            raise ValueError("SchedulerConfig.max_model_len is not resolved yet (None): resolve() it first")
+        return -(-self.max_model_len // self.page_size)
+
+    def resolve(self, *, num_pages: int, max_model_len: int, eos_token_ids: tuple[int, ...] = ()) -> SchedulerConfig:
+        """This configuration with the sizes decided at start-up filled in where they were left to the engine."""
+        eos = tuple(sorted(set(self.eos_token_ids) | set(eos_token_ids)))
+        return dataclasses.replace(self, num_pages=self.num_pages or num_pages,
+                                   max_model_len=self.max_model_len or max_model_len, eos_token_ids=eos)

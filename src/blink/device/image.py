@@ -1,0 +1,206 @@
+"""The scheduler image: compile, link and cache the cubin the GPU loop runs (no GPU needed).
+
+1. numba compiles the iteration (``scheduler.make_iterate(policy)``) behind a C-ABI entry
+   ``int blink_iterate(long long *table)`` to LTO-IR. ``table`` holds ``(address, dim0, dim1)`` for each field of
+   ``SchedulerArrays``; the entry rebuilds the arrays from it. The entry's source is generated from the field list,
+   so the order the host fills the table in and the order the device reads it cannot drift apart.
+2. NVRTC compiles ``shim.cu`` (the device loop, the "done" kernel, the stand-in step) to LTO-IR, with every constant
+   it shares with Python passed as ``-D`` (``SHIM_DEFINES``).
+3. nvJitLink links both with ``libcudadevrt`` into an sm_90 cubin, cached by a hash of everything it is built from.
+
+The launch table (``LAUNCH_WORDS`` u64 words in device memory) is the shim's other input: two instantiations of
+each bucket's step graph, then the done counter, the parity of the next instantiation, and the step profile.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from importlib import metadata
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from blink.device.config import SchedulerConfig
+from blink.device.numba_compat import SIMULATOR, cuda
+from blink.device.policy import fcfs
+from blink.device.scheduler import make_iterate
+from blink.device.state import (DB_CANCELS, DB_SHUTDOWN, DB_SUBMITTED, DB_VALID, STOP, SchedulerArrays, ring_arrays,
+                                state_arrays)
+from blink.device.step import StepLayout
+from blink.errors import LaunchError
+from blink.paths import cache_dir
+from blink.ring.control import offset_of, word_index
+from blink.ring.geometry import RingGeometry
+from blink.ring.layout import RingLayout
+
+SHIM_PATH = Path(__file__).with_name("shim.cu")
+MAX_BUCKETS = 32
+WINDOW = 120                        # fire-and-forget launches per graph execution (a CUDA limit)
+LAUNCH_WORDS = 2 * MAX_BUCKETS + 4  # step graphs (two copies), done counter, parity, step profile
+DONE, PARITY, STEP_CYCLES, STEPS_TIMED = (2 * MAX_BUCKETS + k for k in range(4))
+LAUNCH_RETRIES = 10_000             # a graph that just signalled may not have retired yet: retry this often
+LAUNCH_RETRY_NS = 100               # ... this long apart
+DONE_POLL_NS = 32                   # the resident loop's sleep between looks at the done counter
+STANDIN_BLOCK = 128                 # threads per block of the stand-in step
+SHIM_DEFINES = {
+    "MAX_BUCKETS": MAX_BUCKETS, "WINDOW": WINDOW, "DONE": DONE, "PARITY": PARITY, "STEP_CYCLES": STEP_CYCLES,
+    "STEPS_TIMED": STEPS_TIMED, "STOP": STOP, "SHUTDOWN_WORD": word_index("shutdown", 4),
+    # u32 indices of the two u64 doorbells (the shim reads them through the control block's u32 view)
+    "SUBMITTED_WORD": offset_of("submitted") // 4, "CANCELS_WORD": offset_of("cancels") // 4,
+    "DB_VALID": DB_VALID, "DB_SHUTDOWN": DB_SHUTDOWN, "DB_SUBMITTED": DB_SUBMITTED, "DB_CANCELS": DB_CANCELS,
+    "LAUNCH_RETRIES": LAUNCH_RETRIES, "LAUNCH_RETRY_NS": LAUNCH_RETRY_NS, "DONE_POLL_NS": DONE_POLL_NS,
+}
+# Sources the cached image depends on besides numba, the CUDA toolchain and the policy.
+_IMAGE_SOURCES = ("device/*.py", "device/shim.cu", "ring/control.py", "ring/layout.py")
+
+
+def array_spec() -> list[tuple[str, np.dtype, int]]:
+    """(field, dtype, ndim) of every ``SchedulerArrays`` field; sizes do not matter, so a tiny instance tells."""
+    geometry = RingGeometry(n_slots=1, max_prompt_tokens=1, max_output_tokens=1, max_stop_ids=1)
+    layout = RingLayout(geometry)
+    step = StepLayout(max_num_batched_tokens=1, max_num_seqs=1, max_pages_per_seq=1)
+    config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1, page_size=1, num_pages=1, max_model_len=1)
+    arrays = {**ring_arrays(layout.view(bytearray(layout.size))),
+              **{name: np.zeros(shape, dtype) for name, (shape, dtype) in step.fields().items()},
+              **state_arrays(config, 1, 1, True, step)}
+    return [(name, arrays[name].dtype, arrays[name].ndim) for name in SchedulerArrays._fields]
+
+
+def _entry_function(iterate):
+    """``int blink_iterate(long long *table)``: rebuild ``SchedulerArrays`` from the address table, iterate."""
+    from numba import types
+    from numba.cuda.extending import intrinsic
+    from numba.cuda.np.numpy_support import carray
+
+    @intrinsic
+    def voidptr(typingctx, address):
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
+        return types.voidptr(types.int64), codegen
+
+    fields = []
+    for k, (name, dtype, ndim) in enumerate(array_spec()):
+        dims = "".join(f"table[{3 * k + 1 + d}], " for d in range(ndim))
+        fields.append(f"carray(voidptr(table[{3 * k}]), ({dims}), np.{dtype.name}),  # {name}")
+    source = ("def blink_iterate(table):\n    return iterate(SchedulerArrays(\n        "
+              + "\n        ".join(fields) + "\n    ))\n")
+    namespace = dict(carray=carray, voidptr=voidptr, np=np, iterate=iterate, SchedulerArrays=SchedulerArrays)
+    exec(compile(source, "<blink_iterate>", "exec"), namespace)
+    return namespace["blink_iterate"]
+
+
+@contextlib.contextmanager
+def _compile_for(cc):
+    """numba-cuda compiles nested device functions for the *current* device; pin the target instead, so the image
+    builds the same on a machine with no GPU (CI) as on the H200."""
+    import numba.cuda.dispatcher as dispatcher
+
+    saved = dispatcher.get_current_device
+    dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=cc)
+    try:
+        yield
+    finally:
+        dispatcher.get_current_device = saved
+
+
+def compile_policy(policy=fcfs, cc=(9, 0)) -> bytes:
+    """LTO-IR of the scheduler iteration with ``policy``, behind the C-ABI entry ``blink_iterate``."""
+    if SIMULATOR:
+        raise LaunchError("the GPU scheduler image cannot be compiled under the CUDA simulator: unset "
+                          "NUMBA_ENABLE_CUDASIM (use blink.device.sim on machines without a GPU)")
+    from numba import int32, int64, types
+
+    entry = _entry_function(make_iterate(policy))
+    with _compile_for(cc):
+        ltoir, _ = cuda.compile(entry, int32(types.CPointer(int64)), device=True, abi="c", output="ltoir",
+                                cc=cc, abi_info={"abi_name": "blink_iterate"})
+    return ltoir
+
+
+def compile_shim(arch: str = "sm_90") -> bytes:
+    """LTO-IR of ``shim.cu`` (NVRTC), with ``SHIM_DEFINES``."""
+    from cuda.bindings import nvrtc
+
+    program = _nvrtc(nvrtc.nvrtcCreateProgram(SHIM_PATH.read_bytes(), SHIM_PATH.name.encode(), 0, [], []))
+    options = [f"-arch={arch}".encode(), b"-rdc=true", b"-dlto", b"-default-device",
+               *(f"-D{name}={value}".encode() for name, value in SHIM_DEFINES.items())]
+    result = nvrtc.nvrtcCompileProgram(program, len(options), options)[0]
+    if int(result) != 0:
+        size = _nvrtc(nvrtc.nvrtcGetProgramLogSize(program))
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(program, log)
+        raise LaunchError(f"NVRTC failed to compile the scheduler shim:\n{log.decode(errors='replace')}")
+    size = _nvrtc(nvrtc.nvrtcGetLTOIRSize(program))
+    ltoir = b" " * size
+    nvrtc.nvrtcGetLTOIR(program, ltoir)
+    return ltoir
+
+
+def link_image(policy=fcfs, arch: str = "sm_90") -> bytes:
+    """The linked cubin: policy + iteration (numba) + shim (NVRTC) + libcudadevrt (nvJitLink).
+
+    Images of blink's own policies are cached under ``$BLINK_CACHE_DIR/scheduler`` by a hash of everything they are
+    built from (device sources, toolchain versions, arch): linking takes 15-30 s of every engine start otherwise. A
+    user's policy may call device code the hash cannot see, so its image is always rebuilt.
+    """
+    key = _image_key(policy, arch)
+    path = cache_dir() / "scheduler" / f"{key}.cubin" if key else None
+    if path is not None and path.exists():
+        return path.read_bytes()
+    cubin = _link(policy, arch)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.part")
+        partial.write_bytes(cubin)
+        partial.replace(path)                  # atomic: a concurrent start never reads half an image
+    return cubin
+
+
+def _image_key(policy, arch: str) -> str | None:
+    function = getattr(policy, "py_func", policy)
+    if function.__module__ != "blink.device.policy":
+        return None
+    digest = hashlib.sha256(f"{arch} {function.__name__}".encode())
+    for dist in ("numba-cuda", "cuda-bindings", "nvidia-nvjitlink", "nvidia-cuda-nvrtc", "nvidia-nvvm"):
+        try:
+            digest.update(f"{dist}={metadata.version(dist)}".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{dist}=?".encode())
+    package = Path(__file__).parent.parent
+    for source in sorted(path for pattern in _IMAGE_SOURCES for path in package.glob(pattern)):
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:24]
+
+
+def _link(policy, arch: str) -> bytes:
+    import cuda.bindings.nvjitlink as nvjitlink
+    from cuda.pathfinder import find_static_lib
+
+    cc = (int(arch[3]), int(arch[4:]))
+    policy_ir, shim_ir = compile_policy(policy, cc), compile_shim(arch)
+    handle = nvjitlink.create(2, [f"-arch={arch}", "-lto"])
+    try:
+        nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, shim_ir, len(shim_ir), "shim")
+        nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, policy_ir, len(policy_ir), "policy")
+        nvjitlink.add_file(handle, nvjitlink.InputType.LIBRARY, find_static_lib("cudadevrt"))
+        nvjitlink.complete(handle)
+        cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))
+        nvjitlink.get_linked_cubin(handle, cubin)
+    except nvjitlink.nvJitLinkError as e:
+        size = nvjitlink.get_error_log_size(handle)
+        log = bytearray(size)
+        nvjitlink.get_error_log(handle, log)
+        raise LaunchError(f"nvJitLink failed to link the scheduler image: {e}\n{log.decode(errors='replace')}")
+    finally:
+        nvjitlink.destroy(handle)
+    return bytes(cubin)
+
+
+def _nvrtc(result):
+    from cuda.bindings import nvrtc
+
+    if int(result[0]) != 0:
+        raise LaunchError(f"NVRTC error {nvrtc.nvrtcGetErrorString(result[0])[1].decode()}")
+    return result[1] if len(result) == 2 else result[1:]

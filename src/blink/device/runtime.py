@@ -1,0 +1,214 @@
+"""``GpuScheduler``: the scheduler's persistent loop on the GPU, relaunched by device graph launch.
+
+Launch modes (``SchedulerConfig.launch_mode``), both relaunching the scheduler graph from the device only:
+
+- ``tail``: each scheduler execution runs one iteration, tail-launches the step graph, then itself;
+- ``fire_and_forget``: each scheduler execution stays resident for up to ``image.WINDOW`` steps: iterate,
+  fire-and-forget the step graph, wait until the step's last kernel bumps the done counter, repeat. Then it
+  tail-relaunches itself.
+
+When idle, the scheduler sleeps ``idle_sleep_ns`` and relaunches itself. A failing device-side ``cudaGraphLaunch``
+is written to the ring's ``launch_error`` and ends the loop; ``join`` raises it by name. The host only starts the
+loop and waits for it with a blocking sleep, so it uses no CPU while the loop runs.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+
+import numpy as np
+
+from blink.device import graphs
+from blink.device.config import SchedulerConfig
+from blink.device.driver import check, error_name
+from blink.device.image import LAUNCH_WORDS, STANDIN_BLOCK, STEP_CYCLES, STEPS_TIMED, link_image
+from blink.device.policy import fcfs
+from blink.device.state import (C64_HEARTBEAT, P_FIRST, PROFILE_PHASES, STATS_WORDS, SchedulerArrays, control_gauges,
+                                ring_arrays, state_arrays)
+from blink.device.step import StepLayout
+from blink.errors import LaunchError
+from blink.ring import control
+from blink.ring.geometry import RingGeometry
+from blink.ring.layout import RingLayout
+from blink.ring.standin import STANDIN_VOCAB
+
+
+class GpuScheduler:
+    """The persistent scheduler loop on GPU ``device`` over a ring in host memory that the GPU reads in place.
+
+    ``memory`` is a page-aligned mapping (``LocalMemory`` or ``SharedMemory``) of an initialised ring; it is
+    registered with the GPU for the scheduler's lifetime. ``step_addresses`` maps every ``StepLayout`` field to the
+    device address of its buffer (e.g. ``tensor.data_ptr()`` of a CUDA ``StepBuffers``). ``step_graph(bucket_tokens)``
+    returns the raw ``cudaGraph_t`` (as an int) of one step for that bucket, reading the step buffers, e.g.
+    ``torch.cuda.CUDAGraph(keep_graph=True).raw_cuda_graph()`` (keep the torch graph alive); by default, the stand-in
+    step. Each is wrapped with the "done" kernel and instantiated twice for device launch (``graphs``).
+    """
+
+    def __init__(self, memory, geometry: RingGeometry, config: SchedulerConfig, step_layout: StepLayout,
+                 step_addresses: dict[str, int], *, policy=fcfs, step_graph=None, image: bytes | None = None,
+                 device: int = 0):
+        from cuda.bindings import driver
+
+        self.geometry, self.config, self.step_layout = geometry, config, step_layout
+        self.memory, self.device = memory, device
+        self.layout = RingLayout(geometry)
+        self.running = False
+        self._allocations: list = []
+        self._ring_host = None
+        check(driver.cuInit(0))
+        self._context = check(driver.cuDevicePrimaryCtxRetain(check(driver.cuDeviceGet(device))))
+        check(driver.cuCtxSetCurrent(self._context))
+        try:
+            self._set_up(memory, step_addresses, policy, step_graph, image)
+        except BaseException:
+            self.close()                     # a failed start leaves no device memory or registration behind
+            raise
+
+    def _set_up(self, memory, step_addresses, policy, step_graph, image) -> None:
+        from cuda.bindings import driver
+
+        config, geometry, step_layout = self.config, self.geometry, self.step_layout
+        self.stream = check(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        self.module = check(driver.cuModuleLoadData(image if image is not None else link_image(policy)))
+        self._ring_host, self._ring_device = self._register_ring(memory)
+        view = self.layout.view(memory.buffer)
+        self.control32 = view.control.view(np.uint32)
+        control_gauges(self.control32, config)
+        host_state = state_arrays(config, geometry.n_slots, geometry.max_stop_ids, geometry.logprobs, step_layout)
+        self.state = {name: self._to_device(array) for name, array in host_state.items()}
+        ring = {name: (self._ring_address(array), array.shape) for name, array in ring_arrays(view).items()}
+        step = {name: (step_addresses[name], shape) for name, (shape, _) in step_layout.fields().items()}
+        self.step_addresses = step_addresses
+        self.table = self._to_device(self._address_table({**ring, **step, **self.state}))
+        self.launch = self._to_device(np.zeros(LAUNCH_WORDS, np.uint64))
+        self.launch_error = self._ring_address(view.control["launch_error"])
+        done = graphs.captured(self.stream, lambda: self._launch("blink_done", 1, 1,
+                                                                 [(self.launch[0], ctypes.c_void_p)]))
+        words, self.step_graphs = graphs.launch_table(config.buckets, step_graph or self._standin_graph, done,
+                                                      self.stream)
+        check(driver.cuMemcpyHtoD(self.launch[0], words, words.nbytes))
+        self.scheduler_graph = self._build_scheduler_graph()
+
+    # -- public -----------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Launch the scheduler graph once; from here on the GPU relaunches it by itself."""
+        from cuda.bindings import runtime
+
+        check(runtime.cudaGraphLaunch(self.scheduler_graph, runtime.cudaStream_t(init_value=int(self.stream))))
+        self.running = True
+
+    def request_shutdown(self) -> None:
+        control.request_shutdown(self.memory)
+
+    def alive(self) -> bool:
+        """The loop's stream still has work (the loop runs)."""
+        from cuda.bindings import driver
+
+        return driver.cuStreamQuery(self.stream)[0] == driver.CUresult.CUDA_ERROR_NOT_READY
+
+    def join(self, timeout_s: float | None = None, poll_s: float = 0.01) -> None:
+        """Sleep until the loop has ended; raise ``LaunchError`` if it ended on a failed device-side launch."""
+        from cuda.bindings import driver
+
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            status = driver.cuStreamQuery(self.stream)[0]
+            if status == driver.CUresult.CUDA_SUCCESS:
+                break
+            if status != driver.CUresult.CUDA_ERROR_NOT_READY:
+                self.running = False        # the loop died with the context; close() may free what is left
+                check((status,))
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the scheduler loop did not end within {timeout_s} s")
+            time.sleep(poll_s)
+        self.running = False
+        code = int(np.int32(self.control32[control.word_index("launch_error", 4)]))
+        if code:
+            raise LaunchError(f"a device-side cudaGraphLaunch failed with {error_name(code)} ({code})")
+
+    def profile(self) -> dict[str, float]:
+        """Microseconds per iteration in each phase (SM clock, thread 0), and per fire-and-forget step launch."""
+        from cuda.bindings import driver
+
+        stats = np.zeros(STATS_WORDS, np.int64)
+        check(driver.cuMemcpyDtoH(stats, self.state["stats"][0], stats.nbytes))
+        words = np.zeros(LAUNCH_WORDS, np.uint64)
+        check(driver.cuMemcpyDtoH(words, self.launch[0], words.nbytes))
+        khz = check(driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE,
+                                                check(driver.cuDeviceGet(self.device))))
+        iterations = max(int(stats[C64_HEARTBEAT]), 1)
+        result = {phase: stats[P_FIRST + k] / iterations / khz * 1e3 for k, phase in enumerate(PROFILE_PHASES)}
+        result["step_launch_to_done"] = float(words[STEP_CYCLES]) / max(int(words[STEPS_TIMED]), 1) / khz * 1e3
+        return result
+
+    def close(self) -> None:
+        """Free device memory and unregister the ring (the loop must have ended)."""
+        from cuda.bindings import driver
+
+        if self.running:
+            raise LaunchError("close() while the scheduler loop runs: request_shutdown() and join() first")
+        for allocation in self._allocations:
+            driver.cuMemFree(allocation)
+        self._allocations.clear()
+        if self._ring_host is not None:
+            driver.cuMemHostUnregister(self._ring_host)
+            self._ring_host = None
+
+    # -- setup ------------------------------------------------------------------------------------------------
+
+    def _register_ring(self, memory):
+        from cuda.bindings import driver
+
+        self._ring_bytes = np.frombuffer(memory.buffer, np.uint8)
+        host = self._ring_bytes.ctypes.data
+        flags = driver.CU_MEMHOSTREGISTER_DEVICEMAP | driver.CU_MEMHOSTREGISTER_PORTABLE
+        check(driver.cuMemHostRegister(host, memory.size, flags))
+        return host, int(check(driver.cuMemHostGetDevicePointer(host, 0)))
+
+    def _ring_address(self, array: np.ndarray) -> int:
+        return self._ring_device + (array.__array_interface__["data"][0] - self._ring_host)
+
+    def _to_device(self, array: np.ndarray) -> tuple[int, tuple]:
+        from cuda.bindings import driver
+
+        address = int(check(driver.cuMemAlloc(max(array.nbytes, 8))))
+        self._allocations.append(address)
+        check(driver.cuMemcpyHtoD(address, np.ascontiguousarray(array), array.nbytes))
+        return address, array.shape
+
+    @staticmethod
+    def _address_table(arrays: dict[str, tuple[int, tuple]]) -> np.ndarray:
+        table = np.zeros(3 * len(SchedulerArrays._fields), np.int64)
+        for k, name in enumerate(SchedulerArrays._fields):
+            address, shape = arrays[name]
+            table[3 * k] = address
+            table[3 * k + 1: 3 * k + 1 + len(shape)] = shape
+        return table
+
+    def _launch(self, name: str, grid: int, block: int, args: list[tuple[int, type]]):
+        from cuda.bindings import driver
+
+        function = check(driver.cuModuleGetFunction(self.module, name.encode()))
+        values = tuple(value for value, _ in args)
+        types = tuple(kind for _, kind in args)
+        check(driver.cuLaunchKernel(function, grid, 1, 1, block, 1, 1, 0, self.stream, (values, types), 0))
+
+    def _standin_graph(self, bucket_tokens: int) -> int:
+        rows = self.step_layout.sample_rows(bucket_tokens)
+        a = self.step_addresses
+        args = [(a["logits_indices"], ctypes.c_void_p), (a["token_ids"], ctypes.c_void_p),
+                (a["positions"], ctypes.c_void_p), (a["seed"], ctypes.c_void_p), (a["sampled_ids"], ctypes.c_void_p),
+                (a["sampled_logprobs"], ctypes.c_void_p), (rows, ctypes.c_int), (STANDIN_VOCAB, ctypes.c_int)]
+        grid = -(-rows // STANDIN_BLOCK)
+        return int(graphs.captured(self.stream,
+                                   lambda: self._launch("blink_standin_step", grid, STANDIN_BLOCK, args)))
+
+    def _build_scheduler_graph(self):
+        kernel = "blink_scheduler_window" if self.config.launch_mode == "fire_and_forget" else "blink_scheduler_tail"
+        args = [(self.table[0], ctypes.c_void_p), (self.launch[0], ctypes.c_void_p),
+                (self.launch_error, ctypes.c_void_p), (self.config.idle_sleep_ns, ctypes.c_int),
+                (self._ring_device, ctypes.c_void_p), (self.state["doorbells"][0], ctypes.c_void_p)]
+        (scheduler,) = graphs.instantiate(
+            graphs.captured(self.stream, lambda: self._launch(kernel, 1, self.config.block_threads, args)), copies=1)
+        return scheduler

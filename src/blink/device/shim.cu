@@ -1,0 +1,133 @@
+// The scheduler's device loop: graph launches, sleeps, the "done" kernel and the stand-in step, in CUDA C++.
+//
+// NVRTC compiles this file with -D definitions of every constant below (blink/device/image.py: SHIM_DEFINES), taken
+// from the Python modules that own them, so the two sides cannot disagree. The iteration itself is numba code
+// (blink_iterate), linked in by nvJitLink.
+#if !defined(MAX_BUCKETS) || !defined(WINDOW) || !defined(DONE) || !defined(PARITY) || !defined(STEP_CYCLES) ||     \
+    !defined(STEPS_TIMED) || !defined(STOP) || !defined(SHUTDOWN_WORD) || !defined(SUBMITTED_WORD) ||             \
+    !defined(CANCELS_WORD) || !defined(DB_VALID) || !defined(DB_SHUTDOWN) || !defined(DB_SUBMITTED) ||            \
+    !defined(DB_CANCELS) || !defined(LAUNCH_RETRIES) || !defined(LAUNCH_RETRY_NS) || !defined(DONE_POLL_NS)
+#error "compile shim.cu through blink.device.image.compile_shim: it defines the constants"
+#endif
+
+extern "C" __device__ int blink_iterate(long long *table);
+
+// clock64() for numba code (declared there with cuda.declare_device, numba's device-function ABI).
+extern "C" __device__ int blink_clock(long long *cycles) {
+  *cycles = clock64();
+  return 0;
+}
+
+// Launch a graph from the device; retry briefly (a graph that just signalled may not have retired yet), then
+// publish the error to the ring so the host and the agent can see it.
+__device__ bool blink_launch(cudaGraphExec_t graph, cudaStream_t how, int *launch_error) {
+  cudaError_t e = cudaGraphLaunch(graph, how);
+  for (int tries = 0; e != cudaSuccess && tries < LAUNCH_RETRIES; tries++) {
+    __nanosleep(LAUNCH_RETRY_NS);
+    e = cudaGraphLaunch(graph, how);
+  }
+  if (e == cudaSuccess) return true;
+  *(volatile int *)launch_error = (int)e;
+  __threadfence_system();
+  return false;
+}
+
+// One iteration by the whole block; every thread's step inputs are visible device-wide when it returns.
+__device__ int blink_step(long long *table) {
+  int outcome = blink_iterate(table);
+  __threadfence();
+  __syncthreads();
+  return outcome;
+}
+
+// Launch mode "tail": one iteration per execution, then the step graph and this graph again, as tail launches.
+extern "C" __global__ void blink_scheduler_tail(long long *table, unsigned long long *launch, int *launch_error,
+                                                int idle_ns, const unsigned int *control, long long *doorbells) {
+  int outcome = blink_step(table);
+  if (threadIdx.x != 0 || outcome == STOP) return;
+  if (outcome >= 0) {
+    if (!blink_launch((cudaGraphExec_t)launch[outcome], cudaStreamGraphTailLaunch, launch_error)) return;
+  } else if (idle_ns > 0) {
+    __nanosleep(idle_ns);
+  }
+  blink_launch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch, launch_error);
+}
+
+// Thread 0 of the resident loop, while the step runs: read the agent's words across PCIe, then wait for the step's
+// "done" kernel; the next iteration takes the words from `doorbells`. Returns the cycles from launch to done.
+__device__ void blink_wait_for_step(const unsigned int *control, long long *doorbells,
+                                    volatile unsigned long long *done, unsigned long long before) {
+  const volatile unsigned int *words = control;
+  unsigned int shutdown = words[SHUTDOWN_WORD];
+  unsigned long long submitted = *(const volatile unsigned long long *)(words + SUBMITTED_WORD);
+  unsigned long long cancels = *(const volatile unsigned long long *)(words + CANCELS_WORD);
+  while (*done == before) __nanosleep(DONE_POLL_NS);
+  doorbells[DB_SHUTDOWN] = shutdown;
+  doorbells[DB_SUBMITTED] = (long long)submitted;
+  doorbells[DB_CANCELS] = (long long)cancels;
+  doorbells[DB_VALID] = 1;
+  __threadfence();
+}
+
+// Launch mode "fire_and_forget": stay resident for up to WINDOW steps (a CUDA limit on fire-and-forget launches
+// per graph execution): iterate, fire the step graph (two instantiations alternate: a graph cannot be relaunched
+// before its previous launch retires), wait for its done kernel, repeat; then tail-relaunch this graph.
+extern "C" __global__ void blink_scheduler_window(long long *table, unsigned long long *launch, int *launch_error,
+                                                  int idle_ns, const unsigned int *control, long long *doorbells) {
+  __shared__ int go;
+  for (int k = 0; k < WINDOW; k++) {
+    int outcome = blink_step(table);
+    if (outcome == STOP) return;
+    if (threadIdx.x == 0) {
+      go = outcome;
+      if (outcome >= 0) {
+        volatile unsigned long long *done = launch + DONE;
+        unsigned long long before = *done, parity = launch[PARITY];
+        launch[PARITY] = parity ^ 1ULL;
+        cudaGraphExec_t step = (cudaGraphExec_t)launch[parity * MAX_BUCKETS + outcome];
+        long long start = clock64();
+        if (blink_launch(step, cudaStreamGraphFireAndForget, launch_error)) {
+          blink_wait_for_step(control, doorbells, done, before);
+          launch[STEP_CYCLES] += clock64() - start;    // launch + step + wake-up, for the profile
+          launch[STEPS_TIMED] += 1;
+        } else {
+          go = STOP;
+        }
+      }
+    }
+    __syncthreads();
+    if (go == STOP) return;
+    if (go < 0) break;
+  }
+  if (threadIdx.x == 0) {
+    if (go < 0 && idle_ns > 0) __nanosleep(idle_ns);
+    blink_launch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch, launch_error);
+  }
+}
+
+// The last kernel of every step graph: tells a resident scheduler that the step's results are in memory.
+extern "C" __global__ void blink_done(unsigned long long *launch) {
+  __threadfence();
+  atomicAdd(launch + DONE, 1ULL);
+}
+
+// The stand-in model step (blink/ring/standin.py: the same splitmix64 hash), one thread per sequence row.
+__device__ unsigned long long blink_mix64(unsigned long long x) {
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+extern "C" __global__ void blink_standin_step(const int *logits_indices, const int *token_ids, const int *positions,
+                                              const long long *seed, int *sampled_ids, float *sampled_logprobs,
+                                              int rows, int vocab) {
+  int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  int t = logits_indices[r];
+  if (t < 0) return;
+  unsigned long long prev = (unsigned long long)token_ids[t], position = (unsigned long long)(positions[t] + 1);
+  unsigned long long h = blink_mix64((unsigned long long)seed[r] ^ (prev * 0x9E3779B97F4A7C15ULL)
+                                     ^ (position * 0xC2B2AE3D27D4EB4FULL));
+  sampled_ids[r] = (int)(h % (unsigned long long)vocab);
+  sampled_logprobs[r] = -(float)((h >> 32) % 4096ULL) / 256.0f;
+}

@@ -1,0 +1,180 @@
+"""The engine in a process of its own: spawn it on a shared-memory ring, attach to that ring, stop it; and the CPU
+placement of the host's processes (priorities, cores).
+
+``blink serve`` runs the engine here and the HTTP agent in the calling process; ``blink engine`` runs ``serve_ring``
+alone. The engine process only sleeps while the GPU schedules itself; it stops, removing its ring, on SIGINT or
+SIGTERM, on a shutdown through the ring, or when the process that spawned it dies.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+from blink.config import EngineConfig
+from blink.errors import BlinkError, EngineError
+from blink.ring import control
+
+log = logging.getLogger("blink")
+# Errors that say what was wrong and what to do: shown as one line, without a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, BlinkError)
+ATTACH_TIMEOUT_S = 600.0        # loading a large model and capturing its graphs can take minutes
+
+
+def serve_ring(config: EngineConfig) -> None:
+    """Process entry point (``blink engine``): serve the shared ring ``config.ring_name`` until SIGINT or SIGTERM,
+    or until a shutdown is requested through the ring; then stop cleanly (the ring is removed)."""
+    import signal
+
+    from blink.core import EngineCore
+
+    # The signal only sets an event: an exception raised asynchronously inside threading's own waits (is_alive,
+    # join) can leave a thread's state lock held, and the shutdown's join would then hang forever.
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    with EngineCore(config) as core:
+        # Once a second: waiting is all the host does while the loop serves.
+        while core.alive() and not stop.wait(1.0):
+            pass
+    log.info("stopped")
+
+
+@contextmanager
+def engine_process(config: EngineConfig):
+    """The engine (``serve_ring``) in another process, on the shared-memory ring ``config.ring_name`` it creates.
+
+    Yields ``(memory, process)`` once the ring exists; on exit asks the engine to shut down through the ring, waits
+    for the process, and removes the ring if the engine could not.
+    """
+    from blink.ring.transport import SharedMemory
+
+    process = mp.get_context("spawn").Process(target=_engine_entry, args=(config, os.getpid()), daemon=True)
+    process.start()
+    memory = None
+    try:
+        memory = attach_ring(config, process)
+        yield memory, process
+    finally:
+        if memory is not None:
+            control.request_shutdown(memory)
+            memory.close()
+        process.join(60)
+        if process.is_alive():
+            process.terminate()
+            process.join(10)
+            process.kill()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SharedMemory.SHM_DIR, config.ring_name))
+
+
+def _engine_entry(config: EngineConfig, parent: int) -> None:
+    """``engine_process``'s target: the engine until shutdown, a start-up error reported in one line."""
+    logging.basicConfig(level=logging.INFO, format="blink: %(message)s")
+    _stop_with_parent(parent)
+    try:
+        serve_ring(config)
+    except USER_ERRORS as e:
+        print(f"blink engine: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _stop_with_parent(parent: int) -> None:
+    """SIGTERM this process when its parent dies (Linux), so a killed ``blink serve`` leaves no engine behind;
+    ``serve_ring`` turns SIGTERM into a clean stop that removes the ring."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent:      # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def attach_ring(config: EngineConfig, process, timeout_s: float = ATTACH_TIMEOUT_S):
+    """Open the ring the engine process creates: it exists once it has its full size and its magic word."""
+    from blink.ring.transport import SharedMemory
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        memory = _open_initialised(config.ring_name)
+        if memory is not None:
+            return memory
+        if not process.is_alive():
+            raise EngineError(f"the engine process exited (code {process.exitcode}) before it created its ring")
+        if time.monotonic() > deadline:
+            raise EngineError(f"the engine did not create its ring {SharedMemory.SHM_DIR}/{config.ring_name} "
+                              f"within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def _open_initialised(name: str):
+    """The shared-memory ring ``name`` once its creator has written its control block, else None."""
+    from blink.ring.transport import SharedMemory
+
+    try:
+        memory = SharedMemory.open(name)
+    except (FileNotFoundError, ValueError):
+        return None         # not created yet, or not yet sized
+    try:
+        control.geometry_of(memory.read(0, control.CONTROL_DTYPE.itemsize))
+    except (BlinkError, ValueError):
+        memory.close()      # sized, but its control block is not written yet
+        return None
+    return memory
+
+
+def wait_until_serving(agent, engine=None, timeout_s: float = ATTACH_TIMEOUT_S) -> None:
+    """Block until the ring's engine reports it is serving; ``EngineError`` saying why if it does not."""
+    deadline = time.monotonic() + timeout_s
+    while agent.stats()["engine_state"] == control.ENGINE_STARTING:
+        if engine is not None and not engine.is_alive():
+            raise EngineError(f"the engine process exited (code {engine.exitcode}) before it started serving")
+        if time.monotonic() > deadline:
+            raise EngineError(f"the engine did not start serving within {timeout_s:.0f} s: is it running on this "
+                              "ring?")
+        time.sleep(0.01)
+
+
+PRIORITIES = ("normal", "high", "realtime")
+
+
+def set_priority(level: str, option: str = "--agent-priority") -> None:
+    """Raise the calling process's CPU priority for a host shared with noisy neighbours: the agent's (the only host
+    process on the per-token path; the engine process only sleeps) or a benchmark client's. ``high``: nice -10, so
+    where busy processes at nice 0 share a core this one gets ~10x their CPU share and its wake-ups preempt them.
+    ``realtime``: SCHED_RR 10, so it runs whenever it is runnable; it sleeps between polls, and Linux keeps 5% of
+    every core for normal tasks. Both need CAP_SYS_NICE (root) or a raised RLIMIT_NICE / RLIMIT_RTPRIO; processes
+    started afterwards inherit the priority (``serve`` starts the engine first). ``option`` names the command-line
+    option in the error."""
+    if level not in PRIORITIES:
+        raise ValueError(f"{option} must be one of {', '.join(PRIORITIES)} (got {level!r})")
+    try:
+        if level == "high":
+            os.setpriority(os.PRIO_PROCESS, 0, -10)
+        elif level == "realtime":
+            os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(10))
+    except PermissionError as e:
+        raise SystemExit(f"{option} {level}: not permitted ({e.strerror}); it needs CAP_SYS_NICE (root) or a "
+                         f"raised RLIMIT_NICE / RLIMIT_RTPRIO. Use {option} normal.") from None
+
+
+def split_cores(process, agent_cores: list[int] | None) -> list[int] | None:
+    """The agent's cores: ``agent_cores`` if given; else the last core this process may use, with the engine
+    process pinned to the others, so HTTP and tokenization never compete with the engine (where the OS supports
+    affinity, with >= 2 cores)."""
+    if agent_cores or not hasattr(os, "sched_setaffinity"):
+        return agent_cores
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    try:
+        os.sched_setaffinity(process.pid, cores[:-1])
+    except OSError as e:                       # the engine may have exited already: the agent reports that
+        log.warning("could not pin the engine process to cores %s: %s", cores[:-1], e)
+    return [cores[-1]]

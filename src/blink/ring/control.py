@@ -1,0 +1,140 @@
+"""The ring's control block (256 B at offset 0): identity, geometry, the shutdown word, the GPU side's state and
+counters, the agent's doorbells. The one place that encodes, decodes and checks it.
+
+Writers: the creator (identity and geometry, once), the host or the agent (``shutdown``, the doorbells), the GPU
+side (everything else). ``fresh`` builds the block of a new ring, ``verify`` checks an existing one against a
+geometry, ``geometry_of`` reads the geometry an existing ring was created with, ``read`` decodes the words of a live
+ring, ``request_shutdown`` writes the shutdown word.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from blink.ring.errors import RingMismatch
+from blink.ring.geometry import RingGeometry
+
+MAGIC = 0x4B4E4C42  # "BLNK" in little-endian bytes
+VERSION = 1
+
+# Control block flags.
+RING_LOGPROBS = 1
+
+# Engine states (engine_state, written by the GPU side).
+ENGINE_STARTING, ENGINE_SERVING, ENGINE_STOPPED = 0, 1, 2
+
+
+def struct(fields: list[tuple[str, object, int]], itemsize: int) -> np.dtype:
+    """A little-endian structured dtype with the byte offsets spelled out: the offsets ARE the contract."""
+    names = [f[0] for f in fields]
+    formats = [f[1] for f in fields]
+    offsets = [f[2] for f in fields]
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": itemsize})
+
+
+CONTROL_DTYPE = struct([
+    ("magic", "<u4", 0),
+    ("version", "<u4", 4),
+    ("n_slots", "<u4", 8),
+    ("max_prompt_tokens", "<u4", 12),
+    ("max_output_tokens", "<u4", 16),
+    ("max_stop_ids", "<u4", 20),
+    ("flags", "<u4", 24),
+    ("shutdown", "<u4", 28),        # host or agent: ask the GPU loop to end
+    ("engine_state", "<u4", 32),    # GPU: ENGINE_STARTING / SERVING / STOPPED
+    ("launch_error", "<i4", 36),    # GPU: first failing device-side cudaGraphLaunch code, 0 if none
+    ("heartbeat", "<u8", 40),       # GPU: +1 per scheduler iteration
+    ("steps", "<u8", 48),           # GPU: model steps launched
+    ("tokens", "<u8", 56),          # GPU: tokens generated
+    ("admitted", "<u8", 64),        # GPU: requests moved READY -> RUNNING
+    ("finished", "<u8", 72),        # GPU: requests moved to FINISHED (any reason)
+    ("cancelled", "<u8", 80),       # GPU: requests finished with reason abort
+    ("preempted", "<u8", 88),       # GPU: recompute preemptions
+    ("kv_pages_total", "<u4", 96),  # GPU gauges
+    ("kv_pages_free", "<u4", 100),
+    ("running", "<u4", 104),
+    ("waiting", "<u4", 108),
+    ("submitted", "<u8", 112),      # agent doorbell: requests published READY so far
+    ("cancels", "<u8", 120),        # agent doorbell: cancel words written so far
+], 256)
+
+GEOMETRY_FIELDS = ("n_slots", "max_prompt_tokens", "max_output_tokens", "max_stop_ids", "flags")
+STATS_FIELDS = ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted", "kv_pages_total",
+                "kv_pages_free", "running", "waiting")
+
+
+def offset_of(name: str) -> int:
+    """Byte offset of a control-block field."""
+    return CONTROL_DTYPE.fields[name][1]
+
+
+def word_index(name: str, size: int) -> int:
+    """Index of a field in the block viewed as ``size``-byte words (4: u32, 8: u64), for device code."""
+    offset = offset_of(name)
+    if offset % size or CONTROL_DTYPE.fields[name][0].itemsize != size:
+        raise ValueError(f"control field {name!r} is not a {size}-byte word")
+    return offset // size
+
+
+def geometry_words(geometry: RingGeometry) -> dict[str, int]:
+    """The control-block words that record ``geometry``."""
+    g = geometry
+    return {"n_slots": g.n_slots, "max_prompt_tokens": g.max_prompt_tokens, "max_output_tokens": g.max_output_tokens,
+            "max_stop_ids": g.max_stop_ids, "flags": RING_LOGPROBS if g.logprobs else 0}
+
+
+def fresh(geometry: RingGeometry) -> bytes:
+    """The control block of a new ring: identity and geometry set, every counter zero."""
+    block = np.zeros(1, CONTROL_DTYPE)
+    block["magic"] = MAGIC
+    block["version"] = VERSION
+    for name, value in geometry_words(geometry).items():
+        block[name] = value
+    return block.tobytes()
+
+
+def decode(raw: bytes) -> np.void:
+    """The control block at the start of ``raw`` as a record (``RingMismatch`` if ``raw`` is too short)."""
+    if len(raw) < CONTROL_DTYPE.itemsize:
+        raise RingMismatch(f"control block is {len(raw)} bytes, expected {CONTROL_DTYPE.itemsize}")
+    return np.frombuffer(raw, CONTROL_DTYPE, count=1)[0]
+
+
+def _check_identity(block: np.void) -> None:
+    if int(block["magic"]) != MAGIC:
+        raise RingMismatch(f"ring field 'magic' is {int(block['magic']):#x}, expected {MAGIC:#x}: this region "
+                           "is not a blink ring or was never initialised")
+    if int(block["version"]) != VERSION:
+        raise RingMismatch(f"ring field 'version' is {int(block['version'])} in the region but {VERSION} in this "
+                           "blink: run the agent and the engine from the same blink version")
+
+
+def verify(raw: bytes, geometry: RingGeometry) -> None:
+    """Raise ``RingMismatch`` naming the first field of the control block in ``raw`` that ``geometry`` does not
+    expect."""
+    block = decode(raw)
+    _check_identity(block)
+    for name, want in geometry_words(geometry).items():
+        got = int(block[name])
+        if got != want:
+            raise RingMismatch(f"ring field '{name}' is {got} in the region but {want} in this RingLayout: "
+                               "build the agent and the engine from the same RingGeometry")
+
+
+def geometry_of(raw: bytes) -> RingGeometry:
+    """The geometry an existing ring was created with (``RingMismatch`` if it is not an initialised blink ring)."""
+    block = decode(raw)
+    _check_identity(block)
+    return RingGeometry(n_slots=int(block["n_slots"]), max_prompt_tokens=int(block["max_prompt_tokens"]),
+                        max_output_tokens=int(block["max_output_tokens"]), max_stop_ids=int(block["max_stop_ids"]),
+                        logprobs=bool(int(block["flags"]) & RING_LOGPROBS))
+
+
+def read(memory) -> dict[str, int]:
+    """Every control-block word of the ring in ``memory`` (a ``RemoteMemory``), by field name, in one read."""
+    block = decode(memory.read(0, CONTROL_DTYPE.itemsize))
+    return {name: int(block[name]) for name in CONTROL_DTYPE.names}
+
+
+def request_shutdown(memory) -> None:
+    """Ask the GPU side to finish everything in flight with "abort" and stop its loop."""
+    memory.write(offset_of("shutdown"), np.array([1], "<u4").tobytes())

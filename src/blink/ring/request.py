@@ -1,0 +1,121 @@
+"""What one request carries into the ring: ``SamplingParams`` and the encoding of a request's header.
+
+``SamplingParams`` is validated at construction (each error names the field and the accepted range); ``encode_header``
+then checks every number against the type of the header field that stores it, so nothing that would overflow,
+wrap or round to something else is ever written (a value checked only against the Python type once became a
+different number in a 32-bit field). Limits that depend on one ring's geometry (prompt length, ``max_tokens``, the
+number of stop ids) are checked by the agent against that ring.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from blink.ring.layout import FLAG_IGNORE_EOS, FLAG_LOGPROBS
+
+U64_MAX = (1 << 64) - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Below this a temperature is greedy (vLLM's rule too): dividing logits by a denormal float32 overflows them.
+GREEDY_BELOW = 1e-5
+
+
+def _check(ok: bool, field: str, rule: str, value) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{field} must be {rule} (got {value!r})")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request, as in vLLM / the OpenAI API.
+
+    ``temperature == 0`` is greedy (and so is any temperature below ``GREEDY_BELOW``, which is stored as 0).
+    ``top_k == 0`` and ``top_p == 1`` disable those filters. ``seed=None`` lets the agent pick a random seed; a fixed
+    seed gives the same tokens whatever else is batched with the request. ``stop_token_ids`` end the request on the
+    GPU (the stop token is part of the output); ``stop`` strings end it on the agent's side, matched on the decoded
+    text (the stop string is not part of the output). ``ignore_eos`` keeps generating past the model's
+    end-of-sequence tokens.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self):
+        _check(_is_int(self.max_tokens) and 1 <= self.max_tokens < 2**31, "max_tokens", "an int in [1, 2**31)",
+               self.max_tokens)
+        t = self.temperature
+        _check(_is_number(t) and 0.0 <= t <= FLOAT32_MAX, "temperature",
+               f"a finite number in [0, {FLOAT32_MAX:.4g}] (float32)", t)
+        if t < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+        p = self.top_p
+        _check(_is_number(p) and 0.0 < p <= 1.0 and np.float32(p) > 0, "top_p", "in (0, 1]", p)
+        _check(_is_int(self.top_k) and 0 <= self.top_k < 2**31, "top_k", "an int in [0, 2**31) (0 disables top-k)",
+               self.top_k)
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= U64_MAX), "seed",
+               "None or an int in [0, 2**64)", self.seed)
+        stops = self.stop_token_ids
+        _check(isinstance(stops, (tuple, list)) and all(_is_int(s) and 0 <= s < 2**31 for s in stops),
+               "stop_token_ids", "a sequence of token ids in [0, 2**31)", stops)
+        object.__setattr__(self, "stop_token_ids", tuple(stops))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        _check(isinstance(stop, (tuple, list)) and all(isinstance(s, str) and s for s in stop), "stop",
+               "a string or a sequence of non-empty strings", self.stop)
+        object.__setattr__(self, "stop", tuple(stop))
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
+        _check(isinstance(self.logprobs, bool), "logprobs", "a bool", self.logprobs)
+
+
+def encode_header(header_dtype: np.dtype, *, request_id: int, arrival_ns: int, seed: int, prompt_len: int,
+                  params: SamplingParams, priority: int) -> bytes:
+    """One request's header, every value checked against its field's type first (``ValueError`` naming the field).
+
+    ``header_dtype`` is the ring's (``RingLayout.header_dtype``); the caller has checked the geometry's limits.
+    """
+    values = {"request_id": request_id, "arrival_ns": arrival_ns, "seed": seed, "prompt_len": prompt_len,
+              "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
+              "top_k": params.top_k,
+              "flags": (FLAG_IGNORE_EOS if params.ignore_eos else 0) | (FLAG_LOGPROBS if params.logprobs else 0),
+              "n_stop": len(params.stop_token_ids), "priority": priority}
+    header = np.zeros(1, header_dtype)
+    for name, value in values.items():
+        header[name] = _fits(header_dtype.fields[name][0], name, value)
+    if params.stop_token_ids:
+        stop_type = header_dtype.fields["stop_ids"][0].base
+        header["stop_ids"][0, :len(params.stop_token_ids)] = [_fits(stop_type, "stop_token_ids", t)
+                                                               for t in params.stop_token_ids]
+    return header.tobytes()
+
+
+def _fits(dtype: np.dtype, name: str, value):
+    """``value`` if the header field of type ``dtype`` stores it exactly (floats: finite in that precision)."""
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if not _is_int(value) or not info.min <= value <= info.max:
+            raise ValueError(f"request field '{name}' must be an int in [{info.min}, {info.max}] to fit the ring "
+                             f"header's {dtype.name} (got {value!r})")
+        return value
+    if not _is_number(value):
+        raise ValueError(f"request field '{name}' must be a number (got {value!r})")
+    with np.errstate(over="ignore"):
+        stored = float(np.asarray(value, dtype))
+    if not math.isfinite(stored):
+        raise ValueError(f"request field '{name}' must be a finite number that fits the ring header's "
+                         f"{dtype.name} (got {value!r})")
+    return value
