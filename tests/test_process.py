@@ -3,6 +3,7 @@ tests/nic/openai/test_server.py)."""
 import os
 import subprocess
 import sys
+import time
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
@@ -30,3 +31,32 @@ def test_agent_priority_is_applied_or_refused_with_a_clear_error():
     assert denied.returncode == 1 and "Traceback" not in denied.stderr
     assert "--agent-priority realtime: not permitted" in denied.stderr
     assert "Use --agent-priority normal." in denied.stderr
+
+
+def test_a_long_cpu_step_is_not_taken_for_a_dead_engine():
+    """Regression (false liveness alarms): on the CPU a long prefill outlasted the agent's liveness timeout and the
+    request failed with 503. With a 1 s timeout, a prefill of 1,000 tokens (several seconds on a 2-core box) runs to
+    its answer: the engine says it is inside a step, and its process keeps ticking."""
+    import uuid
+
+    from blink import EngineConfig, SamplingParams, SchedulerConfig
+    from blink.nic.agent import Agent
+    from blink.process import engine_process, wait_until_serving
+
+    config = EngineConfig(device="cpu", n_slots=2, sim_threads=2, cpu_kv_cache_gib=0.1,
+                          ring_name=f"blink-test-long-{uuid.uuid4().hex[:8]}",
+                          scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1024, max_model_len=1040))
+    with engine_process(config) as (memory, process):
+        agent = Agent.attach(memory, liveness_timeout_s=1.0)
+        wait_until_serving(agent, process)
+        agent.submit(list(range(1, 1001)), SamplingParams(max_tokens=2, temperature=0))
+        start, first_token_s, saw_in_step, reasons = time.monotonic(), None, False, []
+        while agent.in_flight:
+            saw_in_step |= bool(agent.stats()["in_step"])
+            for out in agent.poll():
+                if out.new_tokens and first_token_s is None:
+                    first_token_s = time.monotonic() - start
+                reasons.append(out.finish_reason)
+            time.sleep(0.05)
+    assert reasons[-1] == "length"
+    assert saw_in_step and first_token_s > 1.0, f"the prefill took {first_token_s:.2f} s: too short to test anything"

@@ -28,6 +28,8 @@ from blink.errors import EngineError
 from blink.ring.geometry import RingGeometry
 
 SHUTDOWN_TIMEOUT_S = 120.0   # a CPU step of a full 2048-token prefill can take seconds
+GPU_STEP_LIMIT_S = 10        # a GPU step takes milliseconds; one that has not ended after this is hung
+CPU_FLOPS_FLOOR = 2e9        # the slowest CPU a step is expected on (a loaded 2-core box: 14-46 GFLOP/s measured)
 log = logging.getLogger("blink")
 
 
@@ -106,6 +108,9 @@ class CpuBackend:
                                       policy=config.policy_function(), threads=config.sim_threads)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="blink-cpu-scheduler", daemon=True)
+        # The largest step's matmul FLOPs at the slowest CPU expected, and a margin: beyond it the step is hung.
+        weights = sum(p.numel() for p in model.parameters())
+        self.step_limit_s = int(2 * weights * self.config.buckets[-1] / CPU_FLOPS_FLOOR) + 10
 
     def start(self) -> None:
         self._thread.start()
@@ -174,6 +179,7 @@ class GpuBackend:
                                       step_graph=lambda tokens: self.graphs[tokens].raw_cuda_graph(), image=image,
                                       device=torch.cuda.current_device())
         self.error: BaseException | None = None
+        self.step_limit_s = GPU_STEP_LIMIT_S
 
     def _pages_that_fit(self, config: EngineConfig, page_bytes: int) -> int:
         """KV pages that fit in ``gpu_memory_utilization`` of the GPU, after one step of the largest bucket.

@@ -116,22 +116,24 @@ def agent(args) -> int:
 
 
 def _serve_http(args, memory, tokenizer, model_dir, engine_process, cores) -> int:
+    """The HTTP agent on ``memory``'s ring until Ctrl-C / SIGTERM (exit 0) or until its engine is gone (exit 1: the
+    engine is not restarted here; a supervisor restarts the whole server)."""
     from pathlib import Path
 
     from blink.nic.agent import Agent
     from blink.nic.agent_loop import LoopConfig
     from blink.nic.openai.server import OpenAIServer, ServerConfig, run
-    from blink.process import set_priority, wait_until_serving
+    from blink.process import engine_gone, set_priority, wait_until_serving
 
     if cores:
         os.sched_setaffinity(0, cores)          # keep the agent off the engine's cores
     set_priority(args.agent_priority)           # before any thread starts: threads inherit it
-    agent = Agent.attach(memory)
+    agent = Agent.attach(memory, liveness_timeout_s=args.liveness_timeout)
     wait_until_serving(agent, engine_process)
     config = ServerConfig(model_name=args.served_model_name or Path(model_dir).name,
                           loop=LoopConfig(max_queued=args.max_queued))
-    run(OpenAIServer(agent, tokenizer, config), args.host, args.port)
-    return 0
+    server = OpenAIServer(agent, tokenizer, config, engine_gone=lambda: engine_gone(agent, engine_process))
+    return run(server, args.host, args.port)
 
 
 def _ring_name() -> str:
@@ -201,6 +203,9 @@ def _http_options(parser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--max-queued", type=int, default=1024,
                         help="requests that may wait in the agent for a free ring slot; beyond it: 429")
+    parser.add_argument("--liveness-timeout", type=float, default=10.0,
+                        help="seconds the engine may show no sign of life (outside a long step) before requests "
+                             "get 503")
     parser.add_argument("--agent-priority", choices=PRIORITIES, default="normal",
                         help="CPU priority of the agent on a shared host: high = nice -10, realtime = SCHED_RR "
                              "(both need CAP_SYS_NICE)")

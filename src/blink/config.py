@@ -113,7 +113,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_prompt_tokens={prompt} leaves no room to generate in sequences of "
                              f"max_model_len={max_model_len} tokens: lower max_prompt_tokens (or leave it out)")
         return RingGeometry(self.n_slots, prompt, self.max_output_tokens or max_model_len - 1, self.max_stop_ids,
-                            self.logprobs)
+                            self.logprobs, max_model_len)
 
     def policy_function(self):
         """The admission policy as a numba device function (``blink.device.policy.fcfs`` when None)."""

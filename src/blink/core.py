@@ -60,6 +60,7 @@ class EngineCore:
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         backend_class = CpuBackend if self.device == "cpu" else GpuBackend
         self.backend = backend_class(model, self.memory, self.geometry, config, self.max_model_len, eos)
+        control.write(self.memory, "step_limit_s", self.backend.step_limit_s)
         self._stack.callback(self._stop)
         self.backend.start()
         if config.ring_name is not None:

@@ -4,7 +4,8 @@ A leaf module: it imports only the ring's own errors (``blink.ring.errors``), so
 Errors about bad input (a configuration, a checkpoint, a request) are also ``ValueError``s; errors of a running
 engine are ``RuntimeError``s. Every message says what was wrong and what to do.
 """
-from blink.ring.errors import BlinkError, EngineUnresponsive, IllegalTransition, RingFull, RingMismatch
+from blink.ring.errors import (BlinkError, EngineUnresponsive, IllegalTransition, RequestError, RingFull,
+                               RingMismatch)
 
 
 class EngineError(BlinkError):
@@ -49,5 +50,5 @@ class GGUFError(BlinkError, ValueError):
 
 
 __all__ = ["BlinkError", "CheckpointError", "ConfigError", "EngineClosed", "EngineError", "EngineUnavailable",
-           "EngineUnresponsive", "GGUFError", "IllegalTransition", "LaunchError", "Overloaded", "RingFull",
-           "RingMismatch"]
+           "EngineUnresponsive", "GGUFError", "IllegalTransition", "LaunchError", "Overloaded", "RequestError",
+           "RingFull", "RingMismatch"]

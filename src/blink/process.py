@@ -39,9 +39,12 @@ def serve_ring(config: EngineConfig) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     with EngineCore(config) as core:
-        # Once a second: waiting is all the host does while the loop serves.
-        while core.alive() and not stop.wait(1.0):
-            pass
+        # A tick every ALIVE_TICK_S is all the host does while the loop serves: it tells the agent that this
+        # process lives (blink.nic.liveness), so a long step is not taken for a dead engine.
+        ticks = 0
+        while core.alive() and not stop.wait(control.ALIVE_TICK_S):
+            ticks += 1
+            control.write(core.memory, "alive", ticks)
     log.info("stopped")
 
 
@@ -97,12 +100,14 @@ def _stop_with_parent(parent: int) -> None:
 
 
 def attach_ring(config: EngineConfig, process, timeout_s: float = ATTACH_TIMEOUT_S):
-    """Open the ring the engine process creates: it exists once it has its full size and its magic word."""
+    """Open the ring the engine ``process`` creates: once it exists, has its full size and its control block, and
+    that block names ``process`` as its creator (a ring some other or killed engine left under the name is never
+    attached to)."""
     from blink.ring.transport import SharedMemory
 
     deadline = time.monotonic() + timeout_s
     while True:
-        memory = _open_initialised(config.ring_name)
+        memory = _open_initialised(config.ring_name, process.pid)
         if memory is not None:
             return memory
         if not process.is_alive():
@@ -113,18 +118,22 @@ def attach_ring(config: EngineConfig, process, timeout_s: float = ATTACH_TIMEOUT
         time.sleep(0.05)
 
 
-def _open_initialised(name: str):
-    """The shared-memory ring ``name`` once its creator has written its control block, else None."""
+def _open_initialised(name: str, creator_pid: int):
+    """The shared-memory ring ``name`` once process ``creator_pid`` has written its control block, else None."""
     from blink.ring.transport import SharedMemory
 
     try:
         memory = SharedMemory.open(name)
     except (FileNotFoundError, ValueError):
         return None         # not created yet, or not yet sized
+    raw = memory.read(0, control.CONTROL_DTYPE.itemsize)
     try:
-        control.geometry_of(memory.read(0, control.CONTROL_DTYPE.itemsize))
+        control.geometry_of(raw)
+        mine = control.decode(raw)["creator_pid"] == creator_pid
     except (BlinkError, ValueError):
-        memory.close()      # sized, but its control block is not written yet
+        mine = False        # sized, but its control block is not written yet
+    if not mine:
+        memory.close()
         return None
     return memory
 
@@ -139,6 +148,20 @@ def wait_until_serving(agent, engine=None, timeout_s: float = ATTACH_TIMEOUT_S) 
             raise EngineError(f"the engine did not start serving within {timeout_s:.0f} s: is it running on this "
                               "ring?")
         time.sleep(0.01)
+
+
+def engine_gone(agent, process=None) -> str | None:
+    """Why the engine behind ``agent``'s ring is gone for good, or None: its process (when this process spawned
+    it) exited, or it stopped, or its process stopped ticking (``blink.nic.liveness``)."""
+    if process is not None and not process.is_alive():
+        process.join(0)                     # reap it: no zombie is left while the agent shuts down
+        return f"the engine process exited (code {process.exitcode})"
+    stats = agent.stats()
+    if stats["engine_state"] == control.ENGINE_STOPPED:
+        return "the engine has stopped"
+    now = time.monotonic()
+    problem = agent.liveness.problem(stats, now)
+    return problem if agent.liveness.process_gone(now) else None
 
 
 PRIORITIES = ("normal", "high", "realtime")

@@ -15,7 +15,8 @@ CONTROL_SPEC = [("magic", 0, 4), ("version", 4, 4), ("n_slots", 8, 4), ("max_pro
                 ("engine_state", 32, 4), ("launch_error", 36, 4), ("heartbeat", 40, 8), ("steps", 48, 8),
                 ("tokens", 56, 8), ("admitted", 64, 8), ("finished", 72, 8), ("cancelled", 80, 8),
                 ("preempted", 88, 8), ("kv_pages_total", 96, 4), ("kv_pages_free", 100, 4), ("running", 104, 4),
-                ("waiting", 108, 4), ("submitted", 112, 8), ("cancels", 120, 8)]
+                ("waiting", 108, 4), ("submitted", 112, 8), ("cancels", 120, 8), ("max_model_len", 128, 4),
+                ("in_step", 132, 4), ("step_limit_s", 136, 4), ("alive", 144, 8), ("creator_pid", 152, 4)]
 HEADER_SPEC = [("request_id", 0, 8), ("arrival_ns", 8, 8), ("seed", 16, 8), ("prompt_len", 24, 4),
                ("max_tokens", 28, 4), ("temperature", 32, 4), ("top_p", 36, 4), ("top_k", 40, 4), ("flags", 44, 4),
                ("n_stop", 48, 4), ("priority", 52, 4)]

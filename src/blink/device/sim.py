@@ -21,7 +21,8 @@ from blink.device.config import SchedulerConfig  # noqa: E402
 from blink.device.numba_compat import SIMULATOR, cuda  # noqa: E402
 from blink.device.policy import fcfs  # noqa: E402
 from blink.device.scheduler import make_iterate  # noqa: E402
-from blink.device.state import STOP, SchedulerArrays, control_gauges, ring_arrays, state_arrays  # noqa: E402
+from blink.device.state import (C32_IN_STEP, STOP, SchedulerArrays, control_gauges, ring_arrays,  # noqa: E402
+                                state_arrays)
 from blink.device.step import StepBuffers  # noqa: E402
 from blink.ring.geometry import RingGeometry  # noqa: E402
 from blink.ring.layout import RingView  # noqa: E402
@@ -119,7 +120,12 @@ class SimScheduler:
             self._kernel[1, self.threads](self.arrays, self._result)
         outcome = int(self._result[0])
         if outcome >= 0:
-            self.step_fn(self.arrays, self.config.buckets[outcome])
+            # A step on the host can outlast the agent's heartbeat timeout: say that the loop is inside one.
+            self.arrays.ctl32[C32_IN_STEP] = 1
+            try:
+                self.step_fn(self.arrays, self.config.buckets[outcome])
+            finally:
+                self.arrays.ctl32[C32_IN_STEP] = 0
         return outcome
 
     def run(self, idle_sleep_s: tuple[float, float] = (1e-3, 50e-3)) -> None:

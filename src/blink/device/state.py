@@ -39,7 +39,7 @@ CFG_PAGE_SIZE, CFG_TOKEN_BUDGET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_N_EOS, CFG
 CFG_WORDS = len(CFG_NAMES)
 
 # Control-block words, as indices into the u32 (C32_*) and u64 (C64_*) views of the block.
-C32_SHUTDOWN, C32_ENGINE_STATE = word_index("shutdown", 4), word_index("engine_state", 4)
+C32_SHUTDOWN, C32_ENGINE_STATE, C32_IN_STEP = (word_index(n, 4) for n in ("shutdown", "engine_state", "in_step"))
 C32_KV_TOTAL, C32_KV_FREE, C32_RUNNING, C32_WAITING = (word_index(n, 4) for n in
                                                       ("kv_pages_total", "kv_pages_free", "running", "waiting"))
 C64_HEARTBEAT, C64_STEPS, C64_TOKENS, C64_ADMITTED, C64_FINISHED, C64_CANCELLED, C64_PREEMPTED = (

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blink.errors import EngineUnresponsive, IllegalTransition
+from blink.errors import EngineUnresponsive, IllegalTransition, RequestError
+from blink.nic.liveness import Liveness
 from blink.nic.slots import SlotTracker
 from blink.ring import control
 from blink.ring.control import CONTROL_DTYPE, ENGINE_STOPPED
@@ -40,8 +41,8 @@ class RequestOutput:
 class Agent:
     """Drives one ring. Not thread-safe: one agent (one thread) per ring.
 
-    ``liveness_timeout_s``: how long the GPU side's heartbeat may stand still while requests are in flight before
-    ``poll()`` raises ``EngineUnresponsive`` instead of waiting forever.
+    ``liveness_timeout_s``: how long the engine may show no sign of life (``blink.nic.liveness``) while requests are
+    in flight before ``poll()`` raises ``EngineUnresponsive`` instead of waiting forever.
     """
 
     def __init__(self, memory: RemoteMemory, geometry: RingGeometry, *, liveness_timeout_s: float = 10.0):
@@ -55,7 +56,7 @@ class Agent:
         n = geometry.n_slots
         # The status region starts after the control block; reading [0, status end) gets both in one read.
         self._snapshot_bytes = layout.offset("status") + layout.status_dtype.itemsize
-        control, status = self._snapshot()
+        block, status = self._snapshot()
         self.tracker = SlotTracker(n)
         self.tracker.refresh(status["state"])
         self._epoch = status["epoch"].copy()
@@ -65,10 +66,10 @@ class Agent:
         self._seen_running = np.zeros(n, bool)      # the agent has re-read n_generated since admission
         self._slot_of: dict[int, int] = {}
         self._next_id = 1
-        self._heartbeat = int(control["heartbeat"])
-        self._submitted = int(control["submitted"])      # doorbells continue from an earlier agent's counts
-        self._cancels = int(control["cancels"])
-        self._last_progress = time.monotonic()
+        self.liveness = Liveness(liveness_timeout_s)
+        self._waiting_since: float | None = None    # when requests last started waiting on an idle ring
+        self._submitted = int(block["submitted"])       # doorbells continue from an earlier agent's counts
+        self._cancels = int(block["cancels"])
 
     @classmethod
     def attach(cls, memory: RemoteMemory, **options) -> Agent:
@@ -80,8 +81,8 @@ class Agent:
         return len(self._slot_of)
 
     def submit(self, prompt_tokens, params: SamplingParams = SamplingParams(), *, priority: int = 0) -> int:
-        """Publish one request; return its id. Raises ``ValueError`` naming the field (ring untouched, no slot
-        claimed) or ``RingFull``.
+        """Publish one request; return its id. Raises ``RequestError`` (a ``ValueError``) naming the field (ring
+        untouched, no slot claimed) or ``RingFull``.
 
         ``priority`` is passed to the GPU's admission policy (the default policy, FCFS, ignores it).
         """
@@ -119,10 +120,10 @@ class Agent:
 
     def poll(self) -> list[RequestOutput]:
         """One bulk read of the control block and status words; return the progress of every request that moved."""
-        control, status = self._snapshot()
+        block, status = self._snapshot()
         state = status["state"]
         active = self._request_id != 0
-        self._check_liveness(control, int(np.count_nonzero(active & (state != FINISHED))))
+        self._check_liveness(block, int(np.count_nonzero(active & (state != FINISHED))))
         self.tracker.refresh(state)
         # A READY slot's n_generated is the previous occupant's until the GPU zeroes it at admission, and one read
         # does not order the two columns: the first time a slot shows RUNNING, re-read its count.
@@ -165,37 +166,52 @@ class Agent:
 
     # -- internals ------------------------------------------------------------------------------------------------
 
+    def validate(self, prompt_tokens, params: SamplingParams = SamplingParams(), priority: int = 0) -> None:
+        """Every check ``submit`` makes before it claims a slot: ``RequestError`` naming the field, or None."""
+        prompt = self._validate(prompt_tokens, params)
+        encode_header(self.layout.header_dtype, request_id=self._next_id, arrival_ns=0, seed=params.seed or 0,
+                      prompt_len=len(prompt), params=params, priority=priority)
+
     def _validate(self, prompt_tokens, params: SamplingParams) -> np.ndarray:
+        """The prompt as the ring stores it; ``RequestError`` naming the field that breaks this ring's limits."""
         g = self.geometry
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams (got {type(params).__name__})")
+            raise RequestError("params", f"params must be a SamplingParams (got {type(params).__name__})")
         try:
             prompt = np.asarray(prompt_tokens)
         except Exception as e:
-            raise ValueError(f"prompt_tokens must be a sequence of token ids ({e})") from None
+            raise RequestError("prompt_tokens", f"prompt_tokens must be a sequence of token ids ({e})") from None
         if prompt.ndim != 1 or prompt.size == 0 or not (np.issubdtype(prompt.dtype, np.integer)):
-            raise ValueError("prompt_tokens must be a non-empty 1-D sequence of int token ids "
-                             f"(got shape {prompt.shape}, dtype {prompt.dtype})")
-        if prompt.size > g.max_prompt_tokens:
-            raise ValueError(f"prompt_tokens has {prompt.size} tokens; this ring's slots hold at most "
-                             f"{g.max_prompt_tokens} (RingGeometry.max_prompt_tokens)")
-        if prompt.min() < 0 or prompt.max() >= 2**31:
-            raise ValueError("prompt_tokens must be token ids in [0, 2**31)")
-        if params.max_tokens > g.max_output_tokens:
-            raise ValueError(f"max_tokens={params.max_tokens} is above this ring's output capacity "
-                             f"{g.max_output_tokens} (RingGeometry.max_output_tokens)")
-        if len(params.stop_token_ids) > g.max_stop_ids:
-            raise ValueError(f"stop_token_ids has {len(params.stop_token_ids)} ids; at most {g.max_stop_ids} fit "
-                             "(RingGeometry.max_stop_ids)")
-        if params.logprobs and not g.logprobs:
-            raise ValueError("logprobs=True needs a ring built with RingGeometry(logprobs=True)")
+            raise RequestError("prompt_tokens", "prompt_tokens must be a non-empty 1-D sequence of int token ids "
+                                                f"(got shape {prompt.shape}, dtype {prompt.dtype})")
+        checks = [
+            (prompt.size <= g.max_prompt_tokens, "prompt_tokens",
+             f"prompt_tokens has {prompt.size} tokens; this ring's slots hold at most {g.max_prompt_tokens} "
+             "(RingGeometry.max_prompt_tokens)"),
+            (prompt.min() >= 0 and prompt.max() < 2**31, "prompt_tokens", "prompt_tokens must be token ids in "
+                                                                           "[0, 2**31)"),
+            (params.max_tokens <= g.max_output_tokens, "max_tokens",
+             f"max_tokens={params.max_tokens} is above this ring's output capacity {g.max_output_tokens} "
+             "(RingGeometry.max_output_tokens)"),
+            (len(params.stop_token_ids) <= g.max_stop_ids, "stop_token_ids",
+             f"stop_token_ids has {len(params.stop_token_ids)} ids; at most {g.max_stop_ids} fit "
+             "(RingGeometry.max_stop_ids)"),
+            (not params.logprobs or g.logprobs, "logprobs",
+             "logprobs=True needs a ring built with RingGeometry(logprobs=True)"),
+            (prompt.size + params.max_tokens <= g.max_model_len, "max_tokens",
+             f"the prompt has {prompt.size} tokens and max_tokens={params.max_tokens}, together "
+             f"{prompt.size + params.max_tokens} positions, but the engine's max_model_len is {g.max_model_len}: "
+             "lower max_tokens or shorten the prompt"),
+        ]
+        for ok, field, message in checks:
+            if not ok:
+                raise RequestError(field, message)
         return prompt.astype("<i4")
 
     def _snapshot(self) -> tuple[np.void, np.void]:
         raw = self.memory.read(0, self._snapshot_bytes)
-        control = np.frombuffer(raw, CONTROL_DTYPE, count=1)[0]
         status = np.frombuffer(raw, self.layout.status_dtype, count=1, offset=self.layout.offset("status"))[0]
-        return control, status
+        return control.decode(raw), status
 
     def _read_word(self, column: str, slot: int) -> int:
         return int(np.frombuffer(self.memory.read(self.layout.status_at(column, slot), 4), _U32)[0])
@@ -206,21 +222,25 @@ class Agent:
     def _write_word(self, column: str, slot: int, value: int) -> None:
         self.memory.write(self.layout.status_at(column, slot), np.array([value], _U32).tobytes())
 
-    def _check_liveness(self, control: np.void, unfinished: int) -> None:
-        """Raise if requests wait on a GPU side that reported an error, stopped, or stopped beating."""
-        if int(control["launch_error"]):
-            raise EngineUnresponsive(f"the GPU loop reported device graph launch error {int(control['launch_error'])}")
+    def health(self) -> str | None:
+        """Why the engine counts as dead now (one read of the control block), or None (``Liveness``)."""
+        return self.liveness.problem(control.read(self.memory), time.monotonic())
+
+    def _check_liveness(self, block: np.void, unfinished: int) -> None:
+        """Raise if the GPU side reported a launch error, or if requests have waited ``liveness_timeout_s`` on an
+        engine that counts as dead (a stall while nothing waited is no alarm: a stepped test consumer idles so)."""
         now = time.monotonic()
-        heartbeat = int(control["heartbeat"])
-        if heartbeat != self._heartbeat or not unfinished:
-            self._heartbeat, self._last_progress = heartbeat, now
+        problem = self.liveness.problem(block, now)
+        if not unfinished:
+            self._waiting_since = None
+            if problem and int(block["launch_error"]):
+                raise EngineUnresponsive(problem)
             return
-        if int(control["engine_state"]) == ENGINE_STOPPED:
-            raise EngineUnresponsive(f"the engine stopped with {unfinished} requests unfinished")
-        if now - self._last_progress > self.liveness_timeout_s:
-            raise EngineUnresponsive(
-                f"the GPU side's heartbeat has been stuck at {heartbeat} for {now - self._last_progress:.1f} s with "
-                f"{unfinished} requests unfinished: the scheduler loop (or consumer process) is not running")
+        if self._waiting_since is None:
+            self._waiting_since = now
+        if problem and (int(block["launch_error"]) or now - self._waiting_since > self.liveness_timeout_s
+                        or int(block["engine_state"]) == ENGINE_STOPPED):
+            raise EngineUnresponsive(f"{problem} ({unfinished} requests unfinished)")
 
     def _collect(self, slot: int, end: int, finish_reason: int | None) -> RequestOutput:
         """New tokens ``[delivered, end)`` of ``slot``; ``finish_reason`` is None while the request runs."""

@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from blink.errors import EngineUnavailable, EngineUnresponsive, Overloaded, RingFull
 from blink.nic.agent import Agent, RequestOutput
-from blink.ring.control import ENGINE_STARTING, ENGINE_STOPPED
+from blink.ring.control import ENGINE_STARTING
 from blink.ring.request import SamplingParams
 
 log = logging.getLogger("blink.agent")
@@ -35,15 +35,22 @@ log = logging.getLogger("blink.agent")
 @dataclass(frozen=True)
 class LoopConfig:
     """``max_queued``: requests that may wait in the agent for a free ring slot; more raise ``Overloaded``.
-    ``heartbeat_timeout_s``: how long the engine's heartbeat may stand still before the engine counts as not serving.
     ``poll_interval_s``: pause between polls while requests are in flight and the last poll found nothing.
-    ``retry_after_s``: the retry hint of ``Overloaded`` and ``EngineUnavailable``.
+    ``retry_after_s``: the retry hint of ``Overloaded`` and ``EngineUnavailable``. Whether the engine serves is the
+    agent's ``Liveness`` (its ``liveness_timeout_s``).
     """
 
     max_queued: int = 1024
-    heartbeat_timeout_s: float = 5.0
     poll_interval_s: float = 200e-6
     retry_after_s: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.max_queued, int) or self.max_queued < 0:
+            raise ValueError(f"LoopConfig.max_queued must be an int >= 0 (got {self.max_queued!r})")
+        if not 0 <= self.poll_interval_s <= 1:
+            raise ValueError(f"LoopConfig.poll_interval_s must be in [0, 1] seconds (got {self.poll_interval_s!r})")
+        if not isinstance(self.retry_after_s, int) or self.retry_after_s < 1:
+            raise ValueError(f"LoopConfig.retry_after_s must be an int >= 1 (got {self.retry_after_s!r})")
 
 
 @dataclass(eq=False)
@@ -71,11 +78,14 @@ class AgentLoop:
         self.waiting: deque[Submission] = deque()       # the ring was full: FIFO, at most config.max_queued
         self._active: dict[int, Submission] = {}        # request id -> request whose outputs someone awaits
         self._wakeup = asyncio.Event()
-        self._stats = agent.stats()
-        self._beat_at = self._sampled_at = time.monotonic()
+        self._problem: str | None = None
+        self._sampled_at = 0.0
         self._crashed: str | None = None
 
     def submit(self, prompt: list[int], params: SamplingParams, priority: int) -> Submission:
+        """Queue one request for the ring. ``ValueError`` naming the field if the ring cannot take it (nothing is
+        queued), ``EngineUnavailable`` or ``Overloaded`` when it cannot take it now."""
+        self.agent.validate(prompt, params, priority)
         problem = self.health()
         if problem:
             raise EngineUnavailable(f"{problem}: retry later", self.config.retry_after_s)
@@ -112,20 +122,20 @@ class AgentLoop:
             self.agent.cancel(req.request_id)
 
     def health(self) -> str | None:
-        """Why the engine cannot serve now, or None when it can."""
+        """Why the engine cannot serve now, or None when it can (sampled at most every HEARTBEAT_SAMPLE_S)."""
         if self._crashed:
             return self._crashed
-        stats = self._sample_heartbeat()
-        if stats["launch_error"]:
-            return f"the GPU loop reported device graph launch error {stats['launch_error']}"
-        if stats["engine_state"] == ENGINE_STOPPED:
-            return "the engine has stopped"
-        if stats["engine_state"] == ENGINE_STARTING:
-            return "the engine is still starting"
-        still = time.monotonic() - self._beat_at
-        if still > self.config.heartbeat_timeout_s:
-            return f"the engine's heartbeat has not moved for {still:.1f} s"
-        return None
+        if time.monotonic() - self._sampled_at > self.HEARTBEAT_SAMPLE_S:
+            self._sample()
+        return self._problem
+
+    def _sample(self) -> None:
+        stats = self.agent.stats()
+        self._sampled_at = time.monotonic()
+        if stats["engine_state"] == ENGINE_STARTING and not stats["launch_error"]:
+            self._problem = "the engine is still starting"
+        else:
+            self._problem = self.agent.liveness.problem(stats, self._sampled_at)
 
     async def run(self) -> None:
         try:
@@ -134,7 +144,7 @@ class AgentLoop:
         except Exception as e:
             log.exception("the agent loop crashed")
             self._crashed = f"the agent loop crashed ({e!r})"
-            self._fail_all(self._crashed)
+            self.fail_all(self._crashed)
             raise
 
     async def _iterate(self) -> None:
@@ -147,11 +157,11 @@ class AgentLoop:
                     await self._wakeup.wait()
             self._wakeup.clear()
         if time.monotonic() - self._sampled_at > self.HEARTBEAT_SAMPLE_S:
-            self._sample_heartbeat()
+            self._sample()
         try:
             outputs = self.agent.poll()
         except EngineUnresponsive as e:
-            self._fail_all(str(e))
+            self.fail_all(str(e))
             await asyncio.sleep(self.HEARTBEAT_SAMPLE_S)
             return
         for out in outputs:
@@ -178,20 +188,11 @@ class AgentLoop:
         if out.finished:
             del self._active[out.request_id]
 
-    def _fail_all(self, problem: str) -> None:
+    def fail_all(self, problem: str) -> None:
         """End every open request with ``problem``; their handlers report it and close them."""
         error = EngineUnavailable(f"{problem}: retry later", self.config.retry_after_s)
         for req in [*self._active.values(), *self.waiting]:
             req.queue.put_nowait(error)
-
-    def _sample_heartbeat(self) -> dict:
-        now = time.monotonic()
-        stats = self.agent.stats()
-        if stats["heartbeat"] != self._stats["heartbeat"]:
-            self._beat_at = now
-        self._stats, self._sampled_at = stats, now
-        return stats
-
 
 # -- metrics -------------------------------------------------------------------------------------------------------
 

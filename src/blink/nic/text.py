@@ -173,14 +173,14 @@ def max_tokens_for(requested: int | None, prompt_len: int, context_len: int, out
     """
     room = min(context_len - prompt_len, output_capacity)
     if room < 1:
-        raise ValueError(f"the prompt has {prompt_len} tokens, which leaves no room to generate in this model's "
-                         f"context of {context_len} tokens: shorten the prompt")
+        raise ValueError(f"the prompt has {prompt_len} tokens, which leaves no room to generate within the engine's "
+                         f"max_model_len of {context_len} tokens: shorten the prompt")
     if requested is None:
         return room
     if requested > room:
-        raise ValueError(f"max_tokens={requested} is too large: the prompt has {prompt_len} tokens, the context "
-                         f"holds {context_len} and a request may generate at most {output_capacity}, so at most "
-                         f"{room} tokens fit: lower max_tokens or shorten the prompt")
+        raise ValueError(f"max_tokens={requested} is too large: the prompt has {prompt_len} tokens, the engine's "
+                         f"max_model_len is {context_len} and a request may generate at most {output_capacity}, so at "
+                         f"most {room} tokens fit: lower max_tokens or shorten the prompt")
     return requested
 
 

@@ -8,19 +8,24 @@ ring, ``request_shutdown`` writes the shutdown word.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from blink.ring.errors import RingMismatch
 from blink.ring.geometry import RingGeometry
 
 MAGIC = 0x4B4E4C42  # "BLNK" in little-endian bytes
-VERSION = 1
+VERSION = 2
 
 # Control block flags.
 RING_LOGPROBS = 1
 
 # Engine states (engine_state, written by the GPU side).
 ENGINE_STARTING, ENGINE_SERVING, ENGINE_STOPPED = 0, 1, 2
+
+# The engine process bumps ``alive`` this often; a reader's liveness timeout must be a few of these.
+ALIVE_TICK_S = 0.25
 
 
 def struct(fields: list[tuple[str, object, int]], itemsize: int) -> np.dtype:
@@ -55,9 +60,14 @@ CONTROL_DTYPE = struct([
     ("waiting", "<u4", 108),
     ("submitted", "<u8", 112),      # agent doorbell: requests published READY so far
     ("cancels", "<u8", 120),        # agent doorbell: cancel words written so far
+    ("max_model_len", "<u4", 128),  # creator: the engine's limit on prompt + output positions of one sequence
+    ("in_step", "<u4", 132),        # engine: 1 while the loop runs a model step on the host (the CPU backend)
+    ("step_limit_s", "<u4", 136),   # engine: the longest a step may take on this backend before it counts as hung
+    ("alive", "<u8", 144),          # engine process: +1 every ALIVE_TICK_S while it lives (0: nobody ticks)
+    ("creator_pid", "<u4", 152),    # creator: its process id, so an agent attaches only to its own engine's ring
 ], 256)
 
-GEOMETRY_FIELDS = ("n_slots", "max_prompt_tokens", "max_output_tokens", "max_stop_ids", "flags")
+GEOMETRY_FIELDS = ("n_slots", "max_prompt_tokens", "max_output_tokens", "max_stop_ids", "flags", "max_model_len")
 STATS_FIELDS = ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted", "kv_pages_total",
                 "kv_pages_free", "running", "waiting")
 
@@ -79,14 +89,16 @@ def geometry_words(geometry: RingGeometry) -> dict[str, int]:
     """The control-block words that record ``geometry``."""
     g = geometry
     return {"n_slots": g.n_slots, "max_prompt_tokens": g.max_prompt_tokens, "max_output_tokens": g.max_output_tokens,
-            "max_stop_ids": g.max_stop_ids, "flags": RING_LOGPROBS if g.logprobs else 0}
+            "max_stop_ids": g.max_stop_ids, "flags": RING_LOGPROBS if g.logprobs else 0,
+            "max_model_len": g.max_model_len}
 
 
 def fresh(geometry: RingGeometry) -> bytes:
-    """The control block of a new ring: identity and geometry set, every counter zero."""
+    """The control block of a new ring, created by this process: identity and geometry set, every counter zero."""
     block = np.zeros(1, CONTROL_DTYPE)
     block["magic"] = MAGIC
     block["version"] = VERSION
+    block["creator_pid"] = os.getpid()
     for name, value in geometry_words(geometry).items():
         block[name] = value
     return block.tobytes()
@@ -126,7 +138,8 @@ def geometry_of(raw: bytes) -> RingGeometry:
     _check_identity(block)
     return RingGeometry(n_slots=int(block["n_slots"]), max_prompt_tokens=int(block["max_prompt_tokens"]),
                         max_output_tokens=int(block["max_output_tokens"]), max_stop_ids=int(block["max_stop_ids"]),
-                        logprobs=bool(int(block["flags"]) & RING_LOGPROBS))
+                        logprobs=bool(int(block["flags"]) & RING_LOGPROBS),
+                        max_model_len=int(block["max_model_len"]))
 
 
 def read(memory) -> dict[str, int]:
@@ -135,6 +148,11 @@ def read(memory) -> dict[str, int]:
     return {name: int(block[name]) for name in CONTROL_DTYPE.names}
 
 
+def write(memory, name: str, value: int) -> None:
+    """Store one control-block word (in its own type) into the ring in ``memory``."""
+    memory.write(offset_of(name), np.array([value], CONTROL_DTYPE.fields[name][0]).tobytes())
+
+
 def request_shutdown(memory) -> None:
     """Ask the GPU side to finish everything in flight with "abort" and stop its loop."""
-    memory.write(offset_of("shutdown"), np.array([1], "<u4").tobytes())
+    write(memory, "shutdown", 1)

@@ -9,6 +9,15 @@ class BlinkError(RuntimeError):
     """Base class of blink's runtime errors."""
 
 
+class RequestError(BlinkError, ValueError):
+    """One field of a request is out of range for the ring or the type that stores it (HTTP 400). ``field`` names
+    it (a ``SamplingParams`` field, ``prompt_tokens``, ``priority``, ...)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 class RingMismatch(BlinkError):
     """An existing ring region was written by a different layout (magic, version or geometry differ)."""
 

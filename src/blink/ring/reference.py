@@ -21,6 +21,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
+import uuid
 from contextlib import contextmanager
 
 import numpy as np
@@ -200,7 +201,7 @@ def standin_engine(geometry: RingGeometry, **consumer_options):
     from blink.ring.transport import SharedMemory
 
     layout = RingLayout(geometry)
-    name = f"blink-{os.getpid()}-standin-{next(_standin_numbers)}"
+    name = f"blink-{os.getpid()}-standin-{next(_standin_numbers)}-{uuid.uuid4().hex[:8]}"    # never a stale ring's
     with SharedMemory.create(name, layout.size) as memory:
         layout.initialise(memory)
         consumer = mp.get_context("spawn").Process(target=serve_shared_ring, args=(name, geometry),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from blink.ring.errors import RequestError
 from blink.ring.layout import FLAG_IGNORE_EOS, FLAG_LOGPROBS
 
 U64_MAX = (1 << 64) - 1
@@ -23,7 +24,7 @@ GREEDY_BELOW = 1e-5
 
 def _check(ok: bool, field: str, rule: str, value) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{field} must be {rule} (got {value!r})")
+        raise RequestError(field, f"SamplingParams.{field} must be {rule} (got {value!r})")
 
 
 def _is_int(value) -> bool:
@@ -84,7 +85,7 @@ class SamplingParams:
 
 def encode_header(header_dtype: np.dtype, *, request_id: int, arrival_ns: int, seed: int, prompt_len: int,
                   params: SamplingParams, priority: int) -> bytes:
-    """One request's header, every value checked against its field's type first (``ValueError`` naming the field).
+    """One request's header, every value checked against its field's type first (``RequestError`` naming it).
 
     ``header_dtype`` is the ring's (``RingLayout.header_dtype``); the caller has checked the geometry's limits.
     """
@@ -108,14 +109,14 @@ def _fits(dtype: np.dtype, name: str, value):
     if dtype.kind in "iu":
         info = np.iinfo(dtype)
         if not _is_int(value) or not info.min <= value <= info.max:
-            raise ValueError(f"request field '{name}' must be an int in [{info.min}, {info.max}] to fit the ring "
-                             f"header's {dtype.name} (got {value!r})")
+            raise RequestError(name, f"request field '{name}' must be an int in [{info.min}, {info.max}] to fit the "
+                                     f"ring header's {dtype.name} (got {value!r})")
         return value
     if not _is_number(value):
-        raise ValueError(f"request field '{name}' must be a number (got {value!r})")
+        raise RequestError(name, f"request field '{name}' must be a number (got {value!r})")
     with np.errstate(over="ignore"):
         stored = float(np.asarray(value, dtype))
     if not math.isfinite(stored):
-        raise ValueError(f"request field '{name}' must be a finite number that fits the ring header's "
-                         f"{dtype.name} (got {value!r})")
+        raise RequestError(name, f"request field '{name}' must be a finite number that fits the ring header's "
+                                 f"{dtype.name} (got {value!r})")
     return value

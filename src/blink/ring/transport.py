@@ -103,7 +103,12 @@ class SharedMemory(_MappedMemory):
         if create:
             if size is None or size < 1:
                 raise ValueError(f"SharedMemory size must be >= 1 byte when creating (got {size})")
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            except FileExistsError:
+                raise FileExistsError(f"a shared-memory ring named {name!r} exists already ({self.path}): another "
+                                      "engine uses it, or a killed one left it behind; pick another name, or remove "
+                                      "the file if no engine runs on it") from None
             try:
                 os.ftruncate(fd, size)
             except BaseException:

@@ -6,6 +6,7 @@ validation runs against the stand-in engine (the reference consumer), where no m
 import asyncio
 import http.client
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -22,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from blink import Engine, EngineConfig, SamplingParams, SchedulerConfig
+from blink import Engine, EngineConfig, EngineError, SamplingParams, SchedulerConfig
 from blink.nic.agent import Agent
 from blink.nic.agent_loop import LoopConfig
 from blink.nic.openai.server import OpenAIServer, ServerConfig, start
@@ -36,7 +37,8 @@ ENGINE = EngineConfig(device="cpu", n_slots=8, max_prompt_tokens=256, max_output
                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=288),
                       cpu_kv_cache_gib=0.25, sim_threads=2)
 GEOMETRY = ENGINE.geometry(ENGINE.scheduler.max_model_len)
-CONFIG = ServerConfig(model_name=MODEL, loop=LoopConfig(max_queued=16, heartbeat_timeout_s=1.0))
+CONFIG = ServerConfig(model_name=MODEL, loop=LoopConfig(max_queued=16))
+LIVENESS_TIMEOUT_S = 1.0
 
 
 @dataclass
@@ -93,7 +95,7 @@ def hf(model_dir):
 def serving(engine, tokenizer):
     """The HTTP server on a background event loop, over the ring of ``engine`` (a context giving memory, process)."""
     with engine as (memory, process):
-        agent = Agent(memory, GEOMETRY)
+        agent = Agent(memory, GEOMETRY, liveness_timeout_s=LIVENESS_TIMEOUT_S)
         wait_until_serving(agent, process)
         server = OpenAIServer(agent, tokenizer, CONFIG)
         loop = asyncio.new_event_loop()
@@ -340,12 +342,14 @@ def test_full_ring_queues_then_refuses_with_retry_after(served, reference, hf):
     served.wait_idle()
 
 
-def test_health_fails_while_the_heartbeat_is_stale(served):
+def test_health_fails_while_the_engine_shows_no_sign_of_life(served):
     assert raw_request(served.port, "/health", b"", "GET")[0] == 200
     with served.paused_engine():
-        time.sleep(CONFIG.loop.heartbeat_timeout_s + 0.3)
+        time.sleep(LIVENESS_TIMEOUT_S + 0.3)
         status, headers, body = raw_request(served.port, "/health", b"", "GET")
-        assert status == 503 and "heartbeat" in json.loads(body)["error"]["message"] and "Retry-After" in headers
+        message = json.loads(body)["error"]["message"]
+        assert status == 503 and "Retry-After" in headers
+        assert "the engine process has not ticked" in message      # a stopped process stops its tick too
         status, _, body = raw_request(served.port, "/v1/completions", b'{"prompt": "x"}')
         assert status == 503 and "retry later" in json.loads(body)["error"]["message"]
     wait_for(lambda: raw_request(served.port, "/health", b"", "GET")[0] == 200)
@@ -576,3 +580,45 @@ def _healthy(port) -> bool:
         return raw_request(port, "/health", b"", "GET")[0] == 200
     except OSError:
         return False
+
+
+def test_blink_serve_exits_non_zero_when_its_engine_is_killed(model_dir):
+    """Regression (engine death detected but never handled): after kill -9 of the engine, serve answered 503 forever
+    beside a zombie. Now requests in flight end with an error, and serve exits with code 1 for its supervisor."""
+    port = free_port()
+    serve = blink_cli("serve", str(model_dir), "--port", str(port), "--standin", "--slots", "8",
+                      "--max-model-len", "512")
+    try:
+        wait_for(lambda: _healthy(port), timeout_s=60)
+        (engine,) = [pid for pid in children(serve.pid) if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert client.completions.create(model=client.models.list().data[0].id, prompt="a", max_tokens=2).choices
+        os.kill(engine, signal.SIGKILL)
+        assert serve.wait(30) == 1
+        assert not os.path.exists(f"/proc/{engine}") or open(f"/proc/{engine}/stat").read().split()[2] != "Z"
+    finally:
+        serve.kill()
+
+
+def test_a_stale_ring_under_the_engines_name_is_never_attached(model_dir, tmp_path):
+    """Regression (stale ring attach): a ring a killed server left under a reused name (PID reuse: PID 1 in
+    containers) made the new engine fail while the agent attached to the dead ring and served 503 forever. Now
+    names carry a random part, and the agent attaches only to a ring whose creator is its own engine process."""
+    from blink.process import attach_ring
+    from blink.ring.geometry import RingGeometry
+    from blink.ring.layout import RingLayout
+    from blink.ring.transport import SharedMemory
+
+    name = f"blink-test-stale-{os.getpid()}"
+    layout = RingLayout(RingGeometry(n_slots=4, max_prompt_tokens=8, max_output_tokens=8))
+    with SharedMemory.create(name, layout.size) as stale:
+        layout.initialise(stale)                  # a fully initialised ring, created by this (other) process
+        config = replace(ENGINE, model=str(model_dir), ring_name=name)
+        process = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(3,))
+        process.start()
+        with pytest.raises(EngineError, match="exited .* before it created its ring"):
+            attach_ring(config, process, timeout_s=30)
+        with pytest.raises(FileExistsError, match="exists already .* remove the file if no engine runs on it"):
+            SharedMemory.create(name, layout.size)
+    from blink.cli import _ring_name
+    assert _ring_name() != _ring_name()

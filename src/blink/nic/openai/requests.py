@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from blink.errors import RequestError
 from blink.nic.agent import Agent
 from blink.nic.text import Tokenizer, max_tokens_for
 from blink.ring.request import SamplingParams
@@ -111,7 +112,7 @@ class Parser:
     def __init__(self, tokenizer: Tokenizer, model_name: str, agent: Agent):
         g = agent.geometry
         self.tokenizer, self.model_name, self.geometry = tokenizer, model_name, g
-        self.context_len = tokenizer.context_len or g.max_prompt_tokens + g.max_output_tokens
+        self.context_len = g.max_model_len         # the engine's limit, which the ring's creator wrote
         self.max_prompt = min(g.max_prompt_tokens, self.context_len - 1)
 
     def completion(self, body: dict) -> Job:
@@ -171,6 +172,12 @@ class Parser:
                           lambda v: len(v) <= self.geometry.max_stop_ids and all(_is_token(t, vocab) for t in v))
         seed = _field(body, "seed", (int,), "an integer in [-2**63, 2**64)", None, lambda v: -2**63 <= v < 2**64)
         top_k = _field(body, "top_k", (int,), "an integer >= -1 (-1 or 0: no top-k)", 0, lambda v: v >= -1)
+        try:
+            return self._params(body, room, stop_ids, seed, top_k, logprobs)
+        except RequestError as e:    # a value the parser's type checks let through but the ring cannot store
+            raise ApiError(400, str(e).replace(f"SamplingParams.{e.field}", f"'{e.field}'"), param=e.field) from None
+
+    def _params(self, body, room: int, stop_ids, seed, top_k: int, logprobs: bool) -> SamplingParams:
         return SamplingParams(
             max_tokens=room,
             temperature=_field(body, "temperature", (int, float), "a number >= 0 (0: greedy)", 1.0,

@@ -14,12 +14,11 @@ import json
 import logging
 import time
 import uuid
-from contextlib import suppress
 from dataclasses import dataclass
 
 from aiohttp import web
 
-from blink.errors import EngineUnavailable, Overloaded
+from blink.errors import EngineUnavailable, Overloaded, RequestError
 from blink.nic.agent import Agent
 from blink.nic.agent_loop import AgentLoop, LoopConfig, Metrics, Submission
 from blink.nic.openai.requests import ApiError, Job, Parser, json_body
@@ -31,7 +30,8 @@ log = logging.getLogger("blink.server")
 @dataclass(frozen=True)
 class ServerConfig:
     """``model_name``: the name clients use; ``loop``: the agent loop's bounds and timing (``LoopConfig``: the wait
-    queue beyond which requests get 429, the heartbeat timeout beyond which /health fails and requests get 503)."""
+    queue beyond which requests get 429). /health fails and requests get 503 while the agent's ``Liveness`` says
+    the engine is not serving."""
 
     model_name: str
     loop: LoopConfig = LoopConfig()
@@ -67,8 +67,14 @@ async def _errors(request, handler):
 class OpenAIServer:
     """The aiohttp application (``.app``) serving one model through one ``Agent``."""
 
-    def __init__(self, agent: Agent, tokenizer: Tokenizer, config: ServerConfig):
-        self.tokenizer, self.config = tokenizer, config
+    ENGINE_WATCH_S = 0.5
+
+    def __init__(self, agent: Agent, tokenizer: Tokenizer, config: ServerConfig, engine_gone=None):
+        """``engine_gone()``, if given, says why the engine is gone for good (its process exited), or None; the
+        server then fails what is in flight and stops with ``exit_code`` 1, for a supervisor to restart it."""
+        self.tokenizer, self.config, self.engine_gone = tokenizer, config, engine_gone
+        self.exit_code = 0
+        self.stopped = asyncio.Event()
         self.parser = Parser(tokenizer, config.model_name, agent)
         self.metrics = Metrics()
         self.loop = AgentLoop(agent, self.metrics, config.loop)
@@ -82,11 +88,21 @@ class OpenAIServer:
         self.app.cleanup_ctx.append(self._poller)
 
     async def _poller(self, app):
-        task = asyncio.create_task(self.loop.run())
+        tasks = [asyncio.create_task(self.loop.run())]
+        if self.engine_gone is not None:
+            tasks.append(asyncio.create_task(self._watch_engine()))
         yield
-        task.cancel()
-        with suppress(asyncio.CancelledError):
-            await task
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _watch_engine(self) -> None:
+        while (reason := self.engine_gone()) is None:
+            await asyncio.sleep(self.ENGINE_WATCH_S)
+        log.error("%s: failing the requests in flight and stopping (exit code 1)", reason)
+        self.loop.fail_all(reason)
+        self.exit_code = 1
+        self.stopped.set()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, self.parser.completion(await json_body(request)))
@@ -111,7 +127,10 @@ class OpenAIServer:
     # -- one request -----------------------------------------------------------------------------------------------
 
     async def _serve(self, request: web.Request, job: Job) -> web.StreamResponse:
-        req = self.loop.submit(job.prompt, job.params, job.priority)
+        try:
+            req = self.loop.submit(job.prompt, job.params, job.priority)
+        except RequestError as e:       # a limit of the ring the parser did not know of: nothing was queued
+            raise ApiError(400, str(e), param=e.field) from None
         text = TextStream(self.tokenizer, job.stop)
         try:
             if job.stream:
@@ -214,6 +233,20 @@ async def start(server: OpenAIServer, host: str, port: int) -> tuple[web.AppRunn
     return runner, runner.addresses[0][1]
 
 
-def run(server: OpenAIServer, host: str, port: int) -> None:
-    """Serve until SIGINT/SIGTERM (Ctrl-C)."""
-    web.run_app(server.app, host=host, port=port, handler_cancellation=True, access_log=None)
+def run(server: OpenAIServer, host: str, port: int) -> int:
+    """Serve until SIGINT/SIGTERM (Ctrl-C), or until the engine is gone; the process's exit code."""
+    import signal
+
+    async def serve() -> int:
+        runner, bound = await start(server, host, port)
+        log.info("serving %s on http://%s:%d", server.config.model_name, host, bound)
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, server.stopped.set)
+        try:
+            await server.stopped.wait()
+        finally:
+            await runner.cleanup()
+        return server.exit_code
+
+    return asyncio.run(serve())

@@ -1,0 +1,56 @@
+"""Whether the engine on the other side of the ring is alive, judged from the control-block words the agent reads.
+
+Three signals, each written by the engine side:
+
+- ``heartbeat``: +1 per scheduler iteration, idle or not: the loop makes progress;
+- ``in_step``: 1 while the loop runs a model step on the host (the CPU backend: a 2,048-token prefill can take tens
+  of seconds, during which no iteration ends), bounded by ``step_limit_s``, the longest a step may take there;
+- ``alive``: +1 every ``ALIVE_TICK_S`` from the engine process itself (``blink.process.serve_ring``); 0 when
+  nothing ticks it (an engine inside the agent's own process).
+
+The engine is dead when it reported a launch error, stopped, its process stopped ticking ``alive`` for
+``timeout_s``, or its heartbeat stood still for ``timeout_s`` outside a step (or for ``step_limit_s`` inside one).
+A long step is therefore not an alarm, and a dead loop still is.
+"""
+from __future__ import annotations
+
+from blink.ring.control import ALIVE_TICK_S, ENGINE_STOPPED
+
+
+class Liveness:
+    """Folds successive control-block snapshots into "alive" or the reason it is not. Times are the caller's
+    monotonic clock in seconds."""
+
+    def __init__(self, timeout_s: float):
+        if not timeout_s > 0:
+            raise ValueError(f"the liveness timeout must be > 0 seconds (got {timeout_s!r})")
+        # The process tick is judged over the timeout too: a few ticks must fit in it.
+        self._tick_timeout_s = max(timeout_s, 4 * ALIVE_TICK_S)
+        self.timeout_s = timeout_s
+        self._heartbeat = self._alive = None
+        self._beat_at = self._alive_at = None
+
+    def problem(self, control, now: float) -> str | None:
+        """Why the engine counts as dead given this snapshot (``control[name]`` for every control word), or None."""
+        if int(control["launch_error"]):
+            return f"the GPU loop reported device graph launch error {int(control['launch_error'])}"
+        if int(control["engine_state"]) == ENGINE_STOPPED:
+            return "the engine has stopped"
+        heartbeat, alive = int(control["heartbeat"]), int(control["alive"])
+        if heartbeat != self._heartbeat or self._beat_at is None:
+            self._heartbeat, self._beat_at = heartbeat, now
+        if alive != self._alive or self._alive_at is None:
+            self._alive, self._alive_at = alive, now
+        if self.process_gone(now):
+            return f"the engine process has not ticked for {now - self._alive_at:.1f} s: it is gone or stopped"
+        still = now - self._beat_at
+        limit = max(self.timeout_s, int(control["step_limit_s"])) if int(control["in_step"]) else self.timeout_s
+        if still > limit:
+            where = " inside one model step" if int(control["in_step"]) else ""
+            return (f"the engine's heartbeat has been stuck at {heartbeat} for {still:.1f} s{where}: the scheduler "
+                    "loop (or consumer process) is not running")
+        return None
+
+    def process_gone(self, now: float) -> bool:
+        """The engine process ticked ``alive`` and then stopped for ``timeout_s``: it exited or was stopped."""
+        return bool(self._alive) and now - self._alive_at > self._tick_timeout_s
