@@ -60,12 +60,11 @@ def ring_demo(args) -> int:
 
 def serve(args) -> int:
     """The engine in another process and the agent's HTTP server in this one, over a shared-memory ring."""
-    from blink.nic.text import Tokenizer
     from blink.process import engine_process, split_cores
     from blink.ring.reference import standin_engine
 
     model_dir = _model_dir(args.model_path or args.model)
-    tokenizer = Tokenizer(model_dir)
+    tokenizer = _tokenizer(args, model_dir)
     if args.standin:
         from blink.config import DEFAULT_MAX_MODEL_LEN
 
@@ -107,12 +106,11 @@ def generate(args) -> int:
 
 def agent(args) -> int:
     """Attach to the shared-memory ring of an engine that is already running and serve HTTP on it."""
-    from blink.nic.text import Tokenizer
     from blink.ring.transport import SharedMemory
 
     model_dir = _model_dir(args.model)
     with SharedMemory.open(args.ring) as memory:
-        return _serve_http(args, memory, Tokenizer(model_dir), model_dir, None, args.cpus)
+        return _serve_http(args, memory, _tokenizer(args, model_dir), model_dir, None, args.cpus)
 
 
 def _serve_http(args, memory, tokenizer, model_dir, engine_process, cores) -> int:
@@ -134,6 +132,12 @@ def _serve_http(args, memory, tokenizer, model_dir, engine_process, cores) -> in
                           loop=LoopConfig(max_queued=args.max_queued))
     server = OpenAIServer(agent, tokenizer, config, engine_gone=lambda: engine_gone(agent, engine_process))
     return run(server, args.host, args.port)
+
+
+def _tokenizer(args, model_dir):
+    from blink.nic.text import Tokenizer
+
+    return Tokenizer(model_dir, special_tokens_in_content=not args.special_tokens_as_text)
 
 
 def _ring_name() -> str:
@@ -203,6 +207,9 @@ def _http_options(parser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--max-queued", type=int, default=1024,
                         help="requests that may wait in the agent for a free ring slot; beyond it: 429")
+    parser.add_argument("--special-tokens-as-text", action="store_true",
+                        help="encode special tokens' text inside chat messages as plain text (default: as the special "
+                             "tokens, like transformers and vLLM; see docs/serving.md)")
     parser.add_argument("--liveness-timeout", type=float, default=10.0,
                         help="seconds the engine may show no sign of life (outside a long step) before requests "
                              "get 503")

@@ -116,16 +116,17 @@ class SimScheduler:
 
     def iteration(self) -> int:
         """One scheduler iteration, then the step it planned. Returns the bucket index, IDLE or STOP."""
-        with _LAUNCH_LOCK, _fast_thread_switching():
-            self._kernel[1, self.threads](self.arrays, self._result)
-        outcome = int(self._result[0])
-        if outcome >= 0:
-            # A step on the host can outlast the agent's heartbeat timeout: say that the loop is inside one.
-            self.arrays.ctl32[C32_IN_STEP] = 1
-            try:
+        # Host work (a simulated iteration, a model step on torch CPU) can outlast the agent's liveness timeout on a
+        # loaded machine: the ring says the loop is inside it, and the backend's step limit bounds it instead.
+        self.arrays.ctl32[C32_IN_STEP] = 1
+        try:
+            with _LAUNCH_LOCK, _fast_thread_switching():
+                self._kernel[1, self.threads](self.arrays, self._result)
+            outcome = int(self._result[0])
+            if outcome >= 0:
                 self.step_fn(self.arrays, self.config.buckets[outcome])
-            finally:
-                self.arrays.ctl32[C32_IN_STEP] = 0
+        finally:
+            self.arrays.ctl32[C32_IN_STEP] = 0
         return outcome
 
     def run(self, idle_sleep_s: tuple[float, float] = (1e-3, 50e-3)) -> None:

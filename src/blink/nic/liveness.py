@@ -3,8 +3,9 @@
 Three signals, each written by the engine side:
 
 - ``heartbeat``: +1 per scheduler iteration, idle or not: the loop makes progress;
-- ``in_step``: 1 while the loop runs a model step on the host (the CPU backend: a 2,048-token prefill can take tens
-  of seconds, during which no iteration ends), bounded by ``step_limit_s``, the longest a step may take there;
+- ``in_step``: 1 while the loop does host work (the CPU backend: a simulated iteration and its model step; a
+  2,048-token prefill can take tens of seconds, during which no iteration ends), bounded by ``step_limit_s``, the
+  longest a step may take there;
 - ``alive``: +1 every ``ALIVE_TICK_S`` from the engine process itself (``blink.process.serve_ring``); 0 when
   nothing ticks it (an engine inside the agent's own process).
 

@@ -16,6 +16,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 _REPLACEMENT = "\ufffd"     # what a decoder emits for bytes that are not (yet) a whole UTF-8 character
+_MARK = "\U000f0000"         # a private-use character: where a message's content goes in a rendered template
 
 
 class Tokenizer:
@@ -26,12 +27,19 @@ class Tokenizer:
     ``transformers``' ``apply_chat_template(tokenize=True)`` does (templates write BOS themselves).
     """
 
-    def __init__(self, model_dir, *, chat_template: str | None = None):
+    def __init__(self, model_dir, *, chat_template: str | None = None, special_tokens_in_content: bool = True):
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}: pass a model directory in the HF layout")
         self._tokenizer = tokenizers.Tokenizer.from_file(str(path))
+        # The default, as in transformers and vLLM: a special token's text inside a message is that special token.
+        # Off, message contents are encoded with special tokens as plain text (a second tokenizer: the flag is
+        # per tokenizer, and encoding runs in several threads).
+        self._content_tokenizer = None
+        if not special_tokens_in_content:
+            self._content_tokenizer = tokenizers.Tokenizer.from_file(str(path))
+            self._content_tokenizer.encode_special_tokens = True
         config = _read_json(model_dir / "tokenizer_config.json")
         self.special_tokens = {name: _token_content(config[name]) for name in _SPECIAL_TOKEN_NAMES
                                if config.get(name) is not None}
@@ -39,6 +47,9 @@ class Tokenizer:
         self.eos_token_ids = self._eos_ids(_read_json(model_dir / "generation_config.json"))
         model_config = _read_json(model_dir / "config.json")
         self.context_len: int | None = model_config.get("max_position_embeddings") or config.get("model_max_length")
+        # No token stands for more input bytes than the longest token's text has (UTF-8 of the surface form bounds
+        # it: a byte-level token's characters are one input byte each, two in UTF-8).
+        self.max_token_bytes = max(len(t.encode()) for t in self._tokenizer.get_vocab(with_added_tokens=True))
         template = chat_template or _default_template(config.get("chat_template"))
         self._template = _compile_template(template) if template else None
 
@@ -60,7 +71,19 @@ class Tokenizer:
             raise ValueError(f"the chat template rejected the messages: {e}") from None
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        if self._content_tokenizer is None:
+            return self.encode(self.render_chat(messages), add_special_tokens=False)
+        # Render with a marker in place of each content, then encode the template's text and the contents apart.
+        marked = [{**m, "content": f"{_MARK}{i}{_MARK}"} for i, m in enumerate(messages)]
+        pieces = self.render_chat(marked).split(_MARK)
+        ids = []
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:
+                ids += self.encode(piece, add_special_tokens=False) if piece else []
+            else:
+                content = messages[int(piece)]["content"]
+                ids += self._content_tokenizer.encode(content, add_special_tokens=False).ids if content else []
+        return ids
 
     def _eos_ids(self, generation_config: dict) -> tuple[int, ...]:
         """EOS ids of generation_config.json (an int or a list) plus the tokenizer's eos_token."""

@@ -61,7 +61,7 @@ CONTROL_DTYPE = struct([
     ("submitted", "<u8", 112),      # agent doorbell: requests published READY so far
     ("cancels", "<u8", 120),        # agent doorbell: cancel words written so far
     ("max_model_len", "<u4", 128),  # creator: the engine's limit on prompt + output positions of one sequence
-    ("in_step", "<u4", 132),        # engine: 1 while the loop runs a model step on the host (the CPU backend)
+    ("in_step", "<u4", 132),        # engine: 1 while the loop does host work (the CPU backend's iteration + step)
     ("step_limit_s", "<u4", 136),   # engine: the longest a step may take on this backend before it counts as hung
     ("alive", "<u8", 144),          # engine process: +1 every ALIVE_TICK_S while it lives (0: nobody ticks)
     ("creator_pid", "<u4", 152),    # creator: its process id, so an agent attaches only to its own engine's ring

@@ -101,9 +101,9 @@ def serving(engine, tokenizer):
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, daemon=True)
         thread.start()
-        runner, port = asyncio.run_coroutine_threadsafe(start(server, "127.0.0.1", 0), loop).result()
-        yield Served(server, agent, process, port, loop)
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
+        listening = asyncio.run_coroutine_threadsafe(start(server, "127.0.0.1", 0), loop).result()
+        yield Served(server, agent, process, listening.port, loop)
+        asyncio.run_coroutine_threadsafe(listening.cleanup(), loop).result()
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
 
@@ -417,7 +417,7 @@ BAD = [  # (path, body, status, what the message must mention)
     (CHAT, {"messages": USER, "model": "nope"}, 404, "GET /v1/models"),
     (CHAT, {"messages": [{"role": "user", "content": "hello " * 300}]}, 400, "shorten it"),
     ("/v1/nothing", {}, 404, "Not Found"),
-    (COMPLETIONS, b"x" * (2 << 20), 413, "Too Large"),
+    (COMPLETIONS, b"x" * (2 << 20), 413, "at most 1048576 are accepted"),
 ]
 
 

@@ -1,5 +1,4 @@
-"""OpenAI request bodies (/v1/completions, /v1/chat/completions) parsed and validated into ``Job``s, and the
-OpenAI-style errors (``ApiError``) every refusal leaves as.
+"""OpenAI request bodies (/v1/completions, /v1/chat/completions) parsed and validated into ``Job``s.
 
 Bad input never reaches the ring: it gets a 4xx with an OpenAI-style body ``{"error": {"message", "type", "param",
 "code"}}``, whose message says what was wrong and what to do.
@@ -10,10 +9,9 @@ import json
 import math
 from dataclasses import dataclass
 
-from aiohttp import web
-
 from blink.errors import RequestError
 from blink.nic.agent import Agent
+from blink.nic.openai.errors import ApiError
 from blink.nic.text import Tokenizer, max_tokens_for
 from blink.ring.request import SamplingParams
 
@@ -23,27 +21,6 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Accepted only at their neutral values: anything else asks for a feature this server does not have.
 UNSUPPORTED = {"echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,),
                "frequency_penalty": (0,), "tools": ([],), "response_format": ({"type": "text"},)}
-
-
-_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-                503: "service_unavailable_error"}
-
-
-class ApiError(Exception):
-    """An HTTP error with an OpenAI-style body; ``message`` says what was wrong and what to do."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after_s: int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = {"Retry-After": str(retry_after_s)} if retry_after_s else None
-
-    def body(self) -> dict:
-        kind = _ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
 
 
 # -- request parsing -----------------------------------------------------------------------------------------------
@@ -61,8 +38,8 @@ class Job:
     priority: int
 
 
-async def json_body(request: web.Request) -> dict:
-    raw = await request.read()      # aiohttp answers 413 beyond the app's client_max_size
+def json_body(raw: bytes) -> dict:
+    """A request body as the JSON object it must be (400 saying what is wrong otherwise)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -114,6 +91,9 @@ class Parser:
         self.tokenizer, self.model_name, self.geometry = tokenizer, model_name, g
         self.context_len = g.max_model_len         # the engine's limit, which the ring's creator wrote
         self.max_prompt = min(g.max_prompt_tokens, self.context_len - 1)
+        # Text longer than this cannot tokenize to max_prompt tokens or fewer: refused before tokenizing (a 1 MB
+        # prompt took 0.5 s of tokenizer time to find out). Twice the bound: normalizers may shrink text a little.
+        self.max_text_bytes = 2 * self.max_prompt * tokenizer.max_token_bytes
 
     def completion(self, body: dict) -> Job:
         prompt = self._completion_prompt(body.get("prompt"))
@@ -210,6 +190,7 @@ class Parser:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
+            self._check_text_bytes(len(prompt.encode("utf-8", "surrogatepass")), "prompt")
             ids = self.tokenizer.encode(_text(prompt, "prompt"))
         elif isinstance(prompt, list) and all(_is_token(t, self.tokenizer.vocab_size) for t in prompt):
             ids = prompt
@@ -224,7 +205,15 @@ class Parser:
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, f"'messages' must be a non-empty list of messages (got {_show(messages)})",
                            param="messages")
-        return [self._message(m, i) for i, m in enumerate(messages)]
+        parsed = [self._message(m, i) for i, m in enumerate(messages)]
+        self._check_text_bytes(sum(len(m["content"].encode()) for m in parsed), "messages")
+        return parsed
+
+    def _check_text_bytes(self, n: int, param: str) -> None:
+        if n > self.max_text_bytes:
+            raise ApiError(400, f"the prompt text is {n} bytes, which cannot fit in the {self.max_prompt} tokens this "
+                                f"server accepts (at most {self.max_text_bytes} bytes could): shorten it", param=param,
+                           code="context_length_exceeded")
 
     def _message(self, message, i: int) -> dict:
         param = f"messages[{i}]"

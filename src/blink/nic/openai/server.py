@@ -1,67 +1,46 @@
 """OpenAI-compatible HTTP front of the agent: the aiohttp app (``OpenAIServer``) with its routes for completions,
-chat, SSE streaming, models, health and metrics; its ``ServerConfig``; and the entry points ``start`` and ``run``.
+chat, models, health and metrics; its ``ServerConfig``; and the entry points ``start`` and ``run``.
 
-One asyncio event loop owns the ``Agent`` (which is not thread-safe). HTTP handlers validate the request and tokenize
-it (``blink.nic.requests``) and hand it to the ``AgentLoop`` (``blink.nic.agent_loop``); its one background task polls
-the ring and fans the new tokens out to per-request queues; each handler detokenizes its tokens (``TextStream``) and
-writes JSON or SSE. Every request a handler submits it closes when it leaves, whatever the reason; every error,
-aiohttp's own included, leaves as an OpenAI-style body, and the server keeps serving everyone else.
+One asyncio event loop owns the ``Agent`` (which is not thread-safe). A handler reads the body within the limits
+(``limits``), parses and tokenizes it in a worker thread (``requests``: tokenizing a long prompt must not stall the
+loop), hands it to the ``AgentLoop`` (``blink.nic.agent_loop``), whose one task polls the ring and fans tokens out to
+per-request queues, and writes the answer (``responses``). Every request a handler submits it closes when it leaves,
+whatever the reason; every error, aiohttp's own included, leaves as an OpenAI-style body, and the server keeps
+serving everyone else.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-import uuid
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from blink.errors import EngineUnavailable, Overloaded, RequestError
+from blink.errors import RequestError
 from blink.nic.agent import Agent
-from blink.nic.agent_loop import AgentLoop, LoopConfig, Metrics, Submission
-from blink.nic.openai.requests import ApiError, Job, Parser, json_body
-from blink.nic.text import TextStream, Tokenizer
+from blink.nic.agent_loop import AgentLoop, LoopConfig, Metrics
+from blink.nic.openai.errors import REFUSALS, ApiError, api_error
+from blink.nic.openai.limits import ConnectionGuard, HttpLimits, OneLineBadRequests, read_body
+from blink.nic.openai.requests import Job, Parser, json_body
+from blink.nic.openai.responses import Responder
+from blink.nic.text import Tokenizer
 
 log = logging.getLogger("blink.server")
+logging.getLogger("aiohttp.server").addFilter(OneLineBadRequests())
+TOKENIZER_THREADS = 2
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """``model_name``: the name clients use; ``loop``: the agent loop's bounds and timing (``LoopConfig``: the wait
-    queue beyond which requests get 429). /health fails and requests get 503 while the agent's ``Liveness`` says
-    the engine is not serving."""
+    queue beyond which requests get 429); ``limits``: what a client may hold of the server (``HttpLimits``).
+    /health fails and requests get 503 while the agent's ``Liveness`` says the engine is not serving."""
 
     model_name: str
     loop: LoopConfig = LoopConfig()
-
-
-def api_error(error: Exception) -> ApiError:
-    """The HTTP form of an agent-loop refusal: 503 for an unavailable engine, 429 for a full server."""
-    if isinstance(error, ApiError):
-        return error
-    if isinstance(error, EngineUnavailable):
-        return ApiError(503, str(error), retry_after_s=error.retry_after_s)
-    if isinstance(error, Overloaded):
-        return ApiError(429, str(error), retry_after_s=error.retry_after_s)
-    raise TypeError(f"no HTTP form for {error!r}")
-
-
-@web.middleware
-async def _errors(request, handler):
-    """Every error leaves as an OpenAI-style JSON body, aiohttp's own (404, 405, 413) included."""
-    try:
-        return await handler(request)
-    except (ApiError, EngineUnavailable, Overloaded) as e:
-        return api_error(e).response()
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return ApiError(e.status, f"{e.reason}: {request.method} {request.path}").response()
-    except Exception:
-        log.exception("unexpected error serving %s %s", request.method, request.path)
-        return ApiError(500, "internal server error (see the server log)").response()
+    limits: HttpLimits = field(default_factory=HttpLimits)
 
 
 class OpenAIServer:
@@ -76,18 +55,39 @@ class OpenAIServer:
         self.exit_code = 0
         self.stopped = asyncio.Event()
         self.parser = Parser(tokenizer, config.model_name, agent)
+        self.responder = Responder(tokenizer, config.model_name)
         self.metrics = Metrics()
         self.loop = AgentLoop(agent, self.metrics, config.loop)
         self.metrics.watch(self.loop)
+        self.guard = ConnectionGuard(config.limits)
+        self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="blink-tokenizer")
         self.created = int(time.time())
-        self.app = web.Application(middlewares=[_errors])
+        self.app = web.Application(middlewares=[self._errors], client_max_size=config.limits.max_body_bytes)
         self.app.add_routes([web.post("/v1/completions", self.completions),
                              web.post("/v1/chat/completions", self.chat_completions),
                              web.get("/v1/models", self.models), web.get("/health", self.health),
                              web.get("/metrics", self.metrics_text)])
-        self.app.cleanup_ctx.append(self._poller)
+        self.app.cleanup_ctx.append(self._background)
 
-    async def _poller(self, app):
+    @web.middleware
+    async def _errors(self, request, handler):
+        """Every error leaves as an OpenAI-style JSON body, aiohttp's own (404, 405, 413) included."""
+        self.guard.head_received(request.transport)
+        try:
+            return await handler(request)
+        except REFUSALS as e:
+            return api_error(e).response()
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return ApiError(e.status, f"{e.reason}: {request.method} {request.path}").response()
+        except Exception:
+            log.exception("unexpected error serving %s %s", request.method, request.path)
+            return ApiError(500, "internal server error (see the server log)").response()
+        finally:
+            self.guard.response_done(request.transport)
+
+    async def _background(self, app):
         tasks = [asyncio.create_task(self.loop.run())]
         if self.engine_gone is not None:
             tasks.append(asyncio.create_task(self._watch_engine()))
@@ -95,6 +95,7 @@ class OpenAIServer:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     async def _watch_engine(self) -> None:
         while (reason := self.engine_gone()) is None:
@@ -105,10 +106,10 @@ class OpenAIServer:
         self.stopped.set()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, self.parser.completion(await json_body(request)))
+        return await self._serve(request, await self._parse(request, self.parser.completion))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, self.parser.chat(await json_body(request)))
+        return await self._serve(request, await self._parse(request, self.parser.chat))
 
     async def models(self, request: web.Request) -> web.Response:
         model = {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "blink",
@@ -126,111 +127,47 @@ class OpenAIServer:
 
     # -- one request -----------------------------------------------------------------------------------------------
 
+    async def _parse(self, request: web.Request, parse) -> Job:
+        """The request's body, parsed and tokenized off the event loop."""
+        async with self.guard.receiving():
+            body = json_body(await read_body(request, self.config.limits))
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizing, parse, body)
+
     async def _serve(self, request: web.Request, job: Job) -> web.StreamResponse:
         try:
             req = self.loop.submit(job.prompt, job.params, job.priority)
         except RequestError as e:       # a limit of the ring the parser did not know of: nothing was queued
-            raise ApiError(400, str(e), param=e.field) from None
-        text = TextStream(self.tokenizer, job.stop)
+            raise api_error(e) from None
         try:
             if job.stream:
-                return await self._stream(request, job, req, text)
-            return await self._complete(job, req, text)
+                return await self.responder.stream(request, job, req)
+            return await self.responder.complete(job, req)
         finally:
             # Runs on disconnect too: aiohttp cancels the handler (handler_cancellation=True).
             self.loop.close(req)
 
-    async def _events(self, req: Submission, text: TextStream):
-        """Yield ``(delta, [(token, logprob)], finish_reason)`` per batch of tokens; the last has a finish_reason."""
-        while True:
-            out = await req.queue.get()
-            if isinstance(out, Exception):
-                raise out
-            delta, tokens = "", []
-            for i, token in enumerate(out.new_tokens):
-                delta += text.push(token)
-                tokens.append((token, out.new_logprobs[i] if out.new_logprobs else None))
-                if text.stopped:
-                    break
-            if text.stopped or out.finished:
-                req.finish_reason = "stop" if text.stopped else out.finish_reason
-                yield delta + text.finish(), tokens, req.finish_reason
-                return
-            yield delta, tokens, None
 
-    async def _complete(self, job: Job, req: Submission, text: TextStream) -> web.Response:
-        content, tokens = "", []
-        async for delta, new_tokens, _ in self._events(req, text):
-            content += delta
-            tokens += new_tokens
-        choice = self._choice(job, content, tokens, req.finish_reason, chunk=False)
-        return web.json_response({**self._head(job, chunk=False), "choices": [choice],
-                                  "usage": self._usage(job, text)})
+class Listening:
+    """A server listening on a port: ``port``, and ``cleanup()`` to stop listening and close every connection."""
 
-    async def _stream(self, request: web.Request, job: Job, req: Submission, text: TextStream) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        head = self._head(job, chunk=True)
-        try:
-            if job.chat:
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}
-                await _send(response, {**head, "choices": [first]})
-            async for delta, tokens, finish in self._events(req, text):
-                if delta or finish:
-                    await _send(response, {**head, "choices": [self._choice(job, delta, tokens, finish, chunk=True)]})
-            if job.include_usage:
-                await _send(response, {**head, "choices": [], "usage": self._usage(job, text)})
-        except (ApiError, EngineUnavailable) as e:
-            await _send(response, api_error(e).body())
-        except ConnectionResetError:
-            return response     # the client left; _serve's finally cancels the request
-        await response.write(b"data: [DONE]\n\n")
-        return response
+    def __init__(self, runner: web.AppRunner, listener: asyncio.Server):
+        self.runner, self.listener = runner, listener
+        self.port = listener.sockets[0].getsockname()[1]
 
-    def _head(self, job: Job, *, chunk: bool) -> dict:
-        if job.chat:
-            kind, prefix = ("chat.completion.chunk" if chunk else "chat.completion"), "chatcmpl"
-        else:
-            kind, prefix = "text_completion", "cmpl"
-        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
-                "model": self.config.model_name}
-
-    def _choice(self, job: Job, text: str, tokens: list, finish: str | None, *, chunk: bool) -> dict:
-        if not job.chat:
-            body = {"text": text}
-        elif chunk:
-            body = {"delta": {"content": text} if text else {}}
-        else:
-            body = {"message": {"role": "assistant", "content": text}}
-        return {"index": 0, **body, "logprobs": self._logprobs(job, tokens), "finish_reason": finish}
-
-    def _logprobs(self, job: Job, tokens: list) -> dict | None:
-        """The sampled tokens' logprobs (no alternatives: the ring carries only the sampled token's)."""
-        if not job.params.logprobs:
-            return None
-        strings = [self.tokenizer.decode([t], skip_special_tokens=False) for t, _ in tokens]
-        if job.chat:
-            return {"content": [{"token": s, "logprob": lp, "bytes": None, "top_logprobs": []}
-                                for s, (_, lp) in zip(strings, tokens, strict=True)]}
-        return {"tokens": strings, "token_logprobs": [lp for _, lp in tokens]}
-
-    def _usage(self, job: Job, text: TextStream) -> dict:
-        n_prompt, n_completion = len(job.prompt), text.n_tokens
-        return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+    async def cleanup(self) -> None:
+        self.listener.close()
+        await self.runner.cleanup()
 
 
-async def _send(response: web.StreamResponse, payload: dict) -> None:
-    await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
-
-
-async def start(server: OpenAIServer, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve ``server`` on ``host:port`` (0: any free port) in the running loop; returns the runner and the port."""
-    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
+async def start(server: OpenAIServer, host: str, port: int) -> Listening:
+    """Serve ``server`` on ``host:port`` (0: any free port) in the running loop, every connection guarded."""
+    limits = server.config.limits
+    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None,
+                           keepalive_timeout=limits.keepalive_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    return runner, runner.addresses[0][1]
+    listener = await asyncio.get_running_loop().create_server(lambda: server.guard.protocol(runner.server()),
+                                                              host, port)
+    return Listening(runner, listener)
 
 
 def run(server: OpenAIServer, host: str, port: int) -> int:
@@ -238,15 +175,15 @@ def run(server: OpenAIServer, host: str, port: int) -> int:
     import signal
 
     async def serve() -> int:
-        runner, bound = await start(server, host, port)
-        log.info("serving %s on http://%s:%d", server.config.model_name, host, bound)
+        listening = await start(server, host, port)
+        log.info("serving %s on http://%s:%d", server.config.model_name, host, listening.port)
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, server.stopped.set)
         try:
             await server.stopped.wait()
         finally:
-            await runner.cleanup()
+            await listening.cleanup()
         return server.exit_code
 
     return asyncio.run(serve())

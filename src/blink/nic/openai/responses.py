@@ -1,0 +1,109 @@
+"""One request's answer in the OpenAI format: a JSON completion, or an SSE stream of chunks ending in ``[DONE]``.
+
+``Responder`` turns the ``RequestOutput``s the agent loop delivers for a request into text (``TextStream``: the
+incremental detokenizer, cut before the first stop string) and writes it; a stop string ends the request there.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from aiohttp import web
+
+from blink.nic.agent_loop import Submission
+from blink.nic.openai.errors import REFUSALS, api_error
+from blink.nic.openai.requests import Job
+from blink.nic.text import TextStream, Tokenizer
+
+
+class Responder:
+    """Writes the answers of one model's requests (``model_name`` is what the responses say they came from)."""
+
+    def __init__(self, tokenizer: Tokenizer, model_name: str):
+        self.tokenizer, self.model_name = tokenizer, model_name
+
+    async def complete(self, job: Job, req: Submission) -> web.Response:
+        text = TextStream(self.tokenizer, job.stop)
+        content, tokens = "", []
+        async for delta, new_tokens, _ in self._events(req, text):
+            content += delta
+            tokens += new_tokens
+        choice = self._choice(job, content, tokens, req.finish_reason, chunk=False)
+        return web.json_response({**self._head(job, chunk=False), "choices": [choice],
+                                  "usage": self._usage(job, text)})
+
+    async def stream(self, request: web.Request, job: Job, req: Submission) -> web.StreamResponse:
+        text = TextStream(self.tokenizer, job.stop)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        head = self._head(job, chunk=True)
+        try:
+            if job.chat:
+                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}
+                await _send(response, {**head, "choices": [first]})
+            async for delta, tokens, finish in self._events(req, text):
+                if delta or finish:
+                    await _send(response, {**head, "choices": [self._choice(job, delta, tokens, finish, chunk=True)]})
+            if job.include_usage:
+                await _send(response, {**head, "choices": [], "usage": self._usage(job, text)})
+        except REFUSALS as e:
+            await _send(response, api_error(e).body())
+        except ConnectionResetError:
+            return response     # the client left; the handler's finally cancels the request
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def _events(self, req: Submission, text: TextStream):
+        """Yield ``(delta, [(token, logprob)], finish_reason)`` per batch of tokens; the last has a finish_reason."""
+        while True:
+            out = await req.queue.get()
+            if isinstance(out, Exception):
+                raise out
+            delta, tokens = "", []
+            for i, token in enumerate(out.new_tokens):
+                delta += text.push(token)
+                tokens.append((token, out.new_logprobs[i] if out.new_logprobs else None))
+                if text.stopped:
+                    break
+            if text.stopped or out.finished:
+                req.finish_reason = "stop" if text.stopped else out.finish_reason
+                yield delta + text.finish(), tokens, req.finish_reason
+                return
+            yield delta, tokens, None
+
+    def _head(self, job: Job, *, chunk: bool) -> dict:
+        if job.chat:
+            kind, prefix = ("chat.completion.chunk" if chunk else "chat.completion"), "chatcmpl"
+        else:
+            kind, prefix = "text_completion", "cmpl"
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+                "model": self.model_name}
+
+    def _choice(self, job: Job, text: str, tokens: list, finish: str | None, *, chunk: bool) -> dict:
+        if not job.chat:
+            body = {"text": text}
+        elif chunk:
+            body = {"delta": {"content": text} if text else {}}
+        else:
+            body = {"message": {"role": "assistant", "content": text}}
+        return {"index": 0, **body, "logprobs": self._logprobs(job, tokens), "finish_reason": finish}
+
+    def _logprobs(self, job: Job, tokens: list) -> dict | None:
+        """The sampled tokens' logprobs (no alternatives: the ring carries only the sampled token's)."""
+        if not job.params.logprobs:
+            return None
+        strings = [self.tokenizer.decode([t], skip_special_tokens=False) for t, _ in tokens]
+        if job.chat:
+            return {"content": [{"token": s, "logprob": lp, "bytes": None, "top_logprobs": []}
+                                for s, (_, lp) in zip(strings, tokens, strict=True)]}
+        return {"tokens": strings, "token_logprobs": [lp for _, lp in tokens]}
+
+    def _usage(self, job: Job, text: TextStream) -> dict:
+        n_prompt, n_completion = len(job.prompt), text.n_tokens
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+
+
+async def _send(response: web.StreamResponse, payload: dict) -> None:
+    await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
