@@ -163,4 +163,6 @@ def _copy_tensor(f, file: Path, name: str, target: Target) -> None:
         raise CheckpointError(f"{file}: tensor {name} has shape {shape}, the config implies {target.shape}")
     with torch.no_grad():
         for index, view in target.pieces:
-            view.copy_(stored[index])  # reads only the indexed bytes of the memory map
+            # A whole tensor goes by get_tensor (on CUDA: through pinned memory); a slice is cut from the memory map
+            # on the host, reading only its bytes, then copied to the device.
+            view.copy_(f.get_tensor(name) if tuple(view.shape) == shape else stored[index])
