@@ -62,9 +62,9 @@ class Runner:
         return logits[:k], self.buf.sampled_ids[:k].clone(), self.buf.sampled_logprobs[:k].clone()
 
 
-def check_mixed_batches(model, hf_model, atol=1e-4, seed=0):
-    """Three steps mixing full prefills, a prefill split in two chunks, and decodes, in a padded bucket; every
-    sampled row's logits must match HF's logits at the same position of the same token sequence."""
+def mixed_batches(model, seed=0) -> list[tuple[list[int], torch.Tensor, int, torch.Tensor]]:
+    """Three steps mixing full prefills, a prefill split in two chunks, and decodes, in a padded bucket. Returns
+    (the sequence's tokens so far, logits, sampled id, logprob) for every sampled row of every step, in order."""
     rng = random.Random(seed)
     vocab = model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (5, 17, 9, 12)]
@@ -75,6 +75,7 @@ def check_mixed_batches(model, hf_model, atol=1e-4, seed=0):
         [(3, None), (0, None), (1, None), (2, None)],
     ]
     seqs = {i: [] for i in range(4)}
+    rows = []
     for step in plan:
         chunks = []
         for i, n in step:
@@ -83,13 +84,18 @@ def check_mixed_batches(model, hf_model, atol=1e-4, seed=0):
             seqs[i] += new
             chunks.append(runner.chunk(i, new, start, sample=len(seqs[i]) >= len(prompts[i])))
         logits, ids, logprobs = runner.step(chunks, bucket=sum(len(c.tokens) for c in chunks) + 3)
-        for row, ((i, _), c) in enumerate(zip(step, chunks)):
-            if not c.sample:
-                continue
-            want = hf_logits(hf_model, seqs[i])[-1]
-            torch.testing.assert_close(logits[row].cpu(), want, atol=atol, rtol=atol)
-            assert ids[row] == logits[row].argmax()
-            torch.testing.assert_close(logprobs[row], torch.log_softmax(logits[row], 0)[ids[row]])
+        rows += [(list(seqs[i]), logits[row].cpu(), int(ids[row]), logprobs[row].cpu())
+                 for row, ((i, _), c) in enumerate(zip(step, chunks)) if c.sample]
+    return rows
+
+
+def check_mixed_batches(model, hf_model, atol=1e-4, seed=0):
+    """``mixed_batches``: every sampled row's logits must match HF's logits at the same position of the same token
+    sequence, its sampled id be their argmax (greedy) and its logprob that id's log-softmax."""
+    for tokens, logits, token, logprob in mixed_batches(model, seed):
+        torch.testing.assert_close(logits, hf_logits(hf_model, tokens)[-1], atol=atol, rtol=atol)
+        assert token == logits.argmax()
+        torch.testing.assert_close(logprob, torch.log_softmax(logits, 0)[token])
 
 
 def greedy_continuations(model, prompts: list[list[int]], n: int) -> list[list[int]]:

@@ -20,7 +20,8 @@ def test_sharded_checkpoint_converts_dtype_and_fuses(hf_checkpoint, tmp_path):
     want = torch.cat([sd[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert attn.dtype == torch.bfloat16 and torch.equal(attn, want.bfloat16())
     for name, target in checkpoint_targets(model).items():
-        assert torch.equal(target, sd[name].bfloat16()), name
+        (index, view), = target.pieces  # unsharded: one piece, the whole tensor
+        assert target.shape == sd[name].shape and torch.equal(view, sd[name][index].bfloat16()), name
 
 
 def test_experts_stack_from_per_expert_tensors(hf_checkpoint):

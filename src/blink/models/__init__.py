@@ -3,6 +3,7 @@ from .config import ConfigError, ModelConfig
 from .default import default_model_path
 from .loader import CheckpointError, build_model, load_model, random_model
 from .memory import MemoryPlan, plan_memory
+from .parallel import TensorParallel
 
 __all__ = ["ConfigError", "CheckpointError", "MemoryPlan", "ModelConfig", "build_model", "default_model_path",
-           "load_model", "plan_memory", "random_model"]
+           "load_model", "plan_memory", "random_model", "TensorParallel"]

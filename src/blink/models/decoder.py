@@ -6,6 +6,10 @@ Inside blink q/k/v and gate/up are always fused (``qkv_proj``, ``gate_up_proj``)
 dense or, where ``ModelConfig.is_moe_layer`` says so, a ``SparseMoE`` whose experts are stacked into 3-D parameters
 (one GEMM operand per expert) for the fused MoE kernel.
 
+Under tensor parallelism (``parallel.py``) the layers are built from the rank's shapes (``DecoderLM.local_config``)
+and the attention and MLP outputs are partial sums, all-reduced over the ranks before the residual add; at world
+size 1 the local config is the config and nothing is reduced.
+
 ``DecoderLM.forward`` is the model step: it reads only the step buffers of ``blink.device.step`` (first ``T`` token
 rows, first ``sample_rows(T)`` sequence rows), writes new K/V into the paged pool, computes logits for the sampled
 rows only and samples in-step. On CUDA it uses the Triton kernels and has fixed shapes and no host reads, so it
@@ -13,12 +17,15 @@ captures into a CUDA graph per bucket ``T``; on CPU it uses the torch references
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
 from .kernels import ops_for
+from .parallel import Split, TensorParallel, all_reduce, weight_split
 from .rope import cos_sin_cache
 from .sampler import sample
 
@@ -89,40 +96,54 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, qk_norm: bool, moe: bool, **kw):
+    """``reduce`` sums a row-parallel output over the tensor-parallel ranks; None at world size 1."""
+
+    def __init__(self, c: ModelConfig, qk_norm: bool, moe: bool, reduce, **kw):
         super().__init__()
         self.self_attn = Attention(c, qk_norm, **kw)
         self.mlp = SparseMoE(c, **kw) if moe else MLP(c, **kw)
         self.input_layernorm, self.post_attention_layernorm = nn.Module(), nn.Module()
         self.input_layernorm.weight = _param(c.hidden_size, **kw)
         self.post_attention_layernorm.weight = _param(c.hidden_size, **kw)
-        self.eps = c.rms_norm_eps
+        self.eps, self.reduce = c.rms_norm_eps, reduce
 
     def forward(self, h, residual, positions, cos_sin, kv_layer, slot_mapping, plan, ops):
         x, residual = ops.rms_norm(h, self.input_layernorm.weight, self.eps, residual)
-        h = self.self_attn(x, positions, cos_sin, kv_layer, slot_mapping, plan, ops)
+        h = self._summed(self.self_attn(x, positions, cos_sin, kv_layer, slot_mapping, plan, ops))
         x, residual = ops.rms_norm(h, self.post_attention_layernorm.weight, self.eps, residual)
-        return self.mlp(x, ops), residual
+        return self._summed(self.mlp(x, ops)), residual
+
+    def _summed(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLM(nn.Module):
     """Parameters are named as in HF checkpoints (``model.layers.N....``), with q/k/v and gate/up fused.
 
     ``STACKED`` maps a fused parameter to the checkpoint tensors it is concatenated from, in row order.
+
+    ``tp`` says which rank of a tensor-parallel model this is: the parameters and the KV pool hold that rank's share
+    (``local_config``'s shapes; ``weight_split`` says how each is cut from the full model's) and ``group``, the
+    process group of the ranks (None: torch's default group), sums the partial outputs. At world size 1
+    ``local_config is config`` and no collective is issued.
     """
 
     STACKED: dict[str, tuple[str, ...]] = {}
     QK_NORM = False
 
-    def __init__(self, config: ModelConfig, device="cpu", dtype: torch.dtype | None = None):
+    def __init__(self, config: ModelConfig, device="cpu", dtype: torch.dtype | None = None,
+                 tp: TensorParallel = TensorParallel(), group=None):
         super().__init__()
+        tp.check_group(group)
         kw = dict(device=torch.device(device), dtype=dtype or torch_dtype(config.dtype))
         self.config, self.device, self.dtype = config, kw["device"], kw["dtype"]
+        self.tp, self.local_config = tp, tp.shard(config)
+        reduce = None if tp.world_size == 1 else partial(all_reduce, group=group)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Module()
         self.model.embed_tokens.weight = _param(config.vocab_size, config.hidden_size, **kw)
-        self.model.layers = nn.ModuleList(DecoderLayer(config, self.QK_NORM, config.is_moe_layer(i), **kw)
-                                          for i in range(config.num_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(self.local_config, self.QK_NORM, config.is_moe_layer(i), reduce,
+                                                       **kw) for i in range(config.num_layers))
         self.model.norm = nn.Module()
         self.model.norm.weight = _param(config.hidden_size, **kw)
         if not config.tie_word_embeddings:
@@ -134,15 +155,17 @@ class DecoderLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def shard_rows(self, fused: str, matrix: torch.Tensor) -> tuple[int, ...]:
-        """Row counts of the parts the fused ``matrix`` (one expert's, for experts) is stacked from, in ``STACKED``
-        order: q/k/v heads, or gate and up halves (dense MLP and experts alike)."""
-        c = self.config
-        half = matrix.shape[0] // 2
-        return {"qkv_proj": (c.q_size, c.kv_size, c.kv_size), "gate_up_proj": (half, half)}[fused]
+    def weight_split(self, name: str) -> Split:
+        """How parameter ``name`` (each expert's matrix, for a 3-D one) is cut from the full model's: its parts
+        (q/k/v heads, gate and up halves, or the whole tensor) and this rank's slice of each."""
+        param = self.get_parameter(name)
+        fused = name.split(".")[-2]
+        matrix = param[0] if param.dim() == 3 else param
+        return weight_split(fused, param.dim() == 3, self.config, self.local_config, matrix.shape[0])
 
     def kv_cache_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
-        c = self.config
+        """The pool of this rank's KV heads: ``[layers, 2, pages, page_size, local kv_heads, head_dim]``."""
+        c = self.local_config
         return (c.num_layers, 2, num_pages, page_size, c.num_kv_heads, c.head_dim)
 
     def allocate_kv_cache(self, num_pages: int, page_size: int) -> torch.Tensor:
@@ -156,7 +179,7 @@ class DecoderLM(nn.Module):
         their values) and returns the logits ``[sample_rows(num_tokens), vocab]`` of the sampled rows in the model's
         dtype (sampling reads them as they are; a float32 copy would cost a pass over them every step).
         """
-        c, ops, t = self.config, self.ops, num_tokens
+        c, ops, t = self.local_config, self.ops, num_tokens
         s = buf.layout.sample_rows(t)
         plan = ops.attention_plan(buf, t, c.num_heads, c.num_kv_heads, c.head_dim, kv_cache.shape[3], self.dtype)
         positions, slot_mapping = buf.positions[:t], buf.slot_mapping[:t]

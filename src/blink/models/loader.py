@@ -2,11 +2,13 @@
 
 Tensors are read one at a time from the memory-mapped files straight onto the model's device and copied (with dtype
 conversion) into the preallocated, possibly fused, parameters: the checkpoint is never materialised whole on the CPU.
+A tensor-parallel rank (``parallel.TensorParallel``) reads only its slices of each tensor (``get_slice``).
 Every failure names the file, the tensor or the field that is wrong.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -17,6 +19,7 @@ from blink.errors import CheckpointError
 from .config import ModelConfig
 from .decoder import DecoderLM, torch_dtype
 from .llama import LlamaForCausalLM
+from .parallel import TensorParallel
 from .phi3 import Phi3ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
 from .qwen3_moe import Qwen3MoeForCausalLM
@@ -28,55 +31,85 @@ LOADABLE_DTYPES = {"F32", "F16", "BF16"}
 INDEX = "model.safetensors.index.json"
 
 
-def build_model(config: ModelConfig, device="cpu", dtype: torch.dtype | str | None = None) -> DecoderLM:
-    """A model with uninitialised weights; ``dtype`` defaults to the config's."""
+def build_model(config: ModelConfig, device="cpu", dtype: torch.dtype | str | None = None,
+                tp: TensorParallel = TensorParallel(), group=None) -> DecoderLM:
+    """A model (rank ``tp.rank``'s share of it) with uninitialised weights; ``dtype`` defaults to the config's."""
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype)
-    return ARCHITECTURES[config.architecture](config, device, dtype)
+    return ARCHITECTURES[config.architecture](config, device, dtype, tp, group)
 
 
-def load_model(path: str | Path, device="cpu", dtype: torch.dtype | str | None = None) -> DecoderLM:
-    """Load the HF-style model directory ``path`` (config.json + safetensors)."""
-    model = build_model(ModelConfig.from_file(path), device, dtype)
+def load_model(path: str | Path, device="cpu", dtype: torch.dtype | str | None = None,
+               tp: TensorParallel = TensorParallel(), group=None) -> DecoderLM:
+    """Load the HF-style model directory ``path`` (config.json + safetensors), rank ``tp.rank``'s slices only."""
+    model = build_model(ModelConfig.from_file(path), device, dtype, tp, group)
     load_weights(model, Path(path))
     return model
 
 
 def random_model(config: ModelConfig, device="cpu", dtype: torch.dtype | str | None = None,
-                 seed: int = 0, std: float = 0.02) -> DecoderLM:
-    """Weights ~ N(0, std) drawn on the device, norm weights 1: full-size shapes without a checkpoint."""
-    model = build_model(config, device, dtype)
+                 seed: int = 0, std: float = 0.02, tp: TensorParallel = TensorParallel(), group=None) -> DecoderLM:
+    """Weights ~ N(0, std) drawn on the device, norm weights 1: full-size shapes without a checkpoint.
+
+    A rank draws every tensor at its full size, in the unsharded model's order, and keeps its slice: its weights are
+    slices of the unsharded random model of the same seed, whatever the world size.
+    """
+    model = build_model(config, device, dtype, tp, group)
+    full_shapes = [p.shape for p in build_model(config, "meta", dtype).parameters()]
     gen = torch.Generator(device=model.device).manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
+        for (name, p), shape in zip(model.named_parameters(), full_shapes):
             if p.dim() == 1:
                 p.fill_(1.0)
-            else:
+            elif p.shape == shape:  # the rank holds it whole: draw in place
                 p.normal_(0.0, std, generator=gen)
+            else:
+                full = torch.empty(shape, device=p.device, dtype=p.dtype).normal_(0.0, std, generator=gen)
+                split = model.weight_split(name)
+                dim = split.dim + p.dim() - 2  # experts: the split cuts each expert's matrix
+                for source, target in tp.pieces(split):
+                    p[_along(dim, target)] = full[_along(dim, source)]
     return model
 
 
-def checkpoint_targets(model: DecoderLM) -> dict[str, torch.Tensor]:
-    """Checkpoint tensor name → the view of a parameter it is copied into, for every tensor a checkpoint must provide.
+@dataclass
+class Target:
+    """Where a checkpoint tensor goes: its full ``shape`` (what the config implies) and the ``pieces`` of it this
+    rank holds, as (index into the checkpoint tensor, the view of a parameter it is copied into)."""
 
-    A fused parameter (``STACKED``) takes its parts as consecutive row ranges. A 3-D parameter stacks one matrix per
-    expert: expert ``e``'s comes from ``<module>.<e>.<name>.<leaf>`` (``mlp.experts.3.up_proj.weight``).
+    shape: tuple[int, ...]
+    pieces: list[tuple[tuple[slice, ...], torch.Tensor]] = field(default_factory=list)
+
+
+def checkpoint_targets(model: DecoderLM) -> dict[str, Target]:
+    """Checkpoint tensor name → its ``Target``, for every tensor a checkpoint must provide.
+
+    A fused parameter takes its parts (``DecoderLM.weight_split``) as consecutive row ranges: from one checkpoint
+    tensor each when ``STACKED`` names them, else from one tensor holding them all (Phi-3's ``qkv_proj``). A 3-D
+    parameter stacks one matrix per expert: expert ``e``'s comes from ``<module>.<e>.<name>.<leaf>``
+    (``mlp.experts.3.up_proj.weight``). Under tensor parallelism each part gives the rank's slice of it.
     """
-    targets = {}
+    targets: dict[str, Target] = {}
     for name, param in model.named_parameters():
         head, _, leaf = name.rpartition(".")
         module, _, fused = head.rpartition(".")
         matrices = [(f"{module}.{e}", m) for e, m in enumerate(param)] if param.dim() == 3 else [(module, param)]
-        parts = model.STACKED.get(fused)
+        split, stacked = model.weight_split(name), model.STACKED.get(fused)
         for prefix, matrix in matrices:
-            if parts is None:
-                targets[_join(prefix, fused, leaf)] = matrix
-                continue
-            row = 0
-            for part, rows in zip(parts, model.shard_rows(fused, matrix)):
-                targets[_join(prefix, part, leaf)] = matrix[row:row + rows]
-                row += rows
+            for i, (source, target) in enumerate(model.tp.pieces(split)):
+                # a stacked part is a tensor of its own: its rows start at 0 there
+                key, start, rows = ((stacked[i], split.starts[i], split.parts[i][0]) if stacked
+                                    else (fused, 0, split.full_size))
+                shape = matrix.shape[:split.dim] + (rows,) + matrix.shape[split.dim + 1:]
+                index = _along(split.dim, slice(source.start - start, source.stop - start))
+                targets.setdefault(_join(prefix, key, leaf), Target(tuple(shape))).pieces.append(
+                    (index, matrix[_along(split.dim, target)]))
     return targets
+
+
+def _along(dim: int, rows: slice) -> tuple[slice, ...]:
+    """The index that takes ``rows`` of dimension ``dim`` and all of the dimensions before it."""
+    return (slice(None),) * dim + (rows,)
 
 
 def _join(*names: str) -> str:
@@ -120,13 +153,16 @@ def load_weights(model: DecoderLM, path: Path) -> None:
         raise CheckpointError(f"{path}: checkpoint lacks tensor(s) {', '.join(missing[:5])}{more}")
 
 
-def _copy_tensor(f, file: Path, name: str, target: torch.Tensor) -> None:
-    piece = f.get_slice(name)
-    dtype = piece.get_dtype()
+def _copy_tensor(f, file: Path, name: str, target: Target) -> None:
+    stored = f.get_slice(name)
+    dtype = stored.get_dtype()
     if dtype not in LOADABLE_DTYPES:
         raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}; blink loads F32, F16 and BF16 weights")
-    shape, want = tuple(piece.get_shape()), tuple(target.shape)
-    if shape != want:
-        raise CheckpointError(f"{file}: tensor {name} has shape {shape}, the config implies {want}")
+    shape = tuple(stored.get_shape())
+    if shape != target.shape:
+        raise CheckpointError(f"{file}: tensor {name} has shape {shape}, the config implies {target.shape}")
     with torch.no_grad():
-        target.copy_(f.get_tensor(name))
+        for index, view in target.pieces:
+            # A whole tensor goes by get_tensor (on CUDA: through pinned memory); a slice is cut from the memory map
+            # on the host, reading only its bytes, then copied to the device.
+            view.copy_(f.get_tensor(name) if tuple(view.shape) == shape else stored[index])

@@ -5,6 +5,9 @@ built on the ``meta`` device (so they are the model's own sizes, not a formula b
 estimate (the widest per-token tensors of one layer at the largest bucket, plus the float32 logits and the sampling
 temporaries of every sequence row). The engine measures its activations instead, by running the largest step once;
 this plan says beforehand whether a model fits and about how many tokens of KV the rest holds.
+
+Under tensor parallelism the plan is one rank's: its share of the weights (replicated embeddings, LM head and norms
+whole), its KV heads, its activations (the hidden width and the logits rows are whole on every rank).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import torch
 
 from .config import ModelConfig
 from .loader import build_model
+from .parallel import TensorParallel
 
 GIB = 2**30
 
@@ -51,10 +55,10 @@ def weight_bytes(model) -> int:
 
 
 def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, itemsize: int) -> int:
-    """Estimate: per token, the residual stream and its normed copies (4 x hidden), the attention output and the
-    widest GEMM output of a layer (fused qkv, dense gate/up, or a MoE layer's ``top_k`` rows of gate/up products and
-    down outputs), in the model dtype; per sequence row, four float32 rows of the vocabulary (logits, scaled logits,
-    sampling temporaries)."""
+    """Estimate for the shapes ``config`` (a rank's: ``DecoderLM.local_config``): per token, the residual stream and
+    its normed copies (4 x hidden), the attention output and the widest GEMM output of a layer (fused qkv, dense
+    gate/up, or a MoE layer's ``top_k`` rows of gate/up products and down outputs), in the model dtype; per sequence
+    row, four float32 rows of the vocabulary (logits, scaled logits, sampling temporaries)."""
     c = config
     widest = max(c.q_size + 2 * c.kv_size, 2 * c.intermediate_size,
                  c.num_experts_per_tok * (c.moe_intermediate_size + c.hidden_size))
@@ -69,13 +73,14 @@ def kv_page_bytes(model, page_size: int) -> int:
 
 def plan_memory(config: ModelConfig, gpu_bytes: int, page_size: int = 16, utilization: float = 0.9,
                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-                dtype: torch.dtype | str | None = None) -> MemoryPlan:
-    """The plan for ``config`` (in ``dtype``, default the config's) on a GPU of ``gpu_bytes``; ``ValueError``
-    naming the sizes when the weights and activations alone exceed ``utilization`` of it."""
-    model = build_model(config, "meta", dtype)
+                dtype: torch.dtype | str | None = None, tp: TensorParallel = TensorParallel()) -> MemoryPlan:
+    """The plan for ``config`` (in ``dtype``, default the config's) on a GPU of ``gpu_bytes`` holding rank
+    ``tp.rank``'s share; ``ValueError`` naming the sizes when the weights and activations alone exceed
+    ``utilization`` of it."""
+    model = build_model(config, "meta", dtype, tp)
     weights = weight_bytes(model)
     page = kv_page_bytes(model, page_size)
-    activations = activation_bytes(config, max_num_batched_tokens, max_num_seqs, model.dtype.itemsize)
+    activations = activation_bytes(model.local_config, max_num_batched_tokens, max_num_seqs, model.dtype.itemsize)
     left = utilization * gpu_bytes - weights - activations
     if left < page:
         raise ValueError(f"{config.architecture} in {model.dtype}: weights {weights / GIB:.1f} GiB + activations "
