@@ -51,11 +51,12 @@ def stop_reason(token: int, n_generated: int, header: np.void, eos_token_ids: fr
     return FINISH_NONE
 
 
-def expected_output(prompt: list[int], params, eos_token_ids=()) -> tuple[list[int], str]:
+def expected_output(prompt: list[int], params, eos_token_ids=(), vocab_size: int = STANDIN_VOCAB,
+                    ) -> tuple[list[int], str]:
     """What this consumer answers to one request (``SamplingParams`` with a seed): tokens and finish reason."""
     header = {"flags": FLAG_IGNORE_EOS if params.ignore_eos else 0, "n_stop": len(params.stop_token_ids),
               "stop_ids": list(params.stop_token_ids), "max_tokens": params.max_tokens}
-    tokens = standin_continuation(prompt, params.seed, params.max_tokens)
+    tokens = standin_continuation(prompt, params.seed, params.max_tokens, vocab_size)
     for n, token in enumerate(tokens, 1):
         reason = stop_reason(token, n, header, frozenset(eos_token_ids))
         if reason != FINISH_NONE:

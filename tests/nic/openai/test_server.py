@@ -457,6 +457,14 @@ prompts = {COMPLETIONS: {"prompt": st.text(min_size=1, max_size=30) | st.lists(s
                   "logprobs": st.booleans()}}
 
 
+# Every numeric field at the limits of the types that store it: the ring header's u32 / i32 / u64 / f32, Python's
+# float, JSON's unbounded integers (the adversarial pass found top_k = 2**31 leaking a slot per request).
+TYPE_LIMITS = [0, 1, -1, 2**31 - 1, 2**31, -2**31, -2**31 - 1, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1, 2**64,
+               -2**63 - 1, 10**30, 0.0, -0.0, 1e-45, 1e-39, 1e-5, 0.5, 3.4e38, 3.5e38, 1e308, -1e308, 1.7976931348623157e308]
+NUMERIC_FIELDS = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "priority", "n",
+                  "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "best_of"]
+
+
 @st.composite
 def requests(draw):
     path = draw(st.sampled_from([COMPLETIONS, CHAT]))
@@ -464,10 +472,13 @@ def requests(draw):
     body.update(draw(st.fixed_dictionaries({}, optional=good_values)))
     body.update(draw(st.dictionaries(st.sampled_from(sorted([*good_values, *prompts[path]])), json_values,
                                      max_size=2)))
+    body.update(draw(st.dictionaries(st.sampled_from(NUMERIC_FIELDS), st.sampled_from(TYPE_LIMITS), max_size=3)))
+    if draw(st.booleans()):
+        body["stop_token_ids"] = draw(st.lists(st.sampled_from(TYPE_LIMITS), max_size=3))
     return path, body
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(request=requests())
 def test_fuzzed_requests_never_get_a_5xx(standin_served, request):
@@ -479,6 +490,17 @@ def test_fuzzed_requests_never_get_a_5xx(standin_served, request):
         assert set(json.loads(response)["error"]) == {"message", "type", "param", "code"}
     elif body.get("stream") is True:
         assert response.endswith(b"data: [DONE]\n\n")
+
+
+def test_no_slot_is_left_behind_by_the_fuzzed_requests(standin_served):
+    """Run after the fuzzer (same module, same server): every ring slot is back with the agent, every request the
+    ring saw has finished, and a normal request is still served."""
+    served = standin_served
+    stats = served.wait_idle()
+    assert served.on_loop(lambda: served.agent.tracker.n_free) == GEOMETRY.n_slots
+    assert stats["finished"] == stats["submitted"] and stats["running"] == stats["waiting"] == 0
+    body = json.dumps({"model": MODEL, "prompt": "ok", "max_tokens": 2}).encode()
+    assert raw_request(served.port, COMPLETIONS, body)[0] == 200
 
 
 # -- command line ------------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import suppress
 import uuid
 
 from aiohttp import web
@@ -49,10 +50,10 @@ class Responder:
             if job.include_usage:
                 await _send(response, {**head, "choices": [], "usage": self._usage(job, text)})
         except REFUSALS as e:
-            await _send(response, api_error(e).body())
+            await _send_quietly(response, api_error(e).body())
         except ConnectionResetError:
             return response     # the client left; the handler's finally cancels the request
-        await response.write(b"data: [DONE]\n\n")
+        await _send_quietly(response, None)
         return response
 
     async def _events(self, req: Submission, text: TextStream):
@@ -105,5 +106,13 @@ class Responder:
         return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
 
 
-async def _send(response: web.StreamResponse, payload: dict) -> None:
-    await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+async def _send(response: web.StreamResponse, payload: dict | None) -> None:
+    """One SSE event: ``payload`` as JSON, or the final ``[DONE]`` for None."""
+    data = b"[DONE]" if payload is None else json.dumps(payload, ensure_ascii=False).encode()
+    await response.write(b"data: " + data + b"\n\n")
+
+
+async def _send_quietly(response: web.StreamResponse, payload: dict | None) -> None:
+    """The stream's last event: a client that left before it is no error of the server's."""
+    with suppress(ConnectionResetError):
+        await _send(response, payload)

@@ -1,0 +1,228 @@
+"""The soak: many mixed requests (streamed or not, chat or completions, stop strings, client cancellations, bad
+input, over-limit lengths) through the HTTP server over the stand-in engine, then every invariant.
+
+Invariants checked at the end (``Soak.check``): every ring slot is FREE and back with the agent, nothing waits in
+the agent, the ring's counters agree (finished == submitted, nothing running or waiting), the agent's finished-request
+counter equals the requests that reached the ring, no request got a 5xx, and every request got exactly one answer —
+served ones with exactly the stand-in model's tokens, cut where a stop string or EOS says.
+
+    python -m tests.soak --requests 100000 --json soak.json     # the full soak (docs/reliability.md)
+
+``tests/test_soak.py`` runs a short one in CI.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import threading
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from blink.nic.agent import Agent
+from blink.nic.agent_loop import LoopConfig
+from blink.nic.openai.server import OpenAIServer, ServerConfig, start
+from blink.nic.text import TextStream, Tokenizer
+from blink.process import wait_until_serving
+from blink.ring.geometry import RingGeometry
+from blink.ring.layout import FREE
+from blink.ring.reference import expected_output, standin_engine
+from blink.ring.request import SamplingParams
+
+MODEL = "soak"
+GEOMETRY = RingGeometry(n_slots=32, max_prompt_tokens=64, max_output_tokens=16, max_stop_ids=4, max_model_len=72)
+KINDS = ("completion", "stream", "chat", "stop_string", "cancel", "bad_input", "over_limit")
+WEIGHTS = (35, 25, 10, 10, 10, 5, 5)
+
+
+@dataclass
+class Soak:
+    requests: int
+    seconds: float = 0.0
+    outcomes: Counter = field(default_factory=Counter)     # (kind, outcome) -> count
+    wrong: list = field(default_factory=list)              # the first few wrong answers
+    invariants: dict = field(default_factory=dict)
+
+    def check(self) -> None:
+        bad = {name: value for name, value in self.invariants.items() if value is not True}
+        errors = {k: n for k, n in self.outcomes.items() if k[1] in ("5xx", "wrong", "exception")}
+        answered = sum(self.outcomes.values())
+        assert answered == self.requests, f"{self.requests - answered} requests got no answer"
+        assert not errors and not bad, (errors, bad, self.wrong[:3])
+
+
+@contextmanager
+def serving(tokenizer: Tokenizer):
+    """The HTTP server in this process (its own event-loop thread) over the stand-in engine in another."""
+    with standin_engine(GEOMETRY, vocab_size=tokenizer.vocab_size,
+                        eos_token_ids=tokenizer.eos_token_ids) as (memory, process):
+        agent = Agent(memory, GEOMETRY)
+        wait_until_serving(agent, process)
+        server = OpenAIServer(agent, tokenizer, ServerConfig(model_name=MODEL, loop=LoopConfig(max_queued=4096)))
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+        listening = asyncio.run_coroutine_threadsafe(start(server, "127.0.0.1", 0), loop).result()
+        try:
+            yield server, listening.port, loop
+        finally:
+            asyncio.run_coroutine_threadsafe(listening.cleanup(), loop).result()
+            loop.call_soon_threadsafe(loop.stop)
+
+
+class Client:
+    """Sends one request of a kind and says what became of it; what a served request must answer is computed
+    from the stand-in model (``expected_output``) and the tokenizer."""
+
+    def __init__(self, session: aiohttp.ClientSession, port: int, tokenizer: Tokenizer, soak: Soak):
+        self.session, self.url, self.tokenizer, self.soak = session, f"http://127.0.0.1:{port}/v1", tokenizer, soak
+
+    async def one(self, kind: str, rng: random.Random) -> str:
+        prompt = [rng.randrange(self.tokenizer.vocab_size) for _ in range(rng.randint(1, 40))]
+        params = SamplingParams(max_tokens=rng.randint(1, 12), seed=rng.randrange(2**32), temperature=0.7,
+                                ignore_eos=rng.random() < 0.5)
+        tokens, _ = expected_output(prompt, params, self.tokenizer.eos_token_ids, self.tokenizer.vocab_size)
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": params.max_tokens, "seed": params.seed,
+                "temperature": params.temperature, "ignore_eos": params.ignore_eos}
+        stop = ()
+        if kind == "chat":
+            messages = [{"role": "user", "content": f"question {rng.randrange(10**6)}"}]
+            prompt = self.tokenizer.encode_chat(messages)
+            tokens, _ = expected_output(prompt, params, self.tokenizer.eos_token_ids, self.tokenizer.vocab_size)
+            body = {**{k: v for k, v in body.items() if k != "prompt"}, "messages": messages}
+        elif kind == "stop_string":
+            text = self.tokenizer.decode(tokens)
+            stop = (text[len(text) // 2:][:2],) if len(text) >= 4 else ("\x00",)
+            body["stop"] = list(stop)
+        elif kind == "bad_input":
+            body[rng.choice(["top_k", "priority", "max_tokens", "temperature"])] = rng.choice([2**31, -5, 1e308, 2**64])
+        elif kind == "over_limit":          # fits the slot (64 prompt tokens) but not max_model_len (72)
+            body["prompt"], body["max_tokens"] = prompt[:1] + [1] * (GEOMETRY.max_prompt_tokens - 4), 16
+        path = "/chat/completions" if kind == "chat" else "/completions"
+        stream = kind in ("stream", "cancel") or rng.random() < 0.3
+        want = self._text(tokens, stop)
+        async with self.session.post(self.url + path, json={**body, "stream": stream}) as response:
+            if response.status >= 500:
+                return "5xx"
+            if response.status >= 400:
+                return "4xx" if kind in ("bad_input", "over_limit") else self._wrong(kind, body, response.status)
+            if kind == "cancel":
+                await response.content.readline()       # the first event, then the client goes away
+                response.close()
+                return "cancelled"
+            got = await (self._streamed(response, kind) if stream else self._whole(response, kind))
+            return "ok" if got == want else self._wrong(kind, body, (got, want))
+
+    def _text(self, tokens: list[int], stop) -> str:
+        text = TextStream(self.tokenizer, stop)
+        return "".join(text.push(t) for t in tokens) + text.finish()
+
+    async def _whole(self, response, kind: str) -> str:
+        choice = (await response.json())["choices"][0]
+        return choice["message"]["content"] if kind == "chat" else choice["text"]
+
+    async def _streamed(self, response, kind: str) -> str:
+        text = ""
+        async for line in response.content:
+            if not line.startswith(b"data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                text += choice["delta"].get("content", "") if kind == "chat" else choice["text"]
+        return text
+
+    def _wrong(self, kind, body, what) -> str:
+        if len(self.soak.wrong) < 10:
+            self.soak.wrong.append((kind, body, what))
+        return "wrong"
+
+
+async def drive(port: int, tokenizer: Tokenizer, soak: Soak, concurrency: int, seed: int) -> None:
+    rng = random.Random(seed)
+    plan = rng.choices(KINDS, WEIGHTS, k=soak.requests)
+    semaphore = asyncio.Semaphore(concurrency)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+        client = Client(session, port, tokenizer, soak)
+
+        async def run(i: int, kind: str) -> None:
+            async with semaphore:
+                try:
+                    outcome = await client.one(kind, random.Random(seed * 1_000_003 + i))
+                except Exception as e:          # a reset, a timeout: the soak counts it as a failure
+                    outcome = "exception"
+                    client._wrong(kind, i, repr(e))
+                soak.outcomes[(kind, outcome)] += 1
+
+        await asyncio.gather(*(run(i, kind) for i, kind in enumerate(plan)))
+
+
+def invariants(server: OpenAIServer, loop, soak: Soak) -> dict:
+    """Once the ring has drained: what must hold whatever the requests were."""
+    def on_loop(fn):
+        async def call():
+            return fn()
+        return asyncio.run_coroutine_threadsafe(call(), loop).result()
+
+    agent = server.loop.agent
+    deadline = time.monotonic() + 30
+    while on_loop(lambda: agent.in_flight) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = agent.stats()
+    states = on_loop(lambda: agent._snapshot()[1]["state"].copy())
+    finished = sum(server.metrics.requests.labels(finish_reason=r)._value.get()
+                   for r in ("stop", "length", "abort", "error"))
+    reached = sum(n for (kind, outcome), n in soak.outcomes.items() if outcome in ("ok", "cancelled", "wrong"))
+    return {
+        "every slot back with the agent": on_loop(lambda: agent.in_flight == 0
+                                                  and agent.tracker.n_free == GEOMETRY.n_slots),
+        "every slot FREE in the ring": bool((states == FREE).all()),
+        "nothing waits in the agent": on_loop(lambda: not server.loop.waiting and not server.loop._active),
+        "ring counters agree": stats["finished"] == stats["submitted"] and stats["running"] == stats["waiting"] == 0,
+        "each reached request finished once": int(finished) == reached,
+    }
+
+
+def run(requests: int, concurrency: int = 64, seed: int = 0) -> Soak:
+    from blink.models import default_model_path
+
+    tokenizer = Tokenizer(default_model_path())
+    soak = Soak(requests)
+    with serving(tokenizer) as (server, port, loop):
+        start_time = time.monotonic()
+        asyncio.run(drive(port, tokenizer, soak, concurrency, seed))
+        soak.seconds = time.monotonic() - start_time
+        soak.invariants = invariants(server, loop, soak)
+    return soak
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=100_000, help="requests to send")
+    parser.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the request mix")
+    parser.add_argument("--json", default=None, help="write the result here")
+    args = parser.parse_args()
+    soak = run(args.requests, args.concurrency, args.seed)
+    outcomes = {f"{kind} {outcome}": n for (kind, outcome), n in sorted(soak.outcomes.items())}
+    print(f"{soak.requests} requests in {soak.seconds:.1f} s ({soak.requests / soak.seconds:.0f} req/s), "
+          f"concurrency {args.concurrency}")
+    for name, n in outcomes.items():
+        print(f"  {name:<24} {n:8d}")
+    for name, ok in soak.invariants.items():
+        print(f"  invariant: {name}: {'holds' if ok is True else 'BROKEN'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"requests": soak.requests, "seconds": soak.seconds, "concurrency": args.concurrency,
+                       "seed": args.seed, "outcomes": outcomes, "invariants": soak.invariants,
+                       "wrong": [repr(w) for w in soak.wrong]}, f, indent=1)
+    soak.check()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""Fault injection: the engine, or the agent, killed (SIGKILL) at random points while requests are in flight.
+
+What must hold (docs/reliability.md): when the engine dies, every request in flight ends promptly with an error (a
+status, or an error event in its stream; none hangs), and ``blink serve`` exits with code 1 for its supervisor,
+leaving no ring behind; when the agent (``blink serve``) dies, its engine process stops by itself and removes its
+ring.
+"""
+import http.client
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.nic.openai.test_server import children, free_port, wait_for
+
+KILL_POINTS = random.Random(23).sample([x / 10 for x in range(2, 25)], 3)     # seconds into the load
+CPU_ENGINE = ["--device", "cpu", "--slots", "8", "--max-model-len", "96", "--max-num-seqs", "4",
+              "--max-num-batched-tokens", "64", "--cpu-kv-cache-gib", "0.05"]
+
+
+def serve(*args) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--port", str(port), *args])
+    wait_for(lambda: healthy(port), timeout_s=120)
+    return process, port
+
+
+def healthy(port) -> bool:
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        connection.request("GET", "/health")
+        return connection.getresponse().status == 200
+    except OSError:
+        return False
+
+
+def engines(pid: int) -> list[int]:
+    return [p for p in children(pid) if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+
+
+def rings() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("blink-")}
+
+
+class Load:
+    """Streams requests from 8 threads until stopped; records how each ended and how long it took."""
+
+    def __init__(self, port: int):
+        self.port, self.ends, self.stop = port, [], threading.Event()
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(8)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self) -> None:
+        body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 64, "ignore_eos": True, "stream": True})
+        while not self.stop.is_set():
+            start = time.monotonic()
+            try:
+                connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+                connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+                response = connection.getresponse()
+                payload = response.read()
+                end = ("error" if response.status != 200 or b'"error"' in payload
+                       else "done" if payload.endswith(b"data: [DONE]\n\n") else "cut")
+            except OSError:
+                end = "refused"         # the server is gone: a new request cannot connect
+            self.ends.append((end, time.monotonic() - start))
+
+    def finish(self) -> list:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(40)
+        assert not any(thread.is_alive() for thread in self.threads), "a request hangs"
+        return self.ends
+
+
+@pytest.mark.parametrize("kill_after_s", KILL_POINTS)
+def test_an_engine_killed_under_load_fails_what_is_in_flight_and_serve_exits_1(kill_after_s):
+    before = rings()
+    process, port = serve("--standin", "--slots", "8", "--max-model-len", "128")
+    try:
+        load = Load(port)
+        time.sleep(kill_after_s)
+        (engine,) = engines(process.pid)
+        os.kill(engine, signal.SIGKILL)
+        assert process.wait(30) == 1
+        ends = load.finish()
+    finally:
+        process.kill()
+    assert {end for end, _ in ends} <= {"done", "error", "refused"}, "a stream was cut off without an error"
+    assert all(seconds < 30 for _, seconds in ends)
+    assert rings() <= before, "serve left its ring behind"
+
+
+@pytest.mark.parametrize("kill_after_s", KILL_POINTS[:2])
+def test_an_agent_killed_under_load_takes_its_engine_and_ring_with_it(kill_after_s):
+    before = rings()
+    process, port = serve(*CPU_ENGINE)
+    (engine,) = engines(process.pid)
+    load = Load(port)
+    time.sleep(kill_after_s)
+    process.send_signal(signal.SIGKILL)
+    process.wait(10)
+    load.finish()
+    wait_for(lambda: not os.path.exists(f"/proc/{engine}") or _zombie(engine), timeout_s=60)
+    wait_for(lambda: rings() <= before, timeout_s=10)
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
