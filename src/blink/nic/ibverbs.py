@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import mmap
+import random
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -140,15 +141,20 @@ class _Device:
         name = config.device or names[0]
         if name not in names:
             raise RdmaError(f"no RDMA device named {name!r} here; this host has {names}")
-        with _verbs_call(f"opening RDMA device {name} port {config.port}"):
+        with _verbs_call(f"opening RDMA device {name}"):
             self.context = Context(name=name)
-            self.pd = PD(self.context)
-            port = self.context.query_port(config.port)
-            attributes = self.context.query_device()
-            self.gid = self.context.query_gid(config.port, config.gid_index).gid
-        if port.state != e.IBV_PORT_ACTIVE:
-            raise RdmaError(f"port {config.port} of {name} is not ACTIVE (state {port.state}): check the link "
-                            "(ibv_devinfo)")
+        try:
+            with _verbs_call(f"querying port {config.port} and GID {config.gid_index} of RDMA device {name}"):
+                self.pd = PD(self.context)
+                port = self.context.query_port(config.port)
+                attributes = self.context.query_device()
+                self.gid = self.context.query_gid(config.port, config.gid_index).gid
+            if port.state != e.IBV_PORT_ACTIVE:
+                raise RdmaError(f"port {config.port} of {name} is not ACTIVE (state {port.state}): check the link "
+                                "(ibv_devinfo)")
+        except BaseException:
+            self.context.close()
+            raise
         self.mtu = next(size for size, code in _mtus().items() if code == port.active_mtu)
         self.lid = port.lid
         self.max_rd_atomic = min(MAX_RD_ATOMIC, attributes.max_qp_rd_atom, attributes.max_qp_init_rd_atom)
@@ -156,8 +162,6 @@ class _Device:
 
     def create_qp(self, max_send_wr: int, access: int):
         """A CQ and an RC QP in INIT whose send queue holds ``max_send_wr`` requests."""
-        import random
-
         import pyverbs.enums as e
         from pyverbs.cq import CQ
         from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
