@@ -5,7 +5,6 @@ import uuid
 import numpy as np
 import pytest
 
-from blink.nic import rdma
 from blink.ring.transport import LocalMemory, SharedMemory
 
 
@@ -84,12 +83,3 @@ def test_shared_memory_errors_name_the_problem():
     with pytest.raises(ValueError, match="size"):
         LocalMemory(0)
 
-
-def test_rdma_import_error_names_pyverbs():
-    try:
-        import pyverbs  # noqa: F401
-        pytest.skip("pyverbs is installed here")
-    except ImportError:
-        pass
-    with pytest.raises(ImportError, match="pyverbs.*rdma-core"):
-        rdma.require_pyverbs()

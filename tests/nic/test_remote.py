@@ -1,0 +1,161 @@
+"""``blink agent --remote`` end to end without hardware: the engine's ring served by the reference consumer in
+another process (``standin_engine``), the setup handshake over loopback TCP, and the agent in this process writing
+into that ring over ipc (shared memory, CPU mode's foreign writer) or over RDMA on the recording verbs layer."""
+import time
+
+import pytest
+
+from blink.errors import RingFull, RingMismatch
+from blink.nic import remote
+from blink.nic.agent import Agent
+from blink.nic.rdma import RdmaConfig, RdmaMemory
+from blink.nic.recording import RecordingFabric
+from blink.nic.remote import RingExport, RingListener, listen_on_ring, open_remote
+from blink.nic.segments import HostSegment
+from blink.nic.verbs import RdmaError
+from blink.nic.wire import HandshakeError, Hello
+from blink.ring import control
+from blink.ring.geometry import RingGeometry
+from blink.ring.layout import RingLayout
+from blink.ring.reference import expected_output, standin_engine
+from blink.ring.request import SamplingParams
+from blink.ring.transport import LocalMemory, SharedMemory
+
+from .test_wire import ENDPOINT
+
+GEOMETRY = RingGeometry(n_slots=16, max_prompt_tokens=16, max_output_tokens=24, max_stop_ids=2)
+RDMA = RdmaConfig(send_queue_depth=16, cell_bytes=4096)
+
+
+def address(listener) -> str:
+    return "%s:%d" % listener.address
+
+
+def serve_requests(memory, n=30, timeout_s=60.0):
+    """An agent on ``memory`` runs ``n`` seeded requests to the end; {request_id: (tokens, reason)} and what each
+    request was."""
+    agent = Agent.attach(memory)
+    results, submitted, k = {}, {}, 0
+    deadline = time.monotonic() + timeout_s
+    while len(submitted) < n or agent.in_flight:
+        while len(submitted) < n:
+            prompt, params = [k + 1, 2 * k + 1], SamplingParams(max_tokens=1 + k % 24, seed=k, ignore_eos=True)
+            try:
+                submitted[agent.submit(prompt, params)] = (prompt, params)
+            except RingFull:
+                break
+            k += 1
+        for out in agent.poll():
+            tokens, _ = results.get(out.request_id, ([], None))
+            results[out.request_id] = (tokens + out.new_tokens, out.finish_reason)
+        assert time.monotonic() < deadline, "the requests did not finish"
+    return results, submitted
+
+
+@pytest.mark.parametrize("transport", ["ipc", "rdma"])
+def test_an_agent_attached_over_the_handshake_gets_the_reference_outputs(transport):
+    fabric = RecordingFabric()
+    with standin_engine(GEOMETRY) as (ring, _), \
+            listen_on_ring("127.0.0.1:0", ring, GEOMETRY, target_factory=fabric.target) as listener:
+        memory = open_remote(address(listener), transport, rdma=RDMA, verbs_factory=fabric.initiator)
+        assert isinstance(memory, RdmaMemory if transport == "rdma" else SharedMemory)
+        try:
+            results, submitted = serve_requests(memory)
+        finally:
+            memory.close()
+        assert listener.server.offers == 1
+    assert {rid: results[rid] for rid in submitted} == {rid: expected_output(*r) for rid, r in submitted.items()}
+
+
+def test_several_rdma_agents_get_a_qp_each_over_one_registration():
+    fabric = RecordingFabric()
+    with standin_engine(GEOMETRY) as (ring, _), \
+            listen_on_ring("127.0.0.1:0", ring, GEOMETRY, target_factory=fabric.target) as listener:
+        first = open_remote(address(listener), "rdma", rdma=RDMA, verbs_factory=fabric.initiator)
+        second = open_remote(address(listener), "rdma", rdma=RDMA, verbs_factory=fabric.initiator)
+        assert first.regions == second.regions
+        assert first.verbs.remote.qp_num != second.verbs.remote.qp_num
+        control.request_shutdown(second)
+        second.close()
+        first.close()
+
+
+def test_an_engine_without_rdma_says_so_and_still_serves_ipc():
+    with standin_engine(GEOMETRY) as (ring, _), listen_on_ring("127.0.0.1:0", ring, GEOMETRY) as listener:
+        with pytest.raises(HandshakeError, match="rejected this agent: this engine was started without RDMA"):
+            open_remote(address(listener), "rdma", verbs_factory=RecordingFabric().initiator)
+        open_remote(address(listener), "ipc").close()
+
+
+def test_an_engine_whose_rdma_device_fails_sends_the_reason():
+    def no_device():
+        raise RdmaError("no RDMA device here (ibv_devices lists none)")
+
+    with standin_engine(GEOMETRY) as (ring, _), \
+            listen_on_ring("127.0.0.1:0", ring, GEOMETRY, target_factory=no_device) as listener:
+        with pytest.raises(HandshakeError, match="cannot serve RDMA: no RDMA device here"):
+            open_remote(address(listener), "rdma", verbs_factory=RecordingFabric().initiator)
+
+
+def test_ipc_from_another_host_is_refused():
+    with LocalMemory(RingLayout(GEOMETRY).size) as ring:
+        export = RingExport(GEOMETRY, [HostSegment(0, ring)])
+        elsewhere = Hello("ipc", control.VERSION, host="00000000-0000-0000-0000-000000000000")
+        with pytest.raises(HandshakeError, match="another host.*use --transport rdma"):
+            export.answer(elsewhere)
+
+
+def test_a_private_ring_cannot_be_offered_over_ipc():
+    layout = RingLayout(GEOMETRY)
+    with LocalMemory(layout.size) as ring:
+        layout.initialise(ring)
+        export = RingExport(GEOMETRY, [HostSegment(0, ring)])
+        with pytest.raises(HandshakeError, match="private memory"):
+            export.answer(Hello("ipc", control.VERSION, host=remote.boot_id()))
+
+
+def test_an_agent_of_another_ring_protocol_version_is_refused():
+    layout = RingLayout(GEOMETRY)
+    with LocalMemory(layout.size) as ring:
+        export = RingExport(GEOMETRY, [HostSegment(0, ring)], target_factory=RecordingFabric().target)
+        with pytest.raises(HandshakeError, match="ring protocol version 99, this engine 1"):
+            export.answer(Hello("rdma", 99, endpoint=ENDPOINT))
+
+
+def test_an_offer_that_does_not_describe_the_ring_reached_is_caught():
+    """An engine that offers a geometry its ring was not created with: the agent reads the real control block
+    through the new transport and refuses it."""
+    other = RingGeometry(n_slots=GEOMETRY.n_slots, max_prompt_tokens=GEOMETRY.max_prompt_tokens,
+                         max_output_tokens=GEOMETRY.max_output_tokens, max_stop_ids=GEOMETRY.max_stop_ids + 1)
+    assert RingLayout(other).size == RingLayout(GEOMETRY).size
+    fabric = RecordingFabric()
+    with standin_engine(GEOMETRY) as (ring, _):
+        export = RingExport(other, [HostSegment(0, ring)], target_factory=fabric.target)
+        with RingListener("127.0.0.1:0", export) as listener:
+            with pytest.raises(RingMismatch, match="ring field 'max_stop_ids' is 2 in the region but 3"):
+                open_remote(address(listener), "rdma", rdma=RDMA, verbs_factory=fabric.initiator)
+
+
+def test_the_export_checks_its_segments_and_the_agent_its_transport():
+    with LocalMemory(4096) as small:
+        with pytest.raises(ValueError, match="cover \\[0, 4096\\) but the ring is"):
+            RingExport(GEOMETRY, [HostSegment(0, small)])
+    with pytest.raises(ValueError, match="--transport must be one of \\('rdma', 'ipc'\\)"):
+        open_remote("127.0.0.1:1", "tcp")
+
+
+def test_without_pyverbs_both_sides_say_what_to_install():
+    try:
+        import pyverbs  # noqa: F401
+        pytest.skip("pyverbs is installed here")
+    except ImportError:
+        pass
+    from blink.nic.ibverbs import DeviceConfig, PyverbsTarget
+
+    with pytest.raises(RdmaError, match="needs pyverbs.*python3-pyverbs"):
+        open_remote("127.0.0.1:1", "rdma")
+    with LocalMemory(RingLayout(GEOMETRY).size) as ring:
+        export = RingExport(GEOMETRY, [HostSegment(0, ring)], target_factory=lambda: PyverbsTarget(DeviceConfig()))
+        with pytest.raises(HandshakeError, match="the engine cannot serve RDMA: the RDMA transport needs pyverbs"):
+            export.answer(Hello("rdma", control.VERSION, endpoint=ENDPOINT))
+
