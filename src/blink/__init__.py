@@ -7,13 +7,14 @@ The public API: ``Engine`` and ``AsyncEngine`` serve a model to Python code (``E
 
 from blink.config import EngineConfig, SamplingParams, SchedulerConfig
 from blink.engine import AsyncEngine, AsyncRequestStream, Engine, RequestStream
-from blink.errors import (BlinkError, CheckpointError, ConfigError, EngineClosed, EngineError, EngineUnavailable,
-                          EngineUnresponsive, GGUFError, IllegalTransition, LaunchError, Overloaded, RequestError,
-                          RingFull, RingMismatch)
+from blink.errors import (BlinkError, CheckpointError, ConfigError, CudaIpcError, EngineClosed, EngineError,
+                          EngineUnavailable, EngineUnresponsive, GGUFError, HandshakeError, IllegalTransition,
+                          LaunchError, Overloaded, RdmaError, RequestError, RingFull, RingMismatch)
 from blink.outputs import GenerationOutput, StreamDelta
 
 __version__ = "0.1.0"
-__all__ = ["AsyncEngine", "AsyncRequestStream", "BlinkError", "CheckpointError", "ConfigError", "Engine",
-           "EngineClosed", "EngineConfig", "EngineError", "EngineUnavailable", "EngineUnresponsive", "GGUFError",
-           "GenerationOutput", "IllegalTransition", "LaunchError", "Overloaded", "RequestError", "RequestStream",
-           "RingFull", "RingMismatch", "SamplingParams", "SchedulerConfig", "StreamDelta"]
+__all__ = ["AsyncEngine", "AsyncRequestStream", "BlinkError", "CheckpointError", "ConfigError", "CudaIpcError",
+           "Engine", "EngineClosed", "EngineConfig", "EngineError", "EngineUnavailable", "EngineUnresponsive",
+           "GGUFError", "GenerationOutput", "HandshakeError", "IllegalTransition", "LaunchError", "Overloaded",
+           "RdmaError", "RequestError", "RequestStream", "RingFull", "RingMismatch", "SamplingParams",
+           "SchedulerConfig", "StreamDelta"]

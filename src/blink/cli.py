@@ -83,7 +83,8 @@ def engine(args) -> int:
     """The engine on a new shared-memory ring until Ctrl-C or SIGTERM; ``blink agent --ring NAME`` serves HTTP on it."""
     from blink.process import serve_ring
 
-    serve_ring(_engine_config(args, _model_dir(args.model_path or args.model), ring_name=args.ring))
+    serve_ring(_engine_config(args, _model_dir(args.model_path or args.model), ring_name=args.ring),
+               listen=args.listen, rdma_device=_rdma_device(args))
     return 0
 
 
@@ -105,12 +106,34 @@ def generate(args) -> int:
 
 
 def agent(args) -> int:
-    """Attach to the shared-memory ring of an engine that is already running and serve HTTP on it."""
-    from blink.ring.transport import SharedMemory
-
+    """Attach to the ring of an engine that is already running (by name on this host, or at ``--remote`` over RDMA
+    or CUDA IPC) and serve HTTP on it."""
     model_dir = _model_dir(args.model)
-    with SharedMemory.open(args.ring) as memory:
+    with _agent_ring(args) as memory:
         return _serve_http(args, memory, _tokenizer(args, model_dir), model_dir, None, args.cpus)
+
+
+def _agent_ring(args):
+    if args.ring is not None:
+        from blink.ring.transport import SharedMemory
+
+        return SharedMemory.open(args.ring)
+    from blink.nic.remote import open_remote
+
+    return open_remote(args.remote, args.transport, device=_rdma_device(args))
+
+
+def _rdma_device(args):
+    from blink.nic.ibverbs import DeviceConfig
+
+    return DeviceConfig(device=args.rdma_device, port=args.rdma_port, gid_index=args.rdma_gid_index)
+
+
+def _rdma_options(parser) -> None:
+    parser.add_argument("--rdma-device", default=None, help="RDMA device (ibv_devices; default: the only one)")
+    parser.add_argument("--rdma-port", type=int, default=1, help="RDMA device port")
+    parser.add_argument("--rdma-gid-index", type=int, default=0,
+                        help="GID table entry (show_gids; a RoCE v2 entry with the interface's address)")
 
 
 def _serve_http(args, memory, tokenizer, model_dir, engine_process, cores) -> int:
@@ -246,6 +269,9 @@ def _parser() -> argparse.ArgumentParser:
     engine_cmd.add_argument("model_path", nargs="?", metavar="MODEL", help="same as --model")
     engine_cmd.add_argument("--model", default=None, help="model directory (HF layout); default: the embedded SmolLM2")
     engine_cmd.add_argument("--ring", required=True, help="name of the ring to create (/dev/shm/NAME)")
+    engine_cmd.add_argument("--listen", default=None, metavar="HOST:PORT",
+                            help="also let agents on other hosts or DPUs attach here (docs/dpu.md)")
+    _rdma_options(engine_cmd)
     _engine_options(engine_cmd, slots=256)
     gen_cmd = command("generate", generate, "generate from one prompt with an in-process engine")
     gen_cmd.add_argument("prompt", help="the prompt text")
@@ -260,7 +286,13 @@ def _parser() -> argparse.ArgumentParser:
     _engine_options(gen_cmd, slots=4)
     agent_cmd = command("agent", agent, "OpenAI-compatible HTTP server on the ring of a running engine")
     _http_options(agent_cmd)
-    agent_cmd.add_argument("--ring", required=True, help="the engine's shared-memory ring name (/dev/shm/NAME)")
+    where = agent_cmd.add_mutually_exclusive_group(required=True)
+    where.add_argument("--ring", default=None, help="the engine's shared-memory ring name (/dev/shm/NAME)")
+    where.add_argument("--remote", default=None, metavar="HOST:PORT",
+                       help="the engine's --listen address: attach over --transport")
+    agent_cmd.add_argument("--transport", choices=("rdma", "ipc"), default="rdma",
+                           help="with --remote: RDMA (a DPU or another host) or CUDA IPC (the same host)")
+    _rdma_options(agent_cmd)
     bench_cmd = sub.add_parser("bench", help="benchmarks: serve (online serving, vllm bench serve's metrics), report")
     bench_cmd.set_defaults(run=None)
     bench_sub = bench_cmd.add_subparsers(dest="bench_command", required=True)

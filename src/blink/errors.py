@@ -37,6 +37,20 @@ class LaunchError(BlinkError):
     """A CUDA call of the scheduler (host side, or a device-side graph launch) failed."""
 
 
+class HandshakeError(BlinkError, ValueError):
+    """A setup message of the remote transports was malformed, or its peer cannot be served (version, transport,
+    ring or host differ)."""
+
+
+class RdmaError(BlinkError):
+    """An RDMA device, queue pair or work request failed. The message names the operation, the status and what to
+    do; after one, the connection is unusable and the agent must reconnect."""
+
+
+class CudaIpcError(BlinkError):
+    """A CUDA call of the IPC transport or of the ring's export failed; the message names the call and the error."""
+
+
 class ConfigError(BlinkError, ValueError):
     """A model's config.json cannot be served (unknown architecture, missing or inconsistent fields)."""
 
@@ -49,6 +63,6 @@ class GGUFError(BlinkError, ValueError):
     """A GGUF file cannot be converted (unsupported architecture, tensor type or metadata)."""
 
 
-__all__ = ["BlinkError", "CheckpointError", "ConfigError", "EngineClosed", "EngineError", "EngineUnavailable",
-           "EngineUnresponsive", "GGUFError", "IllegalTransition", "LaunchError", "Overloaded", "RequestError",
-           "RingFull", "RingMismatch"]
+__all__ = ["BlinkError", "CheckpointError", "ConfigError", "CudaIpcError", "EngineClosed", "EngineError",
+           "EngineUnavailable", "EngineUnresponsive", "GGUFError", "HandshakeError", "IllegalTransition", "LaunchError",
+           "Overloaded", "RdmaError", "RequestError", "RingFull", "RingMismatch"]

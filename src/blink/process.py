@@ -26,9 +26,12 @@ USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, BlinkError)
 ATTACH_TIMEOUT_S = 600.0        # loading a large model and capturing its graphs can take minutes
 
 
-def serve_ring(config: EngineConfig) -> None:
+def serve_ring(config: EngineConfig, listen: str | None = None, rdma_device=None) -> None:
     """Process entry point (``blink engine``): serve the shared ring ``config.ring_name`` until SIGINT or SIGTERM,
-    or until a shutdown is requested through the ring; then stop cleanly (the ring is removed)."""
+    or until a shutdown is requested through the ring; then stop cleanly (the ring is removed).
+
+    ``listen`` (``HOST:PORT``): also answer agents on other hosts or DPUs that attach over RDMA or CUDA IPC
+    (``blink.nic.remote``: a setup-only listener; ``rdma_device`` an ``ibverbs.DeviceConfig``)."""
     import signal
 
     from blink.core import EngineCore
@@ -38,7 +41,7 @@ def serve_ring(config: EngineConfig) -> None:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    with EngineCore(config) as core:
+    with EngineCore(config) as core, _agent_listener(core, listen, rdma_device):
         # A tick every ALIVE_TICK_S is all the host does while the loop serves: it tells the agent that this
         # process lives (blink.nic.liveness), so a long step is not taken for a dead engine.
         ticks = 0
@@ -46,6 +49,15 @@ def serve_ring(config: EngineConfig) -> None:
             ticks += 1
             control.write(core.memory, "alive", ticks)
     log.info("stopped")
+
+
+def _agent_listener(core, listen: str | None, rdma_device):
+    """Where remote agents attach to ``core``'s ring (closed before the ring), or nothing."""
+    if listen is None:
+        return contextlib.nullcontext()
+    from blink.nic.remote import listen_on_ring
+
+    return listen_on_ring(listen, core.memory, core.geometry, rdma_device=rdma_device)
 
 
 @contextmanager

@@ -5,9 +5,10 @@ import threading
 
 import pytest
 
+from blink.errors import HandshakeError
 from blink.nic import handshake
 from blink.nic.handshake import FRAME_MAGIC, MAX_FRAME_BYTES, connect, parse_address, serve_handshake
-from blink.nic.wire import HandshakeError, Hello, Reject, encode
+from blink.nic.wire import Hello, Reject, encode
 from blink.ring import control
 
 from .test_wire import BOOT, ENDPOINT, ipc_offer, rdma_offer

@@ -2,9 +2,10 @@
 a real device (``@pytest.mark.rdma``: skipped, saying why, where there is none)."""
 import pytest
 
+from blink.errors import RdmaError
 from blink.nic import verbs
 from blink.nic.ibverbs import DeviceConfig, PyverbsVerbs, require_pyverbs
-from blink.nic.verbs import RdmaError
+
 
 
 def pyverbs_or_skip():

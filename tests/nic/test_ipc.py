@@ -5,7 +5,8 @@ import multiprocessing as mp
 
 import pytest
 
-from blink.nic.ipc import CudaIpcError, CudaIpcMemory, export_device_segment
+from blink.errors import CudaIpcError
+from blink.nic.ipc import CudaIpcMemory, export_device_segment
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import READY, RingLayout

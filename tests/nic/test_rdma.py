@@ -3,10 +3,11 @@ bookkeeping, selective signalling on a bounded send queue, the fence, and every 
 import numpy as np
 import pytest
 
+from blink.errors import RdmaError
 from blink.nic.rdma import FENCE_BYTES, RdmaConfig, RdmaMemory
 from blink.nic.recording import RecordingFabric
 from blink.nic.segments import HostSegment
-from blink.nic.verbs import READ, WC_REM_OP_ERR, WC_RETRY_EXC_ERR, WRITE, RdmaError
+from blink.nic.verbs import READ, WC_REM_OP_ERR, WC_RETRY_EXC_ERR, WRITE
 from blink.nic.wire import RdmaRegion
 from blink.ring.transport import LocalMemory
 

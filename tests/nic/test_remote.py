@@ -5,15 +5,15 @@ import time
 
 import pytest
 
-from blink.errors import RingFull, RingMismatch
+from blink.errors import HandshakeError, RdmaError, RingFull, RingMismatch
 from blink.nic import remote
 from blink.nic.agent import Agent
 from blink.nic.rdma import RdmaConfig, RdmaMemory
 from blink.nic.recording import RecordingFabric
 from blink.nic.remote import RingExport, RingListener, listen_on_ring, open_remote
 from blink.nic.segments import HostSegment
-from blink.nic.verbs import RdmaError
-from blink.nic.wire import HandshakeError, Hello
+
+from blink.nic.wire import Hello
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout
@@ -118,7 +118,7 @@ def test_an_agent_of_another_ring_protocol_version_is_refused():
     layout = RingLayout(GEOMETRY)
     with LocalMemory(layout.size) as ring:
         export = RingExport(GEOMETRY, [HostSegment(0, ring)], target_factory=RecordingFabric().target)
-        with pytest.raises(HandshakeError, match="ring protocol version 99, this engine 1"):
+        with pytest.raises(HandshakeError, match=f"ring protocol version 99, this engine {control.VERSION}"):
             export.answer(Hello("rdma", 99, endpoint=ENDPOINT))
 
 

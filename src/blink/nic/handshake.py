@@ -15,7 +15,8 @@ import socket
 import struct
 import threading
 
-from blink.nic.wire import HandshakeError, Hello, Offer, Reject, decode, encode
+from blink.errors import HandshakeError
+from blink.nic.wire import Hello, Offer, Reject, decode, encode
 
 FRAME_MAGIC = b"BLHS"
 MAX_FRAME_BYTES = 64 * 1024

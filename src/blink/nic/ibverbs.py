@@ -19,8 +19,9 @@ import random
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from blink.errors import RdmaError
 from blink.nic.segments import DeviceSegment, HostSegment
-from blink.nic.verbs import READ, WRITE, Completion, RdmaError, Verbs, VerbsTarget, WorkRequest
+from blink.nic.verbs import READ, WRITE, Completion, Verbs, VerbsTarget, WorkRequest
 from blink.nic.wire import Endpoint, RdmaRegion
 
 QP_TIMEOUT = 14          # local ACK timeout 4.096 us * 2**14 = 67 ms per try

@@ -23,16 +23,12 @@ from __future__ import annotations
 
 import ctypes
 
-from blink.errors import BlinkError
+from blink.errors import CudaIpcError
 from blink.nic.segments import DeviceSegment
 from blink.ring.transport import RemoteMemory
 
 STAGING_BYTES = 1 << 20       # the pinned bounce buffer; longer accesses are copied in pieces
 PCI_BUS_ID_CHARS = 16         # "0000:1b:00.0" and its terminating NUL fit
-
-
-class CudaIpcError(BlinkError):
-    """A CUDA call of the IPC transport or of the export failed; the message names the call and the error."""
 
 
 def _driver():

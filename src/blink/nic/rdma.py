@@ -33,7 +33,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from blink.nic.verbs import READ, WC_SUCCESS, WRITE, RdmaError, Verbs, WorkRequest, describe_status
+from blink.errors import RdmaError
+from blink.nic.verbs import READ, WC_SUCCESS, WRITE, Verbs, WorkRequest, describe_status
 from blink.nic.wire import RdmaRegion
 from blink.ring.transport import RemoteMemory
 

@@ -18,12 +18,12 @@ import functools
 import logging
 from pathlib import Path
 
-from blink.errors import RingMismatch
+from blink.errors import HandshakeError, RdmaError, RingMismatch
 from blink.nic.handshake import SETUP_TIMEOUT_S, connect, serve_handshake
 from blink.nic.rdma import RdmaConfig, RdmaMemory
 from blink.nic.segments import DeviceSegment, HostSegment, check_tiling
-from blink.nic.verbs import RdmaError
-from blink.nic.wire import IPC, RDMA, TRANSPORTS, CudaRegion, HandshakeError, Hello, Offer, RingIdentity, ShmRegion
+
+from blink.nic.wire import IPC, RDMA, TRANSPORTS, CudaRegion, Hello, Offer, RingIdentity, ShmRegion
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.split import SplitMemory

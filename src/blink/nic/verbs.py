@@ -21,7 +21,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from blink.errors import BlinkError
 from blink.nic.wire import Endpoint, RdmaRegion
 
 # Work request opcodes (ibverbs' IBV_WR_RDMA_WRITE / IBV_WR_RDMA_READ; each implementation maps them).
@@ -61,11 +60,6 @@ WC_STATUS = {
     WC_FATAL_ERR: ("IBV_WC_FATAL_ERR", "the local device failed; check the NIC (dmesg)"),
     WC_GENERAL_ERR: ("IBV_WC_GENERAL_ERR", "the device reported a general error; check the NIC (dmesg)"),
 }
-
-
-class RdmaError(BlinkError):
-    """An RDMA device, queue pair or work request failed. The message names the operation, the status and what to
-    do; after one, the connection is unusable and the agent must reconnect."""
 
 
 def describe_status(status: int) -> str:

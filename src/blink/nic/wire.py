@@ -20,7 +20,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, fields
 
-from blink.errors import BlinkError
+from blink.errors import HandshakeError
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import REGION_ALIGN, RingLayout
@@ -35,10 +35,6 @@ _BOOT_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]
 _SHM_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
 _PCI_BUS_ID = re.compile(r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]")
 CUDA_IPC_HANDLE_BYTES = 64             # sizeof(CUipcMemHandle)
-
-
-class HandshakeError(BlinkError, ValueError):
-    """A setup message was malformed, or its peer cannot be served (version, transport, ring or host differ)."""
 
 
 def _check_int(where: str, value, lo: int, hi: int) -> None:
