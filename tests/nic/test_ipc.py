@@ -6,7 +6,7 @@ import multiprocessing as mp
 import pytest
 
 from blink.errors import CudaIpcError
-from blink.nic.ipc import CudaIpcMemory, export_device_segment
+from blink.nic.ipc import CudaIpcMemory, device_allocation_size, export_device_segment
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import READY, RingLayout
@@ -32,7 +32,7 @@ def device_ring():
     context = _check(driver.cuDevicePrimaryCtxRetain(_check(driver.cuDeviceGet(0), "cuDeviceGet")), "retain")
     _check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
     layout = RingLayout(GEOMETRY)
-    address = int(_check(driver.cuMemAlloc(layout.size), "cuMemAlloc"))
+    address = int(_check(driver.cuMemAlloc(device_allocation_size(layout.size)), "cuMemAlloc"))
     _check(driver.cuMemsetD8(address, 0, layout.size), "cuMemsetD8")
     block = layout.control_bytes()
     _check(driver.cuMemcpyHtoD(address, block, len(block)), "cuMemcpyHtoD")

@@ -12,6 +12,7 @@ from blink.device.numba_compat import cuda
 MAX_THREADS = 1024          # size of the scan scratch: blockDim.x may not exceed it
 MIN_CHUNK = 8               # items per thread below which a scan uses fewer threads (and fewer barrier rounds)
 INT64_MAX = (1 << 63) - 1
+INT32_MAX = (1 << 31) - 1
 
 
 @cuda.jit(device=True)
@@ -77,13 +78,15 @@ def locate(offsets, n, index):
 def sort_pairs(keys, values, count, size):
     """Sort ``(keys[i], values[i])`` for ``i < count`` ascending by key, then value (a bitonic network).
 
-    ``size`` is a power of two >= count and <= len(keys); slots ``count..size-1`` are padded with the largest key.
+    ``size`` is a power of two >= count and <= len(keys); slots ``count..size-1`` are padded with the largest key
+    and the largest value, so that padding sorts after every real pair, even one whose key is the largest int64 (a
+    padding value of -1 once sorted before it, and the real request fell out of the waiting queue).
     """
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     for i in range(count + tid, size, nt):
         keys[i] = INT64_MAX
-        values[i] = -1
+        values[i] = INT32_MAX
     cuda.syncthreads()
     k = 2
     while k <= size:

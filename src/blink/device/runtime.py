@@ -210,5 +210,6 @@ class GpuScheduler:
                 (self.launch_error, ctypes.c_void_p), (self.config.idle_sleep_ns, ctypes.c_int),
                 (self._ring_device, ctypes.c_void_p), (self.state["doorbells"][0], ctypes.c_void_p)]
         (scheduler,) = graphs.instantiate(
-            graphs.captured(self.stream, lambda: self._launch(kernel, 1, self.config.block_threads, args)), copies=1)
+            graphs.captured(self.stream, lambda: self._launch(kernel, 1, self.config.block_threads, args)), self.stream,
+            copies=1)
         return scheduler

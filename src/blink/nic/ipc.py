@@ -29,6 +29,7 @@ from blink.ring.transport import RemoteMemory
 
 STAGING_BYTES = 1 << 20       # the pinned bounce buffer; longer accesses are copied in pieces
 PCI_BUS_ID_CHARS = 16         # "0000:1b:00.0" and its terminating NUL fit
+GPU_PAGE_BYTES = 2 << 20          # the granularity of GPU allocations and of their dma-buf export
 
 
 def _driver():
@@ -131,9 +132,10 @@ def export_device_segment(start: int, address: int, size: int) -> DeviceSegment:
     """
     driver = _driver()
     base, length = _check(driver.cuMemGetAddressRange(address), "cuMemGetAddressRange")
-    if int(base) != address or int(length) < size:
+    if int(base) != address or int(length) < device_allocation_size(size):
         raise CudaIpcError(f"device segment {address:#x} (+{size}) is not the base of a cuMemAlloc allocation of at "
-                           f"least that size (base {int(base):#x}, {int(length)} bytes): CUDA IPC exports allocations")
+                           f"least device_allocation_size({size}) bytes (base {int(base):#x}, {int(length)} bytes): "
+                           "CUDA IPC and dma-buf export whole allocations of whole GPU pages")
     device = _check(driver.cuCtxGetDevice(), "cuCtxGetDevice")
     attribute = driver.CUdevice_attribute
     ordering = _check(driver.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING,
@@ -150,10 +152,17 @@ def export_device_segment(start: int, address: int, size: int) -> DeviceSegment:
                          pci_bus_id=bus_id.decode().rstrip("\0"), dmabuf_fd=_dmabuf_fd(driver, device, address, size))
 
 
+def device_allocation_size(size: int) -> int:
+    """What to ``cuMemAlloc`` for ``size`` ring bytes that will be exported: the driver exports dma-buf ranges in
+    whole GPU pages (a range of the bare ring size was refused on the H200 with CUDA_ERROR_INVALID_VALUE)."""
+    return -(-size // GPU_PAGE_BYTES) * GPU_PAGE_BYTES
+
+
 def _dmabuf_fd(driver, device, address: int, size: int) -> int | None:
     supported = _check(driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED,
                                                    device), "cuDeviceGetAttribute(DMA_BUF_SUPPORTED)")
     if not supported:
         return None
     kind = driver.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+    size = device_allocation_size(size)
     return int(_check(driver.cuMemGetHandleForAddressRange(address, size, kind, 0), "cuMemGetHandleForAddressRange"))
