@@ -35,10 +35,15 @@ def scheduler_arrays(geometry, config):
     return view, s
 
 
-def fill_step_buffers(s, value=GARBAGE):
-    """Overwrite every step input the planner writes, so a check can tell written words from left-overs."""
-    for name in ("num_seqs", "token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
-                 "block_tables", "logits_indices", "temperature", "top_p", "top_k", "seed"):
+def fill_step_buffers(s, value=GARBAGE, block_tables=False):
+    """Overwrite the step inputs the planner writes every step, so a check can tell written words from left-overs.
+
+    Block-table rows persist between steps (a row only gets the entries it lacks: ``row_slot`` / ``row_version`` /
+    ``row_pages``), so they are overwritten only when asked, while those words say that no row holds anything.
+    """
+    names = ("num_seqs", "token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_indices",
+             "temperature", "top_p", "top_k", "seed") + (("block_tables",) if block_tables else ())
+    for name in names:
         getattr(s, name)[...] = value
 
 
