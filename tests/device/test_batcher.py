@@ -268,7 +268,8 @@ def test_no_free_pages_a_decode_preempts_the_newest_page_holder():
 
 
 def test_no_free_pages_and_no_decode_the_newest_holder_is_preempted_for_progress():
-    batch = Batch(config(num_pages=8), running=[(0, 10, 0, 8), (1, 9, 0, 8)])     # prefills holding 4 + 4 pages
+    """Regression (test_scheduler): prefills whose pages are full, none free, no decode to force a preemption."""
+    batch = Batch(config(num_pages=8), running=[(0, 10, 0, 8), (1, 12, 0, 8)])    # 4 + 4 full pages
     _, step = batch.iterate()
     assert batch.ref.preempted == [1]
     assert step.rows == [(0, 8, 2), (1, 0, 6)]
@@ -294,6 +295,15 @@ def test_all_decode_rows_follow_the_running_order_and_pad_to_the_bucket():
     batch.consume(step)
     _, step = batch.iterate()                  # again, copying only new block-table entries
     assert [chunk for _, _, chunk in step.rows] == [1, 1, 1]
+
+
+def test_the_last_sampled_token_is_read_from_device_memory():
+    """``seq_last``, not the ring's output area (host memory, across PCIe), holds the token a decode feeds back;
+    earlier outputs (a re-prefill after preemption) come from the ring."""
+    batch = Batch(config(), running=[(0, 3, 2, 4), (1, 2, 3, 0)])
+    batch.s.outputs[0, 1] = batch.s.outputs[1, 2] = -7     # last outputs: not to be read
+    _, step = batch.iterate()
+    assert step.token_ids == [sampled_token(0, 1)] + prompt_of(1, 2) + [sampled_token(1, k) for k in range(3)]
 
 
 def test_a_prefill_cut_to_one_token_by_the_budget():

@@ -181,7 +181,7 @@ request = st.fixed_dictionaries(dict(
     prompt_len=st.sampled_from([1, 2, 3, 4, 5, 6, 1, 2, 3, 1, 2, 3, 0, 7, 2**32 - 1]),
     max_tokens=st.sampled_from([1, 2, 3, 4, 5, 1, 2, 1, 2, 0, 6]),
     n_stop=st.sampled_from([0, 0, 0, 1, 2, 3]),
-    arrival_ns=st.integers(0, 3),                    # ties: the slot decides
+    arrival_ns=st.integers(0, 5),                    # ties: the slot decides
     priority=st.sampled_from([0, 1, -1, 2, 2**31 - 1, -2**31]),
     extra=st.tuples(st.integers(0, 50), st.sampled_from([0.0, 0.7, 1.0]), st.sampled_from([0.5, 1.0]),
                     st.integers(0, 3), st.integers(0, 2**64 - 1)),
@@ -242,15 +242,14 @@ def test_prompt_and_output_must_fit_max_model_len(prompt_len, max_tokens, ok):
 
 def test_ties_go_in_slot_order_and_merge_into_an_offset_queue():
     ring = Ring(threads=3)
-    for slot in (5, 1, 3):
-        ring.submit(slot, arrival_ns=7)
+    for slot, arrival in ((5, 1), (1, 7), (3, 7)):
+        ring.submit(slot, arrival_ns=arrival)
     ring.iterate(cancels=False, scan=True)
-    ring.admit(1)                                   # the queue now starts at head 1
-    for slot, arrival in ((0, 7), (2, 3), (1, 9)):
-        if slot != 1:
-            ring.submit(slot, arrival_ns=arrival)
+    ring.admit(1)                                   # slot 5 leaves: the queue starts at head 1, after a key of 1
+    for slot, arrival in ((0, 7), (2, 3), (4, 9)):
+        ring.submit(slot, arrival_ns=arrival)
     ring.iterate(cancels=False, scan=True)
-    assert ring.reference.queue == [(3, 2), (7, 0), (7, 3), (7, 5)]
+    assert ring.reference.queue == [(3, 2), (7, 0), (7, 1), (7, 3), (9, 4)]
 
 
 def test_cancel_removes_exactly_the_cancelled_entries_in_order():
