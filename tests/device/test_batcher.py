@@ -93,7 +93,7 @@ class Batch:
             self.view.status["state"][slot] = READY
         for slot, seq in self.ref.seqs.items():
             s.prompts[slot, :len(seq.prompt)] = seq.prompt
-            s.seq_version[slot] = 3 * slot
+            s.seq_version[slot] = 1                  # each admitted once: versions alone do not tell slots apart
             s.seq_seed[slot], s.seq_temperature[slot], s.seq_top_p[slot], s.seq_top_k[slot] = \
                 77 + slot, 0.25 * slot, 1 - 0.0625 * slot, slot
         self.load_pages()
@@ -265,6 +265,17 @@ def test_no_free_pages_a_decode_preempts_the_newest_page_holder():
     assert batch.ref.preempted == [1]
     assert step.rows == [(0, 4, 1), (1, 0, 7)]  # 1 decode + 7 of the re-prefill (budget 8), 1 + 4 pages
     assert len(batch.ref.kv.free) == 1
+
+
+def test_a_sequence_preempted_in_its_row_gets_its_whole_new_block_table():
+    """Step 1 copies both rows' tables; in step 2 slot 1 keeps row 1 but was preempted (new version, new pages):
+    the row must be copied again from its first entry, not only past the entries of its previous version."""
+    batch = Batch(config(num_pages=8), running=[(0, 3, 1, 3), (1, 11, 0, 10)])   # 2 + 5 pages held, 1 free
+    _, step = batch.iterate()
+    assert step.rows == [(0, 3, 1), (1, 10, 1)] and not batch.ref.preempted
+    batch.consume(step)
+    _, step = batch.iterate()                  # slot 0 needs a page, none free: slot 1 (6 pages) is preempted
+    assert batch.ref.preempted == [1] and step.rows == [(0, 4, 1), (1, 0, 7)]
 
 
 def test_no_free_pages_and_no_decode_the_newest_holder_is_preempted_for_progress():
