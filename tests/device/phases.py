@@ -1,0 +1,90 @@
+"""Drive single scheduler phases (waiting.py, batcher.py) under the CUDA simulator, outside ``iterate``.
+
+``scheduler_arrays`` builds a ``SchedulerArrays`` of numpy arrays (the step buffers too, without torch) over a ring
+in a plain buffer; ``scratch`` declares the iteration's shared arrays the way ``scheduler.make_iterate`` does (one
+per source line) and zeroes the counters; ``launch`` runs a one-block kernel with the short GIL switch interval that
+``blink.device.sim`` uses (the simulator busy-polls its threads at every barrier).
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import numpy as np
+from numba import int32, int64
+
+from blink.device import sim  # noqa: F401  (simulator first, and its race-free shared arrays)
+from blink.device.block import MAX_THREADS
+from blink.device.numba_compat import cuda
+from blink.device.state import MAX_CANDIDATES, N_COUNTERS, SchedulerArrays, Scratch, ring_arrays, state_arrays
+from blink.device.step import StepLayout
+from blink.ring.layout import RingLayout
+
+GARBAGE = 777       # step buffers are filled with it before a plan: whatever the plan leaves there was not written
+
+
+def scheduler_arrays(geometry, config):
+    """(ring view, SchedulerArrays) for a fresh ring of ``geometry`` and fresh scheduler state for ``config``."""
+    layout = RingLayout(geometry)
+    buffer = bytearray(layout.size)
+    view = layout.view(buffer)
+    step = StepLayout(config.buckets[-1], config.max_num_seqs, config.max_pages_per_seq)
+    step_arrays = {name: np.zeros(shape, dtype) for name, (shape, dtype) in step.fields().items()}
+    s = SchedulerArrays(**ring_arrays(view), **step_arrays,
+                        **state_arrays(config, geometry.n_slots, geometry.max_stop_ids, geometry.logprobs, step))
+    return view, s
+
+
+def fill_step_buffers(s, value=GARBAGE, block_tables=False):
+    """Overwrite the step inputs the planner writes every step, so a check can tell written words from left-overs.
+
+    Block-table rows persist between steps (a row only gets the entries it lacks: ``row_slot`` / ``row_version`` /
+    ``row_pages``), so they are overwritten only when asked, while those words say that no row holds anything.
+    """
+    names = ("num_seqs", "token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_indices",
+             "temperature", "top_p", "top_k", "seed") + (("block_tables",) if block_tables else ())
+    for name in names:
+        getattr(s, name)[...] = value
+
+
+@cuda.jit(device=True)
+def scratch():
+    """The iteration's shared-memory scratch (as ``make_iterate`` declares it), counters zeroed. All threads."""
+    slots = cuda.shared.array(MAX_CANDIDATES, int32)
+    keys = cuda.shared.array(MAX_CANDIDATES, int64)
+    rank = cuda.shared.array(MAX_CANDIDATES, int32)
+    pages = cuda.shared.array(MAX_CANDIDATES, int32)
+    tokens = cuda.shared.array(MAX_CANDIDATES, int32)
+    chunk = cuda.shared.array(MAX_CANDIDATES, int32)
+    kept = cuda.shared.array(MAX_CANDIDATES, int32)
+    partial = cuda.shared.array(MAX_THREADS, int32)
+    counters = cuda.shared.array(N_COUNTERS, int32)
+    for k in range(cuda.threadIdx.x, N_COUNTERS, cuda.blockDim.x):
+        counters[k] = 0
+    cuda.syncthreads()
+    return Scratch(slots, keys, rank, pages, tokens, chunk, kept, partial, counters)
+
+
+@cuda.jit(device=True)
+def save_counters(sh, out):
+    """Copy the iteration's K_* counters to ``out`` (global memory) after a barrier. All threads."""
+    cuda.syncthreads()
+    for k in range(cuda.threadIdx.x, N_COUNTERS, cuda.blockDim.x):
+        out[k] = sh.counters[k]
+    cuda.syncthreads()
+
+
+@contextlib.contextmanager
+def _fast_thread_switching():
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
+
+
+def launch(kernel, threads, *args):
+    """One block of ``threads`` simulated threads."""
+    with sim._LAUNCH_LOCK, _fast_thread_switching():
+        kernel[1, threads](*args)
