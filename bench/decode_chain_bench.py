@@ -29,7 +29,7 @@ instantiated with ``cudaGraphInstantiateFlagDeviceLaunch`` (as blink's step grap
 (ok or the CUDA error) is printed. The first results (PDL variants only, as ``bench/pdl_bench.py``):
 ``bench/results/pdl_bench_h200_b1c020f.json``; every variant: ``decode_chain_bench_h200_a4e792e.json`` (table and
 reading in docs/benchmarks.md: no folded norm beats the norm kernel + GEMM; the gated kernel gains 1-2 us a call).
-Run: ``PYTHONPATH=src python3 bench/decode_chain_bench.py [--out decode_chain_bench.json]`` (``$OUT/...`` when
+Run: ``PYTHONPATH=src python3 -m bench.decode_chain_bench [--out decode_chain_bench.json]`` (``$OUT/...`` when
 ``$OUT`` is set).
 """
 from __future__ import annotations
@@ -41,8 +41,8 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from gpu_timing import graph_ms, kernel_bench_start, rel_err
 
+from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err
 from blink.models.kernels.activation import silu_and_mul
 from blink.models.kernels.norm import rms_norm
 

@@ -20,7 +20,7 @@ Both are checked against a float64 chain: the relative error of what the layers 
 (bf16 rounding of the residual stream alone makes ~0.03; a wrong tile makes ~1).
 The floor is the layers' weight bytes at the measured copy rate.
 
-Run: ``PYTHONPATH=src python3 bench/persistent_chain_bench.py [--out persistent_chain_bench.json]``.
+Run: ``PYTHONPATH=src python3 -m bench.persistent_chain_bench [--out persistent_chain_bench.json]``.
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from gpu_timing import graph_ms, kernel_bench_start, rel_err
 
+from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err
 from blink.models.kernels.activation import silu_and_mul
 
 HIDDEN, QKV, INTER = 4096, 6144, 14336

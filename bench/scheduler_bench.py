@@ -1,6 +1,6 @@
 """GPU scheduler benchmark (H200): launch overhead per step, slot-scan cost, admission latency.
 
-    NUMBA_ENABLE_CUDASIM=0 PYTHONPATH=src python bench/scheduler_bench.py --json scheduler_bench.json
+    NUMBA_ENABLE_CUDASIM=0 PYTHONPATH=src python -m bench.scheduler_bench --json scheduler_bench.json
 
 1. Step time with the stand-in step (one small kernel + the "done" kernel), both launch modes, 1 and 64 decoding
    requests: (time between the first token and the last) / (steps in between), timed on the host over 2000 steps.
