@@ -15,7 +15,8 @@ gate_up, down; cuBLAS) of the other are timed:
 
 The attention output is checked against the reference for one layer first. Times per layer.
 
-Run: ``PYTHONPATH=src python3 -m bench.overlap_bench [--out overlap_bench.json]`` (``$OUT/...`` when set).
+Run: ``PYTHONPATH=src python3 -m bench.experiments.overlap_bench [--out overlap_bench.json]`` (``$OUT/...`` when
+set).
 """
 from __future__ import annotations
 

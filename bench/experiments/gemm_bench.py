@@ -8,7 +8,8 @@ M in ``ROWS``: ``torch.nn.functional.linear`` (cuBLAS) against a Triton matmul a
 against cuBLAS (relative error < 1e-2). Times are medians of graph replays of ``CALLS`` calls, each on its own weight
 copy, per call. The floor is max(weight bytes at the copy rate, FLOPs at the GEMM rate), both measured now.
 
-Run: ``PYTHONPATH=src python3 -m bench.gemm_bench [--out gemm_bench.json]`` (``$OUT/...`` when ``$OUT`` is set).
+Run: ``PYTHONPATH=src python3 -m bench.experiments.gemm_bench [--out gemm_bench.json]`` (``$OUT/...`` when ``$OUT``
+is set).
 """
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ instantiated with ``cudaGraphInstantiateFlagDeviceLaunch`` (as blink's step grap
 (ok or the CUDA error) is printed. The first results (PDL variants only, as ``bench/pdl_bench.py``):
 ``bench/results/pdl_bench_h200_b1c020f.json``; every variant: ``decode_chain_bench_h200_a4e792e.json`` (table and
 reading in docs/benchmarks.md: no folded norm beats the norm kernel + GEMM; the gated kernel gains 1-2 us a call).
-Run: ``PYTHONPATH=src python3 -m bench.decode_chain_bench [--out decode_chain_bench.json]`` (``$OUT/...`` when
-``$OUT`` is set).
+Run: ``PYTHONPATH=src python3 -m bench.experiments.decode_chain_bench [--out decode_chain_bench.json]``
+(``$OUT/...`` when ``$OUT`` is set).
 """
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ float64. Times are medians of CUDA-event-timed graph replays of ``CALLS`` back-t
 the weight (as a step's layers read different weights: one copy would be served from L2), per call; the floor is
 the weight bytes at the measured copy rate.
 
-Run: ``PYTHONPATH=src python3 -m bench.gemv_bench [--out gemv_bench.json]`` (``$OUT/...`` when ``$OUT`` is set).
+Run: ``PYTHONPATH=src python3 -m bench.experiments.gemv_bench [--out gemv_bench.json]`` (``$OUT/...`` when ``$OUT``
+is set).
 """
 from __future__ import annotations
 

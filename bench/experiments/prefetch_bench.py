@@ -12,7 +12,8 @@ weight read by a GEMM just before the window (what L2 residency can give at best
 on its own weight copy. The floor is the weight bytes at the measured copy rate. Every prefetched call's output must
 equal the plain one bit for bit.
 
-Run: ``PYTHONPATH=src python3 -m bench.prefetch_bench [--out prefetch_bench.json]`` (``$OUT/...`` when set).
+Run: ``PYTHONPATH=src python3 -m bench.experiments.prefetch_bench [--out prefetch_bench.json]`` (``$OUT/...`` when
+set).
 """
 from __future__ import annotations
 
