@@ -3,5 +3,6 @@
 
 Every script runs from the repository root as a module, ``PYTHONPATH=src python -m bench.NAME``, so that one
 script imports another's helpers as ``bench.gpu_timing`` instead of finding them through its own directory.
-Results: ``bench/results/`` (the latest raw file of each benchmark) and ``docs/benchmarks.md``.
+Raw results: ``bench/results/`` (the latest of each benchmark; older ones in git history); what they say:
+``docs/benchmarks.md``.
 """
