@@ -11,7 +11,7 @@ measured HBM copy rate, or the causal attention FLOPs at the measured bf16 GEMM 
 no cached prefix the same attention on contiguous K/V by torch's ``scaled_dot_product_attention`` (its flash
 kernel) is timed the same way, as a yardstick of what a dense kernel reaches on this GPU.
 
-Run: ``PYTHONPATH=src python3 bench/attention_bench.py [--sweep] [--out attention_bench.json]`` (``$OUT/...`` by
+Run: ``PYTHONPATH=src python3 -m bench.attention_bench [--sweep] [--out attention_bench.json]`` (``$OUT/...`` by
 default when ``$OUT`` is set). Correctness tests: ``tests/models/kernels/test_attention.py``.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ import sys
 from dataclasses import asdict, dataclass
 
 import torch
-from gpu_timing import graph_ms, kernel_bench_start, rel_err
 from triton.runtime.errors import OutOfResources
 
+from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err
 from blink.device.step import StepBuffers, StepLayout
 from blink.models.batch import SeqChunk, fill_step
 from blink.models.kernels import reference

@@ -2,8 +2,8 @@
 
 Method (one run, JSON to ``--json``):
 
-- The engine runs in its own process on a shared-memory ring (``blink.cli.engine_process``, as ``blink serve`` runs
-  it); this process is the agent. It keeps ``--requests`` requests in the ring (random prompts of 16 tokens,
+- The engine runs in its own process on a shared-memory ring (``blink.process.engine_process``, as ``blink serve``
+  runs it); this process is the agent. It keeps ``--requests`` requests in the ring (random prompts of 16 tokens,
   ``ignore_eos``, ``--max-tokens`` each, resubmitted as they finish), so the GPU always decodes that many sequences.
 - ``isolated``: after a warm-up, over a ``--window``-second window: the engine process's CPU time (utime + stime of
   ``/proc/<pid>/stat``, all its threads) per second of wall time, and tokens/s (the ring's ``tokens`` counter, which
@@ -16,6 +16,7 @@ Correctness of what is measured: ``tests/test_engine.py`` (``-m gpu``: greedy to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -101,21 +102,21 @@ def main() -> int:
                         "installed, else random weights of its shape)")
     args = parser.parse_args()
 
-    from blink.cli import engine_process
     from blink.config import EngineConfig
     from blink.models import ModelConfig
     from blink.nic.agent import Agent
+    from blink.process import engine_process
 
     model, load_format = bench_model(args.model)
     config = EngineConfig(model=str(model), load_format=load_format, device=args.device, n_slots=256,
                           max_prompt_tokens=64,
                           max_output_tokens=args.max_tokens, gpu_memory_utilization=0.5,
                           ring_name=f"blink-bench-{os.getpid()}")
-    result = {"config": dict(config.__dict__), "requests": args.requests,
+    result = {"config": dataclasses.asdict(config), "requests": args.requests,
               "max_tokens": args.max_tokens, "hogs": args.hogs}
     started = time.monotonic()
     with engine_process(config) as (memory, process):
-        agent = Agent(memory, config.geometry(), liveness_timeout_s=60)
+        agent = Agent.attach(memory, liveness_timeout_s=60)
         load = Load(agent, args.requests, args.max_tokens, ModelConfig.from_file(model).vocab_size)
         while agent.stats()["engine_state"] == 0:
             time.sleep(0.05)

@@ -5,11 +5,13 @@
 #                                      transformers, isolated and with hogs)
 #   bash bench/gpu_suite.sh tests      every GPU test (pytest -m gpu: scheduler, models incl. full size, engine,
 #                                      energy)
-#   bash bench/gpu_suite.sh PART ...   any of: tests scheduler models engine serving, and four that are not in the
-#                                      default set: serving-models (bench/serving_models.sh; PEER_PROMPTS,
-#                                      BENCH_ARGS, LIMIT as there), moe-sweep (bench/moe_bench.py --sweep),
-#                                      attention (bench/attention_bench.py), attention-sweep (the same, --sweep),
-#                                      gemv (bench/gemv_bench.py) and decode-chain (bench/decode_chain_bench.py)
+#   bash bench/gpu_suite.sh PART ...   any of: tests scheduler models engine serving, and these, not in the default
+#                                      set: serving-models (bench/serving_models.sh; PEER_PROMPTS, BENCH_ARGS, LIMIT
+#                                      as there), moe-sweep (bench/moe_bench.py --sweep), attention
+#                                      (bench/attention_bench.py), attention-sweep (the same, --sweep), ring
+#                                      (bench/ring_bench.py: the agent's side of the ring, on the host's CPU) and
+#                                      experiment:NAME (the one-off study bench/experiments/NAME.py, e.g.
+#                                      experiment:gemv_bench)
 # Serving runs at the suite's sizes (SUITE_PROMPTS=192 requests at 16,32,64,inf req/s; SUITE_PEER_PROMPTS=8 for
 # the peer) so the benchmarks fit 8 minutes; the sizes of the published results are bench/serving_gpu.sh's defaults.
 # Parts write into a scratch folder that is bundled into $OUT/suite.tgz after every part (the device tool returns
@@ -28,12 +30,13 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "
 # The device tool's copy of the tree carries a .git from an earlier sync, so its HEAD can be stale: the caller writes
 # the commit it copied into the command, e.g. `BLINK_COMMIT=b157c94 bash bench/gpu_suite.sh models`.
 echo "tree: ${BLINK_COMMIT:-unknown (set BLINK_COMMIT)}" >> "$OUT/gpu.txt"
-# A Python bench part: `bench_part NAME SCRIPT ARGS... OPTION` runs `python bench/SCRIPT ARGS... OPTION $OUT/NAME.json`
-# (OPTION: the script's flag for its JSON file) with its output also in $OUT/NAME.log; returns the script's status.
+# A Python bench part: `bench_part NAME MODULE ARGS... OPTION` runs `python -m bench.MODULE ARGS... OPTION
+# $OUT/NAME.json` (OPTION: the script's flag for its JSON file) with its output also in $OUT/NAME.log; returns the
+# script's status.
 bench_part() {
-  local name=$1 script=$2
+  local name=$1 module=$2
   shift 2
-  python "bench/$script" "$@" "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
+  python -m "bench.$module" "$@" "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
   return "${PIPESTATUS[0]}"
 }
 status=0
@@ -48,27 +51,32 @@ for part in "${parts[@]}"; do
       python -m pytest -m gpu -q -p no:cacheprovider "${files[@]}" 2>&1 | tee "$OUT/gpu_tests.log"
       rc=${PIPESTATUS[0]} ;;
     scheduler)
-      bench_part scheduler_bench scheduler_bench.py --json; rc=$? ;;
+      bench_part scheduler_bench scheduler_bench --json; rc=$? ;;
     models)
       bash bench/models_gpu.sh moe models profile; rc=$? ;;
     engine)
-      bench_part engine_bench engine_bench.py --json; rc=$? ;;
+      bench_part engine_bench engine_bench --json; rc=$? ;;
     serving)
       PROMPTS=${SUITE_PROMPTS:-192} PEER_PROMPTS=${SUITE_PEER_PROMPTS:-8} bash bench/serving_gpu.sh; rc=$? ;;
     serving-models)
       bash bench/serving_models.sh; rc=$? ;;
     moe-sweep)
-      bench_part moe_sweep moe_bench.py --sweep --out; rc=$? ;;
+      bench_part moe_sweep moe_bench --sweep --out; rc=$? ;;
     attention)
-      bench_part attention_bench attention_bench.py --out; rc=$? ;;
-    decode-chain)
-      bench_part decode_chain_bench decode_chain_bench.py --out; rc=$? ;;
+      bench_part attention_bench attention_bench --out; rc=$? ;;
     attention-sweep)
-      bench_part attention_sweep attention_bench.py --sweep --out; rc=$? ;;
-    gemv)
-      bench_part gemv_bench gemv_bench.py --out; rc=$? ;;
+      bench_part attention_sweep attention_bench --sweep --out; rc=$? ;;
+    ring)
+      bench_part ring_bench ring_bench --json; rc=$? ;;
+    experiment:*)
+      name=${part#experiment:}
+      if [ -f "bench/experiments/$name.py" ]; then
+        bench_part "$name" "experiments.$name" --out; rc=$?
+      else
+        echo "unknown experiment: $name (no bench/experiments/$name.py)"; rc=2
+      fi ;;
     *) echo "unknown part: $part (tests | scheduler | models | engine | serving | serving-models | moe-sweep |" \
-         "attention | attention-sweep | gemv | decode-chain)"; rc=2 ;;
+         "attention | attention-sweep | ring | experiment:NAME)"; rc=2 ;;
   esac
   echo "gpu_suite $part: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/suite_times.txt"
   [ "$rc" -eq 0 ] || status=1

@@ -18,7 +18,7 @@ Every sequence gets its own pages, scattered over a pool of ``--kv-gib`` GiB at 
 efficiency rather than the other kernels and their launches (for the MoE kernel: ``bench/moe_bench.py``). Each model
 also prints its memory plan against what it allocated.
 
-Run: ``PYTHONPATH=src python3 bench/model_bench.py [--models llama-3-8b ...] [--profile 1,1024 prefill] [--out F]``
+Run: ``PYTHONPATH=src python3 -m bench.model_bench [--models llama-3-8b ...] [--profile 1,1024 prefill] [--out F]``
 (writes ``$OUT/model_bench.json`` when ``$OUT`` is set). ``--profile B,CTX`` runs only the decode step at batch B and
 context CTX (``prefill``: the prefill step), timed and then broken down per kernel: GPU time per step and the time
 no kernel runs. Profiles run in a process of their own because graph replays after a CUPTI profile in the same
@@ -32,8 +32,8 @@ import os
 import time
 
 import torch
-from gpu_timing import copy_bandwidth, events_median_ms, matmul_rate
 
+from bench.gpu_timing import copy_bandwidth, events_median_ms, matmul_rate
 from blink.bench.shapes import SHAPES as BENCH_SHAPES
 from blink.device.step import StepBuffers, StepLayout
 from blink.models import ModelConfig, plan_memory, random_model

@@ -31,10 +31,10 @@ for part in "${parts[@]}"; do
              | tee "$OUT/models_gpu_tests.log" ;;
     engine) python3 -m pytest -q -p no:cacheprovider -m "gpu and slow" tests/models 2>&1 \
               | tee "$OUT/models_engine_tests.log" ;;
-    moe) python3 bench/moe_bench.py --out "$OUT/moe_bench.json" 2>&1 | tee "$OUT/moe_bench.log" ;;
-    models) python3 bench/model_bench.py --out "$OUT/model_bench.json" "$@" 2>&1 | tee "$OUT/model_bench.log" ;;
+    moe) python3 -m bench.moe_bench --out "$OUT/moe_bench.json" 2>&1 | tee "$OUT/moe_bench.log" ;;
+    models) python3 -m bench.model_bench --out "$OUT/model_bench.json" "$@" 2>&1 | tee "$OUT/model_bench.log" ;;
     profile) read -ra shapes <<< "${PROFILE:-1,1024 64,1024 prefill}"
-             python3 bench/model_bench.py --out "$OUT/model_bench_profile.json" --profile "${shapes[@]}" "$@" 2>&1 \
+             python3 -m bench.model_bench --out "$OUT/model_bench_profile.json" --profile "${shapes[@]}" "$@" 2>&1 \
                | tee "$OUT/model_bench_profile.log" ;;
     *) echo "unknown part: $part (tests | moe | engine | models | profile)"; false ;;
   esac

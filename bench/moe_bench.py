@@ -11,8 +11,9 @@ baseline a plain torch model step would have).
 ``--sweep`` then times the expert GEMMs (routing done once, outside the graph) with every launch shape of ``SWEEP``
 at each size, each checked against the reference first, and prints the fastest against the default ``tiles_for``.
 
-Run: ``PYTHONPATH=src python3 bench/moe_bench.py [--sweep] [--out moe_bench.json]`` (``$OUT/moe_bench.json`` by
-default when ``$OUT`` is set). Correctness tests of the kernels: ``tests/models/kernels/test_moe.py`` (``-m gpu`` at bf16).
+Run: ``PYTHONPATH=src python3 -m bench.moe_bench [--sweep] [--out moe_bench.json]`` (``$OUT/moe_bench.json`` by
+default when ``$OUT`` is set). Correctness tests of the kernels: ``tests/models/kernels/test_moe.py`` (``-m gpu`` at
+bf16).
 """
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ import sys
 from dataclasses import asdict
 
 import torch
-from gpu_timing import events_median_ms, graph_ms, kernel_bench_start, rel_err
 from triton.runtime.errors import OutOfResources
 
+from bench.gpu_timing import events_median_ms, graph_ms, kernel_bench_start, rel_err
 from blink.models.kernels import reference
 from blink.models.kernels.moe import Tiles, fused_moe, moe_experts, route, tiles_for
 from blink.models.shapes import shape_config

@@ -1,6 +1,6 @@
 """Ring protocol benchmark: agent submit/poll throughput and slot-find cost.
 
-    python bench/ring_bench.py [--json out.json]
+    PYTHONPATH=src python -m bench.ring_bench [--json out.json]
 
 1. Cross-process throughput: the agent here, the reference consumer in another process over POSIX shared memory,
    4096 slots, 1-token requests (so the protocol, not generation, is measured), for a fixed number of requests.
@@ -113,8 +113,10 @@ def main() -> None:
 
     result = {
         "date": time.strftime("%Y-%m-%d"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip(),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                   f"Python {platform.python_version()}",
         "n_slots": N_SLOTS,
         "cross_process_requests_per_s_median": statistics.median(t["requests_per_s"] for t in throughput),
         "cross_process_runs": throughput,

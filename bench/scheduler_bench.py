@@ -1,6 +1,6 @@
 """GPU scheduler benchmark (H200): launch overhead per step, slot-scan cost, admission latency.
 
-    NUMBA_ENABLE_CUDASIM=0 PYTHONPATH=src python bench/scheduler_bench.py --json scheduler_bench.json
+    NUMBA_ENABLE_CUDASIM=0 PYTHONPATH=src python -m bench.scheduler_bench --json scheduler_bench.json
 
 1. Step time with the stand-in step (one small kernel + the "done" kernel), both launch modes, 1 and 64 decoding
    requests: (time between the first token and the last) / (steps in between), timed on the host over 2000 steps.
@@ -23,7 +23,9 @@ import subprocess
 import time
 
 from blink.device.config import SchedulerConfig
-from blink.device.launch import GpuScheduler, link_image
+from blink.device.driver import check
+from blink.device.image import link_image
+from blink.device.runtime import GpuScheduler
 from blink.device.step import StepBuffers, StepLayout
 from blink.nic.agent import Agent
 from blink.ring.geometry import RingGeometry
@@ -161,7 +163,7 @@ def kernel_resources(image: bytes) -> dict:
     rig = Rig(image, BASE)
     result = {}
     for name in ("blink_scheduler_window", "blink_scheduler_tail"):
-        function = rig.scheduler._function(name)
+        function = check(driver.cuModuleGetFunction(rig.scheduler.module, name.encode()))
         attribute = driver.CUfunction_attribute
         result[name] = {key: int(driver.cuFuncGetAttribute(getattr(attribute, a), function)[1]) for key, a in
                         [("registers", "CU_FUNC_ATTRIBUTE_NUM_REGS"),

@@ -1,5 +1,6 @@
 """blink.bench.energy: the trapezoid integral by hand, and the meter where there is (or is not) a GPU."""
 import shutil
+import sys
 import time
 
 import pytest
@@ -24,6 +25,14 @@ def test_without_a_gpu_energy_is_reported_unavailable_not_raised():
     assert result["available"] is False
     assert "NVML" in result["reason"] or "nvidia-ml-py" in result["reason"]
     assert result["energy_j"] is None and result["joules_per_output_token"] is None
+
+
+def test_without_nvidia_ml_py_energy_is_unavailable_and_names_the_bench_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)          # `import pynvml` raises ImportError
+    with EnergyMeter() as meter:
+        pass
+    result = meter.result(output_tokens=100)
+    assert result["available"] is False and "pip install 'blink[bench]'" in result["reason"]
 
 
 @pytest.mark.gpu

@@ -31,7 +31,7 @@ class EnergyMeter:
         try:
             import pynvml
         except ImportError:
-            self.reason = "nvidia-ml-py is not installed (pip install nvidia-ml-py)"
+            self.reason = "nvidia-ml-py is not installed (the bench extra: pip install 'blink[bench]')"
             return self
         try:
             pynvml.nvmlInit()

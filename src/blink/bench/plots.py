@@ -23,8 +23,12 @@ def series(runs: list[dict]) -> dict[str, list[dict]]:
 
 def write_plots(runs: list[dict], plot_dir) -> list[Path]:
     """Write the PNGs for ``runs`` into ``plot_dir`` (created); the colocation plot only when some run is
-    colocated. Returns the paths written."""
-    import matplotlib
+    colocated. Returns the paths written. Needs matplotlib (the bench extra): ``ImportError`` naming it otherwise."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError("plots need matplotlib, which the bench extra installs: pip install 'blink[bench]'",
+                          name="matplotlib") from e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -2,11 +2,11 @@
 An experiment for issue 4 (the step at <= 1.10x its floor), not a step kernel.
 
 The decode step at batches 1-16 loses most of its time to fixed costs per kernel: each of Llama-3-8B's small GEMMs
-takes 3-6 us beyond its weight bytes' floor in ramp and tail (cuBLAS and Triton alike: ``bench/gemv_bench.py``),
-and PDL did not hide them (``bench/decode_chain_bench.py``). A persistent kernel keeps every SM busy across GEMM
-boundaries: one program per SM walks the ops in order, takes the output tiles ``pid, pid + P, ...`` of each, and
-waits at a grid barrier (an atomic counter, release/acquire at GPU scope) before the next op reads what this one
-wrote.
+takes 3-6 us beyond its weight bytes' floor in ramp and tail (cuBLAS and Triton alike:
+``bench/experiments/gemv_bench.py``), and PDL did not hide them (``bench/experiments/decode_chain_bench.py``). A
+persistent kernel keeps every SM busy across GEMM boundaries: one program per SM walks the ops in order, takes the
+output tiles ``pid, pid + P, ...`` of each, and waits at a grid barrier (an atomic counter, release/acquire at GPU
+scope) before the next op reads what this one wrote.
 
 The chain is ``LAYERS`` of Llama-3-8B's MLP-and-projection GEMMs at M rows: qkv (4096 -> 6144), o_proj (the first
 4096 columns of qkv's output -> 4096), gate_up with SiLU-mul (4096 -> 2 x 14336 -> 14336), down (14336 -> 4096,
@@ -20,7 +20,8 @@ Both are checked against a float64 chain: the relative error of what the layers 
 (bf16 rounding of the residual stream alone makes ~0.03; a wrong tile makes ~1).
 The floor is the layers' weight bytes at the measured copy rate.
 
-Run: ``PYTHONPATH=src python3 bench/persistent_chain_bench.py [--out persistent_chain_bench.json]``.
+Run: ``PYTHONPATH=src python3 -m bench.experiments.persistent_chain_bench [--out persistent_chain_bench.json]``
+(``$OUT/...`` when set).
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from gpu_timing import graph_ms, kernel_bench_start, rel_err
 
+from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err
 from blink.models.kernels.activation import silu_and_mul
 
 HIDDEN, QKV, INTER = 4096, 6144, 14336

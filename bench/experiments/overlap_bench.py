@@ -15,7 +15,8 @@ gate_up, down; cuBLAS) of the other are timed:
 
 The attention output is checked against the reference for one layer first. Times per layer.
 
-Run: ``PYTHONPATH=src python3 bench/overlap_bench.py [--out overlap_bench.json]`` (``$OUT/...`` when set).
+Run: ``PYTHONPATH=src python3 -m bench.experiments.overlap_bench [--out overlap_bench.json]`` (``$OUT/...`` when
+set).
 """
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ import json
 
 import torch
 import torch.nn.functional as F
-from attention_bench import DIM, HEADS, KV_HEADS, PAGE, Case, inputs
-from gpu_timing import graph_ms, kernel_bench_start, rel_err
 
+from bench.attention_bench import DIM, HEADS, KV_HEADS, PAGE, Case, inputs
+from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err
 from blink.models.kernels import reference
 from blink.models.kernels.attention import attention, attention_plan
 

@@ -8,7 +8,8 @@ M in ``ROWS``: ``torch.nn.functional.linear`` (cuBLAS) against a Triton matmul a
 against cuBLAS (relative error < 1e-2). Times are medians of graph replays of ``CALLS`` calls, each on its own weight
 copy, per call. The floor is max(weight bytes at the copy rate, FLOPs at the GEMM rate), both measured now.
 
-Run: ``PYTHONPATH=src python3 bench/gemm_bench.py [--out gemm_bench.json]`` (``$OUT/...`` when ``$OUT`` is set).
+Run: ``PYTHONPATH=src python3 -m bench.experiments.gemm_bench [--out gemm_bench.json]`` (``$OUT/...`` when ``$OUT``
+is set).
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from gpu_timing import graph_ms, kernel_bench_start, rel_err, sweep_timed
+
+from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err, sweep_timed
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}

@@ -10,7 +10,8 @@ float64. Times are medians of CUDA-event-timed graph replays of ``CALLS`` back-t
 the weight (as a step's layers read different weights: one copy would be served from L2), per call; the floor is
 the weight bytes at the measured copy rate.
 
-Run: ``PYTHONPATH=src python3 bench/gemv_bench.py [--out gemv_bench.json]`` (``$OUT/...`` when ``$OUT`` is set).
+Run: ``PYTHONPATH=src python3 -m bench.experiments.gemv_bench [--out gemv_bench.json]`` (``$OUT/...`` when ``$OUT``
+is set).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from gpu_timing import graph_ms, kernel_bench_start, rel_err, sweep_timed
+
+from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err, sweep_timed
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = (1, 4, 16)

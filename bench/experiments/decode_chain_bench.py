@@ -13,24 +13,24 @@ captured in one CUDA graph and timed per step, as:
 - ``triton``: the skinny GEMM kernel below, plain launches;
 - ``pdl``: the same launched with PDL: each program waits (``gdc_wait``) only before it reads x, so the next GEMM's
   programs are placed while the previous one drains (``b1c020f`` also timed an L2 prefetch of each program's weight
-  rows before the wait: slower, 15.5 us against 11.9 per 4096^2 call at M=1, ``pdl_bench_h200_b1c020f.json``);
+  rows before the wait: slower, 15.5 us against 11.9 per 4096^2 call at M=1);
 - ``norm+cublas`` / ``norm+triton``: blink's RMSNorm kernel, then cuBLAS (the step's unfused pair) / the skinny GEMM;
 - ``fused-in`` / ``fused-pre`` / ``fused-post``: the skinny GEMM with the norm folded in: its weight folded into W's
   columns ahead of time, the per-row scale ``rsqrt(mean(x^2) + eps)`` applied to the accumulator, the squares
   summed from the x tiles the loop loads, in a pass over x before the loop, or after it; ``fused-in+pdl`` with PDL.
   Two versions that multiplied each loaded x tile by the norm weight before its ``tl.dot`` (squares summed before
-  the loop / in it) took 23.1 / 30.8 us per 4096^2 call at M=1 against 14.6 for norm+triton
-  (``bench/results/decode_chain_bench_h200_fused_v1.json``, ``_v2.json``; the three kinds of pass: ``_v3.json``);
+  the loop / in it) took 23.1 / 30.8 us per 4096^2 call at M=1 against 14.6 for norm+triton;
 - ``silu+cublas``: cuBLAS on the stacked [W; U], then blink's SiLU-mul kernel;
 - ``gated`` / ``gated+pdl``: one skinny kernel with two weight streams and SiLU-mul in its epilogue.
 
 Each variant is first checked against float64 (relative error < 1e-2). Then the ``pdl`` chain's raw graph is
 instantiated with ``cudaGraphInstantiateFlagDeviceLaunch`` (as blink's step graphs are) and uploaded; the result
-(ok or the CUDA error) is printed. The first results (PDL variants only, as ``bench/pdl_bench.py``):
-``bench/results/pdl_bench_h200_b1c020f.json``; every variant: ``decode_chain_bench_h200_a4e792e.json`` (table and
-reading in docs/benchmarks.md: no folded norm beats the norm kernel + GEMM; the gated kernel gains 1-2 us a call).
-Run: ``PYTHONPATH=src python3 bench/decode_chain_bench.py [--out decode_chain_bench.json]`` (``$OUT/...`` when
-``$OUT`` is set).
+(ok or the CUDA error) is printed. Results of every variant: ``bench/results/decode_chain_bench_h200_a4e792e.json``
+(table and reading in docs/benchmarks.md, "Experiments": no folded norm beats the norm kernel + GEMM; the gated
+kernel gains 1-2 us a call); its History names the earlier runs' files, the first of them (PDL variants only) as
+``bench/pdl_bench.py``.
+Run: ``PYTHONPATH=src python3 -m bench.experiments.decode_chain_bench [--out decode_chain_bench.json]``
+(``$OUT/...`` when ``$OUT`` is set).
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from gpu_timing import graph_ms, kernel_bench_start, rel_err
 
+from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err
 from blink.models.kernels.activation import silu_and_mul
 from blink.models.kernels.norm import rms_norm
 

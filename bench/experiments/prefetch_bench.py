@@ -12,7 +12,8 @@ weight read by a GEMM just before the window (what L2 residency can give at best
 on its own weight copy. The floor is the weight bytes at the measured copy rate. Every prefetched call's output must
 equal the plain one bit for bit.
 
-Run: ``PYTHONPATH=src python3 bench/prefetch_bench.py [--out prefetch_bench.json]`` (``$OUT/...`` when set).
+Run: ``PYTHONPATH=src python3 -m bench.experiments.prefetch_bench [--out prefetch_bench.json]`` (``$OUT/...`` when
+set).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from gpu_timing import graph_ms, kernel_bench_start
+
+from bench.gpu_timing import graph_ms, kernel_bench_start
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096)}
 ROWS = (1, 16)
