@@ -333,13 +333,11 @@ def test_requests_written_by_the_agent():
     memory.close()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: block.sort_pairs pads with (INT64_MAX, -1), which sorts before a real "
-                   "(INT64_MAX, slot) candidate, so enqueue queues slot -1 and loses the real request")
 def test_a_policy_may_return_the_largest_int64_key():
-    """A policy key is any int64 (policy.py). With three new candidates, one keyed INT64_MAX, ``sort_pairs`` pads
-    its four-entry network with (INT64_MAX, -1), which orders before (INT64_MAX, 0): ``enqueue`` then merges the
-    first three, queueing slot -1 and dropping slot 0, which stays marked QUEUED (no scan takes it again) and is
-    never admitted."""
+    """Regression: a policy key is any int64 (policy.py). With three new candidates, one keyed INT64_MAX,
+    ``sort_pairs`` padded its four-entry network with (INT64_MAX, -1), which ordered before (INT64_MAX, 0):
+    ``enqueue`` then merged the first three, queueing slot -1 and dropping slot 0, which stayed marked QUEUED (no
+    scan took it again) and was never admitted. Padding now sorts after every real pair."""
 
     def last_if_flagged(arrival_ns, prompt_len, max_tokens, priority, request_id):
         return 9223372036854775807 if priority > 0 else arrival_ns
