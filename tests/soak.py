@@ -116,15 +116,19 @@ class Client:
                 response.close()
                 return "cancelled"
             got = await (self._streamed(response, kind) if stream else self._whole(response, kind))
-            return "ok" if got == want else self._wrong(kind, body, (got, want))
+            return "ok" if got == want else self._wrong(kind, body, (got, want, stream,
+                                                                     None if stream else self.last_body))
 
     def _text(self, tokens: list[int], stop) -> str:
         text = TextStream(self.tokenizer, stop)
         return "".join(text.push(t) for t in tokens) + text.finish()
 
     async def _whole(self, response, kind: str) -> str:
-        choice = (await response.json())["choices"][0]
-        return choice["message"]["content"] if kind == "chat" else choice["text"]
+        body = await response.json()
+        choice = body["choices"][0]
+        text = choice["message"]["content"] if kind == "chat" else choice["text"]
+        self.last_body = body
+        return text
 
     async def _streamed(self, response, kind: str) -> str:
         text = ""

@@ -84,3 +84,27 @@ def test_outputs_are_written_before_their_count_and_state(local_ring):
         n = int(consumer.view.status["n_generated"][0])
         assert outputs[0, :n].tolist() == expected[:n]
     assert consumer.view.status["state"][0] == FINISHED
+
+
+def test_a_stale_cancel_word_never_aborts_the_slots_next_request():
+    """Regression (1 wrong answer in a 10^5-request soak): the consumer read a slot's cancel and epoch words before
+    its state word, so a request written into a slot whose previous request had been cancelled could be seen READY
+    with the old epoch and aborted unasked. Readers load the announcing word (state) first."""
+    from blink.nic.agent import Agent
+    from blink.ring.reference import standin_engine
+
+    geometry = RingGeometry(n_slots=1, max_prompt_tokens=4, max_output_tokens=4)
+    with standin_engine(geometry) as (memory, _):
+        agent = Agent.attach(memory)
+        unasked = 0
+        for _ in range(3000):
+            cancelled = agent.submit([1], SamplingParams(max_tokens=4, seed=1))
+            agent.cancel(cancelled)                    # leaves the slot's cancel word at this request's epoch
+            reasons = {}
+            while agent.in_flight:
+                reasons.update({out.request_id: out.finish_reason for out in agent.poll() if out.finished})
+            fresh = agent.submit([2], SamplingParams(max_tokens=1, seed=2))
+            while agent.in_flight:
+                reasons.update({out.request_id: out.finish_reason for out in agent.poll() if out.finished})
+            unasked += reasons[fresh] == "abort"
+    assert unasked == 0

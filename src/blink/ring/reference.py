@@ -114,9 +114,12 @@ class ReferenceConsumer:
                                         "only the GPU side may write a RUNNING slot")
 
     def _honour_cancels(self) -> None:
+        # The announcing word first: a slot seen READY has its new epoch, so a stale cancel word (the previous
+        # request's) cannot match it. Read the other way round, a recycled slot's new request was aborted unasked.
         status = self.view.status
-        cancelled = (status["cancel"] != 0) & (status["cancel"] == status["epoch"])
-        cancelled &= (status["state"] == READY) | (status["state"] == RUNNING)
+        state = status["state"].copy()
+        epoch, cancel = status["epoch"].copy(), status["cancel"].copy()
+        cancelled = (cancel != 0) & (cancel == epoch) & ((state == READY) | (state == RUNNING))
         for slot in np.flatnonzero(cancelled).tolist():
             self._finish(slot, FINISH_ABORT)
 
