@@ -143,6 +143,7 @@ def _serve_http(args, memory, tokenizer, model_dir, engine_process, cores) -> in
 
     from blink.nic.agent import Agent
     from blink.nic.agent_loop import LoopConfig
+    from blink.nic.defaults import sampling_defaults
     from blink.nic.openai.server import OpenAIServer, ServerConfig, run
     from blink.process import engine_gone, set_priority, wait_until_serving
 
@@ -152,15 +153,17 @@ def _serve_http(args, memory, tokenizer, model_dir, engine_process, cores) -> in
     agent = Agent.attach(memory, liveness_timeout_s=args.liveness_timeout)
     wait_until_serving(agent, engine_process)
     config = ServerConfig(model_name=args.served_model_name or Path(model_dir).name,
-                          loop=LoopConfig(max_queued=args.max_queued))
+                          loop=LoopConfig(max_queued=args.max_queued), api_key=args.api_key or os.environ.get("BLINK_API_KEY") or None,
+                          defaults=sampling_defaults(model_dir, args.generation_config))
     server = OpenAIServer(agent, tokenizer, config, engine_gone=lambda: engine_gone(agent, engine_process))
     return run(server, args.host, args.port)
 
 
 def _tokenizer(args, model_dir):
-    from blink.nic.text import Tokenizer
+    from blink.nic.text import Tokenizer, chat_template_argument
 
-    return Tokenizer(model_dir, special_tokens_in_content=not args.special_tokens_as_text)
+    return Tokenizer(model_dir, chat_template=chat_template_argument(args.chat_template),
+                     special_tokens_in_content=not args.special_tokens_as_text)
 
 
 def _ring_name() -> str:
@@ -169,10 +172,9 @@ def _ring_name() -> str:
 
 
 def _model_dir(model):
-    if model is not None:
-        return model
-    from blink.models import default_model_path
-    return default_model_path()
+    from blink.models import default_model_path, resolve_model
+
+    return resolve_model(model) if model is not None else default_model_path()
 
 
 def _engine_config(args, model_dir, **overrides):
@@ -224,12 +226,22 @@ def _engine_options(parser, slots: int) -> None:
 
 
 def _http_options(parser) -> None:
-    parser.add_argument("--model", default=None, help="model directory (HF layout); default: the embedded SmolLM2")
+    parser.add_argument("--model", default=None, help="a model directory (HF layout) or a model id in the local "
+                        "Hugging Face cache; default: the embedded SmolLM2")
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: the dir name)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--max-queued", type=int, default=1024,
                         help="requests that may wait in the agent for a free ring slot; beyond it: 429")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1 requests (default: $BLINK_API_KEY if set, "
+                             "else no key)")
+    parser.add_argument("--chat-template", default=None,
+                        help="a chat template file, or the template itself (default: the model's chat_template.jinja "
+                             "or tokenizer_config.json)")
+    parser.add_argument("--generation-config", default="auto",
+                        help="default sampling: auto (the model's generation_config.json), vllm (the OpenAI API's "
+                             "defaults) or a directory holding a generation_config.json")
     parser.add_argument("--special-tokens-as-text", action="store_true",
                         help="encode special tokens' text inside chat messages as plain text (default: as the special "
                              "tokens, like transformers and vLLM; see docs/serving.md)")

@@ -38,10 +38,10 @@ class EngineCore:
 
     def _start(self, config: EngineConfig) -> None:
         from blink.backends import CpuBackend, GpuBackend, select_device
-        from blink.models import ModelConfig, default_model_path, load_model, random_model
+        from blink.models import ModelConfig, default_model_path, load_model, random_model, resolve_model
 
         self.device = select_device(config.device)
-        model_dir = Path(config.model) if config.model is not None else default_model_path()
+        model_dir = resolve_model(config.model) if config.model is not None else default_model_path()
         model_config = ModelConfig.from_file(model_dir)
         self.max_model_len = config.max_model_len(model_config.max_position_embeddings)
         self.geometry = config.geometry(self.max_model_len)

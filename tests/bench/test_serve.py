@@ -129,3 +129,10 @@ def test_the_transformers_peer_runs_the_same_workload(tmp_path):
         assert run["input_lens"] == [r.prompt_len for r in sent]
         assert run["output_lens"] == [8] * 6
         assert run["mean_tpot_ms"] > 0 and run["mean_itl_ms"] > 0     # 8 tokens streamed one by one
+
+
+def test_a_fixed_output_length_ignores_eos_unless_told_otherwise():
+    from blink.bench.serve import ignore_eos
+
+    assert ignore_eos(None, 128) is True and ignore_eos(None, None) is False
+    assert ignore_eos(False, 128) is False and ignore_eos(True, None) is True

@@ -164,3 +164,23 @@ def test_special_tokens_in_message_contents_can_be_kept_as_text():
     benign = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
               {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 + 3?"}]
     assert guarded.encode_chat(benign) == plain.encode_chat(benign)
+
+
+def test_a_chat_template_jinja_file_beside_the_tokenizer_is_used(tmp_path):
+    from blink.models import default_model_path
+    from blink.nic.text import chat_template_argument
+
+    for f in default_model_path().iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
+                                                  "{% endfor %}")
+    assert Tokenizer(tmp_path).render_chat([{"role": "user", "content": "hi"}]) == "[user] hi\n"
+    inline = "{{ messages[0]['content'] | upper }}"
+    assert Tokenizer(tmp_path, chat_template=chat_template_argument(inline)).render_chat(
+        [{"role": "user", "content": "hi"}]) == "HI"
+    template_file = tmp_path / "mine.jinja"
+    template_file.write_text("<{{ messages | length }}>")
+    assert Tokenizer(tmp_path, chat_template=chat_template_argument(str(template_file))).render_chat(
+        [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "<2>"
+    with pytest.raises(FileNotFoundError, match="neither a file nor a Jinja template"):
+        chat_template_argument("no-such-file.jinja")

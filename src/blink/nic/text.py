@@ -50,7 +50,8 @@ class Tokenizer:
         # No token stands for more input bytes than the longest token's text has (UTF-8 of the surface form bounds
         # it: a byte-level token's characters are one input byte each, two in UTF-8).
         self.max_token_bytes = max(len(t.encode()) for t in self._tokenizer.get_vocab(with_added_tokens=True))
-        template = chat_template or _default_template(config.get("chat_template"))
+        template = chat_template or _read_text(model_dir / "chat_template.jinja") \
+            or _default_template(config.get("chat_template"))
         self._template = _compile_template(template) if template else None
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -62,7 +63,8 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         """The chat template applied to ``messages``. ``ValueError`` if there is no template or it rejects them."""
         if self._template is None:
-            raise ValueError("this model has no chat template (tokenizer_config.json 'chat_template'): "
+            raise ValueError("this model has no chat template (chat_template.jinja, or 'chat_template' in "
+                             "tokenizer_config.json): "
                              "use /v1/completions or pass a template")
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
@@ -232,6 +234,22 @@ def _default_template(value) -> str | None:
 def _token_content(value) -> str:
     """A special token is written as its text or as a serialised AddedToken ``{"content": ...}``."""
     return value["content"] if isinstance(value, dict) else value
+
+
+def chat_template_argument(value: str | None) -> str | None:
+    """``--chat-template``: a file's path (read) or the template itself, as vLLM takes it."""
+    if value is None:
+        return None
+    path = Path(value)
+    if len(value) < 4096 and "{" not in value and path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise FileNotFoundError(f"--chat-template {value!r} is neither a file nor a Jinja template (no '{{' in it)")
+    return value
+
+
+def _read_text(path: Path) -> str | None:
+    return path.read_text() if path.is_file() else None
 
 
 def _read_json(path: Path) -> dict:

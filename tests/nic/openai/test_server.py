@@ -190,6 +190,31 @@ def test_completions_streamed_and_not_match_the_engine(served, reference, hf, pr
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_are_the_engines_answers_for_consecutive_seeds(served, reference, hf, stream):
+    """n > 1: one ring request per choice, seeds seed, seed + 1, ... (vLLM's rule for seeded requests)."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    want = expected_many(reference, hf, [chat_ids(hf, messages)] * 3, [40, 41, 42], 12)
+    reply = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=12, seed=40, n=3,
+                                                    stream=stream,
+                                                    stream_options={"include_usage": True} if stream else None)
+    if stream:
+        chunks = list(reply)
+        got = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+               for i in range(3)}
+        finishes = {c.choices[0].index: c.choices[0].finish_reason for c in chunks
+                    if c.choices and c.choices[0].finish_reason}
+        usage = chunks[-1].usage
+    else:
+        got = {c.index: c.message.content for c in reply.choices}
+        finishes = {c.index: c.finish_reason for c in reply.choices}
+        usage = reply.usage
+    assert [got[i] for i in range(3)] == [text for text, _, _ in want]
+    assert [finishes[i] for i in range(3)] == [finish for _, finish, _ in want]
+    assert usage.completion_tokens == sum(n for _, _, n in want)
+    served.wait_idle()
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_chat_matches_the_engine(served, reference, hf, stream):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say 你好 🌍"}]
     want_text, want_finish, n = expected(reference, hf, chat_ids(hf, messages), 7, 20)
@@ -399,7 +424,7 @@ BAD = [  # (path, body, status, what the message must mention)
     (COMPLETIONS, {"prompt": "hello " * 300}, 400, "shorten it"),
     (COMPLETIONS, {"prompt": [1] * 257}, 400, "at most 256"),
     (COMPLETIONS, {"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),
-    (COMPLETIONS, {"prompt": "x", "n": 2}, 400, "one choice per request"),
+    (COMPLETIONS, {"prompt": "x", "n": 17}, 400, "'n' must be an integer in [1, 16]"),
     (COMPLETIONS, {"prompt": "x", "logprobs": 5}, 400, "logprobs"),
     (COMPLETIONS, {"prompt": "x", "stop": 5}, 400, "stop"),
     (COMPLETIONS, {"prompt": "x", "stop": [""]}, 400, "non-empty"),
@@ -534,7 +559,7 @@ def children(pid: int) -> list[int]:
 
 def check_completion(port, reference, hf) -> None:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-    text = client.completions.create(model=MODEL, prompt="cli", max_tokens=5, seed=2).choices[0].text
+    text = client.completions.create(model=MODEL, prompt="cli", max_tokens=5, seed=2, temperature=1.0).choices[0].text
     assert text == expected(reference, hf, hf("cli")["input_ids"], 2, 5)[0]
 
 
@@ -644,3 +669,44 @@ def test_a_stale_ring_under_the_engines_name_is_never_attached(model_dir, tmp_pa
             SharedMemory.create(name, layout.size)
     from blink.cli import _ring_name
     assert _ring_name() != _ring_name()
+
+
+def test_serve_with_max_model_len_alone_an_api_key_and_a_policy(model_dir):
+    """vLLM users' options: --max-model-len alone sizes the ring (and /v1/models reports it, and a longer request is
+    a 400 naming it); --api-key gates /v1 (401 without it, with the official client); --policy reaches the GPU
+    scheduler: with one running sequence at a time, waiting requests are admitted lowest priority value first."""
+    port = free_port()
+    serve = blink_cli("serve", str(model_dir), "--port", str(port), "--served-model-name", MODEL, "--device", "cpu",
+                      "--max-model-len", "96", "--max-num-seqs", "1", "--max-num-batched-tokens", "64",
+                      "--cpu-kv-cache-gib", "0.05", "--api-key", "sesame", "--policy",
+                      "blink.device.policy:by_priority")
+    try:
+        wait_for(lambda: _healthy(port), timeout_s=120)       # /health needs no key
+        url = f"http://127.0.0.1:{port}/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=url, api_key="sesame", max_retries=0)
+        assert client.models.list().data[0].model_extra["max_model_len"] == 96
+        with pytest.raises(openai.BadRequestError, match="max_model_len is 96"):
+            client.completions.create(model=MODEL, prompt=[5] * 90, max_tokens=10)
+        aclient = openai.AsyncOpenAI(base_url=url, api_key="sesame", max_retries=0)
+
+        async def by_priority():
+            done = []
+
+            async def one(priority):
+                await aclient.completions.create(model=MODEL, prompt=[7, 8], max_tokens=1,
+                                                 extra_body={"priority": priority})
+                done.append(priority)
+
+            first = asyncio.create_task(aclient.completions.create(
+                model=MODEL, prompt=[5], max_tokens=24, extra_body={"ignore_eos": True, "priority": -100}))
+            await asyncio.sleep(0.3)                   # it runs; the others wait in the GPU's queue
+            await asyncio.gather(first, *(one(p) for p in (5, -3, 9, 0)))
+            return done
+
+        assert asyncio.run(by_priority()) == [-3, 0, 5, 9]
+    finally:
+        serve.send_signal(signal.SIGINT)
+        serve.wait(60)
+        serve.kill()

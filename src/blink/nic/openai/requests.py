@@ -7,20 +7,23 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from blink.errors import RequestError
 from blink.nic.agent import Agent
+from blink.nic.defaults import SamplingDefaults
 from blink.nic.openai.errors import ApiError
 from blink.nic.text import Tokenizer, max_tokens_for
 from blink.ring.request import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # the OpenAI API's default for /v1/completions; chat defaults to the room left
+MAX_CHOICES = 16                      # n: choices per request, each its own ring request
 MAX_STOP_STRINGS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Accepted only at their neutral values: anything else asks for a feature this server does not have.
 UNSUPPORTED = {"echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,),
-               "frequency_penalty": (0,), "tools": ([],), "response_format": ({"type": "text"},)}
+               "frequency_penalty": (0,), "repetition_penalty": (1,), "min_tokens": (0,), "tools": ([],),
+               "response_format": ({"type": "text"},)}
 
 
 # -- request parsing -----------------------------------------------------------------------------------------------
@@ -36,6 +39,13 @@ class Job:
     stream: bool
     include_usage: bool
     priority: int
+    n: int = 1                  # choices: n ring requests, seeds seed, seed + 1, ... when a seed is given
+
+    def choice_params(self) -> list[SamplingParams]:
+        """The sampling of each choice: the request's, with consecutive seeds (one random seed each if none)."""
+        if self.params.seed is None:
+            return [self.params] * self.n
+        return [replace(self.params, seed=(self.params.seed + i) % 2**64) for i in range(self.n)]
 
 
 def json_body(raw: bytes) -> dict:
@@ -86,9 +96,10 @@ def _text(value: str, param: str) -> str:
 class Parser:
     """Turns request bodies into ``Job``s against one model and one ring's limits."""
 
-    def __init__(self, tokenizer: Tokenizer, model_name: str, agent: Agent):
+    def __init__(self, tokenizer: Tokenizer, model_name: str, agent: Agent,
+                 defaults: SamplingDefaults = SamplingDefaults()):
         g = agent.geometry
-        self.tokenizer, self.model_name, self.geometry = tokenizer, model_name, g
+        self.tokenizer, self.model_name, self.geometry, self.defaults = tokenizer, model_name, g, defaults
         self.context_len = g.max_model_len         # the engine's limit, which the ring's creator wrote
         self.max_prompt = min(g.max_prompt_tokens, self.context_len - 1)
         # Text longer than this cannot tokenize to max_prompt tokens or fewer: refused before tokenizing (a 1 MB
@@ -99,8 +110,8 @@ class Parser:
         prompt = self._completion_prompt(body.get("prompt"))
         logprobs = _field(body, "logprobs", (int,), "0 (only the sampled token's logprob is available) or null",
                           None, lambda v: v == 0)
-        return self._job(body, prompt, chat=False, logprobs=logprobs is not None,
-                         max_tokens=body.get("max_tokens"), default_max=COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return self._job(body, prompt, chat=False, logprobs=logprobs is not None, max_tokens=body.get("max_tokens"),
+                         default_max=self.defaults.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
 
     def chat(self, body: dict) -> Job:
         messages = self._messages(body.get("messages"))
@@ -112,7 +123,8 @@ class Parser:
                lambda v: v == 0)
         logprobs = _field(body, "logprobs", (bool,), "a boolean", False)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        return self._job(body, prompt, chat=True, logprobs=logprobs, max_tokens=max_tokens, default_max=None)
+        return self._job(body, prompt, chat=True, logprobs=logprobs, max_tokens=max_tokens,
+                         default_max=self.defaults.max_tokens)
 
     def _job(self, body: dict, prompt: list[int], *, chat: bool, logprobs: bool, max_tokens, default_max) -> Job:
         self._check_model(body)
@@ -120,8 +132,7 @@ class Parser:
             if body.get(name) not in (None, *neutral):
                 raise ApiError(400, f"'{name}' is not supported by this server (got {_show(body[name])}): "
                                     "leave it out", param=name)
-        _field(body, "n", (int,), "1: this server returns one choice per request, send n requests instead", 1,
-               lambda v: v == 1)
+        n = _field(body, "n", (int,), f"an integer in [1, {MAX_CHOICES}]", 1, lambda v: 1 <= v <= MAX_CHOICES)
         if len(prompt) > self.max_prompt:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens but this server accepts at most "
                                 f"{self.max_prompt}: shorten it", param="messages" if chat else "prompt",
@@ -135,7 +146,7 @@ class Parser:
         priority = _field(body, "priority", (int,), "an integer in [-2**31, 2**31)", 0,
                           lambda v: -2**31 <= v < 2**31)
         params = self._sampling(body, len(prompt), max_tokens, default_max, logprobs)
-        return Job(chat, prompt, params, self._stop(body), stream, include_usage, priority)
+        return Job(chat, prompt, params, self._stop(body), stream, include_usage, priority, n)
 
     def _sampling(self, body, prompt_len: int, max_tokens, default_max: int | None, logprobs: bool) -> SamplingParams:
         requested = _field({"max_tokens": max_tokens}, "max_tokens", (int,), "an integer >= 1", None,
@@ -151,7 +162,8 @@ class Parser:
                           f"a list of at most {self.geometry.max_stop_ids} token ids in [0, {vocab})", [],
                           lambda v: len(v) <= self.geometry.max_stop_ids and all(_is_token(t, vocab) for t in v))
         seed = _field(body, "seed", (int,), "an integer in [-2**63, 2**64)", None, lambda v: -2**63 <= v < 2**64)
-        top_k = _field(body, "top_k", (int,), "an integer >= -1 (-1 or 0: no top-k)", 0, lambda v: v >= -1)
+        top_k = _field(body, "top_k", (int,), "an integer >= -1 (-1 or 0: no top-k)", self.defaults.top_k,
+                       lambda v: v >= -1)
         try:
             return self._params(body, room, stop_ids, seed, top_k, logprobs)
         except RequestError as e:    # a value the parser's type checks let through but the ring cannot store
@@ -160,9 +172,10 @@ class Parser:
     def _params(self, body, room: int, stop_ids, seed, top_k: int, logprobs: bool) -> SamplingParams:
         return SamplingParams(
             max_tokens=room,
-            temperature=_field(body, "temperature", (int, float), "a number >= 0 (0: greedy)", 1.0,
-                               lambda v: 0 <= v and math.isfinite(v)),
-            top_p=_field(body, "top_p", (int, float), "a number in (0, 1]", 1.0, lambda v: 0 < v <= 1),
+            temperature=_field(body, "temperature", (int, float), "a number >= 0 (0: greedy)",
+                               self.defaults.temperature, lambda v: 0 <= v and math.isfinite(v)),
+            top_p=_field(body, "top_p", (int, float), "a number in (0, 1]", self.defaults.top_p,
+                         lambda v: 0 < v <= 1),
             top_k=max(top_k, 0),
             seed=None if seed is None else seed % 2**64,
             stop_token_ids=tuple(stop_ids),

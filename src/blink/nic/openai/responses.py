@@ -5,6 +5,7 @@ incremental detokenizer, cut before the first stop string) and writes it; a stop
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from contextlib import suppress
@@ -19,42 +20,49 @@ from blink.nic.text import TextStream, Tokenizer
 
 
 class Responder:
-    """Writes the answers of one model's requests (``model_name`` is what the responses say they came from)."""
+    """Writes the answers of one model's requests (``model_name`` is what the responses say they came from). A
+    request of ``n`` choices is ``n`` ring requests, one per choice, in choice order."""
 
     def __init__(self, tokenizer: Tokenizer, model_name: str):
         self.tokenizer, self.model_name = tokenizer, model_name
 
-    async def complete(self, job: Job, req: Submission) -> web.Response:
-        text = TextStream(self.tokenizer, job.stop)
-        content, tokens = "", []
-        async for delta, new_tokens, _ in self._events(req, text):
-            content += delta
-            tokens += new_tokens
-        choice = self._choice(job, content, tokens, req.finish_reason, chunk=False)
-        return web.json_response({**self._head(job, chunk=False), "choices": [choice],
-                                  "usage": self._usage(job, text)})
+    async def complete(self, job: Job, reqs: list[Submission]) -> web.Response:
+        texts = [TextStream(self.tokenizer, job.stop) for _ in reqs]
+        answers = await asyncio.gather(*(self._whole(req, text) for req, text in zip(reqs, texts, strict=True)))
+        choices = [self._choice(job, i, content, tokens, req.finish_reason, chunk=False)
+                   for i, ((content, tokens), req) in enumerate(zip(answers, reqs, strict=True))]
+        return web.json_response({**self._head(job, chunk=False), "choices": choices,
+                                  "usage": self._usage(job, texts)})
 
-    async def stream(self, request: web.Request, job: Job, req: Submission) -> web.StreamResponse:
-        text = TextStream(self.tokenizer, job.stop)
+    async def stream(self, request: web.Request, job: Job, reqs: list[Submission]) -> web.StreamResponse:
+        texts = [TextStream(self.tokenizer, job.stop) for _ in reqs]
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         head = self._head(job, chunk=True)
         try:
             if job.chat:
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}
-                await _send(response, {**head, "choices": [first]})
-            async for delta, tokens, finish in self._events(req, text):
+                first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(len(reqs))]
+                await _send(response, {**head, "choices": first})
+            async for i, delta, tokens, finish in _merged(self._events, reqs, texts):
                 if delta or finish:
-                    await _send(response, {**head, "choices": [self._choice(job, delta, tokens, finish, chunk=True)]})
+                    await _send(response, {**head, "choices": [self._choice(job, i, delta, tokens, finish,
+                                                                            chunk=True)]})
             if job.include_usage:
-                await _send(response, {**head, "choices": [], "usage": self._usage(job, text)})
+                await _send(response, {**head, "choices": [], "usage": self._usage(job, texts)})
         except REFUSALS as e:
             await _send_quietly(response, api_error(e).body())
         except ConnectionResetError:
-            return response     # the client left; the handler's finally cancels the request
+            return response     # the client left; the handler's finally cancels the requests
         await _send_quietly(response, None)
         return response
+
+    async def _whole(self, req: Submission, text: TextStream) -> tuple[str, list]:
+        content, tokens = "", []
+        async for delta, new_tokens, _ in self._events(req, text):
+            content += delta
+            tokens += new_tokens
+        return content, tokens
 
     async def _events(self, req: Submission, text: TextStream):
         """Yield ``(delta, [(token, logprob)], finish_reason)`` per batch of tokens; the last has a finish_reason."""
@@ -82,14 +90,14 @@ class Responder:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
                 "model": self.model_name}
 
-    def _choice(self, job: Job, text: str, tokens: list, finish: str | None, *, chunk: bool) -> dict:
+    def _choice(self, job: Job, index: int, text: str, tokens: list, finish: str | None, *, chunk: bool) -> dict:
         if not job.chat:
             body = {"text": text}
         elif chunk:
             body = {"delta": {"content": text} if text else {}}
         else:
             body = {"message": {"role": "assistant", "content": text}}
-        return {"index": 0, **body, "logprobs": self._logprobs(job, tokens), "finish_reason": finish}
+        return {"index": index, **body, "logprobs": self._logprobs(job, tokens), "finish_reason": finish}
 
     def _logprobs(self, job: Job, tokens: list) -> dict | None:
         """The sampled tokens' logprobs (no alternatives: the ring carries only the sampled token's)."""
@@ -101,9 +109,39 @@ class Responder:
                                 for s, (_, lp) in zip(strings, tokens, strict=True)]}
         return {"tokens": strings, "token_logprobs": [lp for _, lp in tokens]}
 
-    def _usage(self, job: Job, text: TextStream) -> dict:
-        n_prompt, n_completion = len(job.prompt), text.n_tokens
+    def _usage(self, job: Job, texts: list[TextStream]) -> dict:
+        n_prompt, n_completion = len(job.prompt), sum(text.n_tokens for text in texts)
         return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+
+
+async def _merged(events, reqs: list[Submission], texts: list[TextStream]):
+    """``(choice index, delta, tokens, finish_reason)`` of every choice's events, as they come; an error of any
+    choice ends the whole stream."""
+    if len(reqs) == 1:                      # the common case: no tasks, no queue
+        async for delta, tokens, finish in events(reqs[0], texts[0]):
+            yield 0, delta, tokens, finish
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def feed(i: int) -> None:
+        try:
+            async for event in events(reqs[i], texts[i]):
+                queue.put_nowait((i, *event))
+        except Exception as e:
+            queue.put_nowait(e)
+
+    tasks = [asyncio.create_task(feed(i)) for i in range(len(reqs))]
+    try:
+        remaining = len(reqs)
+        while remaining:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            remaining -= item[3] is not None
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def _send(response: web.StreamResponse, payload: dict | None) -> None:

@@ -11,6 +11,7 @@ serving everyone else.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from aiohttp import web
 from blink.errors import RequestError
 from blink.nic.agent import Agent
 from blink.nic.agent_loop import AgentLoop, LoopConfig, Metrics
+from blink.nic.defaults import SamplingDefaults
 from blink.nic.openai.errors import REFUSALS, ApiError, api_error
 from blink.nic.openai.limits import ConnectionGuard, HttpLimits, OneLineBadRequests, read_body
 from blink.nic.openai.requests import Job, Parser, json_body
@@ -35,12 +37,16 @@ TOKENIZER_THREADS = 2
 @dataclass(frozen=True)
 class ServerConfig:
     """``model_name``: the name clients use; ``loop``: the agent loop's bounds and timing (``LoopConfig``: the wait
-    queue beyond which requests get 429); ``limits``: what a client may hold of the server (``HttpLimits``).
+    queue beyond which requests get 429); ``limits``: what a client may hold of the server (``HttpLimits``);
+    ``api_key``: when set, every /v1 request must carry ``Authorization: Bearer <api_key>`` (else 401; /health and
+    /metrics stay open, as in vLLM); ``defaults``: the sampling of fields a request leaves out.
     /health fails and requests get 503 while the agent's ``Liveness`` says the engine is not serving."""
 
     model_name: str
     loop: LoopConfig = LoopConfig()
     limits: HttpLimits = field(default_factory=HttpLimits)
+    api_key: str | None = None
+    defaults: SamplingDefaults = SamplingDefaults()
 
 
 class OpenAIServer:
@@ -54,7 +60,7 @@ class OpenAIServer:
         self.tokenizer, self.config, self.engine_gone = tokenizer, config, engine_gone
         self.exit_code = 0
         self.stopped = asyncio.Event()
-        self.parser = Parser(tokenizer, config.model_name, agent)
+        self.parser = Parser(tokenizer, config.model_name, agent, config.defaults)
         self.responder = Responder(tokenizer, config.model_name)
         self.metrics = Metrics()
         self.loop = AgentLoop(agent, self.metrics, config.loop)
@@ -74,6 +80,7 @@ class OpenAIServer:
         """Every error leaves as an OpenAI-style JSON body, aiohttp's own (404, 405, 413) included."""
         self.guard.head_received(request.transport)
         try:
+            self._check_api_key(request)
             return await handler(request)
         except REFUSALS as e:
             return api_error(e).response()
@@ -86,6 +93,15 @@ class OpenAIServer:
             return ApiError(500, "internal server error (see the server log)").response()
         finally:
             self.guard.response_done(request.transport)
+
+    def _check_api_key(self, request: web.Request) -> None:
+        key = self.config.api_key
+        if key is None or not request.path.startswith("/v1"):
+            return
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise ApiError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>' with the "
+                                "key the server was started with (--api-key)", code="invalid_api_key")
 
     async def _background(self, app):
         tasks = [asyncio.create_task(self.loop.run())]
@@ -134,17 +150,19 @@ class OpenAIServer:
             return await asyncio.get_running_loop().run_in_executor(self._tokenizing, parse, body)
 
     async def _serve(self, request: web.Request, job: Job) -> web.StreamResponse:
+        reqs = []
         try:
-            req = self.loop.submit(job.prompt, job.params, job.priority)
+            for params in job.choice_params():
+                reqs.append(self.loop.submit(job.prompt, params, job.priority))
+            if job.stream:
+                return await self.responder.stream(request, job, reqs)
+            return await self.responder.complete(job, reqs)
         except RequestError as e:       # a limit of the ring the parser did not know of: nothing was queued
             raise api_error(e) from None
-        try:
-            if job.stream:
-                return await self.responder.stream(request, job, req)
-            return await self.responder.complete(job, req)
         finally:
             # Runs on disconnect too: aiohttp cancels the handler (handler_cancellation=True).
-            self.loop.close(req)
+            for req in reqs:
+                self.loop.close(req)
 
 
 class Listening:

@@ -1,0 +1,33 @@
+"""Model names as users give them: a directory, or a Hugging Face model id found in the local hub cache (offline:
+blink never downloads).
+
+The cache is laid out by huggingface_hub: ``$HF_HUB_CACHE`` (or ``$HF_HOME/hub``, or ``~/.cache/huggingface/hub``)
+holds ``models--ORG--NAME/refs/REVISION`` (a commit hash) and ``models--ORG--NAME/snapshots/HASH/`` (the files).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def hub_cache() -> Path:
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
+    return home / "hub"
+
+
+def resolve_model(name: str, revision: str = "main") -> Path:
+    """The directory of ``name``: itself if it is one, else the cached snapshot of the model id ``name``."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    repo = hub_cache() / f"models--{name.replace('/', '--')}"
+    ref = repo / "refs" / revision
+    snapshot = repo / "snapshots" / (ref.read_text().strip() if ref.is_file() else revision)
+    if name.count("/") == 1 and snapshot.is_dir():
+        return snapshot
+    raise FileNotFoundError(
+        f"model {name!r} is neither a directory nor a model id in the local Hugging Face cache ({hub_cache()}, "
+        f"revision {revision!r}): blink resolves model ids from the local cache only, without a network; download "
+        f"it there first (huggingface-cli download {name}) or pass its directory")
