@@ -324,6 +324,39 @@ def test_gpu_greedy_outputs_equal_transformers(tmp_path, monkeypatch):
     assert stats["launch_error"] == 0 and stats["finished"] == len(outputs)
 
 
+def shortest_prompt_first(arrival_ns, prompt_len, max_tokens, priority, request_id):
+    return prompt_len
+
+
+@pytest.mark.gpu
+def test_gpu_engine_admits_by_a_policy_given_in_its_config(tmp_path):
+    """EngineConfig(policy=...) reaches the GPU scheduler's image (the example does the same on the CPU): with one
+    running sequence, requests waiting behind it finish in the policy's order, not in arrival order."""
+    import asyncio
+
+    from blink import AsyncEngine
+
+    smollm2_shaped_checkpoint(tmp_path)
+    config = EngineConfig(model=str(tmp_path), device="cuda", policy=shortest_prompt_first, n_slots=8,
+                          gpu_memory_utilization=0.3,
+                          scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64))
+
+    async def run():
+        async with await AsyncEngine.start(config) as engine:
+            first = engine.stream([1], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
+            await anext(first)
+            finished = []
+
+            async def one(n):
+                await engine.generate(list(range(1, n + 1)), SamplingParams(max_tokens=1, temperature=0))
+                finished.append(n)
+
+            await asyncio.gather(first.result(), *(one(n) for n in (9, 2, 30, 5, 17)))
+            return finished
+
+    assert asyncio.run(run()) == [2, 5, 9, 17, 30]
+
+
 # -- stop strings and the asyncio API ----------------------------------------------------------------------------
 
 def test_stop_strings_cut_the_text_and_end_the_request(engine):
