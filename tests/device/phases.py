@@ -7,16 +7,12 @@ per source line) and zeroes the counters; ``launch`` runs a one-block kernel wit
 """
 from __future__ import annotations
 
-import contextlib
-import sys
 
 import numpy as np
-from numba import int32, int64
 
 from blink.device import sim  # noqa: F401  (simulator first, and its race-free shared arrays)
-from blink.device.block import MAX_THREADS
 from blink.device.numba_compat import cuda
-from blink.device.state import MAX_CANDIDATES, N_COUNTERS, SchedulerArrays, Scratch, ring_arrays, state_arrays
+from blink.device.state import N_COUNTERS, SchedulerArrays, ring_arrays, state_arrays
 from blink.device.step import StepLayout
 from blink.ring.layout import RingLayout
 
@@ -48,24 +44,6 @@ def fill_step_buffers(s, value=GARBAGE, block_tables=False):
 
 
 @cuda.jit(device=True)
-def scratch():
-    """The iteration's shared-memory scratch (as ``make_iterate`` declares it), counters zeroed. All threads."""
-    slots = cuda.shared.array(MAX_CANDIDATES, int32)
-    keys = cuda.shared.array(MAX_CANDIDATES, int64)
-    rank = cuda.shared.array(MAX_CANDIDATES, int32)
-    pages = cuda.shared.array(MAX_CANDIDATES, int32)
-    tokens = cuda.shared.array(MAX_CANDIDATES, int32)
-    chunk = cuda.shared.array(MAX_CANDIDATES, int32)
-    kept = cuda.shared.array(MAX_CANDIDATES, int32)
-    partial = cuda.shared.array(MAX_THREADS, int32)
-    counters = cuda.shared.array(N_COUNTERS, int32)
-    for k in range(cuda.threadIdx.x, N_COUNTERS, cuda.blockDim.x):
-        counters[k] = 0
-    cuda.syncthreads()
-    return Scratch(slots, keys, rank, pages, tokens, chunk, kept, partial, counters)
-
-
-@cuda.jit(device=True)
 def save_counters(sh, out):
     """Copy the iteration's K_* counters to ``out`` (global memory) after a barrier. All threads."""
     cuda.syncthreads()
@@ -74,17 +52,7 @@ def save_counters(sh, out):
     cuda.syncthreads()
 
 
-@contextlib.contextmanager
-def _fast_thread_switching():
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(previous)
-
-
 def launch(kernel, threads, *args):
     """One block of ``threads`` simulated threads."""
-    with sim._LAUNCH_LOCK, _fast_thread_switching():
+    with sim._LAUNCH_LOCK, sim._fast_thread_switching():
         kernel[1, threads](*args)

@@ -18,13 +18,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.device import references as ref
-from tests.device.phases import GARBAGE, fill_step_buffers, launch, save_counters, scheduler_arrays, scratch
+from tests.device.phases import GARBAGE, fill_step_buffers, launch, save_counters, scheduler_arrays
 from tests.device.test_scheduler import check_step_contract
 
 from blink.device.batcher import admit, plan
 from blink.device.config import SchedulerConfig
 from blink.device.kv import KVMirror
 from blink.device.numba_compat import cuda
+from blink.device.scheduler import scratch
 from blink.device.state import (FREE_TOP, IDLE, K_ADMITTED, K_PREEMPTED, N_COUNTERS, N_QUEUED, N_ROWS, N_RUNNING,
                                 QUEUE_HEAD, QUEUED)
 from blink.ring.geometry import RingGeometry

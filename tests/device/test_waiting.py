@@ -16,11 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.device import references as ref
-from tests.device.phases import launch, save_counters, scheduler_arrays, scratch
+from tests.device.phases import launch, save_counters, scheduler_arrays
 
 from blink.config import load_policy
 from blink.device.config import SchedulerConfig
 from blink.device.numba_compat import cuda
+from blink.device.scheduler import scratch
 from blink.device.policy import by_priority, fcfs
 from blink.device.state import (K_CANCELLED, K_FINISHED, K_NEW, K_REFUSED, K_REJECTED, MAX_CANDIDATES, N_COUNTERS,
                                 N_PENDING_FINISHED, N_QUEUED, QUEUE_HEAD, S_SEEN_SUBMITTED)

@@ -286,27 +286,33 @@ def publish_stats(s, sh, launched):
     s.ctl32[C32_WAITING] = s.sched[N_QUEUED]
 
 
+@cuda.jit(device=True)
+def scratch():
+    """The iteration's shared-memory work arrays (``Scratch``), its counters zeroed. All threads."""
+    # One shared array per line: the CUDA simulator tells shared arrays apart by source line.
+    slots = cuda.shared.array(MAX_CANDIDATES, int32)
+    keys = cuda.shared.array(MAX_CANDIDATES, int64)
+    rank = cuda.shared.array(MAX_CANDIDATES, int32)
+    pages = cuda.shared.array(MAX_CANDIDATES, int32)
+    tokens = cuda.shared.array(MAX_CANDIDATES, int32)
+    chunk = cuda.shared.array(MAX_CANDIDATES, int32)
+    kept = cuda.shared.array(MAX_CANDIDATES, int32)
+    partial = cuda.shared.array(MAX_THREADS, int32)
+    counters = cuda.shared.array(N_COUNTERS, int32)
+    for k in range(cuda.threadIdx.x, N_COUNTERS, cuda.blockDim.x):
+        counters[k] = 0
+    cuda.syncthreads()
+    return Scratch(slots, keys, rank, pages, tokens, chunk, kept, partial, counters)
+
+
 def make_iterate(policy):
     """Build the iteration device function with ``policy`` (see ``blink.device.policy``) ordering admission."""
 
     @cuda.jit(device=True)
     def iterate(s):
         tid = cuda.threadIdx.x
-        # One shared array per line: the CUDA simulator tells shared arrays apart by source line.
-        slots = cuda.shared.array(MAX_CANDIDATES, int32)
-        keys = cuda.shared.array(MAX_CANDIDATES, int64)
-        rank = cuda.shared.array(MAX_CANDIDATES, int32)
-        pages = cuda.shared.array(MAX_CANDIDATES, int32)
-        tokens = cuda.shared.array(MAX_CANDIDATES, int32)
-        chunk = cuda.shared.array(MAX_CANDIDATES, int32)
-        kept = cuda.shared.array(MAX_CANDIDATES, int32)
-        partial = cuda.shared.array(MAX_THREADS, int32)
-        counters = cuda.shared.array(N_COUNTERS, int32)
-        sh = Scratch(slots, keys, rank, pages, tokens, chunk, kept, partial, counters)
+        sh = scratch()
         t = clock()
-        for k in range(tid, N_COUNTERS, cuda.blockDim.x):
-            sh.counters[k] = 0
-        cuda.syncthreads()
         if tid == 0:
             s.stats[C64_HEARTBEAT] += 1
             s.ctl64[C64_HEARTBEAT] = s.stats[C64_HEARTBEAT]
