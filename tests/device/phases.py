@@ -7,7 +7,6 @@ per source line) and zeroes the counters; ``launch`` runs a one-block kernel wit
 """
 from __future__ import annotations
 
-
 import numpy as np
 
 from blink.device import sim  # noqa: F401  (simulator first, and its race-free shared arrays)
