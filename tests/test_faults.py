@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from tests.nic.openai.test_server import _healthy as healthy
 from tests.nic.openai.test_server import children, free_port, wait_for
 
 KILL_POINTS = random.Random(23).sample([x / 10 for x in range(2, 25)], 3)     # seconds into the load
@@ -29,15 +30,6 @@ def serve(*args) -> tuple[subprocess.Popen, int]:
     process = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--port", str(port), *args])
     wait_for(lambda: healthy(port), timeout_s=120)
     return process, port
-
-
-def healthy(port) -> bool:
-    try:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-        connection.request("GET", "/health")
-        return connection.getresponse().status == 200
-    except OSError:
-        return False
 
 
 def engines(pid: int) -> list[int]:
