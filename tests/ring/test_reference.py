@@ -108,3 +108,35 @@ def test_a_stale_cancel_word_never_aborts_the_slots_next_request():
                 reasons.update({out.request_id: out.finish_reason for out in agent.poll() if out.finished})
             unasked += reasons[fresh] == "abort"
     assert unasked == 0
+
+
+def test_the_consumer_process_stops_when_its_parent_is_killed():
+    """A stand-in engine whose parent (``blink serve --standin``, a soak) is killed stops by itself instead of
+    spinning on an orphaned ring."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("from blink.ring.geometry import RingGeometry\n"
+            "from blink.ring.reference import standin_engine\n"
+            "import time\n"
+            "if __name__ == '__main__':\n"
+            "    with standin_engine(RingGeometry(n_slots=2, max_prompt_tokens=4, max_output_tokens=4)) as (m, p):\n"
+            "        print(p.pid, flush=True)\n"
+            "        time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    consumer = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{consumer}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the consumer {consumer} still runs after its parent was killed")

@@ -90,10 +90,11 @@ class ReferenceConsumer:
         self._ctl["waiting"] = int(np.count_nonzero(self.view.status["state"] == READY))
         return generated
 
-    def run(self, idle_sleep_s: float = 50e-6) -> None:
-        """Serve until shutdown is requested; then abort what is in flight and report the engine stopped."""
+    def run(self, idle_sleep_s: float = 50e-6, orphaned=lambda: False) -> None:
+        """Serve until shutdown is requested (or ``orphaned()`` says nobody is left to ask); then abort what is in
+        flight and report the engine stopped."""
         self._ctl["engine_state"] = ENGINE_SERVING
-        while not self._ctl["shutdown"]:
+        while not self._ctl["shutdown"] and not orphaned():
             if not self.step():
                 time.sleep(idle_sleep_s)
         for slot in np.flatnonzero(self.view.status["state"] == READY).tolist():
@@ -185,14 +186,17 @@ class ReferenceConsumer:
         status["state"][slot] = FINISHED                      # last: the agent reads the state first
 
 
-def serve_shared_ring(name: str, geometry: RingGeometry, **consumer_options) -> None:
-    """Process entry point: open the shared-memory ring ``name``, check its layout, serve it until shutdown."""
+def serve_shared_ring(name: str, geometry: RingGeometry, parent: int, **consumer_options) -> None:
+    """Process entry point: open the shared-memory ring ``name``, check its layout, serve it until shutdown or until
+    process ``parent`` (which created the ring) is gone: a killed parent never asks for the shutdown, and its
+    consumer would spin on forever."""
     from blink.ring.transport import SharedMemory
 
     layout = RingLayout(geometry)
     with SharedMemory.open(name, layout.size) as memory:
         layout.verify(memory.read(0, CONTROL_DTYPE.itemsize))
-        ReferenceConsumer(layout.view(memory.buffer), **consumer_options).run()
+        consumer = ReferenceConsumer(layout.view(memory.buffer), **consumer_options)
+        consumer.run(orphaned=lambda: os.getppid() != parent)
 
 
 @contextmanager
@@ -208,7 +212,7 @@ def standin_engine(geometry: RingGeometry, **consumer_options):
     name = f"blink-{os.getpid()}-standin-{next(_standin_numbers)}-{uuid.uuid4().hex[:8]}"    # never a stale ring's
     with SharedMemory.create(name, layout.size) as memory:
         layout.initialise(memory)
-        consumer = mp.get_context("spawn").Process(target=serve_shared_ring, args=(name, geometry),
+        consumer = mp.get_context("spawn").Process(target=serve_shared_ring, args=(name, geometry, os.getpid()),
                                                    kwargs=consumer_options, daemon=True)
         consumer.start()
         log.info("ring /dev/shm/%s: %.1f MiB, %d slots; stand-in engine pid %d", name, layout.size / 2**20,
