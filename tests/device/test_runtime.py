@@ -37,13 +37,25 @@ def make_requests(n: int, seed: int = 7) -> list[tuple[list[int], dict]]:
     return requests
 
 
-def agent_process(name: str, geometry: RingGeometry, requests, result_path: str) -> None:
-    """Submit every request as slots allow, collect outputs, write them as JSON, then ask the loop to stop."""
+def agent_process(name: str, geometry: RingGeometry, requests, result_path: str, device_side=None) -> None:
+    """Submit every request as slots allow, collect outputs, write them as JSON, then ask the loop to stop.
+
+    ``device_side``: ``(ipc_handle, size, pci_bus_id)`` when the ring's request side is in the engine's GPU memory:
+    this process then writes it through CUDA IPC, as a NIC would (payload first, state word last), and reads the
+    output side from the shared memory."""
     from blink.errors import RingFull
     from blink.nic.agent import Agent
+    from blink.ring.split import SplitMemory, Window
     from blink.ring.transport import SharedMemory
 
-    with SharedMemory.open(name) as memory:
+    with SharedMemory.open(name) as shared:
+        memory = shared
+        if device_side is not None:
+            from blink.nic.ipc import CudaIpcMemory
+
+            handle, split, bus_id = device_side
+            memory = SplitMemory([(0, CudaIpcMemory(handle, split, bus_id)),
+                                  (split, Window(shared, split, shared.size - split))])
         agent = Agent(memory, geometry, liveness_timeout_s=60)
         outputs, pending, ids = {}, list(enumerate(requests)), {}
         start = time.monotonic()
@@ -61,6 +73,8 @@ def agent_process(name: str, geometry: RingGeometry, requests, result_path: str)
         elapsed = time.monotonic() - start
         stats = agent.stats()
         agent.request_shutdown()
+        if memory is not shared:
+            memory.segments[0][1].close()
     with open(result_path, "w") as f:
         json.dump({"outputs": outputs, "seconds": elapsed, "stats": stats}, f)
 
@@ -99,10 +113,12 @@ def simulate(requests, geometry, config) -> dict:
     return {int(k): tuple(v) for k, v in json.loads(run_python(code, simulator=True).splitlines()[-1]).items()}
 
 
-def serve_on_gpu(mode: str, requests) -> tuple[dict, dict]:
+def serve_on_gpu(mode: str, requests, request_side: str = "host") -> tuple[dict, dict]:
     """GpuScheduler (stand-in step) in this process, the agent in another; returns outputs and measurements."""
     import torch
+    from cuda.bindings import driver
 
+    from blink.device.driver import check
     from blink.device.runtime import GpuScheduler
     from blink.device.step import StepBuffers, StepLayout
     from blink.ring.transport import SharedMemory
@@ -116,22 +132,27 @@ def serve_on_gpu(mode: str, requests) -> tuple[dict, dict]:
     with SharedMemory.create(name, layout.size) as memory:
         memory.write(0, layout.control_bytes())
         scheduler = GpuScheduler(memory, GPU_GEOMETRY, config, step.layout,
-                                 {k: t.data_ptr() for k, t in step.tensors().items()})
+                                 {k: t.data_ptr() for k, t in step.tensors().items()}, request_side=request_side)
+        device_side = None
+        if request_side == "device":
+            bus_id = check(driver.cuDeviceGetPCIBusId(16, check(driver.cuDeviceGet(0)))).decode().rstrip("\0")
+            device_side = (scheduler.ipc_handle, scheduler._split, bus_id)
         agent = mp.get_context("spawn").Process(target=agent_process,
-                                                args=(name, GPU_GEOMETRY, requests, result_path))
+                                                args=(name, GPU_GEOMETRY, requests, result_path, device_side))
         scheduler.start()
         agent.start()
         before, wall = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
         scheduler.join(timeout_s=300)
         after, wall = resource.getrusage(resource.RUSAGE_SELF), time.monotonic() - wall
+        profile = scheduler.profile()
         agent.join(60)
         scheduler.close()
     with open(result_path) as f:
         result = json.load(f)
     outputs = {int(k): tuple(v) for k, v in result["outputs"].items()}
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return outputs, {"mode": mode, "wall_s": wall, "host_cpu_s": cpu, "agent_s": result["seconds"],
-                     "stats": result["stats"]}
+    return outputs, {"mode": mode, "request_side": request_side, "wall_s": wall, "host_cpu_s": cpu,
+                     "agent_s": result["seconds"], "stats": result["stats"], "profile_us": profile}
 
 
 @pytest.mark.gpu
@@ -152,6 +173,22 @@ def test_gpu_loop_serves_ten_thousand_requests_like_the_simulator(mode):
     assert measured["stats"]["finished"] == 10_000 and measured["stats"]["launch_error"] == 0
     # The host only sleeps in join(): far below one core even while 10k requests stream through.
     assert measured["host_cpu_s"] < 0.1 * measured["wall_s"] + 0.5
+
+
+@pytest.mark.gpu
+def test_a_foreign_writer_serves_ten_thousand_requests_through_a_ring_in_gpu_memory():
+    """The request side in HBM, written by another process through CUDA IPC (a NIC's role): every output is the
+    reference consumer's, and the scheduler's phases are reported beside the host-memory ring's."""
+    from blink.ring.reference import expected_output
+
+    requests = make_requests(10_000, seed=11)
+    outputs, measured = serve_on_gpu("fire_and_forget", requests, request_side="device")
+    _, host = serve_on_gpu("fire_and_forget", requests[:2000], request_side="host")
+    print(f"\n[gpu ring in HBM] {json.dumps(measured)}\n[gpu ring in host memory] {json.dumps(host)}")
+    assert len(outputs) == len(requests)
+    for i, (prompt, params) in enumerate(requests):
+        assert outputs[i] == expected_output(prompt, SamplingParams(**params), GPU_CONFIG.eos_token_ids), i
+    assert measured["stats"]["finished"] == 10_000 and measured["stats"]["launch_error"] == 0
 
 
 def bad_step_graph_process(outcome) -> None:

@@ -6,7 +6,8 @@ import multiprocessing as mp
 import pytest
 
 from blink.errors import CudaIpcError
-from blink.nic.ipc import CudaIpcMemory, device_allocation_size, export_device_segment
+from blink.nic.ipc import CudaIpcMemory, export_device_segment
+from blink.ring.split import device_allocation_size
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import READY, RingLayout

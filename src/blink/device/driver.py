@@ -1,7 +1,11 @@
-"""CUDA driver and runtime calls through cuda-python, with errors raised by name (``LaunchError``)."""
+"""CUDA driver and runtime calls through cuda-python, with errors raised by name (``LaunchError``), and GPU memory
+as a ``RemoteMemory``."""
 from __future__ import annotations
 
+import ctypes
+
 from blink.errors import LaunchError
+from blink.ring.transport import RemoteMemory
 
 
 def check(result):
@@ -26,3 +30,42 @@ def error_name(code: int) -> str:
         return runtime.cudaGetErrorName(runtime.cudaError_t(code))[1].decode()
     except ValueError:
         return f"cudaError {code}"
+
+
+class DeviceMemory(RemoteMemory):
+    """``size`` bytes of GPU memory at ``address`` (this process's context), as a ``RemoteMemory``: the engine's own
+    view of a ring's request side in GPU memory, for its control words (shutdown, counters, errors).
+
+    Writes are synchronous copies from pinned memory (a copy from pageable memory may return before its DMA lands,
+    which would break the in-order promise); reads copy back. Agents in other processes use ``blink.nic.ipc``.
+    """
+
+    def __init__(self, address: int, size: int):
+        from cuda.bindings import driver
+
+        self.address, self.size = address, size
+        self._staging = int(check(driver.cuMemHostAlloc(max(size, 1), 0)))
+        self._view = memoryview((ctypes.c_char * max(size, 1)).from_address(self._staging)).cast("B")
+
+    def write(self, offset: int, data) -> None:
+        from cuda.bindings import driver
+
+        data = memoryview(data).cast("B")
+        self._check_range(offset, len(data))
+        self._view[:len(data)] = data
+        check(driver.cuMemcpyHtoD(self.address + offset, self._staging, len(data)))
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        from cuda.bindings import driver
+
+        self._check_range(offset, nbytes)
+        check(driver.cuMemcpyDtoH(self._staging, self.address + offset, nbytes))
+        return bytes(self._view[:nbytes])
+
+    def close(self) -> None:
+        from cuda.bindings import driver
+
+        if self._staging:
+            self._view.release()
+            driver.cuMemFreeHost(self._staging)
+            self._staging = 0

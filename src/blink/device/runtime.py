@@ -10,6 +10,13 @@ Launch modes (``SchedulerConfig.launch_mode``), both relaunching the scheduler g
 When idle, the scheduler sleeps ``idle_sleep_ns`` and relaunches itself. A failing device-side ``cudaGraphLaunch``
 is written to the ring's ``launch_error`` and ends the loop; ``join`` raises it by name. The host only starts the
 loop and waits for it with a blocking sleep, so it uses no CPU while the loop runs.
+
+Ring placement (``request_side``): ``host`` (default) reads the whole ring in place in host memory, across PCIe.
+``device`` keeps the request side (control block, status, headers, prompts: what the scheduler polls and scans) in
+GPU memory, where those reads are cheap, and the output side in host memory, where the agent reads it. The layout
+stays one byte-addressed contract: the scheduler's addresses are the ring's offsets into the two allocations, and
+``ring_memory`` is the ring as one ``RemoteMemory`` for this process; agents in other processes reach the request
+side through ``ipc_handle`` (CUDA IPC) or a dma-buf of it (RDMA), as a NIC would.
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ import numpy as np
 
 from blink.device import graphs
 from blink.device.config import SchedulerConfig
-from blink.device.driver import check, error_name
+from blink.device.driver import DeviceMemory, check, error_name
 from blink.device.image import LAUNCH_WORDS, STANDIN_BLOCK, STEP_CYCLES, STEPS_TIMED, link_image
 from blink.device.policy import fcfs
 from blink.device.state import (C64_HEARTBEAT, P_FIRST, PROFILE_PHASES, STATS_WORDS, SchedulerArrays, control_gauges,
@@ -30,7 +37,11 @@ from blink.errors import LaunchError
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout
+from blink.ring.split import SplitMemory, Window, device_allocation_size, request_side_bytes
 from blink.ring.standin import STANDIN_VOCAB
+
+
+REQUEST_SIDES = ("host", "device")
 
 
 class GpuScheduler:
@@ -46,15 +57,19 @@ class GpuScheduler:
 
     def __init__(self, memory, geometry: RingGeometry, config: SchedulerConfig, step_layout: StepLayout,
                  step_addresses: dict[str, int], *, policy=fcfs, step_graph=None, image: bytes | None = None,
-                 device: int = 0):
+                 device: int = 0, request_side: str = "host"):
         from cuda.bindings import driver
 
+        if request_side not in REQUEST_SIDES:
+            raise ValueError(f"GpuScheduler request_side must be one of {REQUEST_SIDES} (got {request_side!r})")
         self.geometry, self.config, self.step_layout = geometry, config, step_layout
-        self.memory, self.device = memory, device
+        self.memory, self.device, self.request_side = memory, device, request_side
         self.layout = RingLayout(geometry)
         self.running = False
         self._allocations: list = []
         self._ring_host = None
+        self._split = self._request_base = 0
+        self.ring_memory = memory
         check(driver.cuInit(0))
         self._context = check(driver.cuDevicePrimaryCtxRetain(check(driver.cuDeviceGet(device))))
         check(driver.cuCtxSetCurrent(self._context))
@@ -72,8 +87,8 @@ class GpuScheduler:
         self.module = check(driver.cuModuleLoadData(image if image is not None else link_image(policy)))
         self._ring_host, self._ring_device = self._register_ring(memory)
         view = self.layout.view(memory.buffer)
-        self.control32 = view.control.view(np.uint32)
-        control_gauges(self.control32, config)
+        control_gauges(view.control.view(np.uint32), config)
+        self._place_request_side(memory)
         host_state = state_arrays(config, geometry.n_slots, geometry.max_stop_ids, geometry.logprobs, step_layout)
         self.state = {name: self._to_device(array) for name, array in host_state.items()}
         ring = {name: (self._ring_address(array), array.shape) for name, array in ring_arrays(view).items()}
@@ -82,6 +97,7 @@ class GpuScheduler:
         self.table = self._to_device(self._address_table({**ring, **step, **self.state}))
         self.launch = self._to_device(np.zeros(LAUNCH_WORDS, np.uint64))
         self.launch_error = self._ring_address(view.control["launch_error"])
+        self._control_address = self._ring_address(view.control)
         done = graphs.captured(self.stream, lambda: self._launch("blink_done", 1, 1,
                                                                  [(self.launch[0], ctypes.c_void_p)]))
         words, self.step_graphs = graphs.launch_table(config.buckets, step_graph or self._standin_graph, done,
@@ -99,7 +115,7 @@ class GpuScheduler:
         self.running = True
 
     def request_shutdown(self) -> None:
-        control.request_shutdown(self.memory)
+        control.request_shutdown(self.ring_memory)
 
     def alive(self) -> bool:
         """The loop's stream still has work (the loop runs)."""
@@ -123,7 +139,7 @@ class GpuScheduler:
                 raise TimeoutError(f"the scheduler loop did not end within {timeout_s} s")
             time.sleep(poll_s)
         self.running = False
-        code = int(np.int32(self.control32[control.word_index("launch_error", 4)]))
+        code = control.read(self.ring_memory)["launch_error"]
         if code:
             raise LaunchError(f"a device-side cudaGraphLaunch failed with {error_name(code)} ({code})")
 
@@ -148,6 +164,9 @@ class GpuScheduler:
 
         if self.running:
             raise LaunchError("close() while the scheduler loop runs: request_shutdown() and join() first")
+        if self.ring_memory is not self.memory:
+            self.ring_memory.segments[0][1].close()       # the pinned staging of the request side's view
+            self.ring_memory = self.memory
         for allocation in self._allocations:
             driver.cuMemFree(allocation)
         self._allocations.clear()
@@ -156,6 +175,23 @@ class GpuScheduler:
             self._ring_host = None
 
     # -- setup ------------------------------------------------------------------------------------------------
+
+    def _place_request_side(self, memory) -> None:
+        """With ``request_side="device"``: the ring's first ``request_side_bytes`` move to a GPU allocation
+        (initialised from ``memory``), and ``ring_memory`` routes there; else the ring stays all in ``memory``."""
+        self.ipc_handle = None
+        if self.request_side == "host":
+            return
+        self._split = request_side_bytes(self.layout)
+        from cuda.bindings import driver
+
+        base = int(check(driver.cuMemAlloc(device_allocation_size(self._split))))
+        self._allocations.append(base)
+        check(driver.cuMemcpyHtoD(base, np.frombuffer(memory.buffer, np.uint8, self._split), self._split))
+        self._request_base = base
+        self.ipc_handle = bytes(check(driver.cuIpcGetMemHandle(base)).reserved)
+        self.ring_memory = SplitMemory([(0, DeviceMemory(base, self._split)),
+                                        (self._split, Window(memory, self._split, memory.size - self._split))])
 
     def _register_ring(self, memory):
         from cuda.bindings import driver
@@ -167,7 +203,10 @@ class GpuScheduler:
         return host, int(check(driver.cuMemHostGetDevicePointer(host, 0)))
 
     def _ring_address(self, array: np.ndarray) -> int:
-        return self._ring_device + (array.__array_interface__["data"][0] - self._ring_host)
+        """The device address of a ring array (a view of the host mapping): by its ring offset, in the GPU
+        allocation of the request side or in the registered host mapping."""
+        offset = array.__array_interface__["data"][0] - self._ring_host
+        return self._request_base + offset if offset < self._split else self._ring_device + offset
 
     def _to_device(self, array: np.ndarray) -> tuple[int, tuple]:
         from cuda.bindings import driver
@@ -208,7 +247,7 @@ class GpuScheduler:
         kernel = "blink_scheduler_window" if self.config.launch_mode == "fire_and_forget" else "blink_scheduler_tail"
         args = [(self.table[0], ctypes.c_void_p), (self.launch[0], ctypes.c_void_p),
                 (self.launch_error, ctypes.c_void_p), (self.config.idle_sleep_ns, ctypes.c_int),
-                (self._ring_device, ctypes.c_void_p), (self.state["doorbells"][0], ctypes.c_void_p)]
+                (self._control_address, ctypes.c_void_p), (self.state["doorbells"][0], ctypes.c_void_p)]
         (scheduler,) = graphs.instantiate(
             graphs.captured(self.stream, lambda: self._launch(kernel, 1, self.config.block_threads, args)), self.stream,
             copies=1)

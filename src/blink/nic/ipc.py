@@ -25,11 +25,11 @@ import ctypes
 
 from blink.errors import CudaIpcError
 from blink.nic.segments import DeviceSegment
+from blink.ring.split import device_allocation_size
 from blink.ring.transport import RemoteMemory
 
 STAGING_BYTES = 1 << 20       # the pinned bounce buffer; longer accesses are copied in pieces
 PCI_BUS_ID_CHARS = 16         # "0000:1b:00.0" and its terminating NUL fit
-GPU_PAGE_BYTES = 2 << 20          # the granularity of GPU allocations and of their dma-buf export
 
 
 def _driver():
@@ -150,12 +150,6 @@ def export_device_segment(start: int, address: int, size: int) -> DeviceSegment:
     bus_id = _check(driver.cuDeviceGetPCIBusId(PCI_BUS_ID_CHARS, device), "cuDeviceGetPCIBusId")
     return DeviceSegment(start=start, size=size, address=address, ipc_handle=bytes(handle),
                          pci_bus_id=bus_id.decode().rstrip("\0"), dmabuf_fd=_dmabuf_fd(driver, device, address, size))
-
-
-def device_allocation_size(size: int) -> int:
-    """What to ``cuMemAlloc`` for ``size`` ring bytes that will be exported: the driver exports dma-buf ranges in
-    whole GPU pages (a range of the bare ring size was refused on the H200 with CUDA_ERROR_INVALID_VALUE)."""
-    return -(-size // GPU_PAGE_BYTES) * GPU_PAGE_BYTES
 
 
 def _dmabuf_fd(driver, device, address: int, size: int) -> int | None:

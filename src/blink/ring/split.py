@@ -15,6 +15,43 @@ import bisect
 
 from blink.ring.transport import RemoteMemory
 
+# GPU allocations, and the dma-buf ranges exported from them, come in whole pages of this size (a range of the bare
+# ring size was refused on the H200 with CUDA_ERROR_INVALID_VALUE).
+GPU_PAGE_BYTES = 2 << 20
+
+
+def device_allocation_size(size: int) -> int:
+    """What to allocate in GPU memory for ``size`` ring bytes that will be exported: whole GPU pages."""
+    return -(-size // GPU_PAGE_BYTES) * GPU_PAGE_BYTES
+
+
+def request_side_bytes(layout) -> int:
+    """Where a ring's request side ends and its output side begins (``RingLayout``): control, status, headers and
+    prompts are read by the scheduler; outputs and logprobs by the agent."""
+    return layout.offset("outputs")
+
+
+class Window(RemoteMemory):
+    """Ring bytes ``[start, start + size)`` of ``memory``, addressed from 0: a segment of a ``SplitMemory`` cut out of
+    a memory that maps the whole ring. ``close()`` leaves ``memory`` open (its owner closes it)."""
+
+    def __init__(self, memory: RemoteMemory, start: int, size: int):
+        if start < 0 or size < 0 or start + size > memory.size:
+            raise ValueError(f"window [{start}, {start + size}) is outside the {memory.size}-byte memory")
+        self.memory, self.start, self.size = memory, start, size
+
+    def write(self, offset: int, data) -> None:
+        data = memoryview(data).cast("B")
+        self._check_range(offset, len(data))
+        self.memory.write(self.start + offset, data)
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        self._check_range(offset, nbytes)
+        return self.memory.read(self.start + offset, nbytes)
+
+    def fence(self) -> None:
+        self.memory.fence()
+
 
 class SplitMemory(RemoteMemory):
     """``segments``: ``(start, memory)`` pairs in ring-offset order, each ``memory`` holding ring bytes
