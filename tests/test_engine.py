@@ -348,7 +348,10 @@ def test_gpu_engine_admits_by_a_policy_given_in_its_config(tmp_path):
             finished = []
 
             async def one(n):
-                await engine.generate(list(range(1, n + 1)), SamplingParams(max_tokens=1, temperature=0))
+                # Several steps each, so that no two finish between two polls of the agent (which reports those in
+                # slot order): then they finish in admission order.
+                await engine.generate(list(range(1, n + 1)), SamplingParams(max_tokens=8, temperature=0,
+                                                                            ignore_eos=True))
                 finished.append(n)
 
             await asyncio.gather(first.result(), *(one(n) for n in (9, 2, 30, 5, 17)))
