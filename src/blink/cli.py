@@ -143,6 +143,7 @@ def _serve_http(args, memory, tokenizer, model_dir, engine_process, cores) -> in
 
     from blink.nic.agent import Agent
     from blink.nic.agent_loop import LoopConfig
+    from blink.nic.drain import DrainConfig
     from blink.nic.openai.server import OpenAIServer, ServerConfig, run
     from blink.process import engine_gone, set_priority, wait_until_serving
 
@@ -152,7 +153,8 @@ def _serve_http(args, memory, tokenizer, model_dir, engine_process, cores) -> in
     agent = Agent.attach(memory, liveness_timeout_s=args.liveness_timeout)
     wait_until_serving(agent, engine_process)
     config = ServerConfig(model_name=args.served_model_name or Path(model_dir).name,
-                          loop=LoopConfig(max_queued=args.max_queued))
+                          loop=LoopConfig(max_queued=args.max_queued),
+                          drain=DrainConfig(timeout_s=args.drain_timeout))
     server = OpenAIServer(agent, tokenizer, config, engine_gone=lambda: engine_gone(agent, engine_process))
     return run(server, args.host, args.port)
 
@@ -236,6 +238,9 @@ def _http_options(parser) -> None:
     parser.add_argument("--liveness-timeout", type=float, default=10.0,
                         help="seconds the engine may show no sign of life (outside a long step) before requests "
                              "get 503")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds the first SIGTERM / Ctrl-C waits for the requests in flight (new ones get 503) "
+                             "before it ends the rest with an error and exits; a second one exits at once")
     parser.add_argument("--agent-priority", choices=PRIORITIES, default="normal",
                         help="CPU priority of the agent on a shared host: high = nice -10, realtime = SCHED_RR "
                              "(both need CAP_SYS_NICE)")

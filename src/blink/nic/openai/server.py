@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP front of the agent: the aiohttp app (``OpenAIServer``) with its routes for completions,
-chat, models, health and metrics; its ``ServerConfig``; and the entry points ``start`` and ``run``.
+chat, models, health and metrics; its ``ServerConfig``; and the entry points ``start`` and ``run`` (SIGTERM drains:
+``blink.nic.drain``).
 
 One asyncio event loop owns the ``Agent`` (which is not thread-safe). A handler reads the body within the limits
 (``limits``), parses and tokenizes it in a worker thread (``requests``: tokenizing a long prompt must not stall the
@@ -21,6 +22,7 @@ from aiohttp import web
 from blink.errors import RequestError
 from blink.nic.agent import Agent
 from blink.nic.agent_loop import AgentLoop, LoopConfig, Metrics
+from blink.nic.drain import ABORT_GRACE_S, Drain, DrainConfig
 from blink.nic.openai.errors import REFUSALS, ApiError, api_error
 from blink.nic.openai.limits import ConnectionGuard, HttpLimits, OneLineBadRequests, read_body
 from blink.nic.openai.requests import Job, Parser, json_body
@@ -35,12 +37,14 @@ TOKENIZER_THREADS = 2
 @dataclass(frozen=True)
 class ServerConfig:
     """``model_name``: the name clients use; ``loop``: the agent loop's bounds and timing (``LoopConfig``: the wait
-    queue beyond which requests get 429); ``limits``: what a client may hold of the server (``HttpLimits``).
+    queue beyond which requests get 429); ``limits``: what a client may hold of the server (``HttpLimits``);
+    ``drain``: how long a SIGTERM waits for the requests in flight (``blink.nic.drain``).
     /health fails and requests get 503 while the agent's ``Liveness`` says the engine is not serving."""
 
     model_name: str
     loop: LoopConfig = LoopConfig()
     limits: HttpLimits = field(default_factory=HttpLimits)
+    drain: DrainConfig = DrainConfig()
 
 
 class OpenAIServer:
@@ -59,10 +63,12 @@ class OpenAIServer:
         self.metrics = Metrics()
         self.loop = AgentLoop(agent, self.metrics, config.loop)
         self.metrics.watch(self.loop)
+        self.drain = Drain(self.loop, config.drain)
         self.guard = ConnectionGuard(config.limits)
         self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="blink-tokenizer")
         self.created = int(time.time())
-        self.app = web.Application(middlewares=[self._errors], client_max_size=config.limits.max_body_bytes)
+        self.app = web.Application(middlewares=[self._errors, self._admit],
+                                   client_max_size=config.limits.max_body_bytes)
         self.app.add_routes([web.post("/v1/completions", self.completions),
                              web.post("/v1/chat/completions", self.chat_completions),
                              web.get("/v1/models", self.models), web.get("/health", self.health),
@@ -86,6 +92,14 @@ class OpenAIServer:
             return ApiError(500, "internal server error (see the server log)").response()
         finally:
             self.guard.response_done(request.transport)
+
+    @web.middleware
+    async def _admit(self, request, handler):
+        """Every POST (a generation request) counts as in flight until answered; once draining it gets 503."""
+        if request.method != "POST":
+            return await handler(request)
+        with self.drain.admit():
+            return await handler(request)
 
     async def _background(self, app):
         tasks = [asyncio.create_task(self.loop.run())]
@@ -163,7 +177,7 @@ async def start(server: OpenAIServer, host: str, port: int) -> Listening:
     """Serve ``server`` on ``host:port`` (0: any free port) in the running loop, every connection guarded."""
     limits = server.config.limits
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None,
-                           keepalive_timeout=limits.keepalive_timeout_s)
+                           keepalive_timeout=limits.keepalive_timeout_s, shutdown_timeout=ABORT_GRACE_S)
     await runner.setup()
     listener = await asyncio.get_running_loop().create_server(lambda: server.guard.protocol(runner.server()),
                                                               host, port)
@@ -171,7 +185,8 @@ async def start(server: OpenAIServer, host: str, port: int) -> Listening:
 
 
 def run(server: OpenAIServer, host: str, port: int) -> int:
-    """Serve until SIGINT/SIGTERM (Ctrl-C), or until the engine is gone; the process's exit code."""
+    """Serve until SIGINT/SIGTERM (Ctrl-C) and a drain (``blink.nic.drain``: a second signal stops at once), or until
+    the engine is gone; the process's exit code (0, or 1 when the engine is gone)."""
     import signal
 
     async def serve() -> int:
@@ -179,7 +194,7 @@ def run(server: OpenAIServer, host: str, port: int) -> int:
         log.info("serving %s on http://%s:%d", server.config.model_name, host, listening.port)
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, server.stopped.set)
+            loop.add_signal_handler(signum, server.drain.signal, server.stopped.set)
         try:
             await server.stopped.wait()
         finally:
