@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP front of the agent: the aiohttp app (``OpenAIServer``) with its routes for completions,
-chat, models, health and metrics; its ``ServerConfig``; and the entry points ``start`` and ``run`` (SIGTERM drains:
-``blink.nic.drain``).
+chat, models, health (``/health``; ``/livez`` and ``/readyz`` from ``health``) and metrics; its ``ServerConfig``; and
+the entry points ``start`` and ``run`` (SIGTERM drains: ``blink.nic.drain``).
 
 One asyncio event loop owns the ``Agent`` (which is not thread-safe). A handler reads the body within the limits
 (``limits``), parses and tokenizes it in a worker thread (``requests``: tokenizing a long prompt must not stall the
@@ -24,6 +24,7 @@ from blink.nic.agent import Agent
 from blink.nic.agent_loop import AgentLoop, LoopConfig, Metrics
 from blink.nic.drain import ABORT_GRACE_S, Drain, DrainConfig
 from blink.nic.openai.errors import REFUSALS, ApiError, api_error
+from blink.nic.openai.health import LoadCollector, Probes
 from blink.nic.openai.limits import ConnectionGuard, HttpLimits, OneLineBadRequests, read_body
 from blink.nic.openai.requests import Job, Parser, json_body
 from blink.nic.openai.responses import Responder
@@ -64,6 +65,8 @@ class OpenAIServer:
         self.loop = AgentLoop(agent, self.metrics, config.loop)
         self.metrics.watch(self.loop)
         self.drain = Drain(self.loop, config.drain)
+        self.probes = Probes(self.loop, self.drain)
+        self.metrics.registry.register(LoadCollector(self.probes))
         self.guard = ConnectionGuard(config.limits)
         self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="blink-tokenizer")
         self.created = int(time.time())
@@ -73,6 +76,7 @@ class OpenAIServer:
                              web.post("/v1/chat/completions", self.chat_completions),
                              web.get("/v1/models", self.models), web.get("/health", self.health),
                              web.get("/metrics", self.metrics_text)])
+        self.app.add_routes(self.probes.routes())         # /livez, /readyz (blink.nic.openai.health)
         self.app.cleanup_ctx.append(self._background)
 
     @web.middleware
