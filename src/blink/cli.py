@@ -145,17 +145,17 @@ def _serve_http(args, memory, tokenizer, model_dir, engine_process, cores) -> in
     from blink.nic.agent_loop import LoopConfig
     from blink.nic.drain import DrainConfig
     from blink.nic.openai.server import OpenAIServer, ServerConfig, run
-    from blink.process import engine_gone, set_priority, wait_until_serving
+    from blink.process import engine_watch, set_priority
 
     if cores:
         os.sched_setaffinity(0, cores)          # keep the agent off the engine's cores
     set_priority(args.agent_priority)           # before any thread starts: threads inherit it
     agent = Agent.attach(memory, liveness_timeout_s=args.liveness_timeout)
-    wait_until_serving(agent, engine_process)
     config = ServerConfig(model_name=args.served_model_name or Path(model_dir).name,
                           loop=LoopConfig(max_queued=args.max_queued),
                           drain=DrainConfig(timeout_s=args.drain_timeout))
-    server = OpenAIServer(agent, tokenizer, config, engine_gone=lambda: engine_gone(agent, engine_process))
+    # Listening while the engine starts: /livez 200, /readyz 503 "starting" (docs/deploy.md).
+    server = OpenAIServer(agent, tokenizer, config, engine_gone=engine_watch(agent, engine_process))
     return run(server, args.host, args.port)
 
 
