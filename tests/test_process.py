@@ -1,5 +1,5 @@
-"""blink.process: CPU priorities of the host's processes (the engine process itself runs end to end in
-tests/nic/openai/test_server.py)."""
+"""blink.process: CPU priorities of the host's processes, and a server's watch on an engine that does not start (the
+engine process itself runs end to end in tests/nic/openai/test_server.py)."""
 import os
 import subprocess
 import sys
@@ -60,3 +60,18 @@ def test_a_long_cpu_step_is_not_taken_for_a_dead_engine():
             time.sleep(0.05)
     assert reasons[-1] == "length"
     assert saw_in_step and first_token_s > 1.0, f"the prefill took {first_token_s:.2f} s: too short to test anything"
+
+
+def test_a_server_gives_up_on_an_engine_that_does_not_start_serving_in_time(local_ring):
+    """``engine_watch``: a server listens while its engine starts, but not forever (``wait_until_serving``'s limit)."""
+    from blink.process import engine_watch
+    from blink.ring import control
+    from blink.ring.geometry import RingGeometry
+
+    memory, agent, _ = local_ring(RingGeometry(n_slots=2, max_prompt_tokens=8, max_output_tokens=8))
+    gone = engine_watch(agent, start_timeout_s=0.3)
+    assert gone() is None
+    time.sleep(0.4)
+    assert gone() == "the engine did not start serving within 0.3 s"
+    control.write(memory, "engine_state", control.ENGINE_SERVING)
+    assert gone() is None

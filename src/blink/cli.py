@@ -144,18 +144,21 @@ def _serve_http(args, memory, tokenizer, model_dir, engine_process, cores) -> in
     from blink.nic.agent import Agent
     from blink.nic.agent_loop import LoopConfig
     from blink.nic.defaults import sampling_defaults
+    from blink.nic.drain import DrainConfig
     from blink.nic.openai.server import OpenAIServer, ServerConfig, run
-    from blink.process import engine_gone, set_priority, wait_until_serving
+    from blink.process import engine_watch, set_priority
 
     if cores:
         os.sched_setaffinity(0, cores)          # keep the agent off the engine's cores
     set_priority(args.agent_priority)           # before any thread starts: threads inherit it
     agent = Agent.attach(memory, liveness_timeout_s=args.liveness_timeout)
-    wait_until_serving(agent, engine_process)
     config = ServerConfig(model_name=args.served_model_name or Path(model_dir).name,
-                          loop=LoopConfig(max_queued=args.max_queued), api_key=args.api_key or os.environ.get("BLINK_API_KEY") or None,
-                          defaults=sampling_defaults(model_dir, args.generation_config))
-    server = OpenAIServer(agent, tokenizer, config, engine_gone=lambda: engine_gone(agent, engine_process))
+                          loop=LoopConfig(max_queued=args.max_queued),
+                          api_key=args.api_key or os.environ.get("BLINK_API_KEY") or None,
+                          defaults=sampling_defaults(model_dir, args.generation_config),
+                          drain=DrainConfig(timeout_s=args.drain_timeout))
+    # Listening while the engine starts: /livez 200, /readyz 503 "starting" (docs/deploy.md).
+    server = OpenAIServer(agent, tokenizer, config, engine_gone=engine_watch(agent, engine_process))
     return run(server, args.host, args.port)
 
 
@@ -248,6 +251,9 @@ def _http_options(parser) -> None:
     parser.add_argument("--liveness-timeout", type=float, default=10.0,
                         help="seconds the engine may show no sign of life (outside a long step) before requests "
                              "get 503")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds the first SIGTERM / Ctrl-C waits for the requests in flight (new ones get 503) "
+                             "before it ends the rest with an error and exits; a second one exits at once")
     parser.add_argument("--agent-priority", choices=PRIORITIES, default="normal",
                         help="CPU priority of the agent on a shared host: high = nice -10, realtime = SCHED_RR "
                              "(both need CAP_SYS_NICE)")

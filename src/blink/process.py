@@ -176,6 +176,20 @@ def engine_gone(agent, process=None) -> str | None:
     return problem if agent.liveness.process_gone(now) else None
 
 
+def engine_watch(agent, process=None, start_timeout_s: float = ATTACH_TIMEOUT_S):
+    """``engine_gone`` for a server that listens while its engine starts (its readiness says "starting"): a function
+    saying why the engine is gone for good, or None; an engine that has not begun to serve ``start_timeout_s``
+    after this call counts as gone, as in ``wait_until_serving``."""
+    deadline = time.monotonic() + start_timeout_s
+
+    def gone() -> str | None:
+        if agent.stats()["engine_state"] == control.ENGINE_STARTING and time.monotonic() > deadline:
+            return f"the engine did not start serving within {start_timeout_s:g} s"
+        return engine_gone(agent, process)
+
+    return gone
+
+
 PRIORITIES = ("normal", "high", "realtime")
 
 

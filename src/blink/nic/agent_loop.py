@@ -30,6 +30,7 @@ from blink.ring.control import ENGINE_STARTING
 from blink.ring.request import SamplingParams
 
 log = logging.getLogger("blink.agent")
+STARTING = "the engine is still starting"     # AgentLoop.health() while the engine has not yet begun to serve
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class AgentLoop:
         stats = self.agent.stats()
         self._sampled_at = time.monotonic()
         if stats["engine_state"] == ENGINE_STARTING and not stats["launch_error"]:
-            self._problem = "the engine is still starting"
+            self._problem = STARTING
         else:
             self._problem = self.agent.liveness.problem(stats, self._sampled_at)
 

@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP front of the agent: the aiohttp app (``OpenAIServer``) with its routes for completions,
-chat, models, health and metrics; its ``ServerConfig``; and the entry points ``start`` and ``run``.
+chat, models, health (``/health``; ``/livez`` and ``/readyz`` from ``health``) and metrics; its ``ServerConfig``; and
+the entry points ``start`` and ``run`` (SIGTERM drains: ``blink.nic.drain``).
 
 One asyncio event loop owns the ``Agent`` (which is not thread-safe). A handler reads the body within the limits
 (``limits``), parses and tokenizes it in a worker thread (``requests``: tokenizing a long prompt must not stall the
@@ -23,7 +24,9 @@ from blink.errors import RequestError
 from blink.nic.agent import Agent
 from blink.nic.agent_loop import AgentLoop, LoopConfig, Metrics
 from blink.nic.defaults import SamplingDefaults
+from blink.nic.drain import ABORT_GRACE_S, Drain, DrainConfig
 from blink.nic.openai.errors import REFUSALS, ApiError, api_error
+from blink.nic.openai.health import LoadCollector, Probes
 from blink.nic.openai.limits import ConnectionGuard, HttpLimits, OneLineBadRequests, read_body
 from blink.nic.openai.requests import Job, Parser, json_body
 from blink.nic.openai.responses import Responder
@@ -40,6 +43,7 @@ class ServerConfig:
     queue beyond which requests get 429); ``limits``: what a client may hold of the server (``HttpLimits``);
     ``api_key``: when set, every /v1 request must carry ``Authorization: Bearer <api_key>`` (else 401; /health and
     /metrics stay open, as in vLLM); ``defaults``: the sampling of fields a request leaves out.
+    ``drain``: how long a SIGTERM waits for the requests in flight (``blink.nic.drain``).
     /health fails and requests get 503 while the agent's ``Liveness`` says the engine is not serving."""
 
     model_name: str
@@ -47,6 +51,7 @@ class ServerConfig:
     limits: HttpLimits = field(default_factory=HttpLimits)
     api_key: str | None = None
     defaults: SamplingDefaults = SamplingDefaults()
+    drain: DrainConfig = DrainConfig()
 
 
 class OpenAIServer:
@@ -65,14 +70,19 @@ class OpenAIServer:
         self.metrics = Metrics()
         self.loop = AgentLoop(agent, self.metrics, config.loop)
         self.metrics.watch(self.loop)
+        self.drain = Drain(self.loop, config.drain)
+        self.probes = Probes(self.loop, self.drain)
+        self.metrics.registry.register(LoadCollector(self.probes))
         self.guard = ConnectionGuard(config.limits)
         self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="blink-tokenizer")
         self.created = int(time.time())
-        self.app = web.Application(middlewares=[self._errors], client_max_size=config.limits.max_body_bytes)
+        self.app = web.Application(middlewares=[self._errors, self._admit],
+                                   client_max_size=config.limits.max_body_bytes)
         self.app.add_routes([web.post("/v1/completions", self.completions),
                              web.post("/v1/chat/completions", self.chat_completions),
                              web.get("/v1/models", self.models), web.get("/health", self.health),
                              web.get("/metrics", self.metrics_text)])
+        self.app.add_routes(self.probes.routes())         # /livez, /readyz (blink.nic.openai.health)
         self.app.cleanup_ctx.append(self._background)
 
     @web.middleware
@@ -102,6 +112,14 @@ class OpenAIServer:
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise ApiError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>' with the "
                                 "key the server was started with (--api-key)", code="invalid_api_key")
+
+    @web.middleware
+    async def _admit(self, request, handler):
+        """Every POST (a generation request) counts as in flight until answered; once draining it gets 503."""
+        if request.method != "POST":
+            return await handler(request)
+        with self.drain.admit():
+            return await handler(request)
 
     async def _background(self, app):
         tasks = [asyncio.create_task(self.loop.run())]
@@ -181,7 +199,7 @@ async def start(server: OpenAIServer, host: str, port: int) -> Listening:
     """Serve ``server`` on ``host:port`` (0: any free port) in the running loop, every connection guarded."""
     limits = server.config.limits
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None,
-                           keepalive_timeout=limits.keepalive_timeout_s)
+                           keepalive_timeout=limits.keepalive_timeout_s, shutdown_timeout=ABORT_GRACE_S)
     await runner.setup()
     listener = await asyncio.get_running_loop().create_server(lambda: server.guard.protocol(runner.server()),
                                                               host, port)
@@ -189,7 +207,8 @@ async def start(server: OpenAIServer, host: str, port: int) -> Listening:
 
 
 def run(server: OpenAIServer, host: str, port: int) -> int:
-    """Serve until SIGINT/SIGTERM (Ctrl-C), or until the engine is gone; the process's exit code."""
+    """Serve until SIGINT/SIGTERM (Ctrl-C) and a drain (``blink.nic.drain``: a second signal stops at once), or until
+    the engine is gone; the process's exit code (0, or 1 when the engine is gone)."""
     import signal
 
     async def serve() -> int:
@@ -197,7 +216,7 @@ def run(server: OpenAIServer, host: str, port: int) -> int:
         log.info("serving %s on http://%s:%d", server.config.model_name, host, listening.port)
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, server.stopped.set)
+            loop.add_signal_handler(signum, server.drain.signal, server.stopped.set)
         try:
             await server.stopped.wait()
         finally:
