@@ -36,8 +36,9 @@ def engines(pid: int) -> list[int]:
     return [p for p in children(pid) if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
 
 
-def rings() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("blink-")}
+def rings(pid: int) -> set[str]:
+    """The rings ``blink serve`` process ``pid`` made (their names start with its pid)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith(f"blink-{pid}-")}
 
 
 class Load:
@@ -74,7 +75,6 @@ class Load:
 
 @pytest.mark.parametrize("kill_after_s", KILL_POINTS)
 def test_an_engine_killed_under_load_fails_what_is_in_flight_and_serve_exits_1(kill_after_s):
-    before = rings()
     process, port = serve("--standin", "--slots", "8", "--max-model-len", "128")
     try:
         load = Load(port)
@@ -87,12 +87,11 @@ def test_an_engine_killed_under_load_fails_what_is_in_flight_and_serve_exits_1(k
         process.kill()
     assert {end for end, _ in ends} <= {"done", "error", "refused"}, "a stream was cut off without an error"
     assert all(seconds < 30 for _, seconds in ends)
-    assert rings() <= before, "serve left its ring behind"
+    assert not rings(process.pid), "serve left its ring behind"
 
 
 @pytest.mark.parametrize("kill_after_s", KILL_POINTS[:2])
 def test_an_agent_killed_under_load_takes_its_engine_and_ring_with_it(kill_after_s):
-    before = rings()
     process, port = serve(*CPU_ENGINE)
     (engine,) = engines(process.pid)
     load = Load(port)
@@ -101,7 +100,7 @@ def test_an_agent_killed_under_load_takes_its_engine_and_ring_with_it(kill_after
     process.wait(10)
     load.finish()
     wait_for(lambda: not os.path.exists(f"/proc/{engine}") or _zombie(engine), timeout_s=60)
-    wait_for(lambda: rings() <= before, timeout_s=10)
+    wait_for(lambda: not rings(process.pid), timeout_s=10)
 
 
 def _zombie(pid: int) -> bool:
