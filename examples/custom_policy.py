@@ -2,8 +2,9 @@
 
 The policy is a function of a waiting request's header fields that returns its sort key (plain arithmetic: it
 runs on the GPU); the scheduler admits lower keys first. ``EngineConfig(policy=...)`` hands it to the engine, which
-compiles it into the scheduler (on a machine without a GPU, the same device code runs under numba's CUDA simulator). From the command line,
-``blink serve --policy examples.custom_policy:shortest_prompt_first`` does the same (run from the repository root).
+compiles it into the scheduler (on a machine without a GPU, the same device code runs under numba's CUDA simulator).
+From the command line, ``blink serve --policy examples.custom_policy:shortest_prompt_first`` does the same (run from
+the repository root).
 
     python examples/custom_policy.py
 

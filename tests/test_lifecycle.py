@@ -31,11 +31,6 @@ def in_flight(port: int) -> float:
     return float(line.split()[1])
 
 
-def rings_of(pid: int) -> list[str]:
-    """The shared-memory rings of ``blink serve`` process ``pid`` (its ring names start with its pid)."""
-    return [name for name in rings() if name.startswith(f"blink-{pid}-")]
-
-
 class Requests:
     """``n`` completions sent at once from threads, alternately streamed; ``answers()`` once they all ended."""
 
@@ -75,7 +70,7 @@ def standin_serve(*options):
         process.kill()
         process.wait(10)
     wait_for(lambda: not os.path.exists(f"/proc/{engine}"), timeout_s=15)
-    assert not rings_of(process.pid), "serve left its ring behind"
+    assert not rings(process.pid), "serve left its ring behind"
 
 
 def test_sigterm_drains_what_is_in_flight_refuses_the_rest_then_exits_0():
@@ -128,7 +123,7 @@ def test_while_its_engine_starts_serve_is_live_and_not_ready():
     try:
         wait_for(lambda: engines(process.pid), timeout_s=60)
         (engine,) = engines(process.pid)
-        wait_for(lambda: rings_of(process.pid), timeout_s=120)
+        wait_for(lambda: rings(process.pid), timeout_s=120)
         os.kill(engine, signal.SIGSTOP)
         wait_for(lambda: port_open(port), timeout_s=60)
         status, _, body = call(port, "GET", "/livez")
@@ -143,7 +138,7 @@ def test_while_its_engine_starts_serve_is_live_and_not_ready():
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
         wait_for(lambda: not os.path.exists(f"/proc/{engine}"), timeout_s=30)
-        assert not rings_of(process.pid)
+        assert not rings(process.pid)
     finally:
         if engine is not None:
             _resume(engine)

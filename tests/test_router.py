@@ -31,8 +31,8 @@ import pytest
 
 from tests.nic.openai.test_server import free_port, wait_for
 from tests.test_deploy import code_block
-from tests.test_lifecycle import in_flight, rings_of
-from tests.test_faults import engines
+from tests.test_faults import engines, rings
+from tests.test_lifecycle import in_flight
 
 REPLICAS = ("r1", "r2", "r3")           # the servers of the recipe's backend
 STANDIN = ("--standin", "--slots", "8", "--max-model-len", "128")
@@ -195,13 +195,13 @@ def test_a_drained_and_a_killed_replica_behind_haproxy_lose_no_request_the_route
         outcomes = load.finish()
         r3.process.send_signal(signal.SIGTERM)
         assert r3.process.wait(30) == 0
-        assert not rings_of(r1.process.pid) and not rings_of(r3.process.pid), "a replica left its ring behind"
+        assert not rings(r1.process.pid) and not rings(r3.process.pid), "a replica left its ring behind"
     finally:
         for replica in replicas.values():
             replica.process.kill()
             replica.process.wait(10)
             _kill(replica.engine)
-            for name in rings_of(replica.process.pid):     # the killed one's: nothing of it could remove it
+            for name in rings(replica.process.pid):     # the killed one's: nothing of it could remove it
                 os.unlink(f"/dev/shm/{name}")
         if router is not None:
             router.process.terminate()

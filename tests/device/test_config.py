@@ -15,8 +15,9 @@ RESOLVED = dict(num_pages=64, max_model_len=64, page_size=16)
     ("buckets", (), "a non-empty strictly increasing tuple"), ("buckets", (4, 2, 2048), "a non-empty strictly"),
     ("buckets", [1, 2048], "a non-empty strictly increasing tuple"),
     ("eos_token_ids", tuple(range(MAX_EOS + 1)), f"a tuple of at most {MAX_EOS} token ids"),
-    ("eos_token_ids", (-1,), "a tuple of at most"), ("eos_token_ids", [2], "a tuple of at most"), ("watermark_pages", -1, "an int >= 0"),
-    ("watermark_pages", 64, r"an int in \[0, num_pages\)"), ("idle_sleep_ns", -1, r"an int in \[0, 1000000\]"),
+    ("eos_token_ids", (-1,), "a tuple of at most"), ("eos_token_ids", [2], "a tuple of at most"),
+    ("watermark_pages", -1, "an int >= 0"), ("watermark_pages", 64, r"an int in \[0, num_pages\)"),
+    ("idle_sleep_ns", -1, r"an int in \[0, 1000000\]"),
     ("idle_sleep_ns", 10**7, r"an int in \[0, 1000000\]"), ("launch_mode", "eager", "one of"),
 ])
 def test_every_rule_names_the_field(field, value, rule):

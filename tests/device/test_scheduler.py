@@ -255,9 +255,9 @@ def test_prefills_that_hold_every_page_are_unblocked_by_preemption():
     """Regression: with no decode running, prefill chunks cut to zero free pages planned nothing forever."""
     h = Harness()
     s = h.scheduler.arrays
-    a = h.agent.submit(list(range(40)), SamplingParams(max_tokens=12, seed=1))
-    b = h.agent.submit(list(range(1, 41)), SamplingParams(max_tokens=12, seed=2))
-    h.iterate()                                  # both admitted (10 + 10 pages of 24); first chunk of `a`
+    h.agent.submit(list(range(40)), SamplingParams(max_tokens=12, seed=1))
+    h.agent.submit(list(range(1, 41)), SamplingParams(max_tokens=12, seed=2))
+    h.iterate()                                  # both admitted (10 + 10 pages of 24); the first one's first chunk
     s.sched[FREE_TOP] -= int(s.sched[FREE_TOP])  # pages vanish under them (as if other sequences had taken them)
     outcome = h.scheduler.iteration()
     assert outcome >= 0 and h.agent.stats()["preempted"] >= 1

@@ -5,15 +5,15 @@ import torch
 
 from tests.models.harness import Runner
 
-# The logits of a random-weight full-size model reach |4..8|, where one bf16 step is 1/32: two paths that round
-# differently (graph buckets, batch shapes, Triton against torch) measured 1 to 7 steps apart on the H200 (0.03 to
-# 0.22 in logprob). A wrong kernel moves logits by whole units, not steps.
-BF16_LOGPROB = 0.3
-
 from blink.device.step import StepLayout
 from blink.models import build_model
 from blink.models.decoder import SparseMoE
 from blink.models.shapes import SHAPES, shape_config, shape_dir
+
+# The logits of a random-weight full-size model reach |4..8|, where one bf16 step is 1/32: two paths that round
+# differently (graph buckets, batch shapes, Triton against torch) measured 1 to 7 steps apart on the H200 (0.03 to
+# 0.22 in logprob). A wrong kernel moves logits by whole units, not steps.
+BF16_LOGPROB = 0.3
 
 # Parameters of the published bf16 checkpoints (Meta-Llama-3-8B, phi-4, Qwen3-32B, Qwen3-30B-A3B)
 PARAMETERS = {"llama-3-8b": 8_030_261_248, "phi-4": 14_659_507_200, "qwen3-32b": 32_762_123_264,

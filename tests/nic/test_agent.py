@@ -126,7 +126,8 @@ def test_stale_cancel_of_a_recycled_slot_is_ignored(local_ring):
     old_epoch = int(agent._epoch[0])
     drain(agent, consumer)
     second = agent.submit([1], SamplingParams(max_tokens=3, seed=9))
-    memory.write(agent.layout.status_at("cancel", 0), np.array([old_epoch], "<u4").tobytes())   # a cancel meant for `first`, arriving late
+    # a cancel meant for `first`, arriving late
+    memory.write(agent.layout.status_at("cancel", 0), np.array([old_epoch], "<u4").tobytes())
     results = drain(agent, consumer)
     assert first != second and results[second] == (standin_continuation([1], 9, 3), [], "length")
 

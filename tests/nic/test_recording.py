@@ -4,7 +4,8 @@ import pytest
 from blink.errors import RdmaError
 from blink.nic.recording import RecordingFabric
 from blink.nic.segments import HostSegment
-from blink.nic.verbs import READ, WC_LOC_PROT_ERR, WC_REM_ACCESS_ERR, WC_RETRY_EXC_ERR, WC_SUCCESS, WC_WR_FLUSH_ERR, WRITE, Completion, WorkRequest
+from blink.nic.verbs import (READ, WC_LOC_PROT_ERR, WC_REM_ACCESS_ERR, WC_RETRY_EXC_ERR, WC_SUCCESS, WC_WR_FLUSH_ERR,
+                             WRITE, Completion, WorkRequest)
 from blink.ring.transport import LocalMemory
 
 

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from blink.errors import HandshakeError
-from blink.nic.wire import HANDSHAKE_VERSION, CudaRegion, Endpoint, Hello, Offer, RdmaRegion, Reject, RingIdentity, ShmRegion, decode, encode
+from blink.nic.wire import (HANDSHAKE_VERSION, CudaRegion, Endpoint, Hello, Offer, RdmaRegion, Reject, RingIdentity,
+                            ShmRegion, decode, encode)
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout

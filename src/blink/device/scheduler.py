@@ -7,15 +7,13 @@ One iteration (``iterate``), run by one thread block:
 2. **retire** finished and cancelled sequences: pages back to the free stack, ``finish_reason``, fence, FINISHED;
 3. **collect** new READY requests into the waiting queue (``waiting.py``), only when the agent's ``submitted``
    doorbell moved; cancels are looked for only when its ``cancels`` doorbell moved;
-4. **admit** from the queue's head (``batcher.admit``), 5. **plan** the next step and write its inputs
-   (``batcher.plan``);
-6. report heartbeat, counters and gauges in the ring's control block and return the bucket to launch (or ``IDLE``,
-   or ``STOP`` once shutdown was requested and everything in flight was aborted).
+4. **admit** from the queue's head (``batcher.admit``), 5. **plan** the next step's inputs (``batcher.plan``);
+6. report heartbeat, counters and gauges in the control block; return the bucket to launch, ``IDLE``, or ``STOP``
+   (shutdown requested and everything in flight aborted).
 
-All state lives in global memory (``SchedulerArrays``); the iteration keeps nothing between launches, so the same
-code runs as a relaunched kernel on the GPU and as a simulator kernel on the CPU. The ring is the only memory the
-agent writes: words it may change are read with ``load_volatile``; counters are kept in device memory and only
-stored to the ring, so no iteration waits on a read across PCIe for them.
+All state lives in global memory (``SchedulerArrays``) and nothing is kept between launches, so the same code runs
+as a relaunched GPU kernel and as a simulator kernel. The agent writes only the ring: words it may change are read
+with ``load_volatile``; counters live in device memory and are only stored to the ring (no read across PCIe).
 """
 from __future__ import annotations
 
@@ -236,9 +234,8 @@ def lap(s, start, phase):
 def read_doorbells(s, sh):
     """Three threads read shutdown and the two doorbells across PCIe at once; the block then agrees on them.
 
-    A doorbell that moved since the scheduler last acted on it sets K_SCAN / K_CANCEL_BELL for this iteration. The
-    fire-and-forget loop reads the three words while the previous step runs and leaves them in ``s.doorbells``
-    (``DB_*``); then no PCIe read is on this iteration's path.
+    A doorbell that moved since last acted on sets K_SCAN / K_CANCEL_BELL. The fire-and-forget loop reads the three
+    words while the previous step runs into ``s.doorbells`` (``DB_*``): then no PCIe read is on this path.
     """
     tid = cuda.threadIdx.x
     prefetched = s.doorbells[DB_VALID] != 0   # the resident loop read them while the last step ran (shim.cu)

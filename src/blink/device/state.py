@@ -228,17 +228,20 @@ def state_arrays(config: SchedulerConfig, n_slots: int, max_stop_ids: int, has_l
     eos[:len(config.eos_token_ids)] = config.eos_token_ids
     i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     return dict(
-        sched=sched, stats=np.zeros(STATS_WORDS, np.int64), cfg=cfg, buckets=np.array(config.buckets, np.int32), eos_ids=eos,
+        sched=sched, stats=np.zeros(STATS_WORDS, np.int64), cfg=cfg, buckets=np.array(config.buckets, np.int32),
+        eos_ids=eos,
         free_pages=np.arange(config.num_pages, dtype=np.int32),
         seq_pages=i32(n_slots, config.max_pages_per_seq), seq_npages=i32(n_slots), seq_computed=i32(n_slots),
         seq_total=i32(n_slots), seq_prompt_len=i32(n_slots), seq_max_tokens=i32(n_slots), seq_flags=i32(n_slots),
-        seq_last=i32(n_slots), seq_version=i32(n_slots), seq_finish=i32(n_slots), seq_top_k=i32(n_slots), seq_n_stop=i32(n_slots),
+        seq_last=i32(n_slots), seq_version=i32(n_slots), seq_finish=i32(n_slots), seq_top_k=i32(n_slots),
+        seq_n_stop=i32(n_slots),
         seq_stop=i32(n_slots, max(max_stop_ids, 1)), seq_temperature=np.zeros(n_slots, np.float32),
         seq_top_p=np.ones(n_slots, np.float32), seq_seed=np.zeros(n_slots, np.int64), seq_seen=i32(n_slots),
         queue_slots=i32(n_slots), queue_keys=np.zeros(n_slots, np.int64), queue_tmp_slots=i32(n_slots),
         queue_tmp_keys=np.zeros(n_slots, np.int64),
         running=i32(config.max_num_seqs), consumed=i32(config.max_num_seqs),
-        pending_finished=i32(n_slots), doorbells=np.zeros(len(DOORBELL_NAMES), np.int64), row_slot=np.full(config.max_num_seqs, -1, np.int32),
+        pending_finished=i32(n_slots), doorbells=np.zeros(len(DOORBELL_NAMES), np.int64),
+        row_slot=np.full(config.max_num_seqs, -1, np.int32),
         row_version=i32(config.max_num_seqs), row_pages=i32(config.max_num_seqs))
 
 

@@ -64,9 +64,10 @@ def fill_step(buf, chunks: Sequence[SeqChunk], page_size: int) -> int:
             raise ValueError(f"sequence {i}: {n_pages} pages exceed max_pages_per_seq={layout.max_pages_per_seq}")
         positions = torch.arange(c.start, c.seq_len)
         pages = torch.tensor(list(c.pages[:n_pages]), dtype=torch.int64)
-        host["token_ids"][row:row + len(c.tokens)] = torch.tensor(list(c.tokens))
-        host["positions"][row:row + len(c.tokens)] = positions
-        host["slot_mapping"][row:row + len(c.tokens)] = pages[positions // page_size] * page_size + positions % page_size
+        rows = slice(row, row + len(c.tokens))
+        host["token_ids"][rows] = torch.tensor(list(c.tokens))
+        host["positions"][rows] = positions
+        host["slot_mapping"][rows] = pages[positions // page_size] * page_size + positions % page_size
         host["block_tables"][i, :n_pages] = pages
         host["seq_lens"][i] = c.seq_len
         row += len(c.tokens)

@@ -32,10 +32,10 @@ the state column or the cancel words only when one moved, so an iteration with n
 PCIe instead of every slot.
 
 Ordering: a writer publishes the payload before the word that announces it (agent: header, prompt and epoch, then
-``state = READY``, then ``submitted``; GPU: zero ``n_generated`` and ``finish_reason``, fence, ``state = RUNNING``; tokens, fence, then
-``n_generated``; ``finish_reason``, fence, then ``state = FINISHED``). A reader loads the announcing word first,
-then the payload. The agent ignores ``n_generated`` and ``finish_reason`` of a READY slot: they still hold the
-previous request's values until the GPU admits it.
+``state = READY``, then ``submitted``; GPU: zero ``n_generated`` and ``finish_reason``, fence, ``state = RUNNING``;
+tokens, fence, then ``n_generated``; ``finish_reason``, fence, then ``state = FINISHED``). A reader loads the
+announcing word first, then the payload. The agent ignores ``n_generated`` and ``finish_reason`` of a READY slot:
+they still hold the previous request's values until the GPU admits it.
 """
 from __future__ import annotations
 

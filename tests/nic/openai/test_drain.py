@@ -34,7 +34,8 @@ async def stalled_requests(local, n: int) -> list[asyncio.Task]:
     """``n`` completions, alternately streamed, held by a stalled engine (the last ones queued in the agent)."""
     local.engine_runs.clear()
     requests = [asyncio.create_task(local.complete(stream=bool(i % 2))) for i in range(n)]
-    await local.until(lambda: local.server.drain.in_flight == n and local.server.loop.agent.in_flight)
+    loop = local.server.loop                        # tokenizing runs in threads: wait until all n reached the agent
+    await local.until(lambda: local.server.drain.in_flight == n and loop.agent.in_flight + len(loop.waiting) == n)
     return requests
 
 

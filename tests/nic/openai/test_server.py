@@ -485,7 +485,8 @@ prompts = {COMPLETIONS: {"prompt": st.text(min_size=1, max_size=30) | st.lists(s
 # Every numeric field at the limits of the types that store it: the ring header's u32 / i32 / u64 / f32, Python's
 # float, JSON's unbounded integers (the adversarial pass found top_k = 2**31 leaking a slot per request).
 TYPE_LIMITS = [0, 1, -1, 2**31 - 1, 2**31, -2**31, -2**31 - 1, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1, 2**64,
-               -2**63 - 1, 10**30, 0.0, -0.0, 1e-45, 1e-39, 1e-5, 0.5, 3.4e38, 3.5e38, 1e308, -1e308, 1.7976931348623157e308]
+               -2**63 - 1, 10**30,
+               0.0, -0.0, 1e-45, 1e-39, 1e-5, 0.5, 3.4e38, 3.5e38, 1e308, -1e308, 1.7976931348623157e308]
 NUMERIC_FIELDS = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "priority", "n",
                   "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "best_of"]
 
