@@ -30,6 +30,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The embedded default model's tokenizer (loaded once: tests only read it)."""
+    from blink.models import default_model_path
+    from blink.nic.text import Tokenizer
+    return Tokenizer(default_model_path())
+
+
 @pytest.fixture
 def local_ring():
     """Factory: an initialised in-process ring, an Agent on it, and the ReferenceConsumer playing the GPU."""

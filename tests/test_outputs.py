@@ -4,15 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blink.nic.text import Tokenizer
 from blink.outputs import OutputBuilder
 from blink.ring.request import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from blink.models import default_model_path
-    return Tokenizer(default_model_path())
 
 
 def build(tokenizer, tokens, params, chunks, finish="length"):

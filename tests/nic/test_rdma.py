@@ -146,24 +146,15 @@ def test_an_unsignaled_write_that_fails_surfaces_at_the_next_read(split):
         memory.read(0, 4)
 
 
-def test_a_qp_in_error_flushes(split):
+@pytest.mark.parametrize("fault,message", [
+    (lambda verbs: verbs.break_qp(), "IBV_WC_WR_FLUSH_ERR.*already in the error state"),      # a QP in error flushes
+    (lambda verbs: verbs.inject(WC_REM_OP_ERR), r"IBV_WC_REM_OP_ERR \(11\)"),              # any status is named
+    (lambda verbs: verbs.stall(), r"no completion for the RDMA READ of ring bytes \[0, 4\) within 0.2 s"),
+], ids=["qp-in-error", "any-status", "stalled-nic-times-out"])
+def test_a_failing_nic_is_an_rdma_error_naming_what_failed(split, fault, message):
     memory, verbs, *_ = split
-    verbs.break_qp()
-    with pytest.raises(RdmaError, match="IBV_WC_WR_FLUSH_ERR.*already in the error state"):
-        memory.read(0, 4)
-
-
-def test_a_completion_error_of_any_status_is_named(split):
-    memory, verbs, *_ = split
-    verbs.inject(WC_REM_OP_ERR)
-    with pytest.raises(RdmaError, match=r"IBV_WC_REM_OP_ERR \(11\)"):
-        memory.read(0, 4)
-
-
-def test_a_stalled_nic_times_out_instead_of_hanging(split):
-    memory, verbs, *_ = split
-    verbs.stall()
-    with pytest.raises(RdmaError, match="no completion for the RDMA READ of ring bytes \\[0, 4\\) within 0.2 s"):
+    fault(verbs)
+    with pytest.raises(RdmaError, match=message):
         memory.read(0, 4)
 
 

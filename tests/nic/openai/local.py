@@ -87,6 +87,19 @@ async def local_server(local_ring, tokenizer: Tokenizer, *, max_queued: int = 2,
             await listening.cleanup()
 
 
+def run_local(local_ring, tokenizer: Tokenizer, scenario, *, serve: bool = False, **options) -> None:
+    """Run ``await scenario(local)`` against a ``local_server(**options)``, its engine serving first if ``serve``;
+    a scenario that hangs fails after 30 s."""
+    async def main():
+        async with local_server(local_ring, tokenizer, **options) as local:
+            if serve:
+                local.serve()
+                await asyncio.sleep(0.15)           # the loop has seen the engine serve
+            async with asyncio.timeout(30):
+                await scenario(local)
+    asyncio.run(main())
+
+
 async def _step(local: Local) -> None:
     while True:
         await local.engine_runs.wait()

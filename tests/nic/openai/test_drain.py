@@ -10,24 +10,11 @@ import time
 import pytest
 
 from blink.nic.drain import DrainConfig
-from blink.nic.text import Tokenizer
-from tests.nic.openai.local import GEOMETRY, finished, local_server
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from blink.models import default_model_path
-    return Tokenizer(default_model_path())
+from tests.nic.openai.local import GEOMETRY, finished, run_local
 
 
 def run(local_ring, tokenizer, scenario, **options):
-    async def main():
-        async with local_server(local_ring, tokenizer, **options) as local:
-            local.serve()
-            await asyncio.sleep(0.15)               # the loop has seen the engine serve
-            async with asyncio.timeout(30):         # a request that hangs fails the test
-                await scenario(local)
-    asyncio.run(main())
+    run_local(local_ring, tokenizer, scenario, serve=True, **options)
 
 
 async def stalled_requests(local, n: int) -> list[asyncio.Task]:

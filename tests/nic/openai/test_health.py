@@ -5,23 +5,8 @@ import asyncio
 
 import pytest
 
-from blink.nic.text import Tokenizer
 from blink.ring import control
-from tests.nic.openai.local import GEOMETRY, finished, local_server
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from blink.models import default_model_path
-    return Tokenizer(default_model_path())
-
-
-def run(local_ring, tokenizer, scenario, **options):
-    async def main():
-        async with local_server(local_ring, tokenizer, **options) as local:
-            async with asyncio.timeout(30):         # a request that hangs fails the test
-                await scenario(local)
-    asyncio.run(main())
+from tests.nic.openai.local import GEOMETRY, finished, run_local as run
 
 
 def test_while_the_engine_starts_the_server_is_live_not_ready_and_refuses_requests(local_ring, tokenizer):
