@@ -108,14 +108,18 @@ def test_read_waits_for_the_writes_before_it(split):
     assert len(verbs.posted) == 2
 
 
-def test_a_bad_rkey_fails_at_the_next_wait_naming_the_request_and_the_status():
-    ring = LocalMemory(4096)
+def misregistered(size: int, rkey_flip: int = 0) -> RdmaMemory:
+    """An RdmaMemory over a 4096-byte registered ring that claims ``size`` bytes under the rkey xor ``rkey_flip``."""
     fabric = RecordingFabric()
     target = fabric.target()
-    good = target.register(HostSegment(0, ring))
+    good = target.register(HostSegment(0, LocalMemory(4096)))
     verbs = fabric.initiator(SMALL.staging_bytes, SMALL.send_queue_depth)
     verbs.connect(target.accept(verbs.endpoint))
-    memory = RdmaMemory(verbs, (RdmaRegion(0, 4096, good.addr, good.rkey ^ 0xFF),), 4096, SMALL)
+    return RdmaMemory(verbs, (RdmaRegion(0, size, good.addr, good.rkey ^ rkey_flip),), size, SMALL)
+
+
+def test_a_bad_rkey_fails_at_the_next_wait_naming_the_request_and_the_status():
+    memory = misregistered(4096, rkey_flip=0xFF)
     memory.write(512, b"x" * 10)
     with pytest.raises(RdmaError, match=r"RDMA WRITE of 10 bytes at ring offset 512 failed: IBV_WC_REM_ACCESS_ERR"
                                          r" \(10\): the engine's NIC refused the rkey"):
@@ -125,13 +129,7 @@ def test_a_bad_rkey_fails_at_the_next_wait_naming_the_request_and_the_status():
 
 
 def test_an_out_of_range_region_is_a_remote_access_error():
-    ring = LocalMemory(4096)
-    fabric = RecordingFabric()
-    target = fabric.target()
-    good = target.register(HostSegment(0, ring))
-    verbs = fabric.initiator(SMALL.staging_bytes, SMALL.send_queue_depth)
-    verbs.connect(target.accept(verbs.endpoint))
-    memory = RdmaMemory(verbs, (RdmaRegion(0, 8192, good.addr, good.rkey),), 8192, SMALL)
+    memory = misregistered(8192)
     with pytest.raises(RdmaError, match="RDMA READ of 4 bytes at ring offset 6000 failed: IBV_WC_REM_ACCESS_ERR"):
         memory.read(6000, 4)
 
