@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from blink.errors import ConfigError
+
 
 def hub_cache() -> Path:
     if os.environ.get("HF_HUB_CACHE"):
@@ -22,6 +24,9 @@ def resolve_model(name: str, revision: str = "main") -> Path:
     path = Path(name).expanduser()
     if path.is_dir():
         return path
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1:    # a path, not an ORG/NAME model id
+        raise ConfigError(f"{path}: no such file or directory (a model is a directory with a config.json, or a "
+                          f"model id ORG/NAME in the local Hugging Face cache)")
     repo = hub_cache() / f"models--{name.replace('/', '--')}"
     ref = repo / "refs" / revision
     snapshot = repo / "snapshots" / (ref.read_text().strip() if ref.is_file() else revision)
