@@ -21,8 +21,9 @@ from blink.device.config import SchedulerConfig
 from blink.device.kv import allocate_pages, free_sequences
 from blink.device.mirror import KVMirror
 from blink.device.numba_compat import cuda
-from blink.device.prefix import cache_completed, match, take_hits
-from blink.device.state import FREE_TOP, K_EVICTED, N_COUNTERS, PREFIX_WAYS
+from blink.device.prefix import cache_completed, match, note_token, take_hits
+from blink.device.state import (C64_PREFIX_SEED, FREE_TOP, K_EVICTED, LRU_COUNT, MAX_CANDIDATES, N_COUNTERS,
+                                PREFIX_WAYS)
 from blink.ring.geometry import RingGeometry
 from blink.ring.hashing import reference_keys
 
@@ -79,14 +80,14 @@ class Pool:
     """The device arrays and the mirror, driven together; ``tokens[slot]``: each running sequence's tokens, of
     which ``prompt[slot]`` are its prompt and ``computed[slot]`` have their K/V."""
 
-    def __init__(self, threads):
-        self.view, self.s = scheduler_arrays(GEOMETRY, CONFIG)
-        self.s.stats[:] = 0
-        self.threads, self.mirror = threads, KVMirror(NUM_PAGES)
+    def __init__(self, threads, config=CONFIG, geometry=GEOMETRY):
+        self.view, self.s = scheduler_arrays(geometry, config)
+        self.s.stats[C64_PREFIX_SEED] = np.uint64(SEED).view(np.int64)
+        self.threads, self.mirror, self.page = threads, KVMirror(config.num_pages), config.page_size
         self.tokens, self.prompt, self.computed = {}, {}, {}
 
     def keys(self, slot):
-        return reference_keys(self.tokens[slot], PAGE, SEED)[0]
+        return reference_keys(self.tokens[slot], self.page, SEED)[0]
 
     def admit(self, requests):
         """``(slot, tokens, prompt_len)`` of idle slots."""
@@ -94,23 +95,23 @@ class Pool:
         for slot, tokens, prompt_len in requests:
             self.tokens[slot], self.prompt[slot] = tokens, prompt_len
             keys = self.keys(slot)
-            self.view.prefix_keys[slot, :prompt_len // PAGE] = keys[:prompt_len // PAGE]
+            self.view.prefix_keys[slot, :prompt_len // self.page] = keys[:prompt_len // self.page]
             s.seq_keys[slot, :len(keys)] = keys          # generated pages' keys: what note_token leaves
             s.seq_prompt_len[slot] = prompt_len
         hits, evictable = np.zeros(len(requests) + 1, np.int32), np.zeros(len(requests) + 1, np.int32)
         launch(admit_kernel, self.threads, s, i32(r[0] for r in requests), i32([len(requests)]), hits, evictable)
-        found = [self.mirror.lookup(self.keys(slot)[:(prompt_len - 1) // PAGE]) for slot, _, prompt_len in requests]
+        found = [self.mirror.lookup(self.keys(slot)[:(prompt_len - 1) // self.page]) for slot, _, prompt_len in requests]
         for i, ((slot, _, _), pages) in enumerate(zip(requests, found)):
             assert hits[i] == len(pages)
             assert evictable[i] == sum(self.mirror.ref[p] == 0 for p in pages), "as before this admission"
         for (slot, _, _), pages in zip(requests, found):
             self.mirror.hold(slot, pages)
-            self.computed[slot] = len(pages) * PAGE
+            self.computed[slot] = len(pages) * self.page
 
     def compute(self, chunks):
         """``(slot, tokens)``: allocate what the chunks need, compute them, cache the pages they filled."""
         s, m = self.s, self.mirror
-        need = [-(-(self.computed[slot] + k) // PAGE) - len(m.tables.get(slot, [])) for slot, k in chunks]
+        need = [-(-(self.computed[slot] + k) // self.page) - len(m.tables.get(slot, [])) for slot, k in chunks]
         if sum(need) > m.free_total:
             return
         counters = np.zeros(N_COUNTERS, np.int32)
@@ -123,7 +124,7 @@ class Pool:
         items = []
         for slot, k in chunks:
             keys, table = self.keys(slot), m.tables[slot]
-            first, end = self.computed[slot] // PAGE, (self.computed[slot] + k) // PAGE
+            first, end = self.computed[slot] // self.page, (self.computed[slot] + k) // self.page
             items += [(table[j], keys[j]) for j in range(first, end)]
             self.computed[slot] += k
             s.seq_computed[slot] = self.computed[slot]
@@ -145,7 +146,7 @@ class Pool:
         assert live_lru(s) == m.lru
         assert s.page_ref.tolist() == m.ref
         assert table_contents(s) == m.table
-        for slot in range(GEOMETRY.n_slots):
+        for slot in range(len(self.s.seq_npages)):
             assert s.seq_pages[slot, :s.seq_npages[slot]].tolist() == m.tables.get(slot, [])
         check_pages(s, list(m.tables))
 
@@ -209,3 +210,93 @@ def test_pages_and_prefix_cache_match_the_mirror(ops, threads):
         pool.free(sorted(pool.tokens), preempt=False)
         pool.compare()
     assert not pool.s.page_ref.any() and len(live_lru(pool.s)) + int(pool.s.sched[FREE_TOP]) == NUM_PAGES
+
+
+# -- named cases ----------------------------------------------------------------------------------------------------
+
+
+def serve(pool, slot, tokens, prompt_len=None):
+    """Admit ``tokens`` into ``slot``, compute them all, compare."""
+    pool.admit([(slot, tokens, prompt_len or len(tokens))])
+    pool.compute([(slot, len(tokens) - pool.computed[slot])])
+    pool.compare()
+
+
+def test_released_pages_join_the_lru_last_page_first_and_a_hit_takes_them_back():
+    pool = Pool(threads=3)
+    serve(pool, 0, BASES[0])                                  # 4 full pages, all cached
+    table = list(pool.mirror.tables[0])
+    pool.free([0], preempt=False)
+    assert live_lru(pool.s) == table[::-1], "a prefix's first page is evicted last"
+    serve(pool, 1, BASES[0])                                  # 3 pages hit; the last one is computed again
+    assert pool.mirror.tables[1][:3] == table[:3] and live_lru(pool.s) == [table[3]]
+    pool.free([1], preempt=False)
+    assert live_lru(pool.s) == [table[3], table[2], table[1], table[0]]     # the recomputed page is a duplicate
+    pool.compare()
+
+
+def test_stale_lru_entries_are_compacted_away_in_order():
+    """Each hit leaves stale entries behind; once the ring (2 x num_pages) would overflow they are dropped."""
+    pool = Pool(threads=4)
+    serve(pool, 0, BASES[0])
+    pool.free([0], preempt=False)
+    counts = []
+    for cycle in range(8):
+        serve(pool, 1 + cycle % 2, BASES[0])
+        pool.free([1 + cycle % 2], preempt=False)
+        counts.append(int(pool.s.sched[LRU_COUNT]))
+    assert max(counts) <= 2 * NUM_PAGES and any(b < a for a, b in zip(counts, counts[1:])), counts
+    pool.compare()
+
+
+def test_more_pages_than_one_window_of_scratch():
+    """Releases and evictions of more than MAX_CANDIDATES pages run in several windows, in order."""
+    pages = MAX_CANDIDATES + 40
+    geometry = RingGeometry(n_slots=2, max_prompt_tokens=pages - 1, max_output_tokens=1, max_stop_ids=0,
+                            logprobs=False, prefix_page_size=1)
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, page_size=1, num_pages=pages,
+                             max_model_len=pages)
+    pool = Pool(4, config, geometry)
+    first, second = list(range(pages)), list(range(1, pages + 1))
+    serve(pool, 0, first, prompt_len=pages - 1)
+    pool.free([0], preempt=False)
+    assert len(live_lru(pool.s)) == pages
+    serve(pool, 1, second, prompt_len=pages - 1)    # no hit (another first token): every cached page is evicted
+    assert pool.mirror.evicted == pages
+
+
+def test_a_full_bucket_refuses_the_insert_and_the_page_stays_uncached():
+    geometry = RingGeometry(n_slots=2, max_prompt_tokens=24, max_output_tokens=1, max_stop_ids=0, logprobs=False,
+                            prefix_page_size=PAGE)
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, page_size=PAGE, num_pages=26,
+                             max_model_len=25)
+    pool = Pool(3, config, geometry)
+    pool.s = pool.s._replace(table_keys=np.zeros(PREFIX_WAYS, np.uint64),         # one bucket
+                             table_pages=np.full(PREFIX_WAYS, -1, np.int32))
+    pool.admit([(0, list(range(20, 44)), 24)])
+    pool.compute([(0, 24)])                    # 12 full pages, 16 ways: all fit
+    pool.admit([(1, list(range(50, 74)), 24)])
+    pool.compute([(1, 24)])                    # 12 more: 4 fit
+    assert int(pool.s.page_cached.sum()) == PREFIX_WAYS
+    check_pages(pool.s, [0, 1])
+    pool.free([0, 1], preempt=False)
+    check_pages(pool.s, [])
+    assert len(live_lru(pool.s)) == PREFIX_WAYS and int(pool.s.sched[FREE_TOP]) == 26 - PREFIX_WAYS
+
+
+@cuda.jit
+def note_kernel(s, slot, first, tokens):
+    """One thread samples ``tokens`` at positions ``first, first + 1, ...`` of ``slot``."""
+    if cuda.threadIdx.x == 0:
+        for k in range(tokens.shape[0]):
+            note_token(s, slot[0], first[0] + k, tokens[k])
+
+
+def test_the_gpu_hashes_generated_pages_as_the_agent_hashes_prompts():
+    pool = Pool(threads=1)
+    prompt, generated = [5, 6, 7], [8, 9, 10, 11, 12, 13]
+    keys, state = reference_keys(prompt + generated, PAGE, SEED)
+    pool.s.seq_hash[2] = reference_keys(prompt, PAGE, SEED)[1]
+    pool.s.seq_keys[2] = 0
+    launch(note_kernel, 1, pool.s, i32([2]), i32([len(prompt)]), np.array(generated, np.int32))
+    assert pool.s.seq_keys[2, 1:len(keys)].tolist() == keys[1:] and pool.s.seq_hash[2] == state
