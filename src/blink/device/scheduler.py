@@ -3,8 +3,10 @@
 One iteration (``iterate``), run by one thread block:
 
 1. **consume** the previous step's sampled tokens: token (and logprob) into the ring's output area, fence, then
-   ``n_generated``; stop checks (EOS unless ignore_eos, stop ids -> "stop"; ``max_tokens`` -> "length");
-2. **retire** finished and cancelled sequences: pages back to the free stack, ``finish_reason``, fence, FINISHED;
+   ``n_generated``; stop checks (EOS unless ignore_eos, stop ids -> "stop"; ``max_tokens`` -> "length"); the pages
+   the step filled enter the prefix cache (``prefix.cache_step``);
+2. **retire** finished and cancelled sequences: their pages released (``kv.free_sequences``), ``finish_reason``,
+   fence, FINISHED;
 3. **collect** new READY requests into the waiting queue (``waiting.py``), only when the agent's ``submitted``
    doorbell moved; cancels are looked for only when its ``cancels`` doorbell moved;
 4. **admit** from the queue's head (``batcher.admit``), 5. **plan** the next step and write its inputs

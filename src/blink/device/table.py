@@ -4,11 +4,11 @@ Set-associative open addressing: key ``k`` lives in bucket ``k mod n_buckets`` (
 ``PREFIX_WAYS`` ways: ``table_keys / table_pages[bucket * PREFIX_WAYS + way]``, ``table_pages == -1`` for an empty
 way. A lookup reads one bucket, so no probe sequence exists and a removal just empties its way (no tombstones: a
 table that serves for days never slows down). With ``table_entries(num_pages) >= 2 x num_pages`` a bucket of 16 is
-full about 0.4% of the time even with every page cached; an insert into a full bucket is refused and the page just
-stays uncached.
+full at most about 1% of the time even with every page cached (Poisson(8) >= 16: 0.8%); an insert into a full bucket
+is refused and the page just stays uncached.
 
 Invariants: a page is in the table at most once, exactly when ``page_cached[page]``, under ``page_key[page]``; a key
-is in the table at most once (``insert`` resolves a key inserted twice in one pass to the smallest page).
+is in the table at most once (an insert pass resolves a key inserted twice to the smallest page).
 
 Inserting is a block-wide pass in three rounds over the items (pages), each round a loop ``for item in range(tid,
 n, nthreads)`` separated by barriers: ``mark_new`` (the key is not in the table yet), ``claim_way``, ``settle``

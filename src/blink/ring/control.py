@@ -1,8 +1,8 @@
 """The ring's control block (256 B at offset 0): identity, geometry, the shutdown word, the GPU side's state and
 counters, the agent's doorbells. The one place that encodes, decodes and checks it.
 
-Writers: the creator (identity and geometry, once), the host or the agent (``shutdown``, the doorbells), the GPU
-side (everything else). ``fresh`` builds the block of a new ring, ``verify`` checks an existing one against a
+Writers: the creator (identity, geometry and the prefix-key seed, once), the host or the agent (``shutdown``, the
+doorbells), the GPU side (everything else). ``fresh`` builds the block of a new ring, ``verify`` checks an existing one against a
 geometry, ``geometry_of`` reads the geometry an existing ring was created with, ``read`` decodes the words of a live
 ring, ``request_shutdown`` writes the shutdown word.
 """
