@@ -7,7 +7,8 @@
 #                                      energy)
 #   bash bench/gpu_suite.sh PART ...   any of: tests scheduler models engine serving, and these, not in the default
 #                                      set: serving-models (bench/serving_models.sh; PEER_PROMPTS, BENCH_ARGS, LIMIT
-#                                      as there), moe-sweep (bench/moe_bench.py --sweep), attention
+#                                      as there), serving-prefix (bench/serving_prefix.sh: the prefix cache on and
+#                                      off on shared-prefix workloads), moe-sweep (bench/moe_bench.py --sweep), attention
 #                                      (bench/attention_bench.py), attention-sweep (the same, --sweep), ring
 #                                      (bench/ring_bench.py: the agent's side of the ring, on the host's CPU) and
 #                                      experiment:NAME (the one-off study bench/experiments/NAME.py, e.g.
@@ -60,6 +61,8 @@ for part in "${parts[@]}"; do
       PROMPTS=${SUITE_PROMPTS:-192} PEER_PROMPTS=${SUITE_PEER_PROMPTS:-8} bash bench/serving_gpu.sh; rc=$? ;;
     serving-models)
       bash bench/serving_models.sh; rc=$? ;;
+    serving-prefix)
+      bash bench/serving_prefix.sh; rc=$? ;;
     moe-sweep)
       bench_part moe_sweep moe_bench --sweep --out; rc=$? ;;
     attention)
@@ -75,8 +78,8 @@ for part in "${parts[@]}"; do
       else
         echo "unknown experiment: $name (no bench/experiments/$name.py)"; rc=2
       fi ;;
-    *) echo "unknown part: $part (tests | scheduler | models | engine | serving | serving-models | moe-sweep |" \
-         "attention | attention-sweep | ring | experiment:NAME)"; rc=2 ;;
+    *) echo "unknown part: $part (tests | scheduler | models | engine | serving | serving-models | serving-prefix |" \
+         "moe-sweep | attention | attention-sweep | ring | experiment:NAME)"; rc=2 ;;
   esac
   echo "gpu_suite $part: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/suite_times.txt"
   [ "$rc" -eq 0 ] || status=1

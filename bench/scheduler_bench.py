@@ -11,6 +11,9 @@
    ``submitted`` doorbell as fast as it can, so that every iteration scans all 4096 state words; the difference
    is the scan's cost.
 3. READY-to-first-token latency: the loop idles; the host publishes one request and spins on its n_generated word.
+4. The prefix cache in use: step time of 64 decoding requests whose 240-token prompts share their first 224 tokens,
+   with caching on (the table takes a generated page every 16 steps per request, about 4 per iteration) and off;
+   READY-to-first-token of a 240-token prompt whose first 224 tokens are cached, and of one with nothing cached.
 Prints a table, writes JSON.
 """
 from __future__ import annotations
@@ -33,23 +36,31 @@ from blink.ring.layout import FINISHED, RingLayout
 from blink.ring.request import SamplingParams
 from blink.ring.transport import LocalMemory
 
-GEOMETRY = RingGeometry(n_slots=4096, max_prompt_tokens=16, max_output_tokens=2048, max_stop_ids=0, logprobs=False)
+GEOMETRY = RingGeometry(n_slots=4096, max_prompt_tokens=256, max_output_tokens=2048, max_stop_ids=0, logprobs=False)
 BASE = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048, page_size=16, num_pages=40_000,
-                       max_model_len=2064)
+                       max_model_len=2304, enable_prefix_caching=False)
+SHARED = list(range(1000, 1224))        # 14 pages of prefix shared by the prefix cases' prompts
+
+
+def prompt(shared: bool, k: int) -> list[int]:
+    """A short prompt of its own, or 16 tokens of its own after SHARED."""
+    return SHARED + [5000 + 16 * k + i for i in range(16)] if shared else [1, 2, 3]
 
 
 class Rig:
     """A ring in host memory, the GPU scheduler (stand-in step) on it, and an in-process agent."""
 
     def __init__(self, image: bytes, config: SchedulerConfig):
-        self.layout = RingLayout(GEOMETRY)
+        page_size = config.page_size if config.enable_prefix_caching else 0
+        geometry = RingGeometry(**{**GEOMETRY.__dict__, "prefix_page_size": page_size})
+        self.layout = RingLayout(geometry)
         self.memory = LocalMemory(self.layout.size)
         self.memory.write(0, self.layout.control_bytes())
         self.view = self.layout.view(self.memory.buffer)
         self.step = StepBuffers(StepLayout(config.buckets[-1], config.max_num_seqs, config.max_pages_per_seq), "cuda")
-        self.scheduler = GpuScheduler(self.memory, GEOMETRY, config, self.step.layout,
+        self.scheduler = GpuScheduler(self.memory, geometry, config, self.step.layout,
                                       {k: t.data_ptr() for k, t in self.step.tensors().items()}, image=image)
-        self.agent = Agent(self.memory, GEOMETRY, liveness_timeout_s=60)
+        self.agent = Agent(self.memory, geometry, liveness_timeout_s=60)
 
     def control(self, name: str) -> int:
         return int(self.view.control[name][0])
@@ -63,13 +74,16 @@ class Rig:
         return profile
 
 
-def step_time(image: bytes, mode: str, batch: int, threads: int = 256, steps: int = 2000) -> dict:
-    """Per-step time of ``batch`` decoding requests (2000 steps, timed on the host)."""
-    rig = Rig(image, SchedulerConfig(**{**BASE.__dict__, "launch_mode": mode, "block_threads": threads}))
+def step_time(image: bytes, mode: str, batch: int, threads: int = 256, steps: int = 2000, caching: bool = False,
+              shared: bool = False) -> dict:
+    """Per-step time of ``batch`` decoding requests (2000 steps, timed on the host); prompts ``prompt(shared)``."""
+    rig = Rig(image, SchedulerConfig(**{**BASE.__dict__, "launch_mode": mode, "block_threads": threads,
+                                        "enable_prefix_caching": caching}))
     rig.scheduler.start()
     ngen = rig.view.status["n_generated"]
-    slots = [rig.agent._slot_of[rig.agent.submit([1, 2, 3], SamplingParams(max_tokens=steps, ignore_eos=True))]
-             for _ in range(batch)]
+    slots = [rig.agent._slot_of[rig.agent.submit(prompt(shared, k), SamplingParams(max_tokens=steps,
+                                                                                   ignore_eos=True))]
+             for k in range(batch)]
     while (ngen[slots] < 2).any():
         pass
     t0, s0 = time.perf_counter(), rig.control("steps")
@@ -77,8 +91,10 @@ def step_time(image: bytes, mode: str, batch: int, threads: int = 256, steps: in
     while rig.control("finished") < batch:
         pass
     t1, s1 = time.perf_counter(), rig.control("steps")
-    return {"mode": mode, "batch": batch, "threads": threads, "steps": s1 - s0, "sm_clock_mhz": clock,
-            "us_per_step": (t1 - t0) / (s1 - s0) * 1e6, "profile_us": rig.stop()}
+    return {"mode": mode, "batch": batch, "threads": threads, "caching": caching, "shared": shared,
+            "steps": s1 - s0, "sm_clock_mhz": clock, "us_per_step": (t1 - t0) / (s1 - s0) * 1e6,
+            "cache": {k: rig.control(k) for k in ("prefix_hit_tokens", "cached_pages", "prefix_evictions")},
+            "profile_us": rig.stop()}
 
 
 def sm_clock_mhz() -> int | None:
@@ -139,22 +155,27 @@ def idle_iteration(image: bytes, mode: str, case: str, scan: bool, seconds: floa
             "us_per_iteration": (t1 - t0) / (h1 - h0) * 1e6, "profile_us": rig.stop()}
 
 
-def admission_latency(image: bytes, idle_ns: int, trials: int = 200) -> dict:
-    rig = Rig(image, SchedulerConfig(**{**BASE.__dict__, "idle_sleep_ns": idle_ns}))
+def admission_latency(image: bytes, idle_ns: int, trials: int = 200, caching: bool = False,
+                      shared: bool = False) -> dict:
+    """READY -> first token of ``prompt(shared)`` prompts, one at a time (with caching, SHARED is cached after the
+    first; submitting includes the agent's hashing of the prompt)."""
+    rig = Rig(image, SchedulerConfig(**{**BASE.__dict__, "idle_sleep_ns": idle_ns, "enable_prefix_caching": caching}))
     rig.scheduler.start()
     ngen, samples = rig.view.status["n_generated"], []
-    for _ in range(trials):
+    for k in range(trials):
         t0 = time.perf_counter()
-        slot = rig.agent._slot_of[rig.agent.submit([5, 6], SamplingParams(max_tokens=1))]
+        slot = rig.agent._slot_of[rig.agent.submit(prompt(shared, k) if shared else [5, 6],
+                                                   SamplingParams(max_tokens=1))]
         while ngen[slot] < 1:
             pass
         samples.append((time.perf_counter() - t0) * 1e6)
         while rig.agent.in_flight:
             rig.agent.poll()
+    hits = rig.control("prefix_hit_tokens")
     rig.stop()
     samples.sort()
-    return {"idle_sleep_ns": idle_ns, "median_us": statistics.median(samples),
-            "p99_us": samples[int(0.99 * (len(samples) - 1))]}
+    return {"idle_sleep_ns": idle_ns, "caching": caching, "shared": shared, "prefix_hit_tokens": hits,
+            "median_us": statistics.median(samples), "p99_us": samples[int(0.99 * (len(samples) - 1))]}
 
 
 def kernel_resources(image: bytes) -> dict:
@@ -192,6 +213,8 @@ def main() -> None:
         "idle": [idle_iteration(image, mode, case, scan) for mode in ("fire_and_forget", "tail")
                  for case in ("all_free", "half_finished", "all_finished", "ready_backlog") for scan in (False, True)],
         "admission": [admission_latency(image, ns) for ns in (0, 20_000)],
+        "prefix": {"step": [step_time(image, "fire_and_forget", 64, caching=c, shared=True) for c in (True, False)],
+                   "admission": [admission_latency(image, 0, caching=c, shared=True) for c in (True, False)]},
     }
     print(f"scheduler bench, commit {result['commit']}, image linked in {link_s:.1f} s")
     print(f"  kernel resources: {json.dumps(result['resources'])}")
@@ -210,6 +233,14 @@ def main() -> None:
     for r in result["admission"]:
         print(f"  READY -> first token (idle sleep {r['idle_sleep_ns']} ns): median {r['median_us']:.1f} us, "
               f"p99 {r['p99_us']:.1f} us")
+    for r in result["prefix"]["step"]:
+        profile = " ".join(f"{k}={v:.2f}" for k, v in r["profile_us"].items())
+        print(f"  prefix caching {'on ' if r['caching'] else 'off'}: 64 decoding, {r['us_per_step']:.2f} us/step, "
+              f"{json.dumps(r['cache'])}  {profile}")
+    for r in result["prefix"]["admission"]:
+        print(f"  prefix caching {'on ' if r['caching'] else 'off'}: READY -> first token of a 240-token prompt "
+              f"(224 shared): median {r['median_us']:.1f} us, p99 {r['p99_us']:.1f} us, "
+              f"{r['prefix_hit_tokens']} tokens hit")
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
 

@@ -35,22 +35,7 @@ status=0
 python -m blink.cli serve "$model" --load-format dummy --device "$DEVICE" --port "$PORT" --slots 512 \
   --max-prompt-tokens 1024 --max-output-tokens 2048 $SERVE_ARGS > "$OUT/serving_server.log" 2>&1 &
 server=$!
-python - "$PORT" "$server" <<'PY' || status=1
-import http.client, os, sys, time
-port, pid, deadline = int(sys.argv[1]), int(sys.argv[2]), time.monotonic() + 400
-while time.monotonic() < deadline:
-    try:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-        connection.request("GET", "/health")
-        if connection.getresponse().status == 200:
-            print(f"blink serve is healthy after {time.monotonic() - deadline + 400:.0f} s"); sys.exit(0)
-    except OSError:
-        pass
-    if not os.path.exists(f"/proc/{pid}"):
-        sys.exit("blink serve exited before it was healthy: see serving_server.log")
-    time.sleep(1)
-sys.exit("blink serve was not healthy within 400 s: see serving_server.log")
-PY
+python -m bench.wait_healthy "$PORT" "$server" "$OUT/serving_server.log" || status=1
 if [ $status -eq 0 ]; then
   python -m blink.cli bench serve --label blink --base-url "http://127.0.0.1:$PORT" --tokenizer "$model" \
     --num-prompts "$PROMPTS" --sweep "$RATES" --ignore-eos --interference "$HOGS" $BENCH_ARGS \

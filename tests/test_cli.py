@@ -44,3 +44,11 @@ def test_bench_client_priority_is_applied_before_the_benchmark_or_refused():
     assert denied.returncode == 1 and "Traceback" not in denied.stderr, denied.stderr
     assert "--client-priority high: not permitted" in denied.stderr
     assert "Use --client-priority normal." in denied.stderr
+
+
+def test_prefix_caching_is_on_unless_turned_off_on_the_command_line():
+    from blink.cli import _engine_config, _parser
+
+    for flags, enabled in [([], True), (["--enable-prefix-caching"], True), (["--no-enable-prefix-caching"], False)]:
+        args = _parser().parse_args(["generate", "hi", *flags])
+        assert _engine_config(args, "model").scheduler.enable_prefix_caching is enabled

@@ -39,6 +39,10 @@ def test_the_ring_is_derived_from_the_model_length_unless_given():
     geometry = EngineConfig(max_prompt_tokens=100, max_output_tokens=10, max_stop_ids=2, logprobs=False).geometry(2048)
     assert (geometry.max_prompt_tokens, geometry.max_output_tokens, geometry.max_stop_ids) == (100, 10, 2)
     assert geometry.logprobs is False
+    assert geometry.prefix_page_size == 16, "the agent hashes prompt pages for the prefix cache (on by default)"
+    no_cache = EngineConfig(scheduler=SchedulerConfig(page_size=32, enable_prefix_caching=False)).geometry(2048)
+    assert no_cache.prefix_page_size == 0
+    assert EngineConfig(scheduler=SchedulerConfig(page_size=32)).geometry(2048).prefix_page_size == 32
     with pytest.raises(ValueError, match="max_prompt_tokens=2048 leaves no room to generate in sequences of "
                                          "max_model_len=2048"):
         EngineConfig(max_prompt_tokens=2048).geometry(2048)

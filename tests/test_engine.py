@@ -88,6 +88,49 @@ def test_greedy_outputs_equal_transformers_under_chunked_prefill_and_preemption(
         assert out.prompt_token_ids == prompt
 
 
+@pytest.fixture(scope="module")
+def uncached():
+    """The module's engine with prefix caching off."""
+    with Engine(replace(CONFIG, scheduler=replace(CONFIG.scheduler, enable_prefix_caching=False))) as engine:
+        yield engine
+
+
+SYSTEM = "You are a concise assistant. Answer every question in one short sentence."
+QUESTIONS = ["What is the capital of France?", "Name a prime number.", "What colour is the sky?", "Say hello."]
+
+
+def shared_prefix_run(engine) -> tuple[list[list[int]], list[list[int]], dict]:
+    """One chat prompt cancelled after its first token; chat prompts sharing its system prompt, twice, staggered
+    (chunked prefill, preemption); then each answer's conversation again with a follow-up. Returns the prompts,
+    their outputs and the engine's counters over the run."""
+    chats = [engine.tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+             for q in QUESTIONS]
+    before = wait_idle(engine)
+    victim = engine.stream(chats[0], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    next(victim)
+    victim.cancel()
+    assert victim.result().finish_reason == "abort"
+    outputs = staggered(engine, chats * 2, GREEDY)
+    follow_ups = [chat + out.token_ids[:10] + engine.encode(" Why?") for chat, out in zip(chats, outputs)]
+    outputs += staggered(engine, follow_ups, GREEDY)
+    after = wait_idle(engine)
+    counts = {k: after[k] - before[k] for k in ("prefix_hit_tokens", "prefill_tokens", "preempted")}
+    return chats * 2 + follow_ups, [out.token_ids for out in outputs], counts
+
+
+def test_shared_prefixes_give_the_same_greedy_tokens_with_and_without_the_prefix_cache(engine, uncached, hf):
+    prompts, cached_tokens, cached = shared_prefix_run(engine)
+    _, plain_tokens, plain = shared_prefix_run(uncached)
+    assert cached_tokens == plain_tokens
+    want = {tuple(p): hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts}     # the second round repeats the first
+    assert cached_tokens == [want[tuple(p)] for p in prompts]
+    # After the cancelled one, every request finds at least the 5 pages (22 tokens) its template and system prompt
+    # share; a repeated prompt all its pages but the last, a follow-up its answer's pages too.
+    assert cached["prefix_hit_tokens"] >= 12 * 5 * CONFIG.scheduler.page_size and plain["prefix_hit_tokens"] == 0
+    assert cached["prefill_tokens"] < plain["prefill_tokens"]
+    assert plain["preempted"] > 0, "the pool was meant to be too small for every sequence"
+
+
 def test_generate_takes_strings_and_token_lists_and_streams_the_same_text(engine):
     params = SamplingParams(max_tokens=6, temperature=0)
     by_text, by_ids = engine.generate([PROMPTS[0], engine.encode(PROMPTS[0])], params)

@@ -185,7 +185,7 @@ def _engine_config(args, model_dir, **overrides):
 
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 page_size=args.block_size, num_pages=args.num_pages,
-                                max_model_len=args.max_model_len)
+                                max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching)
     return EngineConfig(model=str(model_dir), device=args.device, dtype=args.dtype, scheduler=scheduler,
                         policy=args.policy, gpu_memory_utilization=args.gpu_memory_utilization,
                         cpu_kv_cache_gib=args.cpu_kv_cache_gib, n_slots=args.slots,
@@ -213,6 +213,8 @@ def _engine_options(parser, slots: int) -> None:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="prompt + output positions of one sequence (default: the model's context, at most 4096)")
     parser.add_argument("--block-size", type=int, default=s.page_size, help="tokens per KV page")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=s.enable_prefix_caching, help="reuse the KV pages of shared prompt prefixes")
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory options)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                         help="share of the GPU's memory for weights, activations and the KV cache")

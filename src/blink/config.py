@@ -112,8 +112,9 @@ class EngineConfig:
         if prompt >= max_model_len:
             raise ValueError(f"EngineConfig.max_prompt_tokens={prompt} leaves no room to generate in sequences of "
                              f"max_model_len={max_model_len} tokens: lower max_prompt_tokens (or leave it out)")
+        caching = self.scheduler.enable_prefix_caching
         return RingGeometry(self.n_slots, prompt, self.max_output_tokens or max_model_len - 1, self.max_stop_ids,
-                            self.logprobs, max_model_len)
+                            self.logprobs, max_model_len, self.scheduler.page_size if caching else 0)
 
     def policy_function(self):
         """The admission policy as a numba device function (``blink.device.policy.fcfs`` when None)."""

@@ -84,3 +84,29 @@ def test_synthetic_fixed_output_len():
     assert {r.output_len for r in requests} == {128}
     with pytest.raises(ValueError, match="vocab_size must be >= 1"):
         synthetic(1, vocab_size=0)
+
+
+def test_shared_prefix_requests_begin_with_one_system_prompt_and_are_deterministic():
+    from blink.bench.datasets import MAX_TURN_LEN, shared_prefix
+
+    requests = shared_prefix(20, vocab_size=1000, seed=3, prefix_len=64)
+    system = requests[0].prompt[:64]
+    assert all(r.prompt[:64] == system and len(r.prompt) == r.prompt_len for r in requests)
+    assert all(MIN_LEN <= r.prompt_len - 64 <= MAX_TURN_LEN and MIN_LEN <= r.output_len <= MAX_TURN_LEN
+               for r in requests)
+    assert len({tuple(r.prompt[64:]) for r in requests}) == 20, "every user turn its own"
+    assert shared_prefix(20, vocab_size=1000, seed=3, prefix_len=64) == requests
+    assert shared_prefix(20, vocab_size=1000, seed=4, prefix_len=64) != requests
+
+
+def test_multi_turn_conversations_resend_their_history():
+    from blink.bench.datasets import shared_prefix
+
+    requests = shared_prefix(7, vocab_size=1000, seed=0, output_len=5, prefix_len=16, turns=3)
+    assert len(requests) == 7
+    first, second, third = requests[0:3], requests[3:6], requests[6:]       # 3 conversations, turn by turn
+    for earlier, later in zip(first + second, second + third):
+        n = earlier.prompt_len
+        assert later.prompt[:n] == earlier.prompt, "a turn resends the turn before it"
+        assert later.prompt_len > n + earlier.output_len, "its answer (output_len tokens) and a new user turn"
+    assert {r.output_len for r in requests} == {5}

@@ -87,6 +87,8 @@ def test_sweep_isolated_and_colocated_writes_json_and_plots(standin_server, tmp_
         assert all(0 < ttft <= e2e for ttft, e2e in zip(run["ttfts"], run["latencies"]))
         assert run["request_goodput"] is not None
         assert run["energy"]["available"] is False and run["energy"]["reason"]
+        assert run["server"]["blink_generation_tokens_total"] == run["total_output_tokens"]
+        assert {"blink_prefill_tokens_total", "blink_prefix_cache_hits_total"} <= set(run["server"])
     # At 20 req/s the last of 12 requests is sent 12 / 20 s after the first.
     assert result["runs"][0]["duration"] >= 12 / 20
     assert result["sweep"] == [20.0, "inf"] and result["request_rate"] == "inf"

@@ -26,7 +26,7 @@ def scheduler_arrays(geometry, config):
     step = StepLayout(config.buckets[-1], config.max_num_seqs, config.max_pages_per_seq)
     step_arrays = {name: np.zeros(shape, dtype) for name, (shape, dtype) in step.fields().items()}
     s = SchedulerArrays(**ring_arrays(view), **step_arrays,
-                        **state_arrays(config, geometry.n_slots, geometry.max_stop_ids, geometry.logprobs, step))
+                        **state_arrays(config, geometry, step, int(view.control["prefix_seed"][0])))
     return view, s
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from blink.device.kv import KVMirror
+from blink.device.mirror import KVMirror
 from blink.ring.layout import FINISH_ABORT, FINISH_ERROR, READY
 
 QUEUED, REFUSED = 1, 2          # seq_seen marks (state.py)
@@ -220,7 +220,7 @@ class Batcher:
 
     def admit(self) -> list[int]:
         window = self.queue[:self.max_num_seqs - len(self.running)]
-        free = len(self.kv.free) - self.watermark
+        free = self.kv.free_total - self.watermark
         admitted, need = [], 0
         for slot in window:
             need += pages_for(len(self.seqs[slot].prompt), self.page_size)
@@ -253,7 +253,7 @@ class Batcher:
             decodes = [slot for slot in self.running if self._remaining(slot) == 1]
             decode_pages = sum(pages_for(self.seqs[slot].computed + 1, page) - len(self.pages(slot))
                                for slot in decodes)
-            if decode_pages <= len(self.kv.free) or not self._preempt_newest():
+            if decode_pages <= self.kv.free_total or not self._preempt_newest():
                 break
         chunks = {slot: 1 for slot in decodes}
         if len(decodes) == len(self.running):
@@ -263,7 +263,7 @@ class Batcher:
         for slot in prefills:                   # the budget, in running order
             chunks[slot] = min(self._remaining(slot), tokens_left)
             tokens_left -= chunks[slot]
-        pages_left = len(self.kv.free) - decode_pages
+        pages_left = self.kv.free_total - decode_pages
         for slot in prefills:                   # then the free pages, in running order
             seq, held = self.seqs[slot], len(self.pages(slot))
             chunks[slot] = min(chunks[slot], (held + pages_left) * page - seq.computed)

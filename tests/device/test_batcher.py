@@ -23,7 +23,7 @@ from tests.device.test_scheduler import check_step_contract
 
 from blink.device.batcher import admit, plan
 from blink.device.config import SchedulerConfig
-from blink.device.kv import KVMirror
+from blink.device.mirror import KVMirror
 from blink.device.numba_compat import cuda
 from blink.device.scheduler import scratch
 from blink.device.state import (FREE_TOP, IDLE, K_ADMITTED, K_PREEMPTED, N_COUNTERS, N_QUEUED, N_ROWS, N_RUNNING,
@@ -112,6 +112,7 @@ class Batch:
         s.free_pages[:] = -5
         s.free_pages[:len(kv.free)] = kv.free
         s.sched[FREE_TOP] = len(kv.free)
+        s.page_ref[:] = kv.ref
         for slot in self.ref.seqs:
             table = kv.tables.get(slot, [])
             s.seq_npages[slot] = len(table)
@@ -187,9 +188,10 @@ class Batch:
 
 
 def config(page_size=2, num_pages=8, watermark=0, max_num_seqs=4, budget=8, buckets=(1, 2, 4, 8)):
+    """The batcher alone: ``references.Batcher`` does not cache prefixes (test_prefix.py and test_scheduler.py do)."""
     return SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, page_size=page_size,
                            num_pages=num_pages, max_model_len=MAX_MODEL_LEN, buckets=buckets,
-                           watermark_pages=watermark)
+                           watermark_pages=watermark, enable_prefix_caching=False)
 
 
 # -- random states --------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ RESOLVED = dict(num_pages=64, max_model_len=64, page_size=16)
     ("watermark_pages", -1, "an int >= 0"), ("watermark_pages", 64, r"an int in \[0, num_pages\)"),
     ("idle_sleep_ns", -1, r"an int in \[0, 1000000\]"),
     ("idle_sleep_ns", 10**7, r"an int in \[0, 1000000\]"), ("launch_mode", "eager", "one of"),
+    ("enable_prefix_caching", 1, "a bool"),
 ])
 def test_every_rule_names_the_field(field, value, rule):
     with pytest.raises(ValueError, match=f"SchedulerConfig.{field} must be {rule}"):

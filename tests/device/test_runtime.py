@@ -21,16 +21,21 @@ from tests.device.fresh_python import run_python
 
 # -- on the H200 -------------------------------------------------------------------------------------------------
 
-GPU_GEOMETRY = RingGeometry(n_slots=4096, max_prompt_tokens=64, max_output_tokens=32, max_stop_ids=1)
+GPU_GEOMETRY = RingGeometry(n_slots=4096, max_prompt_tokens=64, max_output_tokens=32, max_stop_ids=1,
+                            prefix_page_size=16)
 GPU_CONFIG = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048, page_size=16, num_pages=8192,
                              max_model_len=96, eos_token_ids=(3,))
 
 
 def make_requests(n: int, seed: int = 7) -> list[tuple[list[int], dict]]:
+    """Half the prompts start with one of four 48-token prefixes (the prefix cache's hits), cut anywhere."""
     rng = np.random.default_rng(seed)
+    prefixes = rng.integers(0, 32000, (4, 48)).tolist()
     requests = []
     for i in range(n):
         prompt = rng.integers(0, 32000, int(rng.integers(1, 65))).tolist()
+        if i % 2:
+            prompt = (prefixes[i % 4][:int(rng.integers(0, 49))] + prompt)[:64]
         params = dict(max_tokens=int(rng.integers(1, 33)), seed=int(rng.integers(0, 2**63)),
                       ignore_eos=bool(i % 3 == 0), stop_token_ids=(int(rng.integers(0, 32000)),))
         requests.append((prompt, params))
@@ -113,7 +118,7 @@ def simulate(requests, geometry, config) -> dict:
     return {int(k): tuple(v) for k, v in json.loads(run_python(code, simulator=True).splitlines()[-1]).items()}
 
 
-def serve_on_gpu(mode: str, requests, request_side: str = "host") -> tuple[dict, dict]:
+def serve_on_gpu(mode: str, caching: bool, requests, request_side: str = "host") -> tuple[dict, dict]:
     """GpuScheduler (stand-in step) in this process, the agent in another; returns outputs and measurements."""
     import torch
     from cuda.bindings import driver
@@ -123,22 +128,23 @@ def serve_on_gpu(mode: str, requests, request_side: str = "host") -> tuple[dict,
     from blink.device.step import StepBuffers, StepLayout
     from blink.ring.transport import SharedMemory
 
-    config = SchedulerConfig(**{**GPU_CONFIG.__dict__, "launch_mode": mode})
-    layout = RingLayout(GPU_GEOMETRY)
+    config = SchedulerConfig(**{**GPU_CONFIG.__dict__, "launch_mode": mode, "enable_prefix_caching": caching})
+    geometry = RingGeometry(**{**GPU_GEOMETRY.__dict__, "prefix_page_size": GPU_GEOMETRY.prefix_page_size * caching})
+    layout = RingLayout(geometry)
     name = f"blink-gpu-test-{uuid.uuid4().hex[:8]}"
     step = StepBuffers(StepLayout(config.buckets[-1], config.max_num_seqs, config.max_pages_per_seq), "cuda")
     torch.cuda.synchronize()
     result_path = f"/tmp/{name}.json"
     with SharedMemory.create(name, layout.size) as memory:
         memory.write(0, layout.control_bytes())
-        scheduler = GpuScheduler(memory, GPU_GEOMETRY, config, step.layout,
+        scheduler = GpuScheduler(memory, geometry, config, step.layout,
                                  {k: t.data_ptr() for k, t in step.tensors().items()}, request_side=request_side)
         device_side = None
         if request_side == "device":
             bus_id = check(driver.cuDeviceGetPCIBusId(16, check(driver.cuDeviceGet(0)))).decode().rstrip("\0")
             device_side = (scheduler.ipc_handle, scheduler._split, bus_id)
         agent = mp.get_context("spawn").Process(target=agent_process,
-                                                args=(name, GPU_GEOMETRY, requests, result_path, device_side))
+                                                args=(name, geometry, requests, result_path, device_side))
         scheduler.start()
         agent.start()
         before, wall = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
@@ -151,17 +157,17 @@ def serve_on_gpu(mode: str, requests, request_side: str = "host") -> tuple[dict,
         result = json.load(f)
     outputs = {int(k): tuple(v) for k, v in result["outputs"].items()}
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return outputs, {"mode": mode, "request_side": request_side, "wall_s": wall, "host_cpu_s": cpu,
-                     "agent_s": result["seconds"], "stats": result["stats"], "profile_us": profile}
+    return outputs, {"mode": mode, "caching": caching, "request_side": request_side, "wall_s": wall,
+                     "host_cpu_s": cpu, "agent_s": result["seconds"], "stats": result["stats"], "profile_us": profile}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["fire_and_forget", "tail"])
-def test_gpu_loop_serves_ten_thousand_requests_like_the_simulator(mode):
+@pytest.mark.parametrize("mode,caching", [("fire_and_forget", True), ("tail", True), ("fire_and_forget", False)])
+def test_gpu_loop_serves_ten_thousand_requests_like_the_simulator(mode, caching):
     from blink.ring.reference import expected_output
 
     requests = make_requests(10_000)
-    outputs, measured = serve_on_gpu(mode, requests)
+    outputs, measured = serve_on_gpu(mode, caching, requests)
     print(f"\n[gpu loop {mode}] {json.dumps(measured)}")
     assert len(outputs) == len(requests)
     for i, (prompt, params) in enumerate(requests):
@@ -171,6 +177,7 @@ def test_gpu_loop_serves_ten_thousand_requests_like_the_simulator(mode):
     simulated = simulate(subset, GPU_GEOMETRY, GPU_CONFIG)
     assert {i: outputs[i] for i in range(len(subset))} == simulated
     assert measured["stats"]["finished"] == 10_000 and measured["stats"]["launch_error"] == 0
+    assert (measured["stats"]["prefix_hit_tokens"] > 0) == caching
     # The host only sleeps in join(): far below one core even while 10k requests stream through.
     assert measured["host_cpu_s"] < 0.1 * measured["wall_s"] + 0.5
 
@@ -182,8 +189,8 @@ def test_a_foreign_writer_serves_ten_thousand_requests_through_a_ring_in_gpu_mem
     from blink.ring.reference import expected_output
 
     requests = make_requests(10_000, seed=11)
-    outputs, measured = serve_on_gpu("fire_and_forget", requests, request_side="device")
-    _, host = serve_on_gpu("fire_and_forget", requests[:2000], request_side="host")
+    outputs, measured = serve_on_gpu("fire_and_forget", True, requests, request_side="device")
+    _, host = serve_on_gpu("fire_and_forget", True, requests[:2000], request_side="host")
     print(f"\n[gpu ring in HBM] {json.dumps(measured)}\n[gpu ring in host memory] {json.dumps(host)}")
     assert len(outputs) == len(requests)
     for i, (prompt, params) in enumerate(requests):
@@ -208,7 +215,7 @@ def bad_step_graph_process(outcome) -> None:
     from blink.nic.agent import Agent
     from blink.ring.transport import LocalMemory
 
-    geometry = RingGeometry(n_slots=64, max_prompt_tokens=8, max_output_tokens=8)
+    geometry = RingGeometry(n_slots=64, max_prompt_tokens=8, max_output_tokens=8, prefix_page_size=16)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, page_size=16, num_pages=64, max_model_len=16,
                              buckets=(1, 2, 4, 8, 16))
     layout = RingLayout(geometry)

@@ -1,16 +1,22 @@
 """The scheduler iteration (device code under the CUDA simulator) driven through the ring by a real Agent.
 
 References: outputs must equal the stand-in model's continuation cut by the reference consumer's stop rules; every
-planned step's inputs must satisfy ``step.py``'s contract, checked here in plain Python against the ring's tokens.
+planned step's inputs must satisfy ``step.py``'s contract, checked here in plain Python against the ring's tokens;
+after every iteration the pages satisfy ``pages.check_pages``; and a model of the KV pool (``KVContents``: which
+token prefix each pool cell holds the K/V of) checks that every step reads, through its block tables, exactly the
+K/V of its own tokens: no page is freed, evicted or overwritten while a sequence reads it, a prefix cache hit is
+the same tokens. Prefix caching is on (as by default) unless a test turns it off.
 """
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.device.pages import check_pages
+
 from blink.device.config import SchedulerConfig
 from blink.device.sim import SimScheduler
-from blink.device.state import FREE_TOP, IDLE, N_RUNNING, STOP
+from blink.device.state import FREE_TOP, IDLE, N_EVICTABLE, N_RUNNING, STOP
 from blink.device.step import StepBuffers, StepLayout
 from blink.errors import RingFull
 from blink.nic.agent import Agent
@@ -19,16 +25,57 @@ from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout
 from blink.ring.reference import expected_output
 from blink.ring.request import SamplingParams
-from blink.ring.standin import standin_continuation
+from blink.ring.standin import standin_continuation, standin_step
 from blink.ring.transport import LocalMemory
 
-GEOMETRY = RingGeometry(n_slots=12, max_prompt_tokens=40, max_output_tokens=12, max_stop_ids=2)
+GEOMETRY = RingGeometry(n_slots=12, max_prompt_tokens=40, max_output_tokens=12, max_stop_ids=2, prefix_page_size=4)
 CONFIG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, page_size=4, num_pages=24, max_model_len=52,
                          buckets=(1, 2, 4, 8, 16), eos_token_ids=(), block_threads=4)
 
 
+def without_caching(config=CONFIG, geometry=GEOMETRY):
+    """The same scheduler and ring with prefix caching off (and no prompt keys in the ring)."""
+    return (SchedulerConfig(**{**config.__dict__, "enable_prefix_caching": False}),
+            RingGeometry(**{**geometry.__dict__, "prefix_page_size": 0}))
+
+
+def free_pages(s) -> int:
+    return int(s.sched[FREE_TOP] + s.sched[N_EVICTABLE])
+
+
+def tokens_of(s, slot) -> list[int]:
+    """Every token the request in ``slot`` has: its prompt, its outputs, the last sampled one from device memory."""
+    prompt_len, total = int(s.seq_prompt_len[slot]), int(s.seq_total[slot])
+    known = list(s.prompts[slot, :prompt_len]) + list(s.outputs[slot, :total - prompt_len])
+    if total > prompt_len:
+        known[total - 1] = int(s.seq_last[slot])
+    return [int(t) for t in known]
+
+
+class KVContents:
+    """Which token prefix each cell of the KV pool holds the K/V of, as the planned steps write it: a step's query
+    token at ``position`` writes its cell (``slot_mapping``) with the sequence's tokens up to it; every position
+    before the query, read through the block table, must hold the reader's own prefix."""
+
+    def __init__(self):
+        self.cells: dict[int, tuple[int, ...]] = {}
+
+    def step(self, s, page_size):
+        for r in range(int(s.num_seqs[0])):
+            slot, length = int(s.row_slot[r]), int(s.seq_lens[r])
+            first = length - int(s.query_start_loc[r + 1] - s.query_start_loc[r])
+            tokens = tokens_of(s, slot)
+            for position in range(first):
+                cell = int(s.block_tables[r, position // page_size]) * page_size + position % page_size
+                assert self.cells.get(cell) == tuple(tokens[:position + 1]), \
+                    f"slot {slot} reads position {position} from cell {cell}, which holds other K/V"
+            for k, position in enumerate(range(first, length)):
+                self.cells[int(s.slot_mapping[int(s.query_start_loc[r]) + k])] = tuple(tokens[:position + 1])
+
+
 class Harness:
-    """A ring in local memory, an Agent, and the simulated scheduler; checks every step it plans."""
+    """A ring in local memory, an Agent, and the simulated scheduler; checks every step it plans and the pages
+    after every iteration."""
 
     def __init__(self, config=CONFIG, geometry=GEOMETRY, threads=4, policy=None):
         self.layout = RingLayout(geometry)
@@ -38,8 +85,9 @@ class Harness:
         self.config = config
         self.step = StepBuffers(StepLayout(config.buckets[-1], config.max_num_seqs, config.max_pages_per_seq))
         options = {} if policy is None else {"policy": policy}
+        self.kv = KVContents()
         self.scheduler = SimScheduler(self.layout.view(self.memory.buffer), geometry, config, self.step,
-                                      threads=threads, **options)
+                                      step_fn=self.run_step, threads=threads, **options)
         self.outputs: dict[int, list[int]] = {}
         self.reasons: dict[int, str] = {}
         self.steps: list[dict] = []
@@ -48,14 +96,20 @@ class Harness:
         outcome = self.scheduler.iteration()
         running = int(self.scheduler.arrays.sched[N_RUNNING])
         assert outcome != IDLE or running == 0, f"no step planned while {running} sequences run: no progress"
+        s = self.scheduler.arrays
+        check_pages(s, s.running[:s.sched[N_RUNNING]].tolist())
         if outcome >= 0:
-            self.steps.append(check_step_contract(self.scheduler.arrays, self.config, outcome))
+            self.steps.append(check_step_contract(s, self.config, outcome))
         for out in self.agent.poll():
             assert out.request_id not in self.reasons, "output after the request finished"
             self.outputs.setdefault(out.request_id, []).extend(out.new_tokens)
             if out.finished:
                 self.reasons[out.request_id] = out.finish_reason
         return outcome
+
+    def run_step(self, arrays, bucket_tokens):
+        self.kv.step(arrays, self.config.page_size)
+        standin_step(arrays, bucket_tokens)
 
     def run_until_idle(self, limit=400):
         for _ in range(limit):
@@ -86,8 +140,7 @@ def check_step_contract(s, config, bucket):
         length = int(s.seq_lens[r])
         total = int(s.seq_total[slot])
         assert length <= total
-        known = list(s.prompts[slot, :s.seq_prompt_len[slot]]) + list(s.outputs[slot, :total - s.seq_prompt_len[slot]])
-        known[total - 1] = int(s.seq_last[slot]) if total > s.seq_prompt_len[slot] else known[total - 1]
+        known = tokens_of(s, slot)
         for k in range(q):
             t = int(qsl[r]) + k
             position = length - q + k
@@ -100,8 +153,6 @@ def check_step_contract(s, config, bucket):
         assert s.logits_indices[r] == (int(qsl[r + 1]) - 1 if length == total else -1)
         assert s.seed[r] == s.seq_seed[slot] and s.temperature[r] == s.seq_temperature[slot]
         chunks.append(q)
-    pages_held = sum(int(s.seq_npages[slot]) for slot in s.running[:s.sched[N_RUNNING]])
-    assert pages_held + int(s.sched[FREE_TOP]) == config.num_pages, "pages lost or duplicated"
     return {"slots": slots, "chunks": chunks}
 
 
@@ -140,7 +191,7 @@ def test_random_workloads_match_the_reference(requests, num_pages, threads, use_
         else:
             assert (h.outputs.get(rid, []), h.reasons[rid]) == (tokens, reason)
     s = h.scheduler.arrays
-    assert int(s.sched[FREE_TOP]) == num_pages and int(s.sched[N_RUNNING]) == 0
+    assert free_pages(s) == num_pages and int(s.sched[N_RUNNING]) == 0
     stats = h.agent.stats()
     assert stats["admitted"] + stats["cancelled"] >= len(requests) == stats["finished"]
     assert stats["tokens"] == sum(len(v) for v in h.outputs.values())
@@ -177,7 +228,7 @@ def test_preemption_by_recompute_keeps_outputs_exact():
     assert h.agent.stats()["preempted"] > 0
     for rid, (prompt, seed) in requests.items():
         assert h.outputs[rid] == standin_continuation(prompt, seed, 12)
-    assert int(h.scheduler.arrays.sched[FREE_TOP]) == 14
+    assert free_pages(h.scheduler.arrays) == 14
 
 
 def test_admission_is_fcfs_and_a_policy_can_replace_it():
@@ -196,7 +247,7 @@ def test_admission_is_fcfs_and_a_policy_can_replace_it():
 
 
 def test_full_ring_and_unservable_requests():
-    geometry = RingGeometry(n_slots=3, max_prompt_tokens=40, max_output_tokens=12, max_stop_ids=2)
+    geometry = RingGeometry(n_slots=3, max_prompt_tokens=40, max_output_tokens=12, max_stop_ids=2, prefix_page_size=4)
     h = Harness(geometry=geometry)
     ok = [h.agent.submit([5, 6], SamplingParams(max_tokens=2, seed=i)) for i in range(2)]
     longest = h.agent.submit(list(range(40)), SamplingParams(max_tokens=12))    # exactly max_model_len
@@ -221,7 +272,7 @@ def test_shutdown_aborts_in_flight_requests_and_stops():
     results = {out.request_id: out for out in h.agent.poll()}
     assert {results[r].finish_reason for r in [running] + waiting} == {"abort"}
     assert h.agent.stats()["engine_state"] == ENGINE_STOPPED
-    assert int(h.scheduler.arrays.sched[FREE_TOP]) == CONFIG.num_pages
+    assert free_pages(h.scheduler.arrays) == CONFIG.num_pages
 
 
 def test_logprobs_reach_the_ring_only_when_asked():
@@ -248,7 +299,7 @@ def test_a_request_cancelled_during_chunked_prefill_finishes_with_abort_and_no_t
     h.agent.cancel(rid)
     h.run_until_idle()
     assert h.reasons[rid] == "abort" and h.outputs.get(rid, []) == []
-    assert int(h.scheduler.arrays.sched[FREE_TOP]) == CONFIG.num_pages
+    assert free_pages(h.scheduler.arrays) == CONFIG.num_pages
 
 
 def test_prefills_that_hold_every_page_are_unblocked_by_preemption():

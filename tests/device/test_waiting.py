@@ -30,7 +30,8 @@ from blink.ring.geometry import RingGeometry
 from blink.ring.layout import FREE, READY, RUNNING
 
 GEOMETRY = RingGeometry(n_slots=8, max_prompt_tokens=6, max_output_tokens=5, max_stop_ids=2, logprobs=False)
-CONFIG = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=4, page_size=4, num_pages=4, max_model_len=8)
+CONFIG = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=4, page_size=4, num_pages=4, max_model_len=8,
+                         enable_prefix_caching=False)
 LIMITS = ref.Limits(GEOMETRY.max_prompt_tokens, GEOMETRY.max_output_tokens, GEOMETRY.max_stop_ids,
                     CONFIG.max_model_len)
 

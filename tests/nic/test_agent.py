@@ -303,3 +303,18 @@ def test_a_failed_publish_releases_its_slot(local_ring):
         agent.submit([1], SamplingParams(max_tokens=1))
     memory.write = real_write
     assert agent.tracker.n_free == SMALL.n_slots and agent.in_flight == 0
+
+
+def test_a_ring_with_prefix_keys_gets_each_prompts_page_keys_and_chain_state(local_ring):
+    from blink.ring.hashing import reference_keys
+
+    geometry = RingGeometry(n_slots=2, max_prompt_tokens=8, max_output_tokens=4, max_stop_ids=0, prefix_page_size=3)
+    memory, agent, consumer = local_ring(geometry)
+    seed = int(consumer.view.control["prefix_seed"][0])
+    assert seed != 0, "the creator draws a seed"
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    agent.submit(prompt, SamplingParams(max_tokens=1))
+    keys, state = reference_keys(prompt, 3, seed)
+    assert consumer.view.prefix_keys[0, :2].tolist() == keys and consumer.view.headers["prefix_state"][0] == state
+    agent.submit([1, 2], SamplingParams(max_tokens=1))       # no full page: only the state
+    assert consumer.view.headers["prefix_state"][1] == reference_keys([1, 2], 3, seed)[1]

@@ -16,10 +16,13 @@ CONTROL_SPEC = [("magic", 0, 4), ("version", 4, 4), ("n_slots", 8, 4), ("max_pro
                 ("tokens", 56, 8), ("admitted", 64, 8), ("finished", 72, 8), ("cancelled", 80, 8),
                 ("preempted", 88, 8), ("kv_pages_total", 96, 4), ("kv_pages_free", 100, 4), ("running", 104, 4),
                 ("waiting", 108, 4), ("submitted", 112, 8), ("cancels", 120, 8), ("max_model_len", 128, 4),
-                ("in_step", 132, 4), ("step_limit_s", 136, 4), ("alive", 144, 8), ("creator_pid", 152, 4)]
+                ("in_step", 132, 4), ("step_limit_s", 136, 4), ("alive", 144, 8), ("creator_pid", 152, 4),
+                ("prefix_page_size", 156, 4), ("prefix_seed", 160, 8), ("prefix_query_tokens", 168, 8),
+                ("prefix_hit_tokens", 176, 8), ("prefix_evictions", 184, 8), ("prefill_tokens", 192, 8),
+                ("cached_pages", 200, 4)]
 HEADER_SPEC = [("request_id", 0, 8), ("arrival_ns", 8, 8), ("seed", 16, 8), ("prompt_len", 24, 4),
                ("max_tokens", 28, 4), ("temperature", 32, 4), ("top_p", 36, 4), ("top_k", 40, 4), ("flags", 44, 4),
-               ("n_stop", 48, 4), ("priority", 52, 4)]
+               ("n_stop", 48, 4), ("priority", 52, 4), ("prefix_state", 56, 8)]
 
 
 @pytest.mark.parametrize("dtype,spec,itemsize", [(CONTROL_DTYPE, CONTROL_SPEC, 256),
@@ -42,13 +45,17 @@ def test_header_size_follows_stop_capacity(max_stop_ids, itemsize):
 
 
 @pytest.mark.parametrize("geometry", [RingGeometry(), RingGeometry(n_slots=3, max_prompt_tokens=5, max_output_tokens=7,
-                                                                   max_stop_ids=0, logprobs=False)])
+                                                                   max_stop_ids=0, logprobs=False),
+                                      RingGeometry(n_slots=5, max_prompt_tokens=70, prefix_page_size=16)])
 def test_regions_are_page_aligned_disjoint_and_sized(geometry):
     layout = RingLayout(geometry)
     n = geometry.n_slots
     column = (4 * n + 63) // 64 * 64
     expected = {"control": 256, "status": 5 * column, "headers": n * layout.header_dtype.itemsize,
-                "prompts": 4 * n * geometry.max_prompt_tokens, "outputs": 4 * n * geometry.max_output_tokens,
+                "prompts": 4 * n * geometry.max_prompt_tokens,
+                "prefix_keys": 8 * n * (geometry.max_prompt_tokens // geometry.prefix_page_size
+                                        if geometry.prefix_page_size else 0),
+                "outputs": 4 * n * geometry.max_output_tokens,
                 "logprobs": 4 * n * geometry.max_output_tokens if geometry.logprobs else 0}
     previous_end = 0
     for name, (offset, size) in layout.regions.items():
@@ -70,7 +77,7 @@ def _random_value(dtype: np.dtype, rng):
 
 
 def test_every_field_round_trips_through_the_region_views():
-    geometry = RingGeometry(n_slots=5, max_prompt_tokens=7, max_output_tokens=3, max_stop_ids=4)
+    geometry = RingGeometry(n_slots=5, max_prompt_tokens=7, max_output_tokens=3, max_stop_ids=4, prefix_page_size=3)
     layout = RingLayout(geometry)
     rng = np.random.default_rng(0)
     buffer = bytearray(layout.size)
@@ -85,6 +92,7 @@ def test_every_field_round_trips_through_the_region_views():
     for name in STATUS_COLUMNS:
         view.status[name][:] = rng.integers(0, 2**32, 5, dtype=np.uint32)
     view.prompts[:] = rng.integers(0, 2**31, view.prompts.shape)
+    view.prefix_keys[:] = rng.integers(0, 2**64, view.prefix_keys.shape, dtype=np.uint64, endpoint=False)
     view.outputs[:] = rng.integers(0, 2**31, view.outputs.shape)
     view.logprobs[:] = rng.standard_normal(view.logprobs.shape)
     # Read back through raw byte offsets, as a transport would.
@@ -101,6 +109,8 @@ def test_every_field_round_trips_through_the_region_views():
     for slot in range(5):
         prompt = np.frombuffer(bytes(buffer[layout.prompt_at(slot): layout.prompt_at(slot) + 28]), "<i4")
         np.testing.assert_array_equal(prompt, view.prompts[slot])
+        keys = np.frombuffer(bytes(buffer[layout.prefix_keys_at(slot): layout.prefix_keys_at(slot) + 16]), "<u8")
+        np.testing.assert_array_equal(keys, view.prefix_keys[slot])        # 7 // 3: two full pages
         out = np.frombuffer(bytes(buffer[layout.output_at(slot): layout.output_at(slot, 3)]), "<i4")
         np.testing.assert_array_equal(out, view.outputs[slot])
         lp = np.frombuffer(bytes(buffer[layout.logprob_at(slot): layout.logprob_at(slot, 3)]), "<f4")
@@ -108,11 +118,12 @@ def test_every_field_round_trips_through_the_region_views():
 
 
 def test_views_do_not_overlap():
-    layout = RingLayout(RingGeometry(n_slots=4, max_prompt_tokens=3, max_output_tokens=2))
+    layout = RingLayout(RingGeometry(n_slots=4, max_prompt_tokens=3, max_output_tokens=2, prefix_page_size=1))
     buffer = bytearray(layout.size)
     view = layout.view(buffer)
     columns = [view.status[name] for name in STATUS_COLUMNS]
-    for array in (view.control, *columns, view.headers, view.prompts, view.outputs, view.logprobs):
+    for array in (view.control, *columns, view.headers, view.prompts, view.prefix_keys, view.outputs,
+                  view.logprobs):
         array.view(np.uint8)[...] = 0xFF
         assert sum(buffer) == 0xFF * array.nbytes
         array.view(np.uint8)[...] = 0

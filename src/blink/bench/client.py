@@ -14,6 +14,10 @@ import aiohttp
 from blink.bench.datasets import SampleRequest
 from blink.bench.metrics import RequestOutput
 
+# The server's counters a run records, as their change over the run (blink's /metrics; another server has none).
+SERVER_COUNTERS = ("blink_prefill_tokens_total", "blink_prefix_cache_queries_total", "blink_prefix_cache_hits_total",
+                   "blink_prefix_cache_evictions_total", "blink_generation_tokens_total")
+
 
 class OpenAIClient:
     """``async with OpenAIClient(base_url) as client: await client.send(request)``. ``model=None`` asks the server
@@ -50,6 +54,20 @@ class OpenAIClient:
 
     def info(self) -> dict:
         return {"base_url": self.base_url, "model": self.model}
+
+    async def server_counters(self) -> dict[str, float] | None:
+        """The ``SERVER_COUNTERS`` on the server's /metrics now; None if it has none of them (or no /metrics)."""
+        try:
+            async with self.session.get(f"{self.base_url}/metrics") as response:
+                text = await response.text() if response.status == 200 else ""
+        except aiohttp.ClientError:
+            return None
+        values = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in SERVER_COUNTERS:
+                values[name] = float(value)
+        return values or None
 
     def payload(self, request: SampleRequest) -> dict:
         body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.output_len, "temperature": 0.0,

@@ -1,10 +1,13 @@
-"""Benchmark requests: ShareGPT_V3 conversations read from a local JSON file, or a synthetic ShareGPT-like set.
+"""Benchmark requests: ShareGPT_V3 conversations read from a local JSON file, a synthetic ShareGPT-like set, or a
+synthetic set of shared prefixes (``shared_prefix``: one system prompt before every request, optionally multi-turn
+conversations that resend their history) for the prefix cache.
 
 Every request carries its prompt as token ids, so the server's prompt length is exactly ``prompt_len`` (no
 re-tokenization on the server), and ``output_len`` is the ``max_tokens`` it asks for.
 
 Filter (vLLM's ``is_valid_sequence`` for ShareGPT): ``prompt_len >= 4``, ``output_len >= 4`` (unless a fixed
-``output_len`` is asked for), ``prompt_len <= 1024``, ``prompt_len + output_len <= 2048``. Both datasets obey it.
+``output_len`` is asked for), ``prompt_len <= 1024``, ``prompt_len + output_len <= 2048``. Both ShareGPT-like datasets
+obey it; the shared-prefix one bounds each turn instead (``MAX_TURN_LEN``).
 """
 from __future__ import annotations
 
@@ -85,3 +88,46 @@ def sharegpt(path: str, encode, num_prompts: int, seed: int = 0, output_len: int
                          f"'conversations' have two turns or more, with {MIN_LEN}..{MAX_PROMPT_LEN} prompt tokens and "
                          f"at most {MAX_TOTAL_LEN} in all); --num-prompts asks for {num_prompts}")
     return requests
+
+
+# Shared prefixes: a system prompt of DEFAULT_PREFIX_LEN tokens (1-2K, as chat and agent deployments have), turns of
+# ShareGPT-like length cut to MAX_TURN_LEN.
+DEFAULT_PREFIX_LEN = 1536
+MAX_TURN_LEN = 256
+
+
+def shared_prefix(num_prompts: int, vocab_size: int, seed: int = 0, output_len: int | None = None,
+                  prefix_len: int = DEFAULT_PREFIX_LEN, turns: int = 1) -> list[SampleRequest]:
+    """``num_prompts`` requests that all begin with one system prompt of ``prefix_len`` random tokens.
+
+    ``turns == 1``: each request is the system prompt and a user turn of its own. ``turns > 1``: conversations of
+    ``turns`` requests each, every conversation's first turn before any second turn, and so on; turn ``t``'s prompt is
+    the system prompt, the ``t - 1`` earlier exchanges (user turn, then assistant turn) and its user turn. The
+    assistant turns are random tokens of the exchange's output length, not what a server answered (an open-loop
+    benchmark cannot wait for the answers), so a turn reuses the prompt of the turn before it, not its generated
+    pages. Turn and output lengths are ShareGPT-like, in ``[MIN_LEN, MAX_TURN_LEN]`` (``output_len`` fixes the
+    outputs). Deterministic in its arguments.
+    """
+    if vocab_size < 1 or prefix_len < 0 or turns < 1:
+        raise ValueError(f"vocab_size and turns must be >= 1 and prefix_len >= 0 (got {vocab_size}, {turns}, "
+                         f"{prefix_len})")
+    rng = np.random.default_rng([seed, prefix_len, turns])
+    system = rng.integers(0, vocab_size, prefix_len).tolist()
+    conversations = -(-num_prompts // turns)
+    histories = [list(system) for _ in range(conversations)]
+    requests = []
+    for _ in range(turns):
+        for history in histories:
+            user = rng.integers(0, vocab_size, _turn_len(rng, PROMPT_LOG_MEAN, PROMPT_LOG_STD)).tolist()
+            out = output_len if output_len is not None else _turn_len(rng, OUTPUT_LOG_MEAN, OUTPUT_LOG_STD)
+            history += user
+            requests.append(SampleRequest(list(history), len(history), out))
+            history += rng.integers(0, vocab_size, out).tolist()      # the assistant turn the next one resends
+    return requests[:num_prompts]
+
+
+def _turn_len(rng: np.random.Generator, log_mean: float, log_std: float) -> int:
+    while True:
+        n = round(rng.lognormal(log_mean, log_std))
+        if MIN_LEN <= n <= MAX_TURN_LEN:
+            return n

@@ -91,6 +91,10 @@ class HFPeer:
         return {"transformers": transformers.__version__, "device": self.device, "dtype": self.dtype,
                 "attn_implementation": self.manager.model.config._attn_implementation}
 
+    async def server_counters(self) -> None:
+        """transformers keeps no counters of its own (the OpenAI client reads blink's)."""
+        return None
+
     async def send(self, request: SampleRequest) -> RequestOutput:
         """One request through the manager, one chunk per streamed output that adds tokens; never raises."""
         rid = f"bench-{next(self._ids)}"

@@ -5,7 +5,8 @@ OpenAI-compatible server (``--backend openai``, ``client``) or transformers' con
 (``--backend hf``, ``peer``), and computes ``vllm bench serve``'s metrics for each rate (``metrics``). With
 ``--interference N`` the whole sweep runs twice: isolated, then colocated with N hog processes (``interference``).
 GPU energy is metered per run (``energy``). Before the sweep one request goes through alone (a failure stops the
-benchmark there, naming the error). Writes one JSON (``--result-json``: the options, then a record per run) and
+benchmark there, naming the error). Writes one JSON (``--result-json``: the options, then a record per run, with
+the server's own counters over the run where it has them: prefill tokens, prefix-cache hits) and
 PNGs (``--plot-dir``); exits 1 if any request failed.
 """
 from __future__ import annotations
@@ -24,6 +25,8 @@ HOG_SETTLE_S = 2.0       # hogs import numpy and fill their buffers before the c
 
 def add_parsers(subparsers) -> None:
     """``serve`` and ``report`` under ``blink bench``."""
+    from blink.bench.datasets import DEFAULT_PREFIX_LEN
+
     p = subparsers.add_parser("serve", help="online-serving benchmark (vllm bench serve's metrics)",
                               description=__doc__.split("\n")[0])
     p.add_argument("--backend", choices=("openai", "hf"), default="openai",
@@ -39,8 +42,13 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="hf: default the GPU if there is one")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="hf: default the checkpoint's on a GPU, float32 on the CPU")
-    p.add_argument("--dataset", choices=("synthetic", "sharegpt"), default="synthetic")
+    p.add_argument("--dataset", choices=("synthetic", "sharegpt", "prefix"), default="synthetic",
+                   help="prefix: one system prompt before every request (the prefix cache's workload)")
     p.add_argument("--dataset-path", default=None, help="sharegpt: a ShareGPT_V3 JSON file")
+    p.add_argument("--prefix-len", type=int, default=DEFAULT_PREFIX_LEN, help="prefix: tokens of the shared system "
+                   "prompt")
+    p.add_argument("--turns", type=int, default=1,
+                   help="prefix: turns per conversation, each resending the ones before it (1: single requests)")
     p.add_argument("--tokenizer", default=None, help="model directory whose tokenizer.json encodes ShareGPT text "
                    "and bounds synthetic token ids (default: --model if it has one, else the embedded SmolLM2)")
     p.add_argument("--num-prompts", type=int, default=1000)
@@ -101,6 +109,9 @@ def load_requests(args) -> list:
         if args.dataset_path is None:
             raise ValueError("--dataset sharegpt needs --dataset-path (a ShareGPT_V3 JSON file)")
         return datasets.sharegpt(args.dataset_path, tokenizer.encode, args.num_prompts, args.seed, args.output_len)
+    if args.dataset == "prefix":
+        return datasets.shared_prefix(args.num_prompts, tokenizer.vocab_size, args.seed, args.output_len,
+                                      args.prefix_len, args.turns)
     return datasets.synthetic(args.num_prompts, tokenizer.vocab_size, args.seed, args.output_len)
 
 
@@ -149,15 +160,19 @@ async def benchmark(backend, requests: list, args, save) -> list[dict]:
                     print(f"\n{args.label or args.backend} {condition}: {len(requests)} requests at "
                           f"{rate} req/s (burstiness {args.burstiness})", flush=True)
                     arrivals = arrival_times(len(requests), rate, args.burstiness, args.seed)
+                    before = await backend.server_counters()
                     with EnergyMeter() as meter:
                         outputs, duration = await send_all(backend.send, requests, arrivals, args.max_concurrency)
+                    after = await backend.server_counters()
                     result = metrics.compute(outputs, duration, slo_ttft_ms=args.slo_ttft_ms,
                                              slo_tpot_ms=args.slo_tpot_ms)
                     print(metrics.table(result, rate, args.max_concurrency), flush=True)
                     runs.append({"label": args.label or args.backend, "condition": condition, "interference": hogs,
                                  "request_rate": rate_json(rate),
                                  "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-                                 "energy": meter.result(result["total_output_tokens"]), **result})
+                                 "energy": meter.result(result["total_output_tokens"]),
+                                 "server": {k: after[k] - before[k] for k in after} if before and after else None,
+                                 **result})
                     save(runs, backend.info())
     return runs
 

@@ -2,7 +2,9 @@
 
 ``admit``: requests leave the head of the waiting queue (``waiting.py``, sorted by the admission policy) while
 running sequences stay under ``max_num_seqs`` and their whole prompt fits in the free pages above the watermark. The
-first one that does not fit blocks the rest (no overtaking), as in vLLM's FCFS.
+first one that does not fit blocks the rest (no overtaking), as in vLLM's FCFS. With prefix caching a request starts
+with the pages of its longest cached prefix computed (``prefix.py``), and needs only the rest, plus the cached pages
+it takes from the evictable ones (they stop being free).
 
 ``plan``: every running sequence wants ``total - computed`` tokens (1 for a decode). Decodes come first and always
 get their page: while they do not fit, the most recently admitted sequence that holds pages is preempted by
@@ -15,12 +17,14 @@ from __future__ import annotations
 
 from numba import int64
 
+from blink.device import prefix
 from blink.device.block import exclusive_scan, locate
-from blink.device.kv import allocate_pages, free_sequences
+from blink.device.kv import allocate_pages, free_sequences, free_total
 from blink.device.numba_compat import cuda
-from blink.device.state import (BUCKET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_PAGE_SIZE, CFG_TOKEN_BUDGET, CFG_WATERMARK,
-                                FREE_TOP, IDLE, K_ADMITTED, K_CHUNKED, K_COPIES, K_DECODE_PAGES, K_NEED, K_PREEMPTED,
-                                K_PREFILLS, K_VICTIM, N_QUEUED, N_ROWS, N_RUNNING, QUEUE_HEAD)
+from blink.device.state import (BUCKET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_PAGE_SIZE, CFG_PREFIX_CACHING,
+                                CFG_TOKEN_BUDGET, CFG_WATERMARK, IDLE, K_ADMITTED, K_CHUNKED, K_COPIES,
+                                K_DECODE_PAGES, K_HIT_TOKENS, K_NEED, K_PREEMPTED, K_PREFILLS, K_QUERY_TOKENS,
+                                K_VICTIM, N_QUEUED, N_ROWS, N_RUNNING, QUEUE_HEAD)
 
 
 @cuda.jit(device=True)
@@ -29,14 +33,15 @@ def pages_for(tokens, page_size):
 
 
 @cuda.jit(device=True)
-def start_sequence(s, slot, index):
-    """Move a queued request (its header is already in device memory) to running[index].
+def start_sequence(s, slot, index, hits):
+    """Move a queued request (its header is already in device memory) to running[index], its first ``hits`` pages
+    found in the prefix cache (already in its block table).
 
     Its output words are zeroed now; ``scheduler.publish`` stores RUNNING after the iteration's fence.
     """
     s.seq_total[slot] = s.seq_prompt_len[slot]
-    s.seq_computed[slot] = 0
-    s.seq_npages[slot] = 0
+    s.seq_computed[slot] = hits * s.cfg[CFG_PAGE_SIZE]
+    s.seq_npages[slot] = hits
     s.seq_finish[slot] = 0
     s.seq_version[slot] += 1
     s.seq_seen[slot] = 0
@@ -46,28 +51,50 @@ def start_sequence(s, slot, index):
 
 
 @cuda.jit(device=True)
+def admission_cost(s, sh, j):
+    """Free pages the j-th request of the window takes: its prompt's, less its cached ones, plus those of them
+    that were evictable."""
+    return pages_for(s.seq_prompt_len[sh.slots[j]], s.cfg[CFG_PAGE_SIZE]) - sh.tokens[j] + sh.rank[j]
+
+
+@cuda.jit(device=True)
 def admit(s, sh):
     """Admit from the head of the waiting queue while sequences and pages last; the first that does not fit
-    blocks the rest (no overtaking)."""
+    blocks the rest (no overtaking). Every request takes at least one free page (its last prompt token is always
+    computed), so the window is at most the free pages."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     running = s.sched[N_RUNNING]
-    window = min(s.sched[N_QUEUED], s.cfg[CFG_MAX_NUM_SEQS] - running)
+    free = free_total(s) - s.cfg[CFG_WATERMARK]
+    window = min(s.sched[N_QUEUED], s.cfg[CFG_MAX_NUM_SEQS] - running, free)
     if window <= 0:
         return
     head = s.sched[QUEUE_HEAD]
-    page = s.cfg[CFG_PAGE_SIZE]
-    for j in range(tid, window, nt):            # pages -> pages the prompts before j need
-        sh.pages[j] = pages_for(s.seq_prompt_len[s.queue_slots[head + j]], page)
+    caching = s.cfg[CFG_PREFIX_CACHING] != 0
+    for j in range(tid, window, nt):            # slots: the window; tokens, rank: cached and evictable pages
+        sh.slots[j] = s.queue_slots[head + j]
+        sh.tokens[j] = 0
+        sh.rank[j] = 0
+    cuda.syncthreads()
+    if caching:
+        prefix.match(s, sh, window)
+    for j in range(tid, window, nt):            # pages -> pages the requests before j take
+        sh.pages[j] = admission_cost(s, sh, j)
     cuda.syncthreads()
     exclusive_scan(sh.pages, window, sh.partial)
-    free = s.sched[FREE_TOP] - s.cfg[CFG_WATERMARK]
     for j in range(tid, window, nt):
-        slot = s.queue_slots[head + j]
-        if sh.pages[j] + pages_for(s.seq_prompt_len[slot], page) <= free:
-            start_sequence(s, slot, running + j)
+        slot = sh.slots[j]
+        if sh.pages[j] + admission_cost(s, sh, j) <= free:
+            start_sequence(s, slot, running + j, sh.tokens[j])
             cuda.atomic.add(sh.counters, K_ADMITTED, 1)
+            if caching:
+                cuda.atomic.add(sh.counters, K_QUERY_TOKENS, s.seq_prompt_len[slot])
+                cuda.atomic.add(sh.counters, K_HIT_TOKENS, s.seq_computed[slot])
+        else:
+            sh.tokens[j] = 0                    # not admitted: holds nothing
     cuda.syncthreads()
+    if caching:
+        prefix.take_hits(s, sh, window)
     if tid == 0:
         admitted = sh.counters[K_ADMITTED]
         s.sched[N_RUNNING] = running + admitted
@@ -91,7 +118,7 @@ def preempt_newest(s, sh):
     victim = sh.counters[K_VICTIM]
     if victim < 0:
         return False
-    free_sequences(s, sh.slots, 1, sh.pages, sh.partial)
+    free_sequences(s, sh, sh.slots, 1)
     if tid == 0:
         s.seq_computed[victim] = 0
         s.seq_version[victim] += 1
@@ -138,13 +165,13 @@ def chunks_once(s, sh, n):
                 cuda.atomic.add(sh.counters, K_PREFILLS, 1)
         cuda.syncthreads()
         decode_pages = sh.counters[K_DECODE_PAGES]
-        if decode_pages <= s.sched[FREE_TOP] or not preempt_newest(s, sh):
+        if decode_pages <= free_total(s) or not preempt_newest(s, sh):
             break
     n_prefill = sh.counters[K_PREFILLS]
     if n_prefill == 0:
         return True
     tokens_left = s.cfg[CFG_TOKEN_BUDGET] - (n - n_prefill)
-    pages_left = s.sched[FREE_TOP] - decode_pages
+    pages_left = free_total(s) - decode_pages
     # Prefill chunks in running order: tokens = tokens wanted by earlier prefills; pages = their pages.
     for i in range(tid, n, nt):
         slot = s.running[i]
@@ -284,7 +311,7 @@ def plan(s, sh):
             cuda.atomic.add(sh.counters, K_NEED, need)
     cuda.syncthreads()
     if sh.counters[K_NEED] != 0:
-        allocate_pages(s, sh.slots, sh.pages, n, sh.partial)
+        allocate_pages(s, sh, sh.slots, sh.pages, n)
     # Rows are the sequences with a chunk, in running order: rank = row index, tokens = first token row.
     if all_decode:
         for i in range(tid, n, nt):

@@ -44,6 +44,9 @@ class SchedulerConfig:
     ``block_threads`` is the scheduler kernel's block size (the simulator runs far fewer threads; results do not
     depend on it). An idle loop sleeps ``idle_sleep_ns`` between iterations. ``launch_mode`` is how the loop launches
     step graphs (``fire_and_forget``: a resident scheduler; ``tail``: one iteration per launch).
+    ``enable_prefix_caching`` keeps full KV pages findable by the key of their prefix, so a request that shares a
+    prompt prefix with an earlier one skips its prefill (docs/scheduler.md, "Prefix caching"; on by default, as in
+    vLLM); its ring must carry the prompts' page keys (``RingGeometry.prefix_page_size == page_size``).
     """
 
     max_num_seqs: int = 256
@@ -57,6 +60,7 @@ class SchedulerConfig:
     block_threads: int = 256
     idle_sleep_ns: int = 20_000
     launch_mode: str = "fire_and_forget"
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         owner = "SchedulerConfig"
@@ -95,6 +99,8 @@ class SchedulerConfig:
         check(is_int(self.idle_sleep_ns) and 0 <= self.idle_sleep_ns <= MAX_IDLE_SLEEP_NS, owner, "idle_sleep_ns",
               f"an int in [0, {MAX_IDLE_SLEEP_NS}]", self.idle_sleep_ns)
         check(self.launch_mode in LAUNCH_MODES, owner, "launch_mode", f"one of {LAUNCH_MODES}", self.launch_mode)
+        check(isinstance(self.enable_prefix_caching, bool), owner, "enable_prefix_caching", "a bool",
+              self.enable_prefix_caching)
 
     @property
     def resolved(self) -> bool:

@@ -53,18 +53,18 @@ SHIM_DEFINES = {
     "LAUNCH_RETRIES": LAUNCH_RETRIES, "LAUNCH_RETRY_NS": LAUNCH_RETRY_NS, "DONE_POLL_NS": DONE_POLL_NS,
 }
 # Sources the cached image depends on besides numba, the CUDA toolchain and the policy.
-_IMAGE_SOURCES = ("device/*.py", "device/shim.cu", "ring/control.py", "ring/layout.py")
+_IMAGE_SOURCES = ("device/*.py", "device/shim.cu", "ring/control.py", "ring/layout.py", "ring/hashing.py")
 
 
 def array_spec() -> list[tuple[str, np.dtype, int]]:
     """(field, dtype, ndim) of every ``SchedulerArrays`` field; sizes do not matter, so a tiny instance tells."""
-    geometry = RingGeometry(n_slots=1, max_prompt_tokens=1, max_output_tokens=1, max_stop_ids=1)
+    geometry = RingGeometry(n_slots=1, max_prompt_tokens=1, max_output_tokens=1, max_stop_ids=1, prefix_page_size=1)
     layout = RingLayout(geometry)
     step = StepLayout(max_num_batched_tokens=1, max_num_seqs=1, max_pages_per_seq=1)
     config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1, page_size=1, num_pages=1, max_model_len=1)
     arrays = {**ring_arrays(layout.view(bytearray(layout.size))),
               **{name: np.zeros(shape, dtype) for name, (shape, dtype) in step.fields().items()},
-              **state_arrays(config, 1, 1, True, step)}
+              **state_arrays(config, geometry, step)}
     return [(name, arrays[name].dtype, arrays[name].ndim) for name in SchedulerArrays._fields]
 
 

@@ -1,57 +1,221 @@
-"""Paged KV page allocator: a stack of free page ids in device memory and one block table per request slot.
+"""Paged KV pages: reference counts, the free stack, the LRU of evictable cached pages, one block table per slot.
 
 The KV pool itself (``[layers, 2, pages, page_size, kv_heads, head_dim]``) belongs to the model; this module only
-hands out page ids. ``free_pages[0:top]`` are the free pages, ``top`` lives in ``s.sched[FREE_TOP]``, and
-``seq_pages[slot, 0:seq_npages[slot]]`` is the block table of the request in ring slot ``slot``.
+hands out page ids. ``seq_pages[slot, 0:seq_npages[slot]]`` is the block table of the request in ring slot ``slot``.
+Every page is in exactly one of three states:
 
-Both operations are done by the whole block at once, with the per-sequence work flattened over the threads:
+- **held**: ``page_ref[p]`` block tables hold it (more than one only for a cached prefix page, which nobody writes);
+- **free**: on the free stack ``free_pages[0:FREE_TOP]``, uncached;
+- **evictable**: cached (in the hash table, ``table.py``) and held by nobody; its live entry in the LRU ring is
+  ``lru_pages[page_lru[p]]``. Allocation may take ``FREE_TOP + N_EVICTABLE`` pages (``free_total``).
 
-- ``free_sequences``: the pages of ``slots[0:n]`` are pushed in order, sequence ``i``'s page ``j`` landing at
-  ``free_pages[top + off_i + j]`` where ``off_i`` is the exclusive prefix of page counts;
-- ``allocate_pages``: sequence ``i`` gets ``need[i]`` pages, its ``j``-th new page being
-  ``free_pages[top - 1 - (off_i + j)]``; the caller guarantees the stack holds enough.
+The LRU ring ``lru_pages`` (2 x num_pages entries) lists released cached pages oldest first, from ``LRU_HEAD``. An
+entry is live iff ``page_lru[its page] == its index``: a page taken back by a prefix hit (``hold``) or evicted leaves
+a stale entry, skipped when the head passes it and dropped by ``compact_lru`` when the ring would overflow.
 
-``KVMirror`` is the same allocator in plain Python, the reference the device code is tested against.
+Block-wide operations, the per-page work flattened over the threads:
+
+- ``free_sequences``: drop the references of ``slots[0:n]``; a page whose last reference goes is released, cached
+  ones to the LRU's tail, others onto the stack, in flat order over the sequences, each from its LAST page, so that
+  a prefix's first pages are evicted last;
+- ``allocate_pages``: sequence ``i`` gets ``need[i]`` pages from the top of the stack, after ``evict`` moved the
+  oldest evictable pages onto it if the stack held too few; the caller guarantees ``free_total`` pages suffice.
+
+``blink.device.mirror.KVMirror`` is the same in plain Python, the reference the device code is tested against.
 """
 from __future__ import annotations
 
 from blink.device.block import exclusive_scan, locate
 from blink.device.numba_compat import cuda
-from blink.device.state import FREE_TOP
+from blink.device.state import (FREE_TOP, K_EVICTED, K_LRU_END, K_UNEVICTED, LRU_COUNT, LRU_HEAD, MAX_CANDIDATES,
+                                N_CACHED, N_EVICTABLE, SCRATCH_CLEAR)
+from blink.device.table import forget
 
 
 @cuda.jit(device=True)
-def free_sequences(s, slots, n, offsets, partial):
-    """Return every page of the sequences in ring slots ``slots[0:n]`` to the free stack."""
+def free_total(s):
+    """Pages an allocation may take: the free stack and the evictable cached pages."""
+    return s.sched[FREE_TOP] + s.sched[N_EVICTABLE]
+
+
+@cuda.jit(device=True)
+def hold(s, sh, page):
+    """One more block table holds ``page``; an evictable page leaves the LRU (its entry goes stale). The caller
+    subtracts ``K_UNEVICTED`` from ``N_EVICTABLE`` after a barrier."""
+    if cuda.atomic.add(s.page_ref, page, 1) == 0:
+        s.page_lru[page] = -1
+        cuda.atomic.add(sh.counters, K_UNEVICTED, 1)
+
+
+@cuda.jit(device=True)
+def page_of(s, slots, offsets, n, index):
+    """Flat item ``index`` over the block tables of ``slots[0:n]`` (``offsets``: their page counts, scanned), each
+    table walked from its last page back."""
+    i = locate(offsets, n, index)
+    slot = slots[i]
+    return s.seq_pages[slot, s.seq_npages[slot] - 1 - (index - offsets[i])]
+
+
+@cuda.jit(device=True)
+def free_sequences(s, sh, slots, n):
+    """Drop the block tables of the sequences in ring slots ``slots[0:n]`` and release the pages nobody holds now.
+
+    A page held twice in this batch is released by its first item (flat order), whichever thread drops the last
+    reference: each item claims its page with an atomic min over ``page_scratch``. Scratch: ``sh.pages`` (page
+    counts, scanned), ``sh.rank``, ``sh.tokens`` and ``sh.chunk``.
+    """
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     for i in range(tid, n, nt):
-        offsets[i] = s.seq_npages[slots[i]]
+        sh.pages[i] = s.seq_npages[slots[i]]
     cuda.syncthreads()
-    total = exclusive_scan(offsets, n, partial)
-    top = s.sched[FREE_TOP]
+    total = exclusive_scan(sh.pages, n, sh.partial)
+    if s.sched[LRU_COUNT] + total > s.lru_pages.shape[0]:
+        compact_lru(s, sh)
     for index in range(tid, total, nt):
-        i = locate(offsets, n, index)
-        s.free_pages[top + index] = s.seq_pages[slots[i], index - offsets[i]]
+        page = page_of(s, slots, sh.pages, n, index)
+        cuda.atomic.sub(s.page_ref, page, 1)
+        cuda.atomic.min(s.page_scratch, page, index)
+    cuda.syncthreads()
+    for first in range(0, total, MAX_CANDIDATES):
+        release(s, sh, slots, n, first, min(MAX_CANDIDATES, total - first))
+    for index in range(tid, total, nt):
+        s.page_scratch[page_of(s, slots, sh.pages, n, index)] = SCRATCH_CLEAR
     cuda.syncthreads()
     for i in range(tid, n, nt):
         s.seq_npages[slots[i]] = 0
-    if tid == 0:
-        s.sched[FREE_TOP] = top + total
     cuda.syncthreads()
 
 
 @cuda.jit(device=True)
-def allocate_pages(s, slots, need, n, partial):
-    """Append ``need[i]`` pages to the block table of ring slot ``slots[i]``; ``need`` is consumed (scanned)."""
+def released(s, page, index):
+    """Whether item ``index`` releases ``page`` (nobody holds it any more, and the item claimed it)."""
+    return s.page_ref[page] == 0 and s.page_scratch[page] == index
+
+
+@cuda.jit(device=True)
+def release(s, sh, slots, n, first, count):
+    """``free_sequences``' items ``first .. first + count - 1`` (count <= MAX_CANDIDATES): released pages onto the
+    stack (``sh.rank``: rank among the uncached ones) or to the LRU's tail (``sh.tokens``: among the cached ones)."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    total = exclusive_scan(need, n, partial)
+    for k in range(tid, count, nt):
+        page = page_of(s, slots, sh.pages, n, first + k)
+        out = released(s, page, first + k)
+        sh.rank[k] = 1 if out and s.page_cached[page] == 0 else 0
+        sh.tokens[k] = 1 if out and s.page_cached[page] != 0 else 0
+    cuda.syncthreads()
+    n_free = exclusive_scan(sh.rank, count, sh.partial)
+    n_cached = exclusive_scan(sh.tokens, count, sh.partial)
+    top = s.sched[FREE_TOP]
+    capacity = s.lru_pages.shape[0]
+    tail = s.sched[LRU_HEAD] + s.sched[LRU_COUNT]
+    for k in range(tid, count, nt):
+        page = page_of(s, slots, sh.pages, n, first + k)
+        if released(s, page, first + k):
+            if s.page_cached[page] != 0:
+                position = (tail + sh.tokens[k]) % capacity
+                s.lru_pages[position] = page
+                s.page_lru[page] = position
+            else:
+                s.free_pages[top + sh.rank[k]] = page
+    cuda.syncthreads()
+    if tid == 0:
+        s.sched[FREE_TOP] = top + n_free
+        s.sched[LRU_COUNT] += n_cached
+        s.sched[N_EVICTABLE] += n_cached
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def compact_lru(s, sh):
+    """Drop the LRU ring's stale entries, keeping the live ones in order from ``LRU_HEAD``. In place, a window of
+    MAX_CANDIDATES entries at a time: a live entry only moves towards the head, into entries already read.
+    Scratch: ``sh.tokens`` (live flags), ``sh.rank`` (their ranks), ``sh.chunk`` (the window's pages)."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    capacity = s.lru_pages.shape[0]
+    head = s.sched[LRU_HEAD]
+    count = s.sched[LRU_COUNT]
+    kept = 0
+    for first in range(0, count, MAX_CANDIDATES):
+        window = min(MAX_CANDIDATES, count - first)
+        for k in range(tid, window, nt):
+            position = (head + first + k) % capacity
+            page = s.lru_pages[position]
+            sh.chunk[k] = page
+            sh.tokens[k] = 1 if s.page_lru[page] == position else 0
+            sh.rank[k] = sh.tokens[k]
+        cuda.syncthreads()
+        live = exclusive_scan(sh.rank, window, sh.partial)
+        for k in range(tid, window, nt):
+            if sh.tokens[k] != 0:
+                position = (head + kept + sh.rank[k]) % capacity
+                s.lru_pages[position] = sh.chunk[k]
+                s.page_lru[sh.chunk[k]] = position
+        cuda.syncthreads()
+        kept += live
+    if tid == 0:
+        s.sched[LRU_COUNT] = kept
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def evict(s, sh, count):
+    """Move the ``count`` (<= N_EVICTABLE) least recently released evictable pages out of the prefix cache onto the
+    free stack, in LRU order. Scratch: ``sh.tokens`` (live flags of a window of the ring), ``sh.rank`` (their
+    ranks)."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    capacity = s.lru_pages.shape[0]
+    while count > 0 and s.sched[LRU_COUNT] > 0:
+        head = s.sched[LRU_HEAD]
+        window = min(s.sched[LRU_COUNT], MAX_CANDIDATES)
+        for k in range(tid, window, nt):
+            position = (head + k) % capacity
+            sh.tokens[k] = 1 if s.page_lru[s.lru_pages[position]] == position else 0
+            sh.rank[k] = sh.tokens[k]
+        cuda.syncthreads()
+        live = exclusive_scan(sh.rank, window, sh.partial)
+        taken = min(live, count)
+        top = s.sched[FREE_TOP]
+        for k in range(tid, window, nt):
+            if sh.tokens[k] != 0 and sh.rank[k] < taken:
+                page = s.lru_pages[(head + k) % capacity]
+                forget(s, page)
+                s.page_lru[page] = -1
+                s.free_pages[top + sh.rank[k]] = page
+                if sh.rank[k] == taken - 1:
+                    sh.counters[K_LRU_END] = k + 1      # entries up to the last page taken are used up
+        cuda.syncthreads()
+        if tid == 0:
+            used = window if taken == live else sh.counters[K_LRU_END]
+            s.sched[LRU_HEAD] = (head + used) % capacity
+            s.sched[LRU_COUNT] -= used
+            s.sched[FREE_TOP] = top + taken
+            s.sched[N_EVICTABLE] -= taken
+            s.sched[N_CACHED] -= taken
+            sh.counters[K_EVICTED] += taken
+        cuda.syncthreads()
+        count -= taken
+
+
+@cuda.jit(device=True)
+def allocate_pages(s, sh, slots, need, n):
+    """Append ``need[i]`` pages to the block table of ring slot ``slots[i]``; ``need`` is consumed (scanned).
+    Evicts first if the stack is short (scratch: ``sh.tokens``, ``sh.rank``)."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    total = exclusive_scan(need, n, sh.partial)
+    if total > s.sched[FREE_TOP]:
+        evict(s, sh, total - s.sched[FREE_TOP])
     top = s.sched[FREE_TOP]
     for index in range(tid, total, nt):
         i = locate(need, n, index)
         slot = slots[i]
-        s.seq_pages[slot, s.seq_npages[slot] + index - need[i]] = s.free_pages[top - 1 - index]
+        page = s.free_pages[top - 1 - index]
+        s.seq_pages[slot, s.seq_npages[slot] + index - need[i]] = page
+        s.page_ref[page] = 1
     cuda.syncthreads()
     for i in range(tid, n, nt):
         end = need[i + 1] if i + 1 < n else total
@@ -59,22 +223,3 @@ def allocate_pages(s, slots, need, n, partial):
     if tid == 0:
         s.sched[FREE_TOP] = top - total
     cuda.syncthreads()
-
-
-class KVMirror:
-    """The allocator in plain Python, with exactly the device code's page order."""
-
-    def __init__(self, num_pages: int):
-        self.free = list(range(num_pages))      # free[0:top], top of stack last
-        self.tables: dict[int, list[int]] = {}
-
-    def free_sequences(self, slots: list[int]) -> None:
-        for slot in slots:
-            self.free.extend(self.tables.pop(slot, []))
-
-    def allocate(self, slots: list[int], need: list[int]) -> None:
-        if sum(need) > len(self.free):
-            raise ValueError(f"cannot allocate {sum(need)} pages, {len(self.free)} free")
-        for slot, count in zip(slots, need):
-            taken = [self.free.pop() for _ in range(count)]
-            self.tables.setdefault(slot, []).extend(taken)

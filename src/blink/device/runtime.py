@@ -89,7 +89,7 @@ class GpuScheduler:
         view = self.layout.view(memory.buffer)
         control_gauges(view.control.view(np.uint32), config)
         self._place_request_side(memory)
-        host_state = state_arrays(config, geometry.n_slots, geometry.max_stop_ids, geometry.logprobs, step_layout)
+        host_state = state_arrays(config, geometry, step_layout, int(view.control["prefix_seed"][0]))
         self.state = {name: self._to_device(array) for name, array in host_state.items()}
         ring = {name: (self._ring_address(array), array.shape) for name, array in ring_arrays(view).items()}
         step = {name: (step_addresses[name], shape) for name, (shape, _) in step_layout.fields().items()}

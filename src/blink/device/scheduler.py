@@ -3,8 +3,10 @@
 One iteration (``iterate``), run by one thread block:
 
 1. **consume** the previous step's sampled tokens: token (and logprob) into the ring's output area, fence, then
-   ``n_generated``; stop checks (EOS unless ignore_eos, stop ids -> "stop"; ``max_tokens`` -> "length");
-2. **retire** finished and cancelled sequences: pages back to the free stack, ``finish_reason``, fence, FINISHED;
+   ``n_generated``; stop checks (EOS unless ignore_eos, stop ids -> "stop"; ``max_tokens`` -> "length"); the pages
+   the step filled enter the prefix cache (``prefix.cache_step``);
+2. **retire** finished and cancelled sequences: their pages released (``kv.free_sequences``), ``finish_reason``,
+   fence, FINISHED;
 3. **collect** new READY requests into the waiting queue (``waiting.py``), only when the agent's ``submitted``
    doorbell moved; cancels are looked for only when its ``cancels`` doorbell moved;
 4. **admit** from the queue's head (``batcher.admit``), 5. **plan** the next step's inputs (``batcher.plan``);
@@ -19,18 +21,18 @@ from __future__ import annotations
 
 from numba import int32, int64
 
-from blink.device import batcher
+from blink.device import batcher, prefix
 from blink.device.block import MAX_THREADS, exclusive_scan
-from blink.device.kv import free_sequences
+from blink.device.doorbells import read_doorbells
+from blink.device.kv import free_sequences, free_total
 from blink.device.numba_compat import clock, cuda, load_volatile
-from blink.device.state import (C32_ENGINE_STATE, C32_KV_FREE, C32_RUNNING, C32_SHUTDOWN, C32_WAITING, C64_ADMITTED,
-                                C64_CANCELLED, C64_CANCELS, C64_FINISHED, C64_HEARTBEAT, C64_PREEMPTED, C64_STEPS,
-                                C64_SUBMITTED, C64_TOKENS, CFG_LOGPROBS, CFG_N_EOS, COUNTERS, DB_CANCELS, DB_SHUTDOWN,
-                                DB_SUBMITTED, DB_VALID, FREE_TOP, K_ADMITTED, K_CANCEL_BELL, K_CANCELLED, K_ENDING,
-                                K_FINISHED, K_PREEMPTED, K_REFUSED, K_SCAN, K_SHUTDOWN, K_TOKENS, MAX_CANDIDATES,
+from blink.device.state import (C32_CACHED_PAGES, C32_ENGINE_STATE, C32_KV_FREE, C32_RUNNING, C32_WAITING,
+                                C64_HEARTBEAT, C64_STEPS, CFG_LOGPROBS, CFG_N_EOS, CFG_PAGE_SIZE, COUNTERS, FOLDED,
+                                K_ADMITTED, K_CANCEL_BELL, K_CANCELLED, K_COMPLETED, K_ENDING, K_FINISHED,
+                                K_PREFILL_TOKENS, K_REFUSED, K_SCAN, K_SHUTDOWN, K_TOKENS, MAX_CANDIDATES, N_CACHED,
                                 N_CONSUMED, N_COUNTERS, N_PENDING_FINISHED, N_PUBLISHABLE, N_QUEUED, N_ROWS, N_RUNNING,
                                 P_ADMIT, P_COLLECT, P_CONSUME, P_DOORBELLS, P_PLAN, P_PUBLISH, P_RETIRE, QUEUE_HEAD,
-                                REFUSED, S_SEEN_CANCELS, S_SEEN_SUBMITTED, STOP, Scratch)
+                                REFUSED, STOP, Scratch)
 from blink.device.waiting import cancel_queued, cancelled, collect, enqueue
 from blink.ring.control import ENGINE_SERVING, ENGINE_STOPPED
 from blink.ring.layout import (FINISH_ABORT, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, FINISHED, FLAG_IGNORE_EOS,
@@ -57,12 +59,20 @@ def consume(s, sh):
     """Bring the previous step's tokens into the ring's output areas and decide which sequences stop.
 
     The counts that announce the tokens are published at the end of the iteration (``publish``), after one fence.
+    Leaves each row's slot in ``sh.slots`` and its tokens computed before the step in ``sh.tokens`` (``prefix``).
     """
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
+    page = s.cfg[CFG_PAGE_SIZE]
     for r in range(tid, s.sched[N_ROWS], nt):
         slot = s.row_slot[r]
-        s.seq_computed[slot] += s.query_start_loc[r + 1] - s.query_start_loc[r]
+        done = s.seq_computed[slot]
+        computed = done + s.query_start_loc[r + 1] - s.query_start_loc[r]
+        s.seq_computed[slot] = computed
+        sh.slots[r] = slot
+        sh.tokens[r] = done
+        cuda.atomic.add(sh.counters, K_COMPLETED, computed // page - done // page)
+        cuda.atomic.add(sh.counters, K_PREFILL_TOKENS, max(0, min(computed, s.seq_prompt_len[slot]) - done))
         s.consumed[r] = -1
         if s.logits_indices[r] >= 0:
             # Written by the step's kernels on other SMs; a resident scheduler must not read a stale L1 line.
@@ -72,6 +82,7 @@ def consume(s, sh):
             if s.cfg[CFG_LOGPROBS] != 0 and (s.seq_flags[slot] & FLAG_LOGPROBS) != 0:
                 s.logprobs[slot, n] = load_volatile(s.sampled_logprobs, r)
             s.consumed[r] = slot                  # n_generated is published after this iteration's fence
+            prefix.note_token(s, slot, s.seq_total[slot], token)
             s.seq_total[slot] += 1
             s.seq_last[slot] = token
             s.seq_finish[slot] = stop_reason(s, slot, token)
@@ -108,7 +119,7 @@ def retire(s, sh):
         else:
             sh.kept[i - sh.rank[i]] = slot
     cuda.syncthreads()
-    free_sequences(s, sh.slots, n_finishing, sh.pages, sh.partial)
+    free_sequences(s, sh, sh.slots, n_finishing)
     for i in range(tid, n_finishing, nt):
         slot = sh.slots[i]
         reason = s.seq_finish[slot]
@@ -183,7 +194,7 @@ def shut_down(s, sh):
     for i in range(tid, n, nt):
         sh.slots[i] = s.running[i]
     cuda.syncthreads()
-    free_sequences(s, sh.slots, n, sh.pages, sh.partial)
+    free_sequences(s, sh, sh.slots, n)
     for i in range(tid, n, nt):
         slot = sh.slots[i]
         s.seq_finish[slot] = FINISH_NONE
@@ -231,56 +242,17 @@ def lap(s, start, phase):
 
 
 @cuda.jit(device=True)
-def read_doorbells(s, sh):
-    """Three threads read shutdown and the two doorbells across PCIe at once; the block then agrees on them.
-
-    A doorbell that moved since last acted on sets K_SCAN / K_CANCEL_BELL. The fire-and-forget loop reads the three
-    words while the previous step runs into ``s.doorbells`` (``DB_*``): then no PCIe read is on this path.
-    """
-    tid = cuda.threadIdx.x
-    prefetched = s.doorbells[DB_VALID] != 0   # the resident loop read them while the last step ran (shim.cu)
-    cuda.syncthreads()
-    if prefetched:
-        if tid == 0:
-            s.doorbells[DB_VALID] = 0
-            sh.counters[K_SHUTDOWN] = s.doorbells[DB_SHUTDOWN]
-            if s.doorbells[DB_SUBMITTED] != s.stats[S_SEEN_SUBMITTED]:
-                s.stats[S_SEEN_SUBMITTED] = s.doorbells[DB_SUBMITTED]
-                sh.counters[K_SCAN] = 1
-            if s.doorbells[DB_CANCELS] != s.stats[S_SEEN_CANCELS]:
-                s.stats[S_SEEN_CANCELS] = s.doorbells[DB_CANCELS]
-                sh.counters[K_CANCEL_BELL] = 1
-        cuda.syncthreads()
-        return
-    if tid == 0:
-        sh.counters[K_SHUTDOWN] = load_volatile(s.ctl32, C32_SHUTDOWN)
-    if tid == min(1, cuda.blockDim.x - 1):
-        submitted = int64(load_volatile(s.ctl64, C64_SUBMITTED))
-        if submitted != s.stats[S_SEEN_SUBMITTED]:
-            s.stats[S_SEEN_SUBMITTED] = submitted
-            sh.counters[K_SCAN] = 1
-    if tid == min(2, cuda.blockDim.x - 1):
-        cancels = int64(load_volatile(s.ctl64, C64_CANCELS))
-        if cancels != s.stats[S_SEEN_CANCELS]:
-            s.stats[S_SEEN_CANCELS] = cancels
-            sh.counters[K_CANCEL_BELL] = 1
-    cuda.syncthreads()
-
-
-@cuda.jit(device=True)
 def publish_stats(s, sh, launched):
     """Thread 0: fold this iteration's counts into the device counters and store them into the control block."""
     s.stats[C64_STEPS] += 1 if launched else 0
-    s.stats[C64_TOKENS] += sh.counters[K_TOKENS]
-    s.stats[C64_FINISHED] += sh.counters[K_FINISHED]
-    s.stats[C64_CANCELLED] += sh.counters[K_CANCELLED]
-    s.stats[C64_ADMITTED] += sh.counters[K_ADMITTED]
-    s.stats[C64_PREEMPTED] += sh.counters[K_PREEMPTED]
+    for stat, counter in FOLDED:
+        s.stats[stat] += sh.counters[counter]
     for k in COUNTERS:
         s.ctl64[k] = s.stats[k]
-    s.ctl32[C32_KV_FREE] = s.sched[FREE_TOP]
+    s.ctl32[C32_KV_FREE] = free_total(s)
     s.ctl32[C32_RUNNING] = s.sched[N_RUNNING]
     s.ctl32[C32_WAITING] = s.sched[N_QUEUED]
+    s.ctl32[C32_CACHED_PAGES] = s.sched[N_CACHED]
 
 
 @cuda.jit(device=True)
@@ -322,6 +294,7 @@ def make_iterate(policy):
         if tid == 0:
             s.sched[N_CONSUMED] = s.sched[N_ROWS]
         consume(s, sh)
+        prefix.cache_step(s, sh)
         t = lap(s, t, P_CONSUME)
         retire(s, sh)
         t = lap(s, t, P_RETIRE)

@@ -105,8 +105,8 @@ class SimScheduler:
             raise ValueError(f"threads must be >= 1 (got {threads})")
         step_arrays = {name: tensor.numpy() for name, tensor in step.tensors().items()}
         self.arrays = SchedulerArrays(**ring_arrays(view), **step_arrays,
-                                      **state_arrays(config, geometry.n_slots, geometry.max_stop_ids,
-                                                     geometry.logprobs, step.layout))
+                                      **state_arrays(config, geometry, step.layout,
+                                                     int(view.control["prefix_seed"][0])))
         control_gauges(self.arrays.ctl32, config)
         self.config = config
         self.step_fn = step_fn

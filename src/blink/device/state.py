@@ -13,6 +13,7 @@ import numpy as np
 from blink.device.config import MAX_EOS, MAX_SEQS, SchedulerConfig
 from blink.device.step import StepLayout
 from blink.ring.control import word_index
+from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingView, header_dtype
 
 
@@ -21,11 +22,12 @@ def _names(*names: str) -> range:
     return range(len(names))
 
 
-# Scheduler scalars (s.sched, int32).
+# Scheduler scalars (s.sched, int32). The prefix cache's (kv.py, prefix.py): evictable = cached pages no sequence
+# holds (free pages = the free stack + these), cached = pages in the table, lru_head / lru_count = the LRU ring.
 SCHED_NAMES = ("running", "free_top", "rows", "bucket", "queued", "queue_head", "consumed", "pending_finished",
-               "publishable")
-N_RUNNING, FREE_TOP, N_ROWS, BUCKET, N_QUEUED, QUEUE_HEAD, N_CONSUMED, N_PENDING_FINISHED, N_PUBLISHABLE = \
-    _names(*SCHED_NAMES)
+               "publishable", "evictable", "cached", "lru_head", "lru_count")
+N_RUNNING, FREE_TOP, N_ROWS, BUCKET, N_QUEUED, QUEUE_HEAD, N_CONSUMED, N_PENDING_FINISHED, N_PUBLISHABLE, \
+    N_EVICTABLE, N_CACHED, LRU_HEAD, LRU_COUNT = _names(*SCHED_NAMES)
 SCHED_WORDS = len(SCHED_NAMES)
 
 IDLE = -1       # nothing to run: back off, then iterate again
@@ -33,25 +35,29 @@ STOP = -2       # shutdown done: do not relaunch
 
 # Scheduler configuration words (s.cfg).
 CFG_NAMES = ("page_size", "token_budget", "max_num_seqs", "n_buckets", "n_eos", "watermark", "max_model_len",
-             "logprobs", "max_stop")
+             "logprobs", "max_stop", "prefix_caching")
 CFG_PAGE_SIZE, CFG_TOKEN_BUDGET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_N_EOS, CFG_WATERMARK, CFG_MAX_MODEL_LEN, \
-    CFG_LOGPROBS, CFG_MAX_STOP = _names(*CFG_NAMES)
+    CFG_LOGPROBS, CFG_MAX_STOP, CFG_PREFIX_CACHING = _names(*CFG_NAMES)
 CFG_WORDS = len(CFG_NAMES)
 
 # Control-block words, as indices into the u32 (C32_*) and u64 (C64_*) views of the block.
 C32_SHUTDOWN, C32_ENGINE_STATE, C32_IN_STEP = (word_index(n, 4) for n in ("shutdown", "engine_state", "in_step"))
-C32_KV_TOTAL, C32_KV_FREE, C32_RUNNING, C32_WAITING = (word_index(n, 4) for n in
-                                                      ("kv_pages_total", "kv_pages_free", "running", "waiting"))
+C32_KV_TOTAL, C32_KV_FREE, C32_RUNNING, C32_WAITING, C32_CACHED_PAGES = (
+    word_index(n, 4) for n in ("kv_pages_total", "kv_pages_free", "running", "waiting", "cached_pages"))
 C64_HEARTBEAT, C64_STEPS, C64_TOKENS, C64_ADMITTED, C64_FINISHED, C64_CANCELLED, C64_PREEMPTED = (
     word_index(n, 8) for n in ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted"))
+C64_PREFIX_QUERIES, C64_PREFIX_HITS, C64_EVICTIONS, C64_PREFILL_TOKENS = (
+    word_index(n, 8) for n in ("prefix_query_tokens", "prefix_hit_tokens", "prefix_evictions", "prefill_tokens"))
 C64_SUBMITTED, C64_CANCELS = word_index("submitted", 8), word_index("cancels", 8)
-COUNTERS = (C64_HEARTBEAT, C64_STEPS, C64_TOKENS, C64_ADMITTED, C64_FINISHED, C64_CANCELLED, C64_PREEMPTED)
+C64_PREFIX_SEED = word_index("prefix_seed", 8)      # written by the ring's creator; its device copy is read only
+COUNTERS = (C64_HEARTBEAT, C64_STEPS, C64_TOKENS, C64_ADMITTED, C64_FINISHED, C64_CANCELLED, C64_PREEMPTED,
+            C64_PREFIX_QUERIES, C64_PREFIX_HITS, C64_EVICTIONS, C64_PREFILL_TOKENS)
 
 # s.stats (int64): first the device copies of the control block's u64 words (same indices as C64_*), then the SM
 # cycles spent in each phase of the iteration, summed over iterations (thread 0's clock), then the doorbell counts
 # the scheduler has acted on.
 PROFILE_PHASES = ("doorbells", "consume", "retire", "collect", "admit", "plan", "publish")
-P_FIRST = max(*COUNTERS, C64_SUBMITTED, C64_CANCELS) + 1
+P_FIRST = max(*COUNTERS, C64_SUBMITTED, C64_CANCELS, C64_PREFIX_SEED) + 1
 P_DOORBELLS, P_CONSUME, P_RETIRE, P_COLLECT, P_ADMIT, P_PLAN, P_PUBLISH = (P_FIRST + k for k in
                                                                            _names(*PROFILE_PHASES))
 S_SEEN_SUBMITTED = P_FIRST + len(PROFILE_PHASES)
@@ -71,7 +77,8 @@ def _header_word(name: str, size: int) -> int:
 
 
 # Header words, as indices into the i32 / f32 (H32_*, HF_*) and u64 (H64_*) views of a header.
-H64_REQUEST_ID, H64_ARRIVAL, H64_SEED = (_header_word(n, 8) for n in ("request_id", "arrival_ns", "seed"))
+H64_REQUEST_ID, H64_ARRIVAL, H64_SEED, H64_PREFIX_STATE = (
+    _header_word(n, 8) for n in ("request_id", "arrival_ns", "seed", "prefix_state"))
 H32_PROMPT_LEN, H32_MAX_TOKENS, H32_TOP_K, H32_FLAGS, H32_N_STOP, H32_PRIORITY, H32_STOP_IDS = (
     _header_word(n, 4) for n in ("prompt_len", "max_tokens", "top_k", "flags", "n_stop", "priority", "stop_ids"))
 HF_TEMPERATURE, HF_TOP_P = _header_word("temperature", 4), _header_word("top_p", 4)
@@ -96,6 +103,7 @@ class SchedulerArrays(NamedTuple):
     hdr_f32: object         # f32 [n, H/4]
     hdr_u64: object         # u64 [n, H/8]
     prompts: object         # i32 [n, max_prompt_tokens]
+    prefix_keys: object     # u64 [n, prefix_key_pages] keys of each prompt's full pages (or [n, 1] without keys)
     outputs: object         # i32 [n, max_output_tokens]
     logprobs: object        # f32 [n, max_output_tokens] (or [n, 1] when the ring has no logprobs area)
     # Step inputs and outputs (StepBuffers).
@@ -136,6 +144,8 @@ class SchedulerArrays(NamedTuple):
     seq_temperature: object  # f32 [n]
     seq_top_p: object       # f32 [n]
     seq_seed: object        # i64 [n]
+    seq_keys: object        # u64 [n, max_pages_per_seq]  prefix key of each full page (prompt: the ring's)
+    seq_hash: object        # u64 [n]  prefix-key chain state after the sequence's last known token
     seq_seen: object        # i32 [n]  a READY slot the scheduler holds: QUEUED or REFUSED (0: none; see below)
     queue_slots: object     # i32 [n]  the waiting queue (waiting.py), sorted by (key, slot)
     queue_keys: object      # i64 [n]
@@ -148,6 +158,15 @@ class SchedulerArrays(NamedTuple):
     row_slot: object        # i32 [max_num_seqs]  ring slot of each row of the last planned step
     row_version: object     # i32 [max_num_seqs]  seq_version of that slot when the row was last written
     row_pages: object       # i32 [max_num_seqs]  block-table entries already copied into that row
+    # Pages and the prefix cache (kv.py, prefix.py).
+    page_ref: object        # i32 [num_pages]  block tables that hold the page
+    page_cached: object     # i32 [num_pages]  1: the page is in the table under page_key
+    page_key: object        # u64 [num_pages]
+    page_lru: object        # i32 [num_pages]  index of its live entry in lru_pages (-1: not evictable)
+    page_scratch: object    # i32 [num_pages]  per-page word of one block-wide pass (SCRATCH_CLEAR between)
+    lru_pages: object       # i32 [2 num_pages]  ring of freed cached pages, oldest first (entries may be stale)
+    table_keys: object      # u64 [table entries]  the hash table: PREFIX_WAYS ways per bucket
+    table_pages: object     # i32 [table entries]  -1: empty way
 
 
 class Scratch(NamedTuple):
@@ -179,11 +198,30 @@ QUEUED, REFUSED = 1, 2
 
 # Scratch counters (sh.counters), zeroed at the start of each iteration.
 COUNTER_NAMES = ("tokens", "finished", "cancelled", "new", "admitted", "rejected", "preempted", "victim", "shutdown",
-                 "scan", "cancel_bell", "ending", "prefills", "decode_pages", "need", "copies", "chunked", "refused")
+                 "scan", "cancel_bell", "ending", "prefills", "decode_pages", "need", "copies", "chunked", "refused",
+                 "query_tokens", "hit_tokens", "evicted", "prefill_tokens", "completed", "lru_end", "unevicted",
+                 "inserted")
 K_TOKENS, K_FINISHED, K_CANCELLED, K_NEW, K_ADMITTED, K_REJECTED, K_PREEMPTED, K_VICTIM, K_SHUTDOWN, K_SCAN, \
-    K_CANCEL_BELL, K_ENDING, K_PREFILLS, K_DECODE_PAGES, K_NEED, K_COPIES, K_CHUNKED, K_REFUSED = \
+    K_CANCEL_BELL, K_ENDING, K_PREFILLS, K_DECODE_PAGES, K_NEED, K_COPIES, K_CHUNKED, K_REFUSED, K_QUERY_TOKENS, \
+    K_HIT_TOKENS, K_EVICTED, K_PREFILL_TOKENS, K_COMPLETED, K_LRU_END, K_UNEVICTED, K_INSERTED = \
     _names(*COUNTER_NAMES)
 N_COUNTERS = len(COUNTER_NAMES)
+# (device counter, iteration counter) pairs that publish_stats folds together.
+FOLDED = ((C64_TOKENS, K_TOKENS), (C64_FINISHED, K_FINISHED), (C64_CANCELLED, K_CANCELLED),
+          (C64_ADMITTED, K_ADMITTED), (C64_PREEMPTED, K_PREEMPTED), (C64_PREFIX_QUERIES, K_QUERY_TOKENS),
+          (C64_PREFIX_HITS, K_HIT_TOKENS), (C64_EVICTIONS, K_EVICTED), (C64_PREFILL_TOKENS, K_PREFILL_TOKENS))
+
+# The prefix cache's hash table: buckets of PREFIX_WAYS ways, at least twice as many entries as pages.
+PREFIX_WAYS = 16
+SCRATCH_CLEAR = (1 << 31) - 1    # page_scratch between passes
+
+
+def table_entries(num_pages: int) -> int:
+    """Entries of the hash table for ``num_pages`` pages: a power of two of buckets, >= 2 x num_pages entries."""
+    buckets = 1
+    while buckets * PREFIX_WAYS < 2 * num_pages:
+        buckets *= 2
+    return buckets * PREFIX_WAYS
 
 
 # -- host side: the arrays of one scheduler ----------------------------------------------------------------------
@@ -194,23 +232,36 @@ def ring_arrays(view: RingView) -> dict[str, np.ndarray]:
     n = view.headers.shape[0]
     raw_headers = view.headers.view(np.uint8).reshape(n, -1)
     logprobs = view.logprobs if view.logprobs is not None else np.zeros((n, 1), np.float32)
+    prefix_keys = view.prefix_keys if view.prefix_keys is not None else np.zeros((n, 1), np.uint64)
     control = view.control.view(np.uint8).reshape(-1)
     return dict(ctl32=control.view(np.uint32), ctl64=control.view(np.uint64), state=view.status["state"],
                 epoch=view.status["epoch"], cancel=view.status["cancel"], finish=view.status["finish_reason"],
                 ngen=view.status["n_generated"], hdr_i32=raw_headers.view(np.int32),
                 hdr_f32=raw_headers.view(np.float32), hdr_u64=raw_headers.view(np.uint64), prompts=view.prompts,
-                outputs=view.outputs, logprobs=logprobs)
+                prefix_keys=prefix_keys, outputs=view.outputs, logprobs=logprobs)
 
 
-def state_arrays(config: SchedulerConfig, n_slots: int, max_stop_ids: int, has_logprobs: bool,
-                 step: StepLayout) -> dict[str, np.ndarray]:
-    """Fresh scheduler state: every page free, nothing running."""
+def check_prefix_ring(config: SchedulerConfig, geometry: RingGeometry) -> None:
+    """``ValueError`` unless the ring carries prompt keys exactly when the scheduler caches prefixes, for its pages."""
+    want = config.page_size if config.enable_prefix_caching else 0
+    if geometry.prefix_page_size != want:
+        raise ValueError(
+            f"the ring's prefix_page_size is {geometry.prefix_page_size}, but SchedulerConfig(enable_prefix_caching="
+            f"{config.enable_prefix_caching}, page_size={config.page_size}) needs {want}: build the ring with "
+            f"RingGeometry(prefix_page_size={want}) (0: the agent hashes no prompt), or change the scheduler's")
+
+
+def state_arrays(config: SchedulerConfig, geometry: RingGeometry, step: StepLayout,
+                 prefix_seed: int = 0) -> dict[str, np.ndarray]:
+    """Fresh scheduler state for a ring of ``geometry`` whose keys have ``prefix_seed``: every page free, nothing
+    running, nothing cached."""
     if step.max_num_seqs < config.max_num_seqs or step.max_num_batched_tokens < config.buckets[-1]:
         raise ValueError(f"StepLayout {step} is smaller than SchedulerConfig needs (max_num_seqs "
                          f"{config.max_num_seqs}, largest bucket {config.buckets[-1]})")
     if step.max_pages_per_seq < config.max_pages_per_seq:
         raise ValueError(f"StepLayout.max_pages_per_seq {step.max_pages_per_seq} < {config.max_pages_per_seq} "
                          "(max_model_len / page_size)")
+    check_prefix_ring(config, geometry)
     cfg = np.zeros(CFG_WORDS, np.int32)
     cfg[CFG_PAGE_SIZE] = config.page_size
     cfg[CFG_TOKEN_BUDGET] = config.max_num_batched_tokens
@@ -219,30 +270,33 @@ def state_arrays(config: SchedulerConfig, n_slots: int, max_stop_ids: int, has_l
     cfg[CFG_N_EOS] = len(config.eos_token_ids)
     cfg[CFG_WATERMARK] = config.watermark_pages
     cfg[CFG_MAX_MODEL_LEN] = config.max_model_len
-    cfg[CFG_LOGPROBS] = int(has_logprobs)
-    cfg[CFG_MAX_STOP] = max_stop_ids
+    cfg[CFG_LOGPROBS] = int(geometry.logprobs)
+    cfg[CFG_MAX_STOP] = geometry.max_stop_ids
+    cfg[CFG_PREFIX_CACHING] = int(config.enable_prefix_caching)
     sched = np.zeros(SCHED_WORDS, np.int32)
     sched[FREE_TOP] = config.num_pages
     sched[BUCKET] = IDLE
+    stats = np.zeros(STATS_WORDS, np.int64)
+    stats[C64_PREFIX_SEED] = np.uint64(prefix_seed).view(np.int64)
     eos = np.zeros(MAX_EOS, np.int32)
     eos[:len(config.eos_token_ids)] = config.eos_token_ids
+    n, pages, seqs = geometry.n_slots, config.num_pages, config.max_num_seqs
     i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+    u64 = lambda *shape: np.zeros(shape, np.uint64)  # noqa: E731
     return dict(
-        sched=sched, stats=np.zeros(STATS_WORDS, np.int64), cfg=cfg, buckets=np.array(config.buckets, np.int32),
-        eos_ids=eos,
-        free_pages=np.arange(config.num_pages, dtype=np.int32),
-        seq_pages=i32(n_slots, config.max_pages_per_seq), seq_npages=i32(n_slots), seq_computed=i32(n_slots),
-        seq_total=i32(n_slots), seq_prompt_len=i32(n_slots), seq_max_tokens=i32(n_slots), seq_flags=i32(n_slots),
-        seq_last=i32(n_slots), seq_version=i32(n_slots), seq_finish=i32(n_slots), seq_top_k=i32(n_slots),
-        seq_n_stop=i32(n_slots),
-        seq_stop=i32(n_slots, max(max_stop_ids, 1)), seq_temperature=np.zeros(n_slots, np.float32),
-        seq_top_p=np.ones(n_slots, np.float32), seq_seed=np.zeros(n_slots, np.int64), seq_seen=i32(n_slots),
-        queue_slots=i32(n_slots), queue_keys=np.zeros(n_slots, np.int64), queue_tmp_slots=i32(n_slots),
-        queue_tmp_keys=np.zeros(n_slots, np.int64),
-        running=i32(config.max_num_seqs), consumed=i32(config.max_num_seqs),
-        pending_finished=i32(n_slots), doorbells=np.zeros(len(DOORBELL_NAMES), np.int64),
-        row_slot=np.full(config.max_num_seqs, -1, np.int32),
-        row_version=i32(config.max_num_seqs), row_pages=i32(config.max_num_seqs))
+        sched=sched, stats=stats, cfg=cfg, buckets=np.array(config.buckets, np.int32), eos_ids=eos,
+        free_pages=np.arange(pages, dtype=np.int32), seq_pages=i32(n, config.max_pages_per_seq), seq_npages=i32(n),
+        seq_computed=i32(n), seq_total=i32(n), seq_prompt_len=i32(n), seq_max_tokens=i32(n), seq_flags=i32(n),
+        seq_last=i32(n), seq_version=i32(n), seq_finish=i32(n), seq_top_k=i32(n), seq_n_stop=i32(n),
+        seq_stop=i32(n, max(geometry.max_stop_ids, 1)), seq_temperature=np.zeros(n, np.float32),
+        seq_top_p=np.ones(n, np.float32), seq_seed=np.zeros(n, np.int64), seq_keys=u64(n, config.max_pages_per_seq),
+        seq_hash=u64(n), seq_seen=i32(n), queue_slots=i32(n), queue_keys=np.zeros(n, np.int64),
+        queue_tmp_slots=i32(n), queue_tmp_keys=np.zeros(n, np.int64), running=i32(seqs), consumed=i32(seqs),
+        pending_finished=i32(n), doorbells=np.zeros(len(DOORBELL_NAMES), np.int64),
+        row_slot=np.full(seqs, -1, np.int32), row_version=i32(seqs), row_pages=i32(seqs),
+        page_ref=i32(pages), page_cached=i32(pages), page_key=u64(pages), page_lru=np.full(pages, -1, np.int32),
+        page_scratch=np.full(pages, SCRATCH_CLEAR, np.int32), lru_pages=i32(2 * pages),
+        table_keys=u64(table_entries(pages)), table_pages=np.full(table_entries(pages), -1, np.int32))
 
 
 def control_gauges(ctl32: np.ndarray, config: SchedulerConfig) -> None:

@@ -15,7 +15,9 @@ Invariants the batcher guarantees (and the model may rely on):
   ``positions`` of its query tokens are ``seq_lens[i] - q_len .. seq_lens[i] - 1``.
 - ``block_tables[i, j]`` is the KV page holding positions ``j*page_size .. (j+1)*page_size-1`` of sequence ``i``,
   valid for ``j < ceil(seq_lens[i] / page_size)``; ``slot_mapping[t] = page * page_size + offset`` is where token
-  ``t``'s new K/V go in the pool ``[layers, 2, pages, page_size, kv_heads, head_dim]``.
+  ``t``'s new K/V go in the pool ``[layers, 2, pages, page_size, kv_heads, head_dim]``. Rows may share pages (a
+  cached prefix): a shared page is full and computed before the step, and no token of the step writes into a page
+  that another row's block table holds or that the step reads.
 - ``logits_indices[i]`` is the token row whose logits sequence ``i`` samples from (its last query token), or -1 when
   the row samples nothing this step (an empty row, or a prefill chunk that does not reach the end of the prompt).
 - Sampling parameters are per sequence row. ``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1``

@@ -20,6 +20,7 @@ from blink.nic.slots import SlotTracker
 from blink.ring import control
 from blink.ring.control import CONTROL_DTYPE, ENGINE_STOPPED
 from blink.ring.geometry import RingGeometry
+from blink.ring.hashing import prompt_keys
 from blink.ring.layout import AGENT, FINISH_NAMES, FINISHED, FREE, READY, RUNNING, RingLayout, check_transition
 from blink.ring.request import SamplingParams, encode_header
 from blink.ring.transport import RemoteMemory
@@ -70,6 +71,7 @@ class Agent:
         self._waiting_since: float | None = None    # when requests last started waiting on an idle ring
         self._submitted = int(block["submitted"])       # doorbells continue from an earlier agent's counts
         self._cancels = int(block["cancels"])
+        self._prefix_seed = int(block["prefix_seed"])   # the ring creator's: keys must match the GPU's
 
     @classmethod
     def attach(cls, memory: RemoteMemory, **options) -> Agent:
@@ -89,11 +91,14 @@ class Agent:
         prompt = self._validate(prompt_tokens, params)
         request_id = self._next_id
         seed = random.getrandbits(64) if params.seed is None else params.seed
+        page_size = self.geometry.prefix_page_size
+        keys, state = prompt_keys(prompt, page_size, self._prefix_seed) if page_size else (None, 0)
         header = encode_header(self.layout.header_dtype, request_id=request_id, arrival_ns=time.monotonic_ns(),
-                               seed=seed, prompt_len=len(prompt), params=params, priority=priority)
+                               seed=seed, prompt_len=len(prompt), params=params, priority=priority,
+                               prefix_state=state)
         slot = self.tracker.claim()
         try:
-            self._publish(slot, header, prompt)
+            self._publish(slot, header, prompt, keys)
         except BaseException:
             self.tracker.release(slot)      # the slot was never published READY: it is still the agent's
             raise
@@ -105,12 +110,14 @@ class Agent:
         self._slot_of[request_id] = slot
         return request_id
 
-    def _publish(self, slot: int, header: bytes, prompt: np.ndarray) -> None:
+    def _publish(self, slot: int, header: bytes, prompt: np.ndarray, keys: np.ndarray | None) -> None:
         """Payload first, then the new epoch, then READY, then the doorbell (docs/architecture.md)."""
         epoch = int(self._epoch[slot]) % 0xFFFFFFFF + 1      # never 0: cancel == 0 means "no cancel"
         layout = self.layout
         self.memory.write(layout.header_at(slot), header)
         self.memory.write(layout.prompt_at(slot), prompt.tobytes())
+        if keys is not None and keys.size:
+            self.memory.write(layout.prefix_keys_at(slot), keys.astype("<u8").tobytes())
         self._write_word("epoch", slot, epoch)
         self._epoch[slot] = epoch
         check_transition(FREE, READY, AGENT)

@@ -1,14 +1,15 @@
 """The ring's control block (256 B at offset 0): identity, geometry, the shutdown word, the GPU side's state and
 counters, the agent's doorbells. The one place that encodes, decodes and checks it.
 
-Writers: the creator (identity and geometry, once), the host or the agent (``shutdown``, the doorbells), the GPU
-side (everything else). ``fresh`` builds the block of a new ring, ``verify`` checks an existing one against a
-geometry, ``geometry_of`` reads the geometry an existing ring was created with, ``read`` decodes the words of a live
-ring, ``request_shutdown`` writes the shutdown word.
+Writers: the creator (identity, geometry and the prefix-key seed, once), the host or the agent (``shutdown``, the
+doorbells), the GPU side (everything else). ``fresh`` builds the block of a new ring, ``verify`` checks an existing
+one against a geometry, ``geometry_of`` reads the geometry an existing ring was created with, ``read`` decodes the
+words of a live ring, ``request_shutdown`` writes the shutdown word.
 """
 from __future__ import annotations
 
 import os
+import secrets
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from blink.ring.errors import RingMismatch
 from blink.ring.geometry import RingGeometry
 
 MAGIC = 0x4B4E4C42  # "BLNK" in little-endian bytes
-VERSION = 2
+VERSION = 3
 
 # Control block flags.
 RING_LOGPROBS = 1
@@ -65,11 +66,20 @@ CONTROL_DTYPE = struct([
     ("step_limit_s", "<u4", 136),   # engine: the longest a step may take on this backend before it counts as hung
     ("alive", "<u8", 144),          # engine process: +1 every ALIVE_TICK_S while it lives (0: nobody ticks)
     ("creator_pid", "<u4", 152),    # creator: its process id, so an agent attaches only to its own engine's ring
+    ("prefix_page_size", "<u4", 156),   # creator: tokens per page of the prompt keys (0: no keys; geometry)
+    ("prefix_seed", "<u8", 160),    # creator: the seed of every prefix key of this ring (blink.ring.hashing)
+    ("prefix_query_tokens", "<u8", 168),    # GPU: prompt tokens of admitted requests (prefix cache lookups)
+    ("prefix_hit_tokens", "<u8", 176),  # GPU: of those, tokens whose K/V came from the prefix cache
+    ("prefix_evictions", "<u8", 184),   # GPU: cached pages evicted for reuse
+    ("prefill_tokens", "<u8", 192),     # GPU: prompt positions the model computed (preemption recomputes)
+    ("cached_pages", "<u4", 200),   # GPU gauge: pages in the prefix cache (in use or evictable)
 ], 256)
 
-GEOMETRY_FIELDS = ("n_slots", "max_prompt_tokens", "max_output_tokens", "max_stop_ids", "flags", "max_model_len")
+GEOMETRY_FIELDS = ("n_slots", "max_prompt_tokens", "max_output_tokens", "max_stop_ids", "flags", "max_model_len",
+                   "prefix_page_size")
 STATS_FIELDS = ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted", "kv_pages_total",
-                "kv_pages_free", "running", "waiting")
+                "kv_pages_free", "running", "waiting", "prefix_query_tokens", "prefix_hit_tokens", "prefix_evictions",
+                "prefill_tokens", "cached_pages")
 
 
 def offset_of(name: str) -> int:
@@ -90,15 +100,17 @@ def geometry_words(geometry: RingGeometry) -> dict[str, int]:
     g = geometry
     return {"n_slots": g.n_slots, "max_prompt_tokens": g.max_prompt_tokens, "max_output_tokens": g.max_output_tokens,
             "max_stop_ids": g.max_stop_ids, "flags": RING_LOGPROBS if g.logprobs else 0,
-            "max_model_len": g.max_model_len}
+            "max_model_len": g.max_model_len, "prefix_page_size": g.prefix_page_size}
 
 
 def fresh(geometry: RingGeometry) -> bytes:
-    """The control block of a new ring, created by this process: identity and geometry set, every counter zero."""
+    """The control block of a new ring, created by this process: identity and geometry set, a random prefix-key
+    seed, every counter zero."""
     block = np.zeros(1, CONTROL_DTYPE)
     block["magic"] = MAGIC
     block["version"] = VERSION
     block["creator_pid"] = os.getpid()
+    block["prefix_seed"] = secrets.randbits(64)
     for name, value in geometry_words(geometry).items():
         block[name] = value
     return block.tobytes()
@@ -139,7 +151,7 @@ def geometry_of(raw: bytes) -> RingGeometry:
     return RingGeometry(n_slots=int(block["n_slots"]), max_prompt_tokens=int(block["max_prompt_tokens"]),
                         max_output_tokens=int(block["max_output_tokens"]), max_stop_ids=int(block["max_stop_ids"]),
                         logprobs=bool(int(block["flags"]) & RING_LOGPROBS),
-                        max_model_len=int(block["max_model_len"]))
+                        max_model_len=int(block["max_model_len"]), prefix_page_size=int(block["prefix_page_size"]))
 
 
 def read(memory) -> dict[str, int]:

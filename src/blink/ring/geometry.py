@@ -8,7 +8,9 @@ from dataclasses import dataclass
 class RingGeometry:
     """Sizes of the ring: request slots, and per slot the longest prompt, output and stop-id list it holds; and the
     engine's limit on one sequence, ``max_model_len`` (prompt + output positions; None: the slot's prompt and output
-    capacity together), which the agent enforces before a request reaches the ring.
+    capacity together), which the agent enforces before a request reaches the ring. ``prefix_page_size``: the KV
+    page size whose prompt-page keys (``blink.ring.hashing``) the agent writes with each request, for the GPU's
+    prefix cache; 0: the ring carries no keys.
 
     ``LIMITS`` bound each size by what its control-block word and the regions' byte offsets can hold; ``check``
     applies them to one value, for configurations that carry a ring size of their own (``EngineConfig``).
@@ -20,9 +22,10 @@ class RingGeometry:
     max_stop_ids: int = 8
     logprobs: bool = True
     max_model_len: int | None = None
+    prefix_page_size: int = 0
 
     LIMITS = {"n_slots": (1, 1 << 20), "max_prompt_tokens": (1, 1 << 24), "max_output_tokens": (1, 1 << 24),
-              "max_stop_ids": (0, 64), "max_model_len": (2, (1 << 31) - 1)}
+              "max_stop_ids": (0, 64), "max_model_len": (2, (1 << 31) - 1), "prefix_page_size": (0, 1 << 16)}
 
     def __post_init__(self):
         if self.max_model_len is None and isinstance(self.max_prompt_tokens, int) \
@@ -32,6 +35,11 @@ class RingGeometry:
             self.check(name, getattr(self, name), "RingGeometry")
         if not isinstance(self.logprobs, bool):
             raise ValueError(f"RingGeometry.logprobs must be a bool (got {self.logprobs!r})")
+
+    @property
+    def prefix_key_pages(self) -> int:
+        """Keys per slot in the ``prefix_keys`` region: the full pages of the longest prompt (0 without keys)."""
+        return self.max_prompt_tokens // self.prefix_page_size if self.prefix_page_size else 0
 
     @classmethod
     def check(cls, name: str, value, owner: str) -> None:

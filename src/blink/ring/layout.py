@@ -10,6 +10,7 @@ Regions, each starting on a 4 KiB boundary::
     status    5 columns of u32 [n_slots]      state, epoch, cancel, finish_reason, n_generated
     headers   [n_slots] header_dtype          request id, sampling params, stop ids, arrival time
     prompts   [n_slots, max_prompt_tokens] int32
+    prefix_keys [n_slots, geometry.prefix_key_pages] uint64   (only when geometry.prefix_page_size)
     outputs   [n_slots, max_output_tokens] int32
     logprobs  [n_slots, max_output_tokens] float32   (only when geometry.logprobs)
 
@@ -31,11 +32,11 @@ Doorbells: after publishing READY the agent bumps ``submitted``, after writing a
 the state column or the cancel words only when one moved, so an iteration with nothing new reads three words across
 PCIe instead of every slot.
 
-Ordering: a writer publishes the payload before the word that announces it (agent: header, prompt and epoch, then
-``state = READY``, then ``submitted``; GPU: zero ``n_generated`` and ``finish_reason``, fence, ``state = RUNNING``;
-tokens, fence, then ``n_generated``; ``finish_reason``, fence, then ``state = FINISHED``). A reader loads the
-announcing word first, then the payload. The agent ignores ``n_generated`` and ``finish_reason`` of a READY slot:
-they still hold the previous request's values until the GPU admits it.
+Ordering: a writer publishes the payload before the word that announces it (agent: header, prompt, prefix keys and
+epoch, then ``state = READY``, then ``submitted``; GPU: zero ``n_generated`` and ``finish_reason``, fence,
+``state = RUNNING``; tokens, fence, then ``n_generated``; ``finish_reason``, fence, then ``state = FINISHED``). A
+reader loads the announcing word first, then the payload. The agent ignores ``n_generated`` and ``finish_reason`` of
+a READY slot: they still hold the previous request's values until the GPU admits it.
 """
 from __future__ import annotations
 
@@ -118,6 +119,7 @@ def header_dtype(max_stop_ids: int) -> np.dtype:
         ("flags", "<u4", 44),
         ("n_stop", "<u4", 48),
         ("priority", "<i4", 52),
+        ("prefix_state", "<u8", 56),    # the prompt's prefix-key chain state (ring/hashing.py), 0 without keys
     ]
     if max_stop_ids:
         fixed.append(("stop_ids", ("<i4", (max_stop_ids,)), 64))
@@ -138,6 +140,7 @@ class RingView:
     prompts: np.ndarray        # [n_slots, max_prompt_tokens] int32
     outputs: np.ndarray        # [n_slots, max_output_tokens] int32
     logprobs: np.ndarray | None  # [n_slots, max_output_tokens] float32
+    prefix_keys: np.ndarray | None = None  # [n_slots, prefix_key_pages] uint64 (only if geometry.prefix_page_size)
 
 
 class RingLayout:
@@ -149,9 +152,11 @@ class RingLayout:
         self.status_dtype = status_dtype(g.n_slots)
         self.prompt_stride = 4 * g.max_prompt_tokens
         self.output_stride = 4 * g.max_output_tokens
+        self.prefix_key_stride = 8 * g.prefix_key_pages
         offset = 0
         sizes = [("control", CONTROL_DTYPE.itemsize), ("status", self.status_dtype.itemsize),
                  ("headers", g.n_slots * self.header_dtype.itemsize), ("prompts", g.n_slots * self.prompt_stride),
+                 ("prefix_keys", g.n_slots * self.prefix_key_stride),
                  ("outputs", g.n_slots * self.output_stride),
                  ("logprobs", g.n_slots * self.output_stride if g.logprobs else 0)]
         self.regions: dict[str, tuple[int, int]] = {}
@@ -172,6 +177,9 @@ class RingLayout:
 
     def prompt_at(self, slot: int) -> int:
         return self.offset("prompts") + slot * self.prompt_stride
+
+    def prefix_keys_at(self, slot: int) -> int:
+        return self.offset("prefix_keys") + slot * self.prefix_key_stride
 
     def output_at(self, slot: int, index: int = 0) -> int:
         return self.offset("outputs") + slot * self.output_stride + 4 * index
@@ -209,4 +217,6 @@ class RingLayout:
             prompts=region("prompts", np.dtype("<i4"), (g.n_slots, g.max_prompt_tokens)),
             outputs=region("outputs", np.dtype("<i4"), (g.n_slots, g.max_output_tokens)),
             logprobs=region("logprobs", np.dtype("<f4"), (g.n_slots, g.max_output_tokens)) if g.logprobs else None,
+            prefix_keys=(region("prefix_keys", np.dtype("<u8"), (g.n_slots, g.prefix_key_pages))
+                         if g.prefix_page_size else None),
         )

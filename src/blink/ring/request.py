@@ -84,16 +84,17 @@ class SamplingParams:
 
 
 def encode_header(header_dtype: np.dtype, *, request_id: int, arrival_ns: int, seed: int, prompt_len: int,
-                  params: SamplingParams, priority: int) -> bytes:
+                  params: SamplingParams, priority: int, prefix_state: int = 0) -> bytes:
     """One request's header, every value checked against its field's type first (``RequestError`` naming it).
 
     ``header_dtype`` is the ring's (``RingLayout.header_dtype``); the caller has checked the geometry's limits.
+    ``prefix_state`` is the prompt's prefix-key chain state (``blink.ring.hashing``).
     """
     values = {"request_id": request_id, "arrival_ns": arrival_ns, "seed": seed, "prompt_len": prompt_len,
               "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
               "top_k": params.top_k,
               "flags": (FLAG_IGNORE_EOS if params.ignore_eos else 0) | (FLAG_LOGPROBS if params.logprobs else 0),
-              "n_stop": len(params.stop_token_ids), "priority": priority}
+              "n_stop": len(params.stop_token_ids), "priority": priority, "prefix_state": prefix_state}
     header = np.zeros(1, header_dtype)
     for name, value in values.items():
         header[name] = _fits(header_dtype.fields[name][0], name, value)

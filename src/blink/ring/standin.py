@@ -7,18 +7,13 @@ same function; tests pin the two together.
 """
 from __future__ import annotations
 
-MASK64 = (1 << 64) - 1
+from blink.ring.hashing import MASK64, POSITION_MIX, TOKEN_MIX, mix64
+
 STANDIN_VOCAB = 32000
 
 
-def _mix64(x: int) -> int:
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & MASK64
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & MASK64
-    return x ^ (x >> 31)
-
-
 def _hash(prev_token: int, position: int, seed: int) -> int:
-    return _mix64((seed ^ (prev_token * 0x9E3779B97F4A7C15) ^ (position * 0xC2B2AE3D27D4EB4F)) & MASK64)
+    return mix64((seed ^ (prev_token * TOKEN_MIX) ^ (position * POSITION_MIX)) & MASK64)
 
 
 def standin_token(prev_token: int, position: int, seed: int, vocab_size: int = STANDIN_VOCAB) -> int:

@@ -396,6 +396,13 @@ def test_metrics_report_ring_counters_and_latencies(served):
     assert samples["blink_time_to_first_token_seconds_count{}"] >= 1
     assert samples["blink_e2e_request_latency_seconds_count{}"] >= 1
     assert "blink_kv_cache_usage_ratio{}" in samples and "blink_inter_token_latency_seconds_count{}" in samples
+    for name, word in [("blink_prefix_cache_queries_total{}", "prefix_query_tokens"),
+                       ("blink_prefix_cache_hits_total{}", "prefix_hit_tokens"),
+                       ("blink_prefix_cache_evictions_total{}", "prefix_evictions"),
+                       ("blink_prefill_tokens_total{}", "prefill_tokens"),
+                       ("blink_prefix_cache_pages{}", "cached_pages")]:
+        assert samples[name] == stats[word], name
+    assert stats["prefix_query_tokens"] > 0 and 0 <= samples["blink_prefix_cache_hit_rate{}"] <= 1
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,34 @@
+"""Wait until ``blink serve`` answers /health, for the serving scripts: ``python -m bench.wait_healthy PORT PID LOG``.
+
+Exits 0 once the server at 127.0.0.1:PORT is healthy; 1 (naming LOG, the server's log) if process PID exits first or
+TIMEOUT_S pass.
+"""
+import http.client
+import os
+import sys
+import time
+
+TIMEOUT_S = 400
+
+
+def main(port: int, pid: int, log: str) -> int:
+    start = time.monotonic()
+    while time.monotonic() - start < TIMEOUT_S:
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            connection.request("GET", "/health")
+            if connection.getresponse().status == 200:
+                print(f"blink serve is healthy after {time.monotonic() - start:.0f} s")
+                return 0
+        except OSError:
+            pass
+        if not os.path.exists(f"/proc/{pid}"):
+            print(f"blink serve exited before it was healthy: see {log}", file=sys.stderr)
+            return 1
+        time.sleep(1)
+    print(f"blink serve was not healthy within {TIMEOUT_S} s: see {log}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))
