@@ -71,7 +71,8 @@ def serve(args) -> int:
         config = _engine_config(args, model_dir)
         geometry = config.geometry(config.max_model_len(tokenizer.context_len or DEFAULT_MAX_MODEL_LEN))
         # The stand-in draws tokens from the tokenizer's whole vocabulary, so every token it emits decodes.
-        engine = standin_engine(geometry, vocab_size=tokenizer.vocab_size, eos_token_ids=tokenizer.eos_token_ids)
+        engine = standin_engine(geometry, vocab_size=tokenizer.vocab_size, eos_token_ids=tokenizer.eos_token_ids,
+                                step_s=args.standin_step_ms / 1e3)
     else:
         engine = engine_process(_engine_config(args, model_dir, ring_name=_ring_name()))
     with engine as (memory, process):
@@ -265,6 +266,9 @@ def _parser() -> argparse.ArgumentParser:
     _engine_options(serve_cmd, slots=256)
     serve_cmd.add_argument("--standin", action="store_true",
                            help="run the reference consumer with the stand-in model as the engine")
+    serve_cmd.add_argument("--standin-step-ms", type=float, default=0.0,
+                           help="with --standin: the least time between its steps, as a GPU's decode step (0: no "
+                                "pause; benchmarks of the agent use ~10)")
     engine_cmd = command("engine", engine, "the engine alone, on a new shared-memory ring (see: blink agent)")
     engine_cmd.add_argument("model_path", nargs="?", metavar="MODEL", help="same as --model")
     engine_cmd.add_argument("--model", default=None, help="model directory (HF layout); default: the embedded SmolLM2")
