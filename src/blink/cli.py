@@ -237,9 +237,10 @@ def _http_options(parser) -> None:
     parser.add_argument("--liveness-timeout", type=float, default=10.0,
                         help="seconds the engine may show no sign of life (outside a long step) before requests "
                              "get 503")
-    parser.add_argument("--agent-priority", choices=PRIORITIES, default="normal",
-                        help="CPU priority of the agent on a shared host: high = nice -10, realtime = SCHED_RR "
-                             "(both need CAP_SYS_NICE)")
+    parser.add_argument("--agent-priority", choices=PRIORITIES, default="auto",
+                        help="CPU priority of the agent on a shared host: high = nice -10, realtime = SCHED_RR (both "
+                             "need CAP_SYS_NICE; refused, the agent runs at the best level permitted and says so), "
+                             "auto = the best of these permitted")
     parser.add_argument("--cpus", type=_cpu_list, default=None,
                         help="pin the agent to these cores, e.g. 2,3 (serve's default: the last core, the engine on "
                              "the others)")
