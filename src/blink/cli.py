@@ -75,8 +75,7 @@ def serve(args) -> int:
                                 step_s=args.standin_step_ms / 1e3)
     else:
         engine = engine_process(_engine_config(args, model_dir, ring_name=_ring_name()))
-    with engine as (memory, process):
-        cores = split_cores(process, args.cpus)
+    with engine as (memory, process), split_cores(process, args.cpus) as cores:
         return _serve_http(args, memory, tokenizer, model_dir, process, cores)
 
 
@@ -109,9 +108,11 @@ def generate(args) -> int:
 def agent(args) -> int:
     """Attach to the ring of an engine that is already running (by name on this host, or at ``--remote`` over RDMA
     or CUDA IPC) and serve HTTP on it."""
+    from blink.process import split_cores
+
     model_dir = _model_dir(args.model)
-    with _agent_ring(args) as memory:
-        return _serve_http(args, memory, _tokenizer(args, model_dir), model_dir, None, args.cpus)
+    with _agent_ring(args) as memory, split_cores(None, args.cpus) as cores:
+        return _serve_http(args, memory, _tokenizer(args, model_dir), model_dir, None, cores)
 
 
 def _agent_ring(args):
@@ -190,7 +191,12 @@ def _engine_config(args, model_dir, **overrides):
 
 
 def _cpu_list(text: str) -> list[int]:
-    return sorted({int(c) for c in text.split(",")})
+    from blink.cores import parse_cpu_list
+
+    try:
+        return parse_cpu_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _engine_options(parser, slots: int) -> None:
@@ -242,8 +248,8 @@ def _http_options(parser) -> None:
                              "need CAP_SYS_NICE; refused, the agent runs at the best level permitted and says so), "
                              "auto = the best of these permitted")
     parser.add_argument("--cpus", type=_cpu_list, default=None,
-                        help="pin the agent to these cores, e.g. 2,3 (serve's default: the last core, the engine on "
-                             "the others)")
+                        help="pin the agent to these cores, e.g. 2,3 (default: the least busy core this process may "
+                             "use that no other blink server claims; serve pins the engine to the others)")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -269,17 +269,21 @@ def reset_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, 0, 0)
 
 
-def split_cores(process, agent_cores: list[int] | None) -> list[int] | None:
-    """The agent's cores: ``agent_cores`` if given; else the last core this process may use, with the engine
-    process pinned to the others, so HTTP and tokenization never compete with the engine (where the OS supports
-    affinity, with >= 2 cores)."""
-    if agent_cores or not hasattr(os, "sched_setaffinity"):
-        return agent_cores
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        return None
-    try:
-        os.sched_setaffinity(process.pid, cores[:-1])
-    except OSError as e:                       # the engine may have exited already: the agent reports that
-        log.warning("could not pin the engine process to cores %s: %s", cores[:-1], e)
-    return [cores[-1]]
+@contextmanager
+def split_cores(process, agent_cores: list[int] | None):
+    """Yields the agent's cores (``blink.cores.place``: ``agent_cores`` if given, else the least busy core this
+    process may use that no other blink server claims) and pins the engine ``process`` (if not None) to the others,
+    so HTTP and tokenization never compete with the engine; None on an OS without affinity. The agent's claim on
+    its cores lasts until the block is left."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield None
+        return
+    from blink.cores import place
+
+    with place(agent_cores, with_engine=process is not None) as placement:
+        if process is not None and placement.engine:
+            try:
+                os.sched_setaffinity(process.pid, placement.engine)
+            except OSError as e:                # the engine may have exited already: the agent reports that
+                log.warning("could not pin the engine process to cores %s: %s", list(placement.engine), e)
+        yield list(placement.agent)
