@@ -35,13 +35,14 @@ log = logging.getLogger("blink.agent")
 @dataclass(frozen=True)
 class LoopConfig:
     """``max_queued``: requests that may wait in the agent for a free ring slot; more raise ``Overloaded``.
-    ``poll_interval_s``: pause between polls while requests are in flight and the last poll found nothing.
-    ``retry_after_s``: the retry hint of ``Overloaded`` and ``EngineUnavailable``. Whether the engine serves is the
+    ``poll_interval_s``: pause between polls while requests are in flight and the last poll found nothing: a sleep,
+    not a spin. The event loop's timers have millisecond resolution (epoll; libuv under uvloop): below 1 ms asyncio
+    sleeps 1 ms anyway, and uvloop would not sleep at all. ``retry_after_s``: the retry hint of ``Overloaded`` and ``EngineUnavailable``. Whether the engine serves is the
     agent's ``Liveness`` (its ``liveness_timeout_s``).
     """
 
     max_queued: int = 1024
-    poll_interval_s: float = 200e-6
+    poll_interval_s: float = 1e-3
     retry_after_s: int = 1
 
     def __post_init__(self):

@@ -30,30 +30,36 @@ class Responder:
         async for delta, new_tokens, _ in self._events(req, text):
             content += delta
             tokens += new_tokens
-        choice = self._choice(job, content, tokens, req.finish_reason, chunk=False)
+        choice = self._choice(job, content, tokens, req.finish_reason)
         return web.json_response({**self._head(job, chunk=False), "choices": [choice],
                                   "usage": self._usage(job, text)})
 
     async def stream(self, request: web.Request, job: Job, req: Submission) -> web.StreamResponse:
+        """SSE: each batch of tokens is one chunk; every chunk formatted since the handler last woke (the tokens of
+        every poll it slept through, and at the end the usage chunk and ``[DONE]``) goes out in one write."""
         text = TextStream(self.tokenizer, job.stop)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        head = self._head(job, chunk=True)
+        chunks = ChunkFormat(self._head(job, chunk=True), job.chat)
+        pending = []
         try:
             if job.chat:
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}
-                await _send(response, {**head, "choices": [first]})
+                await response.write(chunks.role())
             async for delta, tokens, finish in self._events(req, text):
                 if delta or finish:
-                    await _send(response, {**head, "choices": [self._choice(job, delta, tokens, finish, chunk=True)]})
-            if job.include_usage:
-                await _send(response, {**head, "choices": [], "usage": self._usage(job, text)})
+                    pending.append(chunks.choice(delta, self._logprobs(job, tokens), finish))
+                if finish and job.include_usage:
+                    pending.append(chunks.usage(self._usage(job, text)))
+                if finish:
+                    pending.append(DONE)
+                if pending and (finish or req.queue.empty()):
+                    await response.write(b"".join(pending))
+                    pending.clear()
         except REFUSALS as e:
-            await _send_quietly(response, api_error(e).body())
+            with suppress(ConnectionResetError):    # a client that left before the end is no error of the server's
+                await response.write(b"".join([*pending, _event(api_error(e).body()), DONE]))
         except ConnectionResetError:
-            return response     # the client left; the handler's finally cancels the request
-        await _send_quietly(response, None)
+            pass                # the client left; the handler's finally cancels the request
         return response
 
     async def _events(self, req: Submission, text: TextStream):
@@ -82,13 +88,8 @@ class Responder:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
                 "model": self.model_name}
 
-    def _choice(self, job: Job, text: str, tokens: list, finish: str | None, *, chunk: bool) -> dict:
-        if not job.chat:
-            body = {"text": text}
-        elif chunk:
-            body = {"delta": {"content": text} if text else {}}
-        else:
-            body = {"message": {"role": "assistant", "content": text}}
+    def _choice(self, job: Job, text: str, tokens: list, finish: str | None) -> dict:
+        body = {"message": {"role": "assistant", "content": text}} if job.chat else {"text": text}
         return {"index": 0, **body, "logprobs": self._logprobs(job, tokens), "finish_reason": finish}
 
     def _logprobs(self, job: Job, tokens: list) -> dict | None:
@@ -106,13 +107,45 @@ class Responder:
         return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
 
 
-async def _send(response: web.StreamResponse, payload: dict | None) -> None:
-    """One SSE event: ``payload`` as JSON, or the final ``[DONE]`` for None."""
-    data = b"[DONE]" if payload is None else json.dumps(payload, ensure_ascii=False).encode()
-    await response.write(b"data: " + data + b"\n\n")
+DONE = b"data: [DONE]\n\n"
+_encode = json.JSONEncoder(ensure_ascii=False).encode     # json.dumps(value, ensure_ascii=False), built once
 
 
-async def _send_quietly(response: web.StreamResponse, payload: dict | None) -> None:
-    """The stream's last event: a client that left before it is no error of the server's."""
-    with suppress(ConnectionResetError):
-        await _send(response, payload)
+def _event(payload: dict) -> bytes:
+    return b"data: " + _encode(payload).encode() + b"\n\n"
+
+
+class ChunkFormat:
+    """The SSE events of one streamed request, byte for byte ``data: json.dumps(chunk)``: the part every chunk
+    shares (id, object, created, model) is encoded once, so a chunk costs the encoding of its text alone."""
+
+    def __init__(self, head: dict, chat: bool):
+        self.chat = chat
+        shared = _encode(head)[:-1]         # without the closing brace
+        self._choice = f'data: {shared}, "choices": [{{"index": 0, '.encode()
+        self._usage = f'data: {shared}, "choices": [], "usage": '.encode()
+
+    def role(self) -> bytes:
+        """The chat stream's first event: the assistant's role, no content yet."""
+        return self._choice + b'"delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": ' \
+            b"null}]}\n\n"
+
+    def choice(self, text: str, logprobs: dict | None, finish: str | None) -> bytes:
+        if not self.chat:
+            body = b'"text": ' + _json(text)
+        else:
+            body = b'"delta": {"content": ' + _json(text) + b"}" if text else b'"delta": {}'
+        if logprobs is None and finish is None:
+            return self._choice + body + _PLAIN_TAIL
+        return (self._choice + body + b', "logprobs": ' + _json(logprobs) + b', "finish_reason": ' + _json(finish)
+                + b"}]}\n\n")
+
+    def usage(self, usage: dict) -> bytes:
+        return self._usage + _json(usage) + b"}\n\n"
+
+
+_PLAIN_TAIL = b', "logprobs": null, "finish_reason": null}]}\n\n'      # most chunks: no logprobs, not the last
+
+
+def _json(value) -> bytes:
+    return b"null" if value is None else _encode(value).encode()
