@@ -51,6 +51,19 @@ class OpenAIClient:
     def info(self) -> dict:
         return {"base_url": self.base_url, "model": self.model}
 
+    async def cpu_seconds(self) -> float | None:
+        """The server process's CPU time so far: ``process_cpu_seconds_total`` of its ``GET /metrics``
+        (prometheus_client's process collector: blink's agent and vLLM's API server have it), or None."""
+        try:
+            async with self.session.get(f"{self.base_url}/metrics") as response:
+                text = await response.text() if response.status == 200 else ""
+        except aiohttp.ClientError:
+            return None
+        for line in text.splitlines():
+            if line.startswith("process_cpu_seconds_total "):
+                return float(line.split()[1])
+        return None
+
     def payload(self, request: SampleRequest) -> dict:
         body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.output_len, "temperature": 0.0,
                 "stream": True, "stream_options": {"include_usage": True}}

@@ -91,6 +91,10 @@ class HFPeer:
         return {"transformers": transformers.__version__, "device": self.device, "dtype": self.dtype,
                 "attn_implementation": self.manager.model.config._attn_implementation}
 
+    async def cpu_seconds(self) -> float:
+        """This process's CPU time so far: the peer's engine runs here (with the client that times it)."""
+        return time.process_time()
+
     async def send(self, request: SampleRequest) -> RequestOutput:
         """One request through the manager, one chunk per streamed output that adds tokens; never raises."""
         rid = f"bench-{next(self._ids)}"
