@@ -228,10 +228,12 @@ def summary(runs: list[dict]) -> str:
     """One line per run, then colocated / isolated ratios per label and rate, then each series' saturation."""
     from blink.bench.plots import colocation_pairs, series
 
-    lines = [(f"{'label':<10} {'condition':<10} {'rate':>6} {'req/s':>8} {'out tok/s':>10} {'P50/P99 TTFT ms':>16} "
-              f"{'P99 TPOT ms':>12} {'P99 worst gap ms':>17} {'server CPU ms/1k tok':>21} {'J/out tok':>10}")]
+    width = max([10] + [len(run["label"]) for run in runs])
+    lines = [(f"{'label':<{width}} {'condition':<10} {'rate':>6} {'req/s':>8} {'out tok/s':>10} "
+              f"{'P50/P99 TTFT ms':>16} {'P99 TPOT ms':>12} {'P99 worst gap ms':>17} {'server CPU ms/1k tok':>21} "
+              f"{'J/out tok':>10}")]
     for run in runs:
-        lines.append(f"{run['label']:<10} {run['condition']:<10} {run['request_rate']:>6} "
+        lines.append(f"{run['label']:<{width}} {run['condition']:<10} {run['request_rate']:>6} "
                      f"{run['request_throughput']:>8.2f} {run['output_throughput']:>10.1f} "
                      f"{run['p50_ttft_ms']:>7.2f} / {run['p99_ttft_ms']:<6.2f} {run['p99_tpot_ms']:>12.2f} "
                      f"{_number(run.get('p99_worst_gap_ms'), '.2f'):>17} "
