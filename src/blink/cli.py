@@ -246,7 +246,7 @@ def _http_options(parser) -> None:
     parser.add_argument("--agent-priority", choices=PRIORITIES, default="auto",
                         help="CPU priority of the agent on a shared host: high = nice -10, realtime = SCHED_RR (both "
                              "need CAP_SYS_NICE; refused, the agent runs at the best level permitted and says so), "
-                             "auto = the best of these permitted")
+                             "auto = high where permitted, else the best below")
     parser.add_argument("--cpus", type=_cpu_list, default=None,
                         help="pin the agent to these cores, e.g. 2,3 (default: the least busy core this process may "
                              "use that no other blink server claims; serve pins the engine to the others)")

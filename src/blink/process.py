@@ -178,8 +178,9 @@ def engine_gone(agent, process=None) -> str | None:
     return problem if agent.liveness.process_gone(now) else None
 
 
-# "auto": the best level this process is allowed, realtime first (the agent sleeps between polls, so a real-time
-# class costs its neighbours nothing and lets each wake-up preempt them at once).
+# "auto": nice -10, or the best below it this process is allowed. Not realtime: on a CPU box with hogs on every core
+# it held the target no better than nice -10 (docs/benchmarks.md, "Agent immunity"), and a real-time agent that ever
+# spun would starve its core's normal tasks (the kernel's softirq threads among them) down to 5%.
 PRIORITIES = ("auto", "normal", "high", "realtime")
 HIGH_NICE = -10
 RT_PRIORITY = 10
@@ -194,8 +195,8 @@ def set_priority(level: str, option: str = "--agent-priority") -> str:
     process on the per-token path; the engine process only sleeps) or a benchmark client's; returns what it
     achieved, e.g. ``"high (nice -10)"``. ``high``: nice -10, so where busy processes at nice 0 share a core this one
     gets ~10x their CPU share and its wake-ups preempt them. ``realtime``: SCHED_RR 10, so it runs whenever it is
-    runnable; it sleeps between polls, and Linux keeps 5% of every core for normal tasks. ``auto``: the best of
-    these this process may take.
+    runnable; it sleeps between polls, and Linux keeps 5% of every core for normal tasks. ``auto``: high if this
+    process may take it, else the best below.
 
     Invariant: a refused level never raises and never leaves the process half-raised: it carries on at the best level
     below it that is permitted (after nice -10, the lowest nice RLIMIT_NICE allows) and says so in one log line, a
@@ -204,7 +205,7 @@ def set_priority(level: str, option: str = "--agent-priority") -> str:
     command-line option in the message."""
     if level not in PRIORITIES:
         raise ValueError(f"{option} must be one of {', '.join(PRIORITIES)} (got {level!r})")
-    start = [name for name, _ in _LADDER].index("realtime" if level == "auto" else level)
+    start = [name for name, _ in _LADDER].index("high" if level == "auto" else level)
     refused = []
     for _, raise_to in _LADDER[start:]:
         try:
