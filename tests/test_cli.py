@@ -1,10 +1,12 @@
 """``blink generate``: one prompt through an in-process engine, against transformers' greedy continuation. (``blink
 serve``, ``blink engine`` and ``blink agent`` run end to end in tests/nic/openai/test_server.py.)"""
-import os
 import subprocess
 import sys
 
+import pytest
 import torch
+
+from tests.privileges import may_raise_priority, run_python
 
 
 def test_blink_generate_streams_the_greedy_answer_to_a_chat_prompt():
@@ -30,20 +32,18 @@ def test_blink_generate_streams_the_greedy_answer_to_a_chat_prompt():
     assert f"[{len(want)} tokens, finish reason: {reason}]" in done.stderr
 
 
-def run_python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-
-
-def test_bench_client_priority_is_applied_before_the_benchmark_or_refused():
+def test_bench_client_priority_is_applied_before_the_benchmark_or_falls_back():
     """``blink bench serve --client-priority high`` raises the benchmark process's priority before it sends anything:
-    unprivileged, it stops at once with the same one-line advice (no server is needed to get there)."""
-    unprivileged = "os.setgid(65534); os.setuid(65534); " if os.geteuid() == 0 else ""
-    denied = run_python(f"import os, sys; from blink.cli import main; import blink.bench.serve; {unprivileged}"
-                        "sys.exit(main(['bench', 'serve', '--client-priority', 'high', '--base-url', "
-                        "'http://127.0.0.1:9', '--num-prompts', '1']))")
+    without CAP_SYS_NICE it says so in one line and carries on at normal priority (here to a server that is not
+    there)."""
+    if may_raise_priority(unprivileged=True):
+        pytest.skip("this user keeps CAP_SYS_NICE (or a raised RLIMIT_NICE): nothing to drop")
+    denied = run_python("import sys; from blink.cli import main; sys.exit(main(['bench', 'serve', "
+                        "'--client-priority', 'high', '--base-url', 'http://127.0.0.1:9', '--num-prompts', '1']))",
+                        unprivileged=True)
     assert denied.returncode == 1 and "Traceback" not in denied.stderr, denied.stderr
-    assert "--client-priority high: not permitted" in denied.stderr
-    assert "Use --client-priority normal." in denied.stderr
+    assert "--client-priority high: nice -10 (Permission denied) not permitted; running at normal." in denied.stderr
+    assert "could not list the models at http://127.0.0.1:9/v1/models" in denied.stderr
 
 
 def test_prefix_caching_is_on_unless_turned_off_on_the_command_line():

@@ -7,10 +7,7 @@ import itertools
 import logging
 import os
 import sys
-import time
 import uuid
-
-import numpy as np
 
 from blink.process import PRIORITIES, USER_ERRORS
 
@@ -18,44 +15,9 @@ _ring_numbers = itertools.count()
 
 
 def ring_demo(args) -> int:
-    """Agent in this process, the reference consumer (playing the GPU) in another, over POSIX shared memory."""
-    from blink.errors import RingFull
-    from blink.nic.agent import Agent
-    from blink.ring.geometry import RingGeometry
-    from blink.ring.reference import standin_engine
-    from blink.ring.request import SamplingParams
-    from blink.ring.standin import standin_continuation
+    from blink.demo import ring_demo
 
-    geometry = RingGeometry(n_slots=args.slots, max_prompt_tokens=64, max_output_tokens=args.max_tokens)
-    rng = np.random.default_rng(args.seed)
-    with standin_engine(geometry) as (memory, _):
-        agent = Agent(memory, geometry)
-        expected, answered, finished, tokens = {}, {}, 0, 0
-        start = last_report = time.monotonic()
-        while finished < args.requests:
-            while len(expected) < args.requests:
-                prompt = rng.integers(0, 32000, rng.integers(1, 65)).tolist()
-                params = SamplingParams(max_tokens=int(rng.integers(1, args.max_tokens + 1)),
-                                        seed=int(rng.integers(0, 2**63)), ignore_eos=True)
-                try:
-                    expected[agent.submit(prompt, params)] = (prompt, params)
-                except RingFull:
-                    break
-            for out in agent.poll():
-                answered.setdefault(out.request_id, []).extend(out.new_tokens)
-                tokens += len(out.new_tokens)
-                finished += out.finished
-            now = time.monotonic()
-            if now - last_report >= 0.5 or finished == args.requests:
-                print(f"  {now - start:6.2f} s  submitted {len(expected):6d}  in flight {agent.in_flight:5d}  "
-                      f"tokens {tokens:8d}  ({tokens / (now - start):,.0f} tok/s)")
-                last_report = now
-        wrong = [rid for rid, (prompt, params) in expected.items()
-                 if answered[rid] != standin_continuation(prompt, params.seed, params.max_tokens)]
-        elapsed = time.monotonic() - start
-        print(f"{args.requests} requests, {tokens} tokens in {elapsed:.2f} s "
-              f"({args.requests / elapsed:,.0f} req/s); wrong outputs: {len(wrong)}")
-        return 1 if wrong else 0
+    return ring_demo(args.slots, args.requests, args.max_tokens, args.seed)
 
 
 def serve(args) -> int:
@@ -71,11 +33,11 @@ def serve(args) -> int:
         config = _engine_config(args, model_dir)
         geometry = config.geometry(config.max_model_len(tokenizer.context_len or DEFAULT_MAX_MODEL_LEN))
         # The stand-in draws tokens from the tokenizer's whole vocabulary, so every token it emits decodes.
-        engine = standin_engine(geometry, vocab_size=tokenizer.vocab_size, eos_token_ids=tokenizer.eos_token_ids)
+        engine = standin_engine(geometry, vocab_size=tokenizer.vocab_size, eos_token_ids=tokenizer.eos_token_ids,
+                                step_s=args.standin_step_ms / 1e3)
     else:
         engine = engine_process(_engine_config(args, model_dir, ring_name=_ring_name()))
-    with engine as (memory, process):
-        cores = split_cores(process, args.cpus)
+    with engine as (memory, process), split_cores(process, args.cpus) as cores:
         return _serve_http(args, memory, tokenizer, model_dir, process, cores)
 
 
@@ -108,9 +70,11 @@ def generate(args) -> int:
 def agent(args) -> int:
     """Attach to the ring of an engine that is already running (by name on this host, or at ``--remote`` over RDMA
     or CUDA IPC) and serve HTTP on it."""
+    from blink.process import split_cores
+
     model_dir = _model_dir(args.model)
-    with _agent_ring(args) as memory:
-        return _serve_http(args, memory, _tokenizer(args, model_dir), model_dir, None, args.cpus)
+    with _agent_ring(args) as memory, split_cores(None, args.cpus) as cores:
+        return _serve_http(args, memory, _tokenizer(args, model_dir), model_dir, None, cores)
 
 
 def _agent_ring(args):
@@ -194,7 +158,12 @@ def _engine_config(args, model_dir, **overrides):
 
 
 def _cpu_list(text: str) -> list[int]:
-    return sorted({int(c) for c in text.split(",")})
+    from blink.cores import parse_cpu_list
+
+    try:
+        return parse_cpu_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _engine_options(parser, slots: int) -> None:
@@ -256,12 +225,13 @@ def _http_options(parser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds the first SIGTERM / Ctrl-C waits for the requests in flight (new ones get 503) "
                              "before it ends the rest with an error and exits; a second one exits at once")
-    parser.add_argument("--agent-priority", choices=PRIORITIES, default="normal",
-                        help="CPU priority of the agent on a shared host: high = nice -10, realtime = SCHED_RR "
-                             "(both need CAP_SYS_NICE)")
+    parser.add_argument("--agent-priority", choices=PRIORITIES, default="auto",
+                        help="CPU priority of the agent on a shared host: high = nice -10, realtime = SCHED_RR (both "
+                             "need CAP_SYS_NICE; refused, the agent runs at the best level permitted and says so), "
+                             "auto = high where permitted, else the best below")
     parser.add_argument("--cpus", type=_cpu_list, default=None,
-                        help="pin the agent to these cores, e.g. 2,3 (serve's default: the last core, the engine on "
-                             "the others)")
+                        help="pin the agent to these cores, e.g. 2,3 (default: the least busy core this process may "
+                             "use that no other blink server claims; serve pins the engine to the others)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -285,6 +255,9 @@ def _parser() -> argparse.ArgumentParser:
     _engine_options(serve_cmd, slots=256)
     serve_cmd.add_argument("--standin", action="store_true",
                            help="run the reference consumer with the stand-in model as the engine")
+    serve_cmd.add_argument("--standin-step-ms", type=float, default=0.0,
+                           help="with --standin: the least time between its steps, as a GPU's decode step (0: no "
+                                "pause; benchmarks of the agent use ~10)")
     engine_cmd = command("engine", engine, "the engine alone, on a new shared-memory ring (see: blink agent)")
     engine_cmd.add_argument("model_path", nargs="?", metavar="MODEL", help="same as --model")
     engine_cmd.add_argument("--model", default=None, help="model directory (HF layout); default: the embedded SmolLM2")

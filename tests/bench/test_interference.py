@@ -88,6 +88,13 @@ def test_hogs_run_at_nice_0_under_a_raised_client_and_keep_a_lowered_one(parent_
     assert done.stdout.split() == [str(max(parent_nice, 0))] * 2
 
 
+def test_hogs_are_pinned_round_robin_to_their_cores():
+    cores = sorted(os.sched_getaffinity(0))
+    with interference(len(cores) + 1) as every, interference(2, cpus=[cores[-1]]) as one:
+        assert [os.sched_getaffinity(h.pid) for h in every] == [{c} for c in cores + cores[:1]]
+        assert [os.sched_getaffinity(h.pid) for h in one] == [{cores[-1]}] * 2
+
+
 def test_no_interference_and_bad_counts():
     with interference(0) as hogs:
         assert hogs == []

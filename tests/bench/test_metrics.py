@@ -18,6 +18,7 @@ def test_per_request_definitions():
     assert (A.ttft, A.latency, A.itl, A.tpot) == (0.125, 0.75, [0.25, 0.375], (0.75 - 0.125) / 4)
     assert (B.ttft, B.latency, B.itl, B.tpot) == (0.25, 0.375, [0.125], 0.125)
     assert (C.ttft, C.latency, C.itl, C.tpot) == (0.5, 0.5, [], 0.0)
+    assert (A.worst_gap, B.worst_gap, C.worst_gap) == (0.375, 0.125, None)
     assert not D.success and A.success
     assert not RequestOutput(3).success, "no chunk arrived: not a success even without an error"
 
@@ -58,6 +59,9 @@ def test_latency_statistics_in_ms():
     assert r["median_itl_ms"] == pytest.approx(250)
     assert r["p90_itl_ms"] == pytest.approx(250 + 0.8 * 125)
     assert r["p99_itl_ms"] == pytest.approx(250 + 0.98 * 125)
+    # Worst gap: one per request with two chunks or more: 375 (A), 125 (B).
+    assert r["mean_worst_gap_ms"] == pytest.approx(250)
+    assert r["p99_worst_gap_ms"] == pytest.approx(125 + 0.99 * 250)
     # E2EL: 750, 375, 500 ms.
     assert r["mean_e2el_ms"] == pytest.approx((750 + 375 + 500) / 3)
     assert r["median_e2el_ms"] == pytest.approx(500)
@@ -104,6 +108,8 @@ def test_keys_and_table_use_vllm_names():
     assert "-----Time per Output Token (excl. 1st token)------" in lines
     assert "Median TPOT (ms):                        140.62    " in lines
     assert "P99.9 TTFT (ms):                         499.50    " in lines
+    assert "--------Worst Inter-token Gap per Request---------" in lines
+    assert "P99 worst gap (ms):                      372.50    " in lines
     assert lines[-1] == "=" * 50
     assert "Request rate configured" not in table(r, request_rate=float("inf"), max_concurrency=8)
     assert "Maximum request concurrency:             8         " in table(r, float("inf"), 8).splitlines()

@@ -15,6 +15,7 @@ import pytest
 
 from blink.bench.datasets import synthetic
 from blink.bench.shapes import write_model_dir
+from blink.cores import cpu_list
 from blink.nic.text import Tokenizer
 
 
@@ -89,6 +90,10 @@ def test_sweep_isolated_and_colocated_writes_json_and_plots(standin_server, tmp_
         assert run["energy"]["available"] is False and run["energy"]["reason"]
         assert run["server"]["blink_generation_tokens_total"] == run["total_output_tokens"]
         assert {"blink_prefill_tokens_total", "blink_prefix_cache_hits_total"} <= set(run["server"])
+        # The server's CPU from its /metrics (process_cpu_seconds_total), this process's own, per 1,000 tokens.
+        assert run["server_cpu_s"] == run["server"]["process_cpu_seconds_total"] > 0
+        assert run["server_cpu_ms_per_1k_tokens"] > 0 and run["client_cpu_ms_per_1k_tokens"] > 0
+        assert run["p99_worst_gap_ms"] >= run["median_itl_ms"] > 0
     # At 20 req/s the last of 12 requests is sent 12 / 20 s after the first.
     assert result["runs"][0]["duration"] >= 12 / 20
     assert result["sweep"] == [20.0, "inf"] and result["request_rate"] == "inf"
@@ -101,7 +106,23 @@ def test_sweep_isolated_and_colocated_writes_json_and_plots(standin_server, tmp_
     again = bench("report", str(result_json), "--plot-dir", str(tmp_path / "again"))
     assert again.returncode == 0, again.stderr
     assert "standin @ inf: colocated/isolated output throughput" in again.stdout
+    assert all(column in again.stdout for column in (", P99 TTFT ", ", P99 worst gap ", "server CPU ms/1k tok"))
+    assert result["layout"] == {"name": "shared", "hog_cpus": sorted(os.sched_getaffinity(0)), "reserved": [],
+                                "client_cpus": None}
+    assert result["client_priority_achieved"] == "normal"
     assert sorted(os.listdir(tmp_path / "again")) == sorted(os.listdir(plots))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores this process may use")
+def test_a_reserved_layout_keeps_the_hogs_off_the_reserved_cores(standin_server, tmp_path):
+    cores = sorted(os.sched_getaffinity(0))
+    result_json = tmp_path / "reserved.json"
+    done = bench("serve", "--base-url", standin_server, "--num-prompts", "4", "--ignore-eos", "--interference", "1",
+                 "--reserve-cpus", str(cores[-1]), "--result-json", str(result_json))
+    assert done.returncode == 0, done.stderr
+    assert f"layout reserved: hogs on cores {cpu_list(cores[:-1])}, cores {cores[-1]} reserved" in done.stdout
+    assert strict_json(result_json)["layout"] == {"name": "reserved", "hog_cpus": cores[:-1],
+                                                  "reserved": [cores[-1]], "client_cpus": [cores[-1]]}
 
 
 def test_a_failing_first_request_stops_the_benchmark_naming_the_error(standin_server):

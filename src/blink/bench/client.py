@@ -14,9 +14,11 @@ import aiohttp
 from blink.bench.datasets import SampleRequest
 from blink.bench.metrics import RequestOutput
 
-# The server's counters a run records, as their change over the run (blink's /metrics; another server has none).
+# The server's CPU time so far: prometheus_client's process collector (blink's agent and vLLM's API server have it).
+CPU_COUNTER = "process_cpu_seconds_total"
+# The server's counters a run records, as their change over the run (blink's /metrics; another server has fewer).
 SERVER_COUNTERS = ("blink_prefill_tokens_total", "blink_prefix_cache_queries_total", "blink_prefix_cache_hits_total",
-                   "blink_prefix_cache_evictions_total", "blink_generation_tokens_total")
+                   "blink_prefix_cache_evictions_total", "blink_generation_tokens_total", CPU_COUNTER)
 
 
 class OpenAIClient:

@@ -3,7 +3,8 @@
 Even-numbered hogs copy 64 MiB numpy arrays back and forth (memory bandwidth, the protocol of DESIGN.md section 6);
 odd-numbered ones zlib-compress 16 MiB of random bytes (integer CPU work with a cache-sized window). Each hog is a
 ``python -c`` process that asks the kernel to kill it when its parent dies (``PR_SET_PDEATHSIG``), so none outlives
-a benchmark that is killed; a normal or failing exit of ``interference`` kills and reaps them all.
+a benchmark that is killed; a normal or failing exit of ``interference`` kills and reaps them all. Hogs are pinned
+round-robin to their cores (every core this process may use, unless told), so each carries ``n / cores`` of them.
 """
 from __future__ import annotations
 
@@ -34,17 +35,20 @@ def hog_command(i: int, parent: int, programs: tuple[str, ...] = (MEMORY_COPY, C
 
 
 @contextmanager
-def interference(n: int, programs: tuple[str, ...] = (MEMORY_COPY, COMPRESSION)):
-    """Run ``n`` hogs for the duration of the ``with`` block; yields their ``Popen`` objects (``n == 0``: none).
+def interference(n: int, programs: tuple[str, ...] = (MEMORY_COPY, COMPRESSION), cpus=None):
+    """Run ``n`` hogs for the duration of the ``with`` block, hog ``i`` pinned to core ``cpus[i % len(cpus)]``
+    (``cpus`` None: every core this process may use); yields their ``Popen`` objects (``n == 0``: none).
 
     Invariant: when the block is left, by any exit, every hog has been killed and waited for.
     """
     if n < 0:
         raise ValueError(f"--interference must be >= 0 processes (got {n})")
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
     hogs = []
     try:
         for i in range(n):
             hogs.append(subprocess.Popen(hog_command(i, os.getpid(), programs), stdin=subprocess.DEVNULL))
+            os.sched_setaffinity(hogs[-1].pid, {cpus[i % len(cpus)]})
         yield hogs
     finally:
         for hog in hogs:

@@ -8,6 +8,8 @@ generated ``n`` output tokens (the server's ``usage.completion_tokens``):
   TPOT in the statistics and counts as TPOT 0 for goodput;
 - ITL = every gap ``t_{j+1} - t_j``, pooled over all requests (tokens that arrive in one chunk share one gap, as
   in vLLM, so ITL counts chunks and TPOT counts tokens);
+- worst gap = a request's longest ITL (one value per request with two chunks or more): the stall a reader of that
+  stream saw, which pooled ITL percentiles dilute (not a vLLM metric);
 - throughputs divide by the benchmark's wall-clock ``duration``: completed requests, output tokens, input + output
   tokens; goodput = requests meeting every given SLO (``metric <= slo``) per second.
 
@@ -22,7 +24,8 @@ import numpy as np
 
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 LATENCIES = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
-             ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
+             ("itl", "ITL", "Inter-token Latency"), ("worst_gap", "worst gap", "Worst Inter-token Gap per Request"),
+             ("e2el", "E2EL", "End-to-end Latency"))
 
 
 @dataclass
@@ -53,6 +56,11 @@ class RequestOutput:
     @property
     def itl(self) -> list[float]:
         return np.diff(self.chunk_times).tolist()
+
+    @property
+    def worst_gap(self) -> float | None:
+        """The longest gap between two chunks; None with fewer than two chunks."""
+        return max(self.itl) if len(self.chunk_times) > 1 else None
 
     @property
     def tpot(self) -> float:
@@ -115,6 +123,7 @@ def compute(outputs: list[RequestOutput], duration: float, percentiles=PERCENTIL
     result.update(statistics("ttft", [o.ttft for o in done], percentiles))
     result.update(statistics("tpot", [o.tpot for o in done if o.output_tokens > 1], percentiles))
     result.update(statistics("itl", [gap for o in done for gap in o.itl], percentiles))
+    result.update(statistics("worst_gap", [o.worst_gap for o in done if o.worst_gap is not None], percentiles))
     result.update(statistics("e2el", [o.latency for o in done], percentiles))
     result.update({"input_lens": [o.prompt_len for o in outputs],
                    "output_lens": [o.output_tokens if o.success else 0 for o in outputs],

@@ -16,6 +16,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from blink.bench.client import CPU_COUNTER
 from blink.bench.datasets import SampleRequest
 from blink.bench.metrics import RequestOutput
 
@@ -91,9 +92,10 @@ class HFPeer:
         return {"transformers": transformers.__version__, "device": self.device, "dtype": self.dtype,
                 "attn_implementation": self.manager.model.config._attn_implementation}
 
-    async def server_counters(self) -> None:
-        """transformers keeps no counters of its own (the OpenAI client reads blink's)."""
-        return None
+    async def server_counters(self) -> dict[str, float]:
+        """This process's CPU time so far (the peer's engine runs here, with the client that times it); transformers
+        keeps no other counters."""
+        return {CPU_COUNTER: time.process_time()}
 
     async def send(self, request: SampleRequest) -> RequestOutput:
         """One request through the manager, one chunk per streamed output that adds tokens; never raises."""

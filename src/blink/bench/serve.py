@@ -3,11 +3,13 @@
 ``serve`` sends the dataset's requests at the arrival times of each rate of the sweep (``traffic``), through an
 OpenAI-compatible server (``--backend openai``, ``client``) or transformers' continuous batching in this process
 (``--backend hf``, ``peer``), and computes ``vllm bench serve``'s metrics for each rate (``metrics``). With
-``--interference N`` the whole sweep runs twice: isolated, then colocated with N hog processes (``interference``).
-GPU energy is metered per run (``energy``). Before the sweep one request goes through alone (a failure stops the
-benchmark there, naming the error). Writes one JSON (``--result-json``: the options, then a record per run, with
-the server's own counters over the run where it has them: prefill tokens, prefix-cache hits) and
-PNGs (``--plot-dir``); exits 1 if any request failed.
+``--interference N`` the whole sweep runs twice: isolated, then colocated with N hog processes (``interference``),
+placed by ``--reserve-cpus`` / ``--client-cpus`` / ``--client-priority`` (``placement``: the three layouts). GPU
+energy is metered per run (``energy``), and so is the server's CPU time per 1,000 output tokens (its /metrics
+``process_cpu_seconds_total``; for the peer, this process's). Before the sweep one request goes through alone (a
+failure stops the benchmark there, naming the error). Writes one JSON (``--result-json``: the options, then a
+record per run, with the server's own counters over the run where it has them: prefill tokens, prefix-cache hits)
+and PNGs (``--plot-dir``); exits 1 if any request failed.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import json
 import os
 import platform
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -70,7 +73,13 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--client-priority", choices=("normal", "high"), default="normal",
                    help="CPU priority of this benchmark process (high = nice -10, needs CAP_SYS_NICE; the hogs stay "
                         "at nice 0), so that under --interference the server and not the load generator is what "
-                        "competes with the hogs; with --backend hf the model runs in this process and gets it too")
+                        "competes with the hogs (a client on another host); with --backend hf the model runs in this "
+                        "process and gets it too")
+    p.add_argument("--reserve-cpus", type=_cores, default=None, metavar="LIST",
+                   help="cores the hogs never touch, e.g. 14,15 (a DPU or reserved-cpuset stand-in): start the server "
+                        "there (taskset -c LIST blink serve ...); the client runs there too unless --client-cpus")
+    p.add_argument("--client-cpus", type=_cores, default=None, metavar="LIST",
+                   help="pin this benchmark process (the client) to these cores")
     p.add_argument("--result-json", default=None, help="write the results here")
     p.add_argument("--plot-dir", default=None, help="write PNG plots here")
     p.set_defaults(run=serve)
@@ -78,6 +87,15 @@ def add_parsers(subparsers) -> None:
     r.add_argument("results", nargs="+", help="result JSON files")
     r.add_argument("--plot-dir", default=None, help="write PNG plots of every run here")
     r.set_defaults(run=report)
+
+
+def _cores(text: str) -> list[int]:
+    from blink.cores import parse_cpu_list
+
+    try:
+        return parse_cpu_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _rates(text: str) -> list[float]:
@@ -137,11 +155,12 @@ def make_backend(args, requests):
     return OpenAIClient(args.base_url, args.model, args.ignore_eos)
 
 
-async def benchmark(backend, requests: list, args, save) -> list[dict]:
-    """Every (condition, rate) run of ``args`` through ``backend``; calls ``save(runs so far, backend info)`` after
-    each run, so a benchmark cut short keeps what it measured. Returns the run records."""
+async def benchmark(backend, requests: list, args, save, hog_cpus) -> list[dict]:
+    """Every (condition, rate) run of ``args`` through ``backend``, the hogs on ``hog_cpus``; calls ``save(runs so
+    far, backend info)`` after each run, so a benchmark cut short keeps what it measured. Returns the run records."""
     from blink.bench import metrics
     from blink.bench.energy import EnergyMeter
+    from blink.bench.client import CPU_COUNTER
     from blink.bench.interference import interference
     from blink.bench.traffic import arrival_times, send_all
 
@@ -153,39 +172,55 @@ async def benchmark(backend, requests: list, args, save) -> list[dict]:
         if first.error is not None:
             raise ValueError(f"the first request failed: {first.error}")
         for condition, hogs in conditions:
-            with interference(hogs):
+            with interference(hogs, cpus=hog_cpus):
                 if hogs:
                     await asyncio.sleep(HOG_SETTLE_S)
                 for rate in rates:
                     print(f"\n{args.label or args.backend} {condition}: {len(requests)} requests at "
                           f"{rate} req/s (burstiness {args.burstiness})", flush=True)
                     arrivals = arrival_times(len(requests), rate, args.burstiness, args.seed)
-                    before = await backend.server_counters()
+                    before, client_start = await backend.server_counters(), time.process_time()
                     with EnergyMeter() as meter:
                         outputs, duration = await send_all(backend.send, requests, arrivals, args.max_concurrency)
                     after = await backend.server_counters()
+                    server = {k: after[k] - before[k] for k in after if k in before} if before and after else None
+                    cpu = cpu_per_1k_tokens(server and server.get(CPU_COUNTER), time.process_time() - client_start,
+                                            sum(o.output_tokens for o in outputs if o.success))
                     result = metrics.compute(outputs, duration, slo_ttft_ms=args.slo_ttft_ms,
                                              slo_tpot_ms=args.slo_tpot_ms)
                     print(metrics.table(result, rate, args.max_concurrency), flush=True)
                     runs.append({"label": args.label or args.backend, "condition": condition, "interference": hogs,
                                  "request_rate": rate_json(rate),
                                  "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-                                 "energy": meter.result(result["total_output_tokens"]),
-                                 "server": {k: after[k] - before[k] for k in after} if before and after else None,
+                                 "energy": meter.result(result["total_output_tokens"]), "server": server, **cpu,
                                  **result})
                     save(runs, backend.info())
     return runs
 
 
+def cpu_per_1k_tokens(server_s: float | None, client_s: float, tokens: int) -> dict:
+    """CPU seconds of the server over a run (None where it does not say) and of this process, per 1,000 output
+    tokens, in ms."""
+    per_1k = (lambda seconds: seconds / tokens * 1e6) if tokens else (lambda seconds: None)
+    return {"server_cpu_s": server_s, "server_cpu_ms_per_1k_tokens": None if server_s is None else per_1k(server_s),
+            "client_cpu_ms_per_1k_tokens": per_1k(client_s)}
+
+
 def serve(args) -> int:
+    from blink.bench.placement import layout, pin_client
     from blink.process import set_priority
 
     args.ignore_eos = ignore_eos(args.ignore_eos, args.output_len)
-    set_priority(args.client_priority, "--client-priority")
+    client_priority = set_priority(args.client_priority, "--client-priority")
+    placed = layout(args.reserve_cpus, args.client_cpus)
+    pin_client(placed)
+    if args.interference:
+        print(placed.describe(), flush=True)
     requests = load_requests(args)
     options = {k: v for k, v in vars(args).items() if k != "run"}
     options.update(request_rate=rate_json(args.request_rate), sweep=args.sweep and [rate_json(r) for r in args.sweep])
-    header = {"date": datetime.now().isoformat(timespec="seconds"), "host": host(), **options}
+    header = {"date": datetime.now().isoformat(timespec="seconds"), "host": host(), **options,
+              "client_priority_achieved": client_priority, "layout": placed.as_json()}
 
     def save(runs, info):
         if args.result_json:
@@ -193,7 +228,7 @@ def serve(args) -> int:
             with open(args.result_json, "w") as f:
                 json.dump({**header, "backend_info": info, "runs": runs}, f, indent=1, allow_nan=False)
 
-    runs = asyncio.run(benchmark(make_backend(args, requests), requests, args, save))
+    runs = asyncio.run(benchmark(make_backend(args, requests), requests, args, save, placed.hog_cpus))
     summarize(runs, args.plot_dir)
     failed = sum(r["failed"] for r in runs)
     if failed:
@@ -212,27 +247,39 @@ def host() -> dict:
 
 
 def summary(runs: list[dict]) -> str:
-    """One line per run, then isolated vs colocated ratios per label and rate, then each series' saturation."""
+    """One line per run, then colocated / isolated ratios per label and rate, then each series' saturation."""
     from blink.bench.plots import colocation_pairs, series
 
-    lines = [(f"{'label':<10} {'condition':<10} {'rate':>6} {'req/s':>8} {'out tok/s':>10} {'P99 TTFT ms':>12} "
-              f"{'P99 TPOT ms':>12} {'J/out tok':>10}")]
+    width = max([10] + [len(run["label"]) for run in runs])
+    lines = [(f"{'label':<{width}} {'condition':<10} {'rate':>6} {'req/s':>8} {'out tok/s':>10} "
+              f"{'P50/P99 TTFT ms':>16} {'P99 TPOT ms':>12} {'P99 worst gap ms':>17} {'server CPU ms/1k tok':>21} "
+              f"{'J/out tok':>10}")]
     for run in runs:
-        joules = run["energy"]["joules_per_output_token"]
-        lines.append(f"{run['label']:<10} {run['condition']:<10} {run['request_rate']:>6} "
-                     f"{run['request_throughput']:>8.2f} {run['output_throughput']:>10.1f} {run['p99_ttft_ms']:>12.2f} "
-                     f"{run['p99_tpot_ms']:>12.2f} {'n/a' if joules is None else f'{joules:.4f}':>10}")
+        lines.append(f"{run['label']:<{width}} {run['condition']:<10} {run['request_rate']:>6} "
+                     f"{run['request_throughput']:>8.2f} {run['output_throughput']:>10.1f} "
+                     f"{run['p50_ttft_ms']:>7.2f} / {run['p99_ttft_ms']:<6.2f} {run['p99_tpot_ms']:>12.2f} "
+                     f"{_number(run.get('p99_worst_gap_ms'), '.2f'):>17} "
+                     f"{_number(run.get('server_cpu_ms_per_1k_tokens'), '.1f'):>21} "
+                     f"{_number(run['energy']['joules_per_output_token'], '.4f'):>10}")
     for iso, col in colocation_pairs(runs):
+        ratios = ", ".join(f"{name} {_ratio(col.get(key), iso.get(key))}" for name, key in (
+            ("P50 TTFT", "p50_ttft_ms"), ("P99 TTFT", "p99_ttft_ms"), ("P99 TPOT", "p99_tpot_ms"),
+            ("P99 worst gap", "p99_worst_gap_ms"), ("server CPU/token", "server_cpu_ms_per_1k_tokens")))
         lines.append(f"{iso['label']} @ {iso['request_rate']}: colocated/isolated output throughput "
-                     f"{_ratio(col['output_throughput'], iso['output_throughput'])}, P99 TPOT "
-                     f"{_ratio(col['p99_tpot_ms'], iso['p99_tpot_ms'])} ({col['interference']} hogs)")
+                     f"{_ratio(col['output_throughput'], iso['output_throughput'])}, {ratios} "
+                     f"({col['interference']} hogs)")
     for name, rs in series(runs).items():
         lines.append(f"saturation {name}: {max(r['output_throughput'] for r in rs):.1f} output tokens/s")
     return "\n".join(lines)
 
 
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.3f}" if b else "n/a"
+def _number(value, fmt: str) -> str:
+    """A metric as text; n/a where a run does not have it (a server without /metrics, no energy meter, older JSON)."""
+    return "n/a" if value is None else format(value, fmt)
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.3f}" if a is not None and b else "n/a"
 
 
 def report(args) -> int:

@@ -21,7 +21,7 @@ from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from blink.errors import EngineUnavailable, EngineUnresponsive, Overloaded, RingFull
@@ -36,13 +36,14 @@ STARTING = "the engine is still starting"     # AgentLoop.health() while the eng
 @dataclass(frozen=True)
 class LoopConfig:
     """``max_queued``: requests that may wait in the agent for a free ring slot; more raise ``Overloaded``.
-    ``poll_interval_s``: pause between polls while requests are in flight and the last poll found nothing.
-    ``retry_after_s``: the retry hint of ``Overloaded`` and ``EngineUnavailable``. Whether the engine serves is the
-    agent's ``Liveness`` (its ``liveness_timeout_s``).
+    ``poll_interval_s``: pause between polls while requests are in flight and the last poll found nothing: a sleep,
+    not a spin. The event loop's timers have millisecond resolution (epoll; libuv under uvloop): below 1 ms asyncio
+    sleeps 1 ms anyway, and uvloop would not sleep at all. ``retry_after_s``: the retry hint of ``Overloaded`` and
+    ``EngineUnavailable``. Whether the engine serves is the agent's ``Liveness`` (its ``liveness_timeout_s``).
     """
 
     max_queued: int = 1024
-    poll_interval_s: float = 200e-6
+    poll_interval_s: float = 1e-3
     retry_after_s: int = 1
 
     def __post_init__(self):
@@ -201,11 +202,13 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 
 
 class Metrics:
-    """Prometheus metrics: the agent's own timings and counters, plus the ring's control block read at scrape time."""
+    """Prometheus metrics: the agent's own timings and counters, the ring's control block read at scrape time, and
+    the agent process's CPU time and memory (``process_*``: what ``blink bench serve`` meters per 1,000 tokens)."""
 
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)
         self.ttft = Histogram("blink_time_to_first_token_seconds", "From submission to the first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("blink_inter_token_latency_seconds", "Between consecutive tokens of a request",

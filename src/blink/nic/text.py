@@ -151,8 +151,9 @@ class TextStream:
         self.detokenizer = Detokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
         self.stop = tuple(stop)
         self._longest = max((len(s) for s in self.stop), default=0)
-        self.text = ""          # decoded so far (cut at the stop string once found)
-        self.emitted = 0        # text[:emitted] has been returned
+        # Decoded, not yet emitted: a tail that could still grow into a stop string. The text already emitted is not
+        # kept (a stop string cannot start inside it, see _advance), so a push costs the same at any length.
+        self._held = ""
         self.stopped = False
         self.n_tokens = 0       # tokens consumed, up to and including the one that completed a stop string
 
@@ -168,23 +169,21 @@ class TextStream:
         return self._advance(self.detokenizer.flush(), final=True)
 
     def _advance(self, new_text: str, final: bool) -> str:
-        # A stop string not found before must end inside the new text.
-        search_from = max(0, len(self.text) - self._longest + 1)
-        self.text += new_text
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        # A stop string cannot start inside emitted text, whose stop-prefix tail was held back: one found now lies
+        # in the held tail and the new text.
+        window = self._held + new_text
+        hits = [i for i in (window.find(s) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            window = window[:min(hits)]
             self.stopped = final = True
-        end = len(self.text) if final else len(self.text) - self._stop_prefix_len()
-        # end >= emitted: a stop string cannot start inside emitted text, whose stop-prefix tail was held back.
-        delta = self.text[self.emitted:end]
-        self.emitted = end
-        return delta
+        end = len(window) if final else len(window) - self._stop_prefix_len(window)
+        self._held = window[end:]
+        return window[:end]
 
-    def _stop_prefix_len(self) -> int:
-        """Length of the longest unemitted suffix of ``text`` that is a proper prefix of a stop string."""
-        for n in range(min(self._longest - 1, len(self.text) - self.emitted), 0, -1):
-            tail = self.text[-n:]
+    def _stop_prefix_len(self, window: str) -> int:
+        """Length of the longest suffix of ``window`` that is a proper prefix of a stop string."""
+        for n in range(min(self._longest - 1, len(window)), 0, -1):
+            tail = window[-n:]
             if any(s.startswith(tail) for s in self.stop):
                 return n
         return 0

@@ -65,10 +65,17 @@ def expected_output(prompt: list[int], params, eos_token_ids=(), vocab_size: int
 
 
 class ReferenceConsumer:
+    """``step_s``: the least time between two steps that generate, as a GPU's decode step takes it (0: as fast as
+    Python goes). Benchmarks of the agent pace the stand-in so that every poll finds about one token per stream, as
+    it does behind a real engine; outputs never depend on it."""
+
     def __init__(self, view: RingView, *, eos_token_ids=(), max_running: int = 256,
-                 vocab_size: int = STANDIN_VOCAB):
+                 vocab_size: int = STANDIN_VOCAB, step_s: float = 0.0):
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1 (got {max_running})")
+        if not 0 <= step_s <= 1:
+            raise ValueError(f"step_s must be in [0, 1] seconds (got {step_s!r})")
+        self.step_s = step_s
         self.view = view
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_running = max_running
@@ -95,8 +102,11 @@ class ReferenceConsumer:
         flight and report the engine stopped."""
         self._ctl["engine_state"] = ENGINE_SERVING
         while not self._ctl["shutdown"] and not orphaned():
+            started = time.monotonic()
             if not self.step():
                 time.sleep(idle_sleep_s)
+            elif self.step_s:
+                time.sleep(max(0.0, started + self.step_s - time.monotonic()))
         for slot in np.flatnonzero(self.view.status["state"] == READY).tolist():
             self._finish(slot, FINISH_ABORT)
         for slot in list(self._running):

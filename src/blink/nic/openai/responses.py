@@ -6,7 +6,6 @@ incremental detokenizer, cut before the first stop string) and writes it; a stop
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from contextlib import suppress
 import uuid
@@ -16,6 +15,7 @@ from aiohttp import web
 from blink.nic.agent_loop import Submission
 from blink.nic.openai.errors import REFUSALS, api_error
 from blink.nic.openai.requests import Job
+from blink.nic.openai.sse import DONE, ChunkFormat, event
 from blink.nic.text import TextStream, Tokenizer
 
 
@@ -29,32 +29,39 @@ class Responder:
     async def complete(self, job: Job, reqs: list[Submission]) -> web.Response:
         texts = [TextStream(self.tokenizer, job.stop) for _ in reqs]
         answers = await asyncio.gather(*(self._whole(req, text) for req, text in zip(reqs, texts, strict=True)))
-        choices = [self._choice(job, i, content, tokens, req.finish_reason, chunk=False)
+        choices = [self._choice(job, i, content, tokens, req.finish_reason)
                    for i, ((content, tokens), req) in enumerate(zip(answers, reqs, strict=True))]
         return web.json_response({**self._head(job, chunk=False), "choices": choices,
                                   "usage": self._usage(job, texts)})
 
     async def stream(self, request: web.Request, job: Job, reqs: list[Submission]) -> web.StreamResponse:
+        """SSE: each batch of a choice's tokens is one chunk; every chunk formatted since the handler last woke (the
+        tokens of every poll it slept through, and at the end the usage chunk and ``[DONE]``) goes out in one
+        write."""
         texts = [TextStream(self.tokenizer, job.stop) for _ in reqs]
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        head = self._head(job, chunk=True)
+        chunks = ChunkFormat(self._head(job, chunk=True), job.chat)
+        pending = []
         try:
             if job.chat:
-                first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(len(reqs))]
-                await _send(response, {**head, "choices": first})
-            async for i, delta, tokens, finish in _merged(self._events, reqs, texts):
+                await response.write(chunks.role(len(reqs)))
+            remaining = len(reqs)
+            async for i, delta, tokens, finish, more in _merged(self._events, reqs, texts):
                 if delta or finish:
-                    await _send(response, {**head, "choices": [self._choice(job, i, delta, tokens, finish,
-                                                                            chunk=True)]})
-            if job.include_usage:
-                await _send(response, {**head, "choices": [], "usage": self._usage(job, texts)})
+                    pending.append(chunks.choice(i, delta, self._logprobs(job, tokens), finish))
+                remaining -= finish is not None
+                if not remaining:
+                    pending += [chunks.usage(self._usage(job, texts))] if job.include_usage else []
+                    pending.append(DONE)
+                if pending and not (remaining and more):
+                    await response.write(b"".join(pending))
+                    pending.clear()
         except REFUSALS as e:
-            await _send_quietly(response, api_error(e).body())
+            with suppress(ConnectionResetError):    # a client that left before the end is no error of the server's
+                await response.write(b"".join([*pending, event(api_error(e).body()), DONE]))
         except ConnectionResetError:
-            return response     # the client left; the handler's finally cancels the requests
-        await _send_quietly(response, None)
+            pass                # the client left; the handler's finally cancels the requests
         return response
 
     async def _whole(self, req: Submission, text: TextStream) -> tuple[str, list]:
@@ -90,13 +97,8 @@ class Responder:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
                 "model": self.model_name}
 
-    def _choice(self, job: Job, index: int, text: str, tokens: list, finish: str | None, *, chunk: bool) -> dict:
-        if not job.chat:
-            body = {"text": text}
-        elif chunk:
-            body = {"delta": {"content": text} if text else {}}
-        else:
-            body = {"message": {"role": "assistant", "content": text}}
+    def _choice(self, job: Job, index: int, text: str, tokens: list, finish: str | None) -> dict:
+        body = {"message": {"role": "assistant", "content": text}} if job.chat else {"text": text}
         return {"index": index, **body, "logprobs": self._logprobs(job, tokens), "finish_reason": finish}
 
     def _logprobs(self, job: Job, tokens: list) -> dict | None:
@@ -115,11 +117,11 @@ class Responder:
 
 
 async def _merged(events, reqs: list[Submission], texts: list[TextStream]):
-    """``(choice index, delta, tokens, finish_reason)`` of every choice's events, as they come; an error of any
-    choice ends the whole stream."""
+    """``(choice index, delta, tokens, finish_reason, more)`` of every choice's events, as they come (``more``:
+    another event is ready now); an error of any choice ends the whole stream."""
     if len(reqs) == 1:                      # the common case: no tasks, no queue
         async for delta, tokens, finish in events(reqs[0], texts[0]):
-            yield 0, delta, tokens, finish
+            yield 0, delta, tokens, finish, not reqs[0].queue.empty()
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -138,19 +140,7 @@ async def _merged(events, reqs: list[Submission], texts: list[TextStream]):
             if isinstance(item, Exception):
                 raise item
             remaining -= item[3] is not None
-            yield item
+            yield (*item, not queue.empty())
     finally:
         for task in tasks:
             task.cancel()
-
-
-async def _send(response: web.StreamResponse, payload: dict | None) -> None:
-    """One SSE event: ``payload`` as JSON, or the final ``[DONE]`` for None."""
-    data = b"[DONE]" if payload is None else json.dumps(payload, ensure_ascii=False).encode()
-    await response.write(b"data: " + data + b"\n\n")
-
-
-async def _send_quietly(response: web.StreamResponse, payload: dict | None) -> None:
-    """The stream's last event: a client that left before it is no error of the server's."""
-    with suppress(ConnectionResetError):
-        await _send(response, payload)

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Agent immunity: `blink serve` at its default options and the transformers peer on the Qwen3-8B shape, closed loop
+# (64 concurrent streams), isolated and with HOGS hogs, in the layouts a shared host offers; one layout per call, so
+# each fits the device tool's 10 minutes:
+#   bash bench/immunity_gpu.sh shared        hogs on every core, the client at normal priority
+#   bash bench/immunity_gpu.sh client-high   the same with the client at nice -10 (a client on another host); the
+#                                            peer's process (its model runs in the client) at nice -10 too
+#   bash bench/immunity_gpu.sh reserved      hogs kept off RESERVED, where the agent (--cpus) and the client run (a
+#                                            DPU or reserved-cpuset stand-in); the peer runs there too
+#   bash bench/immunity_gpu.sh report        the layouts measured so far in this OUT, side by side
+# Each layout is bench/serving_gpu.sh (RATES=inf, --max-concurrency 64, --ignore-eos) into $OUT/<layout>/; after
+# every call $OUT/immunity.tgz bundles all of $OUT (the device tool returns at most 8 files) and
+# $OUT/immunity_report.txt compares the layouts (`blink bench report`: P50/P99 TTFT, P99 TPOT, P99 worst gap, the
+# server's CPU per 1,000 tokens and the colocated / isolated ratios).
+# Environment (defaults): OUT=out SHAPE=qwen3-8b PROMPTS=256 PEER_PROMPTS=32 (0: blink only) HOGS=4*nproc
+#   RESERVED=the last two cores SERVE_ARGS="" (more `blink serve` options) BLINK_COMMIT (the tree's commit, recorded).
+# CPU dry run of the recipe: SHAPE=tiny-qwen3 DEVICE=cpu PROMPTS=16 PEER_PROMPTS=4 HOGS=4 bash bench/immunity_gpu.sh
+#   shared
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+OUT=${OUT:-out} PROMPTS=${PROMPTS:-256} PEER_PROMPTS=${PEER_PROMPTS:-32} SERVE_ARGS=${SERVE_ARGS:-}
+RESERVED=${RESERVED:-$(python -c "import os; c = sorted(os.sched_getaffinity(0)); print(','.join(map(str, c[-2:])))")}
+layout=${1:?usage: bash bench/immunity_gpu.sh shared|client-high|reserved|report}
+BASE="--max-concurrency 64"
+mkdir -p "$OUT"
+echo "tree: ${BLINK_COMMIT:-unknown (set BLINK_COMMIT)}; layout $layout; $(nproc) cores; reserved $RESERVED" \
+  >> "$OUT/immunity_runs.txt"
+status=0
+case "$layout" in
+  shared)
+    OUT="$OUT/shared" RATES=inf PROMPTS=$PROMPTS PEER_PROMPTS=$PEER_PROMPTS SERVE_ARGS="$SERVE_ARGS" \
+      BENCH_ARGS="$BASE" bash bench/serving_gpu.sh || status=1 ;;
+  client-high)
+    # serving_gpu.sh gives CLIENT_PRIORITY to blink's client only; BENCH_ARGS carries it to the peer's run too.
+    OUT="$OUT/client-high" RATES=inf PROMPTS=$PROMPTS PEER_PROMPTS=$PEER_PROMPTS SERVE_ARGS="$SERVE_ARGS" \
+      CLIENT_PRIORITY=high BENCH_ARGS="$BASE --client-priority high" bash bench/serving_gpu.sh || status=1 ;;
+  reserved)
+    OUT="$OUT/reserved" RATES=inf PROMPTS=$PROMPTS PEER_PROMPTS=$PEER_PROMPTS SERVE_ARGS="--cpus $RESERVED $SERVE_ARGS" \
+      BENCH_ARGS="$BASE --reserve-cpus $RESERVED" bash bench/serving_gpu.sh || status=1 ;;
+  report) ;;
+  *) echo "unknown layout: $layout (shared | client-high | reserved | report)"; exit 2 ;;
+esac
+# The labels say the layout: blink-shared, hf-reserved, ...
+python - "$OUT" <<'PY' || status=1
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+for path in sorted(out.glob("*/serving_*.json")):
+    result = json.loads(path.read_text())
+    for run in result["runs"]:
+        run["label"] = f"{run['label'].split('-')[0]}-{path.parent.name}"
+    (out / f"{path.stem}_{path.parent.name}.json").write_text(json.dumps(result, indent=1))
+PY
+results=$(ls "$OUT"/serving_blink_*.json "$OUT"/serving_hf_*.json 2>/dev/null)
+[ -n "$results" ] && python -m blink.cli bench report $results > "$OUT/immunity_report.txt" 2>&1
+cat "$OUT/immunity_report.txt" 2>/dev/null
+bundle=$(mktemp)
+tar -czf "$bundle" --exclude=immunity.tgz -C "$OUT" . && mv "$bundle" "$OUT/immunity.tgz"
+exit $status
