@@ -1,9 +1,9 @@
 """Drive single scheduler phases (waiting.py, batcher.py) under the CUDA simulator, outside ``iterate``.
 
 ``scheduler_arrays`` builds a ``SchedulerArrays`` of numpy arrays (the step buffers too, without torch) over a ring
-in a plain buffer; ``scratch`` declares the iteration's shared arrays the way ``scheduler.make_iterate`` does (one
-per source line) and zeroes the counters; ``launch`` runs a one-block kernel with the short GIL switch interval that
-``blink.device.sim`` uses (the simulator busy-polls its threads at every barrier).
+in a plain buffer (a phase kernel takes its shared arrays from ``blink.device.scheduler.scratch``); ``launch`` runs
+a one-block kernel with the short GIL switch interval that ``blink.device.sim`` uses (the simulator busy-polls its
+threads at every barrier).
 """
 from __future__ import annotations
 

@@ -15,13 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.device.pages import check_pages, live_lru, table_contents
-from tests.device.phases import launch, save_counters, scheduler_arrays, scratch
+from tests.device.phases import launch, save_counters, scheduler_arrays
 
 from blink.device.config import SchedulerConfig
 from blink.device.kv import allocate_pages, free_sequences
 from blink.device.mirror import KVMirror
 from blink.device.numba_compat import cuda
 from blink.device.prefix import cache_completed, match, note_token, take_hits
+from blink.device.scheduler import scratch
 from blink.device.state import (C64_PREFIX_SEED, FREE_TOP, K_EVICTED, LRU_COUNT, MAX_CANDIDATES, N_COUNTERS,
                                 PREFIX_WAYS)
 from blink.ring.geometry import RingGeometry
