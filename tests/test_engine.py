@@ -88,6 +88,48 @@ def test_greedy_outputs_equal_transformers_under_chunked_prefill_and_preemption(
         assert out.prompt_token_ids == prompt
 
 
+def penalized_greedy(hf, prompt: list[int], n: int, params: SamplingParams, eos: tuple[int, ...]) -> list[int]:
+    """Greedy decoding with vLLM's penalties, in float64 over transformers' logits: the reference."""
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1].double()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.numel()).double()
+            seen = counts > 0
+            seen[prompt] = True
+            rep = params.repetition_penalty
+            logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+            logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+            out.append(int(logits.argmax()))
+            if out[-1] in eos:
+                break
+    return out
+
+
+def test_penalties_give_the_reference_tokens_under_chunked_prefill_and_preemption(engine, hf):
+    """Each request's penalties apply to its own history only (a plain greedy request runs beside them), through
+    chunked prefill and the recompute of preempted sequences."""
+    prompts = [engine.encode(p) for p in PROMPTS[1:]]
+    penalized = [SamplingParams(max_tokens=16, temperature=0, repetition_penalty=1.3),
+                 SamplingParams(max_tokens=16, temperature=0, presence_penalty=1.5, frequency_penalty=0.5),
+                 SamplingParams(max_tokens=16, temperature=0, frequency_penalty=-0.5, repetition_penalty=0.8)]
+    plain = SamplingParams(max_tokens=16, temperature=0)
+    before = engine.stats()
+    outputs = engine.generate(prompts, [*penalized, plain])
+    assert wait_idle(engine)["preempted"] > before["preempted"], "the pool was meant to be too small"
+    eos = engine.tokenizer.eos_token_ids
+    for prompt, params, out in zip(prompts, penalized, outputs, strict=False):
+        assert out.token_ids == penalized_greedy(hf, prompt, params.max_tokens, params, eos), params
+    assert outputs[3].token_ids == hf_greedy(hf, prompts[3], plain.max_tokens)
+    # transformers' own repetition penalty (its logits processor), for the first
+    with torch.no_grad():
+        ids = torch.tensor([prompts[0]])
+        hf_out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                             repetition_penalty=1.3)[0, len(prompts[0]):].tolist()
+    assert outputs[0].token_ids == hf_out
+    assert outputs[0].token_ids != hf_greedy(hf, prompts[0], 16), "the penalty was meant to change the output"
+
+
 @pytest.fixture(scope="module")
 def uncached():
     """The module's engine with prefix caching off."""

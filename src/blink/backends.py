@@ -81,6 +81,14 @@ def _budget(config: EngineConfig, memory_option: str) -> str:
     return f"EngineConfig.{memory_option}={getattr(config, memory_option)}"
 
 
+def pool_page_bytes(model, page_size: int) -> int:
+    """Bytes one page of the pool takes: its K and V in every layer, and its positions' token ids (the penalties')."""
+    from blink.models.history import TOKEN_BYTES
+    from blink.models.memory import kv_page_bytes
+
+    return kv_page_bytes(model, page_size) + TOKEN_BYTES * page_size
+
+
 def _log_pool(num_pages: int, page_size: int, page_bytes: int) -> None:
     log.info("KV cache: %d pages x %d tokens (%.2f GiB)", num_pages, page_size, num_pages * page_bytes / 2**30)
 
@@ -91,11 +99,11 @@ class CpuBackend:
     def __init__(self, model, memory, geometry: RingGeometry, config: EngineConfig, max_model_len: int,
                  eos_token_ids: tuple[int, ...]):
         from blink.device.sim import SimScheduler
-        from blink.models.memory import kv_page_bytes
+        from blink.models.history import TokenHistory
         from blink.ring.layout import RingLayout
 
         page_size = config.scheduler.page_size
-        page_bytes = kv_page_bytes(model, page_size)
+        page_bytes = pool_page_bytes(model, page_size)
         num_pages = config.scheduler.num_pages or int(config.cpu_kv_cache_gib * 2**30 // page_bytes)
         self.config = scheduler_config(config, max_model_len, num_pages, eos_token_ids,
                                        _budget(config, "cpu_kv_cache_gib"))
@@ -103,6 +111,8 @@ class CpuBackend:
         self.kv = model.allocate_kv_cache(num_pages, page_size)
         _log_pool(num_pages, page_size, page_bytes)
         self.step = StepBuffers(step_layout(self.config, max_model_len))
+        self.history = TokenHistory.allocate(num_pages, page_size, TokenHistory.scratch(
+            self.step.layout.max_num_seqs, model.lm_head_weight().shape[0], "cpu"))
         self._view = RingLayout(geometry).view(memory.buffer)
         self.scheduler = SimScheduler(self._view, geometry, self.config, self.step, step_fn=self._run_step,
                                       policy=config.policy_function(), threads=config.sim_threads)
@@ -122,7 +132,7 @@ class CpuBackend:
     def _run_step(self, arrays, bucket_tokens: int) -> None:
         # The CPU step needs no fixed shapes (nothing is captured), so it runs the planned tokens, not the bucket.
         n_tokens = int(arrays.query_start_loc[int(arrays.num_seqs[0])])
-        self.model(self.step, self.kv, n_tokens)
+        self.model(self.step, self.kv, n_tokens, self.history)
 
     def _loop(self) -> None:
         from blink.ring.control import ENGINE_STOPPED
@@ -142,7 +152,7 @@ class CpuBackend:
 
     def close(self) -> None:
         self.join()
-        self.scheduler = self._view = self.step = self.kv = self.model = None
+        self.scheduler = self._view = self.step = self.kv = self.history = self.model = None
 
 
 class GpuBackend:
@@ -155,19 +165,23 @@ class GpuBackend:
         from blink.device.graphs import capture_steps
         from blink.device.image import link_image
         from blink.device.runtime import GpuScheduler
-        from blink.models.memory import kv_page_bytes
+        from blink.models.history import TokenHistory
 
         page_size = config.scheduler.page_size
         self.model = model
         self.step = StepBuffers(step_layout(config.scheduler, max_model_len), "cuda")
-        page_bytes = kv_page_bytes(model, page_size)
-        num_pages = config.scheduler.num_pages or self._pages_that_fit(config, page_bytes)
+        # Allocated before the pool is sized, so that it counts as taken.
+        counts = TokenHistory.scratch(self.step.layout.max_num_seqs, model.lm_head_weight().shape[0], "cuda")
+        page_bytes = pool_page_bytes(model, page_size)
+        num_pages = config.scheduler.num_pages or self._pages_that_fit(config, page_bytes, counts)
         self.config = scheduler_config(config, max_model_len, num_pages, eos_token_ids,
                                        _budget(config, "gpu_memory_utilization"))
         self.kv = model.allocate_kv_cache(num_pages, page_size)
+        self.history = TokenHistory.allocate(num_pages, page_size, counts)
         _log_pool(num_pages, page_size, page_bytes)
         started = time.monotonic()
-        self.graphs = capture_steps(lambda tokens: self.model(self.step, self.kv, tokens), self.config.buckets)
+        self.graphs = capture_steps(lambda tokens: self.model(self.step, self.kv, tokens, self.history),
+                                    self.config.buckets)
         log.info("captured %d step graphs (%d..%d tokens) in %.1f s", len(self.graphs), self.config.buckets[0],
                  self.config.buckets[-1], time.monotonic() - started)
         started = time.monotonic()
@@ -181,19 +195,23 @@ class GpuBackend:
         self.error: BaseException | None = None
         self.step_limit_s = GPU_STEP_LIMIT_S
 
-    def _pages_that_fit(self, config: EngineConfig, page_bytes: int) -> int:
+    def _pages_that_fit(self, config: EngineConfig, page_bytes: int, counts) -> int:
         """KV pages that fit in ``gpu_memory_utilization`` of the GPU, after one step of the largest bucket.
 
-        Weights and step buffers are already allocated; the largest step's activations are measured by running it
-        once (on padding only, with a one-page pool), since its captured graph will hold that much in its pool.
+        Weights, step buffers and the penalties' scratch ``counts`` are already allocated; the largest step's
+        activations are measured by running it once (on padding only, with a one-page pool), since its captured graph
+        will hold that much in its pool.
         """
         import torch
+
+        from blink.models.history import TokenHistory
 
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        self.model(self.step, self.model.allocate_kv_cache(1, config.scheduler.page_size),
-                   config.scheduler.buckets[-1])
+        page_size = config.scheduler.page_size
+        self.model(self.step, self.model.allocate_kv_cache(1, page_size), config.scheduler.buckets[-1],
+                   TokenHistory.allocate(1, page_size, counts))
         torch.cuda.synchronize()
         activations = torch.cuda.max_memory_allocated() - before
         torch.cuda.empty_cache()
@@ -221,5 +239,5 @@ class GpuBackend:
         finally:
             if not self.scheduler.running:
                 self.scheduler.close()
-            self.scheduler = self.graphs = self.kv = self.step = self.model = None
+            self.scheduler = self.graphs = self.kv = self.history = self.step = self.model = None
             torch.cuda.empty_cache()

@@ -37,8 +37,8 @@ def fill_step_buffers(s, value=GARBAGE, block_tables=False):
     ``row_pages``), so they are overwritten only when asked, while those words say that no row holds anything.
     """
     names = ("num_seqs", "token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_indices",
-             "temperature", "top_p", "top_k", "seed") + (("block_tables",) if block_tables else ())
-    for name in names:
+             "temperature", "top_p", "top_k", "seed", "prompt_lens", "penalties")
+    for name in names + (("block_tables",) if block_tables else ()):
         getattr(s, name)[...] = value
 
 

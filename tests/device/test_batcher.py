@@ -97,6 +97,7 @@ class Batch:
             s.seq_version[slot] = 1                  # each admitted once: versions alone do not tell slots apart
             s.seq_seed[slot], s.seq_temperature[slot], s.seq_top_p[slot], s.seq_top_k[slot] = \
                 77 + slot, 0.25 * slot, 1 - 0.0625 * slot, slot
+            s.seq_penalties[slot] = (0.5 * slot, -0.25 * slot, 1 + 0.125 * slot)
         self.load_pages()
         fill_step_buffers(s, block_tables=True)     # row_slot is -1: every row's block table is copied whole
         s.running[:len(running)] = self.ref.running
@@ -165,6 +166,7 @@ class Batch:
             n_pages = ref.pages_for(first + chunk, page)
             assert s.block_tables[row, :n_pages].tolist() == r.pages(slot)[:n_pages], (row, slot)
             assert (s.top_k[row], s.top_p[row]) == (s.seq_top_k[slot], s.seq_top_p[slot])
+            assert (s.penalties[row] == s.seq_penalties[slot]).all() and s.prompt_lens[row] == s.seq_prompt_len[slot]
         check_step_contract(s, self.config, step.bucket)
         return admitted, step
 

@@ -24,7 +24,7 @@ from blink.device.numba_compat import cuda
 from blink.device.scheduler import scratch
 from blink.device.policy import by_priority, fcfs
 from blink.device.state import (K_CANCELLED, K_FINISHED, K_NEW, K_REFUSED, K_REJECTED, MAX_CANDIDATES, N_COUNTERS,
-                                N_PENDING_FINISHED, N_QUEUED, QUEUE_HEAD, S_SEEN_SUBMITTED)
+                                N_PENDING_FINISHED, N_QUEUED, PENALTY_NAMES, QUEUE_HEAD, S_SEEN_SUBMITTED)
 from blink.device.waiting import cancel_queued, collect, enqueue
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import FREE, READY, RUNNING
@@ -92,6 +92,8 @@ class Ring:
                                 top_p=top_p, flags=flags, seed=seed).items():
             h[name][slot] = value
         h["stop_ids"][slot] = [100 + slot, 200 + slot][:GEOMETRY.max_stop_ids]
+        for k, name in enumerate(PENALTY_NAMES):            # distinct per slot and field
+            h[name][slot] = 0.125 * (slot + 1) + k
         view.prompts[slot] = np.arange(view.prompts.shape[1]) + 10 * slot
         view.status["epoch"][slot] += 1
         view.status["n_generated"][slot] = 5
@@ -135,6 +137,7 @@ class Ring:
             assert (s.seq_top_k[slot], s.seq_flags[slot], s.seq_seed[slot]) == \
                 (h["top_k"], h["flags"], np.uint64(h["seed"]).astype(np.int64))
             assert (s.seq_temperature[slot], s.seq_top_p[slot]) == (h["temperature"], h["top_p"])
+            assert s.seq_penalties[slot].tolist() == [h[name] for name in PENALTY_NAMES]
             assert s.seq_stop[slot, :request.n_stop].tolist() == h["stop_ids"][:request.n_stop].tolist()
         c = self.counters
         assert (c[K_NEW], c[K_REFUSED], c[K_FINISHED], c[K_CANCELLED], c[K_REJECTED]) == \

@@ -22,11 +22,12 @@ CONTROL_SPEC = [("magic", 0, 4), ("version", 4, 4), ("n_slots", 8, 4), ("max_pro
                 ("cached_pages", 200, 4)]
 HEADER_SPEC = [("request_id", 0, 8), ("arrival_ns", 8, 8), ("seed", 16, 8), ("prompt_len", 24, 4),
                ("max_tokens", 28, 4), ("temperature", 32, 4), ("top_p", 36, 4), ("top_k", 40, 4), ("flags", 44, 4),
-               ("n_stop", 48, 4), ("priority", 52, 4), ("prefix_state", 56, 8)]
+               ("n_stop", 48, 4), ("priority", 52, 4), ("prefix_state", 56, 8), ("presence_penalty", 64, 4),
+               ("frequency_penalty", 68, 4), ("repetition_penalty", 72, 4)]
 
 
 @pytest.mark.parametrize("dtype,spec,itemsize", [(CONTROL_DTYPE, CONTROL_SPEC, 256),
-                                                 (header_dtype(8), HEADER_SPEC + [("stop_ids", 64, 32)], 96)])
+                                                 (header_dtype(8), HEADER_SPEC + [("stop_ids", 80, 32)], 112)])
 def test_struct_offsets_sizes_and_natural_alignment(dtype, spec, itemsize):
     assert dtype.itemsize == itemsize
     assert list(dtype.names) == [name for name, _, _ in spec]
@@ -39,7 +40,7 @@ def test_struct_offsets_sizes_and_natural_alignment(dtype, spec, itemsize):
     assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:])), "fields overlap"
 
 
-@pytest.mark.parametrize("max_stop_ids,itemsize", [(0, 64), (1, 80), (4, 80), (5, 96), (64, 320)])
+@pytest.mark.parametrize("max_stop_ids,itemsize", [(0, 80), (1, 96), (4, 96), (5, 112), (64, 336)])
 def test_header_size_follows_stop_capacity(max_stop_ids, itemsize):
     assert header_dtype(max_stop_ids).itemsize == itemsize
 

@@ -17,7 +17,11 @@ FIELDS = dict(request_id=7, arrival_ns=123, seed=2**64 - 1, prompt_len=5, priori
                                          ("seed", 2**64), ("stop_token_ids", (-3,)), ("ignore_eos", 1),
                                          ("temperature", float("inf")), ("temperature", 1e308), ("top_k", 2**31),
                                          ("max_tokens", 2**31), ("stop_token_ids", (2**31,)), ("stop", ("",)),
-                                         ("stop", (3,)), ("top_p", 1e-46), ("logprobs", "yes")])
+                                         ("stop", (3,)), ("top_p", 1e-46), ("logprobs", "yes"),
+                                         ("presence_penalty", 2.01), ("presence_penalty", float("nan")),
+                                         ("frequency_penalty", -2.5), ("frequency_penalty", True),
+                                         ("repetition_penalty", 0), ("repetition_penalty", -1.0),
+                                         ("repetition_penalty", float("inf")), ("repetition_penalty", 1e-46)])
 def test_sampling_params_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})
@@ -39,13 +43,17 @@ def test_a_stop_string_alone_is_a_one_element_tuple():
                         temperature=st.floats(0, 3.4e38, allow_nan=False), top_p=st.floats(1e-6, 1.0),
                         top_k=st.integers(0, 2**31 - 1), seed=st.integers(0, 2**64 - 1),
                         stop_token_ids=st.lists(st.integers(0, 2**31 - 1), max_size=4).map(tuple),
-                        ignore_eos=st.booleans(), logprobs=st.booleans()))
+                        ignore_eos=st.booleans(), logprobs=st.booleans(),
+                        presence_penalty=st.floats(-2, 2), frequency_penalty=st.floats(-2, 2),
+                        repetition_penalty=st.floats(1e-6, 3.4e38)))
 def test_every_valid_request_encodes_to_exactly_its_values(params):
     header = np.frombuffer(encode_header(HEADER, params=params, **FIELDS), HEADER)[0]
     for name, value in FIELDS.items():
         assert int(header[name]) == value
     assert int(header["max_tokens"]) == params.max_tokens and int(header["top_k"]) == params.top_k
     assert header["temperature"] == np.float32(params.temperature) and header["top_p"] == np.float32(params.top_p)
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        assert header[name] == np.float32(getattr(params, name)), name
     assert int(header["n_stop"]) == len(params.stop_token_ids)
     assert header["stop_ids"][:len(params.stop_token_ids)].tolist() == list(params.stop_token_ids)
     flags = (FLAG_IGNORE_EOS if params.ignore_eos else 0) | (FLAG_LOGPROBS if params.logprobs else 0)
@@ -61,3 +69,9 @@ def test_a_value_outside_its_header_field_is_refused_by_name(field, value):
     with pytest.raises(ValueError, match=f"request field '{field}' must be an int in "
                                          rf"\[{np.iinfo(dtype).min}, {np.iinfo(dtype).max}\]"):
         encode_header(HEADER, params=SamplingParams(), **fields)
+
+
+def test_penalties_are_neutral_by_default_and_say_when_they_are_not():
+    assert not SamplingParams().has_penalties
+    assert all(SamplingParams(**{name: value}).has_penalties
+               for name, value in [("presence_penalty", -0.5), ("frequency_penalty", 2), ("repetition_penalty", 1.1)])

@@ -25,6 +25,7 @@ from blink.device.state import (BUCKET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_PAG
                                 CFG_TOKEN_BUDGET, CFG_WATERMARK, IDLE, K_ADMITTED, K_CHUNKED, K_COPIES,
                                 K_DECODE_PAGES, K_HIT_TOKENS, K_NEED, K_PREEMPTED, K_PREFILLS, K_QUERY_TOKENS,
                                 K_VICTIM, N_QUEUED, N_ROWS, N_RUNNING, QUEUE_HEAD)
+from blink.device.step import N_PENALTIES
 
 
 @cuda.jit(device=True)
@@ -235,6 +236,9 @@ def write_rows(s, sh, n):
         s.top_p[r] = s.seq_top_p[slot]
         s.top_k[r] = s.seq_top_k[slot]
         s.seed[r] = s.seq_seed[slot]
+        s.prompt_lens[r] = s.seq_prompt_len[slot]
+        for k in range(N_PENALTIES):
+            s.penalties[r, k] = s.seq_penalties[slot, k]
         same = s.row_slot[r] == slot and s.row_version[r] == s.seq_version[slot]
         copied = s.row_pages[r] if same else 0
         sh.keys[r] = copied                       # first block-table entry this row still lacks

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 from blink.device.config import MAX_EOS, MAX_SEQS, SchedulerConfig
-from blink.device.step import StepLayout
+from blink.device.step import N_PENALTIES, StepLayout
 from blink.ring.control import word_index
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingView, header_dtype
@@ -82,6 +82,11 @@ H64_REQUEST_ID, H64_ARRIVAL, H64_SEED, H64_PREFIX_STATE = (
 H32_PROMPT_LEN, H32_MAX_TOKENS, H32_TOP_K, H32_FLAGS, H32_N_STOP, H32_PRIORITY, H32_STOP_IDS = (
     _header_word(n, 4) for n in ("prompt_len", "max_tokens", "top_k", "flags", "n_stop", "priority", "stop_ids"))
 HF_TEMPERATURE, HF_TOP_P = _header_word("temperature", 4), _header_word("top_p", 4)
+# The three penalties are consecutive f32 words of the header, in the order of a row of ``penalties``.
+PENALTY_NAMES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+HF_PENALTIES = _header_word(PENALTY_NAMES[0], 4)
+assert len(PENALTY_NAMES) == N_PENALTIES
+assert [_header_word(n, 4) for n in PENALTY_NAMES] == [HF_PENALTIES + k for k in range(N_PENALTIES)]
 
 # Shared-memory scratch sizes (compile-time constants).
 MAX_CANDIDATES = 1024
@@ -119,6 +124,8 @@ class SchedulerArrays(NamedTuple):
     top_p: object
     top_k: object
     seed: object
+    prompt_lens: object
+    penalties: object
     sampled_ids: object
     sampled_logprobs: object
     # Scheduler state (device memory only).
@@ -144,6 +151,7 @@ class SchedulerArrays(NamedTuple):
     seq_temperature: object  # f32 [n]
     seq_top_p: object       # f32 [n]
     seq_seed: object        # i64 [n]
+    seq_penalties: object   # f32 [n, 3]  presence, frequency, repetition (PENALTY_NAMES)
     seq_keys: object        # u64 [n, max_pages_per_seq]  prefix key of each full page (prompt: the ring's)
     seq_hash: object        # u64 [n]  prefix-key chain state after the sequence's last known token
     seq_seen: object        # i32 [n]  a READY slot the scheduler holds: QUEUED or REFUSED (0: none; see below)
@@ -289,7 +297,8 @@ def state_arrays(config: SchedulerConfig, geometry: RingGeometry, step: StepLayo
         seq_computed=i32(n), seq_total=i32(n), seq_prompt_len=i32(n), seq_max_tokens=i32(n), seq_flags=i32(n),
         seq_last=i32(n), seq_version=i32(n), seq_finish=i32(n), seq_top_k=i32(n), seq_n_stop=i32(n),
         seq_stop=i32(n, max(geometry.max_stop_ids, 1)), seq_temperature=np.zeros(n, np.float32),
-        seq_top_p=np.ones(n, np.float32), seq_seed=np.zeros(n, np.int64), seq_keys=u64(n, config.max_pages_per_seq),
+        seq_top_p=np.ones(n, np.float32), seq_seed=np.zeros(n, np.int64),
+        seq_penalties=np.tile(np.float32([0, 0, 1]), (n, 1)), seq_keys=u64(n, config.max_pages_per_seq),
         seq_hash=u64(n), seq_seen=i32(n), queue_slots=i32(n), queue_keys=np.zeros(n, np.int64),
         queue_tmp_slots=i32(n), queue_tmp_keys=np.zeros(n, np.int64), running=i32(seqs), consumed=i32(seqs),
         pending_finished=i32(n), doorbells=np.zeros(len(DOORBELL_NAMES), np.int64),

@@ -22,7 +22,10 @@ Invariants the batcher guarantees (and the model may rely on):
   the row samples nothing this step (an empty row, or a prefill chunk that does not reach the end of the prompt).
 - Sampling parameters are per sequence row. ``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1``
   disable those filters. The random stream of row ``i`` depends only on ``(seed[i], seq_lens[i])``, so a seeded
-  request samples the same tokens whatever else is in the batch.
+  request samples the same tokens whatever else is in the batch. ``penalties[i]`` are the row's presence,
+  frequency and repetition penalties (0, 0, 1: none) and ``prompt_lens[i]`` its prompt length: the penalties read the
+  row's history, positions ``0 .. seq_lens[i] - 1`` through its block table, those below ``prompt_lens[i]`` being
+  prompt tokens.
 
 The step writes ``sampled_ids[i]`` and ``sampled_logprobs[i]`` for every row with ``logits_indices[i] >= 0``.
 """
@@ -31,6 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+N_PENALTIES = 3     # presence, frequency, repetition: one f32 each per row
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,8 @@ class StepLayout:
             "top_p": ((s,), f32),
             "top_k": ((s,), i32),
             "seed": ((s,), i64),
+            "prompt_lens": ((s,), i32),
+            "penalties": ((s, N_PENALTIES), f32),
             "sampled_ids": ((s,), i32),
             "sampled_logprobs": ((s,), f32),
         }

@@ -19,10 +19,10 @@ from blink.device.block import next_power_of_two, sort_pairs
 from blink.device.numba_compat import cuda, load_volatile
 from blink.device.state import (CFG_MAX_MODEL_LEN, CFG_MAX_STOP, H32_FLAGS, H32_MAX_TOKENS, H32_N_STOP, H32_PRIORITY,
                                 H32_PROMPT_LEN, H32_STOP_IDS, H32_TOP_K, H64_ARRIVAL, H64_PREFIX_STATE, H64_REQUEST_ID,
-                                H64_SEED,
-                                HF_TEMPERATURE, HF_TOP_P, K_CANCELLED, K_FINISHED, K_NEW, K_REFUSED, K_REJECTED,
-                                MAX_CANDIDATES, N_PENDING_FINISHED, N_QUEUED, QUEUE_HEAD, QUEUED, REFUSED,
-                                S_SEEN_SUBMITTED)
+                                H64_SEED, HF_PENALTIES, HF_TEMPERATURE, HF_TOP_P, K_CANCELLED, K_FINISHED, K_NEW,
+                                K_REFUSED, K_REJECTED, MAX_CANDIDATES, N_PENDING_FINISHED, N_QUEUED, QUEUE_HEAD, QUEUED,
+                                REFUSED, S_SEEN_SUBMITTED)
+from blink.device.step import N_PENALTIES
 from blink.ring.layout import FINISH_ABORT, FINISH_ERROR, READY
 
 SCAN_UNROLL = 8     # state words each thread has in flight at once: the column is read across PCIe
@@ -57,6 +57,8 @@ def load_header(s, slot):
     s.seq_temperature[slot] = s.hdr_f32[slot, HF_TEMPERATURE]
     s.seq_top_p[slot] = s.hdr_f32[slot, HF_TOP_P]
     s.seq_seed[slot] = int64(s.hdr_u64[slot, H64_SEED])
+    for k in range(N_PENALTIES):
+        s.seq_penalties[slot, k] = s.hdr_f32[slot, HF_PENALTIES + k]
     s.seq_hash[slot] = s.hdr_u64[slot, H64_PREFIX_STATE]      # the prompt's prefix-key chain state (prefix.py)
 
 

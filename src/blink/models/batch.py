@@ -54,6 +54,7 @@ def fill_step(buf, chunks: Sequence[SeqChunk], page_size: int) -> int:
     host["slot_mapping"].fill_(-1)
     host["logits_indices"].fill_(-1)
     host["top_p"].fill_(1.0)
+    host["penalties"][:, 2] = 1.0                 # repetition 1: no penalties (presence and frequency 0)
     host["num_seqs"][0] = len(chunks)
     row = 0
     for i, c in enumerate(chunks):

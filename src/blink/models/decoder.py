@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .history import TokenHistory
 from .kernels import ops_for
 from .parallel import Split, TensorParallel, all_reduce, weight_split
 from .rope import cos_sin_cache
@@ -172,8 +173,13 @@ class DecoderLM(nn.Module):
         return torch.zeros(self.kv_cache_shape(num_pages, page_size), device=self.device, dtype=self.dtype)
 
     @torch.inference_mode()
-    def forward(self, buf, kv_cache: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    def forward(self, buf, kv_cache: torch.Tensor, num_tokens: int,
+                history: TokenHistory | None = None) -> torch.Tensor:
         """One model step over the first ``num_tokens`` token rows of ``buf`` (a ``StepBuffers``).
+
+        With ``history`` (the token ids of ``kv_cache``'s positions) the step records its tokens there and applies
+        each row's penalties (``buf.penalties``) to its logits before sampling; without it, penalties are ignored
+        (a model driven outside an engine).
 
         Writes ``buf.sampled_ids`` / ``buf.sampled_logprobs`` for rows with ``logits_indices >= 0`` (others keep
         their values) and returns the logits ``[sample_rows(num_tokens), vocab]`` of the sampled rows in the model's
@@ -183,6 +189,8 @@ class DecoderLM(nn.Module):
         s = buf.layout.sample_rows(t)
         plan = ops.attention_plan(buf, t, c.num_heads, c.num_kv_heads, c.head_dim, kv_cache.shape[3], self.dtype)
         positions, slot_mapping = buf.positions[:t], buf.slot_mapping[:t]
+        if history is not None:
+            history.record(buf.token_ids[:t], slot_mapping)
         h, residual = F.embedding(buf.token_ids[:t].long(), self.model.embed_tokens.weight), None
         for i, layer in enumerate(self.model.layers):
             h, residual = layer(h, residual, positions, self.cos_sin, kv_cache[i], slot_mapping, plan, ops)
@@ -191,6 +199,11 @@ class DecoderLM(nn.Module):
         last = rows.clamp(min=0).long()
         h, _ = ops.rms_norm(h[last], self.model.norm.weight, c.rms_norm_eps, residual[last])
         logits = F.linear(h, self.lm_head_weight())
+        if history is not None:
+            penalties = buf.penalties[:s]
+            ops.apply_penalties(logits, history.tokens, buf.block_tables[:s], buf.seq_lens[:s], buf.prompt_lens[:s],
+                                penalties[:, 0], penalties[:, 1], penalties[:, 2], history.counts[:s],
+                                history.page_size)
         ids, logprobs = sample(logits, buf.temperature[:s], buf.top_k[:s], buf.top_p[:s], buf.seed[:s],
                                buf.seq_lens[:s], ops)
         valid = rows >= 0

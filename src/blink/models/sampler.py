@@ -8,7 +8,8 @@ row (tokens whose scaled logit is ``>=`` it stay), found among the ``CANDIDATES`
   HF's warpers do; when even all ``CANDIDATES`` fall short of ``top_p`` (and top-k is off) the row is not truncated.
 
 The token is then ``argmax(logit / T + gumbel)`` (Gumbel-max draws exactly from the softmax), with the noise a hash of
-``(seed, seq_len, token)``. The returned logprob is of the model's own distribution (before temperature or filters).
+``(seed, seq_len, token)``. The returned logprob is of the distribution the logits give (after the penalties, which
+the step applies to them first, and before temperature or filters).
 The scaled logits ``logit / T`` are never stored: the kernels divide as they read (``ops.row_logsumexp`` gives both
 rows' log-sum-exps in one pass, ``ops.candidate_threshold`` applies the filters to the top logits, scaled, since
 dividing by a positive ``T`` keeps their order, and ``ops.gumbel_argmax`` picks the token).

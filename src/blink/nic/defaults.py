@@ -1,9 +1,10 @@
 """The server's default sampling, for requests that leave a field out: the model's ``generation_config.json`` (as
 vLLM's ``--generation-config auto``), or the OpenAI API's own defaults (``vllm``), or another directory's file.
 
-From the file: ``temperature``, ``top_p``, ``top_k`` and ``max_new_tokens`` (the default ``max_tokens``). A field the
-file does not give keeps the API's default: temperature 1, no top-p or top-k filter, and for ``max_tokens`` all the
-room the context leaves (chat; completions default to 16, as OpenAI's API).
+From the file: ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty`` and ``max_new_tokens`` (the default
+``max_tokens``), as vLLM reads them. A field the file does not give keeps the API's default: temperature 1, no top-p
+or top-k filter, no repetition penalty, and for ``max_tokens`` all the room the context leaves (chat; completions
+default to 16, as OpenAI's API).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class SamplingDefaults:
     top_p: float = 1.0
     top_k: int = 0
     max_tokens: int | None = None
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -30,6 +32,10 @@ class SamplingDefaults:
             raise ValueError(f"generation config top_p must be in (0, 1] (got {self.top_p!r})")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"generation config top_k must be an int >= 0 (got {self.top_k!r})")
+        if not (isinstance(self.repetition_penalty, (int, float)) and math.isfinite(self.repetition_penalty)
+                and self.repetition_penalty > 0):
+            raise ValueError(f"generation config repetition_penalty must be a number > 0 (got "
+                             f"{self.repetition_penalty!r})")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"generation config max_new_tokens must be an int >= 1 (got {self.max_tokens!r})")
 
@@ -46,5 +52,5 @@ def sampling_defaults(model_dir, generation_config: str = "auto") -> SamplingDef
                                 f"auto, vllm or a directory holding one)")
     config = json.loads(path.read_text()) if path.is_file() else {}
     fields = {"temperature": config.get("temperature"), "top_p": config.get("top_p"), "top_k": config.get("top_k"),
-              "max_tokens": config.get("max_new_tokens")}
+              "max_tokens": config.get("max_new_tokens"), "repetition_penalty": config.get("repetition_penalty")}
     return SamplingDefaults(**{k: v for k, v in fields.items() if v is not None})

@@ -105,8 +105,11 @@ def status_column_stride(n_slots: int) -> int:
     return _round_up(4 * n_slots, 64)
 
 
+HEADER_FIXED_BYTES = 80     # the header's fields before the stop ids (76 used)
+
+
 def header_dtype(max_stop_ids: int) -> np.dtype:
-    """Request header: 64 fixed bytes, then the stop ids, padded to 16 bytes."""
+    """Request header: 80 fixed bytes, then the stop ids, padded to 16 bytes."""
     fixed = [
         ("request_id", "<u8", 0),
         ("arrival_ns", "<u8", 8),
@@ -120,10 +123,13 @@ def header_dtype(max_stop_ids: int) -> np.dtype:
         ("n_stop", "<u4", 48),
         ("priority", "<i4", 52),
         ("prefix_state", "<u8", 56),    # the prompt's prefix-key chain state (ring/hashing.py), 0 without keys
+        ("presence_penalty", "<f4", 64),
+        ("frequency_penalty", "<f4", 68),
+        ("repetition_penalty", "<f4", 72),
     ]
     if max_stop_ids:
-        fixed.append(("stop_ids", ("<i4", (max_stop_ids,)), 64))
-    return struct(fixed, _round_up(64 + 4 * max_stop_ids, 16))
+        fixed.append(("stop_ids", ("<i4", (max_stop_ids,)), HEADER_FIXED_BYTES))
+    return struct(fixed, _round_up(HEADER_FIXED_BYTES + 4 * max_stop_ids, 16))
 
 
 def _round_up(n: int, align: int) -> int:

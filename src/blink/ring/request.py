@@ -44,7 +44,10 @@ class SamplingParams:
     seed gives the same tokens whatever else is batched with the request. ``stop_token_ids`` end the request on the
     GPU (the stop token is part of the output); ``stop`` strings end it on the agent's side, matched on the decoded
     text (the stop string is not part of the output). ``ignore_eos`` keeps generating past the model's
-    end-of-sequence tokens.
+    end-of-sequence tokens. ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2], 0 disables) lower the logit of
+    every token already generated, once / per occurrence; ``repetition_penalty`` (> 0, 1 disables) divides a positive
+    logit (multiplies a negative one) of every token in the prompt or the output: vLLM's penalties, applied on the
+    device before temperature and the filters.
     """
 
     max_tokens: int = 16
@@ -56,6 +59,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def __post_init__(self):
         _check(_is_int(self.max_tokens) and 1 <= self.max_tokens < 2**31, "max_tokens", "an int in [1, 2**31)",
@@ -81,6 +91,12 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop))
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
         _check(isinstance(self.logprobs, bool), "logprobs", "a bool", self.logprobs)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2.0 <= value <= 2.0, name, "a number in [-2, 2] (0 disables it)", value)
+        r = self.repetition_penalty
+        _check(_is_number(r) and 0.0 < r <= FLOAT32_MAX and np.float32(r) > 0, "repetition_penalty",
+               f"a number in (0, {FLOAT32_MAX:.4g}] (float32; 1 disables it)", r)
 
 
 def encode_header(header_dtype: np.dtype, *, request_id: int, arrival_ns: int, seed: int, prompt_len: int,
@@ -94,7 +110,9 @@ def encode_header(header_dtype: np.dtype, *, request_id: int, arrival_ns: int, s
               "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
               "top_k": params.top_k,
               "flags": (FLAG_IGNORE_EOS if params.ignore_eos else 0) | (FLAG_LOGPROBS if params.logprobs else 0),
-              "n_stop": len(params.stop_token_ids), "priority": priority, "prefix_state": prefix_state}
+              "n_stop": len(params.stop_token_ids), "priority": priority, "prefix_state": prefix_state,
+              "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+              "repetition_penalty": params.repetition_penalty}
     header = np.zeros(1, header_dtype)
     for name, value in values.items():
         header[name] = _fits(header_dtype.fields[name][0], name, value)

@@ -437,7 +437,11 @@ BAD = [  # (path, body, status, what the message must mention)
     (COMPLETIONS, {"prompt": "x", "stop": [""]}, 400, "non-empty"),
     (COMPLETIONS, {"prompt": "x", "stop": ["a"] * 17}, 400, "at most 16"),
     (COMPLETIONS, {"prompt": "x", "stop_token_ids": [1] * 5}, 400, "at most 4 token ids"),
-    (COMPLETIONS, {"prompt": "x", "presence_penalty": 0.5}, 400, "not supported"),
+    (COMPLETIONS, {"prompt": "x", "presence_penalty": 2.5}, 400, "'presence_penalty' must be a number in [-2, 2]"),
+    (COMPLETIONS, {"prompt": "x", "frequency_penalty": "high"}, 400, "'frequency_penalty' must be a number"),
+    (COMPLETIONS, {"prompt": "x", "repetition_penalty": 0}, 400, "'repetition_penalty' must be a number > 0"),
+    (COMPLETIONS, {"prompt": "x", "repetition_penalty": 3.5e38}, 400, "'repetition_penalty' must be a number in"),
+    (COMPLETIONS, {"prompt": "x", "min_tokens": 3}, 400, "not supported"),
     (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "not supported"),
     (CHAT, {"messages": []}, 400, "non-empty list"),
     (CHAT, {"messages": "hi"}, 400, "non-empty list"),
@@ -481,6 +485,8 @@ good_values = {
     "stream": st.booleans(), "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3),
     "ignore_eos": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "stop_token_ids": st.lists(st.integers(-1, 49152), max_size=5), "priority": st.integers(-5, 5),
+    "presence_penalty": st.floats(-2.5, 2.5), "frequency_penalty": st.floats(-2.5, 2.5),
+    "repetition_penalty": st.floats(-0.5, 3),
 }
 prompts = {COMPLETIONS: {"prompt": st.text(min_size=1, max_size=30) | st.lists(st.integers(0, 49151), max_size=8),
                          "logprobs": st.sampled_from([None, 0, 0, 1])},
@@ -495,7 +501,7 @@ TYPE_LIMITS = [0, 1, -1, 2**31 - 1, 2**31, -2**31, -2**31 - 1, 2**32 - 1, 2**32,
                -2**63 - 1, 10**30,
                0.0, -0.0, 1e-45, 1e-39, 1e-5, 0.5, 3.4e38, 3.5e38, 1e308, -1e308, 1.7976931348623157e308]
 NUMERIC_FIELDS = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "priority", "n",
-                  "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "best_of"]
+                  "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "best_of"]
 
 
 @st.composite

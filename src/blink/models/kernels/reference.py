@@ -182,3 +182,39 @@ def gumbel_argmax(logits: torch.Tensor, divisor: torch.Tensor, threshold: torch.
     noisy = torch.where(scaled >= threshold[:, None], scaled + gumbel_noise(key[:, None], vocab[None, :]),
                         float("-inf"))
     return torch.where(greedy[:, None], scaled, noisy).argmax(dim=1).to(torch.int32)
+
+
+def apply_penalties(logits: torch.Tensor, page_tokens: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, prompt_lens: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
+                    repetition: torch.Tensor, counts: torch.Tensor, page_size: int) -> None:
+    """vLLM's penalties, in place on ``logits [S, V]`` (computed in float32). Row ``r``'s history is positions
+    ``0 .. seq_lens[r]-1``, position ``p`` holding ``page_tokens[block_tables[r, p // page_size] * page_size +
+    p % page_size]``; those below ``prompt_lens[r]`` are its prompt, the rest its output. A token ``t`` in the
+    history (ids outside ``[0, V)`` are ignored), ``c`` times in the output, becomes ``x / repetition`` when ``x > 0``
+    else ``x * repetition``, then, when ``c > 0``, ``- frequency * c - presence``. Other logits are left as they
+    are, all of a row with neutral penalties (0, 0, 1). ``counts`` (the Triton kernels' scratch) is not used."""
+    # Eager code (the CPU step): only the rows with penalties are worked on, over their longest history.
+    rows = ((presence != 0) | (frequency != 0) | (repetition != 1)).nonzero()[:, 0]  # a neutral row stays bit for bit
+    if rows.numel() == 0:
+        return
+    vocab = logits.shape[1]
+    seq_lens, prompt_lens = seq_lens[rows], prompt_lens[rows]
+    pos = torch.arange(int(seq_lens.max()), device=logits.device)
+    history = pos < seq_lens[:, None]
+    pages = torch.where(history, block_tables[rows][:, pos // page_size], 0).long()  # entries past the row: anything
+    tokens = page_tokens[pages * page_size + pos % page_size].long()
+    known = history & (tokens >= 0) & (tokens < vocab)
+    output = known & (pos >= prompt_lens[:, None])
+    tokens = torch.where(known, tokens, 0)
+
+    def bincount(mask):
+        return torch.zeros(len(rows), vocab, dtype=torch.int32, device=logits.device).scatter_add_(1, tokens,
+                                                                                                 mask.int())
+
+    count = bincount(output)
+    seen = (count > 0) | (bincount(known & ~output) > 0)
+    x = logits[rows].float()
+    rep = repetition[rows, None]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = torch.where(count > 0, x - frequency[rows, None] * count - presence[rows, None], x)
+    logits[rows] = x.to(logits.dtype)

@@ -21,9 +21,8 @@ MAX_CHOICES = 16                      # n: choices per request, each its own rin
 MAX_STOP_STRINGS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Accepted only at their neutral values: anything else asks for a feature this server does not have.
-UNSUPPORTED = {"echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,),
-               "frequency_penalty": (0,), "repetition_penalty": (1,), "min_tokens": (0,), "tools": ([],),
-               "response_format": ({"type": "text"},)}
+UNSUPPORTED = {"echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},), "min_tokens": (0,),
+               "tools": ([],), "response_format": ({"type": "text"},)}
 
 
 # -- request parsing -----------------------------------------------------------------------------------------------
@@ -180,7 +179,13 @@ class Parser:
             seed=None if seed is None else seed % 2**64,
             stop_token_ids=tuple(stop_ids),
             ignore_eos=_field(body, "ignore_eos", (bool,), "a boolean", False),
-            logprobs=logprobs)
+            logprobs=logprobs,
+            presence_penalty=_field(body, "presence_penalty", (int, float), "a number in [-2, 2] (0: none)", 0.0,
+                                    lambda v: -2 <= v <= 2),
+            frequency_penalty=_field(body, "frequency_penalty", (int, float), "a number in [-2, 2] (0: none)", 0.0,
+                                     lambda v: -2 <= v <= 2),
+            repetition_penalty=_field(body, "repetition_penalty", (int, float), "a number > 0 (1: none)",
+                                      self.defaults.repetition_penalty, lambda v: 0 < v < math.inf))
 
     def _check_model(self, body: dict) -> None:
         model = _field(body, "model", (str,), "a string", self.model_name)
