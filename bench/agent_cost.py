@@ -13,7 +13,6 @@ short run's rest per request (HTTP, parsing, submission, its first and last chun
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import re
@@ -24,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.wait_healthy import healthy
+
 STREAMS, REQUESTS, SHORT, LONG = 64, 256, 16, 128
 
 
@@ -31,15 +32,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def healthy(port: int) -> bool:
-    try:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-        connection.request("GET", "/health")
-        return connection.getresponse().status == 200
-    except OSError:
-        return False
 
 
 def cpu_seconds(pid: int) -> float:

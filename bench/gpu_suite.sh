@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200's work in two calls (each under the device tool's 10 minutes):
+# The H200's work in two runs (each under 10 minutes):
 #   bash bench/gpu_suite.sh            the benchmarks: scheduler, models (four full-size models + fused MoE, with
 #                                      per-kernel profiles), engine, serving (Qwen3-8B shape, blink against
 #                                      transformers, isolated and with hogs)
@@ -15,9 +15,9 @@
 #                                      experiment:gemv_bench)
 # Serving runs at the suite's sizes (SUITE_PROMPTS=192 requests at 16,32,64,inf req/s; SUITE_PEER_PROMPTS=8 for
 # the peer) so the benchmarks fit 8 minutes; the sizes of the published results are bench/serving_gpu.sh's defaults.
-# Parts write into a scratch folder that is bundled into $OUT/suite.tgz after every part (the device tool returns
-# at most 8 files; a run cut short keeps the parts it finished); $OUT also gets gpu.txt and suite_times.txt.
-# Run from the repository root of a copied tree: PYTHONPATH=src, the device's own torch/numba/cuda-python.
+# Parts write into a scratch folder that is bundled into $OUT/suite.tgz after every part (one file to copy back;
+# a run cut short keeps the parts it finished); $OUT also gets gpu.txt and suite_times.txt.
+# Run from the repository root of a copied tree: PYTHONPATH=src, the GPU machine's own torch/numba/cuda-python.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src NUMBA_ENABLE_CUDASIM=0 PYTHONUNBUFFERED=1   # tests/conftest.py: 0 = the real GPU
@@ -28,8 +28,8 @@ export OUT
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(scheduler models engine serving)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
-# The device tool's copy of the tree carries a .git from an earlier sync, so its HEAD can be stale: the caller writes
-# the commit it copied into the command, e.g. `BLINK_COMMIT=b157c94 bash bench/gpu_suite.sh models`.
+# A copied tree may carry a .git that is not its own, so its HEAD can be stale: the caller writes the commit it
+# copied into the command, e.g. `BLINK_COMMIT=b157c94 bash bench/gpu_suite.sh models`.
 echo "tree: ${BLINK_COMMIT:-unknown (set BLINK_COMMIT)}" >> "$OUT/gpu.txt"
 # A Python bench part: `bench_part NAME MODULE ARGS... OPTION` runs `python -m bench.MODULE ARGS... OPTION
 # $OUT/NAME.json` (OPTION: the script's flag for its JSON file) with its output also in $OUT/NAME.log; returns the

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Agent immunity: `blink serve` at its default options and the transformers peer on the Qwen3-8B shape, closed loop
-# (64 concurrent streams), isolated and with HOGS hogs, in the layouts a shared host offers; one layout per call, so
-# each fits the device tool's 10 minutes:
+# (64 concurrent streams), isolated and with HOGS hogs, in the layouts a shared host offers; one layout per run, so
+# each fits in 10 minutes:
 #   bash bench/immunity_gpu.sh shared        hogs on every core, the client at normal priority
 #   bash bench/immunity_gpu.sh client-high   the same with the client at nice -10 (a client on another host); the
 #                                            peer's process (its model runs in the client) at nice -10 too
@@ -9,7 +9,7 @@
 #                                            DPU or reserved-cpuset stand-in); the peer runs there too
 #   bash bench/immunity_gpu.sh report        the layouts measured so far in this OUT, side by side
 # Each layout is bench/serving_gpu.sh (RATES=inf, --max-concurrency 64, --ignore-eos) into $OUT/<layout>/; after
-# every call $OUT/immunity.tgz bundles all of $OUT (the device tool returns at most 8 files) and
+# every run $OUT/immunity.tgz bundles all of $OUT (one file to copy back) and
 # $OUT/immunity_report.txt compares the layouts (`blink bench report`: P50/P99 TTFT, P99 TPOT, P99 worst gap, the
 # server's CPU per 1,000 tokens and the colocated / isolated ratios).
 # Environment (defaults): OUT=out SHAPE=qwen3-8b PROMPTS=256 PEER_PROMPTS=32 (0: blink only) HOGS=4*nproc

@@ -9,7 +9,7 @@
 #           in a process of its own (graph replays after a CUPTI profile in the same process are slower)
 #   bash bench/models_gpu.sh [tests] [moe] [engine] [models] [profile] [-- model_bench.py arguments, e.g.
 #   --models phi-4]
-# Logs and JSON go under $OUT (the device tool's output folder; ./out elsewhere).
+# Logs and JSON go under $OUT (default ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1 NUMBA_ENABLE_CUDASIM=0  # tests/conftest.py: 0 = the real GPU
@@ -20,8 +20,8 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do parts+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 [ ${#parts[@]} -eq 0 ] && parts=(tests moe engine models profile)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
-# The device tool's copy of the tree carries a .git from an earlier sync, so its HEAD can be stale: the caller writes
-# the commit it copied into the command, e.g. `BLINK_COMMIT=b157c94 bash bench/gpu_suite.sh models`.
+# A copied tree may carry a .git that is not its own, so its HEAD can be stale: the caller writes the commit it
+# copied into the command, e.g. `BLINK_COMMIT=b157c94 bash bench/gpu_suite.sh models`.
 echo "tree: ${BLINK_COMMIT:-unknown (set BLINK_COMMIT)}" >> "$OUT/gpu.txt"
 status=0
 for part in "${parts[@]}"; do

@@ -3,7 +3,7 @@
 # transformers peer on the first PEER_PROMPTS of the same requests (0: blink only):
 #   OUT=... bash bench/serving_models.sh [MODEL ...]     (default: qwen3-30b-a3b llama-3-8b phi-4 qwen3-32b)
 # Per model: bench/serving_gpu.sh's files in $OUT/<model>/ (on the H200 run it as `bash bench/gpu_suite.sh
-# serving-models`, which bundles them: the device tool returns at most 8 files). PROMPTS (128),
+# serving-models`, which bundles them into one file). PROMPTS (128),
 # PEER_PROMPTS (0), LIMIT (seconds per model, 120) and BENCH_ARGS (e.g. "--output-len 64") are environment variables,
 # as are serving_gpu.sh's SERVE_ARGS and CLIENT_PRIORITY.
 set -uo pipefail

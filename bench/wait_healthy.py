@@ -11,17 +11,22 @@ import time
 TIMEOUT_S = 400
 
 
+def healthy(port: int, timeout_s: float = 2) -> bool:
+    """The server at 127.0.0.1:``port`` answers /health with 200."""
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+        connection.request("GET", "/health")
+        return connection.getresponse().status == 200
+    except OSError:
+        return False
+
+
 def main(port: int, pid: int, log: str) -> int:
     start = time.monotonic()
     while time.monotonic() - start < TIMEOUT_S:
-        try:
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            connection.request("GET", "/health")
-            if connection.getresponse().status == 200:
-                print(f"blink serve is healthy after {time.monotonic() - start:.0f} s")
-                return 0
-        except OSError:
-            pass
+        if healthy(port):
+            print(f"blink serve is healthy after {time.monotonic() - start:.0f} s")
+            return 0
         if not os.path.exists(f"/proc/{pid}"):
             print(f"blink serve exited before it was healthy: see {log}", file=sys.stderr)
             return 1

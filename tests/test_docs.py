@@ -5,7 +5,9 @@ A fenced ``python`` or ``bash`` block is preceded by a comment saying how it run
 ``blink serve`` with the embedded model runs on 127.0.0.1:8000, within an optional time bound in seconds:
 ``server 10``), ``<!-- snippet: daemon -->`` (each command starts a server: all are started in order, must come up
 and keep running, then are stopped with Ctrl-C), ``<!-- snippet: ci -->`` (the install-and-test command that
-``.ci/run`` itself runs) or ``<!-- snippet: gpu -->`` (needs the H200; not run here).
+``.ci/run`` itself runs), ``<!-- snippet: gpu -->`` (needs the H200; not run here) or ``<!-- snippet: host -->``
+(changes the host's configuration, as root: cgroups, systemd; not run here). A snippet inside a list item may be
+indented, its comment with it.
 """
 import os
 import re
@@ -21,9 +23,9 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-BLOCK = re.compile(r"(?:<!-- snippet: (?P<kind>[\w]+)(?: (?P<arg>[^-]+?))? -->\n)?```(?P<lang>python|bash|sh)\n"
-                   r"(?P<code>.*?)\n```", re.S)
-KINDS = ("run", "server", "daemon", "ci", "gpu")
+BLOCK = re.compile(r"(?:<!-- snippet: (?P<kind>[\w]+)(?: (?P<arg>[^-]+?))? -->\n[ \t]*)?```(?P<lang>python|bash|sh)\n"
+                   r"(?P<code>.*?)\n[ \t]*```", re.S)
+KINDS = ("run", "server", "daemon", "ci", "gpu", "host")
 
 
 def snippets():
