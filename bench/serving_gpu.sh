@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Serving benchmark (part `serving` of bench/gpu_suite.sh): `blink serve` on a random-weights model of SHAPE against
-# transformers' continuous batching on the same synthetic ShareGPT-like workload (`--ignore-eos`: every request
-# generates its drawn output length), each isolated and with HOGS CPU+memory hogs; GPU energy per run.
-# Writes $OUT/serving_{blink,hf}.json (+ .log), $OUT/serving_report.txt and PNGs in $OUT/serving_img/.
+# transformers' continuous batching, and vLLM where bench/peers/vllm_gpu.sh installed it (VLLM_PROMPTS > 0), on the
+# same synthetic ShareGPT-like workload (`--ignore-eos`: every request generates its drawn output length), each
+# isolated and with HOGS CPU+memory hogs; GPU energy per run.
+# Writes $OUT/serving_{blink,vllm,hf}.json (+ .log), $OUT/serving_report.txt and PNGs in $OUT/serving_img/.
 #
 # Environment (defaults): SHAPE=qwen3-8b DEVICE=cuda PROMPTS=256 RATES=16,32,64,inf PEER_PROMPTS=128 PEER_RATES=inf
 #   HOGS=4*nproc PEER_TIMEOUT=300 (s; the peer's JSON is rewritten after each run, so a cut-off run keeps the others)
@@ -10,7 +11,9 @@
 #   SERVE_ARGS="" (more `blink serve` options, e.g. "--agent-priority high"). CLIENT_PRIORITY=normal (high: blink's
 #   load generator at nice -10, so that the hogs contend with the server and not with the client that measures it;
 #   the peer's client keeps normal priority, as its model runs in that process). The peer runs the first
-#   PEER_PROMPTS requests of the same dataset (request i depends only on the seed and i).
+#   PEER_PROMPTS requests of the same dataset (request i depends only on the seed and i). VLLM_PROMPTS=0 (vLLM off;
+#   on, it serves the first VLLM_PROMPTS requests at RATES with the limits of vllm_gpu.sh, VLLM_ARGS passed on: vLLM
+#   caches prefixes by default, and this workload's random prompts share none).
 # CPU dry run of the recipe: SHAPE=tiny-qwen3 DEVICE=cpu PROMPTS=8 RATES=4,inf PEER_PROMPTS=4 HOGS=2 \
 #   BENCH_ARGS="--output-len 16" bash bench/serving_gpu.sh
 set -uo pipefail
@@ -20,7 +23,7 @@ OUT=${OUT:-out}
 SHAPE=${SHAPE:-qwen3-8b} DEVICE=${DEVICE:-cuda} PROMPTS=${PROMPTS:-256} RATES=${RATES:-16,32,64,inf}
 PEER_PROMPTS=${PEER_PROMPTS:-128} PEER_RATES=${PEER_RATES:-inf} HOGS=${HOGS:-$((4 * $(nproc)))}
 PEER_TIMEOUT=${PEER_TIMEOUT:-300} PORT=${PORT:-8321} BENCH_ARGS=${BENCH_ARGS:-} SERVE_ARGS=${SERVE_ARGS:-}
-CLIENT_PRIORITY=${CLIENT_PRIORITY:-normal}
+CLIENT_PRIORITY=${CLIENT_PRIORITY:-normal} VLLM_PROMPTS=${VLLM_PROMPTS:-0}
 mkdir -p "$OUT"
 # The GPU machine has no network: if its image lacks nvidia-ml-py (energy) or matplotlib (plots), install them from
 # wheels/ (downloaded on a networked machine, see docs/benchmarks.md); without them energy is reported unavailable.
@@ -44,7 +47,22 @@ if [ $status -eq 0 ]; then
 fi
 kill -INT $server; wait $server
 
-# The peer, on the GPU once blink has released it (PEER_PROMPTS=0: no peer).
+# vLLM, on the GPU once blink has released it, with blink's limits (vllm_gpu.sh: max model length 4096, blink's cap,
+# and 256 sequences, blink's max_num_seqs).
+if [ "$VLLM_PROMPTS" -gt 0 ]; then
+  if PORT=$((PORT + 1)) LOG="$OUT/serving_vllm_server.log" \
+      bash bench/peers/vllm_gpu.sh serve "$model"; then
+    python -m blink.cli bench serve --label vllm --base-url "http://127.0.0.1:$((PORT + 1))" --tokenizer "$model" \
+      --num-prompts "$VLLM_PROMPTS" --sweep "$RATES" --ignore-eos --interference "$HOGS" $BENCH_ARGS \
+      --client-priority "$CLIENT_PRIORITY" --result-json "$OUT/serving_vllm.json" 2>&1 \
+      | tee "$OUT/serving_vllm.log" || status=1
+  else
+    status=1
+  fi
+  bash bench/peers/vllm_gpu.sh stop
+fi
+
+# The peer, on the GPU once blink and vLLM have released it (PEER_PROMPTS=0: no peer).
 if [ "$PEER_PROMPTS" -gt 0 ]; then
   timeout "$PEER_TIMEOUT" python -m blink.cli bench serve --backend hf --label hf --model "$model" \
     --load-format dummy --device "$DEVICE" --num-prompts "$PEER_PROMPTS" --sweep "$PEER_RATES" --ignore-eos \
@@ -52,7 +70,7 @@ if [ "$PEER_PROMPTS" -gt 0 ]; then
     || status=1
 fi
 
-results=$(ls "$OUT"/serving_blink.json "$OUT"/serving_hf.json 2>/dev/null)
+results=$(ls "$OUT"/serving_blink.json "$OUT"/serving_vllm.json "$OUT"/serving_hf.json 2>/dev/null)
 python -m blink.cli bench report $results --plot-dir "$OUT/serving_img" 2>&1 | tee "$OUT/serving_report.txt" \
   || status=1
 exit $status

@@ -1,0 +1,76 @@
+"""The scheduler image's register, stack and spill use, from the linker, on any machine (no GPU needed).
+
+``python -m bench.scheduler_resources [--policy fcfs] [--json PATH]`` links the image as ``blink.device.image`` does
+(policy + iteration from numba, shim from NVRTC, libcudadevrt) with nvJitLink's ``-verbose`` and prints, per
+function, what ptxas reported: registers, stack frame, spill stores and loads, shared memory. The iteration
+(``blink_iterate``) is where spills show: each phase's working set is live across the whole device function.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "0"      # numba compiles for the GPU (before anything imports numba)
+
+FRAME = re.compile(r"Function properties for '?(\w+)'?:?\s*\n\S+\s+\.\s+(\d+) bytes stack frame, (\d+) bytes spill "
+                   r"stores, (\d+) bytes spill loads")
+USED = re.compile(r"Function properties for '(\w+)':\s*\ninfo\s+: used (\d+) registers, .*?(\d+) stack, "
+                  r"(\d+) bytes smem")
+
+
+def linker_log(policy_name: str, arch: str = "sm_90") -> str:
+    import cuda.bindings.nvjitlink as nvjitlink
+    from cuda.pathfinder import find_static_lib
+
+    from blink.device import image, policy
+
+    cc = (int(arch[3]), int(arch[4:]))
+    policy_ir, shim_ir = image.compile_policy(getattr(policy, policy_name), cc), image.compile_shim(arch)
+    handle = nvjitlink.create(3, [f"-arch={arch}", "-lto", "-verbose"])
+    try:
+        nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, shim_ir, len(shim_ir), "shim")
+        nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, policy_ir, len(policy_ir), "policy")
+        nvjitlink.add_file(handle, nvjitlink.InputType.LIBRARY, find_static_lib("cudadevrt"))
+        nvjitlink.complete(handle)
+        log = bytearray(nvjitlink.get_info_log_size(handle))
+        nvjitlink.get_info_log(handle, log)
+    finally:
+        nvjitlink.destroy(handle)
+    return log.decode(errors="replace").replace("\0", "")
+
+
+def resources(log: str) -> dict[str, dict]:
+    """Function -> what ptxas and the linker said of it (only the scheduler's own functions)."""
+    found: dict[str, dict] = {}
+    for name, stack, stores, loads in FRAME.findall(log):
+        found.setdefault(name, {}).update(stack_bytes=int(stack), spill_store_bytes=int(stores),
+                                          spill_load_bytes=int(loads))
+    for name, registers, stack, smem in USED.findall(log):
+        found.setdefault(name, {}).update(registers=int(registers), stack_bytes=int(stack), smem_bytes=int(smem))
+    return {name: values for name, values in found.items() if name.startswith("blink_")}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--policy", default="fcfs", help="a policy of blink.device.policy")
+    parser.add_argument("--json", default=None, help="write the table here")
+    args = parser.parse_args()
+    table = resources(linker_log(args.policy))
+    print(f"{'function':<24} {'registers':>9} {'stack B':>8} {'spill st B':>10} {'spill ld B':>10} {'smem B':>7}")
+    for name, r in sorted(table.items()):
+        cells = [r.get(k, "-") for k in ("registers", "stack_bytes", "spill_store_bytes", "spill_load_bytes",
+                                          "smem_bytes")]
+        print(f"{name:<24} {cells[0]:>9} {cells[1]:>8} {cells[2]:>10} {cells[3]:>10} {cells[4]:>7}")
+    if args.json:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        with open(args.json, "w") as f:
+            json.dump({"commit": commit or None, "policy": args.policy, "functions": table}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
