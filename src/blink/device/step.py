@@ -92,6 +92,7 @@ class StepBuffers:
         self.slot_mapping.fill_(-1)
         self.logits_indices.fill_(-1)
         self.top_p.fill_(1.0)
+        self.penalties[:, N_PENALTIES - 1] = 1.0      # repetition 1: no penalties until a row is planned
 
     def tensors(self) -> dict:
         """Name -> tensor, in ``StepLayout.fields`` order."""
