@@ -1,7 +1,7 @@
 """The scheduler image's register, stack and spill use, from the linker, on any machine (no GPU needed).
 
-``python -m bench.scheduler_resources [--policy fcfs] [--json PATH]`` links the image as ``blink.device.image`` does
-(policy + iteration from numba, shim from NVRTC, libcudadevrt) with nvJitLink's ``-verbose`` and prints, per
+``python -m bench.scheduler_resources [--policy fcfs] [--json PATH]`` links the image with ``blink.device.image.link``
+(policy + iteration from numba, shim from NVRTC, libcudadevrt) and nvJitLink's ``-verbose``, and prints, per
 function, what ptxas reported: registers, stack frame, spill stores and loads, shared memory. The iteration
 (``blink_iterate``) is where spills show: each phase's working set is live across the whole device function.
 """
@@ -23,24 +23,9 @@ USED = re.compile(r"Function properties for '(\w+)':\s*\ninfo\s+: used (\d+) reg
 
 
 def linker_log(policy_name: str, arch: str = "sm_90") -> str:
-    import cuda.bindings.nvjitlink as nvjitlink
-    from cuda.pathfinder import find_static_lib
-
     from blink.device import image, policy
 
-    cc = (int(arch[3]), int(arch[4:]))
-    policy_ir, shim_ir = image.compile_policy(getattr(policy, policy_name), cc), image.compile_shim(arch)
-    handle = nvjitlink.create(3, [f"-arch={arch}", "-lto", "-verbose"])
-    try:
-        nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, shim_ir, len(shim_ir), "shim")
-        nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, policy_ir, len(policy_ir), "policy")
-        nvjitlink.add_file(handle, nvjitlink.InputType.LIBRARY, find_static_lib("cudadevrt"))
-        nvjitlink.complete(handle)
-        log = bytearray(nvjitlink.get_info_log_size(handle))
-        nvjitlink.get_info_log(handle, log)
-    finally:
-        nvjitlink.destroy(handle)
-    return log.decode(errors="replace").replace("\0", "")
+    return image.link(getattr(policy, policy_name), arch, ("-verbose",))[1]
 
 
 def resources(log: str) -> dict[str, dict]:

@@ -149,7 +149,7 @@ def link_image(policy=fcfs, arch: str = "sm_90") -> bytes:
     path = cache_dir() / "scheduler" / f"{key}.cubin" if key else None
     if path is not None and path.exists():
         return path.read_bytes()
-    cubin = _link(policy, arch)
+    cubin, _ = link(policy, arch)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.part")
@@ -174,13 +174,16 @@ def _image_key(policy, arch: str) -> str | None:
     return digest.hexdigest()[:24]
 
 
-def _link(policy, arch: str) -> bytes:
+def link(policy, arch: str, options: tuple[str, ...] = ()) -> tuple[bytes, str]:
+    """The cubin (uncached) and nvJitLink's info log; ``options`` are more nvJitLink options (``-verbose``: ptxas's
+    registers, stack and spills per function, in the log)."""
     import cuda.bindings.nvjitlink as nvjitlink
     from cuda.pathfinder import find_static_lib
 
     cc = (int(arch[3]), int(arch[4:]))
     policy_ir, shim_ir = compile_policy(policy, cc), compile_shim(arch)
-    handle = nvjitlink.create(2, [f"-arch={arch}", "-lto"])
+    flags = [f"-arch={arch}", "-lto", *options]
+    handle = nvjitlink.create(len(flags), flags)
     try:
         nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, shim_ir, len(shim_ir), "shim")
         nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, policy_ir, len(policy_ir), "policy")
@@ -188,6 +191,8 @@ def _link(policy, arch: str) -> bytes:
         nvjitlink.complete(handle)
         cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))
         nvjitlink.get_linked_cubin(handle, cubin)
+        log = bytearray(nvjitlink.get_info_log_size(handle))
+        nvjitlink.get_info_log(handle, log)
     except nvjitlink.nvJitLinkError as e:
         size = nvjitlink.get_error_log_size(handle)
         log = bytearray(size)
@@ -195,7 +200,7 @@ def _link(policy, arch: str) -> bytes:
         raise LaunchError(f"nvJitLink failed to link the scheduler image: {e}\n{log.decode(errors='replace')}")
     finally:
         nvjitlink.destroy(handle)
-    return bytes(cubin)
+    return bytes(cubin), log.decode(errors="replace").replace("\0", "")
 
 
 def _nvrtc(result):
