@@ -15,7 +15,7 @@
 #                                      experiment:gemv_bench)
 # Serving runs at the suite's sizes (SUITE_PROMPTS=192 requests at 16,32,64,inf req/s; SUITE_PEER_PROMPTS=8 for
 # the peer) so the benchmarks fit 8 minutes; the sizes of the published results are bench/serving_gpu.sh's defaults.
-# Parts write into a scratch folder that is bundled into $OUT/suite.tgz after every part (one file to copy back;
+# Parts write into a scratch folder that is bundled into $OUT/suite.tgz after every part (one file holds them all;
 # a run cut short keeps the parts it finished); $OUT also gets gpu.txt and suite_times.txt.
 # Run from the repository root of a copied tree: PYTHONPATH=src, the GPU machine's own torch/numba/cuda-python.
 set -uo pipefail

@@ -9,7 +9,7 @@
 #                                            DPU or reserved-cpuset stand-in); the peer runs there too
 #   bash bench/immunity_gpu.sh report        the layouts measured so far in this OUT, side by side
 # Each layout is bench/serving_gpu.sh (RATES=inf, --max-concurrency 64, --ignore-eos) into $OUT/<layout>/; after
-# every run $OUT/immunity.tgz bundles all of $OUT (one file to copy back) and
+# every run $OUT/immunity.tgz bundles all of $OUT (one file holds them all) and
 # $OUT/immunity_report.txt compares the layouts (`blink bench report`: P50/P99 TTFT, P99 TPOT, P99 worst gap, the
 # server's CPU per 1,000 tokens and the colocated / isolated ratios).
 # Environment (defaults): OUT=out SHAPE=qwen3-8b PROMPTS=256 PEER_PROMPTS=32 (0: blink only) HOGS=4*nproc

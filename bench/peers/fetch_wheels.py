@@ -1,4 +1,4 @@
-"""Fetch a peer's wheel set where the package registry is reachable, and cut it into chunks a GPU machine can take.
+"""Fetch a peer's wheel set where the package registry is reachable, and cut it into chunks of a set size.
 
 ``python -m bench.peers.fetch_wheels [--manifest bench/peers/vllm-0.26.0-wheels.txt] [--out out/peer-wheels]
 [--chunk-mib 56]``
@@ -101,8 +101,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST)
     parser.add_argument("--out", type=Path, default=Path("out/peer-wheels"), help="wheels/ and chunks/ go here")
-    parser.add_argument("--chunk-mib", type=int, default=56,
-                        help="largest chunk, MiB (with the tree, under a 64 MiB transfer)")
+    parser.add_argument("--chunk-mib", type=int, default=56, help="largest chunk, MiB")
     args = parser.parse_args()
     entries = read_manifest(args.manifest)
     print(f"{len(entries)} wheels, {sum(size for _, _, size in entries) / 2**20:.1f} MiB ({args.manifest.name}):")

@@ -51,8 +51,9 @@ class Responder:
                 if delta or finish:
                     pending.append(chunks.choice(i, delta, self._logprobs(job, tokens), finish))
                 remaining -= finish is not None
+                if not remaining and job.include_usage:
+                    pending.append(chunks.usage(self._usage(job, texts)))
                 if not remaining:
-                    pending += [chunks.usage(self._usage(job, texts))] if job.include_usage else []
                     pending.append(DONE)
                 if pending and not (remaining and more):
                     await response.write(b"".join(pending))
