@@ -200,10 +200,8 @@ class DecoderLM(nn.Module):
         h, _ = ops.rms_norm(h[last], self.model.norm.weight, c.rms_norm_eps, residual[last])
         logits = F.linear(h, self.lm_head_weight())
         if history is not None:
-            penalties = buf.penalties[:s]
             ops.apply_penalties(logits, history.tokens, buf.block_tables[:s], buf.seq_lens[:s], buf.prompt_lens[:s],
-                                penalties[:, 0], penalties[:, 1], penalties[:, 2], history.counts[:s],
-                                history.page_size)
+                                buf.penalties[:s], history.counts[:s], history.page_size)
         ids, logprobs = sample(logits, buf.temperature[:s], buf.top_k[:s], buf.top_p[:s], buf.seed[:s],
                                buf.seq_lens[:s], ops)
         valid = rows >= 0

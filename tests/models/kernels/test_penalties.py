@@ -80,14 +80,14 @@ def _inputs(case, device, dtype):
     logits = (torch.randn(rows, case.vocab, generator=g) * 3).to(dtype)
     logits[:, :3] = -0.0  # untouched entries must keep their sign bit
 
-    def f32(values):
-        return torch.tensor(values, dtype=torch.float32, device=device)
-
+    # The rows of [S, 4], as the step buffers' rows sit at a stride of their own: a kernel that read the columns at
+    # the wrong stride would see other rows' penalties.
+    penalties = torch.tensor([[*row, 7.0] for row in zip(case.presence, case.frequency, case.repetition)],
+                             dtype=torch.float32, device=device)[:, :3]
     i32 = {"dtype": torch.int32, "device": device}
     return dict(logits=logits.to(device), page_tokens=page_tokens.to(device), block_tables=block_tables.to(device),
                 seq_lens=torch.tensor([len(h) for h in case.histories], **i32),
-                prompt_lens=torch.tensor(case.prompt_lens, **i32), presence=f32(case.presence),
-                frequency=f32(case.frequency), repetition=f32(case.repetition),
+                prompt_lens=torch.tensor(case.prompt_lens, **i32), penalties=penalties,
                 counts=torch.zeros(rows, case.vocab, **i32), page_size=ps)
 
 
@@ -95,8 +95,8 @@ def _expected(case, args):
     """vLLM's penalties on float64 copies of the logits, and the mask of the (row, token) pairs it adjusts."""
     want = args["logits"].double().cpu()
     touched = torch.zeros(want.shape, dtype=torch.bool)
-    penalties = (args[k].tolist() for k in ("presence", "frequency", "repetition"))  # their float32 values
-    for r, (history, presence, frequency, rep) in enumerate(zip(case.histories, *penalties)):
+    penalties = args["penalties"].tolist()  # their float32 values
+    for r, (history, (presence, frequency, rep)) in enumerate(zip(case.histories, penalties)):
         if (presence, frequency, rep) == (0, 0, 1):
             continue
         in_prompt, output = set(history[:case.prompt_lens[r]]), Counter(history[case.prompt_lens[r]:])

@@ -27,11 +27,18 @@ PROMPT_BIT = 30
 
 
 @triton.jit
-def _row_span(seq_lens_ptr, presence_ptr, frequency_ptr, repetition_ptr, row, chunk, CHUNK: tl.constexpr):
+def _row_penalties(penalties_ptr, penalties_stride, row):
+    """The row's (presence, frequency, repetition)."""
+    at = penalties_ptr + row * penalties_stride
+    return tl.load(at), tl.load(at + 1), tl.load(at + 2)
+
+
+@triton.jit
+def _row_span(seq_lens_ptr, penalties_ptr, penalties_stride, row, chunk, CHUNK: tl.constexpr):
     """(first, end) of the history positions of program ``(row, chunk)``; empty for a row whose penalties are
     neutral or a chunk past the row's length."""
-    neutral = ((tl.load(presence_ptr + row) == 0) & (tl.load(frequency_ptr + row) == 0)
-               & (tl.load(repetition_ptr + row) == 1))
+    presence, frequency, repetition = _row_penalties(penalties_ptr, penalties_stride, row)
+    neutral = (presence == 0) & (frequency == 0) & (repetition == 1)
     first = chunk * CHUNK
     end = tl.where(neutral, first, tl.minimum(first + CHUNK, tl.load(seq_lens_ptr + row)))
     return first, end
@@ -47,12 +54,12 @@ def _history_tokens(page_tokens_ptr, block_tables_ptr, row, bt_stride, pos, end,
 
 
 @triton.jit
-def _count_kernel(page_tokens_ptr, block_tables_ptr, seq_lens_ptr, prompt_lens_ptr, presence_ptr, frequency_ptr,
-                  repetition_ptr, counts_ptr, vocab, bt_stride, counts_stride, page_size, CHUNK: tl.constexpr,
-                  BLOCK: tl.constexpr, PROMPT_BIT: tl.constexpr, PDL: tl.constexpr):
+def _count_kernel(page_tokens_ptr, block_tables_ptr, seq_lens_ptr, prompt_lens_ptr, penalties_ptr, counts_ptr, vocab,
+                  bt_stride, penalties_stride, counts_stride, page_size, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                  PROMPT_BIT: tl.constexpr, PDL: tl.constexpr):
     row, chunk = tl.program_id(0), tl.program_id(1)
     wait_for_previous(PDL)
-    first, end = _row_span(seq_lens_ptr, presence_ptr, frequency_ptr, repetition_ptr, row, chunk, CHUNK)
+    first, end = _row_span(seq_lens_ptr, penalties_ptr, penalties_stride, row, chunk, CHUNK)
     if first >= end:
         return
     prompt_len = tl.load(prompt_lens_ptr + row)
@@ -65,17 +72,15 @@ def _count_kernel(page_tokens_ptr, block_tables_ptr, seq_lens_ptr, prompt_lens_p
 
 
 @triton.jit
-def _apply_kernel(page_tokens_ptr, block_tables_ptr, seq_lens_ptr, presence_ptr, frequency_ptr, repetition_ptr,
-                  counts_ptr, logits_ptr, vocab, bt_stride, counts_stride, logits_stride, page_size,
-                  CHUNK: tl.constexpr, BLOCK: tl.constexpr, PROMPT_BIT: tl.constexpr, PDL: tl.constexpr):
+def _apply_kernel(page_tokens_ptr, block_tables_ptr, seq_lens_ptr, penalties_ptr, counts_ptr, logits_ptr, vocab,
+                  bt_stride, penalties_stride, counts_stride, logits_stride, page_size, CHUNK: tl.constexpr,
+                  BLOCK: tl.constexpr, PROMPT_BIT: tl.constexpr, PDL: tl.constexpr):
     row, chunk = tl.program_id(0), tl.program_id(1)
     wait_for_previous(PDL)
-    first, end = _row_span(seq_lens_ptr, presence_ptr, frequency_ptr, repetition_ptr, row, chunk, CHUNK)
+    first, end = _row_span(seq_lens_ptr, penalties_ptr, penalties_stride, row, chunk, CHUNK)
     if first >= end:
         return
-    presence = tl.load(presence_ptr + row)
-    frequency = tl.load(frequency_ptr + row)
-    repetition = tl.load(repetition_ptr + row)
+    presence, frequency, repetition = _row_penalties(penalties_ptr, penalties_stride, row)
     for start in range(first, end, BLOCK):
         pos = start + tl.arange(0, BLOCK)
         tok, ok = _history_tokens(page_tokens_ptr, block_tables_ptr, row, bt_stride, pos, end, page_size, vocab)
@@ -91,14 +96,16 @@ def _apply_kernel(page_tokens_ptr, block_tables_ptr, seq_lens_ptr, presence_ptr,
 
 
 def apply_penalties(logits: torch.Tensor, page_tokens: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, prompt_lens: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
-                    repetition: torch.Tensor, counts: torch.Tensor, page_size: int) -> None:
-    """As ``reference.apply_penalties``; ``logits [S, V]`` and ``counts [S, V]`` int32 (all zero on entry, all zero
-    again on return) have unit stride in V. Histories may be as long as the block tables hold."""
+                    seq_lens: torch.Tensor, prompt_lens: torch.Tensor, penalties: torch.Tensor, counts: torch.Tensor,
+                    page_size: int) -> None:
+    """As ``reference.apply_penalties``; ``logits [S, V]``, ``penalties [S, 3]`` and ``counts [S, V]`` int32 (all
+    zero on entry, all zero again on return) have unit stride in their last dimension (rows at any stride).
+    Histories may be as long as the block tables hold."""
+    assert logits.stride(1) == penalties.stride(1) == counts.stride(1) == 1, "unit stride in the last dimension"
     rows, vocab = logits.shape
     grid = (rows, triton.cdiv(block_tables.shape[1] * page_size, CHUNK))
     consts = {"CHUNK": CHUNK, "BLOCK": BLOCK, "PROMPT_BIT": PROMPT_BIT, "num_warps": 4, **pdl_args(logits.device)}
-    _count_kernel[grid](page_tokens, block_tables, seq_lens, prompt_lens, presence, frequency, repetition, counts,
-                        vocab, block_tables.stride(0), counts.stride(0), page_size, **consts)
-    _apply_kernel[grid](page_tokens, block_tables, seq_lens, presence, frequency, repetition, counts, logits, vocab,
-                        block_tables.stride(0), counts.stride(0), logits.stride(0), page_size, **consts)
+    _count_kernel[grid](page_tokens, block_tables, seq_lens, prompt_lens, penalties, counts, vocab,
+                        block_tables.stride(0), penalties.stride(0), counts.stride(0), page_size, **consts)
+    _apply_kernel[grid](page_tokens, block_tables, seq_lens, penalties, counts, logits, vocab, block_tables.stride(0),
+                        penalties.stride(0), counts.stride(0), logits.stride(0), page_size, **consts)

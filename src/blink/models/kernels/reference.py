@@ -185,14 +185,16 @@ def gumbel_argmax(logits: torch.Tensor, divisor: torch.Tensor, threshold: torch.
 
 
 def apply_penalties(logits: torch.Tensor, page_tokens: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, prompt_lens: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
-                    repetition: torch.Tensor, counts: torch.Tensor, page_size: int) -> None:
+                    seq_lens: torch.Tensor, prompt_lens: torch.Tensor, penalties: torch.Tensor, counts: torch.Tensor,
+                    page_size: int) -> None:
     """vLLM's penalties, in place on ``logits [S, V]`` (computed in float32). Row ``r``'s history is positions
     ``0 .. seq_lens[r]-1``, position ``p`` holding ``page_tokens[block_tables[r, p // page_size] * page_size +
     p % page_size]``; those below ``prompt_lens[r]`` are its prompt, the rest its output. A token ``t`` in the
     history (ids outside ``[0, V)`` are ignored), ``c`` times in the output, becomes ``x / repetition`` when ``x > 0``
     else ``x * repetition``, then, when ``c > 0``, ``- frequency * c - presence``. Other logits are left as they
-    are, all of a row with neutral penalties (0, 0, 1). ``counts`` (the Triton kernels' scratch) is not used."""
+    are, all of a row with neutral penalties (0, 0, 1). ``penalties [S, 3]`` holds each row's (presence, frequency,
+    repetition); ``counts`` (the Triton kernels' scratch) is not used."""
+    presence, frequency, repetition = penalties.unbind(1)
     # Eager code (the CPU step): only the rows with penalties are worked on, over their longest history.
     rows = ((presence != 0) | (frequency != 0) | (repetition != 1)).nonzero()[:, 0]  # a neutral row stays bit for bit
     if rows.numel() == 0:
