@@ -13,7 +13,8 @@
 #   the peer's client keeps normal priority, as its model runs in that process). The peer runs the first
 #   PEER_PROMPTS requests of the same dataset (request i depends only on the seed and i). VLLM_PROMPTS=0 (vLLM off;
 #   on, it serves the first VLLM_PROMPTS requests at RATES with the limits of vllm_gpu.sh, VLLM_ARGS passed on: vLLM
-#   caches prefixes by default, and this workload's random prompts share none).
+#   caches prefixes by default, and this workload's random prompts share none). WARMUPS=0 (requests sent at once to
+#   blink and vLLM before their sweeps and not measured, so the first run does not measure a cold server).
 # CPU dry run of the recipe: SHAPE=tiny-qwen3 DEVICE=cpu PROMPTS=8 RATES=4,inf PEER_PROMPTS=4 HOGS=2 \
 #   BENCH_ARGS="--output-len 16" bash bench/serving_gpu.sh
 set -uo pipefail
@@ -23,7 +24,7 @@ OUT=${OUT:-out}
 SHAPE=${SHAPE:-qwen3-8b} DEVICE=${DEVICE:-cuda} PROMPTS=${PROMPTS:-256} RATES=${RATES:-16,32,64,inf}
 PEER_PROMPTS=${PEER_PROMPTS:-128} PEER_RATES=${PEER_RATES:-inf} HOGS=${HOGS:-$((4 * $(nproc)))}
 PEER_TIMEOUT=${PEER_TIMEOUT:-300} PORT=${PORT:-8321} BENCH_ARGS=${BENCH_ARGS:-} SERVE_ARGS=${SERVE_ARGS:-}
-CLIENT_PRIORITY=${CLIENT_PRIORITY:-normal} VLLM_PROMPTS=${VLLM_PROMPTS:-0}
+CLIENT_PRIORITY=${CLIENT_PRIORITY:-normal} VLLM_PROMPTS=${VLLM_PROMPTS:-0} WARMUPS=${WARMUPS:-0}
 mkdir -p "$OUT"
 # The GPU machine has no network: if its image lacks nvidia-ml-py (energy) or matplotlib (plots), install them from
 # wheels/ (downloaded on a networked machine, see docs/benchmarks.md); without them energy is reported unavailable.
@@ -41,7 +42,7 @@ server=$!
 python -m bench.wait_healthy "$PORT" "$server" "$OUT/serving_server.log" || status=1
 if [ $status -eq 0 ]; then
   python -m blink.cli bench serve --label blink --base-url "http://127.0.0.1:$PORT" --tokenizer "$model" \
-    --num-prompts "$PROMPTS" --sweep "$RATES" --ignore-eos --interference "$HOGS" $BENCH_ARGS \
+    --num-prompts "$PROMPTS" --sweep "$RATES" --ignore-eos --interference "$HOGS" --num-warmups "$WARMUPS" $BENCH_ARGS \
     --client-priority "$CLIENT_PRIORITY" --result-json "$OUT/serving_blink.json" 2>&1 \
     | tee "$OUT/serving_blink.log" || status=1
 fi
@@ -53,7 +54,8 @@ if [ "$VLLM_PROMPTS" -gt 0 ]; then
   if PORT=$((PORT + 1)) LOG="$OUT/serving_vllm_server.log" \
       bash bench/peers/vllm_gpu.sh serve "$model"; then
     python -m blink.cli bench serve --label vllm --base-url "http://127.0.0.1:$((PORT + 1))" --tokenizer "$model" \
-      --num-prompts "$VLLM_PROMPTS" --sweep "$RATES" --ignore-eos --interference "$HOGS" $BENCH_ARGS \
+      --num-prompts "$VLLM_PROMPTS" --sweep "$RATES" --ignore-eos --interference "$HOGS" --num-warmups "$WARMUPS" \
+      $BENCH_ARGS \
       --client-priority "$CLIENT_PRIORITY" --result-json "$OUT/serving_vllm.json" 2>&1 \
       | tee "$OUT/serving_vllm.log" || status=1
   else

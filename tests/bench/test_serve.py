@@ -125,6 +125,34 @@ def test_a_reserved_layout_keeps_the_hogs_off_the_reserved_cores(standin_server,
                                                   "reserved": [cores[-1]], "client_cpus": [cores[-1]]}
 
 
+def generated_tokens(base_url: str) -> float:
+    """The server's ``blink_generation_tokens_total`` now."""
+    connection = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=10)
+    connection.request("GET", "/metrics")
+    for line in connection.getresponse().read().decode().splitlines():
+        name, _, value = line.partition(" ")
+        if name == "blink_generation_tokens_total":
+            return float(value)
+    raise AssertionError("no blink_generation_tokens_total on /metrics")
+
+
+def test_warm_up_requests_reach_the_server_and_are_not_measured(standin_server, tmp_path):
+    from blink.models import default_model_path
+
+    result_json, before = tmp_path / "warm.json", generated_tokens(standin_server)
+    done = bench("serve", "--base-url", standin_server, "--num-prompts", "3", "--num-warmups", "5", "--seed", "4",
+                 "--ignore-eos", "--max-concurrency", "2", "--result-json", str(result_json))
+    assert done.returncode == 0, done.stderr
+    sent = synthetic(3, Tokenizer(default_model_path()).vocab_size, seed=4)
+    (run,) = strict_json(result_json)["runs"]
+    assert run["completed"] == 3 and run["total_output_tokens"] == sum(r.output_len for r in sent)
+    # The lone first request, then the five warm-ups (the three requests, then the first two again), then the run.
+    warm = [sent[i % 3].output_len for i in range(5)]
+    assert generated_tokens(standin_server) - before == sent[0].output_len + sum(warm) + run["total_output_tokens"]
+    refused = bench("serve", "--base-url", standin_server, "--num-prompts", "3", "--num-warmups", "-1")
+    assert refused.returncode == 1 and "--num-warmups must be >= 0 (got -1)" in refused.stderr
+
+
 def test_a_failing_first_request_stops_the_benchmark_naming_the_error(standin_server):
     done = bench("serve", "--base-url", standin_server, "--model", "no-such-model", "--num-prompts", "2")
     assert done.returncode == 1

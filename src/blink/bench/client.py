@@ -19,6 +19,9 @@ CPU_COUNTER = "process_cpu_seconds_total"
 # The server's counters a run records, as their change over the run (blink's /metrics; another server has fewer).
 SERVER_COUNTERS = ("blink_prefill_tokens_total", "blink_prefix_cache_queries_total", "blink_prefix_cache_hits_total",
                    "blink_prefix_cache_evictions_total", "blink_generation_tokens_total", CPU_COUNTER)
+# Seconds an idle connection is kept for reuse: less than any server's own keep-alive (blink's keepalive_timeout_s,
+# uvicorn's 5 s under vLLM): reusing a connection the server is closing fails the request with ServerDisconnectedError.
+KEEPALIVE_S = 2.0
 
 
 class OpenAIClient:
@@ -33,7 +36,7 @@ class OpenAIClient:
     async def __aenter__(self):
         # No connection limit: the benchmark's --max-concurrency is the only cap on requests in flight.
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=6 * 3600),
-                                             connector=aiohttp.TCPConnector(limit=0))
+                                             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
         if self.model is None:
             self.model = await self.first_model()
         return self

@@ -7,9 +7,10 @@ OpenAI-compatible server (``--backend openai``, ``client``) or transformers' con
 placed by ``--reserve-cpus`` / ``--client-cpus`` / ``--client-priority`` (``placement``: the three layouts). GPU
 energy is metered per run (``energy``), and so is the server's CPU time per 1,000 output tokens (its /metrics
 ``process_cpu_seconds_total``; for the peer, this process's). Before the sweep one request goes through alone (a
-failure stops the benchmark there, naming the error). Writes one JSON (``--result-json``: the options, then a
-record per run, with the server's own counters over the run where it has them: prefill tokens, prefix-cache hits)
-and PNGs (``--plot-dir``); exits 1 if any request failed.
+failure stops the benchmark there, naming the error), then ``--num-warmups`` requests at once (up to
+``--max-concurrency`` in flight), not measured, so that the first run does not measure a cold server. Writes one
+JSON (``--result-json``: the options, then a record per run, with the server's own counters over the run where it
+has them: prefill tokens, prefix-cache hits) and PNGs (``--plot-dir``); exits 1 if any request failed.
 """
 from __future__ import annotations
 
@@ -63,6 +64,8 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--sweep", type=_rates, default=None, help="rates to run in turn, e.g. 1,2,4,inf "
                    "(instead of --request-rate)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--num-warmups", type=int, default=0, help="requests sent at once before the sweep and not "
+                   "measured (the dataset's first ones, repeated if it has fewer)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="generate exactly each request's output length (default: on when --output-len fixes it)")
     p.add_argument("--seed", type=int, default=0, help="dataset and arrival times")
@@ -122,6 +125,8 @@ def load_requests(args) -> list:
                           ("--max-concurrency", args.max_concurrency)):
         if value is not None and value < 1:
             raise ValueError(f"{option} must be >= 1 (got {value})")
+    if args.num_warmups < 0:
+        raise ValueError(f"--num-warmups must be >= 0 (got {args.num_warmups})")
     tokenizer = Tokenizer(tokenizer_dir(args))
     if args.dataset == "sharegpt":
         if args.dataset_path is None:
@@ -171,6 +176,7 @@ async def benchmark(backend, requests: list, args, save, hog_cpus) -> list[dict]
         first = await backend.send(requests[0])
         if first.error is not None:
             raise ValueError(f"the first request failed: {first.error}")
+        await warm_up(backend, requests, args)
         for condition, hogs in conditions:
             with interference(hogs, cpus=hog_cpus):
                 if hogs:
@@ -196,6 +202,18 @@ async def benchmark(backend, requests: list, args, save, hog_cpus) -> list[dict]
                                  **result})
                     save(runs, backend.info())
     return runs
+
+
+async def warm_up(backend, requests: list, args) -> None:
+    """``args.num_warmups`` of the dataset's requests at once (``--max-concurrency`` still applies), unmeasured; a
+    failure stops the benchmark, naming the error."""
+    from blink.bench.traffic import send_all
+
+    warm = [requests[i % len(requests)] for i in range(args.num_warmups)]
+    outputs, _ = await send_all(backend.send, warm, [0.0] * len(warm), args.max_concurrency)
+    failed = [o.error for o in outputs if not o.success]
+    if failed:
+        raise ValueError(f"{len(failed)} of {len(warm)} warm-up requests failed; the first: {failed[0]}")
 
 
 def cpu_per_1k_tokens(server_s: float | None, client_s: float, tokens: int) -> dict:
