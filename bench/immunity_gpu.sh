@@ -8,8 +8,9 @@
 #   bash bench/immunity_gpu.sh reserved      hogs kept off RESERVED, where the agent (--cpus) and the client run (a
 #                                            DPU or reserved-cpuset stand-in); the peer runs there too
 #   bash bench/immunity_gpu.sh report        the layouts measured so far in this OUT, side by side
-# Each layout is bench/serving_gpu.sh (RATES=inf, --max-concurrency 64, --ignore-eos, WARMUPS=64: blink's isolated run
-# is the first after its start, and without them its P99 TTFT measured the cold server) into $OUT/<layout>/; after
+# Each layout is bench/serving_gpu.sh (RATES=inf, --max-concurrency 64, --ignore-eos, WARMUPS=PROMPTS: every request
+# once before the isolated run, so that both conditions meet the prefix cache warm; without them the isolated run
+# prefilled every prompt and the colocated one found 95% of them cached) into $OUT/<layout>/; after
 # every run $OUT/immunity.tgz bundles all of $OUT (one file holds them all) and
 # $OUT/immunity_report.txt compares the layouts (`blink bench report`: P50/P99 TTFT, P99 TPOT, P99 worst gap, the
 # server's CPU per 1,000 tokens and the colocated / isolated ratios).
@@ -24,7 +25,7 @@ OUT=${OUT:-out} PROMPTS=${PROMPTS:-256} PEER_PROMPTS=${PEER_PROMPTS:-32} SERVE_A
 RESERVED=${RESERVED:-$(python -c "import os; c = sorted(os.sched_getaffinity(0)); print(','.join(map(str, c[-2:])))")}
 layout=${1:?usage: bash bench/immunity_gpu.sh shared|client-high|reserved|report}
 BASE="--max-concurrency 64"
-export WARMUPS=64
+export WARMUPS=$PROMPTS
 mkdir -p "$OUT"
 echo "tree: ${BLINK_COMMIT:-unknown (set BLINK_COMMIT)}; layout $layout; $(nproc) cores; reserved $RESERVED" \
   >> "$OUT/immunity_runs.txt"

@@ -12,9 +12,10 @@
 #   load generator at nice -10, so that the hogs contend with the server and not with the client that measures it;
 #   the peer's client keeps normal priority, as its model runs in that process). The peer runs the first
 #   PEER_PROMPTS requests of the same dataset (request i depends only on the seed and i). VLLM_PROMPTS=0 (vLLM off;
-#   on, it serves the first VLLM_PROMPTS requests at RATES with the limits of vllm_gpu.sh, VLLM_ARGS passed on: vLLM
-#   caches prefixes by default, and this workload's random prompts share none). WARMUPS=0 (requests sent at once to
-#   blink and vLLM before their sweeps and not measured, so the first run does not measure a cold server).
+#   on, it serves the first VLLM_PROMPTS requests at RATES with the limits of vllm_gpu.sh, VLLM_ARGS passed on).
+#   WARMUPS=0 (requests sent at once to blink and vLLM before their sweeps, not measured). Both cache prefixes by
+#   default and every run of a sweep sends the same requests, so only the first run meets a cold cache:
+#   WARMUPS=PROMPTS makes every run warm, SERVE_ARGS / VLLM_ARGS=--no-enable-prefix-caching every run cold.
 # CPU dry run of the recipe: SHAPE=tiny-qwen3 DEVICE=cpu PROMPTS=8 RATES=4,inf PEER_PROMPTS=4 HOGS=2 \
 #   BENCH_ARGS="--output-len 16" bash bench/serving_gpu.sh
 set -uo pipefail

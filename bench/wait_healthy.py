@@ -1,4 +1,5 @@
-"""Wait until ``blink serve`` answers /health, for the serving scripts: ``python -m bench.wait_healthy PORT PID LOG``.
+"""Wait until a server (``blink serve``, vLLM's) answers /health, for the serving scripts: ``python -m
+bench.wait_healthy PORT PID LOG``.
 
 Exits 0 once the server at 127.0.0.1:PORT is healthy; 1 (naming LOG, the server's log) if process PID exits first or
 TIMEOUT_S pass.
@@ -25,13 +26,13 @@ def main(port: int, pid: int, log: str) -> int:
     start = time.monotonic()
     while time.monotonic() - start < TIMEOUT_S:
         if healthy(port):
-            print(f"blink serve is healthy after {time.monotonic() - start:.0f} s")
+            print(f"the server on port {port} is healthy after {time.monotonic() - start:.0f} s")
             return 0
         if not os.path.exists(f"/proc/{pid}"):
-            print(f"blink serve exited before it was healthy: see {log}", file=sys.stderr)
+            print(f"the server on port {port} exited before it was healthy: see {log}", file=sys.stderr)
             return 1
         time.sleep(1)
-    print(f"blink serve was not healthy within {TIMEOUT_S} s: see {log}", file=sys.stderr)
+    print(f"the server on port {port} was not healthy within {TIMEOUT_S} s: see {log}", file=sys.stderr)
     return 1
 
 
