@@ -9,7 +9,8 @@ import torch
 from tests.privileges import may_raise_priority, run_python
 
 
-def test_blink_generate_streams_the_greedy_answer_to_a_chat_prompt():
+@pytest.mark.parametrize("ranks", ["1", "3"])   # SmolLM2's 9 query and 3 KV heads split over 3 ranks
+def test_blink_generate_streams_the_greedy_answer_to_a_chat_prompt(ranks):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from blink.models import default_model_path
@@ -18,7 +19,8 @@ def test_blink_generate_streams_the_greedy_answer_to_a_chat_prompt():
     question = "What is the capital of France?"
     done = subprocess.run([sys.executable, "-m", "blink.cli", "generate", question, "--chat", "--max-tokens", "12",
                            "--device", "cpu", "--slots", "2", "--max-prompt-tokens", "64", "--max-output-tokens", "16",
-                           "--cpu-kv-cache-gib", "0.05"], capture_output=True, text=True, timeout=300)
+                           "--cpu-kv-cache-gib", "0.05", "--tensor-parallel-size", ranks], capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

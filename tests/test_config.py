@@ -14,7 +14,8 @@ from blink.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, SchedulerConfig, l
     ("sim_threads", 0, "a positive int"), ("gpu_memory_utilization", 1.5, r"a float in \(0, 1\]"),
     ("gpu_memory_utilization", 1, r"a float in \(0, 1\]"), ("cpu_kv_cache_gib", 0, "a number > 0"),
     ("cpu_kv_cache_gib", True, "a number > 0"), ("logprobs", 1, "a bool"), ("ring_name", "a/b", "None .an in-process"),
-    ("ring_name", "", "None .an in-process"),
+    ("ring_name", "", "None .an in-process"), ("tensor_parallel_size", 0, r"an int in 1\.\.64"),
+    ("tensor_parallel_size", 2.0, r"an int in 1\.\.64"), ("tensor_parallel_size", True, r"an int in 1\.\.64"),
 ])
 def test_every_rule_names_the_field(field, value, rule):
     with pytest.raises(ValueError, match=f"EngineConfig.{field} must be {rule}"):

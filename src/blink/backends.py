@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import astuple
 
 from blink.config import EngineConfig
 from blink.device.config import SchedulerConfig
@@ -94,12 +95,14 @@ def _log_pool(num_pages: int, page_size: int, page_bytes: int) -> None:
 
 
 class CpuBackend:
-    """``SimScheduler`` in a background thread; its step runs the model on torch CPU over the step buffers."""
+    """``SimScheduler`` in a background thread; its step runs the model on torch CPU over the step buffers. With
+    ``followers`` (``blink.ranks``: the other tensor-parallel ranks) each step's plan goes to them first."""
 
     def __init__(self, model, memory, geometry: RingGeometry, config: EngineConfig, max_model_len: int,
-                 eos_token_ids: tuple[int, ...]):
+                 eos_token_ids: tuple[int, ...], followers=None):
         from blink.device.sim import SimScheduler
         from blink.models.history import TokenHistory
+        from blink.ranks import Setup
         from blink.ring.layout import RingLayout
 
         page_size = config.scheduler.page_size
@@ -113,6 +116,9 @@ class CpuBackend:
         self.step = StepBuffers(step_layout(self.config, max_model_len))
         self.history = TokenHistory.allocate(num_pages, page_size, TokenHistory.scratch(
             self.step.layout.max_num_seqs, model.lm_head_weight().shape[0], "cpu"))
+        self.followers = followers
+        if followers is not None:
+            followers.share(Setup(num_pages, page_size, *astuple(self.step.layout)))
         self._view = RingLayout(geometry).view(memory.buffer)
         self.scheduler = SimScheduler(self._view, geometry, self.config, self.step, step_fn=self._run_step,
                                       policy=config.policy_function(), threads=config.sim_threads)
@@ -132,6 +138,8 @@ class CpuBackend:
     def _run_step(self, arrays, bucket_tokens: int) -> None:
         # The CPU step needs no fixed shapes (nothing is captured), so it runs the planned tokens, not the bucket.
         n_tokens = int(arrays.query_start_loc[int(arrays.num_seqs[0])])
+        if self.followers is not None:
+            self.followers.run(self.step, n_tokens)
         self.model(self.step, self.kv, n_tokens, self.history)
 
     def _loop(self) -> None:
@@ -152,7 +160,9 @@ class CpuBackend:
 
     def close(self) -> None:
         self.join()
-        self.scheduler = self._view = self.step = self.kv = self.history = self.model = None
+        if self.followers is not None:
+            self.followers.stop(clean=self.error is None)
+        self.scheduler = self._view = self.step = self.kv = self.history = self.model = self.followers = None
 
 
 class GpuBackend:

@@ -154,7 +154,7 @@ def _engine_config(args, model_dir, **overrides):
                         policy=args.policy, gpu_memory_utilization=args.gpu_memory_utilization,
                         cpu_kv_cache_gib=args.cpu_kv_cache_gib, n_slots=args.slots,
                         max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
-                        load_format=args.load_format, **overrides)
+                        load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size, **overrides)
 
 
 def _cpu_list(text: str) -> list[int]:
@@ -184,6 +184,8 @@ def _engine_options(parser, slots: int) -> None:
     parser.add_argument("--block-size", type=int, default=s.page_size, help="tokens per KV page")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=s.enable_prefix_caching, help="reuse the KV pages of shared prompt prefixes")
+    parser.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                        help="split the model over this many processes (the CPU only, so far)")
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory options)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                         help="share of the GPU's memory for weights, activations and the KV cache")

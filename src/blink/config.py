@@ -19,6 +19,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 # A model's context beyond this must be asked for (``max_model_len``): every ring slot holds that many prompt and
 # output tokens, in shared memory.
 DEFAULT_MAX_MODEL_LEN = 4096
+MAX_TENSOR_PARALLEL = 64      # processes one engine may split a model over
 
 __all__ = ["DEFAULT_MAX_MODEL_LEN", "DEVICES", "DTYPES", "EngineConfig", "LOAD_FORMATS", "SamplingParams",
            "SchedulerConfig", "load_policy"]
@@ -45,7 +46,8 @@ class EngineConfig:
     The ring has ``n_slots`` request slots of ``max_prompt_tokens`` prompt and ``max_output_tokens`` output tokens
     (None: ``max_model_len - 1`` each). ``ring_name=None`` keeps it in this process; a name puts it in POSIX shared
     memory (``/dev/shm/<ring_name>``) for an agent in another process. ``sim_threads`` is the simulated scheduler
-    block size in CPU mode (each is a Python thread: keep it small).
+    block size in CPU mode (each is a Python thread: keep it small). ``tensor_parallel_size`` splits the model over
+    that many processes (``blink.ranks``; CPU only so far).
     """
 
     model: str | None = None
@@ -63,6 +65,7 @@ class EngineConfig:
     logprobs: bool = True
     ring_name: str | None = None
     sim_threads: int = 4
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         owner = "EngineConfig"
@@ -81,6 +84,8 @@ class EngineConfig:
                 RingGeometry.check(name, getattr(self, name), owner)
         check(is_int(self.sim_threads) and self.sim_threads >= 1, owner, "sim_threads", "a positive int",
               self.sim_threads)
+        check(is_int(self.tensor_parallel_size) and 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL, owner,
+              "tensor_parallel_size", f"an int in 1..{MAX_TENSOR_PARALLEL}", self.tensor_parallel_size)
         u = self.gpu_memory_utilization
         check(isinstance(u, float) and 0.0 < u <= 1.0, owner, "gpu_memory_utilization", "a float in (0, 1]", u)
         g = self.cpu_kv_cache_gib

@@ -16,6 +16,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from blink.config import EngineConfig
+from blink.errors import EngineError
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout
@@ -38,7 +39,8 @@ class EngineCore:
 
     def _start(self, config: EngineConfig) -> None:
         from blink.backends import CpuBackend, GpuBackend, select_device
-        from blink.models import ModelConfig, default_model_path, load_model, random_model, resolve_model
+        from blink.models import ModelConfig, TensorParallel, default_model_path, resolve_model
+        from blink.ranks import load
 
         self.device = select_device(config.device)
         model_dir = resolve_model(config.model) if config.model is not None else default_model_path()
@@ -47,19 +49,22 @@ class EngineCore:
         self.geometry = config.geometry(self.max_model_len)
         self.tokenizer = _tokenizer(model_dir)
         config.policy_function()            # a bad policy path fails before the model loads
+        tp = TensorParallel(config.tensor_parallel_size, 0)
+        tp.shard(model_config)              # sizes that do not split fail before anything starts
         self.memory = self._stack.enter_context(create_ring(config.ring_name, self.geometry))
         started = time.monotonic()
         dtype = config.dtype or ("float32" if self.device == "cpu" else model_config.dtype)
-        if config.load_format == "dummy":
-            model = random_model(model_config, device=self.device, dtype=dtype)
-        else:
-            model = load_model(model_dir, device=self.device, dtype=dtype)
+        dummy = config.load_format == "dummy"
+        followers = self._start_followers(config, str(model_dir), dummy, dtype)
+        model = load(str(model_dir), dummy, dtype, self.device, tp)
         log.info("loaded %s (%s, %s, %s weights, %s) in %.1f s", model_dir.name, model_config.architecture, dtype,
                  config.load_format, self.device, time.monotonic() - started)
         self.vocab_size = model_config.vocab_size
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
-        backend_class = CpuBackend if self.device == "cpu" else GpuBackend
-        self.backend = backend_class(model, self.memory, self.geometry, config, self.max_model_len, eos)
+        if self.device == "cpu":
+            self.backend = CpuBackend(model, self.memory, self.geometry, config, self.max_model_len, eos, followers)
+        else:
+            self.backend = GpuBackend(model, self.memory, self.geometry, config, self.max_model_len, eos)
         control.write(self.memory, "step_limit_s", self.backend.step_limit_s)
         self._stack.callback(self._stop)
         self.backend.start()
@@ -67,6 +72,20 @@ class EngineCore:
             log.info("ring /dev/shm/%s: %.1f MiB, %d slots", config.ring_name, self.memory.size / 2**20,
                      self.geometry.n_slots)
         log.info("serving on %s (%.1f s after loading began)", self.device, time.monotonic() - started)
+
+    def _start_followers(self, config: EngineConfig, model_dir: str, dummy: bool, dtype: str):
+        """Ranks 1.. of a tensor-parallel engine (``blink.ranks``), killed if start-up fails later; None at size 1."""
+        if config.tensor_parallel_size == 1:
+            return None
+        if self.device != "cpu":
+            raise EngineError(f"EngineConfig.tensor_parallel_size={config.tensor_parallel_size} runs on the CPU "
+                              "only so far (on GPUs it needs a device scheduler per GPU and NCCL inside the step "
+                              "graphs, not built yet): use device='cpu' or tensor_parallel_size=1")
+        from blink.ranks import Followers
+
+        followers = Followers.start(model_dir, dummy, dtype, config.tensor_parallel_size)
+        self._stack.callback(followers.kill)
+        return followers
 
     def _stop(self) -> None:
         """Shutdown through the ring (in-flight requests end with "abort"), wait for the loop, free the backend."""

@@ -1,0 +1,171 @@
+"""Tensor-parallel ranks of the CPU engine: rank 0 schedules, every other rank runs rank 0's plan on its shard.
+
+``EngineConfig.tensor_parallel_size = N`` serves one model over N processes joined by a gloo process group on
+loopback. Rank 0 is the engine: it owns the ring and the scheduler, and holds its shard of the model
+(``blink.models.parallel``). Ranks 1..N-1 are ``follow`` processes it starts: each loads its own shard, allocates a
+KV pool, token history and step buffers of rank 0's sizes (``Setup``) and then loops on one message per step.
+
+Per step, rank 0 broadcasts a header ``[op, num_tokens]`` and, for a step, every step input (``PLAN_FIELDS``: the
+step buffers but the sampled outputs), then every rank runs the same model step. The model's all-reduces give every
+rank the same logits bit for bit (``parallel.py``'s invariant), hence the same in-step sampled tokens, so every
+rank's KV pool and token history hold the same contents and rank 0's sampled tokens are the ones that reach the
+ring. The followers never read the ring and never decide anything: there is one plan, so the ranks cannot diverge.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import time
+from dataclasses import astuple, dataclass, fields
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from blink.device.step import StepBuffers, StepLayout
+from blink.errors import EngineError
+
+OP_STEP, OP_STOP = 1, 2
+PLAN_FIELDS = tuple(name for name in StepLayout().fields() if not name.startswith("sampled_"))
+LOAD_TIMEOUT_S = 600          # a follower loads its shard (random weights of large shapes take a while on a CPU)
+STOP_TIMEOUT_S = 30
+LOAD_POLL_S = 0.1
+log = logging.getLogger("blink")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The sizes rank 0 chose, which every follower allocates: KV pages of ``page_size`` tokens, the step layout."""
+
+    num_pages: int
+    page_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_pages_per_seq: int
+
+    def layout(self) -> StepLayout:
+        return StepLayout(self.max_num_batched_tokens, self.max_num_seqs, self.max_pages_per_seq)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What a follower loads: rank ``rank`` of ``world_size`` of the model directory ``model_dir`` (random weights
+    when ``dummy``) in ``dtype``; the group's rendezvous is ``127.0.0.1:port``."""
+
+    model_dir: str
+    dummy: bool
+    dtype: str
+    world_size: int
+    rank: int
+    port: int
+
+
+def load(model_dir: str, dummy: bool, dtype: str, device: str, tp):
+    """Rank ``tp.rank``'s part of the model (all of it at world size 1): random weights when ``dummy``, else the
+    directory's checkpoint. The ranks' all-reduces use the default process group."""
+    from blink.models import ModelConfig, load_model, random_model
+
+    if dummy:
+        return random_model(ModelConfig.from_file(model_dir), device=device, dtype=dtype, tp=tp)
+    return load_model(model_dir, device=device, dtype=dtype, tp=tp)
+
+
+def _join(store, shard: Shard) -> None:
+    dist.init_process_group("gloo", store=store, rank=shard.rank, world_size=shard.world_size,
+                            timeout=timedelta(seconds=LOAD_TIMEOUT_S))
+
+
+def _broadcast_ints(values: list[int]) -> list[int]:
+    tensor = torch.tensor(values, dtype=torch.int64)
+    dist.broadcast(tensor, src=0)
+    return tensor.tolist()
+
+
+def follow(shard: Shard) -> None:
+    """A follower's process: load the shard, say so, join the group, allocate rank 0's sizes, run its plans."""
+    from blink.models import TensorParallel
+    from blink.models.history import TokenHistory
+
+    model = load(shard.model_dir, shard.dummy, shard.dtype, "cpu", TensorParallel(shard.world_size, shard.rank))
+    store = dist.TCPStore("127.0.0.1", shard.port, shard.world_size, is_master=False,
+                          timeout=timedelta(seconds=LOAD_TIMEOUT_S))
+    store.set(f"loaded/{shard.rank}", "1")
+    _join(store, shard)
+    try:
+        setup = Setup(*_broadcast_ints([0] * len(fields(Setup))))
+        kv = model.allocate_kv_cache(setup.num_pages, setup.page_size)
+        step = StepBuffers(setup.layout())
+        history = TokenHistory.allocate(setup.num_pages, setup.page_size, TokenHistory.scratch(
+            setup.max_num_seqs, model.lm_head_weight().shape[0], "cpu"))
+        while True:
+            op, num_tokens = _broadcast_ints([0, 0])
+            if op == OP_STOP:
+                return
+            for name in PLAN_FIELDS:
+                dist.broadcast(getattr(step, name), src=0)
+            model(step, kv, num_tokens, history)
+    finally:
+        dist.destroy_process_group()
+
+
+class Followers:
+    """Rank 0's side: ``start`` the followers before loading rank 0's shard, ``share`` the sizes once rank 0's
+    pool exists, ``run`` each step's plan before rank 0 runs it, ``stop`` at the end."""
+
+    def __init__(self, store, processes):
+        self._store, self._processes = store, processes
+
+    @classmethod
+    def start(cls, model_dir: str, dummy: bool, dtype: str, world_size: int) -> Followers:
+        """Start ranks 1..world_size-1 and join the group with them once every one has loaded its shard."""
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=LOAD_TIMEOUT_S),
+                              wait_for_workers=False)
+        shards = [Shard(model_dir, dummy, dtype, world_size, rank, store.port) for rank in range(world_size)]
+        context = multiprocessing.get_context("spawn")
+        processes = [context.Process(target=follow, args=(shard,), name=f"blink-rank-{shard.rank}", daemon=True)
+                     for shard in shards[1:]]
+        for process in processes:
+            process.start()
+        followers = cls(store, processes)
+        try:
+            followers._wait_loaded()
+            _join(store, shards[0])
+        except BaseException:
+            followers.kill()
+            raise
+        log.info("tensor parallel: %d ranks on the CPU (gloo), rank 0 schedules", world_size)
+        return followers
+
+    def _wait_loaded(self) -> None:
+        """Until every follower has loaded its shard; ``EngineError`` naming the first that exited instead."""
+        for rank, process in enumerate(self._processes, start=1):
+            while not self._store.check([f"loaded/{rank}"]):
+                if not process.is_alive():
+                    raise EngineError(f"tensor-parallel rank {rank} exited with code {process.exitcode} while "
+                                      "loading its shard (its error is above)")
+                time.sleep(LOAD_POLL_S)
+
+    def share(self, setup: Setup) -> None:
+        _broadcast_ints(list(astuple(setup)))
+
+    def run(self, step: StepBuffers, num_tokens: int) -> None:
+        """Send one step's plan: the followers run it as rank 0 does."""
+        _broadcast_ints([OP_STEP, num_tokens])
+        for name in PLAN_FIELDS:
+            dist.broadcast(getattr(step, name), src=0)
+
+    def stop(self, clean: bool) -> None:
+        """End the followers (``clean``: tell them through the group; else, after a failed step, kill them)."""
+        if clean:
+            _broadcast_ints([OP_STOP, 0])
+            for process in self._processes:
+                process.join(STOP_TIMEOUT_S)
+        self.kill()
+
+    def kill(self) -> None:
+        for process in self._processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()

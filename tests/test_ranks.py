@@ -1,0 +1,81 @@
+"""``blink.ranks``: a CPU engine whose model is split over two processes serves what the unsplit engine serves (greedy
+tokens equal, logprobs within float32 reordering), with rank 0's plan run by rank 1 through chunked prefill and
+batches that mix prefills and decodes; sizes that do not split, a rank that cannot load and a GPU engine are refused
+by name."""
+import multiprocessing
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+from blink import Engine, EngineConfig, SamplingParams, SchedulerConfig
+from blink.errors import ConfigError, EngineError
+from tests.models.harness import tiny_hf_model
+
+# A 16-token step budget splits the 40-token prompt into chunks that share steps with the others' decodes.
+CONFIG = EngineConfig(device="cpu", n_slots=8, max_prompt_tokens=48, max_output_tokens=16, sim_threads=2,
+                      scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, page_size=4, num_pages=64,
+                                                max_model_len=64))
+GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """tiny_hf_model's Qwen3: 4 query heads, 2 KV heads, so two ranks hold 2 and 1."""
+    path = tmp_path_factory.mktemp("tp-engine") / "qwen3"
+    tiny_hf_model("Qwen3ForCausalLM", head_dim=32).save_pretrained(path)
+    return str(path)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 97, (n,), generator=g).tolist() for n in (5, 20, 40, 9)]
+
+
+def serve(config: EngineConfig) -> tuple[list, list[str], int]:
+    """Outputs of ``prompts()``, the names of this process's children while the engine ran and the query heads
+    of the model in this process."""
+    with Engine(config) as engine:
+        outputs = engine.generate(prompts(), GREEDY)
+        children = [p.name for p in multiprocessing.active_children()]
+        heads = engine.core.backend.model.local_config.num_heads
+    return outputs, children, heads
+
+
+def test_two_ranks_serve_what_one_does(model_dir):
+    want, _, full_heads = serve(replace(CONFIG, model=model_dir))
+    got, children, heads = serve(replace(CONFIG, model=model_dir, tensor_parallel_size=2))
+    assert (full_heads, heads) == (4, 2) and "blink-rank-1" in children    # rank 0 held half, rank 1 ran beside it
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=1e-5)
+    assert "blink-rank-1" not in [p.name for p in multiprocessing.active_children()]   # stopped with the engine
+
+
+def test_random_weights_split_the_same_way(model_dir):
+    dummy = replace(CONFIG, model=model_dir, load_format="dummy")
+    want, _, _ = serve(dummy)
+    got, _, _ = serve(replace(dummy, tensor_parallel_size=2))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_a_size_that_does_not_split_is_refused_by_field(model_dir):
+    with pytest.raises(ConfigError, match=r"num_attention_heads \(4\) must be a multiple of the tensor parallel size"):
+        Engine(replace(CONFIG, model=model_dir, tensor_parallel_size=3))
+
+
+def test_a_rank_that_cannot_load_its_shard_is_named(model_dir, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(f"{model_dir}/config.json", broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(EngineError, match=r"tensor-parallel rank 1 exited with code 1 while loading its shard"):
+        Engine(replace(CONFIG, model=str(broken), tensor_parallel_size=2))
+    assert "blink-rank-1" not in [p.name for p in multiprocessing.active_children()]
+
+
+@pytest.mark.gpu
+def test_the_gpu_engine_refuses_tensor_parallelism_until_it_has_a_scheduler_per_gpu(model_dir):
+    with pytest.raises(EngineError, match=r"tensor_parallel_size=2 runs on the CPU only so far"):
+        Engine(replace(CONFIG, model=model_dir, device="cuda", tensor_parallel_size=2))
