@@ -2,8 +2,10 @@
 tokens equal, logprobs within float32 reordering), with rank 0's plan run by rank 1 through chunked prefill and
 batches that mix prefills and decodes; sizes that do not split, a rank that cannot load and a GPU engine are refused
 by name."""
-import multiprocessing
+import os
 import shutil
+import time
+import uuid
 from dataclasses import replace
 
 import pytest
@@ -33,24 +35,48 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 97, (n,), generator=g).tolist() for n in (5, 20, 40, 9)]
 
 
-def serve(config: EngineConfig) -> tuple[list, list[str], int]:
-    """Outputs of ``prompts()``, the names of this process's children while the engine ran and the query heads
+def running(pid: int) -> bool:
+    """The process exists and has not exited (a zombie has: nobody may be left to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except FileNotFoundError:       # it ended meanwhile
+            continue
+    return found
+
+
+def serve(config: EngineConfig) -> tuple[list, list[int], int]:
+    """Outputs of ``prompts()``, the followers' pids (each checked alive while the engine ran) and the query heads
     of the model in this process."""
     with Engine(config) as engine:
         outputs = engine.generate(prompts(), GREEDY)
-        children = [p.name for p in multiprocessing.active_children()]
+        followers = engine.core.backend.followers
+        pids = followers.pids if followers is not None else []
+        assert all(running(pid) for pid in pids)
         heads = engine.core.backend.model.local_config.num_heads
-    return outputs, children, heads
+    return outputs, pids, heads
 
 
 def test_two_ranks_serve_what_one_does(model_dir):
     want, _, full_heads = serve(replace(CONFIG, model=model_dir))
-    got, children, heads = serve(replace(CONFIG, model=model_dir, tensor_parallel_size=2))
-    assert (full_heads, heads) == (4, 2) and "blink-rank-1" in children    # rank 0 held half, rank 1 ran beside it
+    got, pids, heads = serve(replace(CONFIG, model=model_dir, tensor_parallel_size=2))
+    assert (full_heads, heads) == (4, 2) and len(pids) == 1    # rank 0 held half, rank 1 ran beside it
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for g, w in zip(got, want):
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=1e-5)
-    assert "blink-rank-1" not in [p.name for p in multiprocessing.active_children()]   # stopped with the engine
+    assert not running(pids[0])                                # stopped with the engine
 
 
 def test_random_weights_split_the_same_way(model_dir):
@@ -72,10 +98,47 @@ def test_a_rank_that_cannot_load_its_shard_is_named(model_dir, tmp_path):
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(EngineError, match=r"tensor-parallel rank 1 exited with code 1 while loading its shard"):
         Engine(replace(CONFIG, model=str(broken), tensor_parallel_size=2))
-    assert "blink-rank-1" not in [p.name for p in multiprocessing.active_children()]
 
 
 @pytest.mark.gpu
 def test_the_gpu_engine_refuses_tensor_parallelism_until_it_has_a_scheduler_per_gpu(model_dir):
     with pytest.raises(EngineError, match=r"tensor_parallel_size=2 runs on the CPU only so far"):
         Engine(replace(CONFIG, model=model_dir, device="cuda", tensor_parallel_size=2))
+
+
+def test_an_engine_in_a_process_of_its_own_starts_its_ranks(model_dir):
+    """``blink serve`` runs the engine in a daemonic process, which may not have multiprocessing children: the
+    followers are plain subprocesses. Through the ring, the two-rank engine answers as the one-rank one does."""
+    from blink.nic.agent import Agent
+    from blink.process import engine_process, wait_until_serving
+
+    want, _, _ = serve(replace(CONFIG, model=model_dir))
+    config = replace(CONFIG, model=model_dir, tensor_parallel_size=2, ring_name=f"blink-test-tp-{uuid.uuid4().hex[:8]}")
+    with engine_process(config) as (memory, process):
+        agent = Agent.attach(memory)
+        wait_until_serving(agent, process)
+        tokens = {agent.submit(prompt, GREEDY): [] for prompt in prompts()}
+        while agent.in_flight:
+            for out in agent.poll():
+                tokens[out.request_id] += out.new_tokens
+            time.sleep(0.01)
+    assert list(tokens.values()) == [o.token_ids for o in want]
+
+
+def test_a_killed_engine_leaves_no_rank_behind(model_dir):
+    """SIGKILL of the engine process closes the group's connections: the follower's next collective fails and
+    it exits (within seconds, not the group's timeout)."""
+    import signal
+
+    from blink.nic.agent import Agent
+    from blink.process import engine_process, wait_until_serving
+
+    config = replace(CONFIG, model=model_dir, tensor_parallel_size=2, ring_name=f"blink-test-tp-{uuid.uuid4().hex[:8]}")
+    with engine_process(config) as (memory, process):
+        wait_until_serving(Agent.attach(memory), process)
+        (follower,) = children(process.pid)
+        os.kill(process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while running(follower) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(follower)

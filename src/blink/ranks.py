@@ -3,7 +3,9 @@
 ``EngineConfig.tensor_parallel_size = N`` serves one model over N processes joined by a gloo process group on
 loopback. Rank 0 is the engine: it owns the ring and the scheduler, and holds its shard of the model
 (``blink.models.parallel``). Ranks 1..N-1 are ``follow`` processes it starts: each loads its own shard, allocates a
-KV pool, token history and step buffers of rank 0's sizes (``Setup``) and then loops on one message per step.
+KV pool, token history and step buffers of rank 0's sizes (``Setup``) and then loops on one message per step. A
+follower is a plain subprocess (``python -m blink.ranks SHARD``), so a daemonic engine process may start it; when
+rank 0's process ends, the group's connections close and the follower's next collective fails, which ends it.
 
 Per step, rank 0 broadcasts a header ``[op, num_tokens]`` and, for a step, every step input (``PLAN_FIELDS``: the
 step buffers but the sampled outputs), then every rank runs the same model step. The model's all-reduces give every
@@ -13,10 +15,12 @@ ring. The followers never read the ring and never decide anything: there is one 
 """
 from __future__ import annotations
 
+import json
 import logging
-import multiprocessing
+import subprocess
+import sys
 import time
-from dataclasses import astuple, dataclass, fields
+from dataclasses import asdict, astuple, dataclass, fields
 from datetime import timedelta
 
 import torch
@@ -85,7 +89,6 @@ def follow(shard: Shard) -> None:
     """A follower's process: load the shard, say so, join the group, allocate rank 0's sizes, run its plans."""
     from blink.models import TensorParallel
     from blink.models.history import TokenHistory
-
     model = load(shard.model_dir, shard.dummy, shard.dtype, "cpu", TensorParallel(shard.world_size, shard.rank))
     store = dist.TCPStore("127.0.0.1", shard.port, shard.world_size, is_master=False,
                           timeout=timedelta(seconds=LOAD_TIMEOUT_S))
@@ -121,11 +124,8 @@ class Followers:
         store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=LOAD_TIMEOUT_S),
                               wait_for_workers=False)
         shards = [Shard(model_dir, dummy, dtype, world_size, rank, store.port) for rank in range(world_size)]
-        context = multiprocessing.get_context("spawn")
-        processes = [context.Process(target=follow, args=(shard,), name=f"blink-rank-{shard.rank}", daemon=True)
+        processes = [subprocess.Popen([sys.executable, "-m", "blink.ranks", json.dumps(asdict(shard))])
                      for shard in shards[1:]]
-        for process in processes:
-            process.start()
         followers = cls(store, processes)
         try:
             followers._wait_loaded()
@@ -140,8 +140,8 @@ class Followers:
         """Until every follower has loaded its shard; ``EngineError`` naming the first that exited instead."""
         for rank, process in enumerate(self._processes, start=1):
             while not self._store.check([f"loaded/{rank}"]):
-                if not process.is_alive():
-                    raise EngineError(f"tensor-parallel rank {rank} exited with code {process.exitcode} while "
+                if process.poll() is not None:
+                    raise EngineError(f"tensor-parallel rank {rank} exited with code {process.returncode} while "
                                       "loading its shard (its error is above)")
                 time.sleep(LOAD_POLL_S)
 
@@ -154,18 +154,29 @@ class Followers:
         for name in PLAN_FIELDS:
             dist.broadcast(getattr(step, name), src=0)
 
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self._processes]
+
     def stop(self, clean: bool) -> None:
         """End the followers (``clean``: tell them through the group; else, after a failed step, kill them)."""
         if clean:
             _broadcast_ints([OP_STOP, 0])
             for process in self._processes:
-                process.join(STOP_TIMEOUT_S)
+                try:
+                    process.wait(STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    pass                    # killed below
         self.kill()
 
     def kill(self) -> None:
         for process in self._processes:
-            if process.is_alive():
+            if process.poll() is None:
                 process.kill()
-            process.join()
+            process.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    follow(Shard(**json.loads(sys.argv[1])))
