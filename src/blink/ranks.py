@@ -39,7 +39,8 @@ log = logging.getLogger("blink")
 
 @dataclass(frozen=True)
 class Setup:
-    """The sizes rank 0 chose, which every follower allocates: KV pages of ``page_size`` tokens, the step layout."""
+    """The sizes rank 0 chose, which every follower allocates: KV pages of ``page_size`` tokens, then the step
+    layout's fields in ``StepLayout``'s order (``Setup(pages, page_size, *astuple(layout))``)."""
 
     num_pages: int
     page_size: int
