@@ -16,6 +16,9 @@
 #   WARMUPS=0 (requests sent at once to blink and vLLM before their sweeps, not measured). Both cache prefixes by
 #   default and every run of a sweep sends the same requests, so only the first run meets a cold cache:
 #   WARMUPS=PROMPTS makes every run warm, SERVE_ARGS / VLLM_ARGS=--no-enable-prefix-caching every run cold.
+#   RUNS="" (one run); or NAME:ARGS;NAME:ARGS;...: blink and vLLM each serve every named run in turn from one start,
+#   its ARGS after the defaults (so "closed:--sweep inf --max-concurrency 64" overrides RATES), into
+#   serving_<backend>_<NAME>.json and serving_report_<NAME>.txt; the peer runs the default run only.
 # CPU dry run of the recipe: SHAPE=tiny-qwen3 DEVICE=cpu PROMPTS=8 RATES=4,inf PEER_PROMPTS=4 HOGS=2 \
 #   BENCH_ARGS="--output-len 16" bash bench/serving_gpu.sh
 set -uo pipefail
@@ -35,18 +38,27 @@ python -c "import pynvml, matplotlib" 2>/dev/null \
 model=$(mktemp -d)/$SHAPE
 python -m blink.bench.shapes "$model" --shape "$SHAPE" || exit 1
 status=0
+IFS=';' read -ra runs <<< "${RUNS:-:}"
+
+# `bench_runs LABEL URL PROMPTS`: `blink bench serve` for every run of RUNS against the server at URL.
+bench_runs() {
+  local label=$1 url=$2 prompts=$3 run suffix
+  for run in "${runs[@]}"; do
+    suffix=${run%%:*}
+    suffix=${suffix:+_$suffix}
+    python -m blink.cli bench serve --label "$label" --base-url "$url" --tokenizer "$model" --num-prompts "$prompts" \
+      --sweep "$RATES" --ignore-eos --interference "$HOGS" --num-warmups "$WARMUPS" $BENCH_ARGS ${run#*:} \
+      --client-priority "$CLIENT_PRIORITY" --result-json "$OUT/serving_$label$suffix.json" 2>&1 \
+      | tee "$OUT/serving_$label$suffix.log" || status=1
+  done
+}
 
 # blink: engine + agent over a shared-memory ring; prompts <= 1024 and prompt + output <= 2048 tokens (datasets.py).
 python -m blink.cli serve "$model" --load-format dummy --device "$DEVICE" --port "$PORT" --slots 512 \
   --max-prompt-tokens 1024 --max-output-tokens 2048 $SERVE_ARGS > "$OUT/serving_server.log" 2>&1 &
 server=$!
 python -m bench.wait_healthy "$PORT" "$server" "$OUT/serving_server.log" || status=1
-if [ $status -eq 0 ]; then
-  python -m blink.cli bench serve --label blink --base-url "http://127.0.0.1:$PORT" --tokenizer "$model" \
-    --num-prompts "$PROMPTS" --sweep "$RATES" --ignore-eos --interference "$HOGS" --num-warmups "$WARMUPS" $BENCH_ARGS \
-    --client-priority "$CLIENT_PRIORITY" --result-json "$OUT/serving_blink.json" 2>&1 \
-    | tee "$OUT/serving_blink.log" || status=1
-fi
+[ $status -eq 0 ] && bench_runs blink "http://127.0.0.1:$PORT" "$PROMPTS"
 kill -INT $server; wait $server
 
 # vLLM, on the GPU once blink has released it, with blink's limits (vllm_gpu.sh: max model length 4096, blink's cap,
@@ -54,11 +66,7 @@ kill -INT $server; wait $server
 if [ "$VLLM_PROMPTS" -gt 0 ]; then
   if PORT=$((PORT + 1)) LOG="$OUT/serving_vllm_server.log" \
       bash bench/peers/vllm_gpu.sh serve "$model"; then
-    python -m blink.cli bench serve --label vllm --base-url "http://127.0.0.1:$((PORT + 1))" --tokenizer "$model" \
-      --num-prompts "$VLLM_PROMPTS" --sweep "$RATES" --ignore-eos --interference "$HOGS" --num-warmups "$WARMUPS" \
-      $BENCH_ARGS \
-      --client-priority "$CLIENT_PRIORITY" --result-json "$OUT/serving_vllm.json" 2>&1 \
-      | tee "$OUT/serving_vllm.log" || status=1
+    bench_runs vllm "http://127.0.0.1:$((PORT + 1))" "$VLLM_PROMPTS"
   else
     status=1
   fi
@@ -73,7 +81,12 @@ if [ "$PEER_PROMPTS" -gt 0 ]; then
     || status=1
 fi
 
-results=$(ls "$OUT"/serving_blink.json "$OUT"/serving_vllm.json "$OUT"/serving_hf.json 2>/dev/null)
-python -m blink.cli bench report $results --plot-dir "$OUT/serving_img" 2>&1 | tee "$OUT/serving_report.txt" \
-  || status=1
+for run in "${runs[@]}"; do
+  suffix=${run%%:*}
+  suffix=${suffix:+_$suffix}
+  results=$(ls "$OUT/serving_blink$suffix.json" "$OUT/serving_vllm$suffix.json" 2>/dev/null)
+  [ -z "$suffix" ] && results="$results $(ls "$OUT/serving_hf.json" 2>/dev/null)"
+  python -m blink.cli bench report $results --plot-dir "$OUT/serving_img$suffix" 2>&1 \
+    | tee "$OUT/serving_report$suffix.txt" || status=1
+done
 exit $status
