@@ -1,7 +1,7 @@
 """``blink.ranks``: a CPU engine whose model is split over two processes serves what the unsplit engine serves (greedy
 tokens equal, logprobs within float32 reordering), with rank 0's plan run by rank 1 through chunked prefill and
-batches that mix prefills and decodes; sizes that do not split, a rank that cannot load and a GPU engine are refused
-by name."""
+batches that mix prefills and decodes, also from an engine in a process of its own; a killed engine leaves no rank
+behind; sizes that do not split, a rank that cannot load and a GPU engine are refused by name."""
 import os
 import shutil
 import time
