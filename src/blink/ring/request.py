@@ -20,6 +20,7 @@ U64_MAX = (1 << 64) - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 # Below this a temperature is greedy (vLLM's rule too): dividing logits by a denormal float32 overflows them.
 GREEDY_BELOW = 1e-5
+PENALTY_LIMIT = 2      # presence and frequency penalties lie in [-PENALTY_LIMIT, PENALTY_LIMIT] (OpenAI's)
 
 
 def _check(ok: bool, field: str, rule: str, value) -> None:
@@ -93,7 +94,8 @@ class SamplingParams:
         _check(isinstance(self.logprobs, bool), "logprobs", "a bool", self.logprobs)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_number(value) and -2.0 <= value <= 2.0, name, "a number in [-2, 2] (0 disables it)", value)
+            _check(_is_number(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT, name,
+                   f"a number in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}] (0 disables it)", value)
         r = self.repetition_penalty
         _check(_is_number(r) and 0.0 < r <= FLOAT32_MAX and np.float32(r) > 0, "repetition_penalty",
                f"a number in (0, {FLOAT32_MAX:.4g}] (float32; 1 disables it)", r)

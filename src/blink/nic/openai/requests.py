@@ -14,12 +14,13 @@ from blink.nic.agent import Agent
 from blink.nic.defaults import SamplingDefaults
 from blink.nic.openai.errors import ApiError
 from blink.nic.text import Tokenizer, max_tokens_for
-from blink.ring.request import SamplingParams
+from blink.ring.request import PENALTY_LIMIT, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # the OpenAI API's default for /v1/completions; chat defaults to the room left
 MAX_CHOICES = 16                      # n: choices per request, each its own ring request
 MAX_STOP_STRINGS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+PENALTY_RULE = f"a number in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}] (0: none)"   # presence and frequency penalties
 # Accepted only at their neutral values: anything else asks for a feature this server does not have.
 UNSUPPORTED = {"echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},), "min_tokens": (0,),
                "tools": ([],), "response_format": ({"type": "text"},)}
@@ -180,10 +181,8 @@ class Parser:
             stop_token_ids=tuple(stop_ids),
             ignore_eos=_field(body, "ignore_eos", (bool,), "a boolean", False),
             logprobs=logprobs,
-            presence_penalty=_field(body, "presence_penalty", (int, float), "a number in [-2, 2] (0: none)", 0.0,
-                                    lambda v: -2 <= v <= 2),
-            frequency_penalty=_field(body, "frequency_penalty", (int, float), "a number in [-2, 2] (0: none)", 0.0,
-                                     lambda v: -2 <= v <= 2),
+            presence_penalty=_field(body, "presence_penalty", (int, float), PENALTY_RULE, 0.0, _in_penalty_range),
+            frequency_penalty=_field(body, "frequency_penalty", (int, float), PENALTY_RULE, 0.0, _in_penalty_range),
             repetition_penalty=_field(body, "repetition_penalty", (int, float), "a number > 0 (1: none)",
                                       self.defaults.repetition_penalty, lambda v: 0 < v < math.inf))
 
@@ -247,6 +246,10 @@ class Parser:
                                 f"({{\"type\": \"text\", \"text\": ...}}); only text is supported "
                                 f"(got {_show(content)})", param=f"{param}.content")
         return {"role": message["role"], "content": _text(content, f"{param}.content")}
+
+
+def _in_penalty_range(value) -> bool:
+    return -PENALTY_LIMIT <= value <= PENALTY_LIMIT
 
 
 def _is_token(value, vocab_size: int) -> bool:
