@@ -14,6 +14,9 @@
 4. The prefix cache in use: step time of 64 decoding requests whose 240-token prompts share their first 224 tokens,
    with caching on (the table takes a generated page every 16 steps per request, about 4 per iteration) and off;
    READY-to-first-token of a 240-token prompt whose first 224 tokens are cached, and of one with nothing cached.
+5. Ring placement: the step time of case 1 (fire-and-forget, 1 and 64 decoding requests, submitted at once) with the
+   ring's request side in pinned host memory and in GPU memory (``request_side="device"``; this process writes it
+   through ``ring_memory``), so both placements see the same arrivals and the phases compare.
 Prints a table, writes JSON.
 """
 from __future__ import annotations
@@ -25,15 +28,19 @@ import statistics
 import subprocess
 import time
 
+import numpy as np
+
 from blink.device.config import SchedulerConfig
 from blink.device.driver import check
 from blink.device.image import link_image
 from blink.device.runtime import GpuScheduler
 from blink.device.step import StepBuffers, StepLayout
 from blink.nic.agent import Agent
+from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import FINISHED, RingLayout
 from blink.ring.request import SamplingParams
+from blink.ring.split import REQUEST_SIDES
 from blink.ring.transport import LocalMemory
 
 GEOMETRY = RingGeometry(n_slots=4096, max_prompt_tokens=256, max_output_tokens=2048, max_stop_ids=0, logprobs=False)
@@ -48,9 +55,10 @@ def prompt(shared: bool, k: int) -> list[int]:
 
 
 class Rig:
-    """A ring in host memory, the GPU scheduler (stand-in step) on it, and an in-process agent."""
+    """A ring (its request side in host or GPU memory), the GPU scheduler (stand-in step) on it, and an in-process
+    agent. ``view`` is the host mapping: the live ring with ``request_side="host"``, only its output side else."""
 
-    def __init__(self, image: bytes, config: SchedulerConfig):
+    def __init__(self, image: bytes, config: SchedulerConfig, request_side: str = "host"):
         page_size = config.page_size if config.enable_prefix_caching else 0
         geometry = RingGeometry(**{**GEOMETRY.__dict__, "prefix_page_size": page_size})
         self.layout = RingLayout(geometry)
@@ -59,11 +67,18 @@ class Rig:
         self.view = self.layout.view(self.memory.buffer)
         self.step = StepBuffers(StepLayout(config.buckets[-1], config.max_num_seqs, config.max_pages_per_seq), "cuda")
         self.scheduler = GpuScheduler(self.memory, geometry, config, self.step.layout,
-                                      {k: t.data_ptr() for k, t in self.step.tensors().items()}, image=image)
-        self.agent = Agent(self.memory, geometry, liveness_timeout_s=60)
+                                      {k: t.data_ptr() for k, t in self.step.tensors().items()}, image=image,
+                                      request_side=request_side)
+        self.ring = self.scheduler.ring_memory
+        self.agent = Agent(self.ring, geometry, liveness_timeout_s=60)
 
     def control(self, name: str) -> int:
-        return int(self.view.control[name][0])
+        return control.read(self.ring)[name]
+
+    def generated(self) -> np.ndarray:
+        """Every slot's ``n_generated``, in one read of the status region wherever it lives."""
+        raw = self.ring.read(self.layout.offset("status"), self.layout.status_dtype.itemsize)
+        return np.frombuffer(raw, self.layout.status_dtype)[0]["n_generated"]
 
     def stop(self) -> dict:
         """End the loop; return its phase profile (us per iteration)."""
@@ -75,16 +90,15 @@ class Rig:
 
 
 def step_time(image: bytes, mode: str, batch: int, threads: int = 256, steps: int = 2000, caching: bool = False,
-              shared: bool = False) -> dict:
+              shared: bool = False, request_side: str = "host") -> dict:
     """Per-step time of ``batch`` decoding requests (2000 steps, timed on the host); prompts ``prompt(shared)``."""
     rig = Rig(image, SchedulerConfig(**{**BASE.__dict__, "launch_mode": mode, "block_threads": threads,
-                                        "enable_prefix_caching": caching}))
+                                        "enable_prefix_caching": caching}), request_side)
     rig.scheduler.start()
-    ngen = rig.view.status["n_generated"]
     slots = [rig.agent._slot_of[rig.agent.submit(prompt(shared, k), SamplingParams(max_tokens=steps,
                                                                                    ignore_eos=True))]
              for k in range(batch)]
-    while (ngen[slots] < 2).any():
+    while (rig.generated()[slots] < 2).any():
         pass
     t0, s0 = time.perf_counter(), rig.control("steps")
     clock = sm_clock_mhz()
@@ -92,7 +106,8 @@ def step_time(image: bytes, mode: str, batch: int, threads: int = 256, steps: in
         pass
     t1, s1 = time.perf_counter(), rig.control("steps")
     return {"mode": mode, "batch": batch, "threads": threads, "caching": caching, "shared": shared,
-            "steps": s1 - s0, "sm_clock_mhz": clock, "us_per_step": (t1 - t0) / (s1 - s0) * 1e6,
+            "request_side": request_side, "steps": s1 - s0, "sm_clock_mhz": clock,
+            "us_per_step": (t1 - t0) / (s1 - s0) * 1e6,
             "cache": {k: rig.control(k) for k in ("prefix_hit_tokens", "cached_pages", "prefix_evictions")},
             "profile_us": rig.stop()}
 
@@ -215,6 +230,8 @@ def main() -> None:
         "admission": [admission_latency(image, ns) for ns in (0, 20_000)],
         "prefix": {"step": [step_time(image, "fire_and_forget", 64, caching=c, shared=True) for c in (True, False)],
                    "admission": [admission_latency(image, 0, caching=c, shared=True) for c in (True, False)]},
+        "placement": [step_time(image, "fire_and_forget", batch, request_side=side) for side in REQUEST_SIDES
+                      for batch in (1, 64)],
     }
     print(f"scheduler bench, commit {result['commit']}, image linked in {link_s:.1f} s")
     print(f"  kernel resources: {json.dumps(result['resources'])}")
@@ -241,6 +258,10 @@ def main() -> None:
         print(f"  prefix caching {'on ' if r['caching'] else 'off'}: READY -> first token of a 240-token prompt "
               f"(224 shared): median {r['median_us']:.1f} us, p99 {r['p99_us']:.1f} us, "
               f"{r['prefix_hit_tokens']} tokens hit")
+    for r in result["placement"]:
+        profile = " ".join(f"{k}={v:.2f}" for k, v in r["profile_us"].items())
+        print(f"  request side in {r['request_side']:>6} memory: {r['batch']:>2} decoding, {r['us_per_step']:.2f} "
+              f"us/step  {profile}")
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
 

@@ -16,6 +16,7 @@ from blink.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, SchedulerConfig, l
     ("cpu_kv_cache_gib", True, "a number > 0"), ("logprobs", 1, "a bool"), ("ring_name", "a/b", "None .an in-process"),
     ("ring_name", "", "None .an in-process"), ("tensor_parallel_size", 0, r"an int in 1\.\.64"),
     ("tensor_parallel_size", 2.0, r"an int in 1\.\.64"), ("tensor_parallel_size", True, r"an int in 1\.\.64"),
+    ("request_side", "gpu", r"one of \('host', 'device'\)"),
 ])
 def test_every_rule_names_the_field(field, value, rule):
     with pytest.raises(ValueError, match=f"EngineConfig.{field} must be {rule}"):

@@ -138,3 +138,11 @@ def test_a_server_gives_up_on_an_engine_that_does_not_start_serving_in_time(loca
     assert gone() == "the engine did not start serving within 0.3 s"
     control.write(memory, "engine_state", control.ENGINE_SERVING)
     assert gone() is None
+
+
+def test_an_engine_with_its_request_side_in_gpu_memory_needs_a_listener():
+    from blink.config import EngineConfig
+    from blink.process import serve_ring
+
+    with pytest.raises(ValueError, match="--request-side device.*needs --listen HOST:PORT"):
+        serve_ring(EngineConfig(ring_name="blink-test-unused", request_side="device"))

@@ -120,6 +120,7 @@ class CpuBackend:
         if followers is not None:
             followers.share(Setup(num_pages, page_size, *astuple(self.step.layout)))
         self._view = RingLayout(geometry).view(memory.buffer)
+        self.ring_memory = memory
         self.scheduler = SimScheduler(self._view, geometry, self.config, self.step, step_fn=self._run_step,
                                       policy=config.policy_function(), threads=config.sim_threads)
         self.error: BaseException | None = None
@@ -201,7 +202,8 @@ class GpuBackend:
         torch.cuda.synchronize()
         self.scheduler = GpuScheduler(memory, geometry, self.config, self.step.layout, addresses,
                                       step_graph=lambda tokens: self.graphs[tokens].raw_cuda_graph(), image=image,
-                                      device=torch.cuda.current_device())
+                                      device=torch.cuda.current_device(), request_side=config.request_side)
+        self.ring_memory = self.scheduler.ring_memory       # the ring as this process reaches it
         self.error: BaseException | None = None
         self.step_limit_s = GPU_STEP_LIMIT_S
 

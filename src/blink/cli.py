@@ -10,6 +10,7 @@ import sys
 import uuid
 
 from blink.process import PRIORITIES, USER_ERRORS
+from blink.ring.split import REQUEST_SIDES
 
 _ring_numbers = itertools.count()
 
@@ -45,7 +46,8 @@ def engine(args) -> int:
     """The engine on a new shared-memory ring until Ctrl-C or SIGTERM; ``blink agent --ring NAME`` serves HTTP on it."""
     from blink.process import serve_ring
 
-    serve_ring(_engine_config(args, _model_dir(args.model_path or args.model), ring_name=args.ring),
+    serve_ring(_engine_config(args, _model_dir(args.model_path or args.model), ring_name=args.ring,
+                              request_side=args.request_side),
                listen=args.listen, rdma_device=_rdma_device(args))
     return 0
 
@@ -266,6 +268,9 @@ def _parser() -> argparse.ArgumentParser:
     engine_cmd.add_argument("--ring", required=True, help="name of the ring to create (/dev/shm/NAME)")
     engine_cmd.add_argument("--listen", default=None, metavar="HOST:PORT",
                             help="also let agents on other hosts or DPUs attach here (docs/dpu.md)")
+    engine_cmd.add_argument("--request-side", choices=REQUEST_SIDES, default=REQUEST_SIDES[0],
+                            help="where the ring's request side lives: host memory, or GPU memory (a GPU engine with "
+                                 "--listen: agents attach only through the listener, a NIC writes it directly)")
     _rdma_options(engine_cmd)
     _engine_options(engine_cmd, slots=256)
     gen_cmd = command("generate", generate, "generate from one prompt with an in-process engine")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from blink.device.config import SchedulerConfig, check, is_int
 from blink.ring.geometry import RingGeometry
 from blink.ring.request import SamplingParams
+from blink.ring.split import REQUEST_SIDES
 
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
@@ -48,6 +49,11 @@ class EngineConfig:
     memory (``/dev/shm/<ring_name>``) for an agent in another process. ``sim_threads`` is the simulated scheduler
     block size in CPU mode (each is a Python thread: keep it small). ``tensor_parallel_size`` splits the model over
     that many processes (``blink.ranks``; CPU only so far).
+
+    ``request_side="device"`` (GPU only) keeps the ring's request side (control block, status, headers, prompts) in
+    GPU memory, where the scheduler's polls are HBM reads and a NIC writes it by GPUDirect RDMA; the output side
+    stays in host memory. This process's agent then reaches the ring through ``EngineCore.ring_memory``, other
+    processes only through the engine's listener (``blink engine --listen``; the shared-memory copy refuses them).
     """
 
     model: str | None = None
@@ -66,6 +72,7 @@ class EngineConfig:
     ring_name: str | None = None
     sim_threads: int = 4
     tensor_parallel_size: int = 1
+    request_side: str = "host"
 
     def __post_init__(self):
         owner = "EngineConfig"
@@ -86,6 +93,7 @@ class EngineConfig:
               self.sim_threads)
         check(is_int(self.tensor_parallel_size) and 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL, owner,
               "tensor_parallel_size", f"an int in 1..{MAX_TENSOR_PARALLEL}", self.tensor_parallel_size)
+        check(self.request_side in REQUEST_SIDES, owner, "request_side", f"one of {REQUEST_SIDES}", self.request_side)
         u = self.gpu_memory_utilization
         check(isinstance(u, float) and 0.0 < u <= 1.0, owner, "gpu_memory_utilization", "a float in (0, 1]", u)
         g = self.cpu_kv_cache_gib

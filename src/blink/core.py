@@ -25,7 +25,11 @@ log = logging.getLogger("blink")
 
 
 class EngineCore:
-    """Serves ``config.model`` through a ring it creates; ``close()`` stops the loop and releases everything."""
+    """Serves ``config.model`` through a ring it creates; ``close()`` stops the loop and releases everything.
+
+    ``memory`` is the ring's host mapping (what an agent opens by its shared-memory name); ``ring_memory`` the ring
+    as this process reaches it: ``memory`` itself, or with ``request_side="device"`` the request side's GPU copy
+    joined to the output side of ``memory``. Every control word the engine writes goes through ``ring_memory``."""
 
     def __init__(self, config: EngineConfig = EngineConfig()):
         self.config = config
@@ -43,6 +47,9 @@ class EngineCore:
         from blink.ranks import load
 
         self.device = select_device(config.device)
+        if config.request_side == "device" and self.device != "cuda":
+            raise EngineError("EngineConfig.request_side='device' keeps the ring's request side in GPU memory: it "
+                              "needs a GPU (device='cuda'); on the CPU use request_side='host'")
         model_dir = resolve_model(config.model) if config.model is not None else default_model_path()
         model_config = ModelConfig.from_file(model_dir)
         self.max_model_len = config.max_model_len(model_config.max_position_embeddings)
@@ -51,7 +58,7 @@ class EngineCore:
         config.policy_function()            # a bad policy path fails before the model loads
         tp = TensorParallel(config.tensor_parallel_size, 0)
         tp.shard(model_config)              # sizes that do not split fail before anything starts
-        self.memory = self._stack.enter_context(create_ring(config.ring_name, self.geometry))
+        self.memory = self._stack.enter_context(create_ring(config.ring_name, self.geometry, config.request_side))
         started = time.monotonic()
         dtype = config.dtype or ("float32" if self.device == "cpu" else model_config.dtype)
         dummy = config.load_format == "dummy"
@@ -65,7 +72,8 @@ class EngineCore:
             self.backend = CpuBackend(model, self.memory, self.geometry, config, self.max_model_len, eos, followers)
         else:
             self.backend = GpuBackend(model, self.memory, self.geometry, config, self.max_model_len, eos)
-        control.write(self.memory, "step_limit_s", self.backend.step_limit_s)
+        self.ring_memory = self.backend.ring_memory
+        control.write(self.ring_memory, "step_limit_s", self.backend.step_limit_s)
         self._stack.callback(self._stop)
         self.backend.start()
         if config.ring_name is not None:
@@ -89,7 +97,7 @@ class EngineCore:
 
     def _stop(self) -> None:
         """Shutdown through the ring (in-flight requests end with "abort"), wait for the loop, free the backend."""
-        control.request_shutdown(self.memory)
+        control.request_shutdown(self.ring_memory)
         backend, self.backend = self.backend, None
         backend.close()
 
@@ -108,7 +116,23 @@ class EngineCore:
 
     def stats(self) -> dict[str, int]:
         """The scheduler's counters and gauges from the ring's control block."""
-        return control.read(self.memory)
+        return control.read(self.ring_memory)
+
+    def segments(self) -> list:
+        """Where the ring's bytes are, for the listener that offers them to agents (``blink.nic.remote``): the whole
+        ring in its host mapping, or (``request_side="device"``) the request side's GPU allocation, exported with
+        its CUDA IPC handle and dma-buf fd, and the output side's window of the host mapping. Call it on the thread
+        that started the engine (the export needs its CUDA context)."""
+        from blink.nic.segments import HostSegment
+
+        if self.config.request_side == "host":
+            return [HostSegment(0, self.memory)]
+        from blink.nic.ipc import export_device_segment
+        from blink.ring.split import Window, request_side_bytes
+
+        split = request_side_bytes(RingLayout(self.geometry))
+        return [export_device_segment(0, self.backend.scheduler.request_address, split),
+                HostSegment(split, Window(self.memory, split, self.memory.size - split))]
 
     def close(self) -> None:
         """Stop the loop and release everything (idempotent)."""
@@ -121,13 +145,17 @@ class EngineCore:
         self.close()
 
 
-def create_ring(name: str | None, geometry: RingGeometry):
-    """A fresh ring: in this process (``name=None``) or in POSIX shared memory; control block initialised."""
+def create_ring(name: str | None, geometry: RingGeometry, request_side: str = "host"):
+    """A fresh ring: in this process (``name=None``) or in POSIX shared memory; control block initialised. With
+    ``request_side="device"`` the scheduler serves a GPU copy of its request side, so this copy is marked
+    ``ENGINE_ELSEWHERE`` from its creation on: an agent that opens it by name is refused, never left waiting."""
     from blink.ring.transport import LocalMemory, SharedMemory
 
     layout = RingLayout(geometry)
     memory = LocalMemory(layout.size) if name is None else SharedMemory.create(name, layout.size)
     layout.initialise(memory)
+    if request_side == "device":
+        control.write(memory, "engine_state", control.ENGINE_ELSEWHERE)
     return memory
 
 

@@ -37,7 +37,7 @@ class _Engine:
 
         self.config = config
         self.core = EngineCore(config)
-        self.agent = Agent(self.core.memory, self.core.geometry)
+        self.agent = Agent(self.core.ring_memory, self.core.geometry)
 
     @property
     def tokenizer(self):

@@ -37,6 +37,9 @@ def serve_ring(config: EngineConfig, listen: str | None = None, rdma_device=None
 
     from blink.core import EngineCore
 
+    if config.request_side == "device" and listen is None:
+        raise ValueError("an engine whose ring's request side is in GPU memory (--request-side device) needs "
+                         "--listen HOST:PORT: agents reach that ring only through the engine's listener")
     reset_priority()
     # The signal only sets an event: an exception raised asynchronously inside threading's own waits (is_alive,
     # join) can leave a thread's state lock held, and the shutdown's join would then hang forever.
@@ -49,7 +52,7 @@ def serve_ring(config: EngineConfig, listen: str | None = None, rdma_device=None
         ticks = 0
         while core.alive() and not stop.wait(control.ALIVE_TICK_S):
             ticks += 1
-            control.write(core.memory, "alive", ticks)
+            control.write(core.ring_memory, "alive", ticks)
     log.info("stopped")
 
 
@@ -59,7 +62,7 @@ def _agent_listener(core, listen: str | None, rdma_device):
         return contextlib.nullcontext()
     from blink.nic.remote import listen_on_ring
 
-    return listen_on_ring(listen, core.memory, core.geometry, rdma_device=rdma_device)
+    return listen_on_ring(listen, core.segments(), core.geometry, rdma_device=rdma_device)
 
 
 @contextmanager

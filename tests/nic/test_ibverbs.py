@@ -109,12 +109,13 @@ def test_the_transport_over_a_real_loopback_qp():
 @pytest.mark.rdma
 def test_an_agent_attached_over_real_rdma_gets_the_reference_outputs():
     from blink.nic.remote import listen_on_ring, open_remote
+    from blink.nic.segments import HostSegment
     from blink.ring.reference import standin_engine
 
     from .test_remote import GEOMETRY, RDMA, expected_output, serve_requests
 
     with standin_engine(GEOMETRY) as (ring, _), \
-            listen_on_ring("127.0.0.1:0", ring, GEOMETRY, rdma_device=DeviceConfig()) as listener:
+            listen_on_ring("127.0.0.1:0", [HostSegment(0, ring)], GEOMETRY, rdma_device=DeviceConfig()) as listener:
         memory = open_remote("%s:%d" % listener.address, "rdma", rdma=RDMA, device=DeviceConfig())
         try:
             results, submitted = serve_requests(memory)

@@ -1,6 +1,9 @@
 """``blink agent --remote`` end to end without hardware: the engine's ring served by the reference consumer in
 another process (``standin_engine``), the setup handshake over loopback TCP, and the agent in this process writing
-into that ring over ipc (shared memory, CPU mode's foreign writer) or over RDMA on the recording verbs layer."""
+into that ring over ipc (shared memory, CPU mode's foreign writer) or over RDMA on the recording verbs layer; the
+ring offered whole, or split as an engine with its request side in GPU memory offers it (the request side's GPU
+allocation stood in for by the shared ring's own first bytes)."""
+import os
 import time
 
 import pytest
@@ -11,14 +14,15 @@ from blink.nic.agent import Agent
 from blink.nic.rdma import RdmaConfig, RdmaMemory
 from blink.nic.recording import RecordingFabric
 from blink.nic.remote import RingExport, RingListener, listen_on_ring, open_remote
-from blink.nic.segments import HostSegment
+from blink.nic.segments import DeviceSegment, HostSegment
 
-from blink.nic.wire import Hello
+from blink.nic.wire import CudaRegion, Hello, ShmRegion
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout
 from blink.ring.reference import expected_output, standin_engine
 from blink.ring.request import SamplingParams
+from blink.ring.split import SplitMemory, Window, request_side_bytes
 from blink.ring.transport import LocalMemory, SharedMemory
 
 from .test_wire import ENDPOINT
@@ -56,7 +60,7 @@ def serve_requests(memory, n=30, timeout_s=60.0):
 def test_an_agent_attached_over_the_handshake_gets_the_reference_outputs(transport):
     fabric = RecordingFabric()
     with standin_engine(GEOMETRY) as (ring, _), \
-            listen_on_ring("127.0.0.1:0", ring, GEOMETRY, target_factory=fabric.target) as listener:
+            listen_on_ring("127.0.0.1:0", [HostSegment(0, ring)], GEOMETRY, target_factory=fabric.target) as listener:
         memory = open_remote(address(listener), transport, rdma=RDMA, verbs_factory=fabric.initiator)
         assert isinstance(memory, RdmaMemory if transport == "rdma" else SharedMemory)
         try:
@@ -67,10 +71,110 @@ def test_an_agent_attached_over_the_handshake_gets_the_reference_outputs(transpo
     assert {rid: results[rid] for rid in submitted} == {rid: expected_output(*r) for rid, r in submitted.items()}
 
 
+SPLIT = request_side_bytes(RingLayout(GEOMETRY))
+BUS_ID = "0000:1b:00.0"
+
+
+def split_segments(ring) -> list[HostSegment]:
+    """``ring``'s bytes as two segments split where an engine splits its ring between GPU and host memory: the
+    request side (here a window of the shared ring itself), and the output side, a window of the shared ring."""
+    return [HostSegment(0, Window(ring, 0, SPLIT)), HostSegment(SPLIT, Window(ring, SPLIT, ring.size - SPLIT))]
+
+
+@pytest.mark.parametrize("transport", ["ipc", "rdma"])
+def test_a_ring_offered_in_two_segments_serves_like_one(transport):
+    """The ipc agent maps each shared-memory region at its offset of the object; the rdma agent gets an rkey each;
+    both reach the ring as one address space and get the reference outputs."""
+    fabric = RecordingFabric()
+    with standin_engine(GEOMETRY) as (ring, _), \
+            listen_on_ring("127.0.0.1:0", split_segments(ring), GEOMETRY, target_factory=fabric.target) as listener:
+        if transport == "ipc":
+            offer = listener.export.answer(Hello("ipc", control.VERSION, host=remote.boot_id()))
+            assert offer.regions == (ShmRegion(0, SPLIT, ring.name, 0),
+                                     ShmRegion(SPLIT, ring.size - SPLIT, ring.name, SPLIT))
+        memory = open_remote(address(listener), transport, rdma=RDMA, verbs_factory=fabric.initiator)
+        try:
+            assert isinstance(memory, SplitMemory if transport == "ipc" else RdmaMemory)
+            assert len(memory.regions if transport == "rdma" else memory.segments) == 2
+            results, submitted = serve_requests(memory)
+        finally:
+            memory.close()
+    assert {rid: results[rid] for rid in submitted} == {rid: expected_output(*r) for rid, r in submitted.items()}
+
+
+def test_an_offer_past_the_end_of_a_shared_memory_object_is_refused():
+    with standin_engine(GEOMETRY) as (ring, _):
+        region = ShmRegion(SPLIT, ring.size - SPLIT, ring.name, offset=SPLIT + 4096)
+        with pytest.raises(RingMismatch, match=f"of /dev/shm/{ring.name}, which holds {ring.size} bytes"):
+            remote._map_region(region)
+
+
+class GpuStandIn:
+    """A recording target whose NIC also reaches GPU memory: a ``DeviceSegment`` registers as the host window that
+    stands in for its allocation (checking that its dma-buf fd is open while it registers)."""
+
+    def __init__(self, fabric: RecordingFabric, device_bytes):
+        self.target, self.device_bytes, self.registered_fds = fabric.target(), device_bytes, []
+
+    def register(self, segment):
+        if isinstance(segment, DeviceSegment):
+            os.fstat(segment.dmabuf_fd)
+            self.registered_fds.append(segment.dmabuf_fd)
+            segment = HostSegment(segment.start, self.device_bytes)
+        return self.target.register(segment)
+
+    def accept(self, endpoint):
+        return self.target.accept(endpoint)
+
+    def close(self):
+        self.target.close()
+
+
+def device_segment(dmabuf_fd: int) -> DeviceSegment:
+    return DeviceSegment(0, SPLIT, address=1 << 40, ipc_handle=bytes(range(64)), pci_bus_id=BUS_ID,
+                         dmabuf_fd=dmabuf_fd)
+
+
+def test_the_gpu_memory_ring_is_offered_by_ipc_handle_and_by_dmabuf_whose_fd_is_closed_once_registered():
+    fabric = RecordingFabric()
+    dmabuf, unused = os.pipe()          # stands in for the dma-buf fd export_device_segment returns
+    os.close(unused)
+    with standin_engine(GEOMETRY) as (ring, _):
+        device, output = device_segment(dmabuf), HostSegment(SPLIT, Window(ring, SPLIT, ring.size - SPLIT))
+        target = GpuStandIn(fabric, Window(ring, 0, SPLIT))
+        with RingListener("127.0.0.1:0", RingExport(GEOMETRY, [device, output], target_factory=lambda: target)) \
+                as listener:
+            offer = listener.export.answer(Hello("ipc", control.VERSION, host=remote.boot_id()))
+            assert offer.regions == (CudaRegion(0, SPLIT, bytes(range(64)), BUS_ID),
+                                     ShmRegion(SPLIT, ring.size - SPLIT, ring.name, SPLIT))
+            os.fstat(dmabuf)                # an ipc offer leaves it open: an rdma agent may still come
+            memory = open_remote(address(listener), "rdma", rdma=RDMA, verbs_factory=fabric.initiator)
+            assert target.registered_fds == [dmabuf]
+            with pytest.raises(OSError):
+                os.fstat(dmabuf)            # the MR holds the dma-buf now
+            try:
+                results, submitted = serve_requests(memory)
+            finally:
+                memory.close()
+    assert {rid: results[rid] for rid in submitted} == {rid: expected_output(*r) for rid, r in submitted.items()}
+
+
+def test_an_export_that_no_rdma_agent_used_closes_its_dmabuf_fd():
+    dmabuf, unused = os.pipe()
+    os.close(unused)
+    with LocalMemory(RingLayout(GEOMETRY).size) as ring:
+        export = RingExport(GEOMETRY, [device_segment(dmabuf), HostSegment(SPLIT, Window(ring, SPLIT,
+                                                                                          ring.size - SPLIT))])
+        os.fstat(dmabuf)
+        export.close()
+    with pytest.raises(OSError):
+        os.fstat(dmabuf)
+
+
 def test_several_rdma_agents_get_a_qp_each_over_one_registration():
     fabric = RecordingFabric()
     with standin_engine(GEOMETRY) as (ring, _), \
-            listen_on_ring("127.0.0.1:0", ring, GEOMETRY, target_factory=fabric.target) as listener:
+            listen_on_ring("127.0.0.1:0", [HostSegment(0, ring)], GEOMETRY, target_factory=fabric.target) as listener:
         first = open_remote(address(listener), "rdma", rdma=RDMA, verbs_factory=fabric.initiator)
         second = open_remote(address(listener), "rdma", rdma=RDMA, verbs_factory=fabric.initiator)
         assert first.regions == second.regions
@@ -81,7 +185,8 @@ def test_several_rdma_agents_get_a_qp_each_over_one_registration():
 
 
 def test_an_engine_without_rdma_says_so_and_still_serves_ipc():
-    with standin_engine(GEOMETRY) as (ring, _), listen_on_ring("127.0.0.1:0", ring, GEOMETRY) as listener:
+    with standin_engine(GEOMETRY) as (ring, _), \
+            listen_on_ring("127.0.0.1:0", [HostSegment(0, ring)], GEOMETRY) as listener:
         with pytest.raises(HandshakeError, match="rejected this agent: this engine was started without RDMA"):
             open_remote(address(listener), "rdma", verbs_factory=RecordingFabric().initiator)
         open_remote(address(listener), "ipc").close()
@@ -92,7 +197,7 @@ def test_an_engine_whose_rdma_device_fails_sends_the_reason():
         raise RdmaError("no RDMA device here (ibv_devices lists none)")
 
     with standin_engine(GEOMETRY) as (ring, _), \
-            listen_on_ring("127.0.0.1:0", ring, GEOMETRY, target_factory=no_device) as listener:
+            listen_on_ring("127.0.0.1:0", [HostSegment(0, ring)], GEOMETRY, target_factory=no_device) as listener:
         with pytest.raises(HandshakeError, match="cannot serve RDMA: no RDMA device here"):
             open_remote(address(listener), "rdma", verbs_factory=RecordingFabric().initiator)
 

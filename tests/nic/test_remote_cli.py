@@ -1,9 +1,8 @@
-"""``blink engine --listen`` and ``blink agent --remote`` in CPU mode: the engine's ring in shared memory, the agent
+"""``blink engine --listen`` and ``blink agent --remote``: in CPU mode the engine's ring in shared memory, the agent
 attached through the setup handshake over the ipc transport (the foreign writer CPU mode can run), its completion
-equal to the one an agent attached by name gets from the same engine.
-
-Skips until ``blink.cli`` has the two options (the wiring the report of the smartnic branch describes)."""
-import argparse
+equal to the one an agent attached by name gets from the same engine; on the H200 (``@pytest.mark.gpu``) the engine
+keeps the ring's request side in GPU memory (``--request-side device``), the agent writes it through CUDA IPC, and
+its completion equals that of an agent on the same model's host-memory ring."""
 import http.client
 import json
 import os
@@ -17,18 +16,9 @@ import pytest
 
 CLI_ENGINE = ["--device", "cpu", "--slots", "4", "--max-prompt-tokens", "64", "--max-output-tokens", "16",
               "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--cpu-kv-cache-gib", "0.05"]
-
-
-def cli_options(command: str) -> set[str]:
-    from blink.cli import _parser
-
-    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return set(commands.choices[command]._option_string_actions)
-
-
-pytestmark = pytest.mark.skipif(
-    not ("--remote" in cli_options("agent") and "--listen" in cli_options("engine")),
-    reason="needs the cli wiring of blink agent --remote / blink engine --listen")
+GPU_ENGINE = ["--device", "cuda", "--load-format", "dummy", "--num-pages", "256", "--slots", "4",
+              "--max-prompt-tokens", "64", "--max-output-tokens", "16", "--max-num-seqs", "4",
+              "--max-num-batched-tokens", "64"]
 
 
 def free_port() -> int:
@@ -66,13 +56,22 @@ def healthy(port: int) -> bool:
         return False
 
 
-def completion_through(agent_args: list[str], model_dir) -> str:
+def accepting(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def completion_through(agent_args: list[str], model_dir, prompt="remote") -> str:
     """Start ``blink agent`` with ``agent_args``, ask one seeded completion, stop the agent; its text."""
     port = free_port()
     agent = blink("agent", *agent_args, "--model", str(model_dir), "--port", str(port), "--served-model-name", "m")
     try:
         wait_for(lambda: healthy(port), timeout_s=120)
-        status, body = request(port, "/v1/completions", {"model": "m", "prompt": "remote", "max_tokens": 5, "seed": 2})
+        status, body = request(port, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 5, "seed": 2})
         assert status == 200, body
         agent.send_signal(signal.SIGINT)
         assert agent.wait(60) == 0
@@ -81,18 +80,25 @@ def completion_through(agent_args: list[str], model_dir) -> str:
         agent.kill()
 
 
+def healthy_ring(name: str) -> bool:
+    """The shared-memory ring ``name`` exists and its control block is written."""
+    from blink.ring.control import MAGIC
+
+    try:
+        with open(f"/dev/shm/{name}", "rb") as f:
+            return int.from_bytes(f.read(4), "little") == MAGIC
+    except FileNotFoundError:
+        return False
+
+
 def test_an_agent_attached_through_the_listener_answers_like_one_attached_by_name():
     from blink.models import default_model_path
-    from blink.ring.control import MAGIC
 
     model_dir = default_model_path()
     ring, listen = f"blink-test-remote-{os.getpid()}", f"127.0.0.1:{free_port()}"
     engine = blink("engine", str(model_dir), "--ring", ring, "--listen", listen, *CLI_ENGINE)
     try:
-        def ring_ready():
-            with open(f"/dev/shm/{ring}", "rb") as f:
-                return int.from_bytes(f.read(4), "little") == MAGIC
-        wait_for(lambda: os.path.exists(f"/dev/shm/{ring}") and ring_ready(), timeout_s=120)
+        wait_for(lambda: healthy_ring(ring), timeout_s=120)
         by_name = completion_through(["--ring", ring], model_dir)
         remote = completion_through(["--remote", listen, "--transport", "ipc"], model_dir)
         assert remote == by_name and remote
@@ -106,3 +112,40 @@ def test_an_agent_attached_through_the_listener_answers_like_one_attached_by_nam
         assert not os.path.exists(f"/dev/shm/{ring}")
     finally:
         engine.kill()
+
+
+def refusal_by_name(ring: str, model_dir) -> str:
+    """What ``blink agent --ring NAME`` says when it may not attach (it must exit 1 without a traceback)."""
+    agent = blink("agent", "--ring", ring, "--model", str(model_dir), stderr=subprocess.PIPE, text=True)
+    _, stderr = agent.communicate(timeout=60)
+    assert agent.returncode == 1 and "Traceback" not in stderr, stderr
+    return stderr
+
+
+@pytest.mark.gpu
+def test_an_agent_writing_the_gpu_memory_ring_through_cuda_ipc_answers_like_one_on_the_host_ring(tmp_path):
+    from blink.bench.shapes import write_model_dir
+
+    model_dir = write_model_dir(tmp_path / "tiny", "tiny-qwen3")       # random weights of seed 0 in both engines
+    prompt = [5, 17, 99, 3, 250]
+    ring = f"blink-test-gpu-ring-{os.getpid()}"
+    host = blink("engine", str(model_dir), "--ring", ring, *GPU_ENGINE)
+    try:
+        wait_for(lambda: healthy_ring(ring), timeout_s=300)
+        want = completion_through(["--ring", ring], model_dir, prompt)
+        host.send_signal(signal.SIGINT)
+        assert host.wait(60) == 0
+    finally:
+        host.kill()
+    listen = f"127.0.0.1:{free_port()}"
+    device = blink("engine", str(model_dir), "--ring", ring, "--listen", listen, "--request-side", "device",
+                   *GPU_ENGINE)
+    try:
+        wait_for(lambda: accepting(listen), timeout_s=300)
+        assert "not the one its engine serves" in refusal_by_name(ring, model_dir)
+        assert completion_through(["--remote", listen, "--transport", "ipc"], model_dir, prompt) == want and want
+        device.send_signal(signal.SIGINT)
+        assert device.wait(60) == 0
+        assert not os.path.exists(f"/dev/shm/{ring}")
+    finally:
+        device.kill()

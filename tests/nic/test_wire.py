@@ -24,7 +24,9 @@ def rdma_offer():
 
 
 def ipc_offer():
-    regions = (CudaRegion(0, SPLIT, bytes(range(64)), "0000:1b:00.0"), ShmRegion(SPLIT, SIZE - SPLIT, "blink-1-out"))
+    # The output side at its own offset of the engine's shared-memory ring, as a GPU-memory request side leaves it.
+    regions = (CudaRegion(0, SPLIT, bytes(range(64)), "0000:1b:00.0"),
+               ShmRegion(SPLIT, SIZE - SPLIT, "blink-1", offset=SPLIT))
     return Offer("ipc", RingIdentity.of(GEOMETRY), regions)
 
 
@@ -71,7 +73,7 @@ def deleter(path):
 
 MALFORMED = [
     # framing of the object itself
-    (rdma_offer(), setter(["blink_handshake"], 2), "handshake version 2"),
+    (rdma_offer(), setter(["blink_handshake"], HANDSHAKE_VERSION - 1), f"handshake version {HANDSHAKE_VERSION - 1}"),
     (rdma_offer(), deleter(["blink_handshake"]), "handshake version None"),
     (rdma_offer(), setter(["type"], "welcome"), "unknown setup message type 'welcome'"),
     (rdma_offer(), setter(["surprise"], 1), r"unknown \['surprise'\]"),
@@ -106,12 +108,15 @@ MALFORMED = [
     (rdma_offer(), setter(["regions", 1, "start"], SPLIT - 4096), "must tile the ring in order"),
     (rdma_offer(), setter(["regions", 1, "size"], SIZE - SPLIT - 4096), f"but the ring is {SIZE} bytes"),
     (rdma_offer(), setter(["regions", 0, "size"], SPLIT + 1), r"must tile the ring in order from 0 on 4096"),
-    (rdma_offer(), setter(["regions", 1], {"kind": "shm", "start": SPLIT, "size": SIZE - SPLIT, "name": "x"}),
-     "rdma offers RdmaRegion"),
+    (rdma_offer(), setter(["regions", 1], {"kind": "shm", "start": SPLIT, "size": SIZE - SPLIT, "name": "x",
+                                           "offset": 0}), "rdma offers RdmaRegion"),
     (ipc_offer(), setter(["regions", 0, "handle"], "zz" * 64), "handle must be hex digits"),
     (ipc_offer(), setter(["regions", 0, "handle"], "00" * 63), "CudaRegion.handle must be 64 bytes"),
     (ipc_offer(), setter(["regions", 0, "pci_bus_id"], "gpu0"), "CudaRegion.pci_bus_id"),
     (ipc_offer(), setter(["regions", 1, "name"], "../etc/passwd"), "ShmRegion.name"),
+    (ipc_offer(), setter(["regions", 1, "offset"], -4096), r"ShmRegion.offset must be an int in \[0, "),
+    (ipc_offer(), setter(["regions", 1, "offset"], True), "ShmRegion.offset"),
+    (ipc_offer(), deleter(["regions", 1, "offset"]), r"exactly the keys \['start', 'size', 'name', 'offset'\]"),
     (ipc_offer(), setter(["endpoint"], ENDPOINT.__dict__), "none for ipc"),
     # hello and reject
     (MESSAGES[0], setter(["transport"], "tcp"), r"Hello.transport must be one of \('rdma', 'ipc'\)"),

@@ -1,5 +1,7 @@
 """SplitMemory: one ring address space over segments in different memories (the request side in GPU memory, the
 output side in host memory), with the in-order write guarantee kept across segments."""
+import os
+
 import numpy as np
 import pytest
 
@@ -10,8 +12,8 @@ from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout, RingView
 from blink.ring.reference import ReferenceConsumer, expected_output
 from blink.ring.request import SamplingParams
-from blink.ring.split import SplitMemory
-from blink.ring.transport import LocalMemory, RemoteMemory
+from blink.ring.split import SplitMemory, Window
+from blink.ring.transport import LocalMemory, RemoteMemory, SharedMemory
 
 GEOMETRY = RingGeometry(n_slots=8, max_prompt_tokens=16, max_output_tokens=32, max_stop_ids=2)
 
@@ -87,6 +89,33 @@ def test_a_write_to_another_segment_first_fences_the_last_one_written(two):
     memory.fence()                  # only the last one written
     assert [entry[:2] for entry in log] == [("write", "a"), ("write", "a"), ("fence", "a"), ("write", "b"),
                                             ("write", "b"), ("fence", "b"), ("write", "a"), ("fence", "a")]
+
+
+def test_a_window_addresses_its_part_of_a_memory_from_zero():
+    with LocalMemory(3 * 4096) as whole:
+        window = Window(whole, 4096, 4096)
+        window.write(4094, b"ab")
+        assert whole.read(2 * 4096 - 2, 2) == b"ab" and window.read(4094, 2) == b"ab"
+        assert bytes(window.buffer[4094:]) == b"ab" and len(window.buffer) == 4096
+        with pytest.raises(ValueError, match="outside the 4096-byte region"):
+            window.write(4095, b"ab")
+        with pytest.raises(ValueError, match=r"window \[8192, 16384\) is outside the 12288-byte memory"):
+            Window(whole, 8192, 8192)
+        window.close()
+        assert whole.read(2 * 4096 - 2, 2) == b"ab", "a window that does not own its memory leaves it open"
+    with pytest.raises(AttributeError, match="a window of a FenceCounting has no buffer"):
+        Window(FenceCounting("a", 4096, []), 0, 4096).buffer
+
+
+def test_a_window_that_owns_its_memory_closes_it():
+    with SharedMemory.create(f"blink-test-window-{os.getpid()}", 8192) as shared:
+        opened = SharedMemory.open(f"blink-test-window-{os.getpid()}")
+        window = Window(opened, 4096, 4096, owns=True)
+        window.write(0, b"x")
+        assert shared.read(4096, 1) == b"x"
+        window.close()
+        with pytest.raises(ValueError, match="released"):
+            opened.read(0, 1)
 
 
 def test_segments_must_tile_the_ring():

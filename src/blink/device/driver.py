@@ -3,6 +3,7 @@ as a ``RemoteMemory``."""
 from __future__ import annotations
 
 import ctypes
+import threading
 
 from blink.errors import LaunchError
 from blink.ring.transport import RemoteMemory
@@ -33,17 +34,22 @@ def error_name(code: int) -> str:
 
 
 class DeviceMemory(RemoteMemory):
-    """``size`` bytes of GPU memory at ``address`` (this process's context), as a ``RemoteMemory``: the engine's own
-    view of a ring's request side in GPU memory, for its control words (shutdown, counters, errors).
+    """``size`` bytes of GPU memory at ``address`` (the current context's), as a ``RemoteMemory``: the engine's own
+    view of a ring's request side in GPU memory, for its control words (shutdown, alive, counters) and for an agent
+    in the engine's process.
 
     Writes are synchronous copies from pinned memory (a copy from pageable memory may return before its DMA lands,
-    which would break the in-order promise); reads copy back. Agents in other processes use ``blink.nic.ipc``.
+    which would break the in-order promise); reads copy back. Any thread may call it: each access makes the
+    allocation's context current and holds a lock over the one staging buffer. Agents in other processes use
+    ``blink.nic.ipc``.
     """
 
     def __init__(self, address: int, size: int):
         from cuda.bindings import driver
 
         self.address, self.size = address, size
+        self._context = check(driver.cuCtxGetCurrent())
+        self._lock = threading.Lock()
         self._staging = int(check(driver.cuMemHostAlloc(max(size, 1), 0)))
         self._view = memoryview((ctypes.c_char * max(size, 1)).from_address(self._staging)).cast("B")
 
@@ -52,20 +58,25 @@ class DeviceMemory(RemoteMemory):
 
         data = memoryview(data).cast("B")
         self._check_range(offset, len(data))
-        self._view[:len(data)] = data
-        check(driver.cuMemcpyHtoD(self.address + offset, self._staging, len(data)))
+        with self._lock:
+            check(driver.cuCtxSetCurrent(self._context))
+            self._view[:len(data)] = data
+            check(driver.cuMemcpyHtoD(self.address + offset, self._staging, len(data)))
 
     def read(self, offset: int, nbytes: int) -> bytes:
         from cuda.bindings import driver
 
         self._check_range(offset, nbytes)
-        check(driver.cuMemcpyDtoH(self._staging, self.address + offset, nbytes))
-        return bytes(self._view[:nbytes])
+        with self._lock:
+            check(driver.cuCtxSetCurrent(self._context))
+            check(driver.cuMemcpyDtoH(self._staging, self.address + offset, nbytes))
+            return bytes(self._view[:nbytes])
 
     def close(self) -> None:
         from cuda.bindings import driver
 
-        if self._staging:
-            self._view.release()
-            driver.cuMemFreeHost(self._staging)
-            self._staging = 0
+        with self._lock:
+            if self._staging:
+                self._view.release()
+                driver.cuMemFreeHost(self._staging)
+                self._staging = 0

@@ -37,11 +37,8 @@ from blink.errors import LaunchError
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout
-from blink.ring.split import SplitMemory, Window, device_allocation_size, request_side_bytes
+from blink.ring.split import REQUEST_SIDES, SplitMemory, Window, device_allocation_size, request_side_bytes
 from blink.ring.standin import STANDIN_VOCAB
-
-
-REQUEST_SIDES = ("host", "device")
 
 
 class GpuScheduler:
@@ -68,7 +65,7 @@ class GpuScheduler:
         self.running = False
         self._allocations: list = []
         self._ring_host = None
-        self._split = self._request_base = 0
+        self._split = self.request_address = 0
         self.ring_memory = memory
         check(driver.cuInit(0))
         self._context = check(driver.cuDevicePrimaryCtxRetain(check(driver.cuDeviceGet(device))))
@@ -178,7 +175,10 @@ class GpuScheduler:
 
     def _place_request_side(self, memory) -> None:
         """With ``request_side="device"``: the ring's first ``request_side_bytes`` move to a GPU allocation
-        (initialised from ``memory``), and ``ring_memory`` routes there; else the ring stays all in ``memory``."""
+        (initialised from ``memory``), and ``ring_memory`` routes there; else the ring stays all in ``memory``.
+
+        The GPU copy is the live one from here on, and starts as a ring whose engine is starting, whatever the host
+        copy says (its creator may have marked it ``ENGINE_ELSEWHERE`` for agents that open it by name)."""
         self.ipc_handle = None
         if self.request_side == "host":
             return
@@ -188,10 +188,11 @@ class GpuScheduler:
         base = int(check(driver.cuMemAlloc(device_allocation_size(self._split))))
         self._allocations.append(base)
         check(driver.cuMemcpyHtoD(base, np.frombuffer(memory.buffer, np.uint8, self._split), self._split))
-        self._request_base = base
+        self.request_address = base
         self.ipc_handle = bytes(check(driver.cuIpcGetMemHandle(base)).reserved)
         self.ring_memory = SplitMemory([(0, DeviceMemory(base, self._split)),
                                         (self._split, Window(memory, self._split, memory.size - self._split))])
+        control.write(self.ring_memory, "engine_state", control.ENGINE_STARTING)
 
     def _register_ring(self, memory):
         from cuda.bindings import driver
@@ -206,7 +207,7 @@ class GpuScheduler:
         """The device address of a ring array (a view of the host mapping): by its ring offset, in the GPU
         allocation of the request side or in the registered host mapping."""
         offset = array.__array_interface__["data"][0] - self._ring_host
-        return self._request_base + offset if offset < self._split else self._ring_device + offset
+        return self.request_address + offset if offset < self._split else self._ring_device + offset
 
     def _to_device(self, array: np.ndarray) -> tuple[int, tuple]:
         from cuda.bindings import driver

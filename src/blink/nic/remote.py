@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 
 from blink.errors import HandshakeError, RdmaError, RingMismatch
 from blink.nic.handshake import SETUP_TIMEOUT_S, connect, serve_handshake
 from blink.nic.rdma import RdmaConfig, RdmaMemory
-from blink.nic.segments import DeviceSegment, HostSegment, check_tiling
+from blink.nic.segments import DeviceSegment, check_tiling
 
 from blink.nic.wire import IPC, RDMA, TRANSPORTS, CudaRegion, Hello, Offer, RingIdentity, ShmRegion
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
-from blink.ring.split import SplitMemory
+from blink.ring.split import SplitMemory, Window
 from blink.ring.transport import RemoteMemory, SharedMemory
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -98,10 +99,22 @@ def _open_ipc(offer: Offer) -> RemoteMemory:
 
 def _map_region(region) -> RemoteMemory:
     if isinstance(region, ShmRegion):
-        return SharedMemory.open(region.name, region.size)
+        return _map_shm(region)
     from blink.nic.ipc import CudaIpcMemory
 
     return CudaIpcMemory(region.handle, region.size, region.pci_bus_id)
+
+
+def _map_shm(region: ShmRegion) -> RemoteMemory:
+    """The shared-memory object of ``region``, or the window of it that holds the region's bytes."""
+    shared = SharedMemory.open(region.name)
+    if region.offset == 0 and region.size == shared.size:
+        return shared
+    if region.offset + region.size > shared.size:
+        shared.close()
+        raise RingMismatch(f"the offer places ring bytes at [{region.offset}, {region.offset + region.size}) of "
+                           f"/dev/shm/{region.name}, which holds {shared.size} bytes")
+    return Window(shared, region.offset, region.size, owns=True)
 
 
 def _verify(memory: RemoteMemory, ring: RingIdentity) -> None:
@@ -125,6 +138,10 @@ class RingExport:
         self._target_factory = target_factory
         self._target = None
         self._regions = None        # the segments' RdmaRegions, registered once for every agent
+        # The device segments' dma-buf fds: this export's to close, once registered (the MR holds the dma-buf) or
+        # at close() if no rdma agent came.
+        self._dmabuf_fds = [segment.dmabuf_fd for segment in self.segments
+                            if isinstance(segment, DeviceSegment) and segment.dmabuf_fd is not None]
 
     @property
     def transports(self) -> tuple[str, ...]:
@@ -157,6 +174,11 @@ class RingExport:
             target.close()
             raise
         self._target = target
+        self._close_dmabuf_fds()
+
+    def _close_dmabuf_fds(self) -> None:
+        while self._dmabuf_fds:
+            os.close(self._dmabuf_fds.pop())
 
     def _offer_ipc(self, hello: Hello) -> Offer:
         if hello.host != boot_id():
@@ -165,6 +187,7 @@ class RingExport:
         return Offer(IPC, self.ring, tuple(_ipc_region(segment) for segment in self.segments))
 
     def close(self) -> None:
+        self._close_dmabuf_fds()
         if self._target is not None:
             self._target.close()
             self._target = self._regions = None
@@ -173,8 +196,11 @@ class RingExport:
 def _ipc_region(segment):
     if isinstance(segment, DeviceSegment):
         return CudaRegion(segment.start, segment.size, segment.ipc_handle, segment.pci_bus_id)
-    if isinstance(segment.memory, SharedMemory):
-        return ShmRegion(segment.start, segment.size, segment.memory.name)
+    memory, offset = segment.memory, 0
+    if isinstance(memory, Window):          # the output side of a ring whose request side is in GPU memory
+        memory, offset = memory.memory, memory.start
+    if isinstance(memory, SharedMemory):
+        return ShmRegion(segment.start, segment.size, memory.name, offset)
     raise HandshakeError(f"ring bytes [{segment.start}, {segment.start + segment.size}) are in the engine's private "
                          "memory, which no other process can map: start the engine on a shared-memory ring")
 
@@ -203,13 +229,13 @@ class RingListener:
         self.close()
 
 
-def listen_on_ring(address: str, memory: RemoteMemory, geometry: RingGeometry, *, rdma_device=None,
+def listen_on_ring(address: str, segments, geometry: RingGeometry, *, rdma_device=None,
                    target_factory=None) -> RingListener:
-    """A ``RingListener`` for today's ring, all of it in the host mapping ``memory`` (the engine's
-    ``SharedMemory``). RDMA is offered through ``target_factory``, or a pyverbs target on ``rdma_device`` (an
-    ``ibverbs.DeviceConfig``) when one is given; with neither, ipc only."""
+    """A ``RingListener`` for the ring of ``geometry`` whose bytes are in ``segments`` (``HostSegment`` /
+    ``DeviceSegment``: the engine's ``EngineCore.segments()``). RDMA is offered through ``target_factory``, or a
+    pyverbs target on ``rdma_device`` (an ``ibverbs.DeviceConfig``) when one is given; with neither, ipc only."""
     if target_factory is None and rdma_device is not None:
         from blink.nic.ibverbs import PyverbsTarget
 
         target_factory = functools.partial(PyverbsTarget, rdma_device)
-    return RingListener(address, RingExport(geometry, [HostSegment(0, memory)], target_factory=target_factory))
+    return RingListener(address, RingExport(geometry, segments, target_factory=target_factory))

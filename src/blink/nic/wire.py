@@ -25,7 +25,7 @@ from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import REGION_ALIGN, RingLayout
 
-HANDSHAKE_VERSION = 1
+HANDSHAKE_VERSION = 2       # 2: ShmRegion.offset
 RDMA, IPC = "rdma", "ipc"
 TRANSPORTS = (RDMA, IPC)
 MTUS = (256, 512, 1024, 2048, 4096)     # the IB path MTUs (ibv_mtu), in bytes
@@ -128,13 +128,16 @@ class RdmaRegion:
 
 @dataclass(frozen=True)
 class ShmRegion:
-    """Ring bytes ``[start, start + size)`` are the POSIX shared-memory object ``/dev/shm/<name>`` (same host)."""
+    """Ring bytes ``[start, start + size)`` are bytes ``[offset, offset + size)`` of the POSIX shared-memory object
+    ``/dev/shm/<name>`` (same host): the whole ring at offset 0, or the output side of a ring whose request side is
+    in GPU memory, at its own ring offset in the engine's shared-memory ring."""
 
     start: int
     size: int
     name: str
+    offset: int = 0
 
-    LIMITS = {"start": (0, 1 << 62), "size": (1, 1 << 62)}
+    LIMITS = {"start": (0, 1 << 62), "size": (1, 1 << 62), "offset": (0, 1 << 62)}
 
     def __post_init__(self):
         _check_fields(self)

@@ -22,8 +22,10 @@ VERSION = 4
 # Control block flags.
 RING_LOGPROBS = 1
 
-# Engine states (engine_state, written by the GPU side).
-ENGINE_STARTING, ENGINE_SERVING, ENGINE_STOPPED = 0, 1, 2
+# Engine states (engine_state, written by the GPU side). ENGINE_ELSEWHERE is the creator's mark on the host copy of a
+# ring whose request side the engine keeps in GPU memory: nothing reads what is written into that copy, so agents
+# that open it (by its shared-memory name) are refused and pointed to the engine's listener.
+ENGINE_STARTING, ENGINE_SERVING, ENGINE_STOPPED, ENGINE_ELSEWHERE = 0, 1, 2, 3
 
 # The engine process bumps ``alive`` this often; a reader's liveness timeout must be a few of these.
 ALIVE_TICK_S = 0.25
@@ -134,9 +136,13 @@ def _check_identity(block: np.void) -> None:
 
 def verify(raw: bytes, geometry: RingGeometry) -> None:
     """Raise ``RingMismatch`` naming the first field of the control block in ``raw`` that ``geometry`` does not
-    expect."""
+    expect, or saying that ``raw`` comes from a copy its engine does not serve (``ENGINE_ELSEWHERE``)."""
     block = decode(raw)
     _check_identity(block)
+    if int(block["engine_state"]) == ENGINE_ELSEWHERE:
+        raise RingMismatch("this copy of the ring is not the one its engine serves: the engine keeps the ring's "
+                           "request side in GPU memory; attach through the engine's listener (blink agent --remote "
+                           "HOST:PORT --transport ipc on its host, rdma elsewhere)")
     for name, want in geometry_words(geometry).items():
         got = int(block[name])
         if got != want:

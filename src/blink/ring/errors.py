@@ -19,7 +19,8 @@ class RequestError(BlinkError, ValueError):
 
 
 class RingMismatch(BlinkError):
-    """An existing ring region was written by a different layout (magic, version or geometry differ)."""
+    """An existing ring region was written by a different layout (magic, version or geometry differ), or is a copy
+    of a ring that its engine serves from elsewhere."""
 
 
 class IllegalTransition(BlinkError):

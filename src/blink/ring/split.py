@@ -15,6 +15,8 @@ import bisect
 
 from blink.ring.transport import RemoteMemory
 
+# Where a ring's request side lives: with its output side in host memory, or in GPU memory (``request_side_bytes``).
+REQUEST_SIDES = ("host", "device")
 # GPU allocations, and the dma-buf ranges exported from them, come in whole pages of this size (a range of the bare
 # ring size was refused on the H200 with CUDA_ERROR_INVALID_VALUE).
 GPU_PAGE_BYTES = 2 << 20
@@ -33,12 +35,20 @@ def request_side_bytes(layout) -> int:
 
 class Window(RemoteMemory):
     """Ring bytes ``[start, start + size)`` of ``memory``, addressed from 0: a segment of a ``SplitMemory`` cut out of
-    a memory that maps the whole ring. ``close()`` leaves ``memory`` open (its owner closes it)."""
+    a memory that maps the whole ring (the output side of the engine's shared-memory ring, say). ``close()`` closes
+    ``memory`` only if ``owns`` it (an agent that mapped the object for this window alone); else its owner does.
+    A window of a mapped memory (one with a ``buffer``) is mapped too: ``buffer`` is its slice."""
 
-    def __init__(self, memory: RemoteMemory, start: int, size: int):
+    def __init__(self, memory: RemoteMemory, start: int, size: int, *, owns: bool = False):
         if start < 0 or size < 0 or start + size > memory.size:
             raise ValueError(f"window [{start}, {start + size}) is outside the {memory.size}-byte memory")
-        self.memory, self.start, self.size = memory, start, size
+        self.memory, self.start, self.size, self.owns = memory, start, size, owns
+
+    @property
+    def buffer(self) -> memoryview:
+        if not hasattr(self.memory, "buffer"):
+            raise AttributeError(f"a window of a {type(self.memory).__name__} has no buffer: it is not mapped here")
+        return self.memory.buffer[self.start:self.start + self.size]
 
     def write(self, offset: int, data) -> None:
         data = memoryview(data).cast("B")
@@ -51,6 +61,10 @@ class Window(RemoteMemory):
 
     def fence(self) -> None:
         self.memory.fence()
+
+    def close(self) -> None:
+        if self.owns:
+            self.memory.close()
 
 
 class SplitMemory(RemoteMemory):
