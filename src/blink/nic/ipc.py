@@ -149,7 +149,12 @@ def export_device_segment(start: int, address: int, size: int) -> DeviceSegment:
     handle = _check(driver.cuIpcGetMemHandle(address), "cuIpcGetMemHandle").reserved
     bus_id = _check(driver.cuDeviceGetPCIBusId(PCI_BUS_ID_CHARS, device), "cuDeviceGetPCIBusId")
     return DeviceSegment(start=start, size=size, address=address, ipc_handle=bytes(handle),
-                         pci_bus_id=bus_id.decode().rstrip("\0"), dmabuf_fd=_dmabuf_fd(driver, device, address, size))
+                         pci_bus_id=_c_string(bus_id), dmabuf_fd=_dmabuf_fd(driver, device, address, size))
+
+
+def _c_string(raw: bytes) -> str:
+    """The text of a C string buffer: what precedes its first NUL (the driver leaves other bytes after it)."""
+    return raw.split(b"\0", 1)[0].decode()
 
 
 def _dmabuf_fd(driver, device, address: int, size: int) -> int | None:
