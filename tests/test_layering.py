@@ -12,7 +12,7 @@ PACKAGE = SRC / "blink"
 LEAVES = {"blink.errors", "blink.paths"}
 # package -> the blink packages its modules may import (besides itself and the leaves)
 ALLOWED = {"blink.ring": set(), "blink.device": {"blink.ring"}, "blink.nic": {"blink.ring"}, "blink.models": set(),
-           "blink.bench": {"blink.models", "blink.nic", "blink.process", "blink.cores"}}
+           "blink.bench": {"blink.models", "blink.nic", "blink.process", "blink.cores", "blink.priority"}}
 MAX_LINES = 350
 
 

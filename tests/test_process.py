@@ -1,77 +1,16 @@
-"""blink.process: CPU priorities of the host's processes, and a server's watch on an engine that does not start (the
-engine process itself runs end to end in tests/nic/openai/test_server.py)."""
+"""blink.process: the engine process's own priority, a server's watch on an engine that does not start, and what an
+engine that keeps its ring's request side in GPU memory needs (the engine process itself runs end to end in
+tests/nic/openai/test_server.py; the priority ladder in tests/test_priority.py)."""
 import os
 import time
 
 import pytest
 
-from tests.privileges import may_raise_priority, run_python
-
-LOGGING = "import logging; logging.basicConfig(level=logging.INFO, format='blink: %(message)s'); "
-no_cap_sys_nice = pytest.mark.skipif(may_raise_priority(unprivileged=True),
-                                     reason="this user keeps CAP_SYS_NICE (or a raised RLIMIT_NICE): nothing to drop")
+from tests.privileges import run_python
 
 
 def permitted(call: str) -> bool:
     return run_python(f"import os; {call}").returncode == 0
-
-
-def set_priority_in_a_subprocess(level: str, before: str = "", unprivileged: bool = False):
-    """``set_priority(level)`` after ``before``; prints what it achieved, then the policy and nice it left."""
-    return run_python(f"import os; {LOGGING}from blink.process import set_priority; {before}"
-                      f"print(set_priority({level!r})); print(os.sched_getscheduler(0), "
-                      "os.getpriority(os.PRIO_PROCESS, 0))", unprivileged=unprivileged)
-
-
-@pytest.mark.skipif(not permitted("os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(10))"),
-                    reason="needs CAP_SYS_NICE and a real-time budget")
-def test_each_priority_is_applied_where_permitted():
-    achieved = {level: set_priority_in_a_subprocess(level) for level in ("normal", "high", "realtime", "auto")}
-    assert achieved["normal"].stdout == "normal\n0 0\n"
-    assert achieved["high"].stdout == f"high (nice -10)\n{os.SCHED_OTHER} -10\n"
-    assert achieved["realtime"].stdout == f"realtime (SCHED_RR 10)\n{os.SCHED_RR} 0\n"
-    assert achieved["auto"].stdout == f"high (nice -10)\n{os.SCHED_OTHER} -10\n"
-    assert all(done.returncode == 0 for done in achieved.values())
-    assert achieved["auto"].stderr == "blink: --agent-priority auto: high (nice -10)\n"
-    assert achieved["high"].stderr == achieved["realtime"].stderr == ""
-
-
-@no_cap_sys_nice
-@pytest.mark.parametrize("level", ["high", "realtime"])
-def test_a_refused_priority_says_so_once_and_carries_on_at_normal(level):
-    """Without CAP_SYS_NICE the process keeps running, at the best level permitted, with one warning that names
-    what was refused and what to do (no traceback, no exit: `blink serve` must not stop with its engine started)."""
-    done = set_priority_in_a_subprocess(level, unprivileged=True)
-    assert done.returncode == 0 and done.stdout == f"normal\n{os.SCHED_OTHER} 0\n", done.stderr
-    (line,) = done.stderr.splitlines()
-    refused = {"high": "nice -10 (Permission denied)",
-               "realtime": "SCHED_RR 10 (Operation not permitted), nice -10 (Permission denied)"}[level]
-    assert line.startswith(f"blink: --agent-priority {level}: {refused} not permitted; running at normal. "
-                           "To raise it: it needs CAP_SYS_NICE (root) or a raised RLIMIT_NICE / RLIMIT_RTPRIO")
-    assert ("without a real-time budget (cpu.rt_runtime_us)" in line) == (level == "realtime")
-
-
-@no_cap_sys_nice
-def test_auto_takes_the_best_permitted_level_in_one_info_line():
-    done = set_priority_in_a_subprocess("auto", unprivileged=True)
-    assert done.returncode == 0 and done.stdout.startswith("normal\n"), done.stderr
-    assert done.stderr == "blink: --agent-priority auto: normal (nice -10 (Permission denied) not permitted)\n"
-
-
-@no_cap_sys_nice
-def test_a_raised_rlimit_nice_is_used_where_nice_minus_10_is_refused():
-    """RLIMIT_NICE 25 lets a process without CAP_SYS_NICE down to nice -5: `high` carries on there."""
-    raise_limit = "import resource; resource.setrlimit(resource.RLIMIT_NICE, (25, 25)); "
-    if not permitted(raise_limit):
-        pytest.skip("raising RLIMIT_NICE needs CAP_SYS_RESOURCE here")
-    done = set_priority_in_a_subprocess("high", raise_limit, unprivileged=True)
-    assert done.returncode == 0 and done.stdout == f"nice -5 (RLIMIT_NICE)\n{os.SCHED_OTHER} -5\n", done.stderr
-    assert "nice -10 (Permission denied) not permitted; running at nice -5 (RLIMIT_NICE)" in done.stderr
-
-
-def test_an_unknown_level_is_a_value_error():
-    done = run_python("from blink.process import set_priority; set_priority('max', '--client-priority')")
-    assert "ValueError: --client-priority must be one of auto, normal, high, realtime (got 'max')" in done.stderr
 
 
 @pytest.mark.skipif(not permitted("os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(10))"),

@@ -9,7 +9,8 @@ import os
 import sys
 import uuid
 
-from blink.process import PRIORITIES, USER_ERRORS
+from blink.priority import PRIORITIES
+from blink.process import USER_ERRORS
 from blink.ring.split import REQUEST_SIDES
 
 _ring_numbers = itertools.count()
@@ -112,7 +113,8 @@ def _serve_http(args, memory, tokenizer, model_dir, engine_process, cores) -> in
     from blink.nic.defaults import sampling_defaults
     from blink.nic.drain import DrainConfig
     from blink.nic.openai.server import OpenAIServer, ServerConfig, run
-    from blink.process import engine_watch, set_priority
+    from blink.priority import set_priority
+    from blink.process import engine_watch
 
     if cores:
         os.sched_setaffinity(0, cores)          # keep the agent off the engine's cores

@@ -226,7 +226,7 @@ def cpu_per_1k_tokens(server_s: float | None, client_s: float, tokens: int) -> d
 
 def serve(args) -> int:
     from blink.bench.placement import layout, pin_client
-    from blink.process import set_priority
+    from blink.priority import set_priority
 
     args.ignore_eos = ignore_eos(args.ignore_eos, args.output_len)
     client_priority = set_priority(args.client_priority, "--client-priority")
