@@ -44,7 +44,7 @@ def test_bench_client_priority_is_applied_before_the_benchmark_or_falls_back():
                         "'--client-priority', 'high', '--base-url', 'http://127.0.0.1:9', '--num-prompts', '1']))",
                         unprivileged=True)
     assert denied.returncode == 1 and "Traceback" not in denied.stderr, denied.stderr
-    assert "--client-priority high: nice -10 (Permission denied) not permitted; running at normal" in denied.stderr
+    assert "--client-priority high: nice -10 (Permission denied) not permitted; running at normal." in denied.stderr
     assert "could not list the models at http://127.0.0.1:9/v1/models" in denied.stderr
 
 

@@ -2,19 +2,15 @@
 (the only host process on the per-token path) or a benchmark client as far as this process is permitted;
 ``reset_priority`` puts the engine process (it only sleeps while the GPU schedules itself) back to the normal class.
 
-Besides the class and nice level, a raised thread asks the kernel for a short EEVDF slice (``SHORT_SLICE_NS``, Linux
-6.12 or later; no privilege needed). With the default slice (about 3 ms on a 16-core host) a busy neighbour that is
-running keeps the core until its slice ends even after the agent wakes, so four memory-copy hogs on the agent's core
-stalled every stream about 15 ms at a time; a task with a shorter slice preempts at its wake-up.
+Not done, as measured on the H200 (docs/benchmarks.md, "Agent immunity on the H200"): asking Linux 6.12+ for a short
+EEVDF slice (sched_setattr's sched_runtime, 0.1 ms) for the agent and the client, meant to let their wake-ups preempt
+a running neighbour, made every tail worse beside 64 hogs (P50 TTFT 8.2x isolated instead of 1.8x).
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import platform
 import resource
-import struct
 
 log = logging.getLogger("blink")
 
@@ -24,7 +20,6 @@ log = logging.getLogger("blink")
 PRIORITIES = ("auto", "normal", "high", "realtime")
 HIGH_NICE = -10
 RT_PRIORITY = 10
-SHORT_SLICE_NS = 100_000       # the shortest slice the kernel grants (0.1 ms)
 _ADVICE = ("it needs CAP_SYS_NICE (root) or a raised RLIMIT_NICE / RLIMIT_RTPRIO (ulimit -e / -r; systemd "
            "LimitNICE= / LimitRTPRIO=)")
 _ADVICE_RT = ("; in a container or cgroup without a real-time budget (cpu.rt_runtime_us) SCHED_RR is refused even to "
@@ -34,11 +29,10 @@ _ADVICE_RT = ("; in a container or cgroup without a real-time budget (cpu.rt_run
 def set_priority(level: str, option: str = "--agent-priority") -> str:
     """Raise the calling thread's CPU priority for a host shared with noisy neighbours: the agent's (the only host
     process on the per-token path; the engine process only sleeps) or a benchmark client's; returns what it
-    achieved, e.g. ``"high (nice -10); 0.1 ms slice"``. ``high``: nice -10, so where busy processes at nice 0 share
-    a core this one gets ~10x their CPU share, and a short slice, so its wake-ups preempt them (where the kernel
-    grants one). ``realtime``: SCHED_RR 10, so it runs whenever it is runnable; it sleeps between polls, and Linux
-    keeps 5% of every core for normal tasks. ``auto``: high if this process may take it, else the best below, with
-    the short slice even at normal nice. ``normal`` changes nothing.
+    achieved, e.g. ``"high (nice -10)"``. ``high``: nice -10, so where busy processes at nice 0 share a core this one
+    gets ~10x their CPU share and its wake-ups preempt them. ``realtime``: SCHED_RR 10, so it runs whenever it is
+    runnable; it sleeps between polls, and Linux keeps 5% of every core for normal tasks. ``auto``: high if this
+    process may take it, else the best below.
 
     Invariant: a refused level never raises and never leaves the process half-raised: it carries on at the best level
     below it that is permitted (after nice -10, the lowest nice RLIMIT_NICE allows) and says so in one log line, a
@@ -57,7 +51,6 @@ def set_priority(level: str, option: str = "--agent-priority") -> str:
             continue
         if achieved is None:
             continue
-        achieved += _short_slice() if level != "normal" else ""
         if level == "auto":
             log.info("%s auto: %s%s", option, achieved, f" ({', '.join(refused)} not permitted)" if refused else "")
         elif refused:
@@ -90,14 +83,6 @@ def _normal() -> str:
     return "normal"
 
 
-def _short_slice() -> str:
-    """Where the thread runs in the normal class and the kernel grants it: the short slice, as ``set_priority``
-    reports it (else "")."""
-    if os.sched_getscheduler(0) != os.SCHED_OTHER or set_slice(SHORT_SLICE_NS) != SHORT_SLICE_NS:
-        return ""
-    return f"; {SHORT_SLICE_NS / 1e6:g} ms slice"
-
-
 def _refusal_named(what: str, call, *args) -> None:
     """``call(*args)``; a ``PermissionError`` it raises names ``what`` was refused (its ``filename``)."""
     try:
@@ -119,27 +104,4 @@ def reset_priority() -> None:
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     if os.getpriority(os.PRIO_PROCESS, 0) < 0:
         os.setpriority(os.PRIO_PROCESS, 0, 0)
-    set_slice(0)
 
-
-# sched_setattr(2) / sched_getattr(2): the syscall numbers, and struct sched_attr up to sched_period (its first
-# version, 48 bytes): size, policy, flags, nice, priority, runtime (a normal task's slice), deadline, period.
-_SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}
-_SCHED_ATTR = struct.Struct("=IIQiIQQQ")
-
-
-def set_slice(ns: int) -> int | None:
-    """Ask for an EEVDF slice of ``ns`` for the calling thread (0: the kernel's default), keeping its normal class
-    and nice; the slice the kernel reports afterwards, or None where it has no sched_setattr. Kernels before 6.12
-    accept the call and keep their own slice, which the result then shows."""
-    calls = _SYSCALLS.get(platform.machine())
-    if calls is None:
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    attr = _SCHED_ATTR.pack(_SCHED_ATTR.size, os.SCHED_OTHER, 0, os.getpriority(os.PRIO_PROCESS, 0), 0, ns, 0, 0)
-    if libc.syscall(calls[0], 0, ctypes.create_string_buffer(attr, len(attr)), 0) != 0:
-        return None
-    out = ctypes.create_string_buffer(_SCHED_ATTR.size)
-    if libc.syscall(calls[1], 0, out, _SCHED_ATTR.size, 0) != 0:
-        return None
-    return _SCHED_ATTR.unpack(out.raw)[5]
