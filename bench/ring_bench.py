@@ -17,11 +17,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 
 import numpy as np
 
+from bench import tree_commit
 from blink.nic.agent import Agent
 from blink.nic.slots import SlotTracker
 from blink.ring.geometry import RingGeometry
@@ -98,6 +98,7 @@ def slot_find_cost(occupancy: float, pattern: str, claims: int, seed: int = 0) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default="ring_bench.json")
+    parser.add_argument("--commit", default=None, help="the measured tree's commit (default: $BLINK_COMMIT, else HEAD)")
     parser.add_argument("--requests", type=int, default=50_000)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
@@ -113,8 +114,7 @@ def main() -> None:
 
     result = {
         "date": time.strftime("%Y-%m-%d"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip(),
+        "commit": tree_commit(args.commit),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                    f"Python {platform.python_version()}",
         "n_slots": N_SLOTS,

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import time
 
 import numpy as np
 
+from bench import tree_commit
 from blink.device.config import SchedulerConfig
 from blink.device.driver import check
 from blink.device.image import link_image
@@ -212,14 +212,14 @@ def kernel_resources(image: bytes) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default="scheduler_bench.json")
+    parser.add_argument("--commit", default=None, help="the measured tree's commit (default: $BLINK_COMMIT, else HEAD)")
     args = parser.parse_args()
     t = time.perf_counter()
     image = link_image()
     link_s = time.perf_counter() - t
     result = {
         "date": time.strftime("%Y-%m-%d"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip() or os.environ.get("BLINK_COMMIT", "?"),
+        "commit": tree_commit(args.commit),
         "link_seconds": link_s,
         "resources": kernel_resources(image),
         "host_baseline": host_baseline(image),

@@ -11,8 +11,9 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
+
+from bench import tree_commit
 
 os.environ["NUMBA_ENABLE_CUDASIM"] = "0"      # numba compiles for the GPU (before anything imports numba)
 
@@ -43,6 +44,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--policy", default="fcfs", help="a policy of blink.device.policy")
     parser.add_argument("--json", default=None, help="write the table here")
+    parser.add_argument("--commit", default=None, help="the measured tree's commit (default: $BLINK_COMMIT, else HEAD)")
     args = parser.parse_args()
     table = resources(linker_log(args.policy))
     print(f"{'function':<24} {'registers':>9} {'stack B':>8} {'spill st B':>10} {'spill ld B':>10} {'smem B':>7}")
@@ -51,9 +53,8 @@ def main() -> int:
                                           "smem_bytes")]
         print(f"{name:<24} {cells[0]:>9} {cells[1]:>8} {cells[2]:>10} {cells[3]:>10} {cells[4]:>7}")
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         with open(args.json, "w") as f:
-            json.dump({"commit": commit or None, "policy": args.policy, "functions": table}, f, indent=1)
+            json.dump({"commit": tree_commit(args.commit), "policy": args.policy, "functions": table}, f, indent=1)
     return 0
 
 
