@@ -3,7 +3,7 @@
 ``python -m bench.scheduler_resources [--policy fcfs] [--json PATH]`` links the image with ``blink.device.image.link``
 (policy + iteration from numba, shim from NVRTC, libcudadevrt) and nvJitLink's ``-verbose``, and prints, per
 function, what ptxas reported: registers, stack frame, spill stores and loads, shared memory. The iteration
-(``blink_iterate``) is where spills show: each phase's working set is live across the whole device function.
+(``iterate``, or ``blink_iterate`` where it is inlined into its entry) is where spills show.
 """
 from __future__ import annotations
 
@@ -30,14 +30,21 @@ def linker_log(policy_name: str, arch: str = "sm_90") -> str:
 
 
 def resources(log: str) -> dict[str, dict]:
-    """Function -> what ptxas and the linker said of it (only the scheduler's own functions)."""
+    """Function -> what ptxas and the linker said of it (only the scheduler's own functions; the iteration, where
+    ptxas keeps it a function of its own, under numba's mangled name of ``make_iterate``'s ``iterate``, as
+    ``iterate``)."""
     found: dict[str, dict] = {}
     for name, stack, stores, loads in FRAME.findall(log):
-        found.setdefault(name, {}).update(stack_bytes=int(stack), spill_store_bytes=int(stores),
-                                          spill_load_bytes=int(loads))
+        found.setdefault(_short(name), {}).update(stack_bytes=int(stack), spill_store_bytes=int(stores),
+                                                  spill_load_bytes=int(loads))
     for name, registers, stack, smem in USED.findall(log):
-        found.setdefault(name, {}).update(registers=int(registers), stack_bytes=int(stack), smem_bytes=int(smem))
-    return {name: values for name, values in found.items() if name.startswith("blink_")}
+        found.setdefault(_short(name), {}).update(registers=int(registers), stack_bytes=int(stack),
+                                                  smem_bytes=int(smem))
+    return {name: values for name, values in found.items() if name.startswith("blink_") or name == "iterate"}
+
+
+def _short(name: str) -> str:
+    return "iterate" if "make_iterate" in name else name
 
 
 def main() -> int:

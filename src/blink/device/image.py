@@ -68,7 +68,7 @@ def array_spec() -> list[tuple[str, np.dtype, int]]:
     return [(name, arrays[name].dtype, arrays[name].ndim) for name in SchedulerArrays._fields]
 
 
-def _entry_function(iterate):
+def _entry_function(policy):
     """``int blink_iterate(long long *table)``: rebuild ``SchedulerArrays`` from the address table, iterate."""
     from numba import types
     from numba.cuda.extending import intrinsic
@@ -84,11 +84,15 @@ def _entry_function(iterate):
     for k, (name, dtype, ndim) in enumerate(array_spec()):
         dims = "".join(f"table[{3 * k + 1 + d}], " for d in range(ndim))
         fields.append(f"carray(voidptr(table[{3 * k}]), ({dims}), np.{dtype.name}),  # {name}")
-    source = ("def blink_iterate(table):\n    return iterate(SchedulerArrays(\n        "
-              + "\n        ".join(fields) + "\n    ))\n")
-    namespace = dict(carray=carray, voidptr=voidptr, np=np, iterate=iterate, SchedulerArrays=SchedulerArrays)
-    exec(compile(source, "<blink_iterate>", "exec"), namespace)
-    return namespace["blink_iterate"]
+    source = ("def from_table(table):\n    return SchedulerArrays(\n        "
+              + "\n        ".join(fields) + "\n    )\n")
+    namespace = dict(carray=carray, voidptr=voidptr, np=np, SchedulerArrays=SchedulerArrays)
+    exec(compile(source, "<from_table>", "exec"), namespace)
+    iterate = make_iterate(policy, cuda.jit(device=True)(namespace["from_table"]))
+
+    def blink_iterate(table):
+        return iterate(table)
+    return blink_iterate
 
 
 @contextlib.contextmanager
@@ -112,7 +116,7 @@ def compile_policy(policy=fcfs, cc=(9, 0)) -> bytes:
                           "NUMBA_ENABLE_CUDASIM (use blink.device.sim on machines without a GPU)")
     from numba import int32, int64, types
 
-    entry = _entry_function(make_iterate(policy))
+    entry = _entry_function(policy)
     with _compile_for(cc):
         ltoir, _ = cuda.compile(entry, int32(types.CPointer(int64)), device=True, abi="c", output="ltoir",
                                 cc=cc, abi_info={"abi_name": "blink_iterate"})

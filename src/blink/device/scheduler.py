@@ -274,14 +274,27 @@ def scratch():
     return Scratch(slots, keys, rank, pages, tokens, chunk, kept, partial, counters)
 
 
-def make_iterate(policy):
-    """Build the iteration device function with ``policy`` (see ``blink.device.policy``) ordering admission."""
+@cuda.jit(device=True)
+def given(s):
+    """The arrays an iteration was called with (``make_iterate``'s default ``arrays``)."""
+    return s
+
+
+def make_iterate(policy, arrays=given):
+    """Build the iteration device function with ``policy`` (see ``blink.device.policy``) ordering admission.
+
+    The iteration is called with a ``source`` that ``arrays(source)`` turns into its ``SchedulerArrays``: the arrays
+    themselves (the simulator), or the GPU image's address table, rebuilt where each phase starts. Rebuilt after the
+    previous phase's barriers, the ~80 arrays' addresses and shapes are reloaded from the table (L1) instead of being
+    kept live, and spilled, across the whole iteration.
+    """
 
     @cuda.jit(device=True)
-    def iterate(s):
+    def iterate(source):
         tid = cuda.threadIdx.x
         sh = scratch()
         t = clock()
+        s = arrays(source)
         if tid == 0:
             s.stats[C64_HEARTBEAT] += 1
             s.ctl64[C64_HEARTBEAT] = s.stats[C64_HEARTBEAT]
@@ -291,13 +304,16 @@ def make_iterate(policy):
             shut_down(s, sh)
             return STOP
         t = lap(s, t, P_DOORBELLS)
+        s = arrays(source)
         if tid == 0:
             s.sched[N_CONSUMED] = s.sched[N_ROWS]
         consume(s, sh)
         prefix.cache_step(s, sh)
         t = lap(s, t, P_CONSUME)
+        s = arrays(source)
         retire(s, sh)
         t = lap(s, t, P_RETIRE)
+        s = arrays(source)
         if sh.counters[K_CANCEL_BELL] != 0:
             cancel_queued(s, sh)
         if sh.counters[K_SCAN] != 0:
@@ -306,11 +322,14 @@ def make_iterate(policy):
             s.sched[N_PENDING_FINISHED] += sh.counters[K_REFUSED]
         cuda.syncthreads()
         t = lap(s, t, P_COLLECT)
+        s = arrays(source)
         first_admitted = s.sched[N_RUNNING]
         batcher.admit(s, sh)
         t = lap(s, t, P_ADMIT)
+        s = arrays(source)
         bucket = batcher.plan(s, sh)
         t = lap(s, t, P_PLAN)
+        s = arrays(source)
         publish(s, sh, first_admitted)
         if tid == 0:
             publish_stats(s, sh, bucket >= 0)
@@ -319,5 +338,3 @@ def make_iterate(policy):
         return bucket
 
     return iterate
-
-
