@@ -15,6 +15,7 @@
 # $OUT/immunity_report.txt compares the layouts (`blink bench report`: P50/P99 TTFT, P99 TPOT, P99 worst gap, the
 # server's CPU per 1,000 tokens and the colocated / isolated ratios).
 # Environment (defaults): OUT=out SHAPE=qwen3-8b PROMPTS=256 PEER_PROMPTS=32 (0: blink only) HOGS=4*nproc
+#   HOG_KIND=mixed (or memory / cpu: `blink bench serve --hog-kind`, to tell memory bandwidth from CPU time)
 #   RESERVED=the last two cores SERVE_ARGS="" (more `blink serve` options) BLINK_COMMIT (the tree's commit, recorded).
 # CPU dry run of the recipe: SHAPE=tiny-qwen3 DEVICE=cpu PROMPTS=16 PEER_PROMPTS=4 HOGS=4 bash bench/immunity_gpu.sh
 #   shared
@@ -24,10 +25,11 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out} PROMPTS=${PROMPTS:-256} PEER_PROMPTS=${PEER_PROMPTS:-32} SERVE_ARGS=${SERVE_ARGS:-}
 RESERVED=${RESERVED:-$(python -c "import os; c = sorted(os.sched_getaffinity(0)); print(','.join(map(str, c[-2:])))")}
 layout=${1:?usage: bash bench/immunity_gpu.sh shared|client-high|reserved|report}
-BASE="--max-concurrency 64"
+BASE="--max-concurrency 64 --hog-kind ${HOG_KIND:-mixed}"
 export WARMUPS=$PROMPTS
 mkdir -p "$OUT"
-echo "tree: ${BLINK_COMMIT:-unknown (set BLINK_COMMIT)}; layout $layout; $(nproc) cores; reserved $RESERVED" \
+echo "tree: ${BLINK_COMMIT:-unknown (set BLINK_COMMIT)}; layout $layout; hogs ${HOG_KIND:-mixed}; $(nproc) cores;" \
+  "reserved $RESERVED" \
   >> "$OUT/immunity_runs.txt"
 status=0
 case "$layout" in

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from blink.bench.interference import interference
+from blink.bench.interference import HOG_KINDS, interference
 
 
 def cpu_seconds(pid: int) -> float:
@@ -47,6 +47,15 @@ def test_hogs_copy_memory_and_compress_while_the_block_runs_and_are_reaped_after
     assert all(seconds > 0.3 for seconds in busy), busy
     assert all(h.returncode is not None for h in hogs), "killed and waited for"
     assert all(gone(h.pid) for h in hogs)
+
+
+@pytest.mark.parametrize("kind,program", [("memory", b"np.copyto"), ("cpu", b"zlib.compress")])
+def test_hogs_of_one_kind_all_run_its_program(kind, program):
+    with interference(3, HOG_KINDS[kind]) as hogs:
+        commands = [command_line(h.pid) for h in hogs]
+    assert all(program in command for command in commands), commands
+    other = b"zlib.compress" if program == b"np.copyto" else b"np.copyto"
+    assert not any(other in command for command in commands)
 
 
 def test_hogs_are_reaped_when_the_block_raises():

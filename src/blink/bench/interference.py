@@ -28,14 +28,19 @@ COMPRESSION = ("import os, zlib\n"
                "while True: zlib.compress(data, 6)\n")
 
 
-def hog_command(i: int, parent: int, programs: tuple[str, ...] = (MEMORY_COPY, COMPRESSION)) -> list[str]:
+# What the hogs do (``blink bench serve --hog-kind``): both kinds, half each (the default), or one kind alone, to tell
+# what a neighbour takes from the server: memory bandwidth (copies) or CPU time with little memory traffic.
+HOG_KINDS = {"mixed": (MEMORY_COPY, COMPRESSION), "memory": (MEMORY_COPY,), "cpu": (COMPRESSION,)}
+
+
+def hog_command(i: int, parent: int, programs: tuple[str, ...] = HOG_KINDS["mixed"]) -> list[str]:
     """The command line of hog ``i``: ``programs[i % len(programs)]`` (by default memory copy for even ``i``,
     compression for odd)."""
     return [sys.executable, "-c", _GUARD.format(parent=parent) + programs[i % len(programs)]]
 
 
 @contextmanager
-def interference(n: int, programs: tuple[str, ...] = (MEMORY_COPY, COMPRESSION), cpus=None):
+def interference(n: int, programs: tuple[str, ...] = HOG_KINDS["mixed"], cpus=None):
     """Run ``n`` hogs for the duration of the ``with`` block, hog ``i`` pinned to core ``cpus[i % len(cpus)]``
     (``cpus`` None: every core this process may use); yields their ``Popen`` objects (``n == 0``: none).
 

@@ -73,6 +73,9 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO (vLLM: --goodput tpot:MS)")
     p.add_argument("--interference", type=int, default=0, metavar="N",
                    help="also run the sweep with N CPU- and memory-heavy processes (e.g. 4 x the cores)")
+    p.add_argument("--hog-kind", choices=("mixed", "memory", "cpu"), default="mixed",
+                   help="what the --interference processes do: half copy memory and half compress (mixed), or all "
+                        "copy (memory bandwidth) or all compress (CPU time with little memory traffic)")
     p.add_argument("--client-priority", choices=("normal", "high"), default="normal",
                    help="CPU priority of this benchmark process (high = nice -10, needs CAP_SYS_NICE; the hogs stay "
                         "at nice 0), so that under --interference the server and not the load generator is what "
@@ -166,7 +169,7 @@ async def benchmark(backend, requests: list, args, save, hog_cpus) -> list[dict]
     from blink.bench import metrics
     from blink.bench.energy import EnergyMeter
     from blink.bench.client import CPU_COUNTER
-    from blink.bench.interference import interference
+    from blink.bench.interference import HOG_KINDS, interference
     from blink.bench.traffic import arrival_times, send_all
 
     rates = args.sweep or [args.request_rate]
@@ -178,7 +181,7 @@ async def benchmark(backend, requests: list, args, save, hog_cpus) -> list[dict]
             raise ValueError(f"the first request failed: {first.error}")
         await warm_up(backend, requests, args)
         for condition, hogs in conditions:
-            with interference(hogs, cpus=hog_cpus):
+            with interference(hogs, HOG_KINDS[args.hog_kind], cpus=hog_cpus):
                 if hogs:
                     await asyncio.sleep(HOG_SETTLE_S)
                 for rate in rates:
