@@ -128,10 +128,11 @@ class EngineCore:
         if self.config.request_side == "host":
             return [HostSegment(0, self.memory)]
         from blink.nic.ipc import export_device_segment
-        from blink.ring.split import Window, request_side_bytes
+        from blink.ring.split import Window
 
-        split = request_side_bytes(RingLayout(self.geometry))
-        return [export_device_segment(0, self.backend.scheduler.request_address, split),
+        scheduler = self.backend.scheduler
+        split = scheduler.request_bytes
+        return [export_device_segment(0, scheduler.request_address, split),
                 HostSegment(split, Window(self.memory, split, self.memory.size - split))]
 
     def close(self) -> None:

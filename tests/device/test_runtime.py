@@ -142,7 +142,7 @@ def serve_on_gpu(mode: str, caching: bool, requests, request_side: str = "host")
         device_side = None
         if request_side == "device":
             bus_id = check(driver.cuDeviceGetPCIBusId(16, check(driver.cuDeviceGet(0)))).decode().rstrip("\0")
-            device_side = (scheduler.ipc_handle, scheduler._split, bus_id)
+            device_side = (scheduler.ipc_handle, scheduler.request_bytes, bus_id)
         agent = mp.get_context("spawn").Process(target=agent_process,
                                                 args=(name, geometry, requests, result_path, device_side))
         scheduler.start()

@@ -65,7 +65,8 @@ class GpuScheduler:
         self.running = False
         self._allocations: list = []
         self._ring_host = None
-        self._split = self.request_address = 0
+        # The request side's GPU allocation and its size in ring bytes (0 and 0 with request_side="host").
+        self.request_bytes = self.request_address = 0
         self.ring_memory = memory
         check(driver.cuInit(0))
         self._context = check(driver.cuDevicePrimaryCtxRetain(check(driver.cuDeviceGet(device))))
@@ -182,16 +183,16 @@ class GpuScheduler:
         self.ipc_handle = None
         if self.request_side == "host":
             return
-        self._split = request_side_bytes(self.layout)
+        self.request_bytes = split = request_side_bytes(self.layout)
         from cuda.bindings import driver
 
-        base = int(check(driver.cuMemAlloc(device_allocation_size(self._split))))
+        base = int(check(driver.cuMemAlloc(device_allocation_size(split))))
         self._allocations.append(base)
-        check(driver.cuMemcpyHtoD(base, np.frombuffer(memory.buffer, np.uint8, self._split), self._split))
+        check(driver.cuMemcpyHtoD(base, np.frombuffer(memory.buffer, np.uint8, split), split))
         self.request_address = base
         self.ipc_handle = bytes(check(driver.cuIpcGetMemHandle(base)).reserved)
-        self.ring_memory = SplitMemory([(0, DeviceMemory(base, self._split)),
-                                        (self._split, Window(memory, self._split, memory.size - self._split))])
+        self.ring_memory = SplitMemory([(0, DeviceMemory(base, split)),
+                                        (split, Window(memory, split, memory.size - split))])
         control.write(self.ring_memory, "engine_state", control.ENGINE_STARTING)
 
     def _register_ring(self, memory):
@@ -207,7 +208,7 @@ class GpuScheduler:
         """The device address of a ring array (a view of the host mapping): by its ring offset, in the GPU
         allocation of the request side or in the registered host mapping."""
         offset = array.__array_interface__["data"][0] - self._ring_host
-        return self.request_address + offset if offset < self._split else self._ring_device + offset
+        return self.request_address + offset if offset < self.request_bytes else self._ring_device + offset
 
     def _to_device(self, array: np.ndarray) -> tuple[int, tuple]:
         from cuda.bindings import driver
