@@ -24,6 +24,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from blink.bench.interference import HOG_KINDS, interference
+
 HOG_SETTLE_S = 2.0       # hogs import numpy and fill their buffers before the colocated sweep starts
 
 
@@ -73,7 +75,7 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO (vLLM: --goodput tpot:MS)")
     p.add_argument("--interference", type=int, default=0, metavar="N",
                    help="also run the sweep with N CPU- and memory-heavy processes (e.g. 4 x the cores)")
-    p.add_argument("--hog-kind", choices=("mixed", "memory", "cpu"), default="mixed",
+    p.add_argument("--hog-kind", choices=tuple(HOG_KINDS), default="mixed",
                    help="what the --interference processes do: half copy memory and half compress (mixed), or all "
                         "copy (memory bandwidth) or all compress (CPU time with little memory traffic)")
     p.add_argument("--client-priority", choices=("normal", "high"), default="normal",
@@ -169,7 +171,6 @@ async def benchmark(backend, requests: list, args, save, hog_cpus) -> list[dict]
     from blink.bench import metrics
     from blink.bench.energy import EnergyMeter
     from blink.bench.client import CPU_COUNTER
-    from blink.bench.interference import HOG_KINDS, interference
     from blink.bench.traffic import arrival_times, send_all
 
     rates = args.sweep or [args.request_rate]
