@@ -52,6 +52,8 @@ def test_hogs_copy_memory_and_compress_while_the_block_runs_and_are_reaped_after
 @pytest.mark.parametrize("kind,program", [("memory", b"np.copyto"), ("cpu", b"zlib.compress")])
 def test_hogs_of_one_kind_all_run_its_program(kind, program):
     with interference(3, HOG_KINDS[kind]) as hogs:
+        # Until it has exec'd, a started hog's command line is still its parent's.
+        wait_until(lambda: all(b"prctl" in command_line(h.pid) for h in hogs))
         commands = [command_line(h.pid) for h in hogs]
     assert all(program in command for command in commands), commands
     other = b"zlib.compress" if program == b"np.copyto" else b"np.copyto"
