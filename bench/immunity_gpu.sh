@@ -9,8 +9,8 @@
 #                                            DPU or reserved-cpuset stand-in); the peer runs there too
 #   bash bench/immunity_gpu.sh report        the layouts measured so far in this OUT, side by side
 # Each layout is bench/serving_gpu.sh (RATES=inf, --max-concurrency 64, --ignore-eos, WARMUPS=PROMPTS: every request
-# once before the isolated run, so that both conditions meet the prefix cache warm; without them the isolated run
-# prefilled every prompt and the colocated one found 95% of them cached) into $OUT/<layout>/; after
+# once before each condition's run, so that both meet the prefix cache warm and their connections open; without them
+# the isolated run prefilled every prompt and the colocated one found 95% of them cached) into $OUT/<layout>/; after
 # every run $OUT/immunity.tgz bundles all of $OUT (one file holds them all) and
 # $OUT/immunity_report.txt compares the layouts (`blink bench report`: P50/P99 TTFT, P99 TPOT, P99 worst gap, the
 # server's CPU per 1,000 tokens and the colocated / isolated ratios).

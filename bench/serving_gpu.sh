@@ -13,7 +13,7 @@
 #   the peer's client keeps normal priority, as its model runs in that process). The peer runs the first
 #   PEER_PROMPTS requests of the same dataset (request i depends only on the seed and i). VLLM_PROMPTS=0 (vLLM off;
 #   on, it serves the first VLLM_PROMPTS requests at RATES with the limits of vllm_gpu.sh, VLLM_ARGS passed on).
-#   WARMUPS=0 (requests sent at once to blink and vLLM before their sweeps, not measured). Both cache prefixes by
+#   WARMUPS=0 (requests sent at once to blink and vLLM before each condition's sweep, not measured). Both cache prefixes by
 #   default and every run of a sweep sends the same requests, so only the first run meets a cold cache:
 #   WARMUPS=PROMPTS makes every run warm, SERVE_ARGS / VLLM_ARGS=--no-enable-prefix-caching every run cold.
 #   RUNS="" (one run); or NAME:ARGS;NAME:ARGS;...: blink and vLLM each serve every named run in turn from one start,

@@ -141,14 +141,19 @@ def test_warm_up_requests_reach_the_server_and_are_not_measured(standin_server, 
 
     result_json, before = tmp_path / "warm.json", generated_tokens(standin_server)
     done = bench("serve", "--base-url", standin_server, "--num-prompts", "3", "--num-warmups", "5", "--seed", "4",
-                 "--ignore-eos", "--max-concurrency", "2", "--result-json", str(result_json))
+                 "--ignore-eos", "--max-concurrency", "2", "--interference", "1", "--hog-kind", "cpu",
+                 "--result-json", str(result_json))
     assert done.returncode == 0, done.stderr
     sent = synthetic(3, Tokenizer(default_model_path()).vocab_size, seed=4)
-    (run,) = strict_json(result_json)["runs"]
-    assert run["completed"] == 3 and run["total_output_tokens"] == sum(r.output_len for r in sent)
-    # The lone first request, then the five warm-ups (the three requests, then the first two again), then the run.
+    runs = strict_json(result_json)["runs"]
+    assert [run["condition"] for run in runs] == ["isolated", "colocated"]
+    for run in runs:
+        assert run["completed"] == 3 and run["total_output_tokens"] == sum(r.output_len for r in sent)
+    # The lone first request, then per condition the five warm-ups (the three requests, then the first two again)
+    # and the run: each condition starts from the same warm server and open connections.
     warm = [sent[i % 3].output_len for i in range(5)]
-    assert generated_tokens(standin_server) - before == sent[0].output_len + sum(warm) + run["total_output_tokens"]
+    measured = sum(run["total_output_tokens"] for run in runs)
+    assert generated_tokens(standin_server) - before == sent[0].output_len + 2 * sum(warm) + measured
     refused = bench("serve", "--base-url", standin_server, "--num-prompts", "3", "--num-warmups", "-1")
     assert refused.returncode == 1 and "--num-warmups must be >= 0 (got -1)" in refused.stderr
 

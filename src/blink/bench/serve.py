@@ -7,8 +7,9 @@ OpenAI-compatible server (``--backend openai``, ``client``) or transformers' con
 placed by ``--reserve-cpus`` / ``--client-cpus`` / ``--client-priority`` (``placement``: the three layouts). GPU
 energy is metered per run (``energy``), and so is the server's CPU time per 1,000 output tokens (its /metrics
 ``process_cpu_seconds_total``; for the peer, this process's). Before the sweep one request goes through alone (a
-failure stops the benchmark there, naming the error), then ``--num-warmups`` requests at once (up to
-``--max-concurrency`` in flight), not measured, so that the first run does not measure a cold server. Writes one
+failure stops the benchmark there, naming the error), then, before each condition's sweep (after the hogs have
+started), ``--num-warmups`` requests at once (up to ``--max-concurrency`` in flight), not measured, so that no sweep
+measures a cold server or opens connections the other reused. Writes one
 JSON (``--result-json``: the options, then a record per run, with the server's own counters over the run where it
 has them: prefill tokens, prefix-cache hits) and PNGs (``--plot-dir``); exits 1 if any request failed.
 """
@@ -66,8 +67,8 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--sweep", type=_rates, default=None, help="rates to run in turn, e.g. 1,2,4,inf "
                    "(instead of --request-rate)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
-    p.add_argument("--num-warmups", type=int, default=0, help="requests sent at once before the sweep and not "
-                   "measured (the dataset's first ones, repeated if it has fewer)")
+    p.add_argument("--num-warmups", type=int, default=0, help="requests sent at once before each condition's sweep "
+                   "and not measured (the dataset's first ones, repeated if it has fewer)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="generate exactly each request's output length (default: on when --output-len fixes it)")
     p.add_argument("--seed", type=int, default=0, help="dataset and arrival times")
@@ -180,11 +181,14 @@ async def benchmark(backend, requests: list, args, save, hog_cpus) -> list[dict]
         first = await backend.send(requests[0])
         if first.error is not None:
             raise ValueError(f"the first request failed: {first.error}")
-        await warm_up(backend, requests, args)
         for condition, hogs in conditions:
             with interference(hogs, HOG_KINDS[args.hog_kind], cpus=hog_cpus):
                 if hogs:
                     await asyncio.sleep(HOG_SETTLE_S)
+                # Per condition, so that each sweep starts from the same state: caches warm and connections open.
+                # Warmed once, the colocated sweep's first burst opened a connection per request (the client drops
+                # idle ones after 2 s) while the isolated sweep's reused the warm-up's.
+                await warm_up(backend, requests, args)
                 for rate in rates:
                     print(f"\n{args.label or args.backend} {condition}: {len(requests)} requests at "
                           f"{rate} req/s (burstiness {args.burstiness})", flush=True)
