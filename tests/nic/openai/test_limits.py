@@ -7,11 +7,13 @@ import logging
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from blink.nic.agent import Agent
-from blink.nic.openai.limits import HttpLimits
+from blink.nic.openai.errors import ApiError
+from blink.nic.openai.limits import ConnectionGuard, HttpLimits
 from blink.nic.openai.server import OpenAIServer, ServerConfig, start
 from blink.nic.text import Tokenizer
 from blink.process import wait_until_serving
@@ -82,18 +84,55 @@ def test_a_body_that_does_not_arrive_in_time_gets_408(server):
     assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in answer
 
 
-def test_bodies_beyond_the_cap_get_503_and_the_server_recovers(server):
+def test_a_body_beyond_the_cap_waits_for_a_place_and_is_served(server):
+    """Stalled bodies hold every place; a whole request that comes after them waits (it is not refused) and is
+    served once their body timeout frees the places."""
     _, port = server
     stalled = [connect(port) for _ in range(LIMITS.max_pending_bodies)]
     for sock in stalled:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
-    time.sleep(0.3)
-    status, body = post(port, completion("hello"))
-    assert status == 503 and "request bodies are being received already" in body["error"]["message"]
-    for sock in stalled:
-        sock.close()
-    time.sleep(LIMITS.body_timeout_s + 0.5)
+    time.sleep(0.5)
+    start = time.monotonic()
     assert post(port, completion("hello"))[0] == 200
+    assert time.monotonic() - start > 0.3, "it waited for a stalled body's place"
+    for sock in stalled:
+        assert receive(sock).startswith(b"HTTP/1.1 408")
+        sock.close()
+
+
+def test_a_burst_of_requests_beyond_the_cap_is_queued_not_refused(server):
+    """Regression: 128 requests at once against a cap of 64 bodies got 40 answers of 503."""
+    _, port = server
+    with ThreadPoolExecutor(6 * LIMITS.max_pending_bodies) as pool:
+        answers = list(pool.map(lambda i: post(port, completion(f"hello {i}")), range(6 * LIMITS.max_pending_bodies)))
+    assert [status for status, _ in answers] == [200] * len(answers)
+
+
+def test_a_body_that_finds_no_place_by_its_deadline_gets_503():
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        guard, release = ConnectionGuard(HttpLimits(max_pending_bodies=2)), asyncio.Event()
+
+        async def hold(deadline):
+            async with guard.receiving(deadline):
+                await release.wait()
+
+        holders = [asyncio.create_task(hold(loop.time() + 10)) for _ in range(2)]
+        await asyncio.sleep(0)
+        with pytest.raises(ApiError) as refused:
+            async with guard.receiving(loop.time() + 0.05):
+                pass
+        assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "1"}
+        assert "all 2 places for a request body being received were taken for 30 s" in refused.value.message
+        waiter = asyncio.create_task(hold(loop.time() + 10))       # time left: it gets the first place given back
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        release.set()
+        await asyncio.gather(*holders, waiter)
+        async with guard.receiving(loop.time()):                    # every place is free again
+            pass
+
+    asyncio.run(scenario())
 
 
 def test_a_huge_prompt_is_refused_before_it_is_tokenized(server):

@@ -4,9 +4,12 @@ bodies being received at once, open connections.
 Without these, 2,000 connections trickling their headers stayed open for a minute and 300 almost complete 1 MB
 bodies doubled the agent's memory. ``ConnectionGuard`` wraps each connection's protocol: a connection that has not
 delivered a whole request head ``header_timeout_s`` after it opened (or after its last response, on a kept-alive
-connection) is closed, and beyond ``max_connections`` new connections are closed at once. ``read_body`` reads a
-body within ``body_timeout_s`` (else 408); at most ``max_pending_bodies`` are being received and parsed at once
-(``ConnectionGuard.receiving``, else 503), which also bounds the requests queued for the tokenizer threads.
+connection) is closed, and beyond ``max_connections`` new connections are closed at once. At most
+``max_pending_bodies`` bodies are being received and parsed at once (``ConnectionGuard.receiving``), which also bounds
+the requests queued for the tokenizer threads; a request that finds every place taken waits for one in arrival order,
+holding no more of its body than aiohttp's read buffer (it stops reading the socket beyond that). The wait and the
+body share one deadline, ``body_timeout_s`` after the request head: no place by then is a 503, a place but not the
+whole body (``read_body``) a 408. A burst of many small requests is therefore queued, not refused.
 """
 from __future__ import annotations
 
@@ -54,13 +57,19 @@ class ConnectionGuard:
         return GuardedProtocol(inner, self)
 
     @asynccontextmanager
-    async def receiving(self):
-        """Hold one of the ``max_pending_bodies`` places for a body being received and parsed (503 if none)."""
-        if self._bodies.locked():
-            raise ApiError(503, f"{self.limits.max_pending_bodies} request bodies are being received already: "
-                                "retry later", retry_after_s=1)
-        async with self._bodies:
+    async def receiving(self, deadline: float):
+        """Hold one of the ``max_pending_bodies`` places for a body being received and parsed, waiting for one in
+        arrival order until ``deadline`` (the event loop's clock); 503 if none came by then."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._bodies.acquire()
+        except TimeoutError:
+            raise ApiError(503, f"all {self.limits.max_pending_bodies} places for a request body being received were "
+                                f"taken for {self.limits.body_timeout_s:.0f} s: retry later", retry_after_s=1) from None
+        try:
             yield
+        finally:
+            self._bodies.release()
 
     def head_received(self, transport) -> None:
         """The middleware saw a whole request head on ``transport``: its clock stops until the response is out."""
@@ -129,13 +138,14 @@ class GuardedProtocol(asyncio.Protocol):
         self.inner.resume_writing()
 
 
-async def read_body(request, limits: HttpLimits) -> bytes:
-    """The request's body, received within the limits (413 / 408 / 400 with what to do)."""
+async def read_body(request, limits: HttpLimits, deadline: float) -> bytes:
+    """The request's body, received by ``deadline`` (the event loop's clock: ``body_timeout_s`` after the request
+    head) and within the size limit (413 / 408 / 400 with what to do)."""
     if request.content_length is not None and request.content_length > limits.max_body_bytes:
         raise ApiError(413, f"the request body is {request.content_length} bytes; at most {limits.max_body_bytes} "
                             "are accepted")
     try:
-        async with asyncio.timeout(limits.body_timeout_s):
+        async with asyncio.timeout_at(deadline):
             return await request.read()
     except web.RequestPayloadError as e:
         encoding = request.headers.get("Content-Encoding")

@@ -163,8 +163,9 @@ class OpenAIServer:
 
     async def _parse(self, request: web.Request, parse) -> Job:
         """The request's body, parsed and tokenized off the event loop."""
-        async with self.guard.receiving():
-            body = json_body(await read_body(request, self.config.limits))
+        deadline = asyncio.get_running_loop().time() + self.config.limits.body_timeout_s
+        async with self.guard.receiving(deadline):
+            body = json_body(await read_body(request, self.config.limits, deadline))
             return await asyncio.get_running_loop().run_in_executor(self._tokenizing, parse, body)
 
     async def _serve(self, request: web.Request, job: Job) -> web.StreamResponse:
