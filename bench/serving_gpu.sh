@@ -7,7 +7,7 @@
 #
 # Environment (defaults): SHAPE=qwen3-8b DEVICE=cuda PROMPTS=256 RATES=16,32,64,inf PEER_PROMPTS=128 PEER_RATES=inf
 #   HOGS=4*nproc PEER_TIMEOUT=300 (s; the peer's JSON is rewritten after each run, so a cut-off run keeps the others)
-#   PEER_PROMPTS=0 runs blink alone. PORT=8321 BENCH_ARGS="" (more `blink bench serve` options for both backends)
+#   PEER_PROMPTS=0 runs blink alone; PROMPTS=0 leaves blink out (vLLM or the peer alone). PORT=8321 BENCH_ARGS="" (more `blink bench serve` options for both backends)
 #   SERVE_ARGS="" (more `blink serve` options, e.g. "--agent-priority high"). CLIENT_PRIORITY=normal (high: blink's
 #   load generator at nice -10, so that the hogs contend with the server and not with the client that measures it;
 #   the peer's client keeps normal priority, as its model runs in that process). The peer runs the first
@@ -54,12 +54,14 @@ bench_runs() {
 }
 
 # blink: engine + agent over a shared-memory ring; prompts <= 1024 and prompt + output <= 2048 tokens (datasets.py).
-python -m blink.cli serve "$model" --load-format dummy --device "$DEVICE" --port "$PORT" --slots 512 \
-  --max-prompt-tokens 1024 --max-output-tokens 2048 $SERVE_ARGS > "$OUT/serving_server.log" 2>&1 &
-server=$!
-python -m bench.wait_healthy "$PORT" "$server" "$OUT/serving_server.log" || status=1
-[ $status -eq 0 ] && bench_runs blink "http://127.0.0.1:$PORT" "$PROMPTS"
-kill -INT $server; wait $server
+if [ "$PROMPTS" -gt 0 ]; then
+  python -m blink.cli serve "$model" --load-format dummy --device "$DEVICE" --port "$PORT" --slots 512 \
+    --max-prompt-tokens 1024 --max-output-tokens 2048 $SERVE_ARGS > "$OUT/serving_server.log" 2>&1 &
+  server=$!
+  python -m bench.wait_healthy "$PORT" "$server" "$OUT/serving_server.log" || status=1
+  [ $status -eq 0 ] && bench_runs blink "http://127.0.0.1:$PORT" "$PROMPTS"
+  kill -INT $server; wait $server
+fi
 
 # vLLM, on the GPU once blink has released it, with blink's limits (vllm_gpu.sh: max model length 4096, blink's cap,
 # and 256 sequences, blink's max_num_seqs).

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # blink, vLLM (installed by vllm_gpu.sh) and transformers on the same `blink bench serve` workloads, isolated and
-# with HOGS hogs, energy per token: two cells, one run each within 10 minutes on the H200 (vLLM's server takes
-# ~2 minutes to start), into $OUT/<cell>/ (bench/serving_gpu.sh's files) and $OUT/<cell>.tgz:
-#   bash bench/peers/compare_gpu.sh warm     Poisson sweep at RATES (pre-saturation P99 TTFT / TPOT) and all at once
-#                                            (inf), every request sent once before (WARMUPS): both prefix caches
-#                                            warm; transformers' peer on PEER_PROMPTS requests
-#   bash bench/peers/compare_gpu.sh cold     both prefix caches off (--no-enable-prefix-caching), the engines and
-#                                            not their caches, from one start of each server: the sweep, a closed
-#                                            loop of 64 streams (saturation) and one stream of 16 requests (latency)
+# with HOGS hogs, energy per token: three cells, one run each, each within 10 minutes on the H200, into
+# $OUT/<cell>/ (bench/serving_gpu.sh's files) and $OUT/<cell>.tgz:
+#   bash bench/peers/compare_gpu.sh warm     blink and vLLM: Poisson sweep at RATES (pre-saturation P99 TTFT / TPOT)
+#                                            and all at once (inf), every request sent once before each condition
+#                                            (WARMUPS): both prefix caches warm (~7 min: vLLM's first start ~150 s)
+#   bash bench/peers/compare_gpu.sh cold     blink and vLLM, both prefix caches off (--no-enable-prefix-caching): the
+#                                            engines and not their caches, from one start of each server: the sweep,
+#                                            a closed loop of 64 streams (saturation) and one stream of 16 requests
+#                                            (latency) (~9 min: vLLM's second start ~115 s, its colocated runs ~4 min)
+#   bash bench/peers/compare_gpu.sh peer     transformers' continuous batching on PEER_PROMPTS requests (~4 min)
 #   bash bench/peers/compare_gpu.sh report   every cell measured so far in this OUT, side by side
 # Environment (defaults): OUT=out SHAPE=qwen3-8b PROMPTS=128 RATES=16,64,inf PEER_PROMPTS=8 HOGS=4*nproc
 #   BLINK_COMMIT (recorded). CPU dry run without vLLM: VLLM_PROMPTS=0 SHAPE=tiny-qwen3 DEVICE=cpu PROMPTS=8
@@ -16,7 +18,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out} PROMPTS=${PROMPTS:-128} RATES=${RATES:-16,64,inf} PEER_PROMPTS=${PEER_PROMPTS:-8}
 VLLM_PROMPTS=${VLLM_PROMPTS:-$PROMPTS} BENCH_ARGS=${BENCH_ARGS:-}
-cell=${1:?usage: bash bench/peers/compare_gpu.sh warm|cold|report}
+cell=${1:?usage: bash bench/peers/compare_gpu.sh warm|cold|peer|report}
 NO_CACHE=--no-enable-prefix-caching
 COLD_RUNS="sweep:;closed:--sweep inf --max-concurrency 64;batch1:--sweep inf --max-concurrency 1 --num-prompts 16"
 mkdir -p "$OUT"
@@ -27,18 +29,19 @@ run() {
   local name=$1
   shift
   env OUT="$OUT/$name" PROMPTS="$PROMPTS" VLLM_PROMPTS="$VLLM_PROMPTS" RATES="$RATES" BENCH_ARGS="$BENCH_ARGS" \
-    PEER_TIMEOUT=150 "$@" bash bench/serving_gpu.sh
+    "$@" bash bench/serving_gpu.sh
   local rc=$?
   tar czf "$OUT/$name.tgz" -C "$OUT" "$name"
   return $rc
 }
 
 case "$cell" in
-  warm) run warm PEER_PROMPTS="$PEER_PROMPTS" WARMUPS="$PROMPTS" ;;
+  warm) run warm PEER_PROMPTS=0 WARMUPS="$PROMPTS" ;;
   cold) run cold PEER_PROMPTS=0 SERVE_ARGS="$NO_CACHE" VLLM_ARGS="$NO_CACHE" RUNS="$COLD_RUNS" ;;
+  peer) run peer PROMPTS=0 VLLM_PROMPTS=0 PEER_PROMPTS="$PEER_PROMPTS" PEER_TIMEOUT=400 ;;
   report)
-    for report in "$OUT"/warm/serving_report*.txt "$OUT"/cold/serving_report*.txt; do
+    for report in "$OUT"/{warm,cold,peer}/serving_report*.txt; do
       [ -e "$report" ] && echo "== $report" && cat "$report"
     done | tee "$OUT/compare_report.txt" ;;
-  *) echo "unknown cell: $cell (warm | cold | report)"; exit 2 ;;
+  *) echo "unknown cell: $cell (warm | cold | peer | report)"; exit 2 ;;
 esac
