@@ -17,12 +17,18 @@
 5. Ring placement: the step time of case 1 (fire-and-forget, 1 and 64 decoding requests, submitted at once) with the
    ring's request side in pinned host memory and in GPU memory (``request_side="device"``; this process writes it
    through ``ring_memory``), so both placements see the same arrivals and the phases compare.
+6. Beside memory-copying hogs (4 per core, ``blink bench serve --hog-kind memory``'s), with this process at the
+   agent's default priority (nice -10): READY-to-first-token (idle sleep 20 us) in both placements, before the hogs
+   start and among them, and case 5's step times among them. It tells whether the host's memory traffic slows the
+   GPU's side of the ring (its PCIe reads of requests and writes of tokens), which a serving run beside such hogs
+   cannot tell apart from the agent's own slowdown.
 Prints a table, writes JSON.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -171,10 +177,12 @@ def idle_iteration(image: bytes, mode: str, case: str, scan: bool, seconds: floa
 
 
 def admission_latency(image: bytes, idle_ns: int, trials: int = 200, caching: bool = False,
-                      shared: bool = False) -> dict:
+                      shared: bool = False, request_side: str = "host") -> dict:
     """READY -> first token of ``prompt(shared)`` prompts, one at a time (with caching, SHARED is cached after the
-    first; submitting includes the agent's hashing of the prompt)."""
-    rig = Rig(image, SchedulerConfig(**{**BASE.__dict__, "idle_sleep_ns": idle_ns, "enable_prefix_caching": caching}))
+    first; submitting includes the agent's hashing of the prompt, and its writes into GPU memory where the request
+    side is there)."""
+    rig = Rig(image, SchedulerConfig(**{**BASE.__dict__, "idle_sleep_ns": idle_ns, "enable_prefix_caching": caching}),
+              request_side)
     rig.scheduler.start()
     ngen, samples = rig.view.status["n_generated"], []
     for k in range(trials):
@@ -189,8 +197,26 @@ def admission_latency(image: bytes, idle_ns: int, trials: int = 200, caching: bo
     hits = rig.control("prefix_hit_tokens")
     rig.stop()
     samples.sort()
-    return {"idle_sleep_ns": idle_ns, "caching": caching, "shared": shared, "prefix_hit_tokens": hits,
+    return {"idle_sleep_ns": idle_ns, "caching": caching, "shared": shared, "request_side": request_side,
+            "prefix_hit_tokens": hits,
             "median_us": statistics.median(samples), "p99_us": samples[int(0.99 * (len(samples) - 1))]}
+
+
+def memory_hogs(image: bytes) -> dict:
+    """Case 6: admission in both placements before and among memory-copying hogs, and the step times among them."""
+    from blink.bench.interference import HOG_KINDS, interference
+    from blink.bench.serve import HOG_SETTLE_S
+    from blink.priority import set_priority
+
+    achieved = set_priority("auto", "--agent-priority")
+    quiet = [admission_latency(image, 20_000, request_side=side) for side in REQUEST_SIDES]
+    hogs = 4 * len(os.sched_getaffinity(0))
+    with interference(hogs, HOG_KINDS["memory"]):
+        time.sleep(HOG_SETTLE_S)
+        admission = [admission_latency(image, 20_000, request_side=side) for side in REQUEST_SIDES]
+        step = [step_time(image, "fire_and_forget", batch, request_side=side) for side in REQUEST_SIDES
+                for batch in (1, 64)]
+    return {"hogs": hogs, "priority": achieved, "admission_quiet": quiet, "admission": admission, "step": step}
 
 
 def kernel_resources(image: bytes) -> dict:
@@ -232,6 +258,7 @@ def main() -> None:
                    "admission": [admission_latency(image, 0, caching=c, shared=True) for c in (True, False)]},
         "placement": [step_time(image, "fire_and_forget", batch, request_side=side) for side in REQUEST_SIDES
                       for batch in (1, 64)],
+        "memory_hogs": memory_hogs(image),       # last: it leaves this process at nice -10
     }
     print(f"scheduler bench, commit {result['commit']}, image linked in {link_s:.1f} s")
     print(f"  kernel resources: {json.dumps(result['resources'])}")
@@ -262,6 +289,14 @@ def main() -> None:
         profile = " ".join(f"{k}={v:.2f}" for k, v in r["profile_us"].items())
         print(f"  request side in {r['request_side']:>6} memory: {r['batch']:>2} decoding, {r['us_per_step']:.2f} "
               f"us/step  {profile}")
+    hogged = result["memory_hogs"]
+    for quiet, among in zip(hogged["admission_quiet"], hogged["admission"]):
+        print(f"  READY -> first token, request side in {quiet['request_side']:>6} memory: median / p99 "
+              f"{quiet['median_us']:.1f} / {quiet['p99_us']:.1f} us quiet, {among['median_us']:.1f} / "
+              f"{among['p99_us']:.1f} us beside {hogged['hogs']} memory hogs ({hogged['priority']})")
+    for r in hogged["step"]:
+        print(f"  beside the hogs, request side in {r['request_side']:>6} memory: {r['batch']:>2} decoding, "
+              f"{r['us_per_step']:.2f} us/step")
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
 
