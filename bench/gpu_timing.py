@@ -24,6 +24,36 @@ def events_median_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def replay_power(fn, step_ms: float, seconds: float = 3.0) -> dict | None:
+    """Board power (NVML) while ``fn`` (one step's worth of GPU work, ``step_ms`` long) runs back to back for about
+    ``seconds``, after a third of that unmetered so that NVML's averaged reading has settled; the GPU never waits for
+    the host (batches of ~50 ms are queued one ahead). ``{"mean_power_w", "joules_per_step"}``, None without NVML."""
+    from blink.bench.energy import EnergyMeter
+
+    per_batch = max(1, int(50 / step_ms))
+    batches = max(3, int(seconds * 1e3 / (per_batch * step_ms)))
+
+    def run(n: int) -> None:
+        previous = None
+        for _ in range(n):
+            for _ in range(per_batch):
+                fn()
+            queued = torch.cuda.Event()
+            queued.record()
+            if previous is not None:
+                previous.synchronize()
+            previous = queued
+        previous.synchronize()
+
+    run(batches // 3)
+    with EnergyMeter() as meter:
+        run(batches)
+    energy = meter.result(batches * per_batch)
+    if not energy["available"]:
+        return None
+    return {"mean_power_w": energy["mean_power_w"], "joules_per_step": energy["energy_j"] / (batches * per_batch)}
+
+
 def copy_bandwidth() -> float:
     """Bytes/s of a 2 GiB device-to-device copy, counting read + write."""
     x = torch.randint(0, 255, (2 << 30,), dtype=torch.uint8, device="cuda")

@@ -22,7 +22,9 @@ Run: ``PYTHONPATH=src python3 -m bench.model_bench [--models llama-3-8b ...] [--
 (writes ``$OUT/model_bench.json`` when ``$OUT`` is set). ``--profile B,CTX`` runs only the decode step at batch B and
 context CTX (``prefill``: the prefill step), timed and then broken down per kernel: GPU time per step and the time
 no kernel runs. Profiles run in a process of their own because graph replays after a CUPTI profile in the same
-process are slower (docs/benchmarks.md). Correctness of what is timed: ``tests/models`` (``-m gpu`` on the GPU).
+process are slower (docs/benchmarks.md). ``--power`` adds each decode step's board power (NVML), the step replayed
+back to back from the host for 3 s, and its joules per token: the kernels' own watts, to set beside a server's.
+Correctness of what is timed: ``tests/models`` (``-m gpu`` on the GPU).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import time
 
 import torch
 
-from bench.gpu_timing import copy_bandwidth, events_median_ms, matmul_rate
+from bench.gpu_timing import copy_bandwidth, events_median_ms, matmul_rate, replay_power
 from blink.bench.shapes import SHAPES as BENCH_SHAPES
 from blink.device.step import StepBuffers, StepLayout
 from blink.models import ModelConfig, plan_memory, random_model
@@ -179,8 +181,9 @@ def kernel_profile(graph, step_ms: float, steps: int = 10, top: int = 15) -> dic
 
 
 def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib: float, reps: int,
-                profile: set) -> list[dict]:
-    """Every step of the table, or (``profile`` not empty) only the profiled ones."""
+                profile: set, power: bool = False) -> list[dict]:
+    """Every step of the table, or (``profile`` not empty) only the profiled ones; with ``power``, each decode step's
+    board power replayed back to back from the host (no scheduler) and its joules per token."""
     t0 = time.time()
     plan = plan_memory(config, torch.cuda.mem_get_info()[1], PAGE, 0.9, LAYOUT.max_num_batched_tokens,
                        LAYOUT.max_num_seqs)
@@ -217,6 +220,10 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
                   f"roofline {roof:7.3f} ms  x{ms / roof:.2f}", flush=True)
             if (batch, ctx) in profile:
                 rows[-1]["profile"] = kernel_profile(graph, ms)
+            if power and (watts := replay_power(graph.replay, ms)):
+                rows[-1].update(power_w=watts["mean_power_w"], joules_per_token=watts["joules_per_step"] / batch)
+                print(f"  decode B={batch:4d} ctx={ctx:5d}: {watts['mean_power_w']:.0f} W back to back, "
+                      f"{watts['joules_per_step'] / batch:.4f} J per token", flush=True)
             del graph
     for batch in (1, 256) if not (config.num_experts or profile) else ():
         ms = gemms_only_ms(model, batch, reps)
@@ -266,6 +273,8 @@ def main():
     parser.add_argument("--profile", nargs="*", default=[], metavar="B,CTX|prefill",
                         help="only these steps, each also broken down per kernel: decode shapes (batch,context), "
                              "e.g. 1,1024, and/or prefill")
+    parser.add_argument("--power", action="store_true", help="also each decode step's board power (NVML), replayed "
+                        "back to back for 3 s: the kernels' watts without the scheduler or serving")
     args = parser.parse_args()
     profile = {shape if shape == "prefill" else tuple(int(v) for v in shape.split(",")) for shape in args.profile}
     torch.manual_seed(0)
@@ -278,7 +287,7 @@ def main():
     rows = result["rows"]
     for name in args.models:
         torch.cuda.reset_peak_memory_stats()
-        rows += bench_model(name, MODELS[name], bw, flops, args.kv_gib, args.reps, profile)
+        rows += bench_model(name, MODELS[name], bw, flops, args.kv_gib, args.reps, profile, args.power)
         with open(args.out, "w") as f:  # after every model: a run cut short keeps what it measured
             json.dump(result, f, indent=2)
     print(f"\n{'model':13} {'kind':7} {'B':>4} {'ctx':>5} {'step ms':>9} {'floor ms':>9} {'ratio':>6} {'roof ms':>9} "
