@@ -94,6 +94,9 @@ def test_sweep_isolated_and_colocated_writes_json_and_plots(standin_server, tmp_
         assert run["server_cpu_s"] == run["server"]["process_cpu_seconds_total"] > 0
         assert run["server_cpu_ms_per_1k_tokens"] > 0 and run["client_cpu_ms_per_1k_tokens"] > 0
         assert run["p99_worst_gap_ms"] >= run["median_itl_ms"] > 0
+        # The server's own TTFT (ring submission -> first token) of each request lies inside the client's.
+        assert run["server"]["blink_time_to_first_token_seconds_count"] == 12
+        assert 0 < run["server_mean_ttft_ms"] < run["mean_ttft_ms"]
     # At 20 req/s the last of 12 requests is sent 12 / 20 s after the first.
     assert result["runs"][0]["duration"] >= 12 / 20
     assert result["sweep"] == [20.0, "inf"] and result["request_rate"] == "inf"

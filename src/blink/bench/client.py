@@ -16,9 +16,12 @@ from blink.bench.metrics import RequestOutput
 
 # The server's CPU time so far: prometheus_client's process collector (blink's agent and vLLM's API server have it).
 CPU_COUNTER = "process_cpu_seconds_total"
+# blink's own time to first token: from a request's submission to the ring to its first token (the histogram's total
+# and count), the part of the client's TTFT that the HTTP path and the client do not add to.
+SERVER_TTFT = ("blink_time_to_first_token_seconds_sum", "blink_time_to_first_token_seconds_count")
 # The server's counters a run records, as their change over the run (blink's /metrics; another server has fewer).
 SERVER_COUNTERS = ("blink_prefill_tokens_total", "blink_prefix_cache_queries_total", "blink_prefix_cache_hits_total",
-                   "blink_prefix_cache_evictions_total", "blink_generation_tokens_total", CPU_COUNTER)
+                   "blink_prefix_cache_evictions_total", "blink_generation_tokens_total", CPU_COUNTER, *SERVER_TTFT)
 # Seconds an idle connection is kept for reuse: less than any server's own keep-alive (blink's keepalive_timeout_s,
 # uvicorn's 5 s under vLLM): reusing a connection the server is closing fails the request with ServerDisconnectedError.
 KEEPALIVE_S = 2.0

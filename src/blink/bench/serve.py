@@ -171,7 +171,7 @@ async def benchmark(backend, requests: list, args, save, hog_cpus) -> list[dict]
     far, backend info)`` after each run, so a benchmark cut short keeps what it measured. Returns the run records."""
     from blink.bench import metrics
     from blink.bench.energy import EnergyMeter
-    from blink.bench.client import CPU_COUNTER
+    from blink.bench.client import CPU_COUNTER, SERVER_TTFT
     from blink.bench.traffic import arrival_times, send_all
 
     rates = args.sweep or [args.request_rate]
@@ -203,11 +203,12 @@ async def benchmark(backend, requests: list, args, save, hog_cpus) -> list[dict]
                     result = metrics.compute(outputs, duration, slo_ttft_ms=args.slo_ttft_ms,
                                              slo_tpot_ms=args.slo_tpot_ms)
                     print(metrics.table(result, rate, args.max_concurrency), flush=True)
+                    ttft_s, ttft_n = ((server or {}).get(name) for name in SERVER_TTFT)
                     runs.append({"label": args.label or args.backend, "condition": condition, "interference": hogs,
                                  "request_rate": rate_json(rate),
                                  "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
                                  "energy": meter.result(result["total_output_tokens"]), "server": server, **cpu,
-                                 **result})
+                                 "server_mean_ttft_ms": ttft_s / ttft_n * 1e3 if ttft_n else None, **result})
                     save(runs, backend.info())
     return runs
 
@@ -290,7 +291,8 @@ def summary(runs: list[dict]) -> str:
     for iso, col in colocation_pairs(runs):
         ratios = ", ".join(f"{name} {_ratio(col.get(key), iso.get(key))}" for name, key in (
             ("P50 TTFT", "p50_ttft_ms"), ("P99 TTFT", "p99_ttft_ms"), ("P99 TPOT", "p99_tpot_ms"),
-            ("P99 worst gap", "p99_worst_gap_ms"), ("server CPU/token", "server_cpu_ms_per_1k_tokens")))
+            ("P99 worst gap", "p99_worst_gap_ms"), ("server CPU/token", "server_cpu_ms_per_1k_tokens"),
+            ("mean TTFT", "mean_ttft_ms"), ("server's mean TTFT", "server_mean_ttft_ms")))
         lines.append(f"{iso['label']} @ {iso['request_rate']}: colocated/isolated output throughput "
                      f"{_ratio(col['output_throughput'], iso['output_throughput'])}, {ratios} "
                      f"({col['interference']} hogs)")
