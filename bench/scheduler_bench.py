@@ -179,17 +179,20 @@ def idle_iteration(image: bytes, mode: str, case: str, scan: bool, seconds: floa
 def admission_latency(image: bytes, idle_ns: int, trials: int = 200, caching: bool = False,
                       shared: bool = False, request_side: str = "host") -> dict:
     """READY -> first token of ``prompt(shared)`` prompts, one at a time (with caching, SHARED is cached after the
-    first; submitting includes the agent's hashing of the prompt, and its writes into GPU memory where the request
-    side is there)."""
+    first; submitting includes the agent's hashing of the prompt). With the request side in GPU memory the submit
+    writes go there and each spin reads ``n_generated`` with a copy out of it, so that placement's numbers compare
+    with themselves (quiet against hogs), not with the host placement's."""
     rig = Rig(image, SchedulerConfig(**{**BASE.__dict__, "idle_sleep_ns": idle_ns, "enable_prefix_caching": caching}),
               request_side)
     rig.scheduler.start()
-    ngen, samples = rig.view.status["n_generated"], []
+    # The host's view of the status region is live only where the request side (status included) is host memory.
+    generated = (lambda: rig.view.status["n_generated"]) if request_side == "host" else rig.generated
+    samples = []
     for k in range(trials):
         t0 = time.perf_counter()
         slot = rig.agent._slot_of[rig.agent.submit(prompt(shared, k) if shared else [5, 6],
                                                    SamplingParams(max_tokens=1))]
-        while ngen[slot] < 1:
+        while generated()[slot] < 1:
             pass
         samples.append((time.perf_counter() - t0) * 1e6)
         while rig.agent.in_flight:
