@@ -186,7 +186,8 @@ def admission_latency(image: bytes, idle_ns: int, trials: int = 200, caching: bo
               request_side)
     rig.scheduler.start()
     # The host's view of the status region is live only where the request side (status included) is host memory.
-    generated = (lambda: rig.view.status["n_generated"]) if request_side == "host" else rig.generated
+    live = rig.view.status["n_generated"]
+    generated = (lambda: live) if request_side == "host" else rig.generated
     samples = []
     for k in range(trials):
         t0 = time.perf_counter()
