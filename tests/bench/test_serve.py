@@ -97,6 +97,9 @@ def test_sweep_isolated_and_colocated_writes_json_and_plots(standin_server, tmp_
         # The server's own TTFT (ring submission -> first token) of each request lies inside the client's.
         assert run["server"]["blink_time_to_first_token_seconds_count"] == 12
         assert 0 < run["server_mean_ttft_ms"] < run["mean_ttft_ms"]
+        server = run["server"]
+        computed = server["blink_generation_tokens_total"] + server["blink_prefill_tokens_total"]
+        assert run["server_tokens_per_step"] == computed / server["blink_engine_steps_total"]
     # At 20 req/s the last of 12 requests is sent 12 / 20 s after the first.
     assert result["runs"][0]["duration"] >= 12 / 20
     assert result["sweep"] == [20.0, "inf"] and result["request_rate"] == "inf"

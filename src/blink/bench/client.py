@@ -19,9 +19,38 @@ CPU_COUNTER = "process_cpu_seconds_total"
 # blink's own time to first token: from a request's submission to the ring to its first token (the histogram's total
 # and count), the part of the client's TTFT that the HTTP path and the client do not add to.
 SERVER_TTFT = ("blink_time_to_first_token_seconds_sum", "blink_time_to_first_token_seconds_count")
+# Tokens computed per model step, from blink's step and token counters, or vLLM's histogram of the tokens each engine
+# step scheduled: at a given arrival rate, fewer tokens per step means more steps (each reading every weight) per token.
+BLINK_STEP_TOKENS = ("blink_engine_steps_total", "blink_generation_tokens_total", "blink_prefill_tokens_total")
+VLLM_STEP_TOKENS = ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum")
 # The server's counters a run records, as their change over the run (blink's /metrics; another server has fewer).
-SERVER_COUNTERS = ("blink_prefill_tokens_total", "blink_prefix_cache_queries_total", "blink_prefix_cache_hits_total",
-                   "blink_prefix_cache_evictions_total", "blink_generation_tokens_total", CPU_COUNTER, *SERVER_TTFT)
+SERVER_COUNTERS = ("blink_prefix_cache_queries_total", "blink_prefix_cache_hits_total",
+                   "blink_prefix_cache_evictions_total", CPU_COUNTER, *SERVER_TTFT, *BLINK_STEP_TOKENS,
+                   *VLLM_STEP_TOKENS)
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """The ``SERVER_COUNTERS`` in a Prometheus text exposition, each summed over its label sets (vLLM labels its
+    metrics with the model's name: ``vllm:iteration_tokens_total_sum{model_name="m"} 8.0``)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        name = series.split("{", 1)[0]
+        if name in SERVER_COUNTERS:
+            values[name] = values.get(name, 0.0) + float(value)
+    return values
+
+
+def tokens_per_step(server: dict | None) -> float | None:
+    """Mean tokens a model step computed over a run (``server``: the counters' changes), None where not told."""
+    server = server or {}
+    steps, *tokens = (server.get(name) for name in BLINK_STEP_TOKENS)
+    if steps and None not in tokens:
+        return sum(tokens) / steps
+    count, total = (server.get(name) for name in VLLM_STEP_TOKENS)
+    return total / count if count and total is not None else None
 # Seconds an idle connection is kept for reuse: less than any server's own keep-alive (blink's keepalive_timeout_s,
 # uvicorn's 5 s under vLLM): reusing a connection the server is closing fails the request with ServerDisconnectedError.
 KEEPALIVE_S = 2.0
@@ -70,12 +99,7 @@ class OpenAIClient:
                 text = await response.text() if response.status == 200 else ""
         except aiohttp.ClientError:
             return None
-        values = {}
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in SERVER_COUNTERS:
-                values[name] = float(value)
-        return values or None
+        return parse_counters(text) or None
 
     def payload(self, request: SampleRequest) -> dict:
         body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.output_len, "temperature": 0.0,

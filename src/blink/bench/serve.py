@@ -171,7 +171,7 @@ async def benchmark(backend, requests: list, args, save, hog_cpus) -> list[dict]
     far, backend info)`` after each run, so a benchmark cut short keeps what it measured. Returns the run records."""
     from blink.bench import metrics
     from blink.bench.energy import EnergyMeter
-    from blink.bench.client import CPU_COUNTER, SERVER_TTFT
+    from blink.bench.client import CPU_COUNTER, SERVER_TTFT, tokens_per_step
     from blink.bench.traffic import arrival_times, send_all
 
     rates = args.sweep or [args.request_rate]
@@ -208,7 +208,8 @@ async def benchmark(backend, requests: list, args, save, hog_cpus) -> list[dict]
                                  "request_rate": rate_json(rate),
                                  "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
                                  "energy": meter.result(result["total_output_tokens"]), "server": server, **cpu,
-                                 "server_mean_ttft_ms": ttft_s / ttft_n * 1e3 if ttft_n else None, **result})
+                                 "server_mean_ttft_ms": ttft_s / ttft_n * 1e3 if ttft_n else None,
+                                 "server_tokens_per_step": tokens_per_step(server), **result})
                     save(runs, backend.info())
     return runs
 
@@ -292,7 +293,8 @@ def summary(runs: list[dict]) -> str:
         ratios = ", ".join(f"{name} {_ratio(col.get(key), iso.get(key))}" for name, key in (
             ("P50 TTFT", "p50_ttft_ms"), ("P99 TTFT", "p99_ttft_ms"), ("P99 TPOT", "p99_tpot_ms"),
             ("P99 worst gap", "p99_worst_gap_ms"), ("server CPU/token", "server_cpu_ms_per_1k_tokens"),
-            ("mean TTFT", "mean_ttft_ms"), ("server's mean TTFT", "server_mean_ttft_ms")))
+            ("mean TTFT", "mean_ttft_ms"), ("server's mean TTFT", "server_mean_ttft_ms"),
+            ("tokens per step", "server_tokens_per_step")))
         lines.append(f"{iso['label']} @ {iso['request_rate']}: colocated/isolated output throughput "
                      f"{_ratio(col['output_throughput'], iso['output_throughput'])}, {ratios} "
                      f"({col['interference']} hogs)")
