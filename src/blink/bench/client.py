@@ -27,6 +27,9 @@ VLLM_STEP_TOKENS = ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_
 SERVER_COUNTERS = ("blink_prefix_cache_queries_total", "blink_prefix_cache_hits_total",
                    "blink_prefix_cache_evictions_total", CPU_COUNTER, *SERVER_TTFT, *BLINK_STEP_TOKENS,
                    *VLLM_STEP_TOKENS)
+# Seconds an idle connection is kept for reuse: less than any server's own keep-alive (blink's keepalive_timeout_s,
+# uvicorn's 5 s under vLLM): reusing a connection the server is closing fails the request with ServerDisconnectedError.
+KEEPALIVE_S = 2.0
 
 
 def parse_counters(text: str) -> dict[str, float]:
@@ -51,9 +54,6 @@ def tokens_per_step(server: dict | None) -> float | None:
         return sum(tokens) / steps
     count, total = (server.get(name) for name in VLLM_STEP_TOKENS)
     return total / count if count and total is not None else None
-# Seconds an idle connection is kept for reuse: less than any server's own keep-alive (blink's keepalive_timeout_s,
-# uvicorn's 5 s under vLLM): reusing a connection the server is closing fails the request with ServerDisconnectedError.
-KEEPALIVE_S = 2.0
 
 
 class OpenAIClient:
