@@ -87,8 +87,12 @@ class AgentLoop:
     def submit(self, prompt: list[int], params: SamplingParams, priority: int) -> Submission:
         """Queue one request for the ring. ``ValueError`` naming the field if the ring cannot take it (nothing is
         queued), ``EngineUnavailable`` or ``Overloaded`` when it cannot take it now."""
-        self.agent.validate(prompt, params, priority)
         problem = self.health()
+        if problem or self.waiting:
+            # A request that cannot be valid says so first, and one that waits for a slot must be valid when its turn
+            # comes; one that goes straight to the ring is checked there, once (before it claims a slot, so RingFull
+            # means it was valid).
+            self.agent.validate(prompt, params, priority)
         if problem:
             raise EngineUnavailable(f"{problem}: retry later", self.config.retry_after_s)
         req = Submission(prompt, params, priority)
