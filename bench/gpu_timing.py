@@ -77,8 +77,8 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
-def graph_ms(fn, reps: int) -> float:
-    """Median time of ``fn`` captured in a CUDA graph (after one eager call that compiles its kernels)."""
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph, after one eager call that compiles its kernels."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         fn()
@@ -86,19 +86,53 @@ def graph_ms(fn, reps: int) -> float:
         with torch.cuda.graph(graph, stream=stream):
             fn()
     torch.cuda.synchronize()
-    return events_median_ms(graph.replay, reps)
+    return graph
 
 
-def kernel_bench_start(doc: str, json_name: str, reps: int, sweep: bool = True,
-                       cases: list[str] | None = None) -> tuple[argparse.Namespace, float, float]:
+def graph_ms(fn, reps: int) -> float:
+    """Median time of ``fn`` captured in a CUDA graph (after one eager call that compiles its kernels)."""
+    return events_median_ms(capture_graph(fn).replay, reps)
+
+
+def kernel_profile(graph, step_ms: float, steps: int = 10, top: int = 15) -> dict:
+    """GPU time per kernel over ``steps`` replays of a captured step (CUPTI traces the kernels a graph launches),
+    per step: where a step's time goes, and how much of it no kernel runs (launch gaps, dependencies)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", 0) or 0
+        if us > 0:
+            kernels.append(dict(kernel=e.key, per_step=e.count / steps, us_per_step=us / steps))
+    kernels.sort(key=lambda k: -k["us_per_step"])
+    busy_ms = sum(k["us_per_step"] for k in kernels) / 1e3
+    print(f"    kernels busy {busy_ms:.3f} of {step_ms:.3f} ms per step ({len(kernels)} kernel kinds)", flush=True)
+    for k in kernels[:top]:
+        print(f"    {k['us_per_step']:9.1f} us  x{k['per_step']:5.0f}  {k['kernel'][:90]}", flush=True)
+    if len(kernels) > top:  # the JSON lists every kind
+        rest = sum(k["us_per_step"] for k in kernels[top:])
+        print(f"    {rest:9.1f} us  in the other {len(kernels) - top} kinds", flush=True)
+    return dict(step_ms=step_ms, busy_ms=busy_ms, kernels=kernels)
+
+
+def kernel_bench_start(doc: str, json_name: str, reps: int, sweep: bool = True, cases: list[str] | None = None,
+                       profile: bool = False) -> tuple[argparse.Namespace, float, float]:
     """The command line shared by the kernel benches (``--out``, ``--reps``, ``--sweep`` where the sweep is
-    optional, ``--cases`` to run some of ``cases``), then the copy and GEMM rates their floors use, measured now:
-    (args, bytes/s, FLOP/s)."""
+    optional, ``--cases`` to run some of ``cases``, ``--profile SIZE ...`` where the bench can break sizes down per
+    kernel), then the copy and GEMM rates their floors use, measured now: (args, bytes/s, FLOP/s)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), json_name))
     parser.add_argument("--reps", type=int, default=reps)
     if sweep:
         parser.add_argument("--sweep", action="store_true", help="also time every launch shape of the sweep")
+    if profile:
+        parser.add_argument("--profile", nargs="+", type=int, default=[], metavar="SIZE",
+                            help="also break these sizes down per kernel (CUPTI), after every timing: graph replays "
+                                 "after a profile in the same process run slower")
     if cases:
         parser.add_argument("--cases", nargs="+", default=cases, choices=cases, help="the cases to run (all)")
     args = parser.parse_args()

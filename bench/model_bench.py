@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from bench.gpu_timing import copy_bandwidth, events_median_ms, matmul_rate, replay_power
+from bench.gpu_timing import copy_bandwidth, events_median_ms, kernel_profile, matmul_rate, replay_power
 from blink.bench.shapes import SHAPES as BENCH_SHAPES
 from blink.device.step import StepBuffers, StepLayout
 from blink.models import ModelConfig, plan_memory, random_model
@@ -153,31 +153,6 @@ def gemms_only_ms(model, batch: int, reps: int) -> float:
                 torch.nn.functional.linear(a, w)
     torch.cuda.synchronize()
     return events_median_ms(graph.replay, reps)
-
-
-def kernel_profile(graph, step_ms: float, steps: int = 10, top: int = 15) -> dict:
-    """GPU time per kernel over ``steps`` replays of a captured step (CUPTI traces the kernels a graph launches),
-    per step: where a step's time goes, and how much of it no kernel runs (launch gaps, dependencies)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            graph.replay()
-        torch.cuda.synchronize()
-    kernels = []
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", 0) or 0
-        if us > 0:
-            kernels.append(dict(kernel=e.key, per_step=e.count / steps, us_per_step=us / steps))
-    kernels.sort(key=lambda k: -k["us_per_step"])
-    busy_ms = sum(k["us_per_step"] for k in kernels) / 1e3
-    print(f"    kernels busy {busy_ms:.3f} of {step_ms:.3f} ms per step ({len(kernels)} kernel kinds)", flush=True)
-    for k in kernels[:top]:
-        print(f"    {k['us_per_step']:9.1f} us  x{k['per_step']:5.0f}  {k['kernel'][:90]}", flush=True)
-    if len(kernels) > top:  # the JSON lists every kind
-        rest = sum(k["us_per_step"] for k in kernels[top:])
-        print(f"    {rest:9.1f} us  in the other {len(kernels) - top} kinds", flush=True)
-    return dict(step_ms=step_ms, busy_ms=busy_ms, kernels=kernels)
 
 
 def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib: float, reps: int,

@@ -2,7 +2,8 @@
 # Everything the models need from the H200 in one call, in four parts (default: all, in this order):
 #   tests   the quick GPU tests of tests/models (kernels at bf16 incl. the fused MoE, step graphs re-instantiated
 #           for device launch, dense and Qwen3-MoE)
-#   moe     bench/moe_bench.py: the fused MoE kernel against its reference, then its speed (Qwen3-30B-A3B layer)
+#   moe     bench/moe_bench.py: the fused MoE kernel against its reference, then its speed (Qwen3-30B-A3B layer),
+#           then at 1 and 8 tokens broken down per kernel (last: replays after a profile run slower)
 #   engine  the slow GPU tests: the four full-size models (random weights) served through the Engine
 #   models  bench/model_bench.py: the four full-size models (Llama-3-8B, Phi-4, Qwen3-32B, Qwen3-30B-A3B)
 #   profile the same for the steps in PROFILE (default "1,1024 64,1024 prefill") only, each broken down per kernel,
@@ -31,7 +32,7 @@ for part in "${parts[@]}"; do
              | tee "$OUT/models_gpu_tests.log" ;;
     engine) python3 -m pytest -q -p no:cacheprovider -m "gpu and slow" tests/models 2>&1 \
               | tee "$OUT/models_engine_tests.log" ;;
-    moe) python3 -m bench.moe_bench --out "$OUT/moe_bench.json" 2>&1 | tee "$OUT/moe_bench.log" ;;
+    moe) python3 -m bench.moe_bench --profile 1 8 --out "$OUT/moe_bench.json" 2>&1 | tee "$OUT/moe_bench.log" ;;
     models) python3 -m bench.model_bench --out "$OUT/model_bench.json" "$@" 2>&1 | tee "$OUT/model_bench.log" ;;
     profile) read -ra shapes <<< "${PROFILE:-1,1024 64,1024 prefill}"
              python3 -m bench.model_bench --out "$OUT/model_bench_profile.json" --profile "${shapes[@]}" "$@" 2>&1 \

@@ -10,10 +10,12 @@ baseline a plain torch model step would have).
 
 ``--sweep`` then times the expert GEMMs (routing done once, outside the graph) with every launch shape of ``SWEEP``
 at each size, each checked against the reference first, and prints the fastest against the default ``tiles_for``.
+``--profile 1 8`` last breaks the fused MLP at those token counts down per kernel (routing, alignment, the two expert
+GEMMs, the combine): GPU time per call and the time no kernel runs.
 
-Run: ``PYTHONPATH=src python3 -m bench.moe_bench [--sweep] [--out moe_bench.json]`` (``$OUT/moe_bench.json`` by
-default when ``$OUT`` is set). Correctness tests of the kernels: ``tests/models/kernels/test_moe.py`` (``-m gpu`` at
-bf16).
+Run: ``PYTHONPATH=src python3 -m bench.moe_bench [--sweep] [--profile 1 8] [--out moe_bench.json]``
+(``$OUT/moe_bench.json`` by default when ``$OUT`` is set). Correctness tests of the kernels:
+``tests/models/kernels/test_moe.py`` (``-m gpu`` at bf16).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from dataclasses import asdict
 import torch
 from triton.runtime.errors import OutOfResources
 
-from bench.gpu_timing import events_median_ms, graph_ms, kernel_bench_start, rel_err
+from bench.gpu_timing import capture_graph, events_median_ms, graph_ms, kernel_bench_start, kernel_profile, rel_err
 from blink.models.kernels import reference
 from blink.models.kernels.moe import Tiles, fused_moe, moe_experts, route, tiles_for
 from blink.models.shapes import shape_config
@@ -90,8 +92,18 @@ def sweep_tokens(tokens: int, weights, top_k: int, reps: int) -> list[dict]:
     return rows
 
 
+def profile_tokens(tokens: int, weights, top_k: int, reps: int) -> dict:
+    """The fused MLP at ``tokens`` (routing included, as a step runs it) broken down per kernel."""
+    gate_up, down = weights
+    x, logits = inputs(tokens, gate_up.shape[2], gate_up.shape[0])
+    graph = capture_graph(lambda: fused_moe(x, logits, gate_up, down, top_k, True))
+    ms = events_median_ms(graph.replay, reps)
+    print(f"  profile, {tokens} tokens: {ms:.4f} ms", flush=True)
+    return dict(tokens=tokens, **kernel_profile(graph, ms))
+
+
 def main():
-    args, bw, flops = kernel_bench_start(__doc__, "moe_bench.json", reps=50)
+    args, bw, flops = kernel_bench_start(__doc__, "moe_bench.json", reps=50, profile=True)
     c = shape_config("qwen3-30b-a3b")
     weights = (torch.randn(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size, device="cuda",
                            dtype=torch.bfloat16) * c.hidden_size ** -0.5,
@@ -109,9 +121,10 @@ def main():
               f"{r['floor_ms']:9.4f} {r['ratio']:6.2f}", flush=True)
     sweep = [r for tokens in TOKENS for r in sweep_tokens(tokens, weights, c.num_experts_per_tok, args.reps)] \
         if args.sweep else []
+    profiles = [profile_tokens(tokens, weights, c.num_experts_per_tok, args.reps) for tokens in args.profile]
     with open(args.out, "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bytes_per_s=bw,
-                       bf16_flop_per_s=flops, rows=rows, sweep=sweep), f, indent=2)
+                       bf16_flop_per_s=flops, rows=rows, sweep=sweep, profiles=profiles), f, indent=2)
     bad = [r["tokens"] for r in rows + sweep if r.get("error") is None and not r["rel_err"] < 1e-2]
     if bad:
         sys.exit(f"fused_moe differs from the reference at {bad} tokens (relative error >= 1e-2)")
