@@ -30,7 +30,7 @@ import triton.language as tl
 
 from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err, sweep_timed
 from blink.models.kernels import reference
-from blink.models.kernels.moe import SUM_BLOCK, _sum_top_k_kernel, fused_moe, route
+from blink.models.kernels.moe import combine_top_k, fused_moe, route
 from blink.models.shapes import shape_config
 
 TOKENS = (1, 2, 4, 8)
@@ -93,16 +93,14 @@ def gemv_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor
              block_n: int, block_k: int, num_warps: int) -> torch.Tensor:
     """The same MLP as ``fused_moe(..., renormalize=True)``: ``x [T, H]`` → ``[T, H]``."""
     weights, ids = route(router_logits, top_k, True)
-    (t, hidden), inter, entries = x.shape, gate_up.shape[1] // 2, x.shape[0] * top_k
+    hidden, inter, entries = x.shape[1], gate_up.shape[1] // 2, x.shape[0] * top_k
     act = torch.empty((entries, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(entries, triton.cdiv(inter, block_n))](x, gate_up, ids, act, inter, hidden, top_k,
                                                             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     y = torch.empty((entries, hidden), dtype=x.dtype, device=x.device)
     _down_kernel[(entries, triton.cdiv(hidden, block_n))](act, down, ids, weights, y, hidden, inter, BLOCK_N=block_n,
                                                           BLOCK_K=block_k, num_warps=num_warps)
-    out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
-    _sum_top_k_kernel[(t, triton.cdiv(hidden, SUM_BLOCK))](y, out, hidden, TOP_K=top_k, BLOCK_H=SUM_BLOCK, PDL=False)
-    return out
+    return combine_top_k(y, top_k)
 
 
 def bench_tokens(tokens: int, weights, top_k: int, bw: float, reps: int) -> dict:

@@ -213,9 +213,16 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     _moe_gemm_kernel[(blocks, triton.cdiv(hidden, tiles.block_n))](
         act, down, y, weights, sorted_entries, expert_blocks, total, n, hidden, inter, act.stride(0),
         down.stride(0), down.stride(1), 1, GATED=False, WEIGHTED=True, **shape)
-    out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
+    return combine_top_k(y, top_k)
+
+
+def combine_top_k(y: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each token's ``top_k`` consecutive rows of ``y [T * top_k, H]`` (already weighted) summed in float32 and
+    rounded once → ``[T, H]``."""
+    t, hidden = y.shape[0] // top_k, y.shape[1]
+    out = torch.empty((t, hidden), dtype=y.dtype, device=y.device)
     _sum_top_k_kernel[(t, triton.cdiv(hidden, SUM_BLOCK))](y, out, hidden, TOP_K=top_k, BLOCK_H=SUM_BLOCK,
-                                                           **pdl_args(x.device))
+                                                           **pdl_args(y.device))
     return out
 
 
