@@ -16,13 +16,15 @@
 # server's CPU per 1,000 tokens and the colocated / isolated ratios).
 # Environment (defaults): OUT=out SHAPE=qwen3-8b PROMPTS=256 PEER_PROMPTS=32 (0: blink only) HOGS=4*nproc
 #   HOG_KIND=mixed (or memory / cpu: `blink bench serve --hog-kind`, to tell memory bandwidth from CPU time)
-#   RESERVED=the last two cores SERVE_ARGS="" (more `blink serve` options) BLINK_COMMIT (the tree's commit, recorded).
+#   RESERVED=the last two cores SERVE_ARGS="" (more `blink serve` options) BLINK_COMMIT (the tree's commit, recorded)
+#   REPEATS=1 (more: the layout that many times, into $OUT/<layout>-1, -2, ..., each its own rows in the report: one
+#   run's P99 of a few hundred requests is about its third-worst request and moves between runs).
 # CPU dry run of the recipe: SHAPE=tiny-qwen3 DEVICE=cpu PROMPTS=16 PEER_PROMPTS=4 HOGS=4 bash bench/immunity_gpu.sh
 #   shared
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
-OUT=${OUT:-out} PROMPTS=${PROMPTS:-256} PEER_PROMPTS=${PEER_PROMPTS:-32} SERVE_ARGS=${SERVE_ARGS:-}
+OUT=${OUT:-out} PROMPTS=${PROMPTS:-256} PEER_PROMPTS=${PEER_PROMPTS:-32} SERVE_ARGS=${SERVE_ARGS:-} REPEATS=${REPEATS:-1}
 RESERVED=${RESERVED:-$(python -c "import os; c = sorted(os.sched_getaffinity(0)); print(','.join(map(str, c[-2:])))")}
 layout=${1:?usage: bash bench/immunity_gpu.sh shared|client-high|reserved|report}
 BASE="--max-concurrency 64 --hog-kind ${HOG_KIND:-mixed}"
@@ -32,17 +34,27 @@ echo "tree: ${BLINK_COMMIT:-unknown (set BLINK_COMMIT)}; layout $layout; hogs ${
   "reserved $RESERVED" \
   >> "$OUT/immunity_runs.txt"
 status=0
+# `layout_run DIR`: one run of the layout into $OUT/DIR.
+layout_run() {
+  local dir=$OUT/$1
+  case "$layout" in
+    shared)
+      OUT="$dir" RATES=inf PROMPTS=$PROMPTS PEER_PROMPTS=$PEER_PROMPTS SERVE_ARGS="$SERVE_ARGS" \
+        BENCH_ARGS="$BASE" bash bench/serving_gpu.sh ;;
+    client-high)
+      # serving_gpu.sh gives CLIENT_PRIORITY to blink's client only; BENCH_ARGS carries it to the peer's run too.
+      OUT="$dir" RATES=inf PROMPTS=$PROMPTS PEER_PROMPTS=$PEER_PROMPTS SERVE_ARGS="$SERVE_ARGS" \
+        CLIENT_PRIORITY=high BENCH_ARGS="$BASE --client-priority high" bash bench/serving_gpu.sh ;;
+    reserved)
+      OUT="$dir" RATES=inf PROMPTS=$PROMPTS PEER_PROMPTS=$PEER_PROMPTS SERVE_ARGS="--cpus $RESERVED $SERVE_ARGS" \
+        BENCH_ARGS="$BASE --reserve-cpus $RESERVED" bash bench/serving_gpu.sh ;;
+  esac
+}
 case "$layout" in
-  shared)
-    OUT="$OUT/shared" RATES=inf PROMPTS=$PROMPTS PEER_PROMPTS=$PEER_PROMPTS SERVE_ARGS="$SERVE_ARGS" \
-      BENCH_ARGS="$BASE" bash bench/serving_gpu.sh || status=1 ;;
-  client-high)
-    # serving_gpu.sh gives CLIENT_PRIORITY to blink's client only; BENCH_ARGS carries it to the peer's run too.
-    OUT="$OUT/client-high" RATES=inf PROMPTS=$PROMPTS PEER_PROMPTS=$PEER_PROMPTS SERVE_ARGS="$SERVE_ARGS" \
-      CLIENT_PRIORITY=high BENCH_ARGS="$BASE --client-priority high" bash bench/serving_gpu.sh || status=1 ;;
-  reserved)
-    OUT="$OUT/reserved" RATES=inf PROMPTS=$PROMPTS PEER_PROMPTS=$PEER_PROMPTS SERVE_ARGS="--cpus $RESERVED $SERVE_ARGS" \
-      BENCH_ARGS="$BASE --reserve-cpus $RESERVED" bash bench/serving_gpu.sh || status=1 ;;
+  shared|client-high|reserved)
+    for i in $(seq "$REPEATS"); do
+      if [ "$REPEATS" -gt 1 ]; then layout_run "$layout-$i" || status=1; else layout_run "$layout" || status=1; fi
+    done ;;
   report) ;;
   *) echo "unknown layout: $layout (shared | client-high | reserved | report)"; exit 2 ;;
 esac
