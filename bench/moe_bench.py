@@ -102,13 +102,19 @@ def profile_tokens(tokens: int, weights, top_k: int, reps: int) -> dict:
     return dict(tokens=tokens, **kernel_profile(graph, ms))
 
 
+def layer_weights(c) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bf16 expert weights of one MoE layer of config ``c``: (gate_up ``[E, 2I, H]``, down ``[E, H, I]``),
+    scaled so that each GEMM's outputs are of order 1."""
+    return (torch.randn(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size, device="cuda",
+                        dtype=torch.bfloat16) * c.hidden_size ** -0.5,
+            torch.randn(c.num_experts, c.hidden_size, c.moe_intermediate_size, device="cuda",
+                        dtype=torch.bfloat16) * c.moe_intermediate_size ** -0.5)
+
+
 def main():
     args, bw, flops = kernel_bench_start(__doc__, "moe_bench.json", reps=50, profile=True)
     c = shape_config("qwen3-30b-a3b")
-    weights = (torch.randn(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size, device="cuda",
-                           dtype=torch.bfloat16) * c.hidden_size ** -0.5,
-               torch.randn(c.num_experts, c.hidden_size, c.moe_intermediate_size, device="cuda",
-                           dtype=torch.bfloat16) * c.moe_intermediate_size ** -0.5)
+    weights = layer_weights(c)
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {flops / 1e12:.0f} TFLOP/s; "
           f"Qwen3-30B-A3B MoE layer: {c.num_experts} experts {c.hidden_size}x{c.moe_intermediate_size}, "
           f"top-{c.num_experts_per_tok}", flush=True)

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err, sweep_timed
+from bench.moe_bench import layer_weights
 from blink.models.kernels import reference
 from blink.models.kernels.moe import combine_top_k, fused_moe, route
 from blink.models.shapes import shape_config
@@ -129,10 +130,7 @@ def bench_tokens(tokens: int, weights, top_k: int, bw: float, reps: int) -> dict
 def main():
     args, bw, _ = kernel_bench_start(__doc__, "moe_decode_bench.json", reps=20, sweep=False)
     c = shape_config("qwen3-30b-a3b")
-    weights = (torch.randn(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size, device="cuda",
-                           dtype=torch.bfloat16) * c.hidden_size ** -0.5,
-               torch.randn(c.num_experts, c.hidden_size, c.moe_intermediate_size, device="cuda",
-                           dtype=torch.bfloat16) * c.moe_intermediate_size ** -0.5)
+    weights = layer_weights(c)
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; Qwen3-30B-A3B MoE layer, {CALLS} layers per "
           "graph", flush=True)
     rows = [bench_tokens(tokens, weights, c.num_experts_per_tok, bw, args.reps) for tokens in TOKENS]
