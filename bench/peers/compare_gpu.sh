@@ -10,7 +10,8 @@
 #                                            a closed loop of 64 streams (saturation) and one stream of 16 requests
 #                                            (latency) (~9 min: vLLM's second start ~115 s, its colocated runs ~4 min)
 #   bash bench/peers/compare_gpu.sh peer     transformers' continuous batching on PEER_PROMPTS requests (~4 min)
-#   bash bench/peers/compare_gpu.sh report   every cell measured so far in this OUT, side by side
+#   bash bench/peers/compare_gpu.sh report   every cell measured so far in this OUT, side by side, and every run as a
+#                                            Markdown row ($OUT/compare_table.md)
 # Environment (defaults): OUT=out SHAPE=qwen3-8b PROMPTS=128 RATES=16,64,inf PEER_PROMPTS=8 HOGS=4*nproc
 #   BLINK_COMMIT (recorded). CPU dry run without vLLM: VLLM_PROMPTS=0 SHAPE=tiny-qwen3 DEVICE=cpu PROMPTS=8
 #   RATES=4,inf PEER_PROMPTS=2 HOGS=2 BENCH_ARGS="--output-len 16" bash bench/peers/compare_gpu.sh cold
@@ -42,6 +43,10 @@ case "$cell" in
   report)
     for report in "$OUT"/{warm,cold,peer}/serving_report*.txt; do
       [ -e "$report" ] && echo "== $report" && cat "$report"
-    done | tee "$OUT/compare_report.txt" ;;
+    done | tee "$OUT/compare_report.txt"
+    # Every run as one Markdown row, as docs/benchmarks.md's tables have them.
+    results=$(ls "$OUT"/{warm,cold,peer}/serving_*.json 2>/dev/null)
+    [ -n "$results" ] && PYTHONPATH=src python -m blink.cli bench report $results --markdown \
+      | tee "$OUT/compare_table.md" ;;
   *) echo "unknown cell: $cell (warm | cold | peer | report)"; exit 2 ;;
 esac

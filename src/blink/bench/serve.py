@@ -95,6 +95,8 @@ def add_parsers(subparsers) -> None:
     r = subparsers.add_parser("report", help="summary and plots of result JSONs of blink bench serve")
     r.add_argument("results", nargs="+", help="result JSON files")
     r.add_argument("--plot-dir", default=None, help="write PNG plots of every run here")
+    r.add_argument("--markdown", action="store_true", help="print the runs as a Markdown table instead of the summary "
+                   "(the columns of docs/benchmarks.md's serving tables)")
     r.set_defaults(run=report)
 
 
@@ -317,13 +319,16 @@ def report(args) -> int:
     for path in args.results:
         with open(path) as f:
             runs += json.load(f)["runs"]
-    summarize(runs, args.plot_dir)
+    summarize(runs, args.plot_dir, args.markdown)
     return 0
 
 
-def summarize(runs: list[dict], plot_dir: str | None) -> None:
-    """Print ``summary(runs)``; write the plots into ``plot_dir`` if given."""
-    print(summary(runs))
+def summarize(runs: list[dict], plot_dir: str | None, markdown: bool = False) -> None:
+    """Print ``summary(runs)`` (``markdown``: the Markdown table of ``tables`` instead); write the plots into
+    ``plot_dir`` if given."""
+    from blink.bench import tables
+
+    print(tables.markdown(runs) if markdown else summary(runs))
     if plot_dir:
         from blink.bench.plots import write_plots
         for path in write_plots(runs, plot_dir):
