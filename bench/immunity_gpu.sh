@@ -24,7 +24,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
-OUT=${OUT:-out} PROMPTS=${PROMPTS:-256} PEER_PROMPTS=${PEER_PROMPTS:-32} SERVE_ARGS=${SERVE_ARGS:-} REPEATS=${REPEATS:-1}
+OUT=${OUT:-out} PROMPTS=${PROMPTS:-256} PEER_PROMPTS=${PEER_PROMPTS:-32} SERVE_ARGS=${SERVE_ARGS:-}
+REPEATS=${REPEATS:-1}
 RESERVED=${RESERVED:-$(python -c "import os; c = sorted(os.sched_getaffinity(0)); print(','.join(map(str, c[-2:])))")}
 layout=${1:?usage: bash bench/immunity_gpu.sh shared|client-high|reserved|report}
 BASE="--max-concurrency 64 --hog-kind ${HOG_KIND:-mixed}"

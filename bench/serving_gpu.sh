@@ -7,14 +7,15 @@
 #
 # Environment (defaults): SHAPE=qwen3-8b DEVICE=cuda PROMPTS=256 RATES=16,32,64,inf PEER_PROMPTS=128 PEER_RATES=inf
 #   HOGS=4*nproc PEER_TIMEOUT=300 (s; the peer's JSON is rewritten after each run, so a cut-off run keeps the others)
-#   PEER_PROMPTS=0 runs blink alone; PROMPTS=0 leaves blink out (vLLM or the peer alone). PORT=8321 BENCH_ARGS="" (more `blink bench serve` options for both backends)
+#   PEER_PROMPTS=0 runs blink alone; PROMPTS=0 leaves blink out (vLLM or the peer alone). PORT=8321 BENCH_ARGS=""
+#   (more `blink bench serve` options for both backends)
 #   SERVE_ARGS="" (more `blink serve` options, e.g. "--agent-priority high"). CLIENT_PRIORITY=normal (high: blink's
 #   load generator at nice -10, so that the hogs contend with the server and not with the client that measures it;
 #   the peer's client keeps normal priority, as its model runs in that process). The peer runs the first
 #   PEER_PROMPTS requests of the same dataset (request i depends only on the seed and i). VLLM_PROMPTS=0 (vLLM off;
 #   on, it serves the first VLLM_PROMPTS requests at RATES with the limits of vllm_gpu.sh, VLLM_ARGS passed on).
-#   WARMUPS=0 (requests sent at once to blink and vLLM before each condition's sweep, not measured). Both cache prefixes by
-#   default and every run of a sweep sends the same requests, so only the first run meets a cold cache:
+#   WARMUPS=0 (requests sent at once to blink and vLLM before each condition's sweep, not measured). Both cache
+#   prefixes by default and every run of a sweep sends the same requests, so only the first run meets a cold cache:
 #   WARMUPS=PROMPTS makes every run warm, SERVE_ARGS / VLLM_ARGS=--no-enable-prefix-caching every run cold.
 #   RUNS="" (one run); or NAME:ARGS;NAME:ARGS;...: blink and vLLM each serve every named run in turn from one start,
 #   its ARGS after the defaults (so "closed:--sweep inf --max-concurrency 64" overrides RATES), into

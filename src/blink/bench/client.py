@@ -46,6 +46,12 @@ def parse_counters(text: str) -> dict[str, float]:
     return values
 
 
+def server_mean_ttft_ms(server: dict | None) -> float | None:
+    """blink's own mean time to first token over a run (``server``: the counters' changes), None where not told."""
+    total, count = ((server or {}).get(name) for name in SERVER_TTFT)
+    return total / count * 1e3 if count else None
+
+
 def tokens_per_step(server: dict | None) -> float | None:
     """Mean tokens a model step computed over a run (``server``: the counters' changes), None where not told."""
     server = server or {}

@@ -173,7 +173,7 @@ async def benchmark(backend, requests: list, args, save, hog_cpus) -> list[dict]
     far, backend info)`` after each run, so a benchmark cut short keeps what it measured. Returns the run records."""
     from blink.bench import metrics
     from blink.bench.energy import EnergyMeter
-    from blink.bench.client import CPU_COUNTER, SERVER_TTFT, tokens_per_step
+    from blink.bench.client import CPU_COUNTER, server_mean_ttft_ms, tokens_per_step
     from blink.bench.traffic import arrival_times, send_all
 
     rates = args.sweep or [args.request_rate]
@@ -205,12 +205,11 @@ async def benchmark(backend, requests: list, args, save, hog_cpus) -> list[dict]
                     result = metrics.compute(outputs, duration, slo_ttft_ms=args.slo_ttft_ms,
                                              slo_tpot_ms=args.slo_tpot_ms)
                     print(metrics.table(result, rate, args.max_concurrency), flush=True)
-                    ttft_s, ttft_n = ((server or {}).get(name) for name in SERVER_TTFT)
                     runs.append({"label": args.label or args.backend, "condition": condition, "interference": hogs,
                                  "request_rate": rate_json(rate),
                                  "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
                                  "energy": meter.result(result["total_output_tokens"]), "server": server, **cpu,
-                                 "server_mean_ttft_ms": ttft_s / ttft_n * 1e3 if ttft_n else None,
+                                 "server_mean_ttft_ms": server_mean_ttft_ms(server),
                                  "server_tokens_per_step": tokens_per_step(server), **result})
                     save(runs, backend.info())
     return runs
@@ -279,6 +278,7 @@ def host() -> dict:
 def summary(runs: list[dict]) -> str:
     """One line per run, then colocated / isolated ratios per label and rate, then each series' saturation."""
     from blink.bench.plots import colocation_pairs, series
+    from blink.bench.tables import number
 
     width = max([10] + [len(run["label"]) for run in runs])
     lines = [(f"{'label':<{width}} {'condition':<10} {'rate':>6} {'req/s':>8} {'out tok/s':>10} "
@@ -288,9 +288,9 @@ def summary(runs: list[dict]) -> str:
         lines.append(f"{run['label']:<{width}} {run['condition']:<10} {run['request_rate']:>6} "
                      f"{run['request_throughput']:>8.2f} {run['output_throughput']:>10.1f} "
                      f"{run['p50_ttft_ms']:>7.2f} / {run['p99_ttft_ms']:<6.2f} {run['p99_tpot_ms']:>12.2f} "
-                     f"{_number(run.get('p99_worst_gap_ms'), '.2f'):>17} "
-                     f"{_number(run.get('server_cpu_ms_per_1k_tokens'), '.1f'):>21} "
-                     f"{_number(run['energy']['joules_per_output_token'], '.4f'):>10}")
+                     f"{number(run.get('p99_worst_gap_ms'), '.2f'):>17} "
+                     f"{number(run.get('server_cpu_ms_per_1k_tokens'), '.1f'):>21} "
+                     f"{number(run['energy']['joules_per_output_token'], '.4f'):>10}")
     for iso, col in colocation_pairs(runs):
         ratios = ", ".join(f"{name} {_ratio(col.get(key), iso.get(key))}" for name, key in (
             ("P50 TTFT", "p50_ttft_ms"), ("P99 TTFT", "p99_ttft_ms"), ("P99 TPOT", "p99_tpot_ms"),
@@ -303,11 +303,6 @@ def summary(runs: list[dict]) -> str:
     for name, rs in series(runs).items():
         lines.append(f"saturation {name}: {max(r['output_throughput'] for r in rs):.1f} output tokens/s")
     return "\n".join(lines)
-
-
-def _number(value, fmt: str) -> str:
-    """A metric as text; n/a where a run does not have it (a server without /metrics, no energy meter, older JSON)."""
-    return "n/a" if value is None else format(value, fmt)
 
 
 def _ratio(a, b) -> str:
