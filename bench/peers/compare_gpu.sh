@@ -44,9 +44,11 @@ case "$cell" in
     for report in "$OUT"/{warm,cold,peer}/serving_report*.txt; do
       [ -e "$report" ] && echo "== $report" && cat "$report"
     done | tee "$OUT/compare_report.txt"
-    # Every run as one Markdown row, as docs/benchmarks.md's tables have them.
-    results=$(ls "$OUT"/{warm,cold,peer}/serving_*.json 2>/dev/null)
-    [ -n "$results" ] && PYTHONPATH=src python -m blink.cli bench report $results --markdown \
-      | tee "$OUT/compare_table.md" ;;
+    # Every run as one Markdown row, as docs/benchmarks.md's tables have them, one table per cell.
+    for name in warm cold peer; do
+      results=$(ls "$OUT/$name"/serving_*.json 2>/dev/null)
+      [ -n "$results" ] && echo "### $name" && echo && PYTHONPATH=src python -m blink.cli bench report $results \
+        --markdown && echo
+    done | tee "$OUT/compare_table.md" ;;
   *) echo "unknown cell: $cell (warm | cold | peer | report)"; exit 2 ;;
 esac
