@@ -19,14 +19,17 @@ CPU_COUNTER = "process_cpu_seconds_total"
 # blink's own time to first token: from a request's submission to the ring to its first token (the histogram's total
 # and count), the part of the client's TTFT that the HTTP path and the client do not add to.
 SERVER_TTFT = ("blink_time_to_first_token_seconds_sum", "blink_time_to_first_token_seconds_count")
+# blink's HTTP server's time to first token: from a streamed request's arrival to its first chunk written, so the
+# client's TTFT less this is the network's and the client's own share.
+SERVER_HTTP_TTFT = ("blink_http_time_to_first_chunk_seconds_sum", "blink_http_time_to_first_chunk_seconds_count")
 # Tokens computed per model step, from blink's step and token counters, or vLLM's histogram of the tokens each engine
 # step scheduled: at a given arrival rate, fewer tokens per step means more steps (each reading every weight) per token.
 BLINK_STEP_TOKENS = ("blink_engine_steps_total", "blink_generation_tokens_total", "blink_prefill_tokens_total")
 VLLM_STEP_TOKENS = ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum")
 # The server's counters a run records, as their change over the run (blink's /metrics; another server has fewer).
 SERVER_COUNTERS = ("blink_prefix_cache_queries_total", "blink_prefix_cache_hits_total",
-                   "blink_prefix_cache_evictions_total", CPU_COUNTER, *SERVER_TTFT, *BLINK_STEP_TOKENS,
-                   *VLLM_STEP_TOKENS)
+                   "blink_prefix_cache_evictions_total", CPU_COUNTER, *SERVER_TTFT, *SERVER_HTTP_TTFT,
+                   *BLINK_STEP_TOKENS, *VLLM_STEP_TOKENS)
 # Seconds an idle connection is kept for reuse: less than any server's own keep-alive (blink's keepalive_timeout_s,
 # uvicorn's 5 s under vLLM): reusing a connection the server is closing fails the request with ServerDisconnectedError.
 KEEPALIVE_S = 2.0
@@ -46,9 +49,10 @@ def parse_counters(text: str) -> dict[str, float]:
     return values
 
 
-def server_mean_ttft_ms(server: dict | None) -> float | None:
-    """blink's own mean time to first token over a run (``server``: the counters' changes), None where not told."""
-    total, count = ((server or {}).get(name) for name in SERVER_TTFT)
+def histogram_mean_ms(server: dict | None, histogram: tuple[str, str]) -> float | None:
+    """The mean of a server's latency histogram (``SERVER_TTFT``, ``SERVER_HTTP_TTFT``: its sum and count) over a
+    run (``server``: the counters' changes), in ms; None where the server does not tell it."""
+    total, count = ((server or {}).get(name) for name in histogram)
     return total / count * 1e3 if count else None
 
 

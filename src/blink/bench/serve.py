@@ -173,7 +173,8 @@ async def benchmark(backend, requests: list, args, save, hog_cpus) -> list[dict]
     far, backend info)`` after each run, so a benchmark cut short keeps what it measured. Returns the run records."""
     from blink.bench import metrics
     from blink.bench.energy import EnergyMeter
-    from blink.bench.client import CPU_COUNTER, server_mean_ttft_ms, tokens_per_step
+    from blink.bench.client import (CPU_COUNTER, SERVER_HTTP_TTFT, SERVER_TTFT, histogram_mean_ms,
+                                    tokens_per_step)
     from blink.bench.traffic import arrival_times, send_all
 
     rates = args.sweep or [args.request_rate]
@@ -209,7 +210,8 @@ async def benchmark(backend, requests: list, args, save, hog_cpus) -> list[dict]
                                  "request_rate": rate_json(rate),
                                  "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
                                  "energy": meter.result(result["total_output_tokens"]), "server": server, **cpu,
-                                 "server_mean_ttft_ms": server_mean_ttft_ms(server),
+                                 "server_mean_ttft_ms": histogram_mean_ms(server, SERVER_TTFT),
+                                 "server_http_mean_ttft_ms": histogram_mean_ms(server, SERVER_HTTP_TTFT),
                                  "server_tokens_per_step": tokens_per_step(server), **result})
                     save(runs, backend.info())
     return runs
@@ -295,7 +297,8 @@ def summary(runs: list[dict]) -> str:
         ratios = ", ".join(f"{name} {_ratio(col.get(key), iso.get(key))}" for name, key in (
             ("P50 TTFT", "p50_ttft_ms"), ("P99 TTFT", "p99_ttft_ms"), ("P99 TPOT", "p99_tpot_ms"),
             ("P99 worst gap", "p99_worst_gap_ms"), ("server CPU/token", "server_cpu_ms_per_1k_tokens"),
-            ("mean TTFT", "mean_ttft_ms"), ("server's mean TTFT", "server_mean_ttft_ms"),
+            ("mean TTFT", "mean_ttft_ms"), ("HTTP server's mean TTFT", "server_http_mean_ttft_ms"),
+            ("ring's mean TTFT", "server_mean_ttft_ms"),
             ("tokens per step", "server_tokens_per_step")))
         lines.append(f"{iso['label']} @ {iso['request_rate']}: colocated/isolated output throughput "
                      f"{_ratio(col['output_throughput'], iso['output_throughput'])}, {ratios} "

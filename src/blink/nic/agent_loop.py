@@ -219,6 +219,11 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("blink_e2e_request_latency_seconds", "From submission to the end of the request",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        # The HTTP server's share besides the ring's: from a streamed request's headers to its first token's chunk
+        # written (body, parsing, tokenization and the chunk's write on top of blink_time_to_first_token_seconds).
+        self.http_ttft = Histogram("blink_http_time_to_first_chunk_seconds",
+                                   "From a streamed request's arrival at the HTTP server to its first token's chunk "
+                                   "written", buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("blink_prompt_tokens", "Prompt tokens submitted", registry=r)
         self.requests = Counter("blink_requests_finished", "Requests ended, by finish reason", ["finish_reason"],
                                 registry=r)

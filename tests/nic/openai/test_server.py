@@ -384,9 +384,7 @@ def test_metrics_report_ring_counters_and_latencies(served):
     served.client().completions.create(model=MODEL, prompt="metrics", max_tokens=5, seed=1,
                                        extra_body={"ignore_eos": True})
     stats = served.wait_idle()
-    _, _, body = raw_request(served.port, "/metrics", b"", "GET")
-    samples = {s.name + json.dumps(s.labels, sort_keys=True): s.value
-               for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+    samples = scrape(served)
     assert samples["blink_generation_tokens_total{}"] == stats["tokens"]
     assert samples["blink_engine_steps_total{}"] == stats["steps"]
     assert samples["blink_preemptions_total{}"] == stats["preempted"] == 0
@@ -396,6 +394,7 @@ def test_metrics_report_ring_counters_and_latencies(served):
     assert samples["blink_time_to_first_token_seconds_count{}"] >= 1
     assert samples["blink_e2e_request_latency_seconds_count{}"] >= 1
     assert "blink_kv_cache_usage_ratio{}" in samples and "blink_inter_token_latency_seconds_count{}" in samples
+    assert "blink_http_time_to_first_chunk_seconds_count{}" in samples
     for name, word in [("blink_prefix_cache_queries_total{}", "prefix_query_tokens"),
                        ("blink_prefix_cache_hits_total{}", "prefix_hit_tokens"),
                        ("blink_prefix_cache_evictions_total{}", "prefix_evictions"),
@@ -403,6 +402,34 @@ def test_metrics_report_ring_counters_and_latencies(served):
                        ("blink_prefix_cache_pages{}", "cached_pages")]:
         assert samples[name] == stats[word], name
     assert stats["prefix_query_tokens"] > 0 and 0 <= samples["blink_prefix_cache_hit_rate{}"] <= 1
+
+
+def test_http_time_to_first_chunk_times_each_streamed_request_around_its_ring_time(served):
+    """One observation per streamed request, none for a whole answer; a request's HTTP time (arrival -> first chunk
+    written) holds its ring time (submission -> first token), so the sums over the same requests are ordered."""
+    http, ring = "blink_http_time_to_first_chunk_seconds", "blink_time_to_first_token_seconds"
+    before = scrape(served)
+    for seed in (1, 2):
+        chunks = served.client().completions.create(model=MODEL, prompt="timed", max_tokens=4, seed=seed, stream=True)
+        assert sum(1 for _ in chunks) >= 1
+    served.wait_idle()
+    streamed = scrape(served)
+    change = {key: streamed[key + "{}"] - before[key + "{}"] for key in (f"{http}_count", f"{http}_sum",
+                                                                          f"{ring}_count", f"{ring}_sum")}
+    assert change[f"{http}_count"] == change[f"{ring}_count"] == 2
+    assert change[f"{http}_sum"] >= change[f"{ring}_sum"] > 0
+    served.client().completions.create(model=MODEL, prompt="whole", max_tokens=4, seed=3)
+    served.wait_idle()
+    after = scrape(served)
+    assert after[f"{http}_count{{}}"] == streamed[f"{http}_count{{}}"]
+    assert after[f"{ring}_count{{}}"] == streamed[f"{ring}_count{{}}"] + 1
+
+
+def scrape(served) -> dict[str, float]:
+    """The server's /metrics, ``name{labels as JSON}`` -> value."""
+    _, _, body = raw_request(served.port, "/metrics", b"", "GET")
+    return {s.name + json.dumps(s.labels, sort_keys=True): s.value
+            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import uuid
 
 from aiohttp import web
 
-from blink.nic.agent_loop import Submission
+from blink.nic.agent_loop import Metrics, Submission
 from blink.nic.openai.errors import REFUSALS, api_error
 from blink.nic.openai.requests import Job
 from blink.nic.openai.sse import DONE, ChunkFormat, event
@@ -21,10 +21,11 @@ from blink.nic.text import TextStream, Tokenizer
 
 class Responder:
     """Writes the answers of one model's requests (``model_name`` is what the responses say they came from). A
-    request of ``n`` choices is ``n`` ring requests, one per choice, in choice order."""
+    request of ``n`` choices is ``n`` ring requests, one per choice, in choice order. A stream's first token's
+    chunk, once written, is timed from the request's arrival into ``metrics.http_ttft``."""
 
-    def __init__(self, tokenizer: Tokenizer, model_name: str):
-        self.tokenizer, self.model_name = tokenizer, model_name
+    def __init__(self, tokenizer: Tokenizer, model_name: str, metrics: Metrics):
+        self.tokenizer, self.model_name, self.metrics = tokenizer, model_name, metrics
 
     async def complete(self, job: Job, reqs: list[Submission]) -> web.Response:
         texts = [TextStream(self.tokenizer, job.stop) for _ in reqs]
@@ -34,10 +35,11 @@ class Responder:
         return web.json_response({**self._head(job, chunk=False), "choices": choices,
                                   "usage": self._usage(job, texts)})
 
-    async def stream(self, request: web.Request, job: Job, reqs: list[Submission]) -> web.StreamResponse:
+    async def stream(self, request: web.Request, job: Job, reqs: list[Submission],
+                     arrival: float | None = None) -> web.StreamResponse:
         """SSE: each batch of a choice's tokens is one chunk; every chunk formatted since the handler last woke (the
         tokens of every poll it slept through, and at the end the usage chunk and ``[DONE]``) goes out in one
-        write."""
+        write. ``arrival``: when the request came (``time.monotonic()``), None to leave it untimed."""
         texts = [TextStream(self.tokenizer, job.stop) for _ in reqs]
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -58,6 +60,9 @@ class Responder:
                 if pending and not (remaining and more):
                     await response.write(b"".join(pending))
                     pending.clear()
+                    if arrival is not None:
+                        self.metrics.http_ttft.observe(time.monotonic() - arrival)
+                        arrival = None
         except REFUSALS as e:
             with suppress(ConnectionResetError):    # a client that left before the end is no error of the server's
                 await response.write(b"".join([*pending, event(api_error(e).body()), DONE]))

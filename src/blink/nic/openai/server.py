@@ -66,8 +66,8 @@ class OpenAIServer:
         self.exit_code = 0
         self.stopped = asyncio.Event()
         self.parser = Parser(tokenizer, config.model_name, agent, config.defaults)
-        self.responder = Responder(tokenizer, config.model_name)
         self.metrics = Metrics()
+        self.responder = Responder(tokenizer, config.model_name, self.metrics)
         self.loop = AgentLoop(agent, self.metrics, config.loop)
         self.metrics.watch(self.loop)
         self.drain = Drain(self.loop, config.drain)
@@ -140,10 +140,10 @@ class OpenAIServer:
         self.stopped.set()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, await self._parse(request, self.parser.completion))
+        return await self._answer(request, self.parser.completion)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, await self._parse(request, self.parser.chat))
+        return await self._answer(request, self.parser.chat)
 
     async def models(self, request: web.Request) -> web.Response:
         model = {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "blink",
@@ -161,6 +161,10 @@ class OpenAIServer:
 
     # -- one request -----------------------------------------------------------------------------------------------
 
+    async def _answer(self, request: web.Request, parse) -> web.StreamResponse:
+        arrival = time.monotonic()      # the headers are in: a streamed answer's first chunk is timed from here
+        return await self._serve(request, await self._parse(request, parse), arrival)
+
     async def _parse(self, request: web.Request, parse) -> Job:
         """The request's body, parsed and tokenized off the event loop."""
         deadline = asyncio.get_running_loop().time() + self.config.limits.body_timeout_s
@@ -168,13 +172,13 @@ class OpenAIServer:
             body = json_body(await read_body(request, self.config.limits, deadline))
             return await asyncio.get_running_loop().run_in_executor(self._tokenizing, parse, body)
 
-    async def _serve(self, request: web.Request, job: Job) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, job: Job, arrival: float) -> web.StreamResponse:
         reqs = []
         try:
             for params in job.choice_params():
                 reqs.append(self.loop.submit(job.prompt, params, job.priority))
             if job.stream:
-                return await self.responder.stream(request, job, reqs)
+                return await self.responder.stream(request, job, reqs, arrival)
             return await self.responder.complete(job, reqs)
         except RequestError as e:       # a limit of the ring the parser did not know of: nothing was queued
             raise api_error(e) from None
