@@ -7,6 +7,9 @@
 #                                            peer's process (its model runs in the client) at nice -10 too
 #   bash bench/immunity_gpu.sh reserved      hogs kept off RESERVED, where the agent (--cpus) and the client run (a
 #                                            DPU or reserved-cpuset stand-in); the peer runs there too
+#   bash bench/immunity_gpu.sh client-apart  hogs kept off RESERVED, where the client runs at nice -10 (a client on
+#                                            another host, which the hogs cannot slow); `blink serve` at its defaults on
+#                                            the other cores (taskset), among the hogs; the peer beside its client
 #   bash bench/immunity_gpu.sh report        the layouts measured so far in this OUT, side by side
 # Each layout is bench/serving_gpu.sh (RATES=inf, --max-concurrency 64, --ignore-eos, WARMUPS=PROMPTS: every request
 # once before each condition's run, so that both meet the prefix cache warm and their connections open; without them
@@ -27,7 +30,9 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out} PROMPTS=${PROMPTS:-256} PEER_PROMPTS=${PEER_PROMPTS:-32} SERVE_ARGS=${SERVE_ARGS:-}
 REPEATS=${REPEATS:-1}
 RESERVED=${RESERVED:-$(python -c "import os; c = sorted(os.sched_getaffinity(0)); print(','.join(map(str, c[-2:])))")}
-layout=${1:?usage: bash bench/immunity_gpu.sh shared|client-high|reserved|report}
+OTHERS=$(python -c "import os, sys; kept = set(map(int, sys.argv[1].split(',')))
+print(','.join(str(c) for c in sorted(os.sched_getaffinity(0)) if c not in kept))" "$RESERVED")
+layout=${1:?usage: bash bench/immunity_gpu.sh shared|client-high|reserved|client-apart|report}
 BASE="--max-concurrency 64 --hog-kind ${HOG_KIND:-mixed}"
 export WARMUPS=$PROMPTS
 mkdir -p "$OUT"
@@ -49,15 +54,19 @@ layout_run() {
     reserved)
       OUT="$dir" RATES=inf PROMPTS=$PROMPTS PEER_PROMPTS=$PEER_PROMPTS SERVE_ARGS="--cpus $RESERVED $SERVE_ARGS" \
         BENCH_ARGS="$BASE --reserve-cpus $RESERVED" bash bench/serving_gpu.sh ;;
+    client-apart)
+      OUT="$dir" RATES=inf PROMPTS=$PROMPTS PEER_PROMPTS=$PEER_PROMPTS SERVE_ARGS="$SERVE_ARGS" SERVE_CPUS="$OTHERS" \
+        CLIENT_PRIORITY=high BENCH_ARGS="$BASE --reserve-cpus $RESERVED --client-priority high" \
+        bash bench/serving_gpu.sh ;;
   esac
 }
 case "$layout" in
-  shared|client-high|reserved)
+  shared|client-high|reserved|client-apart)
     for i in $(seq "$REPEATS"); do
       if [ "$REPEATS" -gt 1 ]; then layout_run "$layout-$i" || status=1; else layout_run "$layout" || status=1; fi
     done ;;
   report) ;;
-  *) echo "unknown layout: $layout (shared | client-high | reserved | report)"; exit 2 ;;
+  *) echo "unknown layout: $layout (shared | client-high | reserved | client-apart | report)"; exit 2 ;;
 esac
 # The labels say the layout: blink-shared, hf-reserved, ...
 python - "$OUT" <<'PY' || status=1

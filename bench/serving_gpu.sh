@@ -9,7 +9,8 @@
 #   HOGS=4*nproc PEER_TIMEOUT=300 (s; the peer's JSON is rewritten after each run, so a cut-off run keeps the others)
 #   PEER_PROMPTS=0 runs blink alone; PROMPTS=0 leaves blink out (vLLM or the peer alone). PORT=8321 BENCH_ARGS=""
 #   (more `blink bench serve` options for both backends)
-#   SERVE_ARGS="" (more `blink serve` options, e.g. "--agent-priority high"). CLIENT_PRIORITY=normal (high: blink's
+#   SERVE_ARGS="" (more `blink serve` options, e.g. "--agent-priority high"). SERVE_CPUS="" (the cores `blink serve`
+#   may use, as `taskset -c SERVE_CPUS blink serve`; default: all). CLIENT_PRIORITY=normal (high: blink's
 #   load generator at nice -10, so that the hogs contend with the server and not with the client that measures it;
 #   the peer's client keeps normal priority, as its model runs in that process). The peer runs the first
 #   PEER_PROMPTS requests of the same dataset (request i depends only on the seed and i). VLLM_PROMPTS=0 (vLLM off;
@@ -29,6 +30,7 @@ OUT=${OUT:-out}
 SHAPE=${SHAPE:-qwen3-8b} DEVICE=${DEVICE:-cuda} PROMPTS=${PROMPTS:-256} RATES=${RATES:-16,32,64,inf}
 PEER_PROMPTS=${PEER_PROMPTS:-128} PEER_RATES=${PEER_RATES:-inf} HOGS=${HOGS:-$((4 * $(nproc)))}
 PEER_TIMEOUT=${PEER_TIMEOUT:-300} PORT=${PORT:-8321} BENCH_ARGS=${BENCH_ARGS:-} SERVE_ARGS=${SERVE_ARGS:-}
+SERVE_CPUS=${SERVE_CPUS:-}
 CLIENT_PRIORITY=${CLIENT_PRIORITY:-normal} VLLM_PROMPTS=${VLLM_PROMPTS:-0} WARMUPS=${WARMUPS:-0}
 mkdir -p "$OUT"
 # The GPU machine has no network: if its image lacks nvidia-ml-py (energy) or matplotlib (plots), install them from
@@ -56,7 +58,7 @@ bench_runs() {
 
 # blink: engine + agent over a shared-memory ring; prompts <= 1024 and prompt + output <= 2048 tokens (datasets.py).
 if [ "$PROMPTS" -gt 0 ]; then
-  python -m blink.cli serve "$model" --load-format dummy --device "$DEVICE" --port "$PORT" --slots 512 \
+  ${SERVE_CPUS:+taskset -c "$SERVE_CPUS"} python -m blink.cli serve "$model" --load-format dummy --device "$DEVICE" --port "$PORT" --slots 512 \
     --max-prompt-tokens 1024 --max-output-tokens 2048 $SERVE_ARGS > "$OUT/serving_server.log" 2>&1 &
   server=$!
   python -m bench.wait_healthy "$PORT" "$server" "$OUT/serving_server.log" || status=1

@@ -23,7 +23,7 @@ def test_reserved_cores_are_kept_from_the_hogs_and_hold_the_client():
     last = ALLOWED[-1]
     reserved = layout([last], None)
     assert reserved.hog_cpus == ALLOWED[:-1] and reserved.client_cpus == (last,) and reserved.name == "reserved"
-    assert f"cores {last} reserved for the server (start it there: taskset -c {last} blink serve ...)" in \
+    assert f"cores {last} kept from them (a server's: taskset -c {last} blink serve ...; or a client's alone" in \
         reserved.describe()
     assert layout([last], [ALLOWED[0]]).client_cpus == (ALLOWED[0],), "--client-cpus puts the client elsewhere"
     assert reserved.as_json() == {"name": "reserved", "hog_cpus": list(ALLOWED[:-1]), "reserved": [last],

@@ -45,8 +45,8 @@ class Layout:
         """One line: where hogs, client (and the server, for the reserved layout) run."""
         where = f"hogs on cores {cpu_list(self.hog_cpus)}"
         if self.reserved:
-            where += f", cores {cpu_list(self.reserved)} reserved for the server (start it there: taskset -c " \
-                     f"{cpu_list(self.reserved)} blink serve ...)"
+            where += f", cores {cpu_list(self.reserved)} kept from them (a server's: taskset -c " \
+                     f"{cpu_list(self.reserved)} blink serve ...; or a client's alone, as if on another host)"
         client = f"cores {cpu_list(self.client_cpus)}" if self.client_cpus else "any core"
         return f"layout {self.name}: {where}; client on {client}"
 
