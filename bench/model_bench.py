@@ -23,7 +23,9 @@ Run: ``PYTHONPATH=src python3 -m bench.model_bench [--models llama-3-8b ...] [--
 context CTX (``prefill``: the prefill step), timed and then broken down per kernel: GPU time per step and the time
 no kernel runs. Profiles run in a process of their own because graph replays after a CUPTI profile in the same
 process are slower (docs/benchmarks.md). ``--power`` adds each decode step's board power (NVML), the step replayed
-back to back from the host for 3 s, and its joules per token: the kernels' own watts, to set beside a server's.
+back to back from the host for 3 s, and its joules per step and per token: the kernels' own watts, to set beside a
+server's; and the same for the weight GEMMs alone (cuBLAS, at batches 1, 16, 64, 256), so that the step's energy
+splits into its GEMMs' and the rest's.
 Correctness of what is timed: ``tests/models`` (``-m gpu`` on the GPU).
 """
 from __future__ import annotations
@@ -138,8 +140,9 @@ def gemm_weight_bytes(model) -> int:
     return sum(w.numel() * w.element_size() for w in gemm_weights(model))
 
 
-def gemms_only_ms(model, batch: int, reps: int) -> float:
-    """The step's weight GEMMs alone at ``batch`` rows (the LM head at one row per sequence), graph-captured."""
+def gemms_only_graph(model, batch: int) -> torch.cuda.CUDAGraph:
+    """The step's weight GEMMs alone at ``batch`` rows (the LM head at one row per sequence), graph-captured: cuBLAS,
+    as vLLM runs them, so their power beside the whole step's tells the rest of the step's kernels apart."""
     c = model.config
     x = {n: torch.randn(batch, n, device="cuda", dtype=model.dtype) for n in (c.hidden_size, c.q_size,
                                                                              c.intermediate_size)}
@@ -152,13 +155,25 @@ def gemms_only_ms(model, batch: int, reps: int) -> float:
             for a, w in weights:
                 torch.nn.functional.linear(a, w)
     torch.cuda.synchronize()
-    return events_median_ms(graph.replay, reps)
+    return graph
+
+
+def add_power(row: dict, graph, label: str) -> None:
+    """The board power of ``graph`` replayed back to back (``row``'s step), its joules per step and per token."""
+    watts = replay_power(graph.replay, row["step_ms"])
+    if watts is None:
+        return
+    row.update(power_w=watts["mean_power_w"], joules_per_step=watts["joules_per_step"],
+               joules_per_token=watts["joules_per_step"] / row["batch"])
+    print(f"  {label}: {watts['mean_power_w']:.0f} W back to back, {watts['joules_per_step']:.4f} J per step, "
+          f"{watts['joules_per_step'] / row['batch']:.4f} J per token", flush=True)
 
 
 def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib: float, reps: int,
                 profile: set, power: bool = False) -> list[dict]:
     """Every step of the table, or (``profile`` not empty) only the profiled ones; with ``power``, each decode step's
-    board power replayed back to back from the host (no scheduler) and its joules per token."""
+    and each weight-GEMMs-only graph's board power replayed back to back from the host (no scheduler) and its joules
+    per step and per token."""
     t0 = time.time()
     plan = plan_memory(config, torch.cuda.mem_get_info()[1], PAGE, 0.9, LAYOUT.max_num_batched_tokens,
                        LAYOUT.max_num_seqs)
@@ -195,17 +210,19 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
                   f"roofline {roof:7.3f} ms  x{ms / roof:.2f}", flush=True)
             if (batch, ctx) in profile:
                 rows[-1]["profile"] = kernel_profile(graph, ms)
-            if power and (watts := replay_power(graph.replay, ms)):
-                rows[-1].update(power_w=watts["mean_power_w"], joules_per_token=watts["joules_per_step"] / batch)
-                print(f"  decode B={batch:4d} ctx={ctx:5d}: {watts['mean_power_w']:.0f} W back to back, "
-                      f"{watts['joules_per_step'] / batch:.4f} J per token", flush=True)
+            if power:
+                add_power(rows[-1], graph, f"decode B={batch:4d} ctx={ctx:5d}")
             del graph
-    for batch in (1, 256) if not (config.num_experts or profile) else ():
-        ms = gemms_only_ms(model, batch, reps)
+    for batch in (1, 16, 64, 256) if not (config.num_experts or profile) else ():
+        graph = gemms_only_graph(model, batch)
+        ms = events_median_ms(graph.replay, reps)
         floor = gemm_weight_bytes(model) / bw * 1e3
         rows.append(dict(model=name, kind="gemms", batch=batch, context=0, step_ms=ms, floor_ms=floor,
                          ratio=ms / floor, tokens_per_s=batch / ms * 1e3))
         print(f"  weight GEMMs only, B={batch}: {ms:.3f} ms  floor {floor:.3f} ms  x{ms / floor:.2f}", flush=True)
+        if power:
+            add_power(rows[-1], graph, f"weight GEMMs only, B={batch}")
+        del graph
     if not profile or "prefill" in profile:
         rows.append(bench_prefill(name, model, buf, kv, bw, flops, reps, "prefill" in profile))
     peak = torch.cuda.max_memory_allocated() - before - wbytes - kv.numel() * kv.element_size()
