@@ -13,6 +13,8 @@
 #   bash bench/peers/compare_gpu.sh report   every cell measured so far in this OUT, side by side, and every run as a
 #                                            Markdown row ($OUT/compare_table.md)
 # Environment (defaults): OUT=out SHAPE=qwen3-8b PROMPTS=128 RATES=16,64,inf PEER_PROMPTS=8 HOGS=4*nproc
+#   COLD_RUNS (the cold cell's runs, serving_gpu.sh's RUNS: the sweep, the closed loop, one stream; fewer for a larger
+#   shape, e.g. SHAPE=qwen3-30b-a3b COLD_RUNS="closed:--sweep inf --max-concurrency 64" in an OUT of its own)
 #   BLINK_COMMIT (recorded). CPU dry run without vLLM: VLLM_PROMPTS=0 SHAPE=tiny-qwen3 DEVICE=cpu PROMPTS=8
 #   RATES=4,inf PEER_PROMPTS=2 HOGS=2 BENCH_ARGS="--output-len 16" bash bench/peers/compare_gpu.sh cold
 set -uo pipefail
@@ -21,9 +23,11 @@ OUT=${OUT:-out} PROMPTS=${PROMPTS:-128} RATES=${RATES:-16,64,inf} PEER_PROMPTS=$
 VLLM_PROMPTS=${VLLM_PROMPTS:-$PROMPTS} BENCH_ARGS=${BENCH_ARGS:-}
 cell=${1:?usage: bash bench/peers/compare_gpu.sh warm|cold|peer|report}
 NO_CACHE=--no-enable-prefix-caching
-COLD_RUNS="sweep:;closed:--sweep inf --max-concurrency 64;batch1:--sweep inf --max-concurrency 1 --num-prompts 16"
+COLD_RUNS=${COLD_RUNS:-"sweep:;closed:--sweep inf --max-concurrency 64;batch1:--sweep inf --max-concurrency 1 \
+--num-prompts 16"}
 mkdir -p "$OUT"
-echo "tree: ${BLINK_COMMIT:-unknown (set BLINK_COMMIT)}; cell $cell; $(nproc) cores" >> "$OUT/compare_runs.txt"
+echo "tree: ${BLINK_COMMIT:-unknown (set BLINK_COMMIT)}; cell $cell; shape ${SHAPE:-qwen3-8b}; $(nproc) cores" \
+  >> "$OUT/compare_runs.txt"
 
 # `run CELL VAR=VALUE ...`: bench/serving_gpu.sh into $OUT/CELL with the cell's settings, bundled after.
 run() {
