@@ -39,6 +39,8 @@ mkdir -p "$OUT"
 echo "tree: ${BLINK_COMMIT:-unknown (set BLINK_COMMIT)}; layout $layout; hogs ${HOG_KIND:-mixed}; $(nproc) cores;" \
   "reserved $RESERVED" \
   >> "$OUT/immunity_runs.txt"
+# The host's topology: which cores are hyperthread siblings (a hog on the agent's sibling shares its core's caches).
+lscpu -e > "$OUT/lscpu.txt" 2>&1 || true
 status=0
 # `layout_run DIR`: one run of the layout into $OUT/DIR.
 layout_run() {
