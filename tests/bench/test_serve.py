@@ -128,7 +128,7 @@ def test_a_reserved_layout_keeps_the_hogs_off_the_reserved_cores(standin_server,
     done = bench("serve", "--base-url", standin_server, "--num-prompts", "4", "--ignore-eos", "--interference", "1",
                  "--reserve-cpus", str(cores[-1]), "--result-json", str(result_json))
     assert done.returncode == 0, done.stderr
-    assert f"layout reserved: hogs on cores {cpu_list(cores[:-1])}, cores {cores[-1]} reserved" in done.stdout
+    assert f"layout reserved: hogs on cores {cpu_list(cores[:-1])}, cores {cores[-1]} kept from them" in done.stdout
     assert strict_json(result_json)["layout"] == {"name": "reserved", "hog_cpus": cores[:-1],
                                                   "reserved": [cores[-1]], "client_cpus": [cores[-1]]}
 
