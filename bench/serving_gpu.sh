@@ -58,8 +58,9 @@ bench_runs() {
 
 # blink: engine + agent over a shared-memory ring; prompts <= 1024 and prompt + output <= 2048 tokens (datasets.py).
 if [ "$PROMPTS" -gt 0 ]; then
-  ${SERVE_CPUS:+taskset -c "$SERVE_CPUS"} python -m blink.cli serve "$model" --load-format dummy --device "$DEVICE" --port "$PORT" --slots 512 \
-    --max-prompt-tokens 1024 --max-output-tokens 2048 $SERVE_ARGS > "$OUT/serving_server.log" 2>&1 &
+  ${SERVE_CPUS:+taskset -c "$SERVE_CPUS"} python -m blink.cli serve "$model" --load-format dummy --device "$DEVICE" \
+    --port "$PORT" --slots 512 --max-prompt-tokens 1024 --max-output-tokens 2048 $SERVE_ARGS \
+    > "$OUT/serving_server.log" 2>&1 &
   server=$!
   python -m bench.wait_healthy "$PORT" "$server" "$OUT/serving_server.log" || status=1
   [ $status -eq 0 ] && bench_runs blink "http://127.0.0.1:$PORT" "$PROMPTS"
