@@ -69,6 +69,21 @@ def test_latency_statistics_in_ms():
     assert r["p99.9_e2el_ms"] == pytest.approx(500 + 0.998 * 250)
 
 
+def test_steady_statistics_leave_out_requests_sent_before_the_first_answer_finished():
+    # B finishes first, at 0.625 s: A, B and C were sent before it (an opening burst); E is sent at that instant, F
+    # after it. Steady TTFT: E 125, F 500 ms; steady worst gap: E's 250 ms (F has one chunk).
+    E = RequestOutput(5, start=0.625, chunk_times=[0.75, 1.0, 1.125], output_tokens=3)
+    F = RequestOutput(5, start=1.0, chunk_times=[1.5], output_tokens=1)
+    r = compute([A, B, C, D, E, F], DURATION)
+    assert r["mean_steady_ttft_ms"] == pytest.approx((125 + 500) / 2)
+    assert r["p99_steady_ttft_ms"] == pytest.approx(125 + 0.99 * 375)
+    assert r["p50_steady_worst_gap_ms"] == r["p99_steady_worst_gap_ms"] == pytest.approx(250)
+    # Over every request: TTFT 125, 250, 500, 125, 500; worst gaps 375, 125, 250.
+    assert r["mean_ttft_ms"] == pytest.approx(1500 / 5)
+    assert r["p99_worst_gap_ms"] == pytest.approx(250 + 0.98 * 125)
+    assert compute([D], 1.0)["p99_steady_ttft_ms"] == 0
+
+
 def test_goodput_counts_requests_within_every_slo_inclusive():
     # TTFT <= 250 ms: A, B. TPOT <= 125 ms: B, and C (one token counts as TPOT 0). Both: B only.
     assert compute([A, B, C, D], DURATION, slo_ttft_ms=250)["request_goodput"] == 2 / DURATION

@@ -114,7 +114,8 @@ def test_sweep_isolated_and_colocated_writes_json_and_plots(standin_server, tmp_
     again = bench("report", str(result_json), "--plot-dir", str(tmp_path / "again"))
     assert again.returncode == 0, again.stderr
     assert "standin @ inf: colocated/isolated output throughput" in again.stdout
-    assert all(column in again.stdout for column in (", P99 TTFT ", ", P99 worst gap ", "server CPU ms/1k tok"))
+    assert all(column in again.stdout for column in (", P99 TTFT ", ", P99 worst gap ", "server CPU ms/1k tok",
+                                                     ", steady P99 TTFT ", ", steady P99 worst gap "))
     assert result["layout"] == {"name": "shared", "hog_cpus": sorted(os.sched_getaffinity(0)), "reserved": [],
                                 "client_cpus": None}
     assert result["client_priority_achieved"] == "normal"

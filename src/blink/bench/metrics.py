@@ -10,6 +10,9 @@ generated ``n`` output tokens (the server's ``usage.completion_tokens``):
   in vLLM, so ITL counts chunks and TPOT counts tokens);
 - worst gap = a request's longest ITL (one value per request with two chunks or more): the stall a reader of that
   stream saw, which pooled ITL percentiles dilute (not a vLLM metric);
+- steady TTFT and steady worst gap = the same over the requests sent once the first request had finished: a closed
+  loop sends every stream's first request at once, and that opening burst's queued prefills set the P99 of a few
+  hundred requests once per run (not vLLM metrics);
 - throughputs divide by the benchmark's wall-clock ``duration``: completed requests, output tokens, input + output
   tokens; goodput = requests meeting every given SLO (``metric <= slo``) per second.
 
@@ -98,6 +101,12 @@ def max_concurrency(outputs: list[RequestOutput]) -> int:
     return peak
 
 
+def steady_state(done: list[RequestOutput]) -> list[RequestOutput]:
+    """The successful requests ``done`` that were sent at or after the first of them finished (module docstring)."""
+    first_end = min((o.start + o.latency for o in done), default=None)
+    return [o for o in done if o.start >= first_end]
+
+
 def compute(outputs: list[RequestOutput], duration: float, percentiles=PERCENTILES,
             slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> dict:
     """The metrics of one benchmark run (module docstring), keyed as ``vllm bench serve`` writes them.
@@ -125,6 +134,10 @@ def compute(outputs: list[RequestOutput], duration: float, percentiles=PERCENTIL
     result.update(statistics("itl", [gap for o in done for gap in o.itl], percentiles))
     result.update(statistics("worst_gap", [o.worst_gap for o in done if o.worst_gap is not None], percentiles))
     result.update(statistics("e2el", [o.latency for o in done], percentiles))
+    steady = steady_state(done)
+    result.update(statistics("steady_ttft", [o.ttft for o in steady], percentiles))
+    result.update(statistics("steady_worst_gap", [o.worst_gap for o in steady if o.worst_gap is not None],
+                             percentiles))
     result.update({"input_lens": [o.prompt_len for o in outputs],
                    "output_lens": [o.output_tokens if o.success else 0 for o in outputs],
                    "ttfts": [o.ttft if o.success else None for o in outputs],

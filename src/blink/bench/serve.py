@@ -296,7 +296,8 @@ def summary(runs: list[dict]) -> str:
     for iso, col in colocation_pairs(runs):
         ratios = ", ".join(f"{name} {_ratio(col.get(key), iso.get(key))}" for name, key in (
             ("P50 TTFT", "p50_ttft_ms"), ("P99 TTFT", "p99_ttft_ms"), ("P99 TPOT", "p99_tpot_ms"),
-            ("P99 worst gap", "p99_worst_gap_ms"), ("server CPU/token", "server_cpu_ms_per_1k_tokens"),
+            ("P99 worst gap", "p99_worst_gap_ms"), ("steady P99 TTFT", "p99_steady_ttft_ms"),
+            ("steady P99 worst gap", "p99_steady_worst_gap_ms"), ("server CPU/token", "server_cpu_ms_per_1k_tokens"),
             ("mean TTFT", "mean_ttft_ms"), ("HTTP server's mean TTFT", "server_http_mean_ttft_ms"),
             ("ring's mean TTFT", "server_mean_ttft_ms"),
             ("tokens per step", "server_tokens_per_step")))
