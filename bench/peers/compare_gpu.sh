@@ -15,6 +15,9 @@
 # Environment (defaults): OUT=out SHAPE=qwen3-8b PROMPTS=128 RATES=16,64,inf PEER_PROMPTS=8 HOGS=4*nproc
 #   COLD_RUNS (the cold cell's runs, serving_gpu.sh's RUNS: the sweep, the closed loop, one stream; fewer for a larger
 #   shape, e.g. SHAPE=qwen3-30b-a3b COLD_RUNS="closed:--sweep inf --max-concurrency 64" in an OUT of its own)
+#   WARMUPS (0; serving_gpu.sh's: with the caches off, warm-up requests fill no cache): give the MoE shape
+#   WARMUPS=$PROMPTS, since vLLM compiles its fused-MoE Triton kernel for the first mixed batches it meets (a 1.6 s
+#   stall inside an unwarmed run); VLLM_PROMPTS=0 or PROMPTS=0 runs one server alone, to split a cell over two runs
 #   BLINK_COMMIT (recorded). CPU dry run without vLLM: VLLM_PROMPTS=0 SHAPE=tiny-qwen3 DEVICE=cpu PROMPTS=8
 #   RATES=4,inf PEER_PROMPTS=2 HOGS=2 BENCH_ARGS="--output-len 16" bash bench/peers/compare_gpu.sh cold
 set -uo pipefail
