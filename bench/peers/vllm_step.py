@@ -1,0 +1,149 @@
+"""vLLM's decode step at a fixed batch and context, measured beside ``bench/model_bench.py``'s for blink: the
+interval between two decode steps, the board's joules per step, and GPU time per kernel (``bench/kernel_split.py``
+sorts both servers' kernels into the same categories). Run where ``bench/peers/vllm_gpu.sh install`` put vLLM:
+
+    PYTHONPATH=$HOME/blink-peers/site:src python -m bench.peers.vllm_step --shape qwen3-8b [--batches 1 16 64]
+        [--context 1024] [--steps 512] [--profile-steps 16] [--out vllm_step.json]
+
+vLLM's offline engine (``vllm.LLM``: the engine core of its server, without HTTP) on the shape directory with
+random weights (``load_format="dummy"``), the limits of ``vllm_gpu.sh serve`` and its prefix cache off, in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that CUPTI sees its kernels. Per batch B: B prompts of random
+token ids, ``context - steps // 2`` long, so that the decode steps average ``context`` tokens of context; greedy
+(``--temperature 0``, as the served comparisons of docs/benchmarks.md; blink's step graph runs the same sampling
+kernels either way) or ``--temperature T --top-p P``; ``ignore_eos``. A run of ``1 + N`` output tokens is the prefill,
+the first token and N decode steps, so each measure is the difference of a run of ``1 + N`` tokens and one of 1
+token, over N:
+
+- ``step_ms``: wall time per decode step, vLLM's host scheduling between steps included (what its server sees);
+- ``power_w``, ``joules_per_step``: NVML energy (``blink.bench.energy``) per decode step and its mean power;
+- ``profile``: GPU µs per decode step per kernel (``torch.profiler``, CUDA activity), over ``--profile-steps``; the
+  profiles run after every timing (CUPTI slows what runs after it in the same process).
+
+Rows are written in model_bench's form (``model``, ``kind``, ``batch``, ``context``, ``step_ms``, ``power_w``,
+``joules_per_step``, ``profile``) with ``server: "vllm"``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the engine core in this process: CUPTI sees it
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")      # its sampler would compile with nvcc at first use
+
+def prompts(batch: int, length: int, vocab: int, seed: int) -> list[dict]:
+    """``batch`` prompts of ``length`` random token ids each (no two alike, so no sharing)."""
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(length)]} for _ in range(batch)]
+
+
+class Engine:
+    """vLLM's offline engine on ``model_dir``, with ``vllm_gpu.sh serve``'s limits and no prefix cache."""
+
+    def __init__(self, model_dir: str, temperature: float, top_p: float):
+        from vllm import LLM, SamplingParams
+        self._params = SamplingParams
+        self._sampling = dict(temperature=temperature, top_p=top_p)
+        self.llm = LLM(model=model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=256,
+                       gpu_memory_utilization=0.9, enable_prefix_caching=False, seed=0)
+
+    def generate(self, batch_prompts: list[dict], tokens: int) -> float:
+        """Seconds to generate ``tokens`` tokens for every prompt."""
+        params = self._params(max_tokens=tokens, ignore_eos=True, **self._sampling)
+        start = time.perf_counter()
+        self.llm.generate(batch_prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    def metered(self, batch_prompts: list[dict], tokens: int) -> tuple[float, float | None]:
+        """(seconds, joules) of one ``generate``; joules None without NVML."""
+        from blink.bench.energy import EnergyMeter
+        with EnergyMeter() as meter:
+            seconds = self.generate(batch_prompts, tokens)
+        return seconds, meter.result(0)["energy_j"]
+
+    def kernels(self, batch_prompts: list[dict], tokens: int) -> dict[str, tuple[int, float]]:
+        """Kernel name -> (launches, GPU µs) over one ``generate``."""
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            self.generate(batch_prompts, tokens)
+        return {e.key: (e.count, e.device_time_total) for e in prof.key_averages()
+                if (getattr(e, "device_time_total", 0) or 0) > 0}
+
+
+def timed_row(engine: Engine, shape: str, batch: int, context: int, steps: int, vocab: int) -> dict:
+    """The decode step's interval and energy at ``batch`` x ``context`` (module docstring)."""
+    batch_prompts = prompts(batch, context - steps // 2, vocab, seed=batch)
+    engine.generate(batch_prompts, 1 + steps)               # warm-up
+    short_s, short_j = engine.metered(batch_prompts, 1)
+    long_s, long_j = engine.metered(batch_prompts, 1 + steps)
+    step_ms = (long_s - short_s) / steps * 1e3
+    row = dict(server="vllm", model=shape, kind="decode", batch=batch, context=context, step_ms=step_ms,
+               tokens_per_s=batch / step_ms * 1e3)
+    if short_j is not None and long_j is not None:
+        joules = (long_j - short_j) / steps
+        row.update(power_w=joules / step_ms * 1e3, joules_per_step=joules, joules_per_token=joules / batch)
+    print(f"  vLLM decode B={batch:4d} ctx={context:5d}: {step_ms:7.3f} ms per step"
+          + (f", {row['power_w']:.0f} W, {row['joules_per_step']:.4f} J per step" if "power_w" in row else ""),
+          flush=True)
+    return row
+
+
+def add_profile(engine: Engine, row: dict, steps: int, profile_steps: int, vocab: int) -> None:
+    """GPU µs per decode step per kernel: a run of ``1 + profile_steps`` tokens less a run of 1, over the steps."""
+    batch_prompts = prompts(row["batch"], row["context"] - steps // 2, vocab, seed=row["batch"])
+    short = engine.kernels(batch_prompts, 1)
+    long = engine.kernels(batch_prompts, 1 + profile_steps)
+    kernels = []
+    for name, (count, us) in long.items():
+        short_count, short_us = short.get(name, (0, 0.0))
+        if us > short_us:
+            kernels.append(dict(kernel=name, per_step=(count - short_count) / profile_steps,
+                                us_per_step=(us - short_us) / profile_steps))
+    kernels.sort(key=lambda k: -k["us_per_step"])
+    busy_ms = sum(k["us_per_step"] for k in kernels) / 1e3
+    row["profile"] = dict(step_ms=row["step_ms"], busy_ms=busy_ms, kernels=kernels)
+    print(f"  vLLM decode B={row['batch']:4d}: kernels busy {busy_ms:.3f} of {row['step_ms']:.3f} ms per step",
+          flush=True)
+    for k in kernels[:12]:
+        print(f"    {k['us_per_step']:9.1f} us  x{k['per_step']:5.1f}  {k['kernel'][:90]}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="qwen3-8b", help="a shape of blink.bench.shapes (random weights)")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=512, help="decode steps of each timed run")
+    parser.add_argument("--profile-steps", type=int, default=16, help="decode steps of each profiled run")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "vllm_step.json"))
+    args = parser.parse_args()
+    if not 0 < args.steps // 2 < args.context or args.context + args.steps // 2 > 4096:
+        parser.error(f"--context {args.context} and --steps {args.steps}: the prompts (context - steps/2) must be "
+                     "non-empty and context + steps/2 within the 4096-token limit")
+
+    import torch
+    import vllm
+    from blink.bench.shapes import write_model_dir
+    from blink.models import ModelConfig
+
+    model_dir = str(write_model_dir(os.path.join(tempfile.mkdtemp(), args.shape), args.shape))
+    vocab = ModelConfig.from_file(model_dir).vocab_size
+    engine = Engine(model_dir, args.temperature, args.top_p)
+    rows = [timed_row(engine, args.shape, b, args.context, args.steps, vocab) for b in args.batches]
+    for row in rows:
+        add_profile(engine, row, args.steps, args.profile_steps, vocab)
+    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, vllm=vllm.__version__, rows=rows)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
