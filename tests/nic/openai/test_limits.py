@@ -145,6 +145,33 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(server):
     assert "bytes, which cannot fit" in body["error"]["message"] and time.monotonic() - start < 0.5
 
 
+def test_token_id_prompts_are_parsed_on_the_event_loop_and_text_in_a_tokenizer_thread(server):
+    """A prompt of token ids needs no tokenizer: it is parsed where the request arrived, without a round trip to a
+    worker thread (two wake-ups per request); text prompts, chat messages and over-long id lists go to the threads."""
+    served, port = server
+    where = []
+
+    def recorded(parse):
+        def run(body):
+            where.append(threading.current_thread().name.startswith("blink-tokenizer"))
+            return parse(body)
+        return run
+
+    served.parser.completion, served.parser.chat = recorded(served.parser.completion), recorded(served.parser.chat)
+    try:
+        assert post(port, completion([1, 2, 3]))[0] == 200
+        assert post(port, completion([[4, 5]]))[0] == 200
+        assert post(port, completion("hello"))[0] == 200
+        assert post(port, completion(["hello"]))[0] == 200
+        chat = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+        assert post(port, chat, path="/v1/chat/completions")[0] == 200
+        status, body = post(port, completion([1] * (served.parser.max_prompt + 1)))
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    finally:
+        del served.parser.completion, served.parser.chat       # the class's methods again
+    assert where == [False, False, True, True, True, True]
+
+
 def test_tokenizing_long_prompts_does_not_stall_another_stream(server):
     """Regression: 16 concurrent 1 MB prompts stalled an unrelated stream for 7.8 s; tokenizing now runs in worker
     threads, so the event loop keeps streaming while they are tokenized."""

@@ -3,11 +3,12 @@ chat, models, health (``/health``; ``/livez`` and ``/readyz`` from ``health``) a
 the entry points ``start`` and ``run`` (SIGTERM drains: ``blink.nic.drain``).
 
 One asyncio event loop owns the ``Agent`` (which is not thread-safe). A handler reads the body within the limits
-(``limits``), parses and tokenizes it in a worker thread (``requests``: tokenizing a long prompt must not stall the
-loop), hands it to the ``AgentLoop`` (``blink.nic.agent_loop``), whose one task polls the ring and fans tokens out to
-per-request queues, and writes the answer (``responses``). Every request a handler submits it closes when it leaves,
-whatever the reason; every error, aiohttp's own included, leaves as an OpenAI-style body, and the server keeps
-serving everyone else.
+(``limits``), parses it (``requests``) on the loop when its prompt is token ids and in a worker thread when it must
+be tokenized (tokenizing a long prompt must not stall the loop; a thread's round trip is two more wake-ups per
+request, which cost the most where the agent shares its core), hands it to the ``AgentLoop``
+(``blink.nic.agent_loop``), whose one task polls the ring and fans tokens out to per-request queues, and writes the
+answer (``responses``). Every request a handler submits it closes when it leaves, whatever the reason; every error,
+aiohttp's own included, leaves as an OpenAI-style body, and the server keeps serving everyone else.
 """
 from __future__ import annotations
 
@@ -140,10 +141,10 @@ class OpenAIServer:
         self.stopped.set()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._answer(request, self.parser.completion)
+        return await self._answer(request, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._answer(request, self.parser.chat)
+        return await self._answer(request, chat=True)
 
     async def models(self, request: web.Request) -> web.Response:
         model = {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "blink",
@@ -161,15 +162,18 @@ class OpenAIServer:
 
     # -- one request -----------------------------------------------------------------------------------------------
 
-    async def _answer(self, request: web.Request, parse) -> web.StreamResponse:
+    async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrival = time.monotonic()      # the headers are in: a streamed answer's first chunk is timed from here
-        return await self._serve(request, await self._parse(request, parse), arrival)
+        return await self._serve(request, await self._parse(request, chat), arrival)
 
-    async def _parse(self, request: web.Request, parse) -> Job:
-        """The request's body, parsed and tokenized off the event loop."""
+    async def _parse(self, request: web.Request, chat: bool) -> Job:
+        """The request's body, parsed: on the event loop when that is cheap (token ids), else in a worker thread."""
         deadline = asyncio.get_running_loop().time() + self.config.limits.body_timeout_s
         async with self.guard.receiving(deadline):
             body = json_body(await read_body(request, self.config.limits, deadline))
+            parse = self.parser.chat if chat else self.parser.completion
+            if self.parser.cheap(body, chat):
+                return parse(body)
             return await asyncio.get_running_loop().run_in_executor(self._tokenizing, parse, body)
 
     async def _serve(self, request: web.Request, job: Job, arrival: float) -> web.StreamResponse:
