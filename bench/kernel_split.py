@@ -7,7 +7,10 @@ same model, batch and context compare category by category.
 Each file is a JSON with ``rows`` (both benches write that form); every row with a ``profile`` becomes one line:
 GPU µs per step in each category, their sum (``busy``), the step's interval and, where the row has them, its board
 power and joules per step. A kernel's category is the first of ``CATEGORIES`` whose pattern its name matches
-(case-insensitive), else ``other``; ``--kernels`` also lists what fell into ``other``.
+(case-insensitive), else ``other``; ``--kernels`` also lists what fell into ``other``. Names are all there is to go
+on, so the categories are approximate where a kernel does two things: blink's fused RoPE + KV-cache write counts as
+rope, vLLM's KV-cache write (``reshape_and_cache_flash``) as attention, and torch.compile's fused kernels by the op
+their name gives (``triton_red_fused_..._rsqrt`` as a norm).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ CATEGORIES = (
     ("moe", r"moe|expert"),
     ("attention", r"attention|attn|flash|fmha|paged"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|splitkreduce|_mm_|matmul"),
-    ("norm", r"norm"),
+    ("norm", r"norm|rsqrt"),
     ("rope", r"rope|rotary"),
     ("activation", r"silu|gelu|act_and_mul"),
     ("sampling", r"topk|sort|gumbel|logsumexp|argmax|sampl|softmax|candidate|fold_chunks|penalt|scan"),
