@@ -3,7 +3,7 @@
 A fenced ``python`` or ``bash`` block is preceded by a comment saying how it runs: ``<!-- snippet: run -->``
 (executed: Python with ``python -c``, shell with ``bash -e``), ``<!-- snippet: server -->`` (executed while
 ``blink serve`` with the embedded model runs on 127.0.0.1:8000, within an optional time bound in seconds:
-``server 10``), ``<!-- snippet: daemon -->`` (each command starts a server: all are started in order, must come up
+``server 20``), ``<!-- snippet: daemon -->`` (each command starts a server: all are started in order, must come up
 and keep running, then are stopped with Ctrl-C), ``<!-- snippet: ci -->`` (the install-and-test command that
 ``.ci/run`` itself runs), ``<!-- snippet: gpu -->`` (needs the H200; not run here) or ``<!-- snippet: host -->``
 (changes the host's configuration, as root: cgroups, systemd; not run here). A snippet inside a list item may be
