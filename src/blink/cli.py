@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import logging
 import os
@@ -127,7 +128,18 @@ def _serve_http(args, memory, tokenizer, model_dir, engine_process, cores) -> in
                           drain=DrainConfig(timeout_s=args.drain_timeout))
     # Listening while the engine starts: /livez 200, /readyz 503 "starting" (docs/deploy.md).
     server = OpenAIServer(agent, tokenizer, config, engine_gone=engine_watch(agent, engine_process))
+    _freeze_startup_heap()
     return run(server, args.host, args.port)
+
+
+def _freeze_startup_heap() -> None:
+    """Keep every object alive now (torch, the tokenizer, the server: ~200k) out of the garbage collector's scans,
+    after collecting what is garbage. They live as long as the process, and a full collection over them took 70-155 ms
+    of the event loop that streams everyone's tokens (a 2-core box; ~1 ms over what serving allocates)."""
+    gc.collect()
+    gc.freeze()
+    logging.getLogger("blink").info("%d start-up objects kept out of the garbage collector's scans",
+                                    gc.get_freeze_count())
 
 
 def _tokenizer(args, model_dir):
