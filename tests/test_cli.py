@@ -62,7 +62,7 @@ def test_prefix_caching_is_on_unless_turned_off_on_the_command_line():
 
 
 def test_blink_serve_keeps_its_startup_heap_out_of_the_garbage_collectors_scans():
-    """A full collection over the start-up heap (torch, the tokenizer) took 70-155 ms of the agent's event loop:
+    """A full collection over the start-up heap (torch, the tokenizer) took 34-155 ms of the agent's event loop:
     ``blink serve`` freezes that heap before it serves, says how many objects it kept out, then serves."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -267,6 +267,6 @@ def _in_penalty_range(value) -> bool:
 
 def _are_tokens(values: list, vocab_size: int) -> bool:
     """Whether every element of ``values`` is a token id: an int (a bool is not one) in [0, vocab_size). In C loops
-    (``map``, ``set``, ``min``, ``max``): a Python loop over a prompt's ids was a third of the agent's CPU per
-    request."""
+    (``map``, ``set``, ``min``, ``max``): every prompt of ids is checked on the event loop, and a Python loop took
+    39 us for 216 ids against 13 us."""
     return not values or (set(map(type, values)) == {int} and 0 <= min(values) and max(values) < vocab_size)
