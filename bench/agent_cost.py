@@ -8,7 +8,8 @@ normal priority; then ``blink bench serve`` closed loop at 64 streams, 256 reque
 128. The agent's CPU is the server process's utime + stime (``/proc/PID/stat``: every thread of it; the stand-in is
 a process of its own) around each run, so a tree without ``process_cpu_seconds_total`` measures too. The marginal
 cost of a token is the difference of the two runs over the difference of their tokens; a request's cost is the
-short run's rest per request (HTTP, parsing, submission, its first and last chunks). Medians over ``--reps``.
+short run's rest per request (HTTP, parsing, submission, its first and last chunks), and, measured directly, the CPU
+per request of a third run of 1,024 requests of one output token each. Medians over ``--reps``.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from pathlib import Path
 from bench.wait_healthy import healthy
 
 STREAMS, REQUESTS, SHORT, LONG = 64, 256, 16, 128
+ONE_TOKEN_REQUESTS = 1024
 
 
 def free_port() -> int:
@@ -63,7 +65,7 @@ def measure(tree: Path, reps: int) -> dict:
                 raise SystemExit(f"blink serve --standin of {tree} did not become healthy")
             time.sleep(0.2)
         bench(tree, env, port, 8, STREAMS)          # warm-up: imports and first allocations
-        per_request, per_1k = [], []
+        per_request, per_1k, one_token = [], [], []
         for _ in range(reps):
             runs = []
             for output_len in (SHORT, LONG):
@@ -73,13 +75,19 @@ def measure(tree: Path, reps: int) -> dict:
             token = (long_cpu - short_cpu) / (long_tokens - short_tokens)
             per_1k.append(token * 1e6)
             per_request.append((short_cpu - token * short_tokens) / REQUESTS * 1e3)
-            print(f"cpu/request {per_request[-1]:6.2f} ms   cpu/1k streamed tokens {per_1k[-1]:6.1f} ms", flush=True)
+            before = cpu_seconds(server.pid)
+            bench(tree, env, port, 1, ONE_TOKEN_REQUESTS)
+            one_token.append((cpu_seconds(server.pid) - before) / ONE_TOKEN_REQUESTS * 1e3)
+            print(f"cpu/request {per_request[-1]:6.2f} ms   cpu/1k streamed tokens {per_1k[-1]:6.1f} ms   "
+                  f"cpu per 1-token request {one_token[-1]:6.2f} ms", flush=True)
     finally:
         server.terminate()
         server.wait()
     return {"tree": str(tree), "reps": reps, "cpu_ms_per_request": per_request, "cpu_ms_per_1k_tokens": per_1k,
+            "cpu_ms_per_one_token_request": one_token,
             "median_cpu_ms_per_request": statistics.median(per_request),
-            "median_cpu_ms_per_1k_tokens": statistics.median(per_1k)}
+            "median_cpu_ms_per_1k_tokens": statistics.median(per_1k),
+            "median_cpu_ms_per_one_token_request": statistics.median(one_token)}
 
 
 def main() -> int:
@@ -91,7 +99,8 @@ def main() -> int:
     args = parser.parse_args()
     result = {"cpus": os.cpu_count(), **measure(args.tree.resolve(), args.reps)}
     print(f"median: {result['median_cpu_ms_per_request']:.2f} ms per request, "
-          f"{result['median_cpu_ms_per_1k_tokens']:.1f} ms per 1,000 streamed tokens")
+          f"{result['median_cpu_ms_per_1k_tokens']:.1f} ms per 1,000 streamed tokens, "
+          f"{result['median_cpu_ms_per_one_token_request']:.2f} ms per 1-token request")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
