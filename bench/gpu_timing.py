@@ -94,21 +94,21 @@ def graph_ms(fn, reps: int) -> float:
     return events_median_ms(capture_graph(fn).replay, reps)
 
 
-def kernel_profile(graph, step_ms: float, steps: int = 10, top: int = 15) -> dict:
-    """GPU time per kernel over ``steps`` replays of a captured step (CUPTI traces the kernels a graph launches),
-    per step: where a step's time goes, and how much of it no kernel runs (launch gaps, dependencies)."""
+def kernel_times(run) -> dict[str, tuple[int, float]]:
+    """Kernel name -> (launches, GPU µs) while ``run()`` runs: CUPTI, which traces the kernels a graph launches too."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            graph.replay()
+        run()
         torch.cuda.synchronize()
-    kernels = []
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", 0) or 0
-        if us > 0:
-            kernels.append(dict(kernel=e.key, per_step=e.count / steps, us_per_step=us / steps))
-    kernels.sort(key=lambda k: -k["us_per_step"])
+    return {e.key: (e.count, e.device_time_total) for e in prof.key_averages()
+            if (getattr(e, "device_time_total", 0) or 0) > 0}
+
+
+def step_profile(kernels: list[dict], step_ms: float, top: int = 15) -> dict:
+    """A step's ``kernels`` (``{"kernel", "per_step", "us_per_step"}``) heaviest first, printed, with how much of the
+    step's ``step_ms`` they keep the GPU busy (the rest: launch gaps, dependencies, the host)."""
+    kernels = sorted(kernels, key=lambda k: -k["us_per_step"])
     busy_ms = sum(k["us_per_step"] for k in kernels) / 1e3
     print(f"    kernels busy {busy_ms:.3f} of {step_ms:.3f} ms per step ({len(kernels)} kernel kinds)", flush=True)
     for k in kernels[:top]:
@@ -117,6 +117,18 @@ def kernel_profile(graph, step_ms: float, steps: int = 10, top: int = 15) -> dic
         rest = sum(k["us_per_step"] for k in kernels[top:])
         print(f"    {rest:9.1f} us  in the other {len(kernels) - top} kinds", flush=True)
     return dict(step_ms=step_ms, busy_ms=busy_ms, kernels=kernels)
+
+
+def kernel_profile(graph, step_ms: float, steps: int = 10, top: int = 15) -> dict:
+    """GPU time per kernel over ``steps`` replays of a captured step, per step: where a step's time goes
+    (``step_profile``)."""
+    def replays():
+        for _ in range(steps):
+            graph.replay()
+
+    kernels = [dict(kernel=name, per_step=count / steps, us_per_step=us / steps)
+               for name, (count, us) in kernel_times(replays).items()]
+    return step_profile(kernels, step_ms, top)
 
 
 def kernel_bench_start(doc: str, json_name: str, reps: int, sweep: bool = True, cases: list[str] | None = None,

@@ -31,8 +31,12 @@ import random
 import tempfile
 import time
 
+from bench.gpu_timing import kernel_times, step_profile
+
+MAX_MODEL_LEN = 4096                # vllm_gpu.sh serve's limit (blink's serving cap)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the engine core in this process: CUPTI sees it
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")      # its sampler would compile with nvcc at first use
+
 
 def prompts(batch: int, length: int, vocab: int, seed: int) -> list[dict]:
     """``batch`` prompts of ``length`` random token ids each (no two alike, so no sharing)."""
@@ -47,7 +51,7 @@ class Engine:
         from vllm import LLM, SamplingParams
         self._params = SamplingParams
         self._sampling = dict(temperature=temperature, top_p=top_p)
-        self.llm = LLM(model=model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=256,
+        self.llm = LLM(model=model_dir, load_format="dummy", max_model_len=MAX_MODEL_LEN, max_num_seqs=256,
                        gpu_memory_utilization=0.9, enable_prefix_caching=False, seed=0)
 
     def generate(self, batch_prompts: list[dict], tokens: int) -> float:
@@ -64,18 +68,9 @@ class Engine:
             seconds = self.generate(batch_prompts, tokens)
         return seconds, meter.result(0)["energy_j"]
 
-    def kernels(self, batch_prompts: list[dict], tokens: int) -> dict[str, tuple[int, float]]:
-        """Kernel name -> (launches, GPU µs) over one ``generate``."""
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            self.generate(batch_prompts, tokens)
-        return {e.key: (e.count, e.device_time_total) for e in prof.key_averages()
-                if (getattr(e, "device_time_total", 0) or 0) > 0}
 
-
-def timed_row(engine: Engine, shape: str, batch: int, context: int, steps: int, vocab: int) -> dict:
+def timed_row(engine: Engine, shape: str, batch: int, context: int, batch_prompts: list[dict], steps: int) -> dict:
     """The decode step's interval and energy at ``batch`` x ``context`` (module docstring)."""
-    batch_prompts = prompts(batch, context - steps // 2, vocab, seed=batch)
     engine.generate(batch_prompts, 1 + steps)               # warm-up
     short_s, short_j = engine.metered(batch_prompts, 1)
     long_s, long_j = engine.metered(batch_prompts, 1 + steps)
@@ -91,24 +86,18 @@ def timed_row(engine: Engine, shape: str, batch: int, context: int, steps: int, 
     return row
 
 
-def add_profile(engine: Engine, row: dict, steps: int, profile_steps: int, vocab: int) -> None:
+def add_profile(engine: Engine, row: dict, batch_prompts: list[dict], profile_steps: int) -> None:
     """GPU µs per decode step per kernel: a run of ``1 + profile_steps`` tokens less a run of 1, over the steps."""
-    batch_prompts = prompts(row["batch"], row["context"] - steps // 2, vocab, seed=row["batch"])
-    short = engine.kernels(batch_prompts, 1)
-    long = engine.kernels(batch_prompts, 1 + profile_steps)
+    short = kernel_times(lambda: engine.generate(batch_prompts, 1))
+    long = kernel_times(lambda: engine.generate(batch_prompts, 1 + profile_steps))
     kernels = []
     for name, (count, us) in long.items():
         short_count, short_us = short.get(name, (0, 0.0))
         if us > short_us:
             kernels.append(dict(kernel=name, per_step=(count - short_count) / profile_steps,
                                 us_per_step=(us - short_us) / profile_steps))
-    kernels.sort(key=lambda k: -k["us_per_step"])
-    busy_ms = sum(k["us_per_step"] for k in kernels) / 1e3
-    row["profile"] = dict(step_ms=row["step_ms"], busy_ms=busy_ms, kernels=kernels)
-    print(f"  vLLM decode B={row['batch']:4d}: kernels busy {busy_ms:.3f} of {row['step_ms']:.3f} ms per step",
-          flush=True)
-    for k in kernels[:12]:
-        print(f"    {k['us_per_step']:9.1f} us  x{k['per_step']:5.1f}  {k['kernel'][:90]}", flush=True)
+    print(f"  vLLM decode B={row['batch']:4d} ctx={row['context']:5d}:", flush=True)
+    row["profile"] = step_profile(kernels, row["step_ms"])
 
 
 def main() -> int:
@@ -122,9 +111,9 @@ def main() -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "vllm_step.json"))
     args = parser.parse_args()
-    if not 0 < args.steps // 2 < args.context or args.context + args.steps // 2 > 4096:
+    if not 0 < args.steps // 2 < args.context or args.context + args.steps // 2 > MAX_MODEL_LEN:
         parser.error(f"--context {args.context} and --steps {args.steps}: the prompts (context - steps/2) must be "
-                     "non-empty and context + steps/2 within the 4096-token limit")
+                     f"non-empty and context + steps/2 within the {MAX_MODEL_LEN}-token limit")
 
     import torch
     import vllm
@@ -134,9 +123,10 @@ def main() -> int:
     model_dir = str(write_model_dir(os.path.join(tempfile.mkdtemp(), args.shape), args.shape))
     vocab = ModelConfig.from_file(model_dir).vocab_size
     engine = Engine(model_dir, args.temperature, args.top_p)
-    rows = [timed_row(engine, args.shape, b, args.context, args.steps, vocab) for b in args.batches]
+    batch_prompts = {b: prompts(b, args.context - args.steps // 2, vocab, seed=b) for b in args.batches}
+    rows = [timed_row(engine, args.shape, b, args.context, batch_prompts[b], args.steps) for b in args.batches]
     for row in rows:
-        add_profile(engine, row, args.steps, args.profile_steps, vocab)
+        add_profile(engine, row, batch_prompts[row["batch"]], args.profile_steps)
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, vllm=vllm.__version__, rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
