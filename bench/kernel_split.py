@@ -19,9 +19,10 @@ import json
 import re
 
 # Order matters: the first match wins (a fused "rms_norm_rope" kernel counts as a norm, a MoE GEMM as moe).
+# blink's ``_combine_kernel`` is its split-KV decode attention's merge of the partial outputs.
 CATEGORIES = (
     ("moe", r"moe|expert"),
-    ("attention", r"attention|attn|flash|fmha|paged"),
+    ("attention", r"attention|attn|flash|fmha|paged|^_combine_kernel$"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|splitkreduce|_mm_|matmul"),
     ("norm", r"norm|rsqrt"),
     ("rope", r"rope|rotary"),

@@ -1,9 +1,10 @@
-"""vLLM's decode step at a fixed batch and context, measured beside ``bench/model_bench.py``'s for blink: the
-interval between two decode steps, the board's joules per step, and GPU time per kernel (``bench/kernel_split.py``
-sorts both servers' kernels into the same categories). Run where ``bench/peers/vllm_gpu.sh install`` put vLLM:
+"""vLLM's decode step at a fixed batch and context, and a prefill, measured beside ``bench/model_bench.py``'s for
+blink: the interval between two decode steps, the board's joules per step, and GPU time per kernel
+(``bench/kernel_split.py`` sorts both servers' kernels into the same categories). Run where
+``bench/peers/vllm_gpu.sh install`` put vLLM:
 
     PYTHONPATH=$HOME/blink-peers/site:src python -m bench.peers.vllm_step --shape qwen3-8b [--batches 1 16 64]
-        [--context 1024] [--steps 512] [--profile-steps 16] [--out vllm_step.json]
+        [--context 1024] [--steps 512] [--profile-steps 128] [--prefill 2048] [--out vllm_step.json]
 
 vLLM's offline engine (``vllm.LLM``: the engine core of its server, without HTTP) on the shape directory with
 random weights (``load_format="dummy"``), the limits of ``vllm_gpu.sh serve`` and its prefix cache off, in this
@@ -19,6 +20,10 @@ token, over N:
 - ``profile``: GPU µs per decode step per kernel (``torch.profiler``, CUDA activity), over ``--profile-steps``; the
   profiles run after every timing (CUPTI slows what runs after it in the same process).
 
+And the prefill of one ``--prefill``-token prompt (model_bench's prefill row; 0: none): runs of one output token
+(the prefill step, which samples the first token, and vLLM's host work for the request), ``--prefill-reps`` of them:
+their median time, their energy over all of them, and one more profiled.
+
 Rows are written in model_bench's form (``model``, ``kind``, ``batch``, ``context``, ``step_ms``, ``power_w``,
 ``joules_per_step``, ``profile``) with ``server: "vllm"``.
 """
@@ -28,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import tempfile
 import time
 
@@ -47,12 +53,18 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[dict]:
 class Engine:
     """vLLM's offline engine on ``model_dir``, with ``vllm_gpu.sh serve``'s limits and no prefix cache."""
 
-    def __init__(self, model_dir: str, temperature: float, top_p: float):
+    def __init__(self, model_dir: str, temperature: float, top_p: float, prefill_tokens: int):
+        """``prefill_tokens``: the most prompt tokens one batch brings. vLLM's step budget is raised to it (from the
+        16,384 its offline engine takes on an H200), so that a batch's prompts prefill in one step and no measured
+        decode step shares a step with a prefill chunk (with 16 profiled steps at B=64 and the default budget, ~20 %
+        of the GEMM launches subtracted were mixed steps'); decode steps of at most 256 tokens run the same kernels
+        and graphs either way."""
         from vllm import LLM, SamplingParams
         self._params = SamplingParams
         self._sampling = dict(temperature=temperature, top_p=top_p)
         self.llm = LLM(model=model_dir, load_format="dummy", max_model_len=MAX_MODEL_LEN, max_num_seqs=256,
-                       gpu_memory_utilization=0.9, enable_prefix_caching=False, seed=0)
+                       max_num_batched_tokens=max(16384, prefill_tokens), gpu_memory_utilization=0.9,
+                       enable_prefix_caching=False, seed=0)
 
     def generate(self, batch_prompts: list[dict], tokens: int) -> float:
         """Seconds to generate ``tokens`` tokens for every prompt."""
@@ -100,13 +112,36 @@ def add_profile(engine: Engine, row: dict, batch_prompts: list[dict], profile_st
     row["profile"] = step_profile(kernels, row["step_ms"])
 
 
+def prefill_row(engine: Engine, shape: str, length: int, vocab: int, reps: int) -> dict:
+    """One prompt of ``length`` tokens prefilled and its first token sampled (module docstring), profiled last."""
+    from blink.bench.energy import EnergyMeter
+    prompt = prompts(1, length, vocab, seed=length)
+    engine.generate(prompt, 1)                              # warm-up
+    with EnergyMeter() as meter:
+        seconds = [engine.generate(prompt, 1) for _ in range(reps)]
+    step_ms = statistics.median(seconds) * 1e3
+    row = dict(server="vllm", model=shape, kind="prefill", batch=1, context=length, step_ms=step_ms,
+               tokens_per_s=length / step_ms * 1e3)
+    joules = meter.result(0)["energy_j"]
+    if joules is not None:
+        row.update(power_w=joules / sum(seconds), joules_per_step=joules / reps)
+    print(f"  vLLM prefill {length} tokens: {step_ms:7.3f} ms"
+          + (f", {row['power_w']:.0f} W, {row['joules_per_step']:.4f} J" if "power_w" in row else ""), flush=True)
+    kernels = [dict(kernel=name, per_step=count, us_per_step=us)
+               for name, (count, us) in kernel_times(lambda: engine.generate(prompt, 1)).items()]
+    row["profile"] = step_profile(kernels, step_ms)
+    return row
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="qwen3-8b", help="a shape of blink.bench.shapes (random weights)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=512, help="decode steps of each timed run")
-    parser.add_argument("--profile-steps", type=int, default=16, help="decode steps of each profiled run")
+    parser.add_argument("--profile-steps", type=int, default=128, help="decode steps of each profiled run")
+    parser.add_argument("--prefill", type=int, default=2048, help="tokens of the prefilled prompt (0: none)")
+    parser.add_argument("--prefill-reps", type=int, default=20)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "vllm_step.json"))
@@ -114,6 +149,10 @@ def main() -> int:
     if not 0 < args.steps // 2 < args.context or args.context + args.steps // 2 > MAX_MODEL_LEN:
         parser.error(f"--context {args.context} and --steps {args.steps}: the prompts (context - steps/2) must be "
                      f"non-empty and context + steps/2 within the {MAX_MODEL_LEN}-token limit")
+    if not 0 <= args.prefill < MAX_MODEL_LEN:
+        parser.error(f"--prefill {args.prefill}: 0 (none) or a prompt length below the {MAX_MODEL_LEN}-token limit")
+    if args.prefill_reps < 1:
+        parser.error(f"--prefill-reps {args.prefill_reps}: at least 1")
 
     import torch
     import vllm
@@ -122,11 +161,14 @@ def main() -> int:
 
     model_dir = str(write_model_dir(os.path.join(tempfile.mkdtemp(), args.shape), args.shape))
     vocab = ModelConfig.from_file(model_dir).vocab_size
-    engine = Engine(model_dir, args.temperature, args.top_p)
-    batch_prompts = {b: prompts(b, args.context - args.steps // 2, vocab, seed=b) for b in args.batches}
+    prompt_len = args.context - args.steps // 2
+    engine = Engine(model_dir, args.temperature, args.top_p, prefill_tokens=max(args.batches) * prompt_len)
+    batch_prompts = {b: prompts(b, prompt_len, vocab, seed=b) for b in args.batches}
     rows = [timed_row(engine, args.shape, b, args.context, batch_prompts[b], args.steps) for b in args.batches]
     for row in rows:
         add_profile(engine, row, batch_prompts[row["batch"]], args.profile_steps)
+    if args.prefill:
+        rows.append(prefill_row(engine, args.shape, args.prefill, vocab, args.prefill_reps))
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, vllm=vllm.__version__, rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

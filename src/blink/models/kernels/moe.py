@@ -4,10 +4,10 @@ A step of ``T`` tokens, each routed to ``top_k`` of ``E`` experts, has ``N = T *
 entry ``t * top_k + j`` is token ``t``'s ``j``-th choice. Four launches, all with grids fixed by ``(T, top_k, E)``, and
 no host reads, so the whole MLP captures into a step graph:
 
-1. ``_route_kernel`` (one program per token): softmax over the router logits in float32, the ``top_k`` largest
+1. ``_moe_route_kernel`` (one program per token): softmax over the router logits in float32, the ``top_k`` largest
    (ties: lowest expert), optionally renormalised, rounded to the model dtype.
-2. ``_align_kernel`` (one program per expert): counts every expert's entries (histogram), pads each expert's count to
-   a multiple of ``BLOCK_M`` and lays the experts out in order, so that every ``BLOCK_M`` block of ``sorted_entries``
+2. ``_moe_align_kernel`` (one program per expert): counts every expert's entries (histogram), pads each expert's count
+   to a multiple of ``BLOCK_M`` and lays the experts out in order, so that every ``BLOCK_M`` block of ``sorted_entries``
    belongs to one expert (``expert_blocks``). Entries keep their order within an expert; padding slots hold ``N``.
    ``total`` (on the device) is the padded length: the per-expert counts never become Python values, so the buffers
    are sized for the worst case, ``N + min(E, N) * (BLOCK_M - 1)`` slots. Each program scans the entries in chunks
@@ -15,7 +15,7 @@ no host reads, so the whole MLP captures into a step graph:
 3. ``_moe_gemm_kernel`` twice, one program per (block, output tile), blocks past ``total`` exiting at once: a grouped
    GEMM of each block's rows with its expert's weights. First ``x @ gate_up[e].T`` with SiLU-and-mul fused into the
    epilogue (``[N, I]``), then ``@ down[e].T`` times the entry's routing weight (``[N, H]``).
-4. ``_sum_top_k_kernel``: the weighted combine, each token's ``top_k`` rows summed in float32 and rounded once, as
+4. ``_moe_sum_top_k_kernel``: the weighted combine, each token's ``top_k`` rows summed in float32 and rounded once, as
    torch's sum of them does (one launch instead of torch's strided reduction).
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ def tiles_for(num_entries: int, num_experts: int) -> Tiles:
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride, TOP_K: tl.constexpr,
+def _moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride, TOP_K: tl.constexpr,
                   TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0)
     wait_for_previous(PDL)
@@ -83,7 +83,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride, TOP_K: 
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, expert_blocks_ptr, total_ptr, num_entries, num_experts,
+def _moe_align_kernel(ids_ptr, sorted_ptr, expert_blocks_ptr, total_ptr, num_entries, num_experts,
                   BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     e = tl.program_id(0)
     wait_for_previous(PDL)
@@ -155,7 +155,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_bloc
 
 
 @triton.jit
-def _sum_top_k_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+def _moe_sum_top_k_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     t, tile = tl.program_id(0), tl.program_id(1)
     wait_for_previous(PDL)
     h = tile * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -173,7 +173,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     ids = torch.empty((t, top_k), dtype=torch.int32, device=router_logits.device)
     # One warp: the top-k rounds are reductions over the experts, by shuffles alone (4 warps meet in shared memory
     # twice a round: ~3.9 us per call at batch 1 on the H200, 16 rounds for top-8).
-    _route_kernel[(t,)](router_logits, weights, ids, experts, router_logits.stride(0), TOP_K=top_k,
+    _moe_route_kernel[(t,)](router_logits, weights, ids, experts, router_logits.stride(0), TOP_K=top_k,
                         TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
                         BLOCK_E=triton.next_power_of_2(experts), num_warps=1, **pdl_args(router_logits.device))
     return weights, ids
@@ -188,7 +188,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     sorted_entries = torch.empty(max_slots, dtype=torch.int32, device=ids.device)
     expert_blocks = torch.empty(max_slots // block_m, dtype=torch.int32, device=ids.device)
     total = torch.empty(1, dtype=torch.int32, device=ids.device)
-    _align_kernel[(num_experts,)](ids, sorted_entries, expert_blocks, total, n, num_experts, BLOCK_M=block_m,
+    _moe_align_kernel[(num_experts,)](ids, sorted_entries, expert_blocks, total, n, num_experts, BLOCK_M=block_m,
                                   BINS=triton.next_power_of_2(num_experts + 1),
                                   CHUNK=min(MAX_CHUNK, triton.next_power_of_2(max(n, 16))), **pdl_args(ids.device))
     return sorted_entries, expert_blocks, total
@@ -221,7 +221,7 @@ def combine_top_k(y: torch.Tensor, top_k: int) -> torch.Tensor:
     rounded once → ``[T, H]``."""
     t, hidden = y.shape[0] // top_k, y.shape[1]
     out = torch.empty((t, hidden), dtype=y.dtype, device=y.device)
-    _sum_top_k_kernel[(t, triton.cdiv(hidden, SUM_BLOCK))](y, out, hidden, TOP_K=top_k, BLOCK_H=SUM_BLOCK,
+    _moe_sum_top_k_kernel[(t, triton.cdiv(hidden, SUM_BLOCK))](y, out, hidden, TOP_K=top_k, BLOCK_H=SUM_BLOCK,
                                                            **pdl_args(y.device))
     return out
 
