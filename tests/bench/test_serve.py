@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from blink.bench.client import AGENT_PAUSES
 from blink.bench.datasets import synthetic
 from blink.bench.shapes import write_model_dir
 from blink.cores import cpu_list
@@ -90,6 +91,10 @@ def test_sweep_isolated_and_colocated_writes_json_and_plots(standin_server, tmp_
         assert run["energy"]["available"] is False and run["energy"]["reason"]
         assert run["server"]["blink_generation_tokens_total"] == run["total_output_tokens"]
         assert {"blink_prefill_tokens_total", "blink_prefix_cache_hits_total"} <= set(run["server"])
+        # The agent's own pauses, recorded per run: its stalls (their time, the part off the CPU) and GC passes.
+        assert set(AGENT_PAUSES) <= set(run["server"])
+        assert 0 <= run["server"]["blink_agent_stall_off_cpu_seconds_total"] <= \
+            run["server"]["blink_agent_stall_seconds_total"]
         # The server's CPU from its /metrics (process_cpu_seconds_total), this process's own, per 1,000 tokens.
         assert run["server_cpu_s"] == run["server"]["process_cpu_seconds_total"] > 0
         assert run["server_cpu_ms_per_1k_tokens"] > 0 and run["client_cpu_ms_per_1k_tokens"] > 0
@@ -116,6 +121,7 @@ def test_sweep_isolated_and_colocated_writes_json_and_plots(standin_server, tmp_
     assert "standin @ inf: colocated/isolated output throughput" in again.stdout
     assert all(column in again.stdout for column in (", P99 TTFT ", ", P99 worst gap ", "server CPU ms/1k tok",
                                                      ", steady P99 TTFT ", ", steady P99 worst gap "))
+    assert again.stdout.count("standin isolated @ 20.0: agent stalls ") == 1
     assert result["layout"] == {"name": "shared", "hog_cpus": sorted(os.sched_getaffinity(0)), "reserved": [],
                                 "client_cpus": None}
     assert result["client_priority_achieved"] == "normal"

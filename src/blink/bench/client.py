@@ -26,10 +26,15 @@ SERVER_HTTP_TTFT = ("blink_http_time_to_first_chunk_seconds_sum", "blink_http_ti
 # step scheduled: at a given arrival rate, fewer tokens per step means more steps (each reading every weight) per token.
 BLINK_STEP_TOKENS = ("blink_engine_steps_total", "blink_generation_tokens_total", "blink_prefill_tokens_total")
 VLLM_STEP_TOKENS = ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum")
+# blink's agent pausing: its stalls (ring polls far apart with requests in flight: how many, their time, the part
+# off the CPU) and its GC passes (time, count; all generations).
+AGENT_PAUSES = ("blink_agent_stalls_total", "blink_agent_stall_seconds_total",
+                "blink_agent_stall_off_cpu_seconds_total", "blink_agent_gc_pause_seconds_sum",
+                "blink_agent_gc_pause_seconds_count")
 # The server's counters a run records, as their change over the run (blink's /metrics; another server has fewer).
 SERVER_COUNTERS = ("blink_prefix_cache_queries_total", "blink_prefix_cache_hits_total",
                    "blink_prefix_cache_evictions_total", CPU_COUNTER, *SERVER_TTFT, *SERVER_HTTP_TTFT,
-                   *BLINK_STEP_TOKENS, *VLLM_STEP_TOKENS)
+                   *BLINK_STEP_TOKENS, *VLLM_STEP_TOKENS, *AGENT_PAUSES)
 # Seconds an idle connection is kept for reuse: less than any server's own keep-alive (blink's keepalive_timeout_s,
 # uvicorn's 5 s under vLLM): reusing a connection the server is closing fails the request with ServerDisconnectedError.
 KEEPALIVE_S = 2.0
@@ -64,6 +69,15 @@ def tokens_per_step(server: dict | None) -> float | None:
         return sum(tokens) / steps
     count, total = (server.get(name) for name in VLLM_STEP_TOKENS)
     return total / count if count and total is not None else None
+
+
+def agent_pauses(server: dict | None) -> str | None:
+    """blink's agent pausing over a run (``server``: the counters' changes) in words, None where not told."""
+    stalls, stall_s, off_cpu_s, gc_s, gc_passes = ((server or {}).get(name) for name in AGENT_PAUSES)
+    if None in (stalls, stall_s, off_cpu_s, gc_s, gc_passes):
+        return None
+    return (f"agent stalls {stalls:.0f} ({stall_s * 1e3:.1f} ms, {off_cpu_s * 1e3:.1f} ms of it off the CPU), "
+            f"GC {gc_s * 1e3:.1f} ms in {gc_passes:.0f} passes")
 
 
 class OpenAIClient:

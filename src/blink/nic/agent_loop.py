@@ -15,6 +15,7 @@ Nothing here knows HTTP: the OpenAI server (``blink.nic.openai``) and ``blink.As
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections import deque
@@ -31,6 +32,9 @@ from blink.ring.request import SamplingParams
 
 log = logging.getLogger("blink.agent")
 STARTING = "the engine is still starting"     # AgentLoop.health() while the engine has not yet begun to serve
+# Two ring polls this far apart while requests are in flight held their tokens back by most of a decode step (5-20 ms
+# on 8B models): a stall of the agent, which every stream in flight feels at once.
+STALL_S = 5e-3
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ class AgentLoop:
         self._problem: str | None = None
         self._sampled_at = 0.0
         self._crashed: str | None = None
+        self._last_poll: tuple[float, float] | None = None  # (monotonic, loop thread's CPU) of the last busy poll
 
     def submit(self, prompt: list[int], params: SamplingParams, priority: int) -> Submission:
         """Queue one request for the ring. ``ValueError`` naming the field if the ring cannot take it (nothing is
@@ -144,6 +149,7 @@ class AgentLoop:
             self._problem = self.agent.liveness.problem(stats, self._sampled_at)
 
     async def run(self) -> None:
+        gc.callbacks.append(self.metrics.gc_phase)
         try:
             while True:
                 await self._iterate()
@@ -152,9 +158,12 @@ class AgentLoop:
             self._crashed = f"the agent loop crashed ({e!r})"
             self.fail_all(self._crashed)
             raise
+        finally:
+            gc.callbacks.remove(self.metrics.gc_phase)
 
     async def _iterate(self) -> None:
         if not self.agent.in_flight and not self.waiting:
+            self._last_poll = None      # the idle wait below is not a stall
             # Idle: sleep until a submission, waking now and then to keep the heartbeat sample fresh.
             # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancel that arrives as the wait
             # ends, and this task then never stops.
@@ -164,6 +173,7 @@ class AgentLoop:
             self._wakeup.clear()
         if time.monotonic() - self._sampled_at > self.HEARTBEAT_SAMPLE_S:
             self._sample()
+        self._time_poll()
         try:
             outputs = self.agent.poll()
         except EngineUnresponsive as e:
@@ -175,6 +185,15 @@ class AgentLoop:
         while self.waiting and self._to_ring(self.waiting[0]):
             self.waiting.popleft()
         await asyncio.sleep(0 if outputs else self.config.poll_interval_s)
+
+    def _time_poll(self) -> None:
+        """The time since the previous poll with requests in flight, and how much of it this thread was off the CPU
+        (its sleeps, and waits for a core), into the metrics."""
+        now = (time.monotonic(), time.thread_time())
+        if self._last_poll is not None:
+            wall = now[0] - self._last_poll[0]
+            self.metrics.poll_gap(wall, wall - (now[1] - self._last_poll[1]))
+        self._last_poll = now
 
     def _to_ring(self, req: Submission) -> bool:
         """Submit ``req`` to the ring; False if no slot is free."""
@@ -203,6 +222,7 @@ class AgentLoop:
 # -- metrics -------------------------------------------------------------------------------------------------------
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_PAUSE_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, STALL_S, 0.01, 0.02, 0.05, 0.1, 0.5)
 
 
 class Metrics:
@@ -224,6 +244,21 @@ class Metrics:
         self.http_ttft = Histogram("blink_http_time_to_first_chunk_seconds",
                                    "From a streamed request's arrival at the HTTP server to its first token's chunk "
                                    "written", buckets=_LATENCY_BUCKETS, registry=r)
+        # Where the agent's own pauses go: the gaps between its ring polls while requests are in flight, the ones of
+        # STALL_S or more (their time, and the part its event loop's thread was off the CPU), and Python's GC passes.
+        self.poll_gaps = Histogram("blink_agent_poll_gap_seconds", "Between two ring polls with requests in flight",
+                                   buckets=_PAUSE_BUCKETS, registry=r)
+        self.stalls = Counter("blink_agent_stalls", f"Ring polls {STALL_S * 1e3:g} ms or more after the previous one "
+                              "with requests in flight", registry=r)
+        self.stall_seconds = Counter("blink_agent_stall_seconds", "Time between the polls of those stalls",
+                                     registry=r)
+        self.stall_off_cpu_seconds = Counter("blink_agent_stall_off_cpu_seconds", "Of the stalls' time, the part the "
+                                             "agent's event loop thread was not running (sleeps, waits for a core)",
+                                             registry=r)
+        gc_pauses = Histogram("blink_agent_gc_pause_seconds", "Python's cyclic garbage collection passes in the "
+                              "agent process", ["generation"], buckets=_PAUSE_BUCKETS, registry=r)
+        self._gc_pauses = [gc_pauses.labels(generation=str(g)) for g in range(3)]
+        self._gc_started: float | None = None
         self.prompt_tokens = Counter("blink_prompt_tokens", "Prompt tokens submitted", registry=r)
         self.requests = Counter("blink_requests_finished", "Requests ended, by finish reason", ["finish_reason"],
                                 registry=r)
@@ -242,6 +277,21 @@ class Metrics:
             for _ in range(n):
                 self.itl.observe((now - req.last_token_at) / n)
         req.last_token_at = now
+
+    def poll_gap(self, wall: float, off_cpu: float) -> None:
+        self.poll_gaps.observe(wall)
+        if wall >= STALL_S:
+            self.stalls.inc()
+            self.stall_seconds.inc(wall)
+            self.stall_off_cpu_seconds.inc(max(off_cpu, 0.0))   # the two clocks are read a few ns apart
+
+    def gc_phase(self, phase: str, info: dict) -> None:
+        """A ``gc.callbacks`` entry: times each collection from its start to its stop."""
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started is not None:
+            self._gc_pauses[info["generation"]].observe(time.perf_counter() - self._gc_started)
+            self._gc_started = None
 
     def finished(self, req: Submission, reason: str) -> None:
         self.e2e.observe(time.monotonic() - req.arrival)
