@@ -98,3 +98,26 @@ def test_a_drain_with_nothing_in_flight_stops_at_once(local_ring, tokenizer):
 def test_drain_config_refuses_a_timeout_that_is_not_a_finite_number_of_seconds(timeout_s):
     with pytest.raises(ValueError, match="drain timeout must be a finite number of seconds"):
         DrainConfig(timeout_s=timeout_s)
+
+
+def test_a_signal_while_the_server_starts_stops_it_once_it_listens(local_ring, tokenizer, monkeypatch):
+    """Ctrl-C before the listener is up (here: as ``start`` begins) is not lost: ``run`` drains and returns 0."""
+    import os
+    import signal
+
+    from blink.nic.openai import server as server_module
+    from blink.nic.openai.server import OpenAIServer, ServerConfig
+
+    real_start = server_module.start
+
+    async def start_after_a_signal(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        await asyncio.sleep(0.05)                    # the signal reaches the loop before the server listens
+        return await real_start(*args)
+
+    _, agent, _ = local_ring(GEOMETRY)
+    server = OpenAIServer(agent, tokenizer, ServerConfig(model_name="local", drain=DrainConfig(timeout_s=30)))
+    monkeypatch.setattr(server_module, "start", start_after_a_signal)
+    began = time.monotonic()
+    assert server_module.run(server, "127.0.0.1", 0) == 0
+    assert server.drain.draining and time.monotonic() - began < 5

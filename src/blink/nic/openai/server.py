@@ -221,11 +221,14 @@ def run(server: OpenAIServer, host: str, port: int) -> int:
     import signal
 
     async def serve() -> int:
-        listening = await start(server, host, port)
-        log.info("serving %s on http://%s:%d", server.config.model_name, host, listening.port)
+        # The handlers before anything that awaits: a signal while the server starts then drains it once it listens
+        # (asyncio.run's own SIGINT handler would cancel this task mid-start instead, and code that swallows the
+        # cancellation would leave a server that ignored its Ctrl-C).
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, server.drain.signal, server.stopped.set)
+        listening = await start(server, host, port)
+        log.info("serving %s on http://%s:%d", server.config.model_name, host, listening.port)
         try:
             await server.stopped.wait()
         finally:
