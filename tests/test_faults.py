@@ -25,9 +25,11 @@ CPU_ENGINE = ["--device", "cpu", "--slots", "8", "--max-model-len", "96", "--max
               "--max-num-batched-tokens", "64", "--cpu-kv-cache-gib", "0.05"]
 
 
-def serve(*args) -> tuple[subprocess.Popen, int]:
+def serve(*args, own_group: bool = False) -> tuple[subprocess.Popen, int]:
+    """``blink serve ARGS`` once healthy; ``own_group``: in a process group of its own, as a terminal starts it."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--port", str(port), *args])
+    process = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--port", str(port), *args],
+                               start_new_session=own_group)
     wait_for(lambda: healthy(port), timeout_s=120)
     return process, port
 

@@ -89,6 +89,23 @@ def test_sigterm_drains_what_is_in_flight_refuses_the_rest_then_exits_0():
         assert all(map(complete, requests.answers()))
 
 
+def test_ctrl_c_in_a_terminal_drains_too():
+    """A terminal's Ctrl-C signals the whole process group, the engine process included: the engine keeps serving
+    what is in flight while the agent drains, then both stop, exit 0, ring removed."""
+    process, port = serve(*STANDIN, "--standin-step-ms", "50", own_group=True)
+    (engine,) = engines(process.pid)
+    try:
+        requests = Requests(port, 3)                # 16 tokens at 50 ms a step: ~0.8 s in flight
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(30) == 0
+        assert all(map(complete, requests.answers()))
+    finally:
+        process.kill()
+        process.wait(10)
+    wait_for(lambda: not os.path.exists(f"/proc/{engine}"), timeout_s=15)
+    assert not rings(process.pid), "serve left its ring behind"
+
+
 def test_at_the_drain_timeout_the_rest_end_with_an_error_and_the_exit_is_0():
     with standin_serve("--drain-timeout", "1") as (process, port, engine):
         requests = Requests(port, 2)

@@ -28,9 +28,11 @@ USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, BlinkError)
 ATTACH_TIMEOUT_S = 600.0        # loading a large model and capturing its graphs can take minutes
 
 
-def serve_ring(config: EngineConfig, listen: str | None = None, rdma_device=None) -> None:
+def serve_ring(config: EngineConfig, listen: str | None = None, rdma_device=None, stop_on_sigint: bool = True) -> None:
     """Process entry point (``blink engine``): serve the shared ring ``config.ring_name`` until SIGINT or SIGTERM,
-    or until a shutdown is requested through the ring; then stop cleanly (the ring is removed).
+    or until a shutdown is requested through the ring; then stop cleanly (the ring is removed). ``stop_on_sigint``
+    False: SIGINT is ignored (``blink serve``'s engine: a terminal's Ctrl-C reaches the whole process group, and the
+    agent, draining, still needs its engine; it asks for the shutdown through the ring when the drain ends).
 
     ``listen`` (``HOST:PORT``): also answer agents on other hosts or DPUs that attach over RDMA or CUDA IPC
     (``blink.nic.remote``: a setup-only listener; ``rdma_device`` an ``ibverbs.DeviceConfig``)."""
@@ -45,8 +47,10 @@ def serve_ring(config: EngineConfig, listen: str | None = None, rdma_device=None
     # The signal only sets an event: an exception raised asynchronously inside threading's own waits (is_alive,
     # join) can leave a thread's state lock held, and the shutdown's join would then hang forever.
     stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in (signal.SIGINT, signal.SIGTERM) if stop_on_sigint else (signal.SIGTERM,):
         signal.signal(signum, lambda *_: stop.set())
+    if not stop_on_sigint:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     with EngineCore(config) as core, _agent_listener(core, listen, rdma_device):
         # A tick every ALIVE_TICK_S is all the host does while the loop serves: it tells the agent that this
         # process lives (blink.nic.liveness), so a long step is not taken for a dead engine.
@@ -99,7 +103,7 @@ def _engine_entry(config: EngineConfig, parent: int) -> None:
     logging.basicConfig(level=logging.INFO, format="blink: %(message)s")
     _stop_with_parent(parent)
     try:
-        serve_ring(config)
+        serve_ring(config, stop_on_sigint=False)
     except USER_ERRORS as e:
         print(f"blink engine: {e}", file=sys.stderr)
         sys.exit(1)

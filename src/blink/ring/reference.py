@@ -199,8 +199,13 @@ class ReferenceConsumer:
 def serve_shared_ring(name: str, geometry: RingGeometry, parent: int, **consumer_options) -> None:
     """Process entry point: open the shared-memory ring ``name``, check its layout, serve it until shutdown or until
     process ``parent`` (which created the ring) is gone: a killed parent never asks for the shutdown, and its
-    consumer would spin on forever."""
+    consumer would spin on forever. SIGINT is ignored: a terminal's Ctrl-C reaches the whole process group, and the
+    parent, draining, still needs its engine (it asks for the shutdown when the drain ends)."""
+    import signal
+
     from blink.ring.transport import SharedMemory
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     layout = RingLayout(geometry)
     with SharedMemory.open(name, layout.size) as memory:

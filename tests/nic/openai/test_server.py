@@ -580,8 +580,8 @@ CLI_ENGINE = ["--device", "cpu", "--slots", "4", "--max-prompt-tokens", "64", "-
               "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--cpu-kv-cache-gib", "0.05"]
 
 
-def blink_cli(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "blink.cli", *args])
+def blink_cli(*args, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "blink.cli", *args], **popen)
 
 
 def free_port() -> int:
@@ -639,7 +639,7 @@ def test_blink_serve_runs_the_engine_process_and_ctrl_c_stops_both(model_dir, re
     # Where this user may raise priorities, the agent (this process) takes nice -10 and the engine keeps its own.
     high = subprocess.run([sys.executable, "-c", "import os; os.setpriority(os.PRIO_PROCESS, 0, -10)"]).returncode == 0
     serve = blink_cli("serve", str(model_dir), "--port", str(port), "--served-model-name", MODEL, *CLI_ENGINE,
-                      *(["--agent-priority", "high"] if high else []))
+                      *(["--agent-priority", "high"] if high else []), start_new_session=True)
     try:
         wait_for(lambda: _healthy(port), timeout_s=120)
         check_completion(port, reference, hf)
@@ -652,7 +652,7 @@ def test_blink_serve_runs_the_engine_process_and_ctrl_c_stops_both(model_dir, re
         if high:
             assert os.getpriority(os.PRIO_PROCESS, serve.pid) == -10
             assert engines and all(os.getpriority(os.PRIO_PROCESS, pid) == 0 for pid in engines)
-        serve.send_signal(signal.SIGINT)
+        os.killpg(serve.pid, signal.SIGINT)          # as a terminal's Ctrl-C: to the whole process group
         assert serve.wait(60) == 0
         wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in spawned), timeout_s=30)
         assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"blink-{serve.pid}-")]
