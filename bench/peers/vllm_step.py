@@ -86,14 +86,19 @@ def timed_row(engine: Engine, shape: str, batch: int, context: int, batch_prompt
     engine.generate(batch_prompts, 1 + steps)               # warm-up
     short_s, short_j = engine.metered(batch_prompts, 1)
     long_s, long_j = engine.metered(batch_prompts, 1 + steps)
-    step_ms = (long_s - short_s) / steps * 1e3
-    row = dict(server="vllm", model=shape, kind="decode", batch=batch, context=context, step_ms=step_ms,
-               tokens_per_s=batch / step_ms * 1e3)
-    if short_j is not None and long_j is not None:
-        joules = (long_j - short_j) / steps
-        row.update(power_w=joules / step_ms * 1e3, joules_per_step=joules, joules_per_token=joules / batch)
-    print(f"  vLLM decode B={batch:4d} ctx={context:5d}: {step_ms:7.3f} ms per step"
-          + (f", {row['power_w']:.0f} W, {row['joules_per_step']:.4f} J per step" if "power_w" in row else ""),
+    joules = (long_j - short_j) / steps if short_j is not None and long_j is not None else None
+    return step_row(shape, "decode", batch, context, (long_s - short_s) / steps * 1e3, batch, joules)
+
+
+def step_row(shape: str, kind: str, batch: int, context: int, step_ms: float, tokens: int,
+             joules: float | None) -> dict:
+    """A row in model_bench's form for one step of ``tokens`` tokens and ``joules`` (None without NVML), printed."""
+    row = dict(server="vllm", model=shape, kind=kind, batch=batch, context=context, step_ms=step_ms,
+               tokens_per_s=tokens / step_ms * 1e3)
+    if joules is not None:
+        row.update(power_w=joules / step_ms * 1e3, joules_per_step=joules, joules_per_token=joules / tokens)
+    print(f"  vLLM {kind} B={batch:4d} ctx={context:5d}: {step_ms:7.3f} ms per step"
+          + (f", {row['power_w']:.0f} W, {row['joules_per_step']:.4f} J per step" if joules is not None else ""),
           flush=True)
     return row
 
@@ -119,17 +124,12 @@ def prefill_row(engine: Engine, shape: str, length: int, vocab: int, reps: int) 
     engine.generate(prompt, 1)                              # warm-up
     with EnergyMeter() as meter:
         seconds = [engine.generate(prompt, 1) for _ in range(reps)]
-    step_ms = statistics.median(seconds) * 1e3
-    row = dict(server="vllm", model=shape, kind="prefill", batch=1, context=length, step_ms=step_ms,
-               tokens_per_s=length / step_ms * 1e3)
     joules = meter.result(0)["energy_j"]
-    if joules is not None:
-        row.update(power_w=joules / sum(seconds), joules_per_step=joules / reps)
-    print(f"  vLLM prefill {length} tokens: {step_ms:7.3f} ms"
-          + (f", {row['power_w']:.0f} W, {row['joules_per_step']:.4f} J" if "power_w" in row else ""), flush=True)
+    row = step_row(shape, "prefill", 1, length, statistics.median(seconds) * 1e3, length,
+                   joules / reps if joules is not None else None)
     kernels = [dict(kernel=name, per_step=count, us_per_step=us)
                for name, (count, us) in kernel_times(lambda: engine.generate(prompt, 1)).items()]
-    row["profile"] = step_profile(kernels, step_ms)
+    row["profile"] = step_profile(kernels, row["step_ms"])
     return row
 
 

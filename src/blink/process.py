@@ -47,10 +47,11 @@ def serve_ring(config: EngineConfig, listen: str | None = None, rdma_device=None
     # The signal only sets an event: an exception raised asynchronously inside threading's own waits (is_alive,
     # join) can leave a thread's state lock held, and the shutdown's join would then hang forever.
     stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM) if stop_on_sigint else (signal.SIGTERM,):
-        signal.signal(signum, lambda *_: stop.set())
-    if not stop_on_sigint:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    def stop_serving(*_):
+        stop.set()
+
+    signal.signal(signal.SIGTERM, stop_serving)
+    signal.signal(signal.SIGINT, stop_serving if stop_on_sigint else signal.SIG_IGN)
     with EngineCore(config) as core, _agent_listener(core, listen, rdma_device):
         # A tick every ALIVE_TICK_S is all the host does while the loop serves: it tells the agent that this
         # process lives (blink.nic.liveness), so a long step is not taken for a dead engine.

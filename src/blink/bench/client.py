@@ -73,9 +73,10 @@ def tokens_per_step(server: dict | None) -> float | None:
 
 def agent_pauses(server: dict | None) -> str | None:
     """blink's agent pausing over a run (``server``: the counters' changes) in words, None where not told."""
-    stalls, stall_s, off_cpu_s, gc_s, gc_passes = ((server or {}).get(name) for name in AGENT_PAUSES)
-    if None in (stalls, stall_s, off_cpu_s, gc_s, gc_passes):
+    values = [(server or {}).get(name) for name in AGENT_PAUSES]
+    if None in values:
         return None
+    stalls, stall_s, off_cpu_s, gc_s, gc_passes = values
     return (f"agent stalls {stalls:.0f} ({stall_s * 1e3:.1f} ms, {off_cpu_s * 1e3:.1f} ms of it off the CPU), "
             f"GC {gc_s * 1e3:.1f} ms in {gc_passes:.0f} passes")
 

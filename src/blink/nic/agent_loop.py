@@ -222,7 +222,7 @@ class AgentLoop:
 # -- metrics -------------------------------------------------------------------------------------------------------
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-_PAUSE_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, STALL_S, 0.01, 0.02, 0.05, 0.1, 0.5)
+_GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, STALL_S, 0.01, 0.02, 0.05, 0.1, 0.5)
 
 
 class Metrics:
@@ -244,10 +244,9 @@ class Metrics:
         self.http_ttft = Histogram("blink_http_time_to_first_chunk_seconds",
                                    "From a streamed request's arrival at the HTTP server to its first token's chunk "
                                    "written", buckets=_LATENCY_BUCKETS, registry=r)
-        # Where the agent's own pauses go: the gaps between its ring polls while requests are in flight, the ones of
-        # STALL_S or more (their time, and the part its event loop's thread was off the CPU), and Python's GC passes.
-        self.poll_gaps = Histogram("blink_agent_poll_gap_seconds", "Between two ring polls with requests in flight",
-                                   buckets=_PAUSE_BUCKETS, registry=r)
+        # Where the agent's own pauses go: the gaps of STALL_S or more between its ring polls while requests are in
+        # flight (their time, and the part its event loop's thread was off the CPU), and Python's GC passes. Only
+        # the stalls are counted: a histogram of every gap would cost each poll, the agent's hot path, its update.
         self.stalls = Counter("blink_agent_stalls", f"Ring polls {STALL_S * 1e3:g} ms or more after the previous one "
                               "with requests in flight", registry=r)
         self.stall_seconds = Counter("blink_agent_stall_seconds", "Time between the polls of those stalls",
@@ -256,7 +255,7 @@ class Metrics:
                                              "agent's event loop thread was not running (sleeps, waits for a core)",
                                              registry=r)
         gc_pauses = Histogram("blink_agent_gc_pause_seconds", "Python's cyclic garbage collection passes in the "
-                              "agent process", ["generation"], buckets=_PAUSE_BUCKETS, registry=r)
+                              "agent process", ["generation"], buckets=_GC_BUCKETS, registry=r)
         self._gc_pauses = [gc_pauses.labels(generation=str(g)) for g in range(3)]
         self._gc_started: float | None = None
         self.prompt_tokens = Counter("blink_prompt_tokens", "Prompt tokens submitted", registry=r)
@@ -279,7 +278,8 @@ class Metrics:
         req.last_token_at = now
 
     def poll_gap(self, wall: float, off_cpu: float) -> None:
-        self.poll_gaps.observe(wall)
+        """The time between two polls with requests in flight, ``off_cpu`` of it with the loop's thread not running;
+        counted if it is a stall."""
         if wall >= STALL_S:
             self.stalls.inc()
             self.stall_seconds.inc(wall)

@@ -5,11 +5,15 @@ error and frees their slots; a second signal ends them at once. (``tests/test_li
 signals to ``blink serve``.)"""
 import asyncio
 import json
+import os
+import signal
 import time
 
 import pytest
 
 from blink.nic.drain import DrainConfig
+from blink.nic.openai import server as server_module
+from blink.nic.openai.server import OpenAIServer, ServerConfig
 from tests.nic.openai.local import GEOMETRY, finished, run_local
 
 
@@ -102,12 +106,6 @@ def test_drain_config_refuses_a_timeout_that_is_not_a_finite_number_of_seconds(t
 
 def test_a_signal_while_the_server_starts_stops_it_once_it_listens(local_ring, tokenizer, monkeypatch):
     """Ctrl-C before the listener is up (here: as ``start`` begins) is not lost: ``run`` drains and returns 0."""
-    import os
-    import signal
-
-    from blink.nic.openai import server as server_module
-    from blink.nic.openai.server import OpenAIServer, ServerConfig
-
     real_start = server_module.start
 
     async def start_after_a_signal(*args):

@@ -61,7 +61,7 @@ def tiles_for(num_entries: int, num_experts: int) -> Tiles:
 
 @triton.jit
 def _moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride, TOP_K: tl.constexpr,
-                  TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+                      TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0)
     wait_for_previous(PDL)
     e = tl.arange(0, BLOCK_E)
@@ -84,7 +84,7 @@ def _moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride, TOP
 
 @triton.jit
 def _moe_align_kernel(ids_ptr, sorted_ptr, expert_blocks_ptr, total_ptr, num_entries, num_experts,
-                  BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     e = tl.program_id(0)
     wait_for_previous(PDL)
     counts = tl.zeros([BINS], tl.int32)
@@ -174,8 +174,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     # One warp: the top-k rounds are reductions over the experts, by shuffles alone (4 warps meet in shared memory
     # twice a round: ~3.9 us per call at batch 1 on the H200, 16 rounds for top-8).
     _moe_route_kernel[(t,)](router_logits, weights, ids, experts, router_logits.stride(0), TOP_K=top_k,
-                        TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-                        BLOCK_E=triton.next_power_of_2(experts), num_warps=1, **pdl_args(router_logits.device))
+                            TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+                            BLOCK_E=triton.next_power_of_2(experts), num_warps=1, **pdl_args(router_logits.device))
     return weights, ids
 
 
@@ -189,8 +189,8 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     expert_blocks = torch.empty(max_slots // block_m, dtype=torch.int32, device=ids.device)
     total = torch.empty(1, dtype=torch.int32, device=ids.device)
     _moe_align_kernel[(num_experts,)](ids, sorted_entries, expert_blocks, total, n, num_experts, BLOCK_M=block_m,
-                                  BINS=triton.next_power_of_2(num_experts + 1),
-                                  CHUNK=min(MAX_CHUNK, triton.next_power_of_2(max(n, 16))), **pdl_args(ids.device))
+                                      BINS=triton.next_power_of_2(num_experts + 1),
+                                      CHUNK=min(MAX_CHUNK, triton.next_power_of_2(max(n, 16))), **pdl_args(ids.device))
     return sorted_entries, expert_blocks, total
 
 
@@ -222,7 +222,7 @@ def combine_top_k(y: torch.Tensor, top_k: int) -> torch.Tensor:
     t, hidden = y.shape[0] // top_k, y.shape[1]
     out = torch.empty((t, hidden), dtype=y.dtype, device=y.device)
     _moe_sum_top_k_kernel[(t, triton.cdiv(hidden, SUM_BLOCK))](y, out, hidden, TOP_K=top_k, BLOCK_H=SUM_BLOCK,
-                                                           **pdl_args(y.device))
+                                                               **pdl_args(y.device))
     return out
 
 
