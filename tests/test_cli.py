@@ -54,3 +54,11 @@ def test_prefix_caching_is_on_unless_turned_off_on_the_command_line():
     for flags, enabled in [([], True), (["--enable-prefix-caching"], True), (["--no-enable-prefix-caching"], False)]:
         args = _parser().parse_args(["generate", "hi", *flags])
         assert _engine_config(args, "model").scheduler.enable_prefix_caching is enabled
+
+
+def test_a_bad_agent_option_is_refused_before_an_engine_starts():
+    done = subprocess.run([sys.executable, "-m", "blink.cli", "serve", "--standin", "--poll-interval", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "poll_interval_s must be in [0, 1] seconds (got 2.0)" in done.stderr
+    assert "engine" not in done.stderr, "no engine was started"

@@ -28,6 +28,7 @@ def serve(args) -> int:
     from blink.process import engine_process, split_cores
     from blink.ring.reference import standin_engine
 
+    loop = _loop_config(args)       # checked before the engine starts
     model_dir = _model_dir(args.model_path or args.model)
     tokenizer = _tokenizer(args, model_dir)
     if args.standin:
@@ -41,7 +42,7 @@ def serve(args) -> int:
     else:
         engine = engine_process(_engine_config(args, model_dir, ring_name=_ring_name()))
     with engine as (memory, process), split_cores(process, args.cpus) as cores:
-        return _serve_http(args, memory, tokenizer, model_dir, process, cores)
+        return _serve_http(args, loop, memory, tokenizer, model_dir, process, cores)
 
 
 def engine(args) -> int:
@@ -76,9 +77,16 @@ def agent(args) -> int:
     or CUDA IPC) and serve HTTP on it."""
     from blink.process import split_cores
 
+    loop = _loop_config(args)
     model_dir = _model_dir(args.model)
     with _agent_ring(args) as memory, split_cores(None, args.cpus) as cores:
-        return _serve_http(args, memory, _tokenizer(args, model_dir), model_dir, None, cores)
+        return _serve_http(args, loop, memory, _tokenizer(args, model_dir), model_dir, None, cores)
+
+
+def _loop_config(args):
+    from blink.nic.agent_loop import LoopConfig
+
+    return LoopConfig(max_queued=args.max_queued, poll_interval_s=args.poll_interval)
 
 
 def _agent_ring(args):
@@ -104,13 +112,12 @@ def _rdma_options(parser) -> None:
                         help="GID table entry (show_gids; a RoCE v2 entry with the interface's address)")
 
 
-def _serve_http(args, memory, tokenizer, model_dir, engine_process, cores) -> int:
+def _serve_http(args, loop, memory, tokenizer, model_dir, engine_process, cores) -> int:
     """The HTTP agent on ``memory``'s ring until Ctrl-C / SIGTERM (exit 0) or until its engine is gone (exit 1: the
     engine is not restarted here; a supervisor restarts the whole server)."""
     from pathlib import Path
 
     from blink.nic.agent import Agent
-    from blink.nic.agent_loop import LoopConfig
     from blink.nic.defaults import sampling_defaults
     from blink.nic.drain import DrainConfig
     from blink.nic.openai.server import OpenAIServer, ServerConfig, run
@@ -122,7 +129,7 @@ def _serve_http(args, memory, tokenizer, model_dir, engine_process, cores) -> in
     set_priority(args.agent_priority)           # before any thread starts: threads inherit it
     agent = Agent.attach(memory, liveness_timeout_s=args.liveness_timeout)
     config = ServerConfig(model_name=args.served_model_name or Path(model_dir).name,
-                          loop=LoopConfig(max_queued=args.max_queued),
+                          loop=loop,
                           api_key=args.api_key or os.environ.get("BLINK_API_KEY") or None,
                           defaults=sampling_defaults(model_dir, args.generation_config),
                           drain=DrainConfig(timeout_s=args.drain_timeout))
@@ -218,13 +225,19 @@ def _engine_options(parser, slots: int) -> None:
 
 
 def _http_options(parser) -> None:
+    from blink.nic.agent_loop import LoopConfig
+
     parser.add_argument("--model", default=None, help="a model directory (HF layout) or a model id in the local "
                         "Hugging Face cache; default: the embedded SmolLM2")
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: the dir name)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--max-queued", type=int, default=1024,
+    parser.add_argument("--max-queued", type=int, default=LoopConfig.max_queued,
                         help="requests that may wait in the agent for a free ring slot; beyond it: 429")
+    parser.add_argument("--poll-interval", type=float, default=LoopConfig.poll_interval_s,
+                        help="seconds the agent sleeps after a ring poll that found no tokens while requests are in "
+                             "flight; 0: it polls without sleeping (a core busy while it serves, and no wake-up that "
+                             "waits for a busy core; see docs/serving.md)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1 requests (default: $BLINK_API_KEY if set, "
                              "else no key)")

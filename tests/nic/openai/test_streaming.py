@@ -13,7 +13,7 @@ from aiohttp import web
 
 from blink.models import default_model_path
 from blink.nic.agent import Agent
-from blink.nic.agent_loop import AgentLoop, Metrics
+from blink.nic.agent_loop import AgentLoop, LoopConfig, Metrics
 from blink.nic.openai.requests import Parser
 from blink.nic.openai.responses import Responder
 from blink.nic.openai.server import OpenAIServer, ServerConfig, start
@@ -80,7 +80,8 @@ async def stream_frames(session, url: str, body: dict) -> list[list[dict | str]]
     return frames
 
 
-def test_one_poll_serves_every_stream_and_each_gets_every_token_in_order(tokenizer):
+@pytest.mark.parametrize("poll_interval_s", [LoopConfig.poll_interval_s, 0.0])    # sleeping polls, and spinning
+def test_one_poll_serves_every_stream_and_each_gets_every_token_in_order(tokenizer, poll_interval_s):
     consumer, agent = stepped_ring(tokenizer)
     batches = []                # how many streams each poll that found progress served
     real_poll = agent.poll
@@ -95,8 +96,8 @@ def test_one_poll_serves_every_stream_and_each_gets_every_token_in_order(tokeniz
     prompts = [[1 + i, 2 + i, 3] for i in range(STREAMS)]
 
     async def run():
-        server = OpenAIServer(agent, tokenizer, ServerConfig(model_name="m"))
-        listening = await start(server, "127.0.0.1", 0)       # starts the agent loop's polling task too
+        config = ServerConfig(model_name="m", loop=LoopConfig(poll_interval_s=poll_interval_s))
+        listening = await start(OpenAIServer(agent, tokenizer, config), "127.0.0.1", 0)  # and the polling task
         url = f"http://127.0.0.1:{listening.port}/v1/completions"
         try:
             async with aiohttp.ClientSession() as session:
