@@ -22,10 +22,10 @@ Run: ``PYTHONPATH=src python3 -m bench.model_bench [--models llama-3-8b ...] [--
 (writes ``$OUT/model_bench.json`` when ``$OUT`` is set). ``--profile B,CTX`` runs only the decode step at batch B and
 context CTX (``prefill``: the prefill step), timed and then broken down per kernel: GPU time per step and the time
 no kernel runs. Profiles run in a process of their own because graph replays after a CUPTI profile in the same
-process are slower (docs/benchmarks.md). ``--power`` adds each decode step's board power (NVML), the step replayed
-back to back from the host for 3 s, and its joules per step and per token: the kernels' own watts, to set beside a
-server's; and the same for the weight GEMMs alone (cuBLAS, at batches 1, 16, 64, 256), so that the step's energy
-splits into its GEMMs' and the rest's.
+process are slower (docs/benchmarks.md). ``--power`` adds each decode step's and the prefill's board power (NVML),
+the step replayed back to back from the host for 3 s (before any profile), and its joules per step and per token:
+the kernels' own watts, to set beside a server's; and the same for the weight GEMMs alone (cuBLAS, at batches 1, 16,
+64, 256), so that the step's energy splits into its GEMMs' and the rest's.
 Correctness of what is timed: ``tests/models`` (``-m gpu`` on the GPU).
 """
 from __future__ import annotations
@@ -158,15 +158,16 @@ def gemms_only_graph(model, batch: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def add_power(row: dict, graph, label: str) -> None:
-    """The board power of ``graph`` replayed back to back (``row``'s step), its joules per step and per token."""
+def add_power(row: dict, graph, label: str, tokens: int) -> None:
+    """The board power of ``graph`` replayed back to back (``row``'s step of ``tokens`` tokens), its joules per step
+    and per token."""
     watts = replay_power(graph.replay, row["step_ms"])
     if watts is None:
         return
     row.update(power_w=watts["mean_power_w"], joules_per_step=watts["joules_per_step"],
-               joules_per_token=watts["joules_per_step"] / row["batch"])
+               joules_per_token=watts["joules_per_step"] / tokens)
     print(f"  {label}: {watts['mean_power_w']:.0f} W back to back, {watts['joules_per_step']:.4f} J per step, "
-          f"{watts['joules_per_step'] / row['batch']:.4f} J per token", flush=True)
+          f"{watts['joules_per_step'] / tokens:.4f} J per token", flush=True)
 
 
 def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib: float, reps: int,
@@ -208,10 +209,10 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
                              ratio=ms / floor, roofline_ms=roof, tokens_per_s=batch / ms * 1e3))
             print(f"  decode B={batch:4d} ctx={ctx:5d}: {ms:7.3f} ms  floor {floor:7.3f} ms  x{ms / floor:.2f}  "
                   f"roofline {roof:7.3f} ms  x{ms / roof:.2f}", flush=True)
+            if power:       # before a profile: replays after CUPTI's are slower
+                add_power(rows[-1], graph, f"decode B={batch:4d} ctx={ctx:5d}", batch)
             if (batch, ctx) in profile:
                 rows[-1]["profile"] = kernel_profile(graph, ms)
-            if power:
-                add_power(rows[-1], graph, f"decode B={batch:4d} ctx={ctx:5d}")
             del graph
     for batch in (1, 16, 64, 256) if not (config.num_experts or profile) else ():
         graph = gemms_only_graph(model, batch)
@@ -221,10 +222,10 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
                          ratio=ms / floor, tokens_per_s=batch / ms * 1e3))
         print(f"  weight GEMMs only, B={batch}: {ms:.3f} ms  floor {floor:.3f} ms  x{ms / floor:.2f}", flush=True)
         if power:
-            add_power(rows[-1], graph, f"weight GEMMs only, B={batch}")
+            add_power(rows[-1], graph, f"weight GEMMs only, B={batch}", batch)
         del graph
     if not profile or "prefill" in profile:
-        rows.append(bench_prefill(name, model, buf, kv, bw, flops, reps, "prefill" in profile))
+        rows.append(bench_prefill(name, model, buf, kv, bw, flops, reps, "prefill" in profile, power))
     peak = torch.cuda.max_memory_allocated() - before - wbytes - kv.numel() * kv.element_size()
     print(f"  activations: {peak / GIB:.2f} GiB at most (plan: {plan.activation_bytes / GIB:.2f} GiB)", flush=True)
     del kv, model
@@ -232,8 +233,10 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
     return rows
 
 
-def bench_prefill(name: str, model, buf, kv, bw: float, flops: float, reps: int, profile: bool) -> dict:
-    """One 2048-token prompt from position 0, against max(FLOP floor, HBM floor) and the per-op roofline."""
+def bench_prefill(name: str, model, buf, kv, bw: float, flops: float, reps: int, profile: bool,
+                  power: bool) -> dict:
+    """One 2048-token prompt from position 0, against max(FLOP floor, HBM floor) and the per-op roofline; with
+    ``power``, its board power replayed back to back."""
     tokens = 2048
     fill_step(buf, [SeqChunk(list(range(tokens)), 0, list(range(tokens // PAGE)))], PAGE)
     graph = capture(model, buf, kv, tokens)
@@ -251,6 +254,8 @@ def bench_prefill(name: str, model, buf, kv, bw: float, flops: float, reps: int,
     print(f"  prefill {tokens} tokens: {ms:.3f} ms = {tokens / ms * 1e3:.0f} tok/s  floor {floor:.3f} ms "
           f"(FLOP {flop_floor:.3f}, HBM {hbm_floor:.3f})  x{ms / floor:.2f}  roofline {roof:.3f} ms  "
           f"x{ms / roof:.2f}", flush=True)
+    if power:
+        add_power(row, graph, f"prefill {tokens} tokens", tokens)
     if profile:
         row["profile"] = kernel_profile(graph, ms)
     return row
@@ -265,7 +270,7 @@ def main():
     parser.add_argument("--profile", nargs="*", default=[], metavar="B,CTX|prefill",
                         help="only these steps, each also broken down per kernel: decode shapes (batch,context), "
                              "e.g. 1,1024, and/or prefill")
-    parser.add_argument("--power", action="store_true", help="also each decode step's board power (NVML), replayed "
+    parser.add_argument("--power", action="store_true", help="also each step's board power (NVML), replayed "
                         "back to back for 3 s: the kernels' watts without the scheduler or serving")
     args = parser.parse_args()
     profile = {shape if shape == "prefill" else tuple(int(v) for v in shape.split(",")) for shape in args.profile}

@@ -21,8 +21,8 @@ token, over N:
   profiles run after every timing (CUPTI slows what runs after it in the same process).
 
 And the prefill of one ``--prefill``-token prompt (model_bench's prefill row; 0: none): runs of one output token
-(the prefill step, which samples the first token, and vLLM's host work for the request), ``--prefill-reps`` of them:
-their median time, their energy over all of them, and one more profiled.
+(the prefill step, which samples the first token, and vLLM's host work for the request), ``--prefill-reps`` of them
+after a third as many unmetered: their median time, their energy over all of them, and one more profiled.
 
 Rows are written in model_bench's form (``model``, ``kind``, ``batch``, ``context``, ``step_ms``, ``power_w``,
 ``joules_per_step``, ``profile``) with ``server: "vllm"``.
@@ -121,7 +121,8 @@ def prefill_row(engine: Engine, shape: str, length: int, vocab: int, reps: int) 
     """One prompt of ``length`` tokens prefilled and its first token sampled (module docstring), profiled last."""
     from blink.bench.energy import EnergyMeter
     prompt = prompts(1, length, vocab, seed=length)
-    engine.generate(prompt, 1)                              # warm-up
+    for _ in range(1 + reps // 3):          # warm-up, and NVML's averaged reading settles on the load (replay_power)
+        engine.generate(prompt, 1)
     with EnergyMeter() as meter:
         seconds = [engine.generate(prompt, 1) for _ in range(reps)]
     joules = meter.result(0)["energy_j"]
@@ -141,7 +142,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=512, help="decode steps of each timed run")
     parser.add_argument("--profile-steps", type=int, default=128, help="decode steps of each profiled run")
     parser.add_argument("--prefill", type=int, default=2048, help="tokens of the prefilled prompt (0: none)")
-    parser.add_argument("--prefill-reps", type=int, default=20)
+    parser.add_argument("--prefill-reps", type=int, default=60, help="metered runs (~3 s at 2048 tokens on an H200, "
+                        "as model_bench's power: NVML's reading lags the load)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "vllm_step.json"))
