@@ -50,6 +50,8 @@ MODELS = {name: shape_config(name) for name in SHAPES}
 MODELS["qwen3-8b"] = BENCH_SHAPES["qwen3-8b"]
 PAGE = 16
 LAYOUT = StepLayout(max_num_batched_tokens=2048, max_num_seqs=256, max_pages_per_seq=8192 // PAGE)
+# The decode steps of the full table: (batch, context, bucket), each batch in a graph of its own size.
+GRID = [(batch, ctx, batch) for ctx in (1024, 8192) for batch in (1, 16, 64, 256)]
 
 
 def expert_bytes(model) -> int:
@@ -191,29 +193,28 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
     print(f"{name}: weights {wbytes / 1e9:.2f} GB, KV pool {num_pages} pages, setup {time.time() - t0:.1f}s",
           flush=True)
     rows = []
-    for ctx in (1024, 8192):
-        for batch in (1, 16, 64, 256):
-            if profile and (batch, ctx) not in profile:
-                continue
-            if batch * -(-ctx // PAGE) > num_pages:
-                print(f"  decode B={batch:4d} ctx={ctx:5d}: skipped, its KV does not fit the pool", flush=True)
-                continue
-            fill_step(buf, decode_chunks(batch, ctx, num_pages, seed=batch), PAGE)
-            graph = capture(model, buf, kv, batch)
-            ms = events_median_ms(graph.replay, reps)
-            kv_bytes = batch * ctx * config.num_layers * 2 * config.kv_size * 2
-            floor = (read_weight_bytes(model, batch) + kv_bytes) / bw * 1e3
-            attn_flops = config.num_layers * config.num_heads * config.head_dim * 4 * batch * ctx
-            roof = roofline_ms(model, batch, batch, kv_bytes, attn_flops, bw, flops)
-            rows.append(dict(model=name, kind="decode", batch=batch, context=ctx, step_ms=ms, floor_ms=floor,
-                             ratio=ms / floor, roofline_ms=roof, tokens_per_s=batch / ms * 1e3))
-            print(f"  decode B={batch:4d} ctx={ctx:5d}: {ms:7.3f} ms  floor {floor:7.3f} ms  x{ms / floor:.2f}  "
-                  f"roofline {roof:7.3f} ms  x{ms / roof:.2f}", flush=True)
-            if power:       # before a profile: replays after CUPTI's are slower
-                add_power(rows[-1], graph, f"decode B={batch:4d} ctx={ctx:5d}", batch)
-            if (batch, ctx) in profile:
-                rows[-1]["profile"] = kernel_profile(graph, ms)
-            del graph
+    cells = sorted((c for c in profile if c != "prefill"), key=lambda c: (c[1], c[0], c[2])) if profile else GRID
+    for batch, ctx, bucket in cells:
+        label = f"decode B={batch:4d} ctx={ctx:5d}" + (f" in the {bucket}-token graph" if bucket != batch else "")
+        if batch * -(-ctx // PAGE) > num_pages:
+            print(f"  {label}: skipped, its KV does not fit the pool", flush=True)
+            continue
+        fill_step(buf, decode_chunks(batch, ctx, num_pages, seed=batch), PAGE)
+        graph = capture(model, buf, kv, bucket)
+        ms = events_median_ms(graph.replay, reps)
+        kv_bytes = batch * ctx * config.num_layers * 2 * config.kv_size * 2
+        floor = (read_weight_bytes(model, batch) + kv_bytes) / bw * 1e3
+        attn_flops = config.num_layers * config.num_heads * config.head_dim * 4 * batch * ctx
+        roof = roofline_ms(model, batch, batch, kv_bytes, attn_flops, bw, flops)
+        rows.append(dict(model=name, kind="decode", batch=batch, context=ctx, bucket=bucket, step_ms=ms,
+                         floor_ms=floor, ratio=ms / floor, roofline_ms=roof, tokens_per_s=batch / ms * 1e3))
+        print(f"  {label}: {ms:7.3f} ms  floor {floor:7.3f} ms  x{ms / floor:.2f}  roofline {roof:7.3f} ms  "
+              f"x{ms / roof:.2f}", flush=True)
+        if power:       # before a profile: replays after CUPTI's are slower
+            add_power(rows[-1], graph, label, batch)
+        if profile:
+            rows[-1]["profile"] = kernel_profile(graph, ms)
+        del graph
     for batch in (1, 16, 64, 256) if not (config.num_experts or profile) else ():
         graph = gemms_only_graph(model, batch)
         ms = events_median_ms(graph.replay, reps)
@@ -261,19 +262,34 @@ def bench_prefill(name: str, model, buf, kv, bw: float, flops: float, reps: int,
     return row
 
 
+def decode_cell(parser, text: str) -> tuple[int, int, int]:
+    """``B,CTX`` or ``B,CTX,BUCKET`` as (batch, context, bucket); the bucket defaults to the batch."""
+    try:
+        batch, ctx, *rest = (int(v) for v in text.split(","))
+    except ValueError:
+        parser.error(f"--profile {text}: B,CTX or B,CTX,BUCKET (integers) or prefill")
+    bucket = rest[0] if rest else batch
+    longest = LAYOUT.max_pages_per_seq * PAGE
+    if len(rest) > 1 or not 1 <= batch <= bucket <= LAYOUT.max_num_batched_tokens or not 1 <= ctx <= longest:
+        parser.error(f"--profile {text}: needs 1 <= B <= BUCKET <= {LAYOUT.max_num_batched_tokens}, "
+                     f"1 <= CTX <= {longest}")
+    return batch, ctx, bucket
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "model_bench.json"))
     parser.add_argument("--models", nargs="*", default=list(SHAPES), choices=list(MODELS))
     parser.add_argument("--kv-gib", type=float, default=96.0)
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--profile", nargs="*", default=[], metavar="B,CTX|prefill",
+    parser.add_argument("--profile", nargs="*", default=[], metavar="B,CTX[,BUCKET]|prefill",
                         help="only these steps, each also broken down per kernel: decode shapes (batch,context), "
-                             "e.g. 1,1024, and/or prefill")
+                             "e.g. 1,1024, optionally run in a larger graph (batch,context,bucket: the rows "
+                             "between batch and bucket are padding, as in a served step), and/or prefill")
     parser.add_argument("--power", action="store_true", help="also each step's board power (NVML), replayed "
                         "back to back for 3 s: the kernels' watts without the scheduler or serving")
     args = parser.parse_args()
-    profile = {shape if shape == "prefill" else tuple(int(v) for v in shape.split(",")) for shape in args.profile}
+    profile = {shape if shape == "prefill" else decode_cell(parser, shape) for shape in args.profile}
     torch.manual_seed(0)
     bw, flops = copy_bandwidth(), matmul_rate()
     torch.cuda.empty_cache()  # give the measurement buffers back before the KV pool
