@@ -89,11 +89,15 @@ def test_greedy_outputs_equal_transformers_under_chunked_prefill_and_preemption(
 
 
 def penalized_greedy(hf, prompt: list[int], n: int, params: SamplingParams, eos: tuple[int, ...]) -> list[int]:
-    """Greedy decoding with vLLM's penalties, in float64 over transformers' logits: the reference."""
+    """Greedy decoding with vLLM's penalties, in float64 over transformers' logits: the reference. Each token's
+    logits come from transformers' KV cache, as in its own ``generate``, not from the whole sequence again."""
     out = []
     with torch.no_grad():
+        step = hf(torch.tensor([prompt]), use_cache=True)
         for _ in range(n):
-            logits = hf(torch.tensor([prompt + out])).logits[0, -1].double()
+            if out:
+                step = hf(torch.tensor([out[-1:]]), past_key_values=step.past_key_values, use_cache=True)
+            logits = step.logits[0, -1].double()
             counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.numel()).double()
             seen = counts > 0
             seen[prompt] = True
