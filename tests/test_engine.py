@@ -142,7 +142,10 @@ def uncached():
 
 
 SYSTEM = "You are a concise assistant. Answer every question in one short sentence."
-QUESTIONS = ["What is the capital of France?", "Name a prime number.", "What colour is the sky?", "Say hello."]
+# Short answers (8-16 tokens, each follow-up answered at once): a long one would only add decode steps of one
+# sequence at the end of each round.
+QUESTIONS = ["What is the capital of France?", "Name a prime number.", "What colour is the sky?",
+             "What is two plus two?"]
 
 
 def shared_prefix_run(engine) -> tuple[list[list[int]], list[list[int]], dict]:
