@@ -103,18 +103,33 @@ def up(command: str) -> bool:
     return ring.is_file() and ring.stat().st_size > 0 and ring.read_bytes()[:4] == b"BLNK"
 
 
+def ring_of(command: str) -> str | None:
+    words = shlex.split(command)
+    return words[words.index("--ring") + 1] if "--ring" in words else None
+
+
+def wait_up(command: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 300
+    while not up(command):
+        assert process.poll() is None and time.monotonic() < deadline, f"{command!r} did not come up"
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("kind,arg,lang,code", [p for p in SNIPPETS if p.values[0] == "daemon"])
 def test_snippet_servers_come_up_and_stop_on_ctrl_c(kind, arg, lang, code):
     commands = [c for c in (line.split("#")[0].strip() for line in code.splitlines()) if c]
     assert all("--port" in c or "--ring" in c for c in commands), "each server needs a --port (or --ring) of its own"
     started = []
     try:
+        # Started in order without waiting for each other (each start is seconds of imports and model loading), but
+        # one that names the --ring of an earlier command (``blink agent --ring``) only once that ring is up.
         for command in commands:
+            for earlier, process in zip(commands, started):
+                if ring_of(command) is not None and ring_of(earlier) == ring_of(command):
+                    wait_up(earlier, process)
             started.append(subprocess.Popen(shlex.split(command), cwd=ROOT))
-            deadline = time.monotonic() + 300
-            while not up(command):
-                assert started[-1].poll() is None and time.monotonic() < deadline, f"{command!r} did not come up"
-                time.sleep(0.2)
+        for command, process in zip(commands, started):
+            wait_up(command, process)
         assert all(p.poll() is None for p in started), "a server stopped by itself"
     finally:
         for process in reversed(started):
