@@ -272,12 +272,13 @@ def test_logprobs_are_the_sampled_tokens(served, reference, hf):
 
 
 def test_concurrent_streams_all_complete(served, reference, hf):
-    """16 streams on 8 ring slots: the agent queues the overflow and every stream gets its own exact text."""
+    """16 streams on 8 ring slots: the agent queues the overflow and every stream gets its own exact text. 8 tokens
+    each: the second half waits for the first to finish, so every token more is a step more of both halves."""
     client = served.client(openai.AsyncOpenAI)
     messages = [[{"role": "user", "content": f"request {i}"}] for i in range(16)]
 
     async def one(i):
-        chunks = await client.chat.completions.create(model=MODEL, messages=messages[i], max_tokens=16, seed=i,
+        chunks = await client.chat.completions.create(model=MODEL, messages=messages[i], max_tokens=8, seed=i,
                                                       stream=True)
         return streamed([c async for c in chunks], chat=True)[:2]
 
@@ -285,7 +286,7 @@ def test_concurrent_streams_all_complete(served, reference, hf):
         return await asyncio.gather(*(one(i) for i in range(16)))
 
     results = asyncio.run(all_of_them())
-    want = expected_many(reference, hf, [chat_ids(hf, m) for m in messages], range(16), 16)
+    want = expected_many(reference, hf, [chat_ids(hf, m) for m in messages], range(16), 8)
     assert results == [(text, finish) for text, finish, _ in want]
     served.wait_idle()
 
