@@ -9,26 +9,34 @@ import torch
 from tests.privileges import may_raise_priority, run_python
 
 
-@pytest.mark.parametrize("ranks", ["1", "3"])   # SmolLM2's 9 query and 3 KV heads split over 3 ranks
-def test_blink_generate_streams_the_greedy_answer_to_a_chat_prompt(ranks):
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def greedy_answer():
+    """transformers' greedy 12 tokens for the chat prompt, and its tokenizer (loaded once for both rank counts)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from blink.models import default_model_path
 
     model_dir = default_model_path()
-    question = "What is the capital of France?"
-    done = subprocess.run([sys.executable, "-m", "blink.cli", "generate", question, "--chat", "--max-tokens", "12",
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    return out[0, ids.shape[1]:].tolist(), tokenizer
+
+
+@pytest.mark.parametrize("ranks", ["1", "3"])   # SmolLM2's 9 query and 3 KV heads split over 3 ranks
+def test_blink_generate_streams_the_greedy_answer_to_a_chat_prompt(ranks, greedy_answer):
+    done = subprocess.run([sys.executable, "-m", "blink.cli", "generate", QUESTION, "--chat", "--max-tokens", "12",
                            "--device", "cpu", "--slots", "2", "--max-prompt-tokens", "64", "--max-output-tokens", "16",
                            "--cpu-kv-cache-gib", "0.05", "--tensor-parallel-size", ranks], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)["input_ids"]
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
-    want = out[0, ids.shape[1]:].tolist()
+    want, tokenizer = greedy_answer
     assert done.stdout == tokenizer.decode(want, skip_special_tokens=True) + "\n"
     reason = "stop" if want[-1] == tokenizer.eos_token_id else "length"
     assert f"[{len(want)} tokens, finish reason: {reason}]" in done.stderr
