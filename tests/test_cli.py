@@ -64,6 +64,17 @@ def test_prefix_caching_is_on_unless_turned_off_on_the_command_line():
         assert _engine_config(args, "model").scheduler.enable_prefix_caching is enabled
 
 
+def test_cuda_graph_sizes_are_the_schedulers_buckets():
+    from blink.cli import _engine_config, _parser
+
+    args = _parser().parse_args(["generate", "hi", "--cuda-graph-sizes", "1", "8", "24", "2048"])
+    assert _engine_config(args, "model").scheduler.buckets == (1, 8, 24, 2048)
+    default = _engine_config(_parser().parse_args(["generate", "hi"]), "model").scheduler
+    assert default.buckets == tuple(1 << k for k in range(12))      # powers of two up to the 2048-token budget
+    with pytest.raises(ValueError, match="SchedulerConfig.buckets must be a non-empty strictly increasing"):
+        _engine_config(_parser().parse_args(["generate", "hi", "--cuda-graph-sizes", "8", "4", "2048"]), "model")
+
+
 def test_a_bad_agent_option_is_refused_before_an_engine_starts():
     done = subprocess.run([sys.executable, "-m", "blink.cli", "serve", "--standin", "--poll-interval", "2"],
                           capture_output=True, text=True, timeout=120)

@@ -172,7 +172,8 @@ def _engine_config(args, model_dir, **overrides):
 
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 page_size=args.block_size, num_pages=args.num_pages,
-                                max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching)
+                                max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+                                buckets=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None)
     return EngineConfig(model=str(model_dir), device=args.device, dtype=args.dtype, scheduler=scheduler,
                         policy=args.policy, gpu_memory_utilization=args.gpu_memory_utilization,
                         cpu_kv_cache_gib=args.cpu_kv_cache_gib, n_slots=args.slots,
@@ -192,6 +193,7 @@ def _cpu_list(text: str) -> list[int]:
 def _engine_options(parser, slots: int) -> None:
     """Model, device, memory, scheduler and ring sizes (``EngineConfig``, ``SchedulerConfig``)."""
     from blink.config import DEVICES, DTYPES, LOAD_FORMATS, EngineConfig, SchedulerConfig
+    from blink.device.config import MAX_BUCKETS
 
     d, s = EngineConfig(), SchedulerConfig()
     parser.add_argument("--device", choices=DEVICES, default=d.device, help="auto: the GPU if there is one")
@@ -204,6 +206,10 @@ def _engine_options(parser, slots: int) -> None:
                         help="most tokens in one step (the largest captured step graph)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="prompt + output positions of one sequence (default: the model's context, at most 4096)")
+    parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                        help=f"token counts of the captured step graphs, increasing, at most {MAX_BUCKETS} (a step "
+                             "runs in the smallest that holds it, its other rows padding); default: the powers of two "
+                             "below --max-num-batched-tokens, and it")
     parser.add_argument("--block-size", type=int, default=s.page_size, help="tokens per KV page")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=s.enable_prefix_caching, help="reuse the KV pages of shared prompt prefixes")

@@ -2,7 +2,7 @@
 the sizes the engine decides at start-up."""
 import pytest
 
-from blink.device.config import MAX_EOS, MAX_SEQS, SchedulerConfig, power_of_two_buckets
+from blink.device.config import MAX_BUCKETS, MAX_EOS, MAX_SEQS, SchedulerConfig, power_of_two_buckets
 
 RESOLVED = dict(num_pages=64, max_model_len=64, page_size=16)
 
@@ -14,6 +14,8 @@ RESOLVED = dict(num_pages=64, max_model_len=64, page_size=16)
     ("num_pages", 0, "None .decided at start-up. or an int"), ("max_model_len", 2**31, "None .decided at start-up."),
     ("buckets", (), "a non-empty strictly increasing tuple"), ("buckets", (4, 2, 2048), "a non-empty strictly"),
     ("buckets", [1, 2048], "a non-empty strictly increasing tuple"),
+    ("buckets", tuple(range(1, MAX_BUCKETS + 1)) + (2048,), f"a non-empty strictly increasing tuple of at most "
+                                                          f"{MAX_BUCKETS} ints"),
     ("eos_token_ids", tuple(range(MAX_EOS + 1)), f"a tuple of at most {MAX_EOS} token ids"),
     ("eos_token_ids", (-1,), "a tuple of at most"), ("eos_token_ids", [2], "a tuple of at most"),
     ("watermark_pages", -1, "an int >= 0"), ("watermark_pages", 64, r"an int in \[0, num_pages\)"),

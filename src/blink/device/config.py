@@ -13,6 +13,7 @@ from dataclasses import dataclass
 LAUNCH_MODES = ("fire_and_forget", "tail")
 MAX_SEQS = 512          # the scheduler's shared-memory arrays are sized for this many running sequences
 MAX_EOS = 8             # end-of-sequence ids the device checks per token
+MAX_BUCKETS = 32        # step graphs the launch table holds
 MAX_BLOCK_THREADS = 1024
 MAX_IDLE_SLEEP_NS = 1_000_000
 
@@ -77,8 +78,9 @@ class SchedulerConfig:
         if self.buckets is None:
             object.__setattr__(self, "buckets", power_of_two_buckets(self.max_num_batched_tokens))
         b = self.buckets
-        check(isinstance(b, tuple) and len(b) > 0 and all(is_int(x) and x >= 1 for x in b)
-              and list(b) == sorted(set(b)), owner, "buckets", "a non-empty strictly increasing tuple of ints >= 1", b)
+        check(isinstance(b, tuple) and 0 < len(b) <= MAX_BUCKETS and all(is_int(x) and x >= 1 for x in b)
+              and list(b) == sorted(set(b)), owner, "buckets",
+              f"a non-empty strictly increasing tuple of at most {MAX_BUCKETS} ints >= 1", b)
         check(self.max_num_batched_tokens <= b[-1], owner, "max_num_batched_tokens",
               f"<= the largest bucket {b[-1]}", self.max_num_batched_tokens)
         check(self.max_num_batched_tokens >= self.max_num_seqs, owner, "max_num_batched_tokens",

@@ -68,8 +68,6 @@ def launch_table(buckets: tuple[int, ...], step_graph, done_graph, stream) -> tu
     and the instantiations, which must outlive every launch."""
     from cuda.bindings import driver
 
-    if len(buckets) > MAX_BUCKETS:
-        raise ValueError(f"SchedulerConfig.buckets has {len(buckets)} sizes; at most {MAX_BUCKETS}")
     words = np.zeros(LAUNCH_WORDS, np.uint64)
     execs = []
     for b, tokens in enumerate(buckets):

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from blink.device.config import SchedulerConfig
+from blink.device.config import MAX_BUCKETS, SchedulerConfig
 from blink.device.numba_compat import SIMULATOR, cuda
 from blink.device.policy import fcfs
 from blink.device.scheduler import make_iterate
@@ -36,7 +36,6 @@ from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout
 
 SHIM_PATH = Path(__file__).with_name("shim.cu")
-MAX_BUCKETS = 32
 WINDOW = 120                        # fire-and-forget launches per graph execution (a CUDA limit)
 LAUNCH_WORDS = 2 * MAX_BUCKETS + 4  # step graphs (two copies), done counter, parity, step profile
 DONE, PARITY, STEP_CYCLES, STEPS_TIMED = (2 * MAX_BUCKETS + k for k in range(4))
