@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import logging
 import os
@@ -128,25 +127,13 @@ def _serve_http(args, loop, memory, tokenizer, model_dir, engine_process, cores)
         os.sched_setaffinity(0, cores)          # keep the agent off the engine's cores
     set_priority(args.agent_priority)           # before any thread starts: threads inherit it
     agent = Agent.attach(memory, liveness_timeout_s=args.liveness_timeout)
-    config = ServerConfig(model_name=args.served_model_name or Path(model_dir).name,
-                          loop=loop,
+    config = ServerConfig(model_name=args.served_model_name or Path(model_dir).name, loop=loop,
                           api_key=args.api_key or os.environ.get("BLINK_API_KEY") or None,
                           defaults=sampling_defaults(model_dir, args.generation_config),
                           drain=DrainConfig(timeout_s=args.drain_timeout))
     # Listening while the engine starts: /livez 200, /readyz 503 "starting" (docs/deploy.md).
     server = OpenAIServer(agent, tokenizer, config, engine_gone=engine_watch(agent, engine_process))
-    _freeze_startup_heap()
     return run(server, args.host, args.port)
-
-
-def _freeze_startup_heap() -> None:
-    """Keep every object alive now (torch, the tokenizer, the server: ~200k) out of the garbage collector's scans,
-    after collecting what is garbage. They live as long as the process, and a full collection over them took 34-155 ms
-    of the event loop that streams everyone's tokens (a 2-core box), against 0.01 ms once they were frozen."""
-    gc.collect()
-    gc.freeze()
-    logging.getLogger("blink").info("%d start-up objects kept out of the garbage collector's scans",
-                                    gc.get_freeze_count())
 
 
 def _tokenizer(args, model_dir):

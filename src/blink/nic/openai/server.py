@@ -13,6 +13,7 @@ aiohttp's own included, leaves as an OpenAI-style body, and the server keeps ser
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 import time
@@ -217,8 +218,11 @@ async def start(server: OpenAIServer, host: str, port: int) -> Listening:
 
 def run(server: OpenAIServer, host: str, port: int) -> int:
     """Serve until SIGINT/SIGTERM (Ctrl-C) and a drain (``blink.nic.drain``: a second signal stops at once), or until
-    the engine is gone; the process's exit code (0, or 1 when the engine is gone)."""
+    the engine is gone; the process's exit code (0, or 1 when the engine is gone). The process's start-up heap is
+    frozen first (``freeze_startup_heap``): ``run`` owns the process it serves in."""
     import signal
+
+    freeze_startup_heap()
 
     async def serve() -> int:
         # The handlers before anything that awaits: a signal while the server starts then drains it once it listens
@@ -236,3 +240,12 @@ def run(server: OpenAIServer, host: str, port: int) -> int:
         return server.exit_code
 
     return asyncio.run(serve())
+
+
+def freeze_startup_heap() -> None:
+    """Keep every object alive now (torch, the tokenizer, the server: ~200k) out of the garbage collector's scans,
+    after collecting what is garbage. They live as long as the process, and a full collection over them took 34-155 ms
+    of the event loop that streams everyone's tokens (a 2-core box), against 0.01 ms once they were frozen."""
+    gc.collect()
+    gc.freeze()
+    log.info("%d start-up objects kept out of the garbage collector's scans", gc.get_freeze_count())
