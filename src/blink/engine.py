@@ -235,7 +235,8 @@ class AsyncEngine(_Engine):
             return await stream.result()
 
     def _agent_loop(self):
-        from blink.nic.agent_loop import AgentLoop, Metrics
+        from blink.nic.agent_loop import AgentLoop
+        from blink.nic.metrics import Metrics
 
         if self._loop is None:
             self._loop = AgentLoop(self.agent, Metrics())

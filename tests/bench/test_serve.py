@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from blink.bench.client import AGENT_PAUSES
+from blink.bench.client import AGENT_PAUSES, AGENT_RUN_DELAY
 from blink.bench.datasets import synthetic
 from blink.bench.shapes import write_model_dir
 from blink.cores import cpu_list
@@ -95,6 +95,7 @@ def test_sweep_isolated_and_colocated_writes_json_and_plots(standin_server, tmp_
         assert set(AGENT_PAUSES) <= set(run["server"])
         assert 0 <= run["server"]["blink_agent_stall_off_cpu_seconds_total"] <= \
             run["server"]["blink_agent_stall_seconds_total"]
+        assert 0 <= run["server"][AGENT_RUN_DELAY] < run["duration"]     # the loop thread's waits for a core
         # The server's CPU from its /metrics (process_cpu_seconds_total), this process's own, per 1,000 tokens.
         assert run["server_cpu_s"] == run["server"]["process_cpu_seconds_total"] > 0
         assert run["server_cpu_ms_per_1k_tokens"] > 0 and run["client_cpu_ms_per_1k_tokens"] > 0
@@ -122,6 +123,7 @@ def test_sweep_isolated_and_colocated_writes_json_and_plots(standin_server, tmp_
     assert all(column in again.stdout for column in (", P99 TTFT ", ", P99 worst gap ", "server CPU ms/1k tok",
                                                      ", steady P99 TTFT ", ", steady P99 worst gap "))
     assert again.stdout.count("standin isolated @ 20.0: agent stalls ") == 1
+    assert again.stdout.count(" passes, waits for a core ") == len(result["runs"])
     assert result["layout"] == {"name": "shared", "hog_cpus": sorted(os.sched_getaffinity(0)), "reserved": [],
                                 "client_cpus": None}
     assert result["client_priority_achieved"] == "normal"

@@ -1,6 +1,6 @@
 """The agent inside the asyncio event loop: ``AgentLoop`` (submissions, the wait queue for a full ring, the one task
-that polls the ring and fans the new tokens out to per-request queues, the engine's health) and the Prometheus
-``Metrics`` it keeps. Invariants:
+that polls the ring and fans the new tokens out to per-request queues, the engine's health), which keeps the
+Prometheus ``Metrics`` (``blink.nic.metrics``). Invariants:
 
 - every submitted request is closed exactly once, by its handler when it leaves (``AgentLoop.close``), whether the
   ring finished it or not (stop string, client disconnect, error); closing an unfinished request cancels its slot,
@@ -17,24 +17,20 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import threading
 import time
 from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
 from blink.errors import EngineUnavailable, EngineUnresponsive, Overloaded, RingFull
 from blink.nic.agent import Agent, RequestOutput
+from blink.nic.metrics import Metrics
 from blink.ring.control import ENGINE_STARTING
 from blink.ring.request import SamplingParams
 
 log = logging.getLogger("blink.agent")
 STARTING = "the engine is still starting"     # AgentLoop.health() while the engine has not yet begun to serve
-# Two ring polls this far apart while requests are in flight held their tokens back by most of a decode step (5-20 ms
-# on 8B models): a stall of the agent, which every stream in flight feels at once.
-STALL_S = 5e-3
 
 
 @dataclass(frozen=True)
@@ -88,6 +84,7 @@ class AgentLoop:
         self._sampled_at = 0.0
         self._crashed: str | None = None
         self._last_poll: tuple[float, float] | None = None  # (monotonic, loop thread's CPU) of the last busy poll
+        self.thread_id: int | None = None                   # the event loop thread's (native id), once it runs
 
     def submit(self, prompt: list[int], params: SamplingParams, priority: int) -> Submission:
         """Queue one request for the ring. ``ValueError`` naming the field if the ring cannot take it (nothing is
@@ -149,6 +146,7 @@ class AgentLoop:
             self._problem = self.agent.liveness.problem(stats, self._sampled_at)
 
     async def run(self) -> None:
+        self.thread_id = threading.get_native_id()
         gc.callbacks.append(self.metrics.gc_phase)
         try:
             while True:
@@ -218,118 +216,3 @@ class AgentLoop:
         error = EngineUnavailable(f"{problem}: retry later", self.config.retry_after_s)
         for req in [*self._active.values(), *self.waiting]:
             req.queue.put_nowait(error)
-
-# -- metrics -------------------------------------------------------------------------------------------------------
-
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-_GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, STALL_S, 0.01, 0.02, 0.05, 0.1, 0.5)
-
-
-class Metrics:
-    """Prometheus metrics: the agent's own timings and counters, the ring's control block read at scrape time, and
-    the agent process's CPU time and memory (``process_*``: what ``blink bench serve`` meters per 1,000 tokens)."""
-
-    def __init__(self):
-        self.registry = CollectorRegistry()
-        r = self.registry
-        ProcessCollector(registry=r)
-        self.ttft = Histogram("blink_time_to_first_token_seconds", "From submission to the first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("blink_inter_token_latency_seconds", "Between consecutive tokens of a request",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("blink_e2e_request_latency_seconds", "From submission to the end of the request",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        # The HTTP server's share besides the ring's: from a streamed request's headers to its first token's chunk
-        # written (body, parsing, tokenization and the chunk's write on top of blink_time_to_first_token_seconds).
-        self.http_ttft = Histogram("blink_http_time_to_first_chunk_seconds",
-                                   "From a streamed request's arrival at the HTTP server to its first token's chunk "
-                                   "written", buckets=_LATENCY_BUCKETS, registry=r)
-        # Where the agent's own pauses go: the gaps of STALL_S or more between its ring polls while requests are in
-        # flight (their time, and the part its event loop's thread was off the CPU), and Python's GC passes. Only
-        # the stalls are counted: a histogram of every gap would cost each poll, the agent's hot path, its update.
-        self.stalls = Counter("blink_agent_stalls", f"Ring polls {STALL_S * 1e3:g} ms or more after the previous one "
-                              "with requests in flight", registry=r)
-        self.stall_seconds = Counter("blink_agent_stall_seconds", "Time between the polls of those stalls",
-                                     registry=r)
-        self.stall_off_cpu_seconds = Counter("blink_agent_stall_off_cpu_seconds", "Of the stalls' time, the part the "
-                                             "agent's event loop thread was not running (sleeps, waits for a core)",
-                                             registry=r)
-        gc_pauses = Histogram("blink_agent_gc_pause_seconds", "Python's cyclic garbage collection passes in the "
-                              "agent process", ["generation"], buckets=_GC_BUCKETS, registry=r)
-        self._gc_pauses = [gc_pauses.labels(generation=str(g)) for g in range(3)]
-        self._gc_started: float | None = None
-        self.prompt_tokens = Counter("blink_prompt_tokens", "Prompt tokens submitted", registry=r)
-        self.requests = Counter("blink_requests_finished", "Requests ended, by finish reason", ["finish_reason"],
-                                registry=r)
-
-    def watch(self, loop: AgentLoop) -> None:
-        self.registry.register(_RingCollector(loop))
-
-    def tokens(self, req: Submission, n: int) -> None:
-        if not n:
-            return
-        now = time.monotonic()
-        if req.last_token_at is None:
-            self.ttft.observe(now - req.arrival)
-        else:
-            # Tokens that arrive in one poll share the gap since the previous poll's tokens.
-            for _ in range(n):
-                self.itl.observe((now - req.last_token_at) / n)
-        req.last_token_at = now
-
-    def poll_gap(self, wall: float, off_cpu: float) -> None:
-        """The time between two polls with requests in flight, ``off_cpu`` of it with the loop's thread not running;
-        counted if it is a stall."""
-        if wall >= STALL_S:
-            self.stalls.inc()
-            self.stall_seconds.inc(wall)
-            self.stall_off_cpu_seconds.inc(max(off_cpu, 0.0))   # the two clocks are read a few ns apart
-
-    def gc_phase(self, phase: str, info: dict) -> None:
-        """A ``gc.callbacks`` entry: times each collection from its start to its stop."""
-        if phase == "start":
-            self._gc_started = time.perf_counter()
-        elif self._gc_started is not None:
-            self._gc_pauses[info["generation"]].observe(time.perf_counter() - self._gc_started)
-            self._gc_started = None
-
-    def finished(self, req: Submission, reason: str) -> None:
-        self.e2e.observe(time.monotonic() - req.arrival)
-        self.requests.labels(finish_reason=reason).inc()
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-
-class _RingCollector:
-    """Gauges and counters the GPU side keeps in the ring's control block, plus the agent's wait queue."""
-
-    def __init__(self, loop: AgentLoop):
-        self.loop = loop
-
-    def collect(self):
-        s = self.loop.agent.stats()
-        gauges = {"blink_requests_running": ("Requests the engine is running", s["running"]),
-                  "blink_requests_waiting": ("Requests in the ring not yet admitted", s["waiting"]),
-                  "blink_requests_queued": ("Requests waiting in the agent for a free ring slot",
-                                            len(self.loop.waiting)),
-                  "blink_kv_cache_usage_ratio": ("Fraction of KV-cache pages in use",
-                                                 1 - s["kv_pages_free"] / s["kv_pages_total"]
-                                                 if s["kv_pages_total"] else 0.0),
-                  "blink_prefix_cache_pages": ("KV pages in the prefix cache, in use or evictable", s["cached_pages"]),
-                  "blink_prefix_cache_hit_rate": ("Prompt tokens found in the prefix cache per prompt token looked up",
-                                                  s["prefix_hit_tokens"] / s["prefix_query_tokens"]
-                                                  if s["prefix_query_tokens"] else 0.0)}
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=value)
-        counters = {"blink_generation_tokens": ("Tokens generated by the engine", s["tokens"]),
-                    "blink_preemptions": ("Recompute preemptions", s["preempted"]),
-                    "blink_engine_steps": ("Model steps launched", s["steps"]),
-                    "blink_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
-                                                   s["prefix_query_tokens"]),
-                    "blink_prefix_cache_hits": ("Prompt tokens found in the prefix cache", s["prefix_hit_tokens"]),
-                    "blink_prefix_cache_evictions": ("Cached KV pages evicted for reuse", s["prefix_evictions"]),
-                    "blink_prefill_tokens": ("Prompt tokens the model computed (cache hits excluded)",
-                                             s["prefill_tokens"])}
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=value)

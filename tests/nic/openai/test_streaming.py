@@ -13,7 +13,8 @@ from aiohttp import web
 
 from blink.models import default_model_path
 from blink.nic.agent import Agent
-from blink.nic.agent_loop import AgentLoop, LoopConfig, Metrics
+from blink.nic.agent_loop import AgentLoop, LoopConfig
+from blink.nic.metrics import Metrics
 from blink.nic.openai.requests import Parser
 from blink.nic.openai.responses import Responder
 from blink.nic.openai.server import OpenAIServer, ServerConfig, start

@@ -12,7 +12,8 @@ import uuid
 
 from aiohttp import web
 
-from blink.nic.agent_loop import Metrics, Submission
+from blink.nic.agent_loop import Submission
+from blink.nic.metrics import Metrics
 from blink.nic.openai.errors import REFUSALS, api_error
 from blink.nic.openai.requests import Job
 from blink.nic.openai.sse import DONE, ChunkFormat, event

@@ -24,7 +24,8 @@ from aiohttp import web
 
 from blink.errors import RequestError
 from blink.nic.agent import Agent
-from blink.nic.agent_loop import AgentLoop, LoopConfig, Metrics
+from blink.nic.agent_loop import AgentLoop, LoopConfig
+from blink.nic.metrics import Metrics
 from blink.nic.defaults import SamplingDefaults
 from blink.nic.drain import ABORT_GRACE_S, Drain, DrainConfig
 from blink.nic.openai.errors import REFUSALS, ApiError, api_error
