@@ -41,6 +41,9 @@ echo "tree: ${BLINK_COMMIT:-unknown (set BLINK_COMMIT)}; layout $layout; hogs ${
   >> "$OUT/immunity_runs.txt"
 # The host's topology: which cores are hyperthread siblings (a hog on the agent's sibling shares its core's caches).
 lscpu -e > "$OUT/lscpu.txt" 2>&1 || true
+# Which cgroup hierarchy the host gives (v1 or v2, and this process's place in it): what a reserved-core layout can
+# ask of it (a cgroup v2 cpuset partition needs a writable v2 hierarchy).
+(cat /proc/self/cgroup; grep cgroup /proc/mounts) > "$OUT/cgroup.txt" 2>&1 || true
 status=0
 # `layout_run DIR`: one run of the layout into $OUT/DIR.
 layout_run() {
