@@ -71,5 +71,57 @@ def test_a_raised_rlimit_nice_is_used_where_nice_minus_10_is_refused():
 
 def test_an_unknown_level_is_a_value_error():
     done = run_python("from blink.priority import set_priority; set_priority('max', '--client-priority')")
-    assert "ValueError: --client-priority must be one of auto, normal, high, realtime (got 'max')" in done.stderr
+    want = "ValueError: --client-priority must be one of auto, normal, high, realtime, deadline (got 'max')"
+    assert want in done.stderr
+
+
+DEADLINE_LINE = "deadline (SCHED_DEADLINE 0.5 ms every 1 ms, not pinned)"
+THREADS = ("import threading; from concurrent.futures import ThreadPoolExecutor; "
+           "from blink.priority import helper_priority, is_deadline, reset_priority; "
+           "state = lambda: (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)); ")
+deadline_permitted = pytest.mark.skipif(
+    not run_python("from blink.priority import set_priority; "
+                   "assert set_priority('deadline').startswith('deadline')").returncode == 0,
+    reason="needs CAP_SYS_NICE and a host whose scheduling domain this process spans")
+
+
+@deadline_permitted
+def test_deadline_runs_the_thread_in_sched_deadline_and_its_threads_in_the_normal_class():
+    """The class the kernel reports (6, reset on fork: 0x40000000), and by sched_getattr its flags (reset on fork,
+    reclaim), budget, deadline and period; threads it starts are normal (the kernel refuses a deadline thread's clone
+    otherwise), at nice 0, or nice -10 through ``helper_priority``; ``reset_priority`` (the engine's entry) takes the
+    class away."""
+    done = run_python(f"import os; {LOGGING}from blink.priority import set_priority; {THREADS}"
+                      "print(set_priority('deadline')); print(os.sched_getscheduler(0), is_deadline()); "
+                      "import ctypes, platform; from blink.priority import _SCHED_ATTR, _SYSCALLS; "
+                      "out = ctypes.create_string_buffer(_SCHED_ATTR.size); "
+                      "ctypes.CDLL(None).syscall(_SYSCALLS[platform.machine()][1], 0, out, _SCHED_ATTR.size, 0); "
+                      "print(*_SCHED_ATTR.unpack(out.raw)[1:3], *_SCHED_ATTR.unpack(out.raw)[5:]); "
+                      "plain = []; t = threading.Thread(target=lambda: plain.append(state())); t.start(); t.join(); "
+                      "print(*plain[0], *ThreadPoolExecutor(1, initializer=helper_priority).submit(state).result()); "
+                      "reset_priority(); print(*state(), is_deadline())")
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.splitlines() == [DEADLINE_LINE, f"{0x40000006} True", "6 3 500000 1000000 1000000",
+                                        f"{os.SCHED_OTHER} 0 {os.SCHED_OTHER} -10", f"{os.SCHED_OTHER} 0 False"]
+
+
+@deadline_permitted
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin to one")
+def test_deadline_refused_to_a_pinned_thread_carries_on_at_high_and_says_why():
+    core = min(os.sched_getaffinity(0))
+    done = set_priority_in_a_subprocess("deadline", f"os.sched_setaffinity(0, {{{core}}}); ")
+    assert done.returncode == 0 and done.stdout == f"high (nice -10)\n{os.SCHED_OTHER} -10\n", done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("blink: --agent-priority deadline: SCHED_DEADLINE (Operation not permitted) not "
+                           "permitted; running at high (nice -10). To raise it: it needs CAP_SYS_NICE")
+    assert line.endswith("SCHED_DEADLINE is also refused to a process whose cores (cpuset, taskset) do not span the "
+                         "host's scheduling domain")
+
+
+@no_cap_sys_nice
+def test_deadline_without_cap_sys_nice_carries_on_at_normal():
+    done = set_priority_in_a_subprocess("deadline", unprivileged=True)
+    assert done.returncode == 0 and done.stdout == f"normal\n{os.SCHED_OTHER} 0\n", done.stderr
+    assert done.stderr.startswith("blink: --agent-priority deadline: SCHED_DEADLINE (Operation not permitted), "
+                                  "nice -10 (Permission denied) not permitted; running at normal.")
 

@@ -120,12 +120,12 @@ def _serve_http(args, loop, memory, tokenizer, model_dir, engine_process, cores)
     from blink.nic.defaults import sampling_defaults
     from blink.nic.drain import DrainConfig
     from blink.nic.openai.server import OpenAIServer, ServerConfig, run
-    from blink.priority import set_priority
+    from blink.priority import is_deadline, set_priority
     from blink.process import engine_watch
 
-    if cores:
-        os.sched_setaffinity(0, cores)          # keep the agent off the engine's cores
     set_priority(args.agent_priority)           # before any thread starts: threads inherit it
+    if cores and not is_deadline():             # a deadline thread may not be pinned; it runs where it wakes
+        os.sched_setaffinity(0, cores)          # keep the agent off the engine's cores
     agent = Agent.attach(memory, liveness_timeout_s=args.liveness_timeout)
     config = ServerConfig(model_name=args.served_model_name or Path(model_dir).name, loop=loop,
                           api_key=args.api_key or os.environ.get("BLINK_API_KEY") or None,
@@ -250,8 +250,9 @@ def _http_options(parser) -> None:
                         help="seconds the first SIGTERM / Ctrl-C waits for the requests in flight (new ones get 503) "
                              "before it ends the rest with an error and exits; a second one exits at once")
     parser.add_argument("--agent-priority", choices=PRIORITIES, default="auto",
-                        help="CPU priority of the agent on a shared host: high = nice -10, realtime = SCHED_RR (both "
-                             "need CAP_SYS_NICE; refused, the agent runs at the best level permitted and says so), "
+                        help="CPU priority of the agent on a shared host: high = nice -10, realtime = SCHED_RR, "
+                             "deadline = SCHED_DEADLINE with half a core's budget, not pinned (all need "
+                             "CAP_SYS_NICE; refused, the agent runs at the best level permitted and says so), "
                              "auto = high where permitted, else the best below")
     parser.add_argument("--cpus", type=_cpu_list, default=None,
                         help="pin the agent to these cores, e.g. 2,3 (default: the least busy core this process may "

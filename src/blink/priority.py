@@ -8,22 +8,34 @@ a running neighbour, made every tail worse beside 64 hogs (P50 TTFT 8.2x isolate
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import platform
 import resource
+import struct
 
 log = logging.getLogger("blink")
 
 # "auto": nice -10, or the best below it this process is allowed. Not realtime: on a CPU box with hogs on every core
 # it held the target no better than nice -10 (docs/benchmarks.md, "Agent immunity"), and a real-time agent that ever
 # spun would starve its core's normal tasks (the kernel's softirq threads among them) down to 5%.
-PRIORITIES = ("auto", "normal", "high", "realtime")
+PRIORITIES = ("auto", "normal", "high", "realtime", "deadline")
 HIGH_NICE = -10
 RT_PRIORITY = 10
+# "deadline": SCHED_DEADLINE with this budget per period. The agent sleeps between polls (1 ms by default);
+# with its budget left it runs the moment it wakes, ahead of every normal task, and a spinning or overloaded agent
+# is held to half a core. With GRUB reclaiming (SCHED_FLAG_RECLAIM) it may also use bandwidth no other deadline task
+# holds, so a burst (many prompts at once) is slowed only where the host's real-time share is spent.
+DEADLINE_RUNTIME_NS = 500_000
+DEADLINE_PERIOD_NS = 1_000_000
 _ADVICE = ("it needs CAP_SYS_NICE (root) or a raised RLIMIT_NICE / RLIMIT_RTPRIO (ulimit -e / -r; systemd "
            "LimitNICE= / LimitRTPRIO=)")
-_ADVICE_RT = ("; in a container or cgroup without a real-time budget (cpu.rt_runtime_us) SCHED_RR is refused even to "
-              "root")
+_ADVICE_CLASS = {
+    "realtime": "; in a container or cgroup without a real-time budget (cpu.rt_runtime_us) SCHED_RR is refused even to "
+                "root",
+    "deadline": "; SCHED_DEADLINE is also refused to a process whose cores (cpuset, taskset) do not span the host's "
+                "scheduling domain"}
 
 
 def set_priority(level: str, option: str = "--agent-priority") -> str:
@@ -31,8 +43,12 @@ def set_priority(level: str, option: str = "--agent-priority") -> str:
     process on the per-token path; the engine process only sleeps) or a benchmark client's; returns what it
     achieved, e.g. ``"high (nice -10)"``. ``high``: nice -10, so where busy processes at nice 0 share a core this one
     gets ~10x their CPU share and its wake-ups preempt them. ``realtime``: SCHED_RR 10, so it runs whenever it is
-    runnable; it sleeps between polls, and Linux keeps 5% of every core for normal tasks. ``auto``: high if this
-    process may take it, else the best below.
+    runnable; it sleeps between polls, and Linux keeps 5% of every core for normal tasks. ``deadline``:
+    SCHED_DEADLINE, ``DEADLINE_RUNTIME_NS`` of every ``DEADLINE_PERIOD_NS``, so each wake-up preempts a running
+    neighbour (never waits out its slice) and even a spinning agent leaves half its core; the kernel refuses the
+    class to a thread held to some of the host's cores, so the caller must not pin it (``is_deadline``), and the
+    threads it starts begin in the normal class (reset on fork; ``helper_priority`` gives them nice -10).
+    ``auto``: high if this process may take it, else the best below.
 
     Invariant: a refused level never raises and never leaves the process half-raised: it carries on at the best level
     below it that is permitted (after nice -10, the lowest nice RLIMIT_NICE allows) and says so in one log line, a
@@ -41,9 +57,8 @@ def set_priority(level: str, option: str = "--agent-priority") -> str:
     command-line option in the message."""
     if level not in PRIORITIES:
         raise ValueError(f"{option} must be one of {', '.join(PRIORITIES)} (got {level!r})")
-    start = [name for name, _ in _LADDER].index("high" if level == "auto" else level)
     refused = []
-    for _, raise_to in _LADDER[start:]:
+    for raise_to in _LADDERS[level]:
         try:
             achieved = raise_to()
         except PermissionError as e:
@@ -55,9 +70,42 @@ def set_priority(level: str, option: str = "--agent-priority") -> str:
             log.info("%s auto: %s%s", option, achieved, f" ({', '.join(refused)} not permitted)" if refused else "")
         elif refused:
             log.warning("%s %s: %s not permitted; running at %s. To raise it: %s%s", option, level,
-                        ", ".join(refused), achieved, _ADVICE, _ADVICE_RT if level == "realtime" else "")
+                        ", ".join(refused), achieved, _ADVICE, _ADVICE_CLASS.get(level, ""))
         return achieved
     raise AssertionError("unreachable: the normal level is always permitted")
+
+
+def _deadline() -> str | None:
+    """SCHED_DEADLINE for the calling thread; None where this machine has no known sched_setattr."""
+    global _helper_nice
+    calls = _SYSCALLS.get(platform.machine())
+    if calls is None:
+        return None
+    attr = _SCHED_ATTR.pack(_SCHED_ATTR.size, SCHED_DEADLINE, _RESET_ON_FORK | _RECLAIM, 0, 0, DEADLINE_RUNTIME_NS,
+                            DEADLINE_PERIOD_NS, DEADLINE_PERIOD_NS)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(calls[0], 0, ctypes.create_string_buffer(attr, len(attr)), 0) != 0:
+        err = ctypes.get_errno()
+        raise PermissionError(err, os.strerror(err), "SCHED_DEADLINE")
+    _helper_nice = HIGH_NICE        # permitted: the class needed CAP_SYS_NICE
+    return (f"deadline (SCHED_DEADLINE {DEADLINE_RUNTIME_NS / 1e6:g} ms every {DEADLINE_PERIOD_NS / 1e6:g} ms, "
+            "not pinned)")
+
+
+def is_deadline() -> bool:
+    """Whether the calling thread runs in SCHED_DEADLINE (then it may not be pinned to a subset of the host's
+    cores: ``sched_setaffinity`` fails)."""
+    return os.sched_getscheduler(0) & ~_RESET_ON_FORK_POLICY == SCHED_DEADLINE
+
+
+def helper_priority() -> None:
+    """For threads the agent starts (``ThreadPoolExecutor(initializer=...)``): the nice its own thread had before a
+    deadline class, which reset on fork does not pass on. A no-op otherwise (threads inherit a nice level)."""
+    if _helper_nice is not None and os.getpriority(os.PRIO_PROCESS, 0) > _helper_nice:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, _helper_nice)
+        except PermissionError:
+            pass
 
 
 def _realtime() -> str:
@@ -91,8 +139,10 @@ def _refusal_named(what: str, call, *args) -> None:
         raise PermissionError(e.errno, e.strerror, what) from None
 
 
-# From the most privileged level down; a level's ladder starts at its first entry.
-_LADDER = (("realtime", _realtime), ("high", _high), ("high", _rlimit_nice), ("normal", _normal))
+# Each level's ladder, from what it asks for down to what is always permitted.
+_LADDERS = {"deadline": (_deadline, _high, _rlimit_nice, _normal),
+            "realtime": (_realtime, _high, _rlimit_nice, _normal),
+            "high": (_high, _rlimit_nice, _normal), "auto": (_high, _rlimit_nice, _normal), "normal": (_normal,)}
 
 
 def reset_priority() -> None:
@@ -100,8 +150,18 @@ def reset_priority() -> None:
     a real-time class or a negative nice it inherited (from a raised agent, or a ``blink serve`` started under
     ``chrt`` / ``nice -n -5``). It only sleeps while the GPU schedules itself; a real-time engine that ever spun
     would starve its core. Lowering one's own priority is always permitted."""
-    if os.sched_getscheduler(0) in (os.SCHED_FIFO, os.SCHED_RR):
+    if os.sched_getscheduler(0) & ~_RESET_ON_FORK_POLICY in (os.SCHED_FIFO, os.SCHED_RR, SCHED_DEADLINE):
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     if os.getpriority(os.PRIO_PROCESS, 0) < 0:
         os.setpriority(os.PRIO_PROCESS, 0, 0)
 
+
+
+# sched_setattr(2): the syscall numbers (set, get), and struct sched_attr's first version (48 bytes): size, policy,
+# flags, nice, priority, runtime, deadline, period. Python's os module has no SCHED_DEADLINE.
+_SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}
+_SCHED_ATTR = struct.Struct("=IIQiIQQQ")
+SCHED_DEADLINE = 6
+_RESET_ON_FORK, _RECLAIM = 0x01, 0x02          # sched_attr.sched_flags
+_RESET_ON_FORK_POLICY = 0x40000000             # the same flag as sched_getscheduler reports it, or'ed into the policy
+_helper_nice = None                            # set by _deadline: the nice for the agent's helper threads

@@ -661,6 +661,27 @@ def test_blink_serve_runs_the_engine_process_and_ctrl_c_stops_both(model_dir, re
         serve.kill()
 
 
+@pytest.mark.skipif(subprocess.run([sys.executable, "-c", "from blink.priority import set_priority; "
+                                     "assert set_priority('deadline').startswith('deadline')"]).returncode != 0,
+                    reason="needs CAP_SYS_NICE and a host whose scheduling domain this process spans")
+def test_blink_serve_agent_priority_deadline_runs_the_agent_unpinned_in_sched_deadline():
+    """The kernel refuses SCHED_DEADLINE to a thread held to some cores: the agent takes the class first and is then
+    not pinned (it runs on whichever core it wakes to find); the engine process stays normal, off the agent's core."""
+    port = free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--standin", "--port", str(port),
+                              "--slots", "4", "--max-model-len", "256", "--agent-priority", "deadline"],
+                             start_new_session=True)
+    try:
+        wait_for(lambda: _healthy(port), timeout_s=60)
+        assert os.sched_getscheduler(serve.pid) & ~0x40000000 == 6          # SCHED_DEADLINE, reset on fork
+        assert os.sched_getaffinity(serve.pid) == os.sched_getaffinity(0)
+        engines = [pid for pid in children(serve.pid) if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        assert engines and all(os.sched_getscheduler(pid) == os.SCHED_OTHER for pid in engines)
+    finally:
+        os.killpg(serve.pid, signal.SIGINT)
+        serve.wait(60)
+
+
 def test_blink_serve_keeps_its_startup_heap_out_of_the_garbage_collectors_scans():
     """A full collection over the start-up heap (torch, the tokenizer) took 34-155 ms of the agent's event loop:
     ``blink serve`` freezes that heap before it serves, says how many objects it kept out, then serves."""

@@ -34,6 +34,7 @@ from blink.nic.openai.limits import ConnectionGuard, HttpLimits, OneLineBadReque
 from blink.nic.openai.requests import Job, Parser, json_body
 from blink.nic.openai.responses import Responder
 from blink.nic.text import Tokenizer
+from blink.priority import helper_priority
 
 log = logging.getLogger("blink.server")
 logging.getLogger("aiohttp.server").addFilter(OneLineBadRequests())
@@ -77,7 +78,8 @@ class OpenAIServer:
         self.probes = Probes(self.loop, self.drain)
         self.metrics.registry.register(LoadCollector(self.probes))
         self.guard = ConnectionGuard(config.limits)
-        self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="blink-tokenizer")
+        self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="blink-tokenizer",
+                                              initializer=helper_priority)
         self.created = int(time.time())
         self.app = web.Application(middlewares=[self._errors, self._admit],
                                    client_max_size=config.limits.max_body_bytes)
