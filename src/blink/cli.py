@@ -120,7 +120,7 @@ def _serve_http(args, loop, memory, tokenizer, model_dir, engine_process, cores)
     from blink.nic.defaults import sampling_defaults
     from blink.nic.drain import DrainConfig
     from blink.nic.openai.server import OpenAIServer, ServerConfig, run
-    from blink.priority import is_deadline, set_priority
+    from blink.priority import helper_priority, is_deadline, set_priority
     from blink.process import engine_watch
 
     set_priority(args.agent_priority)           # before any thread starts: threads inherit it
@@ -130,7 +130,7 @@ def _serve_http(args, loop, memory, tokenizer, model_dir, engine_process, cores)
     config = ServerConfig(model_name=args.served_model_name or Path(model_dir).name, loop=loop,
                           api_key=args.api_key or os.environ.get("BLINK_API_KEY") or None,
                           defaults=sampling_defaults(model_dir, args.generation_config),
-                          drain=DrainConfig(timeout_s=args.drain_timeout))
+                          drain=DrainConfig(timeout_s=args.drain_timeout), thread_start=helper_priority)
     # Listening while the engine starts: /livez 200, /readyz 503 "starting" (docs/deploy.md).
     server = OpenAIServer(agent, tokenizer, config, engine_gone=engine_watch(agent, engine_process))
     return run(server, args.host, args.port)

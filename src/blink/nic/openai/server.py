@@ -17,6 +17,7 @@ import gc
 import hmac
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -34,7 +35,6 @@ from blink.nic.openai.limits import ConnectionGuard, HttpLimits, OneLineBadReque
 from blink.nic.openai.requests import Job, Parser, json_body
 from blink.nic.openai.responses import Responder
 from blink.nic.text import Tokenizer
-from blink.priority import helper_priority
 
 log = logging.getLogger("blink.server")
 logging.getLogger("aiohttp.server").addFilter(OneLineBadRequests())
@@ -48,6 +48,8 @@ class ServerConfig:
     ``api_key``: when set, every /v1 request must carry ``Authorization: Bearer <api_key>`` (else 401; /health and
     /metrics stay open, as in vLLM); ``defaults``: the sampling of fields a request leaves out.
     ``drain``: how long a SIGTERM waits for the requests in flight (``blink.nic.drain``).
+    ``thread_start``: called first in each thread the server starts (its tokenizer pool), e.g. to give them a
+    priority the loop's thread does not pass on (``blink serve``: ``blink.priority.helper_priority``).
     /health fails and requests get 503 while the agent's ``Liveness`` says the engine is not serving."""
 
     model_name: str
@@ -56,6 +58,7 @@ class ServerConfig:
     api_key: str | None = None
     defaults: SamplingDefaults = SamplingDefaults()
     drain: DrainConfig = DrainConfig()
+    thread_start: Callable[[], None] | None = None
 
 
 class OpenAIServer:
@@ -79,7 +82,7 @@ class OpenAIServer:
         self.metrics.registry.register(LoadCollector(self.probes))
         self.guard = ConnectionGuard(config.limits)
         self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="blink-tokenizer",
-                                              initializer=helper_priority)
+                                              initializer=config.thread_start)
         self.created = int(time.time())
         self.app = web.Application(middlewares=[self._errors, self._admit],
                                    client_max_size=config.limits.max_body_bytes)
