@@ -4,7 +4,8 @@
 # each fits in 10 minutes:
 #   bash bench/immunity_gpu.sh shared        hogs on every core, the client at normal priority
 #   bash bench/immunity_gpu.sh client-high   the same with the client at nice -10 (a client on another host); the
-#                                            peer's process (its model runs in the client) at nice -10 too
+#                                            peer's process (its model runs in the client) at nice -10 too;
+#                                            CLIENT_PRIORITY=deadline raises both further (--client-priority)
 #   bash bench/immunity_gpu.sh reserved      hogs kept off RESERVED, where the agent (--cpus) and the client run (a
 #                                            DPU or reserved-cpuset stand-in); the peer runs there too
 #   bash bench/immunity_gpu.sh client-apart  hogs kept off RESERVED, where the client runs at nice -10 (a client on
@@ -28,7 +29,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out} PROMPTS=${PROMPTS:-256} PEER_PROMPTS=${PEER_PROMPTS:-32} SERVE_ARGS=${SERVE_ARGS:-}
-REPEATS=${REPEATS:-1}
+REPEATS=${REPEATS:-1} CLIENT=${CLIENT_PRIORITY:-high}
 RESERVED=${RESERVED:-$(python -c "import os; c = sorted(os.sched_getaffinity(0)); print(','.join(map(str, c[-2:])))")}
 OTHERS=$(python -c "import os, sys; kept = set(map(int, sys.argv[1].split(',')))
 print(','.join(str(c) for c in sorted(os.sched_getaffinity(0)) if c not in kept))" "$RESERVED")
@@ -55,7 +56,7 @@ layout_run() {
     client-high)
       # serving_gpu.sh gives CLIENT_PRIORITY to blink's client only; BENCH_ARGS carries it to the peer's run too.
       OUT="$dir" RATES=inf PROMPTS=$PROMPTS PEER_PROMPTS=$PEER_PROMPTS SERVE_ARGS="$SERVE_ARGS" \
-        CLIENT_PRIORITY=high BENCH_ARGS="$BASE --client-priority high" bash bench/serving_gpu.sh ;;
+        CLIENT_PRIORITY=$CLIENT BENCH_ARGS="$BASE --client-priority $CLIENT" bash bench/serving_gpu.sh ;;
     reserved)
       OUT="$dir" RATES=inf PROMPTS=$PROMPTS PEER_PROMPTS=$PEER_PROMPTS SERVE_ARGS="--cpus $RESERVED $SERVE_ARGS" \
         BENCH_ARGS="$BASE --reserve-cpus $RESERVED" bash bench/serving_gpu.sh ;;

@@ -79,9 +79,10 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--hog-kind", choices=tuple(HOG_KINDS), default="mixed",
                    help="what the --interference processes do: half copy memory and half compress (mixed), or all "
                         "copy (memory bandwidth) or all compress (CPU time with little memory traffic)")
-    p.add_argument("--client-priority", choices=("normal", "high"), default="normal",
-                   help="CPU priority of this benchmark process (high = nice -10, needs CAP_SYS_NICE; the hogs stay "
-                        "at nice 0), so that under --interference the server and not the load generator is what "
+    p.add_argument("--client-priority", choices=("normal", "high", "deadline"), default="normal",
+                   help="CPU priority of this benchmark process (high = nice -10, deadline = SCHED_DEADLINE as "
+                        "blink serve --agent-priority deadline; both need CAP_SYS_NICE; the hogs stay at nice 0), "
+                        "so that under --interference the server and not the load generator is what "
                         "competes with the hogs (a client on another host); with --backend hf the model runs in this "
                         "process and gets it too")
     p.add_argument("--reserve-cpus", type=_cores, default=None, metavar="LIST",
