@@ -12,7 +12,7 @@ def _sample(logits, temperature=0.0, top_k=0, top_p=1.0, seed=0, seq_lens=None):
     full = lambda v, dt: torch.full((s,), v, dtype=dt) if not torch.is_tensor(v) else v  # noqa: E731
     seq_lens = torch.arange(s, dtype=torch.int32) + 5 if seq_lens is None else seq_lens
     return sample(logits, full(temperature, torch.float32), full(top_k, torch.int32), full(top_p, torch.float32),
-                  full(seed, torch.int64), seq_lens, torch.ones(s, dtype=torch.bool), reference)
+                  full(seed, torch.int64), seq_lens, reference)
 
 
 def test_greedy_and_logprobs():
@@ -38,7 +38,7 @@ def test_filter_keeps_what_transformers_keeps(top_k, top_p):
     torch.manual_seed(top_k)
     scaled = torch.randn(8, 3000) * 2
     threshold = filter_threshold(scaled, torch.ones(8), torch.logsumexp(scaled, 1), torch.full((8,), top_k),
-                                 torch.full((8,), top_p), torch.full((8,), top_k > 0 or top_p < 1), reference)
+                                 torch.full((8,), top_p), reference)
     allowed = scaled >= threshold[:, None]
     want = scaled
     if top_k:
@@ -74,18 +74,6 @@ def test_seed_fixes_tokens_whatever_the_batch():
     assert not torch.equal(other_seed, ids)
 
 
-def test_rows_that_sample_nothing_change_no_other_rows_draw():
-    """Only live rows that filter get candidates searched; the live rows draw what they draw with every row live."""
-    torch.manual_seed(1)
-    logits = torch.randn(6, 500) * 2
-    args = (torch.tensor([0.0, 0.9, 1.2, 0.7, 0.0, 1.0]), torch.tensor([0, 5, 0, 0, 3, 40], dtype=torch.int32),
-            torch.tensor([1.0, 1.0, 0.8, 1.0, 0.5, 0.9]), torch.arange(6), torch.full((6,), 9, dtype=torch.int32))
-    live = torch.tensor([True, False, True, True, False, True])
-    ids, logprobs = sample(logits, *args, live, reference)
-    want_ids, want_logprobs = sample(logits, *args, torch.ones(6, dtype=torch.bool), reference)
-    assert torch.equal(ids[live], want_ids[live]) and torch.equal(logprobs[live], want_logprobs[live])
-
-
 def test_threshold_of_logits_and_temperature_is_that_of_the_scaled_row():
     """The sampler never stores ``logits / T``: its candidates are the top logits, divided. Dividing by a positive
     T keeps the order, so the threshold must be exactly the one computed from the scaled row itself."""
@@ -95,6 +83,5 @@ def test_threshold_of_logits_and_temperature_is_that_of_the_scaled_row():
     scaled = logits / divisor[:, None]
     top_k, top_p = torch.tensor([0, 5, 0, 40, 2000, 0]), torch.tensor([0.9, 1.0, 0.5, 0.95, 0.9, 1.0])
     lse = torch.logsumexp(scaled, 1)
-    filtering = (top_k > 0) | (top_p < 1)
-    assert torch.equal(filter_threshold(logits, divisor, lse, top_k, top_p, filtering, reference),
-                       filter_threshold(scaled, torch.ones(6), lse, top_k, top_p, filtering, reference))
+    assert torch.equal(filter_threshold(logits, divisor, lse, top_k, top_p, reference),
+                       filter_threshold(scaled, torch.ones(6), lse, top_k, top_p, reference))

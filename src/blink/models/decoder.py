@@ -202,9 +202,9 @@ class DecoderLM(nn.Module):
         if history is not None:
             ops.apply_penalties(logits, history.tokens, buf.block_tables[:s], buf.seq_lens[:s], buf.prompt_lens[:s],
                                 buf.penalties[:s], history.counts[:s], history.page_size)
-        valid = rows >= 0
         ids, logprobs = sample(logits, buf.temperature[:s], buf.top_k[:s], buf.top_p[:s], buf.seed[:s],
-                               buf.seq_lens[:s], valid, ops)
+                               buf.seq_lens[:s], ops)
+        valid = rows >= 0
         buf.sampled_ids[:s] = torch.where(valid, ids, buf.sampled_ids[:s])
         buf.sampled_logprobs[:s] = torch.where(valid, logprobs, buf.sampled_logprobs[:s])
         return logits

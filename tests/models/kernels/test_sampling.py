@@ -57,35 +57,6 @@ def test_row_logsumexp_matches_reference(backend):
         assert torch.equal(got, want)  # bf16 read as it is: the same sums as its float32 copy
 
 
-def test_top_candidates_match_torch_topk(backend):
-    """An active row's n largest logits, descending, as ``torch.topk``'s values: rows with many ties at the n-th
-    (a row of few distinct values, a row all equal), negative and mixed-sign rows, n a power of two and not, n equal
-    to the vocabulary; bf16 logits as they are (two radix passes) and float32 (four). Inactive rows: -inf. The
-    interpreter sorts slowly (~2 s per row of 1,024): it checks the same logic with fewer candidates."""
-    device, _, _ = backend
-    counts = (1024, 700, 1) if device == "cuda" else (64, 48, 1)
-    from blink.models.kernels.sampling import top_candidates
-
-    vocab = 5003
-    logits = torch.randn(8, vocab, device=device) * 3
-    logits[1] = torch.randint(-4, 4, (vocab,), device=device).float()   # few values: ties across the n-th
-    logits[2] = -1.5
-    logits[3] = -logits[3].abs() - 1
-    logits[4, :3000] = float("-inf")
-    active = torch.tensor([True, True, True, True, True, False, True, False], device=device)
-    for dtype in (torch.float32, torch.bfloat16):
-        x = logits.to(dtype)
-        for n in counts:
-            got = top_candidates(x, n, active)
-            assert got.dtype == dtype and got.shape == (8, n)
-            assert torch.equal(got, reference.top_candidates(x, n, active)), (dtype, n)
-            assert torch.all(got[~active] == float("-inf"))
-    whole = logits[:, :counts[1]].contiguous()
-    assert torch.equal(top_candidates(whole, counts[1], active), reference.top_candidates(whole, counts[1], active))
-    strided = logits[:, :4000]   # rows 5,003 apart in memory
-    assert torch.equal(top_candidates(strided, counts[0], active), reference.top_candidates(strided, counts[0], active))
-
-
 def test_candidate_threshold_matches_reference(backend):
     """Top-k alone, top-p alone (renormalised over the whole row), both, neither, a top-k past the candidates, and
     rows whose candidates fall short of top-p (flat logits: not truncated, -inf), at two candidate counts (a power of

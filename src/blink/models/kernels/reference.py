@@ -148,12 +148,6 @@ def row_logsumexp(logits: torch.Tensor, divisor: torch.Tensor) -> tuple[torch.Te
     return torch.logsumexp(logits, dim=1), torch.logsumexp(logits / divisor[:, None], dim=1)
 
 
-def top_candidates(logits: torch.Tensor, n: int, active: torch.Tensor) -> torch.Tensor:
-    """Each ``active`` row's ``n`` largest logits, descending (``[S, n]``, the logits' dtype); ``-inf`` in the other
-    rows, whose candidates the sampler never reads (greedy, or no filter on)."""
-    return torch.where(active[:, None], torch.topk(logits, n, dim=1).values, float("-inf"))
-
-
 def candidate_threshold(cand: torch.Tensor, divisor: torch.Tensor, lse_scaled: torch.Tensor, top_k: torch.Tensor,
                         top_p: torch.Tensor) -> torch.Tensor:
     """The filters of ``blink.models.sampler`` on each row's ``n`` largest logits ``cand [S, n]`` (descending):

@@ -9,14 +9,8 @@ a float32 copy nor the scaled rows are ever stored.
   entries of the row and of the scaled row (one pass instead of torch's two reductions of each) and folds its
   lanes; one program per row then folds the row's chunks (one program per row alone took ~50 us for a 128k
   vocabulary on the H200: a serial loop of loads).
-- ``top_candidates``: one program per row finds the row's ``n`` largest logits, descending, by radix selection (a
-  256-bin histogram per byte of an order-keeping integer key, from the top byte: the ``n``-th largest key in two
-  passes over a bf16 row, four over float32), then gathers the larger ones and sorts ``n`` in registers. A row that
-  filters nothing (greedy, or top-k and top-p both off, or one that samples nothing this step) returns at once:
-  ``torch.topk`` searched every row of the bucket (0.78 ms for the 256 rows of a prefill-sized step on the H200,
-  where at most a few sample and a greedy one needs no candidates at all).
-- ``candidate_threshold``: one program per row applies top-k and top-p to the row's candidates in registers: one
-  launch instead of ~20 small torch ones.
+- ``candidate_threshold``: one program per row applies top-k and top-p to the row's candidates (its largest logits,
+  sorted by ``torch.topk``) in registers: one launch instead of ~20 small torch ones.
 - ``gumbel_argmax``: program ``(row, chunk)`` derives the row's key from its seed and length (``hashing.row_key``,
   in uint32), scans ``CHUNK`` vocabulary entries and writes its best (value, index); the host-free ``torch.max``
   over the chunks of a row picks the token. The first chunk wins a tie, as the lowest index does in the reference.
@@ -121,76 +115,6 @@ def row_logsumexp(logits: torch.Tensor, divisor: torch.Tensor) -> tuple[torch.Te
     _fold_chunks_kernel[(rows,)](parts, lse, lse_scaled, n_chunks, CHUNKS_P2=triton.next_power_of_2(n_chunks),
                                  **pdl_args(logits.device))
     return lse, lse_scaled
-
-
-@triton.jit
-def _order_key(x):
-    """float32 → uint32 whose unsigned order is the floats' order (negative floats: all bits flipped)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    return tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
-
-
-@triton.jit
-def _top_candidates_kernel(logits_ptr, active_ptr, out_ptr, vocab, stride, n, N_P2: tl.constexpr,
-                           DIGITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    row = tl.program_id(0)
-    wait_for_previous(PDL)
-    rank = tl.arange(0, N_P2)
-    out = out_ptr + row * n
-    if tl.load(active_ptr + row) == 0:
-        tl.store(out + rank, tl.full([N_P2], float("-inf"), tl.float32), mask=rank < n)
-    else:
-        src = logits_ptr + row * stride
-        bins = tl.arange(0, 256)
-        prefix = tl.full([], 0, tl.uint32)   # the top bytes of the n-th largest key found so far
-        wanted = tl.full([], 0, tl.int32) + n  # how many of the n largest have keys starting with ``prefix``
-        for d in tl.static_range(DIGITS):
-            shift = 24 - 8 * d
-            counts = tl.zeros([256], tl.int32)
-            for start in range(0, vocab, BLOCK):
-                idx = start + tl.arange(0, BLOCK)
-                key = _order_key(tl.load(src + idx, mask=idx < vocab, other=0.0).to(tl.float32))
-                match = idx < vocab
-                if d > 0:
-                    match = match & ((key >> (shift + 8)) == prefix)
-                counts += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
-            above = tl.sum(counts, 0) - tl.cumsum(counts, 0)      # keys of this prefix with a larger byte than bin
-            byte = tl.max(tl.where(above + counts >= wanted, bins, -1), 0)
-            wanted -= tl.sum(tl.where(bins == byte, above, 0), 0)
-            prefix = (prefix << 8) | byte.to(tl.uint32)
-        # The n-th largest key (``wanted`` of the n equal it). Bytes below DIGITS are a bf16 value's: 0 in its
-        # float32 bits, so 0 in the key of a positive value and 1s in a negative one's (flipped).
-        kth = prefix << (32 - 8 * DIGITS)
-        kth = tl.where((kth >> 31) != 0, kth, kth | ((1 << (32 - 8 * DIGITS)) - 1))
-        bits = tl.where((kth >> 31) != 0, kth ^ 0x80000000, ~kth)
-        kth_value = bits.to(tl.float32, bitcast=True)
-        larger = tl.full([], 0, tl.int32)
-        for start in range(0, vocab, BLOCK):          # the keys above the n-th, unordered, into the output row
-            idx = start + tl.arange(0, BLOCK)
-            x = tl.load(src + idx, mask=idx < vocab, other=0.0)
-            keep = (idx < vocab) & (_order_key(x.to(tl.float32)) > kth)
-            place = larger + tl.cumsum(keep.to(tl.int32), 0) - 1
-            tl.store(out + place, x, mask=keep)
-            larger += tl.sum(keep.to(tl.int32), 0)
-        tl.debug_barrier()                            # the row's stores are visible to all its threads
-        cand = tl.load(out + rank, mask=rank < larger, other=0.0).to(tl.float32)
-        cand = tl.where(rank < larger, cand, tl.where(rank < n, kth_value, float("-inf")))
-        tl.debug_barrier()                            # every thread has read before any overwrites
-        tl.store(out + rank, tl.sort(cand, 0, descending=True), mask=rank < n)
-
-
-def top_candidates(logits: torch.Tensor, n: int, active: torch.Tensor) -> torch.Tensor:
-    """``logits [S, V]`` floating (unit stride in V), ``active [S]`` bool → ``[S, n]`` in the logits' dtype: an
-    active row's ``n`` largest logits, descending (``torch.topk``'s values), ``-inf`` in the others."""
-    rows, vocab = logits.shape
-    if not 0 < n <= vocab:
-        raise ValueError(f"top_candidates: n must be in 1..{vocab} (the vocabulary), got {n}")
-    out = torch.empty((rows, n), dtype=logits.dtype, device=logits.device)
-    digits = 2 if logits.dtype == torch.bfloat16 else 4   # a bf16 value is the top half of its float32 bits
-    _top_candidates_kernel[(rows,)](logits, active, out, vocab, logits.stride(0), n,
-                                    N_P2=triton.next_power_of_2(n), DIGITS=digits, BLOCK=2048, num_warps=8,
-                                    **pdl_args(logits.device))
-    return out
 
 
 @triton.jit

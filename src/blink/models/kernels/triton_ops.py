@@ -5,7 +5,7 @@ from .moe import fused_moe
 from .norm import rms_norm
 from .penalties import apply_penalties
 from .rope_kv_write import rope_kv_write
-from .sampling import candidate_threshold, gumbel_argmax, row_logsumexp, top_candidates
+from .sampling import candidate_threshold, gumbel_argmax, row_logsumexp
 
 __all__ = ["apply_penalties", "attention", "attention_plan", "candidate_threshold", "fused_moe", "gumbel_argmax",
-           "rms_norm", "rope_kv_write", "row_logsumexp", "silu_and_mul", "top_candidates"]
+           "rms_norm", "rope_kv_write", "row_logsumexp", "silu_and_mul"]
