@@ -195,8 +195,8 @@ def _engine_options(parser, slots: int) -> None:
                         help="prompt + output positions of one sequence (default: the model's context, at most 4096)")
     parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                         help=f"token counts of the captured step graphs, increasing, at most {MAX_BUCKETS} (a step "
-                             "runs in the smallest that holds it, its other rows padding); default: the powers of two "
-                             "below --max-num-batched-tokens, and it")
+                             "runs in the smallest that holds it, its other rows padding); default: 1 2 4 8, then "
+                             "four sizes per doubling in steps of at least 8, up to --max-num-batched-tokens")
     parser.add_argument("--block-size", type=int, default=s.page_size, help="tokens per KV page")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=s.enable_prefix_caching, help="reuse the KV pages of shared prompt prefixes")

@@ -2,7 +2,7 @@
 the sizes the engine decides at start-up."""
 import pytest
 
-from blink.device.config import MAX_BUCKETS, MAX_EOS, MAX_SEQS, SchedulerConfig, power_of_two_buckets
+from blink.device.config import MAX_BUCKETS, MAX_EOS, MAX_SEQS, SchedulerConfig, graded_buckets
 
 RESOLVED = dict(num_pages=64, max_model_len=64, page_size=16)
 
@@ -44,10 +44,23 @@ def test_a_resolved_pool_must_hold_one_longest_sequence_above_the_watermark():
     assert SchedulerConfig(num_pages=6, max_model_len=64, page_size=16, watermark_pages=2).max_pages_per_seq == 4
 
 
-def test_default_buckets_are_powers_of_two_up_to_the_token_budget():
-    assert SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=8).buckets == (1, 2, 4, 8, 16, 32, 64, 100)
-    assert SchedulerConfig().buckets == power_of_two_buckets(2048) == tuple(1 << k for k in range(12))
+def test_default_buckets_pad_a_step_by_at_most_a_quarter_or_eight_rows():
+    assert SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=8).buckets == (
+        1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 100)
+    buckets = SchedulerConfig().buckets
+    assert buckets == graded_buckets(2048) and len(buckets) <= MAX_BUCKETS and buckets[-1] == 2048
+    for tokens in range(9, 2049):
+        padded = min(b for b in buckets if b >= tokens)
+        assert padded - tokens < max(8, tokens / 4), tokens
     assert SchedulerConfig(buckets=(8, 300), max_num_batched_tokens=300, max_num_seqs=8).buckets == (8, 300)
+
+
+def test_graded_buckets_coarsen_to_fit_the_launch_table():
+    for tokens in (1, 3, 9, 2049, 4096, 65536, 2**30):
+        buckets = graded_buckets(tokens)
+        assert buckets[-1] == tokens and len(buckets) <= MAX_BUCKETS and list(buckets) == sorted(set(buckets))
+    assert graded_buckets(4096)[-4:] == (1536, 2048, 3072, 4096)  # two per doubling: four would be 43 graphs
+    assert graded_buckets(2**30, per_doubling=1) == tuple(1 << k for k in range(31))
 
 
 def test_resolve_fills_in_only_what_was_left_to_the_engine():

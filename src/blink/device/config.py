@@ -28,18 +28,30 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def power_of_two_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
-    """Powers of two below ``max_num_batched_tokens``, and it."""
-    n = max_num_batched_tokens
-    return (*(1 << k for k in range(n.bit_length()) if 1 << k < n), n)
+def graded_buckets(max_num_batched_tokens: int, per_doubling: int = 4) -> tuple[int, ...]:
+    """1, 2, 4, 8, then sizes ``max(8, 2**k / per_doubling)`` apart in ``[2**k, 2**(k+1))``, below
+    ``max_num_batched_tokens``, and it.
+
+    A step pads to the smallest bucket that holds it, so a step of more than 8 tokens pads by fewer than 8 rows or
+    ``1/per_doubling`` of its size, where powers of two pad by up to 100 %. ``per_doubling`` halves until the sizes fit
+    in ``MAX_BUCKETS`` (2048 tokens: 31 sizes; 4096: 21).
+    """
+    n, sizes, size = max_num_batched_tokens, [1, 2, 4], 8
+    while size < n:
+        sizes.append(size)
+        size += max(8, (1 << (size.bit_length() - 1)) // per_doubling)
+    sizes = [s for s in sizes if s < n] + [n]
+    if len(sizes) > MAX_BUCKETS and per_doubling > 1:
+        return graded_buckets(n, per_doubling // 2)
+    return tuple(sizes)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits and knobs of the GPU-resident scheduler.
 
-    ``buckets`` are the token counts for which a step graph is captured (default: powers of two up to
-    ``max_num_batched_tokens``, and it); a step of ``n`` tokens runs the smallest bucket ``>= n``, so the largest
+    ``buckets`` are the token counts for which a step graph is captured (default: ``graded_buckets`` of
+    ``max_num_batched_tokens``); a step of ``n`` tokens runs the smallest bucket ``>= n``, so the largest
     bucket caps ``max_num_batched_tokens``. ``num_pages`` KV pages of ``page_size`` tokens are shared by all sequences;
     one sequence may use at most ``max_model_len`` positions, and admission keeps ``watermark_pages`` free.
     ``block_threads`` is the scheduler kernel's block size (the simulator runs far fewer threads; results do not
@@ -76,7 +88,7 @@ class SchedulerConfig:
         check(self.block_threads <= MAX_BLOCK_THREADS, owner, "block_threads", f"<= {MAX_BLOCK_THREADS}",
               self.block_threads)
         if self.buckets is None:
-            object.__setattr__(self, "buckets", power_of_two_buckets(self.max_num_batched_tokens))
+            object.__setattr__(self, "buckets", graded_buckets(self.max_num_batched_tokens))
         b = self.buckets
         check(isinstance(b, tuple) and 0 < len(b) <= MAX_BUCKETS and all(is_int(x) and x >= 1 for x in b)
               and list(b) == sorted(set(b)), owner, "buckets",
