@@ -125,3 +125,19 @@ def test_deadline_without_cap_sys_nice_carries_on_at_normal():
     assert done.stderr.startswith("blink: --agent-priority deadline: SCHED_DEADLINE (Operation not permitted), "
                                   "nice -10 (Permission denied) not permitted; running at normal.")
 
+
+
+@deadline_permitted
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to name one")
+def test_pin_leaves_a_deadline_thread_unpinned_and_warns_about_cores_named_by_the_user():
+    core, allowed = min(os.sched_getaffinity(0)), sorted(os.sched_getaffinity(0))
+    pinned = run_python(f"import os; {LOGGING}from blink.priority import pin; pin([{core}], named=True); "
+                        "print(sorted(os.sched_getaffinity(0)))")
+    assert pinned.returncode == 0 and pinned.stdout == f"[{core}]\n" and pinned.stderr == "", pinned.stderr
+    for named, warning in ((True, f"blink: --agent-priority deadline runs the agent unpinned: --cpus {core} only "
+                                  "keeps the engine off them\n"), (False, "")):
+        done = run_python(f"import os; {LOGGING}from blink.priority import pin, set_priority; "
+                          f"set_priority('deadline'); pin([{core}], named={named}); "
+                          "print(sorted(os.sched_getaffinity(0)))")
+        assert done.returncode == 0 and done.stdout == f"{allowed}\n", done.stderr
+        assert done.stderr == warning

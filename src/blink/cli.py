@@ -40,7 +40,7 @@ def serve(args) -> int:
                                 step_s=args.standin_step_ms / 1e3)
     else:
         engine = engine_process(_engine_config(args, model_dir, ring_name=_ring_name()))
-    with engine as (memory, process), split_cores(process, args.cpus) as cores:
+    with engine as (memory, process), split_cores(process, args.cpus, args.reserve_agent_cores) as cores:
         return _serve_http(args, loop, memory, tokenizer, model_dir, process, cores)
 
 
@@ -78,7 +78,7 @@ def agent(args) -> int:
 
     loop = _loop_config(args)
     model_dir = _model_dir(args.model)
-    with _agent_ring(args) as memory, split_cores(None, args.cpus) as cores:
+    with _agent_ring(args) as memory, split_cores(None, args.cpus, args.reserve_agent_cores) as cores:
         return _serve_http(args, loop, memory, _tokenizer(args, model_dir), model_dir, None, cores)
 
 
@@ -120,12 +120,12 @@ def _serve_http(args, loop, memory, tokenizer, model_dir, engine_process, cores)
     from blink.nic.defaults import sampling_defaults
     from blink.nic.drain import DrainConfig
     from blink.nic.openai.server import OpenAIServer, ServerConfig, run
-    from blink.priority import helper_priority, is_deadline, set_priority
+    from blink.priority import helper_priority, pin, set_priority
     from blink.process import engine_watch
 
     set_priority(args.agent_priority)           # before any thread starts: threads inherit it
-    if cores and not is_deadline():             # a deadline thread may not be pinned; it runs where it wakes
-        os.sched_setaffinity(0, cores)          # keep the agent off the engine's cores
+    if cores:
+        pin(cores, named=bool(args.cpus))       # keep the agent off the engine's cores
     agent = Agent.attach(memory, liveness_timeout_s=args.liveness_timeout)
     config = ServerConfig(model_name=args.served_model_name or Path(model_dir).name, loop=loop,
                           api_key=args.api_key or os.environ.get("BLINK_API_KEY") or None,
@@ -257,6 +257,10 @@ def _http_options(parser) -> None:
     parser.add_argument("--cpus", type=_cpu_list, default=None,
                         help="pin the agent to these cores, e.g. 2,3 (default: the least busy core this process may "
                              "use that no other blink server claims; serve pins the engine to the others)")
+    parser.add_argument("--reserve-agent-cores", action=argparse.BooleanOptionalAction, default=False,
+                        help="give the agent's cores to it alone: a cgroup v2 cpuset partition no other process on "
+                             "the host may run on, removed at exit (needs root and cgroup v2; refused, the agent "
+                             "runs without it and says why)")
 
 
 def _parser() -> argparse.ArgumentParser:

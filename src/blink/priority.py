@@ -98,6 +98,17 @@ def is_deadline() -> bool:
     return os.sched_getscheduler(0) & ~_RESET_ON_FORK_POLICY == SCHED_DEADLINE
 
 
+def pin(cores, named: bool) -> None:
+    """Pins the calling thread (and the threads it starts) to ``cores``, unless it runs in the deadline class, which
+    runs where it wakes (the kernel refuses it a subset of the host's cores); then cores ``named`` by the user get a
+    warning saying they only keep the engine off."""
+    if not is_deadline():
+        os.sched_setaffinity(0, cores)
+    elif named:
+        log.warning("--agent-priority deadline runs the agent unpinned: --cpus %s only keeps the engine off them",
+                    ",".join(map(str, cores)))
+
+
 def helper_priority() -> None:
     """For threads the agent starts (``ThreadPoolExecutor(initializer=...)``): the nice its own thread had before a
     deadline class, which reset on fork does not pass on. A no-op otherwise (threads inherit a nice level)."""

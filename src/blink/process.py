@@ -202,15 +202,18 @@ def engine_watch(agent, process=None, start_timeout_s: float = ATTACH_TIMEOUT_S)
 
 
 @contextmanager
-def split_cores(process, agent_cores: list[int] | None):
+def split_cores(process, agent_cores: list[int] | None, reserve: bool = False):
     """Yields the agent's cores (``blink.cores.place``: ``agent_cores`` if given, else the least busy core this
     process may use that no other blink server claims) and pins the engine ``process`` (if not None) to the others,
-    so HTTP and tokenization never compete with the engine; None on an OS without affinity. The agent's claim on
-    its cores lasts until the block is left."""
+    so HTTP and tokenization never compete with the engine; None on an OS without affinity. With ``reserve`` this
+    process moves into a cpuset partition of those cores, which no other process on the host may use
+    (``blink.partition``; refused, it says why and goes on without). The agent's claim on its cores, and the
+    partition, last until the block is left."""
     if not hasattr(os, "sched_setaffinity"):
         yield None
         return
     from blink.cores import place
+    from blink.partition import reserved_cores
 
     with place(agent_cores, with_engine=process is not None) as placement:
         if process is not None and placement.engine:
@@ -218,4 +221,8 @@ def split_cores(process, agent_cores: list[int] | None):
                 os.sched_setaffinity(process.pid, placement.engine)
             except OSError as e:                # the engine may have exited already: the agent reports that
                 log.warning("could not pin the engine process to cores %s: %s", list(placement.engine), e)
-        yield list(placement.agent)
+        whole = len(placement.agent) == len(placement.allowed)
+        if reserve and whole:
+            log.warning("--reserve-agent-cores: the agent's cores are all this process may use; not reserved")
+        with reserved_cores(placement.agent) if reserve and not whole else contextlib.nullcontext():
+            yield list(placement.agent)
