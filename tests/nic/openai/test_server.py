@@ -682,6 +682,38 @@ def test_blink_serve_agent_priority_deadline_runs_the_agent_unpinned_in_sched_de
         serve.wait(60)
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for the agent and one for the rest")
+def test_blink_serve_reserve_agent_cores_serves_whether_the_host_grants_the_partition_or_not(tmp_path):
+    """Granted (root, cgroup v2), the agent runs in its partition, alone on its core, and the partition is gone after
+    exit; refused (cgroup v1, no root, a cgroup namespace), one warning says why and the server serves as without."""
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "w") as stderr:
+        serve = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--standin", "--port", str(port),
+                                  "--slots", "4", "--max-model-len", "256", "--reserve-agent-cores"],
+                                 stderr=stderr, start_new_session=True)
+    partition = f"/sys/fs/cgroup/blink-agent-{serve.pid}"
+    try:
+        wait_for(lambda: _healthy(port), timeout_s=60)
+        status, _, body = raw_request(port, "/v1/completions", json.dumps(
+            {"model": json.loads(raw_request(port, "/v1/models", b"", "GET")[2])["data"][0]["id"], "prompt": "hi",
+             "max_tokens": 3}).encode())
+        assert status == 200, body
+        lines = log.read_text().splitlines()
+        granted = [line for line in lines if "agent on its own cpuset partition" in line]
+        refused = [line for line in lines if line.startswith("blink: --reserve-agent-cores: ")]
+        assert len(granted) + len(refused) == 1, lines
+        if granted:
+            agent_core = os.sched_getaffinity(serve.pid)
+            assert len(agent_core) == 1 and not agent_core & os.sched_getaffinity(0)
+            assert open(f"/proc/{serve.pid}/cgroup").read().strip() == f"0::/blink-agent-{serve.pid}"
+        else:
+            assert refused[0].endswith("stay shared with the host") and not os.path.exists(partition)
+    finally:
+        os.killpg(serve.pid, signal.SIGINT)
+        serve.wait(60)
+    assert not os.path.exists(partition)
+
+
 def test_blink_serve_keeps_its_startup_heap_out_of_the_garbage_collectors_scans():
     """A full collection over the start-up heap (torch, the tokenizer) took 34-155 ms of the agent's event loop:
     ``blink serve`` freezes that heap before it serves, says how many objects it kept out, then serves."""
