@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from blink.bench.client import AGENT_PAUSES, AGENT_RUN_DELAY
+from blink.bench.client import AGENT_PAUSES, AGENT_RUN_DELAY, AGENT_STEAL
 from blink.bench.datasets import synthetic
 from blink.bench.shapes import write_model_dir
 from blink.cores import cpu_list
@@ -96,6 +96,8 @@ def test_sweep_isolated_and_colocated_writes_json_and_plots(standin_server, tmp_
         assert 0 <= run["server"]["blink_agent_stall_off_cpu_seconds_total"] <= \
             run["server"]["blink_agent_stall_seconds_total"]
         assert 0 <= run["server"][AGENT_RUN_DELAY] < run["duration"]     # the loop thread's waits for a core
+        # Its cores' steal time under a hypervisor (0 on bare metal): never more than those cores' whole time.
+        assert 0 <= run["server"][AGENT_STEAL] <= run["duration"] * os.cpu_count()
         # The server's CPU from its /metrics (process_cpu_seconds_total), this process's own, per 1,000 tokens.
         assert run["server_cpu_s"] == run["server"]["process_cpu_seconds_total"] > 0
         assert run["server_cpu_ms_per_1k_tokens"] > 0 and run["client_cpu_ms_per_1k_tokens"] > 0
@@ -124,6 +126,7 @@ def test_sweep_isolated_and_colocated_writes_json_and_plots(standin_server, tmp_
                                                      ", steady P99 TTFT ", ", steady P99 worst gap "))
     assert again.stdout.count("standin isolated @ 20.0: agent stalls ") == 1
     assert again.stdout.count(" passes, waits for a core ") == len(result["runs"])
+    assert again.stdout.count(" ms, its cores' steal ") == len(result["runs"])
     assert result["layout"] == {"name": "shared", "hog_cpus": sorted(os.sched_getaffinity(0)), "reserved": [],
                                 "client_cpus": None}
     assert result["client_priority_achieved"] == "normal"

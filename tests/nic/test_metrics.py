@@ -1,5 +1,6 @@
 """blink.nic.metrics: the event loop thread's waits for a core reach /metrics, as Linux's schedstat counts them for
-that thread. (The stall and GC counters: tests/nic/test_agent_loop.py.)"""
+that thread, and its cores' steal time, as /proc/stat counts it. (The stall and GC counters:
+tests/nic/test_agent_loop.py.)"""
 import asyncio
 import os
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 from tests.nic.openai.local import run_local
 
 RUN_DELAY = "blink_agent_run_delay_seconds_total"
+STEAL = "blink_agent_cores_steal_seconds_total"
 SCHEDSTAT = "/proc/thread-self/schedstat"
 
 
@@ -39,5 +41,33 @@ def test_the_loop_threads_waits_for_a_busy_core_are_counted(local_ring, tokenize
         second = (await local.metrics())[RUN_DELAY]
         assert before <= first < second <= waited_s()
         assert second - first >= 0.001, "50 wake-ups beside a spinner on one core waited at least 1 ms in all"
+
+    run_local(local_ring, tokenizer, scenario, serve=True)
+
+
+def steal_s(cores) -> float:
+    """/proc/stat's steal of ``cores``, read here independently of blink: the 8th value of each ``cpuN`` line."""
+    with open("/proc/stat") as f:
+        rows = [line.split() for line in f if line.startswith("cpu") and line[3:4].isdigit()]
+    return sum(int(row[8]) for row in rows if int(row[0][3:]) in cores) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux's /proc/stat")
+def test_the_steal_time_of_the_loop_threads_cores_is_counted(local_ring, tokenizer):
+    """The counter lies between two reads of the same cores' steal around the scrape (on bare metal all three are
+    0); and they are the loop thread's cores: pinned to one, the counter is that core's steal alone."""
+    async def scenario(local):
+        allowed = os.sched_getaffinity(0)
+        before = steal_s(allowed)
+        scraped = (await local.metrics())[STEAL]
+        assert before <= scraped <= steal_s(allowed)
+        core = max(allowed)
+        os.sched_setaffinity(0, {core})          # this thread runs the event loop
+        try:
+            before = steal_s({core})
+            scraped = (await local.metrics())[STEAL]
+            assert before <= scraped <= steal_s({core})
+        finally:
+            os.sched_setaffinity(0, allowed)
 
     run_local(local_ring, tokenizer, scenario, serve=True)

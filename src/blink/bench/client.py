@@ -33,10 +33,12 @@ AGENT_PAUSES = ("blink_agent_stalls_total", "blink_agent_stall_seconds_total",
                 "blink_agent_gc_pause_seconds_count")
 # ... and how long its event loop's thread waited for a core (runnable, not running; where Linux counts it).
 AGENT_RUN_DELAY = "blink_agent_run_delay_seconds_total"
+# ... and how long a hypervisor ran something else on the cores that thread may use (steal: on-CPU to the guest).
+AGENT_STEAL = "blink_agent_cores_steal_seconds_total"
 # The server's counters a run records, as their change over the run (blink's /metrics; another server has fewer).
 SERVER_COUNTERS = ("blink_prefix_cache_queries_total", "blink_prefix_cache_hits_total",
                    "blink_prefix_cache_evictions_total", CPU_COUNTER, *SERVER_TTFT, *SERVER_HTTP_TTFT,
-                   *BLINK_STEP_TOKENS, *VLLM_STEP_TOKENS, *AGENT_PAUSES, AGENT_RUN_DELAY)
+                   *BLINK_STEP_TOKENS, *VLLM_STEP_TOKENS, *AGENT_PAUSES, AGENT_RUN_DELAY, AGENT_STEAL)
 # Seconds an idle connection is kept for reuse: less than any server's own keep-alive (blink's keepalive_timeout_s,
 # uvicorn's 5 s under vLLM): reusing a connection the server is closing fails the request with ServerDisconnectedError.
 KEEPALIVE_S = 2.0
@@ -79,10 +81,11 @@ def agent_pauses(server: dict | None) -> str | None:
     if None in values:
         return None
     stalls, stall_s, off_cpu_s, gc_s, gc_passes = values
-    waited_s = (server or {}).get(AGENT_RUN_DELAY)
+    waited_s, steal_s = ((server or {}).get(name) for name in (AGENT_RUN_DELAY, AGENT_STEAL))
     return (f"agent stalls {stalls:.0f} ({stall_s * 1e3:.1f} ms, {off_cpu_s * 1e3:.1f} ms of it off the CPU), "
             f"GC {gc_s * 1e3:.1f} ms in {gc_passes:.0f} passes"
-            + (f", waits for a core {waited_s * 1e3:.1f} ms" if waited_s is not None else ""))
+            + (f", waits for a core {waited_s * 1e3:.1f} ms" if waited_s is not None else "")
+            + (f", its cores' steal {steal_s * 1e3:.1f} ms" if steal_s is not None else ""))
 
 
 class OpenAIClient:

@@ -1,7 +1,7 @@
 """The agent's Prometheus ``Metrics``: its own timings and counters (latencies, its stalls and GC passes), the ring's
 control block read at scrape time, and the agent process's and its event loop thread's CPU (``process_*``,
-``blink_agent_run_delay_seconds``). Nothing here is on the per-token path but ``Metrics.tokens`` and ``poll_gap``;
-everything else is read when /metrics is scraped."""
+``blink_agent_run_delay_seconds``, and its cores' steal time under a hypervisor). Nothing here is on the per-token
+path but ``Metrics.tokens`` and ``poll_gap``; everything else is read when /metrics is scraped."""
 from __future__ import annotations
 
 import os
@@ -145,3 +145,21 @@ class _LoopThreadCollector:
             return
         yield CounterMetricFamily("blink_agent_run_delay_seconds", "Time the agent's event loop thread was runnable "
                                   "but waiting for a core", value=waited_ns / 1e9)
+        steal_s = _steal_seconds(os.sched_getaffinity(self.loop.thread_id))
+        if steal_s is not None:
+            yield CounterMetricFamily("blink_agent_cores_steal_seconds", "Time a hypervisor ran something else on "
+                                      "the cores the agent's event loop thread may use (/proc/stat's steal, summed)",
+                                      value=steal_s)
+
+
+def _steal_seconds(cores) -> float | None:
+    """The steal time of ``cores`` (the 8th value of their ``cpuN`` lines in /proc/stat, in clock ticks): time their
+    virtual CPUs were runnable but the host ran something else, which the guest counts as the running thread's CPU
+    time. None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            lines = [line.split() for line in f if line.startswith("cpu") and line[3:4].isdigit()]
+    except OSError:
+        return None
+    ticks = sum(int(row[8]) for row in lines if int(row[0][3:]) in cores and len(row) > 8)
+    return ticks / os.sysconf("SC_CLK_TCK")
