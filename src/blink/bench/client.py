@@ -33,7 +33,7 @@ AGENT_PAUSES = ("blink_agent_stalls_total", "blink_agent_stall_seconds_total",
                 "blink_agent_gc_pause_seconds_count")
 # ... and how long its event loop's thread waited for a core (runnable, not running; where Linux counts it).
 AGENT_RUN_DELAY = "blink_agent_run_delay_seconds_total"
-# ... and how long a hypervisor ran something else on the cores that thread may use (steal: on-CPU to the guest).
+# ... and how long a hypervisor ran something else on the cores that thread may use (steal).
 AGENT_STEAL = "blink_agent_cores_steal_seconds_total"
 # The server's counters a run records, as their change over the run (blink's /metrics; another server has fewer).
 SERVER_COUNTERS = ("blink_prefix_cache_queries_total", "blink_prefix_cache_hits_total",

@@ -154,8 +154,8 @@ class _LoopThreadCollector:
 
 def _steal_seconds(cores) -> float | None:
     """The steal time of ``cores`` (the 8th value of their ``cpuN`` lines in /proc/stat, in clock ticks): time their
-    virtual CPUs were runnable but the host ran something else, which the guest counts as the running thread's CPU
-    time. None where there is no /proc/stat."""
+    virtual CPUs were runnable but the host ran something else (a guest kernel without steal accounting counts it
+    as the running thread's CPU time). None where there is no /proc/stat."""
     try:
         with open("/proc/stat") as f:
             lines = [line.split() for line in f if line.startswith("cpu") and line[3:4].isdigit()]
