@@ -40,18 +40,19 @@ BINS = 256              # one 8-bit digit
 
 
 @triton.jit
-def _keys(logits_ptr, row, stride, cols, mask, KEY_BITS: tl.constexpr):
-    """Order-preserving unsigned keys (in int64) of the logits at ``cols`` of ``row``; 0 (below every real key's
-    count, never matched) where ``mask`` is false."""
+def _chunk(logits_ptr, row, chunk, stride, vocab, KEY_BITS: tl.constexpr, CHUNK: tl.constexpr):
+    """The chunk's logits as float32, their order-preserving unsigned keys (in int64) and the mask of entries inside
+    the row; outside it the key is 0 (never counted: every use masks)."""
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < vocab
+    logits = tl.load(logits_ptr + row * stride + cols, mask=mask, other=0.0)
     if KEY_BITS == 16:
-        bits = tl.load(logits_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.int16, bitcast=True)
-        raw = bits.to(tl.int64) & 0xFFFF
+        raw = logits.to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
         key = tl.where(raw >= 0x8000, 0xFFFF - raw, raw | 0x8000)
     else:
-        bits = tl.load(logits_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.int32, bitcast=True)
-        raw = bits.to(tl.int64) & 0xFFFFFFFF
+        raw = logits.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
         key = tl.where(raw >= 0x80000000, 0xFFFFFFFF - raw, raw | 0x80000000)
-    return key
+    return logits.to(tl.float32), key, mask
 
 
 @triton.jit
@@ -59,12 +60,10 @@ def _histogram(logits_ptr, stride, vocab, active_ptr, prefix_ptr, hist_ptr, SHIF
                KEY_BITS: tl.constexpr, CHUNK: tl.constexpr):
     """Program (row, chunk): the digit at ``SHIFT`` of the chunk's entries whose higher digits are the row's prefix,
     counted into the row's bins."""
-    row, chunk = tl.program_id(0), tl.program_id(1)
+    row = tl.program_id(0)
     if tl.load(active_ptr + row) == 0:
         return
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < vocab
-    key = _keys(logits_ptr, row, stride, cols, mask, KEY_BITS)
+    _, key, mask = _chunk(logits_ptr, row, tl.program_id(1), stride, vocab, KEY_BITS, CHUNK)
     match = mask & ((key >> (SHIFT + 8)) == tl.load(prefix_ptr + row))
     digit = tl.where(match, (key >> SHIFT) & 0xFF, 256).to(tl.int32)    # bin 256 and up: not counted
     counts = tl.histogram(digit, 512)
@@ -96,13 +95,10 @@ def _gather(logits_ptr, stride, vocab, active_ptr, prefix_ptr, left_ptr, taken_p
             KEY_BITS: tl.constexpr, CHUNK: tl.constexpr):
     """Program (row, chunk): the chunk's entries above the n-th largest key into slots ``0 .. n - left - 1`` of the
     row, and equal ones into the ``left`` slots after them while any is free."""
-    row, chunk = tl.program_id(0), tl.program_id(1)
+    row = tl.program_id(0)
     if tl.load(active_ptr + row) == 0:
         return
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < vocab
-    key = _keys(logits_ptr, row, stride, cols, mask, KEY_BITS)
-    value = tl.load(logits_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+    value, key, mask = _chunk(logits_ptr, row, tl.program_id(1), stride, vocab, KEY_BITS, CHUNK)
     threshold, left = tl.load(prefix_ptr + row), tl.load(left_ptr + row)
     above = (mask & (key > threshold)).to(tl.int32)
     equal = (mask & (key == threshold)).to(tl.int32)
