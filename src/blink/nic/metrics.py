@@ -141,11 +141,12 @@ class _LoopThreadCollector:
         try:
             with open(f"/proc/{os.getpid()}/task/{self.loop.thread_id}/schedstat") as f:
                 waited_ns = int(f.read().split()[1])
+            cores = os.sched_getaffinity(self.loop.thread_id)
         except (OSError, ValueError, IndexError):      # not Linux, no schedstat, or the loop has not started
             return
         yield CounterMetricFamily("blink_agent_run_delay_seconds", "Time the agent's event loop thread was runnable "
                                   "but waiting for a core", value=waited_ns / 1e9)
-        steal_s = _steal_seconds(os.sched_getaffinity(self.loop.thread_id))
+        steal_s = _steal_seconds(cores)
         if steal_s is not None:
             yield CounterMetricFamily("blink_agent_cores_steal_seconds", "Time a hypervisor ran something else on "
                                       "the cores the agent's event loop thread may use (/proc/stat's steal, summed)",
