@@ -15,6 +15,8 @@ import platform
 import resource
 import struct
 
+from blink.cores import cpu_list
+
 log = logging.getLogger("blink")
 
 # "auto": nice -10, or the best below it this process is allowed. Not realtime: on a CPU box with hogs on every core
@@ -106,7 +108,7 @@ def pin(cores, named: bool) -> None:
         os.sched_setaffinity(0, cores)
     elif named:
         log.warning("--agent-priority deadline runs the agent unpinned: --cpus %s only keeps the engine off them",
-                    ",".join(map(str, cores)))
+                    cpu_list(cores))
 
 
 def helper_priority() -> None:
