@@ -18,7 +18,8 @@ import time
 import pytest
 
 from tests.nic.openai.test_server import _healthy as healthy
-from tests.nic.openai.test_server import children, free_port, wait_for
+from tests.nic.openai.test_server import free_port, wait_for
+from tests.nic.openai.test_server import engine_processes as engines
 
 KILL_POINTS = random.Random(23).sample([x / 10 for x in range(2, 25)], 3)     # seconds into the load
 CPU_ENGINE = ["--device", "cpu", "--slots", "8", "--max-model-len", "96", "--max-num-seqs", "4",
@@ -32,10 +33,6 @@ def serve(*args, own_group: bool = False) -> tuple[subprocess.Popen, int]:
                                start_new_session=own_group)
     wait_for(lambda: healthy(port), timeout_s=120)
     return process, port
-
-
-def engines(pid: int) -> list[int]:
-    return [p for p in children(pid) if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
 
 
 def rings(pid: int) -> set[str]:

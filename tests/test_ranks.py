@@ -14,6 +14,7 @@ import torch
 from blink import Engine, EngineConfig, SamplingParams, SchedulerConfig
 from blink.errors import ConfigError, EngineError
 from tests.models.harness import tiny_hf_model
+from tests.nic.openai.test_server import children
 
 # A 16-token step budget splits the 40-token prompt into chunks that share steps with the others' decodes.
 CONFIG = EngineConfig(device="cpu", n_slots=8, max_prompt_tokens=48, max_output_tokens=16, sim_threads=2,
@@ -42,19 +43,6 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from /proc)."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry))
-        except FileNotFoundError:       # it ended meanwhile
-            continue
-    return found
 
 
 def serve(config: EngineConfig) -> tuple[list, list[int], int]:

@@ -604,6 +604,19 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def engine_processes(pid: int) -> list[int]:
+    """The engine processes (multiprocessing spawns) among ``pid``'s children; one that ends meanwhile is left out."""
+    found = []
+    for child in children(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    found.append(child)
+        except (FileNotFoundError, ProcessLookupError):
+            pass    # a short-lived helper (a probe, a compiler) that ended between the listing and this read
+    return found
+
+
 def check_completion(port, reference, hf) -> None:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
     text = client.completions.create(model=MODEL, prompt="cli", max_tokens=5, seed=2, temperature=1.0).choices[0].text
@@ -646,7 +659,7 @@ def test_blink_serve_runs_the_engine_process_and_ctrl_c_stops_both(model_dir, re
         check_completion(port, reference, hf)
         spawned = children(serve.pid)
         assert spawned, "the engine runs in a process of its own"
-        engines = [pid for pid in spawned if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        engines = [pid for pid in engine_processes(serve.pid) if pid in spawned]
         if len(os.sched_getaffinity(0)) >= 2:       # the agent keeps a core of its own, the engine the others
             assert engines and all(not os.sched_getaffinity(pid) & os.sched_getaffinity(serve.pid)
                                    for pid in engines)
@@ -675,7 +688,7 @@ def test_blink_serve_agent_priority_deadline_runs_the_agent_unpinned_in_sched_de
         wait_for(lambda: _healthy(port), timeout_s=60)
         assert os.sched_getscheduler(serve.pid) & ~0x40000000 == 6          # SCHED_DEADLINE, reset on fork
         assert os.sched_getaffinity(serve.pid) == os.sched_getaffinity(0)
-        engines = [pid for pid in children(serve.pid) if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        engines = engine_processes(serve.pid)
         assert engines and all(os.sched_getscheduler(pid) == os.SCHED_OTHER for pid in engines)
     finally:
         os.killpg(serve.pid, signal.SIGINT)
@@ -752,7 +765,7 @@ def test_blink_serve_exits_non_zero_when_its_engine_is_killed(model_dir):
                       "--max-model-len", "512")
     try:
         wait_for(lambda: _healthy(port), timeout_s=60)
-        (engine,) = [pid for pid in children(serve.pid) if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        (engine,) = engine_processes(serve.pid)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         assert client.completions.create(model=client.models.list().data[0].id, prompt="a", max_tokens=2).choices
         os.kill(engine, signal.SIGKILL)
