@@ -47,6 +47,13 @@ def test_every_snippet_says_how_it_runs():
     assert not unmarked, f"snippets without a <!-- snippet: KIND --> comment ({'|'.join(KINDS)}): {unmarked}"
 
 
+def test_ci_runs_the_readme_s_install_and_test_command():
+    (code,) = [p.values[3] for p in SNIPPETS if p.values[0] == "ci"]
+    readme = [line for line in code.splitlines() if "pytest" in line]
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if "pytest" in line]
+    assert readme and readme == ci, f"README.md's test command {readme} differs from .ci/run's {ci}"
+
+
 def execute(lang: str, code: str, timeout_s: float) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}       # as a user runs it
     command = [sys.executable, "-c", code] if lang == "python" else ["bash", "-e", "-c", code]
