@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from blink.partition import CGROUP_ROOT, PREFIX, reserved_cores
+from blink.partition import CGROUP_ROOT, PREFIX, reserved_cores, stale_partitions
 from tests.privileges import run_python
 
 
@@ -33,6 +33,21 @@ def test_split_cores_does_not_reserve_the_only_core_a_process_may_use():
     assert done.returncode == 0 and done.stdout == f"[{core}] [{core}]\n", done.stderr
     assert done.stderr == ("blink: --reserve-agent-cores: the agent's cores are all this process may use; not "
                            "reserved\n")
+
+
+def test_only_the_empty_partitions_of_processes_that_are_gone_are_stale(tmp_path):
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    def partition(name: str, procs: str = "") -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "cgroup.procs").write_text(procs)
+        return tmp_path / name
+    gone = partition(f"{PREFIX}{ended.pid}")
+    partition(f"{PREFIX}{os.getpid()}")                      # this live server's, not yet moved into: not stale
+    partition(f"{PREFIX}999999999", procs="12345\n")         # not empty: something runs there
+    partition(f"{PREFIX}custom")                             # not named for a process: not ours to remove
+    partition("other-0")
+    assert stale_partitions(tmp_path) == [gone]
 
 
 def cgroup_of(pid: int) -> str:

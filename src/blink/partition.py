@@ -91,11 +91,28 @@ def _remove(partition: Path, origin: Path, pid: int, root: Path, added_cpuset: b
 
 
 def _remove_stale(root: Path) -> None:
-    """Partitions of servers that were killed: empty, so nothing runs on their cores; give the cores back."""
-    for stale in root.glob(f"{PREFIX}*"):
-        if not _read(stale / "cgroup.procs"):
-            log.info("removing %s, the empty partition of a blink server that is gone", stale)
-            _rmdir(stale)
+    """Gives back the cores of the partitions ``stale_partitions`` finds."""
+    for stale in stale_partitions(root):
+        log.info("removing %s, the empty partition of a blink server that is gone", stale)
+        _rmdir(stale)
+
+
+def stale_partitions(root: Path) -> list[Path]:
+    """Partitions of servers that were killed: named for a process that no longer exists, and empty (nothing runs on
+    their cores). A live server's partition is never one, even in the moment between its creation and the server
+    moving in, when it is empty too."""
+    stale = []
+    for partition in root.glob(f"{PREFIX}*"):
+        pid = partition.name[len(PREFIX):]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        try:
+            empty = not _read(partition / "cgroup.procs")
+        except PartitionRefused:        # another server removed it meanwhile
+            continue
+        if empty:
+            stale.append(partition)
+    return stale
 
 
 def _cgroup_of(pid: int) -> str:
