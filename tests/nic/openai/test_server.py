@@ -259,6 +259,34 @@ def test_stop_string_spanning_tokens_ends_the_request(served, reference, hf, str
     served.wait_idle()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_that_meets_its_stop_string_stops_generating_while_the_others_go_on(served, reference, hf, stream):
+    """n = 2, choice 0 meets its stop string within its first 8 tokens, choice 1 never: choice 0's ring request is
+    cancelled at once, so the engine generates ~32 + 8 tokens for the request, not 2 x 32."""
+    ids, seeds, n_tokens = hf("Once upon a time")["input_ids"], [5, 6], GEOMETRY.max_output_tokens
+    outs = reference.generate([ids, ids], [SamplingParams(max_tokens=n_tokens, seed=s, ignore_eos=True) for s in seeds])
+    texts = [hf.decode(out.token_ids, skip_special_tokens=True) for out in outs]
+    early = hf.decode(outs[0].token_ids[:8], skip_special_tokens=True)
+    stop = next(early[k:k + 3] for k in range(len(early) - 2) if early[k:k + 3] not in texts[1])
+    before = served.wait_idle()["tokens"]
+    reply = served.client().completions.create(model="smollm2-test", prompt="Once upon a time", max_tokens=n_tokens,
+                                               seed=seeds[0], n=2, stop=[stop], stream=stream,
+                                               extra_body={"ignore_eos": True})
+    if stream:
+        finishes = {c.choices[0].index: c.choices[0].finish_reason for c in reply if c.choices[0].finish_reason}
+    else:
+        finishes = {c.index: c.finish_reason for c in reply.choices}
+    assert finishes == {0: "stop", 1: "length"}
+    generated = served.wait_idle()["tokens"] - before
+    assert n_tokens < generated < 2 * n_tokens - 8, generated
+
+
+def test_chat_takes_max_tokens_when_max_completion_tokens_is_null(standin_served):
+    body = {"model": MODEL, "messages": USER, "max_completion_tokens": None, "max_tokens": 3, "ignore_eos": True}
+    status, _, response = raw_request(standin_served.port, CHAT, json.dumps(body).encode())
+    assert status == 200 and json.loads(response)["usage"]["completion_tokens"] == 3
+
+
 def test_logprobs_are_the_sampled_tokens(served, reference, hf):
     ids = hf("Hi")["input_ids"]
     want = reference.generate(ids, SamplingParams(max_tokens=6, seed=5, logprobs=True))[0]
@@ -476,6 +504,11 @@ BAD = [  # (path, body, status, what the message must mention)
     (COMPLETIONS, {"prompt": "x", "repetition_penalty": 3.5e38}, 400, "'repetition_penalty' must be a number in"),
     (COMPLETIONS, {"prompt": "x", "min_tokens": 3}, 400, "not supported"),
     (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "not supported"),
+    (COMPLETIONS, {"prompt": "x", "best_of": True}, 400, "not supported"),        # true == 1, but not an int
+    (COMPLETIONS, {"prompt": "x", "best_of": 1.0}, 400, "not supported"),
+    (COMPLETIONS, {"prompt": "x", "min_p": 0.1}, 400, "not supported"),
+    (COMPLETIONS, {"prompt": "x", "temperature": 10**400}, 400, "'temperature' must be"),   # beyond any float
+    (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "only for streamed answers"),
     (CHAT, {"messages": []}, 400, "non-empty list"),
     (CHAT, {"messages": "hi"}, 400, "non-empty list"),
     (CHAT, {"messages": [{"content": "no role"}]}, 400, "'role'"),
@@ -485,6 +518,9 @@ BAD = [  # (path, body, status, what the message must mention)
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "not supported"),
     (CHAT, {"messages": USER, "model": "nope"}, 404, "GET /v1/models"),
     (CHAT, {"messages": [{"role": "user", "content": "hello " * 300}]}, 400, "shorten it"),
+    (CHAT, {"messages": [{"role": "user", "content": ""}] * 257}, 400, "every message takes at least one"),
+    (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "'max_completion_tokens' must be an integer >= 1"),
+    (CHAT, {"messages": USER, "max_completion_tokens": 10**30}, 400, "lower max_completion_tokens"),
     ("/v1/nothing", {}, 404, "Not Found"),
     (COMPLETIONS, b"x" * (2 << 20), 413, "at most 1048576 are accepted"),
 ]
@@ -813,6 +849,10 @@ def test_serve_with_max_model_len_alone_an_api_key_and_a_policy(model_dir):
         url = f"http://127.0.0.1:{port}/v1"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:     # a key that is not UTF-8
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                         b"Authorization: Bearer \xff\xfe\r\n\r\n")
+            assert sock.recv(64).startswith(b"HTTP/1.1 401 ")
         client = openai.OpenAI(base_url=url, api_key="sesame", max_retries=0)
         assert client.models.list().data[0].model_extra["max_model_len"] == 96
         with pytest.raises(openai.BadRequestError, match="max_model_len is 96"):

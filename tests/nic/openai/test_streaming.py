@@ -131,14 +131,15 @@ def test_a_handler_that_slept_through_several_polls_sends_them_in_one_write(toke
 
     async def run():
         metrics = Metrics()
-        req = AgentLoop(agent, metrics).submit(job.prompt, job.params, job.priority)
+        loop = AgentLoop(agent, metrics)
+        req = loop.submit(job.prompt, job.params, job.priority)
         for _ in range(TOKENS):             # the polls the handler slept through: one output each
             consumer.step()
             for out in agent.poll():
                 req.queue.put_nowait(out)
         assert req.queue.qsize() == TOKENS
         async def handler(request):
-            return await Responder(tokenizer, "m", metrics).stream(request, job, [req])
+            return await Responder(tokenizer, "m", metrics, loop.close).stream(request, job, [req])
 
         app = web.Application()
         app.router.add_post("/", handler)

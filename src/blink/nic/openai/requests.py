@@ -23,7 +23,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 PENALTY_RULE = f"a number in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}] (0: none)"   # presence and frequency penalties
 # Accepted only at their neutral values: anything else asks for a feature this server does not have.
 UNSUPPORTED = {"echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},), "min_tokens": (0,),
-               "tools": ([],), "response_format": ({"type": "text"},)}
+               "min_p": (0, 0.0), "tools": ([],), "response_format": ({"type": "text"},)}
 
 
 # -- request parsing -----------------------------------------------------------------------------------------------
@@ -117,7 +117,7 @@ class Parser:
         prompt = self._completion_prompt(body.get("prompt"))
         logprobs = _field(body, "logprobs", (int,), "0 (only the sampled token's logprob is available) or null",
                           None, lambda v: v == 0)
-        return self._job(body, prompt, chat=False, logprobs=logprobs is not None, max_tokens=body.get("max_tokens"),
+        return self._job(body, prompt, chat=False, logprobs=logprobs is not None, max_tokens_field="max_tokens",
                          default_max=self.defaults.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
 
     def chat(self, body: dict) -> Job:
@@ -129,14 +129,18 @@ class Parser:
         _field(body, "top_logprobs", (int,), "0 or null (only the sampled token's logprob is available)", 0,
                lambda v: v == 0)
         logprobs = _field(body, "logprobs", (bool,), "a boolean", False)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        return self._job(body, prompt, chat=True, logprobs=logprobs, max_tokens=max_tokens,
+        # The newer name wins where both are given; a null one counts as absent, as everywhere in a body.
+        new_name = body.get("max_completion_tokens") is not None
+        return self._job(body, prompt, chat=True, logprobs=logprobs,
+                         max_tokens_field="max_completion_tokens" if new_name else "max_tokens",
                          default_max=self.defaults.max_tokens)
 
-    def _job(self, body: dict, prompt: list[int], *, chat: bool, logprobs: bool, max_tokens, default_max) -> Job:
+    def _job(self, body: dict, prompt: list[int], *, chat: bool, logprobs: bool, max_tokens_field: str,
+             default_max) -> Job:
         self._check_model(body)
         for name, neutral in UNSUPPORTED.items():
-            if body.get(name) not in (None, *neutral):
+            value = body.get(name)
+            if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
                 raise ApiError(400, f"'{name}' is not supported by this server (got {_show(body[name])}): "
                                     "leave it out", param=name)
         n = _field(body, "n", (int,), f"an integer in [1, {MAX_CHOICES}]", 1, lambda v: 1 <= v <= MAX_CHOICES)
@@ -149,19 +153,23 @@ class Parser:
                            param="logprobs")
         stream = _field(body, "stream", (bool,), "a boolean", False)
         options = _field(body, "stream_options", (dict,), "an object like {\"include_usage\": true}", {})
+        if options and not stream:
+            raise ApiError(400, "'stream_options' is only for streamed answers: send \"stream\": true, or leave it "
+                                "out", param="stream_options")
         include_usage = _field(options, "include_usage", (bool,), "a boolean", False)
         priority = _field(body, "priority", (int,), "an integer in [-2**31, 2**31)", 0,
                           lambda v: -2**31 <= v < 2**31)
-        params = self._sampling(body, len(prompt), max_tokens, default_max, logprobs)
+        params = self._sampling(body, len(prompt), max_tokens_field, default_max, logprobs)
         return Job(chat, prompt, params, self._stop(body), stream, include_usage, priority, n)
 
-    def _sampling(self, body, prompt_len: int, max_tokens, default_max: int | None, logprobs: bool) -> SamplingParams:
-        requested = _field({"max_tokens": max_tokens}, "max_tokens", (int,), "an integer >= 1", None,
-                           lambda v: v >= 1)
+    def _sampling(self, body, prompt_len: int, max_tokens_field: str, default_max: int | None,
+                  logprobs: bool) -> SamplingParams:
+        requested = _field(body, max_tokens_field, (int,), "an integer >= 1", None, lambda v: v >= 1)
         try:
             room = max_tokens_for(requested, prompt_len, self.context_len, self.geometry.max_output_tokens)
         except ValueError as e:
-            raise ApiError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
+            raise ApiError(400, str(e).replace("max_tokens", max_tokens_field), param=max_tokens_field,
+                           code="context_length_exceeded") from None
         if requested is None and default_max is not None:
             room = min(room, default_max)
         vocab = self.tokenizer.vocab_size
@@ -180,7 +188,7 @@ class Parser:
         return SamplingParams(
             max_tokens=room,
             temperature=_field(body, "temperature", (int, float), "a number >= 0 (0: greedy)",
-                               self.defaults.temperature, lambda v: 0 <= v and math.isfinite(v)),
+                               self.defaults.temperature, lambda v: 0 <= v < math.inf),
             top_p=_field(body, "top_p", (int, float), "a number in (0, 1]", self.defaults.top_p,
                          lambda v: 0 < v <= 1),
             top_k=max(top_k, 0),
@@ -235,6 +243,10 @@ class Parser:
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, f"'messages' must be a non-empty list of messages (got {_show(messages)})",
                            param="messages")
+        if len(messages) > self.max_prompt:     # refused before the template renders them all: each takes a token
+            raise ApiError(400, f"'messages' has {len(messages)} messages, but every message takes at least one of the "
+                                f"{self.max_prompt} prompt tokens this server accepts: send fewer", param="messages",
+                           code="context_length_exceeded")
         parsed = [self._message(m, i) for i, m in enumerate(messages)]
         self._check_text_bytes(sum(len(m["content"].encode()) for m in parsed), "messages")
         return parsed

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import suppress
 import uuid
+from collections.abc import Callable
+from contextlib import suppress
 
 from aiohttp import web
 
@@ -23,10 +24,12 @@ from blink.nic.text import TextStream, Tokenizer
 class Responder:
     """Writes the answers of one model's requests (``model_name`` is what the responses say they came from). A
     request of ``n`` choices is ``n`` ring requests, one per choice, in choice order. A stream's first token's
-    chunk, once written, is timed from the request's arrival into ``metrics.http_ttft``."""
+    chunk, once written, is timed from the request's arrival into ``metrics.http_ttft``. ``close`` ends a ring
+    request the answer needs no more of (the agent loop's ``close``): a choice that met a stop string is closed at
+    once, not when its sibling choices end."""
 
-    def __init__(self, tokenizer: Tokenizer, model_name: str, metrics: Metrics):
-        self.tokenizer, self.model_name, self.metrics = tokenizer, model_name, metrics
+    def __init__(self, tokenizer: Tokenizer, model_name: str, metrics: Metrics, close: Callable[[Submission], None]):
+        self.tokenizer, self.model_name, self.metrics, self.close = tokenizer, model_name, metrics, close
 
     async def complete(self, job: Job, reqs: list[Submission]) -> web.Response:
         texts = [TextStream(self.tokenizer, job.stop) for _ in reqs]
@@ -92,6 +95,8 @@ class Responder:
                     break
             if text.stopped or out.finished:
                 req.finish_reason = "stop" if text.stopped else out.finish_reason
+                if text.stopped:
+                    self.close(req)         # the ring stops generating for it now
                 yield delta + text.finish(), tokens, req.finish_reason
                 return
             yield delta, tokens, None

@@ -74,8 +74,8 @@ class OpenAIServer:
         self.stopped = asyncio.Event()
         self.parser = Parser(tokenizer, config.model_name, agent, config.defaults)
         self.metrics = Metrics()
-        self.responder = Responder(tokenizer, config.model_name, self.metrics)
         self.loop = AgentLoop(agent, self.metrics, config.loop)
+        self.responder = Responder(tokenizer, config.model_name, self.metrics, self.loop.close)
         self.metrics.watch(self.loop)
         self.drain = Drain(self.loop, config.drain)
         self.probes = Probes(self.loop, self.drain)
@@ -117,7 +117,9 @@ class OpenAIServer:
         if key is None or not request.path.startswith("/v1"):
             return
         given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        # aiohttp decodes header bytes with surrogateescape: encode them back the same way (a non-UTF-8 header is
+        # a wrong key, not a server error)
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {key}".encode()):
             raise ApiError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>' with the "
                                 "key the server was started with (--api-key)", code="invalid_api_key")
 
