@@ -6,12 +6,13 @@ import time
 import weakref
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
 from blink import Engine, EngineConfig, SamplingParams, SchedulerConfig
 from blink.core import EngineCore
-from blink.errors import CheckpointError, ConfigError, EngineClosed
+from blink.errors import CheckpointError, ConfigError, EngineClosed, RequestError
 
 # A small token budget forces chunked prefill (the longest prompt has 42 tokens), a small KV pool forces preemption.
 CONFIG = EngineConfig(device="cpu", n_slots=12, max_prompt_tokens=48, max_output_tokens=24, max_stop_ids=2,
@@ -275,6 +276,29 @@ def test_bad_prompts_are_refused_before_the_ring(engine):
         engine.generate("hi", SamplingParams(max_tokens=25))
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         engine.generate(["hi"], [GREEDY, GREEDY])
+    with pytest.raises(RequestError, match="params must be a SamplingParams"):
+        engine.generate([[1, 2]], {"max_tokens": 3})
+
+
+def test_one_bad_request_in_a_generate_call_submits_none_of_them(engine):
+    """The good prompts before a bad one are not left running in the ring, unanswered, with their queues kept."""
+    params = SamplingParams(max_tokens=4, temperature=0)
+    submitted = engine.stats()["submitted"]
+    for bad in ([[1, 2, 3], [4, 5, 6], [1, -1]], [[1, 2, 3], [1] * 49]):
+        with pytest.raises(ValueError):
+            engine.generate(bad, params)
+    with pytest.raises(ValueError, match="max_output_tokens"):
+        engine.generate([[1, 2, 3], [4, 5, 6]], [params, SamplingParams(max_tokens=25)])
+    assert engine.stats()["submitted"] == submitted and engine.agent.in_flight == 0 and not engine._queues
+    assert [out.token_ids for out in engine.generate([[1, 2, 3], [4, 5, 6]], params)] == [
+        engine.generate([1, 2, 3], params)[0].token_ids, engine.generate([4, 5, 6], params)[0].token_ids]
+
+
+def test_numpy_token_ids_are_prompts_like_lists(engine):
+    params = SamplingParams(max_tokens=4, temperature=0)
+    want = engine.generate([1, 2, 3], params)[0].token_ids
+    assert engine.generate(np.array([1, 2, 3]), params)[0].token_ids == want
+    assert [o.token_ids for o in engine.generate(np.array([[1, 2, 3], [1, 2, 3]]), params)] == [want, want]
 
 
 # -- start-up and shutdown -------------------------------------------------------------------------------------

@@ -15,6 +15,9 @@ import asyncio
 import threading
 import time
 from collections import deque
+from contextlib import suppress
+
+import numpy as np
 
 from blink.config import EngineConfig
 from blink.core import EngineCore
@@ -48,17 +51,25 @@ class _Engine:
         return self.core.device
 
     def encode(self, prompt) -> list[int]:
-        """A prompt as token ids: a string goes through the tokenizer; token ids must be in the vocabulary."""
+        """A prompt as token ids: a string goes through the tokenizer; token ids (ints, numpy's included) must be in
+        the vocabulary."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model directory has no tokenizer.json: pass prompts as lists of token ids")
             return self.tokenizer.encode(prompt)
-        tokens = list(prompt)
+        tokens = [int(t) if isinstance(t, np.integer) else t for t in prompt]
         vocab = self.core.vocab_size
         bad = [t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab}) (got {bad[:5]})")
         return tokens
+
+    def _request(self, prompt, params: SamplingParams, priority: int = 0) -> tuple[list[int], OutputBuilder]:
+        """The prompt's token ids and the request's output, after every check the ring makes: a bad request raises
+        (``RequestError`` naming the field) before anything is submitted."""
+        tokens = self.encode(prompt)
+        self.agent.validate(tokens, params, priority)
+        return tokens, OutputBuilder(tokens, params, self.tokenizer)
 
     def stats(self) -> dict[str, int]:
         """The scheduler's counters and gauges from the ring's control block."""
@@ -93,20 +104,32 @@ class Engine(_Engine):
         """Run every prompt (a string, or a list of token ids) to completion; outputs in prompt order.
 
         ``prompts`` may also be one string or one token list. All requests are in the ring together, as far as its
-        slots allow.
+        slots allow. Every request is checked before any is submitted, so a bad one raises with nothing in the ring;
+        an error while they run (the engine gone, say) cancels the others.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        streams = [self.stream(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
-        return [s.result() for s in streams]
+        requests = [(*self._request(p, sp), sp) for p, sp in zip(prompts, params_list, strict=True)]
+        streams = []
+        try:
+            for tokens, builder, sp in requests:
+                streams.append(self._submit(tokens, sp, builder))
+            return [s.result() for s in streams]
+        except BaseException:
+            for s in streams:
+                with suppress(Exception):   # the error being raised says what went wrong; this is cleanup
+                    s.close()
+            raise
 
     def stream(self, prompt, params: SamplingParams = SamplingParams()) -> RequestStream:
         """Submit one request now (waiting for a free ring slot if need be); iterate the result for its tokens."""
-        tokens = self.encode(prompt)
-        builder = OutputBuilder(tokens, params, self.tokenizer)
+        tokens, builder = self._request(prompt, params)
+        return self._submit(tokens, params, builder)
+
+    def _submit(self, tokens: list[int], params: SamplingParams, builder: OutputBuilder) -> RequestStream:
         while True:
             with self._lock:
                 self._check_open()
@@ -225,8 +248,7 @@ class AsyncEngine(_Engine):
     def stream(self, prompt, params: SamplingParams = SamplingParams(), *, priority: int = 0) -> AsyncRequestStream:
         """Submit one request now (it waits in the agent if every ring slot is busy); ``async for`` its deltas."""
         self._check_open()
-        tokens = self.encode(prompt)
-        builder = OutputBuilder(tokens, params, self.tokenizer)
+        tokens, builder = self._request(prompt, params, priority)
         return AsyncRequestStream(self._agent_loop(), self._agent_loop().submit(tokens, params, priority), builder)
 
     async def generate(self, prompt, params: SamplingParams = SamplingParams()) -> GenerationOutput:
