@@ -325,7 +325,8 @@ def write_model_dir(path, model_dir, config_edit=None, weights: bytes | None = N
     return path
 
 
-@pytest.mark.parametrize("case", ["missing", "corrupt", "architecture", "kv budget", "context", "ring"])
+@pytest.mark.parametrize("case", ["missing", "corrupt", "architecture", "kv budget", "kv beyond memory",
+                                  "kv beyond int32", "context", "ring"])
 def test_bad_start_up_raises_one_clear_error_and_leaves_nothing(case, tmp_path, model_dir):
     ring = f"blink-test-{os.getpid()}-{case.replace(' ', '-')}"
     threads = engine_threads()
@@ -341,6 +342,12 @@ def test_bad_start_up_raises_one_clear_error_and_leaves_nothing(case, tmp_path, 
         "kv budget": (lambda: {"scheduler": replace(CONFIG.scheduler, num_pages=None),
                                "cpu_kv_cache_gib": 17.5 * 30 * 2 * 4 * 3 * 64 * 4 / 2**30}, ValueError,
                       r"holds 17 pages of 4 tokens, but one sequence of max_model_len=72 tokens needs 18"),
+        "kv beyond memory": (lambda: {"scheduler": replace(CONFIG.scheduler, num_pages=None),
+                                      "cpu_kv_cache_gib": 1e5}, ValueError,     # 100 TiB, < 2**31 pages
+                             r"more than this host's .* GiB of memory: lower EngineConfig.cpu_kv_cache_gib=100000.0"),
+        "kv beyond int32": (lambda: {"scheduler": replace(CONFIG.scheduler, num_pages=None),
+                                     "cpu_kv_cache_gib": 1e30}, ValueError,
+                            r"beyond the 2\*\*31 - 1 .* \(EngineConfig.cpu_kv_cache_gib=1e\+30\)"),
         "context": (lambda: {"scheduler": replace(CONFIG.scheduler, max_model_len=9000, num_pages=None)}, ValueError,
                     r"max_model_len=9000 is longer than the model's context"),
         "ring": (lambda: {"max_prompt_tokens": 8192, "max_output_tokens": 64}, ValueError,

@@ -63,6 +63,9 @@ def scheduler_config(config: EngineConfig, max_model_len: int, num_pages: int, e
     cannot hold one longest sequence."""
     page_size = config.scheduler.page_size
     need = -(-max_model_len // page_size)
+    if num_pages >= 2**31:
+        raise ValueError(f"the KV cache would hold {num_pages} pages, beyond the 2**31 - 1 the scheduler's int32 "
+                         f"page numbers reach: give it less memory ({budget})")
     if num_pages < need:
         raise ValueError(
             f"the KV cache holds {num_pages} pages of {page_size} tokens, but one sequence of "
@@ -110,6 +113,11 @@ class CpuBackend:
         num_pages = config.scheduler.num_pages or int(config.cpu_kv_cache_gib * 2**30 // page_bytes)
         self.config = scheduler_config(config, max_model_len, num_pages, eos_token_ids,
                                        _budget(config, "cpu_kv_cache_gib"))
+        host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if num_pages * page_bytes > host_bytes:
+            raise ValueError(f"a KV cache of {num_pages} pages takes {num_pages * page_bytes / 2**30:.1f} GiB, more "
+                             f"than this host's {host_bytes / 2**30:.1f} GiB of memory: lower "
+                             f"{_budget(config, 'cpu_kv_cache_gib')}")
         self.model = model
         self.kv = model.allocate_kv_cache(num_pages, page_size)
         _log_pool(num_pages, page_size, page_bytes)

@@ -7,9 +7,10 @@ policy a device function or its import path, so a Python-authored policy reaches
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 
-from blink.device.config import SchedulerConfig, check, is_int
+from blink.device.config import MAX_BLOCK_THREADS, SchedulerConfig, check, is_int
 from blink.ring.geometry import RingGeometry
 from blink.ring.request import SamplingParams
 from blink.ring.split import REQUEST_SIDES
@@ -89,16 +90,16 @@ class EngineConfig:
         for name in ("max_prompt_tokens", "max_output_tokens"):
             if getattr(self, name) is not None:
                 RingGeometry.check(name, getattr(self, name), owner)
-        check(is_int(self.sim_threads) and self.sim_threads >= 1, owner, "sim_threads", "a positive int",
-              self.sim_threads)
+        check(is_int(self.sim_threads) and 1 <= self.sim_threads <= MAX_BLOCK_THREADS, owner, "sim_threads",
+              f"an int in 1..{MAX_BLOCK_THREADS} (a CUDA block's threads)", self.sim_threads)
         check(is_int(self.tensor_parallel_size) and 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL, owner,
               "tensor_parallel_size", f"an int in 1..{MAX_TENSOR_PARALLEL}", self.tensor_parallel_size)
         check(self.request_side in REQUEST_SIDES, owner, "request_side", f"one of {REQUEST_SIDES}", self.request_side)
         u = self.gpu_memory_utilization
         check(isinstance(u, float) and 0.0 < u <= 1.0, owner, "gpu_memory_utilization", "a float in (0, 1]", u)
         g = self.cpu_kv_cache_gib
-        check(isinstance(g, (int, float)) and not isinstance(g, bool) and g > 0, owner, "cpu_kv_cache_gib",
-              "a number > 0", g)
+        check(isinstance(g, (int, float)) and not isinstance(g, bool) and 0 < g < math.inf, owner,
+              "cpu_kv_cache_gib", "a finite number > 0", g)
         check(isinstance(self.logprobs, bool), owner, "logprobs", "a bool", self.logprobs)
         check(self.ring_name is None or (isinstance(self.ring_name, str) and self.ring_name != ""
                                          and "/" not in self.ring_name), owner, "ring_name",

@@ -8,9 +8,12 @@ RESOLVED = dict(num_pages=64, max_model_len=64, page_size=16)
 
 
 @pytest.mark.parametrize("field,value,rule", [
-    ("max_num_seqs", 0, "a positive int"), ("max_num_seqs", 2.0, "a positive int"),
-    ("max_num_seqs", MAX_SEQS + 1, f"<= {MAX_SEQS}"), ("max_num_batched_tokens", 0, "a positive int"),
-    ("page_size", True, "a positive int"), ("block_threads", 0, "a positive int"), ("block_threads", 1025, "<= 1024"),
+    ("max_num_seqs", 0, r"an int in \[1, 2\*\*31\)"), ("max_num_seqs", 2.0, r"an int in \[1, 2\*\*31\)"),
+    ("max_num_seqs", MAX_SEQS + 1, f"<= {MAX_SEQS}"), ("max_num_batched_tokens", 0, r"an int in \[1, 2\*\*31\)"),
+    ("max_num_batched_tokens", 10**30, r"an int in \[1, 2\*\*31\)"),     # checked before buckets derive from it
+    ("page_size", True, r"an int in \[1, 2\*\*31\)"), ("page_size", 2**31, r"an int in \[1, 2\*\*31\)"),
+    ("block_threads", 0, r"an int in \[1, 2\*\*31\)"), ("block_threads", 1025, "<= 1024"),
+    ("buckets", (1, 2**31), r"a non-empty strictly increasing tuple of at most \d+ ints in \[1, 2\*\*31\)"),
     ("num_pages", 0, "None .decided at start-up. or an int"), ("max_model_len", 2**31, "None .decided at start-up."),
     ("buckets", (), "a non-empty strictly increasing tuple"), ("buckets", (4, 2, 2048), "a non-empty strictly"),
     ("buckets", [1, 2048], "a non-empty strictly increasing tuple"),

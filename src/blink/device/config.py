@@ -78,8 +78,8 @@ class SchedulerConfig:
     def __post_init__(self):
         owner = "SchedulerConfig"
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "block_threads"):
-            value = getattr(self, name)
-            check(is_int(value) and value >= 1, owner, name, "a positive int", value)
+            value = getattr(self, name)     # the device state holds each as an int32
+            check(is_int(value) and 1 <= value < 2**31, owner, name, "an int in [1, 2**31)", value)
         for name in ("num_pages", "max_model_len"):
             value = getattr(self, name)
             check(value is None or (is_int(value) and 1 <= value < 2**31), owner, name,
@@ -90,9 +90,9 @@ class SchedulerConfig:
         if self.buckets is None:
             object.__setattr__(self, "buckets", graded_buckets(self.max_num_batched_tokens))
         b = self.buckets
-        check(isinstance(b, tuple) and 0 < len(b) <= MAX_BUCKETS and all(is_int(x) and x >= 1 for x in b)
+        check(isinstance(b, tuple) and 0 < len(b) <= MAX_BUCKETS and all(is_int(x) and 1 <= x < 2**31 for x in b)
               and list(b) == sorted(set(b)), owner, "buckets",
-              f"a non-empty strictly increasing tuple of at most {MAX_BUCKETS} ints >= 1", b)
+              f"a non-empty strictly increasing tuple of at most {MAX_BUCKETS} ints in [1, 2**31)", b)
         check(self.max_num_batched_tokens <= b[-1], owner, "max_num_batched_tokens",
               f"<= the largest bucket {b[-1]}", self.max_num_batched_tokens)
         check(self.max_num_batched_tokens >= self.max_num_seqs, owner, "max_num_batched_tokens",
