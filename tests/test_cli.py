@@ -1,5 +1,6 @@
 """``blink generate``: one prompt through an in-process engine, against transformers' greedy continuation. (``blink
 serve``, ``blink engine`` and ``blink agent`` run end to end in tests/nic/openai/test_server.py.)"""
+import socket
 import subprocess
 import sys
 
@@ -75,9 +76,27 @@ def test_cuda_graph_sizes_are_the_schedulers_buckets():
         _engine_config(_parser().parse_args(["generate", "hi", "--cuda-graph-sizes", "8", "4", "2048"]), "model")
 
 
-def test_a_bad_agent_option_is_refused_before_an_engine_starts():
-    done = subprocess.run([sys.executable, "-m", "blink.cli", "serve", "--standin", "--poll-interval", "2"],
+@pytest.mark.parametrize("option,code,message", [
+    (["--poll-interval", "2"], 1, "poll_interval_s must be in [0, 1] seconds (got 2.0)"),
+    (["--port", "70000"], 1, "--port must be in 0..65535, 0 for any free port (got 70000)"),
+    (["--liveness-timeout", "nan"], 1, "the liveness timeout must be > 0 seconds (got nan)"),
+    (["--drain-timeout", "-1"], 1, "the drain timeout must be a finite number of seconds >= 0 (got -1.0)"),
+    (["--standin-step-ms", "-1"], 1, "the stand-in's step time must be in [0, 1] seconds (got -0.001)"),
+    (["--cpus", "0-999999999"], 2, "core numbers are below 8192 (got '0-999999999')"),
+])
+def test_a_bad_agent_option_is_refused_before_an_engine_starts(option, code, message):
+    done = subprocess.run([sys.executable, "-m", "blink.cli", "serve", "--standin", *option],
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1
-    assert "poll_interval_s must be in [0, 1] seconds (got 2.0)" in done.stderr
-    assert "engine" not in done.stderr, "no engine was started"
+    assert done.returncode == code and message in done.stderr, done.stderr
+    assert "engine" not in done.stderr and "Traceback" not in done.stderr, "no engine was started"
+
+
+def test_a_port_in_use_is_one_line_not_a_traceback():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "blink.cli", "serve", "--standin", "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"blink serve: cannot listen on 127.0.0.1:{port}: " in done.stderr

@@ -27,7 +27,7 @@ def serve(args) -> int:
     from blink.process import engine_process, split_cores
     from blink.ring.reference import standin_engine
 
-    loop = _loop_config(args)       # checked before the engine starts
+    configs = _agent_configs(args)      # checked before the engine starts
     model_dir = _model_dir(args.model_path or args.model)
     tokenizer = _tokenizer(args, model_dir)
     if args.standin:
@@ -41,7 +41,7 @@ def serve(args) -> int:
     else:
         engine = engine_process(_engine_config(args, model_dir, ring_name=_ring_name()))
     with engine as (memory, process), split_cores(process, args.cpus, args.reserve_agent_cores) as cores:
-        return _serve_http(args, loop, memory, tokenizer, model_dir, process, cores)
+        return _serve_http(args, configs, memory, tokenizer, model_dir, process, cores)
 
 
 def engine(args) -> int:
@@ -76,16 +76,23 @@ def agent(args) -> int:
     or CUDA IPC) and serve HTTP on it."""
     from blink.process import split_cores
 
-    loop = _loop_config(args)
+    configs = _agent_configs(args)
     model_dir = _model_dir(args.model)
     with _agent_ring(args) as memory, split_cores(None, args.cpus, args.reserve_agent_cores) as cores:
-        return _serve_http(args, loop, memory, _tokenizer(args, model_dir), model_dir, None, cores)
+        return _serve_http(args, configs, memory, _tokenizer(args, model_dir), model_dir, None, cores)
 
 
-def _loop_config(args):
+def _agent_configs(args):
+    """The agent's loop and drain configs, every HTTP option checked: before an engine starts loading a model."""
     from blink.nic.agent_loop import LoopConfig
+    from blink.nic.drain import DrainConfig
+    from blink.nic.liveness import Liveness
 
-    return LoopConfig(max_queued=args.max_queued, poll_interval_s=args.poll_interval)
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, 0 for any free port (got {args.port})")
+    Liveness(args.liveness_timeout)             # raises on a bad --liveness-timeout, as the agent would
+    return (LoopConfig(max_queued=args.max_queued, poll_interval_s=args.poll_interval),
+            DrainConfig(timeout_s=args.drain_timeout))
 
 
 def _agent_ring(args):
@@ -111,14 +118,11 @@ def _rdma_options(parser) -> None:
                         help="GID table entry (show_gids; a RoCE v2 entry with the interface's address)")
 
 
-def _serve_http(args, loop, memory, tokenizer, model_dir, engine_process, cores) -> int:
+def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cores) -> int:
     """The HTTP agent on ``memory``'s ring until Ctrl-C / SIGTERM (exit 0) or until its engine is gone (exit 1: the
     engine is not restarted here; a supervisor restarts the whole server)."""
-    from pathlib import Path
-
     from blink.nic.agent import Agent
     from blink.nic.defaults import sampling_defaults
-    from blink.nic.drain import DrainConfig
     from blink.nic.openai.server import OpenAIServer, ServerConfig, run
     from blink.priority import helper_priority, pin, set_priority
     from blink.process import engine_watch
@@ -127,10 +131,11 @@ def _serve_http(args, loop, memory, tokenizer, model_dir, engine_process, cores)
     if cores:
         pin(cores, named=bool(args.cpus))       # keep the agent off the engine's cores
     agent = Agent.attach(memory, liveness_timeout_s=args.liveness_timeout)
-    config = ServerConfig(model_name=args.served_model_name or Path(model_dir).name, loop=loop,
+    loop, drain = configs
+    config = ServerConfig(model_name=args.served_model_name or os.path.basename(model_dir), loop=loop,
                           api_key=args.api_key or os.environ.get("BLINK_API_KEY") or None,
-                          defaults=sampling_defaults(model_dir, args.generation_config),
-                          drain=DrainConfig(timeout_s=args.drain_timeout), thread_start=helper_priority)
+                          defaults=sampling_defaults(model_dir, args.generation_config), drain=drain,
+                          thread_start=helper_priority)
     # Listening while the engine starts: /livez 200, /readyz 503 "starting" (docs/deploy.md).
     server = OpenAIServer(agent, tokenizer, config, engine_gone=engine_watch(agent, engine_process))
     return run(server, args.host, args.port)
@@ -324,16 +329,11 @@ def _parser() -> argparse.ArgumentParser:
     try:
         from blink.bench.serve import add_parsers
     except ImportError as e:            # the bench extra is not installed
-        missing = e.name
-        bench_cmd.set_defaults(run=lambda args: _no_bench(missing))
+        message = f"blink bench needs the bench extra ({e.name} is missing): pip install 'blink[bench]'"
+        bench_cmd.set_defaults(run=lambda args: print(message, file=sys.stderr) or 1)
     else:
         add_parsers(bench_sub)
     return parser
-
-
-def _no_bench(missing: str) -> int:
-    print(f"blink bench needs the bench extra ({missing} is missing): pip install 'blink[bench]'", file=sys.stderr)
-    return 1
 
 
 def main(argv=None) -> int:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 log = logging.getLogger("blink")
 CLAIM_DIR = "/dev/shm/blink-cores"
+MAX_CORES = 8192        # the largest CONFIG_NR_CPUS Linux builds with
 SAMPLE_S = 0.2          # how long the cores' busy time is watched before the agent's is chosen
 
 
@@ -60,6 +61,8 @@ def parse_cpu_list(text: str) -> list[int]:
         first, dash, last = part.partition("-")
         if not first.isdigit() or dash and not last.isdigit() or dash and int(last) < int(first):
             raise ValueError(f"a core list is core numbers and ranges, e.g. 2,3 or 0-13,15 (got {text!r})")
+        if int(last or first) >= MAX_CORES:     # a typo must not build a set of 10**9 cores
+            raise ValueError(f"core numbers are below {MAX_CORES} (got {text!r})")
         cores.update(range(int(first), int(last or first) + 1))
     return sorted(cores)
 

@@ -73,9 +73,7 @@ class ReferenceConsumer:
                  vocab_size: int = STANDIN_VOCAB, step_s: float = 0.0):
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1 (got {max_running})")
-        if not 0 <= step_s <= 1:
-            raise ValueError(f"step_s must be in [0, 1] seconds (got {step_s!r})")
-        self.step_s = step_s
+        self.step_s = check_step_s(step_s)
         self.view = view
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_running = max_running
@@ -214,6 +212,13 @@ def serve_shared_ring(name: str, geometry: RingGeometry, parent: int, **consumer
         consumer.run(orphaned=lambda: os.getppid() != parent)
 
 
+def check_step_s(step_s: float) -> float:
+    """``step_s`` if it is a stand-in step time the consumer takes, else ``ValueError``."""
+    if not 0 <= step_s <= 1:
+        raise ValueError(f"the stand-in's step time must be in [0, 1] seconds (got {step_s!r})")
+    return step_s
+
+
 @contextmanager
 def standin_engine(geometry: RingGeometry, **consumer_options):
     """A fresh shared-memory ring, served from another process by the reference consumer and its stand-in model.
@@ -223,6 +228,7 @@ def standin_engine(geometry: RingGeometry, **consumer_options):
     """
     from blink.ring.transport import SharedMemory
 
+    check_step_s(consumer_options.get("step_s", 0.0))     # here, not in the consumer's process
     layout = RingLayout(geometry)
     name = f"blink-{os.getpid()}-standin-{next(_standin_numbers)}-{uuid.uuid4().hex[:8]}"    # never a stale ring's
     with SharedMemory.create(name, layout.size) as memory:

@@ -219,8 +219,13 @@ async def start(server: OpenAIServer, host: str, port: int) -> Listening:
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None,
                            keepalive_timeout=limits.keepalive_timeout_s, shutdown_timeout=ABORT_GRACE_S)
     await runner.setup()
-    listener = await asyncio.get_running_loop().create_server(lambda: server.guard.protocol(runner.server()),
-                                                              host, port)
+    try:
+        listener = await asyncio.get_running_loop().create_server(lambda: server.guard.protocol(runner.server()),
+                                                                  host, port)
+    except OSError as e:        # a port in use, an address this host does not have: the operator's to change
+        await runner.cleanup()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}: choose another --host or --port") \
+            from None
     return Listening(runner, listener)
 
 
