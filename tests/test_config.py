@@ -61,6 +61,9 @@ def test_policies_load_from_functions_and_import_paths():
     assert hasattr(plain, "py_func")
     for bad, message in [("blink.device.policy", "must look like 'package.module:function'"),
                          ("no_such_module_here:f", "cannot import the policy module"),
-                         ("blink.device.policy:nothing", "has no 'nothing'")]:
+                         ("blink.device.policy:nothing", "has no 'nothing'"),
+                         ("os:getcwd", "must be a function of the request's arrival_ns, prompt_len, max_tokens, "
+                                       "priority, request_id"),
+                         (lambda a: a, "must be a function of the request's")]:
         with pytest.raises(ValueError, match=message):
             load_policy(bad)

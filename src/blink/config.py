@@ -7,6 +7,7 @@ policy a device function or its import path, so a Python-authored policy reaches
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -142,11 +143,16 @@ def load_policy(policy):
     come after the engine chose the simulator's mode (``backends.select_device``).
     """
     from blink.device.numba_compat import cuda
+    from blink.device.policy import ARGUMENTS, fcfs
 
     if policy is None:
-        from blink.device.policy import fcfs
         return fcfs
     function = _import_policy(policy) if isinstance(policy, str) else policy
+    python = getattr(function, "py_func", function)
+    # Checked here: a wrong signature would otherwise fail inside the engine at its first request.
+    if not inspect.isfunction(python) or len(inspect.signature(python).parameters) != len(ARGUMENTS):
+        raise ValueError(f"the policy {policy!r} must be a function of the request's {', '.join(ARGUMENTS)} that "
+                         "returns its key (docs/scheduler.md, \"Writing a policy\")")
     return function if hasattr(function, "py_func") else cuda.jit(device=True)(function)
 
 

@@ -17,6 +17,9 @@ from numba import int64
 from blink.device.numba_compat import cuda
 
 
+ARGUMENTS = ("arrival_ns", "prompt_len", "max_tokens", "priority", "request_id")    # a policy's, in this order
+
+
 @cuda.jit(device=True)
 def fcfs(arrival_ns, prompt_len, max_tokens, priority, request_id):
     """First come, first served: by the agent's arrival timestamp (the default, as in vLLM)."""
