@@ -27,6 +27,13 @@ def test_sampling_params_validation_names_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+def test_a_huge_value_is_cut_short_in_the_message():
+    with pytest.raises(ValueError) as refused:
+        SamplingParams(top_k=10**4000)
+    message = str(refused.value)
+    assert message.startswith("SamplingParams.top_k must be") and message.endswith(f"(got {'1' + '0' * 76}...)")
+
+
 @pytest.mark.parametrize("temperature", [1e-39, 1e-38, 1e-20, GREEDY_BELOW / 2])
 def test_temperatures_below_the_floor_are_greedy(temperature):
     """Regression (denormal temperatures gave wrong tokens): below GREEDY_BELOW a request is greedy."""

@@ -24,9 +24,15 @@ GREEDY_BELOW = 1e-5
 PENALTY_LIMIT = 2      # presence and frequency penalties lie in [-PENALTY_LIMIT, PENALTY_LIMIT] (OpenAI's)
 
 
+def shown(value) -> str:
+    """``repr(value)`` for an error message, cut to 80 characters (a JSON integer may have thousands of digits)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _check(ok: bool, field: str, rule: str, value) -> None:
     if not ok:
-        raise RequestError(field, f"SamplingParams.{field} must be {rule} (got {value!r})")
+        raise RequestError(field, f"SamplingParams.{field} must be {rule} (got {shown(value)})")
 
 
 def _is_int(value) -> bool:
@@ -146,10 +152,10 @@ def _fits(dtype: np.dtype, name: str, value):
     if dtype.kind in "iu":
         if not _is_int(value) or not low <= value <= high:
             raise RequestError(name, f"request field '{name}' must be an int in [{low}, {high}] to fit the "
-                                     f"ring header's {dtype.name} (got {value!r})")
+                                     f"ring header's {dtype.name} (got {shown(value)})")
         return value
     if not _is_number(value):
-        raise RequestError(name, f"request field '{name}' must be a number (got {value!r})")
+        raise RequestError(name, f"request field '{name}' must be a number (got {shown(value)})")
     if low <= value <= high:
         return value
     # Beyond the largest finite value (or NaN, infinite): it may still round down to it; convert to find out.
@@ -157,5 +163,5 @@ def _fits(dtype: np.dtype, name: str, value):
         stored = float(np.asarray(value, dtype))
     if not math.isfinite(stored):
         raise RequestError(name, f"request field '{name}' must be a finite number that fits the ring header's "
-                                 f"{dtype.name} (got {value!r})")
+                                 f"{dtype.name} (got {shown(value)})")
     return value

@@ -14,7 +14,7 @@ from blink.nic.agent import Agent
 from blink.nic.defaults import SamplingDefaults
 from blink.nic.openai.errors import ApiError
 from blink.nic.text import Tokenizer, max_tokens_for
-from blink.ring.request import PENALTY_LIMIT, SamplingParams
+from blink.ring.request import PENALTY_LIMIT, SamplingParams, shown
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # the OpenAI API's default for /v1/completions; chat defaults to the room left
 MAX_CHOICES = 16                      # n: choices per request, each its own ring request
@@ -75,18 +75,13 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _show(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _field(body: dict, name: str, kinds: tuple, rule: str, default=None, ok=lambda v: True):
     """``body[name]`` checked to be one of ``kinds`` (bool only if listed) and ``ok``; ``default`` if absent/null."""
     value = body.get(name)
     if value is None:
         return default
     if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds) or not ok(value):
-        raise ApiError(400, f"'{name}' must be {rule} (got {_show(value)})", param=name)
+        raise ApiError(400, f"'{name}' must be {rule} (got {shown(value)})", param=name)
     return value
 
 
@@ -141,7 +136,7 @@ class Parser:
         for name, neutral in UNSUPPORTED.items():
             value = body.get(name)
             if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
-                raise ApiError(400, f"'{name}' is not supported by this server (got {_show(body[name])}): "
+                raise ApiError(400, f"'{name}' is not supported by this server (got {shown(body[name])}): "
                                     "leave it out", param=name)
         n = _field(body, "n", (int,), f"an integer in [1, {MAX_CHOICES}]", 1, lambda v: 1 <= v <= MAX_CHOICES)
         if len(prompt) > self.max_prompt:
@@ -204,7 +199,7 @@ class Parser:
     def _check_model(self, body: dict) -> None:
         model = _field(body, "model", (str,), "a string", self.model_name)
         if model != self.model_name:
-            raise ApiError(404, f"the model {_show(model)} does not exist: this server serves "
+            raise ApiError(404, f"the model {shown(model)} does not exist: this server serves "
                                 f"{self.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
 
     def _stop(self, body: dict) -> tuple[str, ...]:
@@ -234,14 +229,14 @@ class Parser:
             ids = prompt
         else:
             raise ApiError(400, f"'prompt' must be {rule}, with token ids in [0, {self.tokenizer.vocab_size}) "
-                                f"(got {_show(prompt)})", param="prompt")
+                                f"(got {shown(prompt)})", param="prompt")
         if not ids:
             raise ApiError(400, "the prompt is empty: send at least one token", param="prompt")
         return ids
 
     def _messages(self, messages) -> list[dict]:
         if not isinstance(messages, list) or not messages:
-            raise ApiError(400, f"'messages' must be a non-empty list of messages (got {_show(messages)})",
+            raise ApiError(400, f"'messages' must be a non-empty list of messages (got {shown(messages)})",
                            param="messages")
         if len(messages) > self.max_prompt:     # refused before the template renders them all: each takes a token
             raise ApiError(400, f"'messages' has {len(messages)} messages, but every message takes at least one of the "
@@ -261,7 +256,7 @@ class Parser:
         param = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
             raise ApiError(400, f"'{param}' must be an object with a 'role' in {list(CHAT_ROLES)} "
-                                f"(got {_show(message)})", param=param)
+                                f"(got {shown(message)})", param=param)
         content = message.get("content")
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                              and isinstance(p.get("text"), str) for p in content):
@@ -269,7 +264,7 @@ class Parser:
         if not isinstance(content, str):
             raise ApiError(400, f"'{param}.content' must be a string or a list of text parts "
                                 f"({{\"type\": \"text\", \"text\": ...}}); only text is supported "
-                                f"(got {_show(content)})", param=f"{param}.content")
+                                f"(got {shown(content)})", param=f"{param}.content")
         return {"role": message["role"], "content": _text(content, f"{param}.content")}
 
 
