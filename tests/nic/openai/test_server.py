@@ -539,8 +539,9 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(standin_ser
 
 def test_wrong_method_is_a_json_405(standin_served):
     served = standin_served
-    status, _, body = raw_request(served.port, "/v1/completions", b"", "GET")
+    status, headers, body = raw_request(served.port, "/v1/completions", b"", "GET")
     assert status == 405 and "Method Not Allowed" in json.loads(body)["error"]["message"]
+    assert headers["Allow"] == "POST"
 
 
 json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False,

@@ -105,7 +105,10 @@ class OpenAIServer:
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            return ApiError(e.status, f"{e.reason}: {request.method} {request.path}").response()
+            response = ApiError(e.status, f"{e.reason}: {request.method} {request.path}").response()
+            if "Allow" in e.headers:        # a 405 says which methods the path takes
+                response.headers["Allow"] = e.headers["Allow"]
+            return response
         except Exception:
             log.exception("unexpected error serving %s %s", request.method, request.path)
             return ApiError(500, "internal server error (see the server log)").response()
