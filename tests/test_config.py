@@ -16,7 +16,9 @@ from blink.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, SchedulerConfig, l
     ("gpu_memory_utilization", 1, r"a float in \(0, 1\]"), ("cpu_kv_cache_gib", 0, "a finite number > 0"),
     ("cpu_kv_cache_gib", True, "a finite number > 0"), ("cpu_kv_cache_gib", float("inf"), "a finite number > 0"),
     ("logprobs", 1, "a bool"), ("ring_name", "a/b", "None .an in-process"),
-    ("ring_name", "", "None .an in-process"), ("tensor_parallel_size", 0, r"an int in 1\.\.64"),
+    ("ring_name", "", "None .an in-process"), ("ring_name", "..", "None .an in-process"),
+    ("ring_name", "a\x00b", "None .an in-process"), ("ring_name", "r" * 256, "None .an in-process"),
+    ("tensor_parallel_size", 0, r"an int in 1\.\.64"),
     ("tensor_parallel_size", 2.0, r"an int in 1\.\.64"), ("tensor_parallel_size", True, r"an int in 1\.\.64"),
     ("request_side", "gpu", r"one of \('host', 'device'\)"),
 ])
