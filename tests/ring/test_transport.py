@@ -83,3 +83,12 @@ def test_shared_memory_errors_name_the_problem():
     with pytest.raises(ValueError, match="size"):
         LocalMemory(0)
 
+
+def test_a_ring_larger_than_the_room_in_dev_shm_is_refused_before_it_is_created():
+    stat = os.statvfs(SharedMemory.SHM_DIR)
+    free = stat.f_bavail * stat.f_frsize
+    name = _shm_name()
+    with pytest.raises(ValueError, match=rf"the ring takes .* MiB but {SharedMemory.SHM_DIR} has .* MiB free"):
+        SharedMemory.create(name, free + 2**30)
+    assert not os.path.exists(os.path.join(SharedMemory.SHM_DIR, name))
+

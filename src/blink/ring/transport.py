@@ -84,6 +84,17 @@ class LocalMemory(_MappedMemory):
         self._unmap()
 
 
+def _check_room(directory: str, size: int) -> None:
+    """``ValueError`` if ``directory``'s filesystem cannot hold ``size`` bytes: the ring's file is sparse, so it would
+    be created, and the first write to a page beyond the room would kill the process (SIGBUS) under load."""
+    stat = os.statvfs(directory)
+    free = stat.f_bavail * stat.f_frsize
+    if size > free:
+        raise ValueError(f"the ring takes {size / 2**20:.1f} MiB but {directory} has {free / 2**20:.1f} MiB free: give "
+                         "it fewer slots or shorter sequences (--slots, --max-model-len), or a larger "
+                         f"{directory} (docker run --shm-size)")
+
+
 class SharedMemory(_MappedMemory):
     """A POSIX shared-memory region (``/dev/shm/<name>``) that another process opens by name.
 
@@ -103,6 +114,7 @@ class SharedMemory(_MappedMemory):
         if create:
             if size is None or size < 1:
                 raise ValueError(f"SharedMemory size must be >= 1 byte when creating (got {size})")
+            _check_room(self.SHM_DIR, size)
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             except FileExistsError:
