@@ -2,6 +2,7 @@
 another blink server claims; claims die with their process; the choice is said in one line."""
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -150,8 +151,13 @@ def test_two_blink_serve_on_one_host_pin_their_agents_to_different_cores():
                     break
             wait_until(lambda: os.sched_getaffinity(servers[-1].pid) == {int(lines[-1].split()[4])})
         cores = [int(line.split()[4]) for line in lines]
-        assert len(cores) == 2 and cores[0] != cores[1], lines
         assert f"claimed by other blink servers: core {cores[0]} (pid {servers[0].pid})" in lines[1]
+        # Servers of other tests running beside this one (pytest -n) may hold cores too.
+        claims = {int(core): int(pid) for core, pid in re.findall(r"core (\d+) \(pid (\d+)\)", lines[1])}
+        foreign = {core for core, pid in claims.items() if pid != servers[0].pid}
+        if not os.sched_getaffinity(0) - foreign - {cores[0]}:
+            pytest.skip(f"other blink servers held every core but the first's: {lines[1]}")
+        assert cores[0] != cores[1], lines
     finally:
         for server in servers:
             server.send_signal(signal.SIGINT)
