@@ -136,6 +136,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.serial
 @several_cores
 def test_two_blink_serve_on_one_host_pin_their_agents_to_different_cores():
     """End to end: the second server sees the first's claim in /dev/shm, and each agent runs where it said."""
@@ -152,7 +153,7 @@ def test_two_blink_serve_on_one_host_pin_their_agents_to_different_cores():
             wait_until(lambda: os.sched_getaffinity(servers[-1].pid) == {int(lines[-1].split()[4])})
         cores = [int(line.split()[4]) for line in lines]
         assert f"claimed by other blink servers: core {cores[0]} (pid {servers[0].pid})" in lines[1]
-        # Servers of other tests running beside this one (pytest -n) may hold cores too.
+        # Servers of other tests run beside this one (pytest -n without -m serial) may hold cores too.
         claims = {int(core): int(pid) for core, pid in re.findall(r"core (\d+) \(pid (\d+)\)", lines[1])}
         foreign = {core for core, pid in claims.items() if pid != servers[0].pid}
         if not os.sched_getaffinity(0) - foreign - {cores[0]}:
