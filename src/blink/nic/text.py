@@ -189,11 +189,12 @@ class TextStream:
         return 0
 
 
-def max_tokens_for(requested: int | None, prompt_len: int, context_len: int, output_capacity: int) -> int:
+def max_tokens_for(requested: int | None, prompt_len: int, context_len: int, output_capacity: int,
+                   field: str = "max_tokens") -> int:
     """The request's max_tokens: ``requested``, or all the room the context leaves when it is None.
 
-    The room is ``min(context_len - prompt_len, output_capacity)``; ``ValueError`` (saying what to change) if the
-    prompt leaves none or ``requested`` asks for more.
+    The room is ``min(context_len - prompt_len, output_capacity)``; ``ValueError`` (saying what to change, ``field``
+    naming what the client sent) if the prompt leaves none or ``requested`` asks for more.
     """
     room = min(context_len - prompt_len, output_capacity)
     if room < 1:
@@ -202,9 +203,9 @@ def max_tokens_for(requested: int | None, prompt_len: int, context_len: int, out
     if requested is None:
         return room
     if requested > room:
-        raise ValueError(f"max_tokens={requested} is too large: the prompt has {prompt_len} tokens, the engine's "
+        raise ValueError(f"{field}={requested} is too large: the prompt has {prompt_len} tokens, the engine's "
                          f"max_model_len is {context_len} and a request may generate at most {output_capacity}, so at "
-                         f"most {room} tokens fit: lower max_tokens or shorten the prompt")
+                         f"most {room} tokens fit: lower {field} or shorten the prompt")
     return requested
 
 

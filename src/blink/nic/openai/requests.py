@@ -161,10 +161,10 @@ class Parser:
                   logprobs: bool) -> SamplingParams:
         requested = _field(body, max_tokens_field, (int,), "an integer >= 1", None, lambda v: v >= 1)
         try:
-            room = max_tokens_for(requested, prompt_len, self.context_len, self.geometry.max_output_tokens)
+            room = max_tokens_for(requested, prompt_len, self.context_len, self.geometry.max_output_tokens,
+                                  max_tokens_field)
         except ValueError as e:
-            raise ApiError(400, str(e).replace("max_tokens", max_tokens_field), param=max_tokens_field,
-                           code="context_length_exceeded") from None
+            raise ApiError(400, str(e), param=max_tokens_field, code="context_length_exceeded") from None
         if requested is None and default_max is not None:
             room = min(room, default_max)
         vocab = self.tokenizer.vocab_size
