@@ -15,6 +15,7 @@ from blink.device.config import MAX_BLOCK_THREADS, SchedulerConfig, check, is_in
 from blink.ring.geometry import RingGeometry
 from blink.ring.request import SamplingParams
 from blink.ring.split import REQUEST_SIDES
+from blink.ring.transport import SHM_NAME_RULE, is_shm_name
 
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
@@ -102,9 +103,8 @@ class EngineConfig:
         check(isinstance(g, (int, float)) and not isinstance(g, bool) and 0 < g < math.inf, owner,
               "cpu_kv_cache_gib", "a finite number > 0", g)
         check(isinstance(self.logprobs, bool), owner, "logprobs", "a bool", self.logprobs)
-        check(self.ring_name is None or _is_file_name(self.ring_name), owner, "ring_name",
-              "None (an in-process ring) or a shared-memory name: a file name in /dev/shm, without '/' or NUL, "
-              "at most 255 bytes, not '.' or '..'", self.ring_name)
+        check(self.ring_name is None or is_shm_name(self.ring_name), owner, "ring_name",
+              f"None (an in-process ring) or a shared-memory name: {SHM_NAME_RULE}", self.ring_name)
 
     def max_model_len(self, context_len: int) -> int:
         """A sequence's positions for a model of ``context_len``; ``ValueError`` saying what to change."""
@@ -134,12 +134,6 @@ class EngineConfig:
     def policy_function(self):
         """The admission policy as a numba device function (``blink.device.policy.fcfs`` when None)."""
         return load_policy(self.policy)
-
-
-def _is_file_name(name) -> bool:
-    """One file name the kernel takes (NAME_MAX 255 bytes)."""
-    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\x00" not in name
-            and len(name.encode("utf-8", "surrogateescape")) <= 255)
 
 
 def load_policy(policy):

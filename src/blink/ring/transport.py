@@ -84,6 +84,15 @@ class LocalMemory(_MappedMemory):
         self._unmap()
 
 
+SHM_NAME_RULE = "a file name in /dev/shm: not empty, '.' or '..', without '/' or NUL, at most 255 bytes"
+
+
+def is_shm_name(name) -> bool:
+    """Whether ``name`` is one file name the kernel takes (NAME_MAX: 255 bytes): ``SHM_NAME_RULE``."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\x00" not in name
+            and len(name.encode("utf-8", "surrogateescape")) <= 255)
+
+
 def _check_room(directory: str, size: int) -> None:
     """``ValueError`` if ``directory``'s filesystem cannot hold ``size`` bytes: the ring's file is sparse, so it would
     be created, and the first write to a page beyond the room would kill the process (SIGBUS) under load."""
@@ -106,8 +115,8 @@ class SharedMemory(_MappedMemory):
     SHM_DIR = "/dev/shm"
 
     def __init__(self, name: str, size: int | None = None, *, create: bool = False):
-        if not name or "/" in name:
-            raise ValueError(f"SharedMemory name must be a non-empty file name without '/' (got {name!r})")
+        if not is_shm_name(name):
+            raise ValueError(f"SharedMemory name must be {SHM_NAME_RULE} (got {name!r})")
         self.name = name
         self.path = os.path.join(self.SHM_DIR, name)
         self._owner = create
