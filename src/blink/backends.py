@@ -111,13 +111,12 @@ class CpuBackend:
         page_size = config.scheduler.page_size
         page_bytes = pool_page_bytes(model, page_size)
         num_pages = config.scheduler.num_pages or int(config.cpu_kv_cache_gib * 2**30 // page_bytes)
-        self.config = scheduler_config(config, max_model_len, num_pages, eos_token_ids,
-                                       _budget(config, "cpu_kv_cache_gib"))
+        budget = _budget(config, "cpu_kv_cache_gib")
+        self.config = scheduler_config(config, max_model_len, num_pages, eos_token_ids, budget)
         host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if num_pages * page_bytes > host_bytes:
             raise ValueError(f"a KV cache of {num_pages} pages takes {num_pages * page_bytes / 2**30:.1f} GiB, more "
-                             f"than this host's {host_bytes / 2**30:.1f} GiB of memory: lower "
-                             f"{_budget(config, 'cpu_kv_cache_gib')}")
+                             f"than this host's {host_bytes / 2**30:.1f} GiB of memory: lower {budget}")
         self.model = model
         self.kv = model.allocate_kv_cache(num_pages, page_size)
         _log_pool(num_pages, page_size, page_bytes)
