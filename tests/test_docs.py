@@ -1,4 +1,4 @@
-"""Every shell and Python snippet of README.md and docs/*.md runs here, as written, so none can rot.
+"""Every shell and Python snippet of README.md, docs/*.md and docs/benchmarks/*.md runs here, as written: none rots.
 
 A fenced ``python`` or ``bash`` block is preceded by a comment saying how it runs: ``<!-- snippet: run -->``
 (executed: Python with ``python -c``, shell with ``bash -e``), ``<!-- snippet: server -->`` (executed while
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "benchmarks").glob("*.md"))]
 BLOCK = re.compile(r"(?:<!-- snippet: (?P<kind>[\w]+)(?: (?P<arg>[^-]+?))? -->\n[ \t]*)?```(?P<lang>python|bash|sh)\n"
                    r"(?P<code>.*?)\n[ \t]*```", re.S)
 KINDS = ("run", "server", "daemon", "ci", "gpu", "host")
