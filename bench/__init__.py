@@ -4,7 +4,7 @@
 Every script runs from the repository root as a module, ``PYTHONPATH=src python -m bench.NAME``, so that one
 script imports another's helpers as ``bench.gpu_timing`` instead of finding them through its own directory.
 Raw results: ``bench/results/`` (the latest of each benchmark; older ones in git history); what they say:
-``docs/benchmarks.md``.
+``docs/benchmarks.md`` (the results page) and ``docs/benchmarks/`` (a page per study).
 """
 
 import os

@@ -21,11 +21,11 @@ also prints its memory plan against what it allocated.
 Run: ``PYTHONPATH=src python3 -m bench.model_bench [--models llama-3-8b ...] [--profile 1,1024 prefill] [--out F]``
 (writes ``$OUT/model_bench.json`` when ``$OUT`` is set). ``--profile B,CTX`` runs only the decode step at batch B and
 context CTX (``prefill``: the prefill step), timed and then broken down per kernel: GPU time per step and the time
-no kernel runs. Profiles run in a process of their own because graph replays after a CUPTI profile in the same
-process are slower (docs/benchmarks.md). ``--power`` adds each decode step's and the prefill's board power (NVML),
-the step replayed back to back from the host for 3 s (before any profile), and its joules per step and per token:
-the kernels' own watts, to set beside a server's; and the same for the weight GEMMs alone (cuBLAS, at batches 1, 16,
-64, 256), so that the step's energy splits into its GEMMs' and the rest's.
+no kernel runs. Profiles run in a process of their own because graph replays after a CUPTI profile in the same process
+are slower (docs/benchmarks/models.md, "Two corrections"). ``--power`` adds each decode step's and the prefill's board
+power (NVML), the step replayed back to back from the host for 3 s (before any profile), and its joules per step and per
+token: the kernels' own watts, to set beside a server's; and the same for the weight GEMMs alone (cuBLAS, at batches 1,
+16, 64, 256), so that the step's energy splits into its GEMMs' and the rest's.
 Correctness of what is timed: ``tests/models`` (``-m gpu`` on the GPU).
 """
 from __future__ import annotations

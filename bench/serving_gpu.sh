@@ -34,7 +34,7 @@ SERVE_CPUS=${SERVE_CPUS:-}
 CLIENT_PRIORITY=${CLIENT_PRIORITY:-normal} VLLM_PROMPTS=${VLLM_PROMPTS:-0} WARMUPS=${WARMUPS:-0}
 mkdir -p "$OUT"
 # The GPU machine has no network: if its image lacks nvidia-ml-py (energy) or matplotlib (plots), install them from
-# wheels/ (downloaded on a networked machine, see docs/benchmarks.md); without them energy is reported unavailable.
+# wheels/ (downloaded on a networked machine, see docs/benchmarks/suite.md); without them energy is reported unavailable.
 python -c "import pynvml, matplotlib" 2>/dev/null \
   || python -m pip install -q --no-index --find-links wheels nvidia-ml-py matplotlib \
   || echo "serving: nvidia-ml-py / matplotlib missing and no wheels/ to install them from"

@@ -2,5 +2,5 @@
 answers on the H200, and is kept so the answer can be re-measured; none of them is a kernel blink runs.
 
 Run one from the repository root as ``PYTHONPATH=src python -m bench.experiments.NAME``, or on the H200 as
-``bash bench/gpu_suite.sh experiment:NAME``; the verdicts are in ``docs/benchmarks.md``, "Experiments".
+``bash bench/gpu_suite.sh experiment:NAME``; the verdicts are in ``docs/benchmarks/experiments.md``.
 """

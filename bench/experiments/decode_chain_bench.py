@@ -3,7 +3,7 @@ folding the RMSNorm before each GEMM into its operand loads remove the norm kern
 PDL launches still instantiate for device launch? An experiment for issue 4, not a step kernel.
 
 The B=1 decode step is ~400 dependent kernels: small GEMMs at 1.4-1.8x their weight bytes' floor, 65 RMSNorm and
-32 SiLU-mul kernels of 1.5-2.4 us, ~160 us per step in gaps (profiles in docs/benchmarks.md). Here ``CALLS``
+32 SiLU-mul kernels of 1.5-2.4 us, ~160 us per step in gaps (profiles in docs/benchmarks/models.md). Here ``CALLS``
 chained steps ``x_(i+1) = x_i @ W_i.T`` (square, each W its own copy, bf16 out), with the norm
 ``x_(i+1) = rms_norm(x_i) @ W_i.T``, or gated ``x_(i+1) = silu(x_0 @ W_i.T) * (x_0 @ U_i.T)`` (the MLP's gate_up
 and SiLU-mul, each step from the first x as a chain of them decays to zero; its floor is twice the others'), are
@@ -26,8 +26,8 @@ captured in one CUDA graph and timed per step, as:
 Each variant is first checked against float64 (relative error < 1e-2). Then the ``pdl`` chain's raw graph is
 instantiated with ``cudaGraphInstantiateFlagDeviceLaunch`` (as blink's step graphs are) and uploaded; the result
 (ok or the CUDA error) is printed. Results of every variant: ``bench/results/decode_chain_bench_h200_a4e792e.json``
-(table and reading in docs/benchmarks.md, "Experiments": no folded norm beats the norm kernel + GEMM; the gated
-kernel gains 1-2 us a call); its History names the earlier runs' files, the first of them (PDL variants only) as
+(table and reading in docs/benchmarks/experiments.md: no folded norm beats the norm kernel + GEMM; the gated
+kernel gains 1-2 us a call); it names the earlier runs' files too, the first of them (PDL variants only) as
 ``bench/pdl_bench.py``.
 Run: ``PYTHONPATH=src python3 -m bench.experiments.decode_chain_bench [--out decode_chain_bench.json]``
 (``$OUT/...`` when ``$OUT`` is set).

@@ -1,7 +1,7 @@
 """Can a Triton kernel stream decode-sized weight GEMMs at cuBLAS's rate on the H200? An experiment, not a kernel of
 the step: the fused decode kernels issue 4 needs (input RMSNorm into the qkv GEMM, SiLU-mul into the down GEMM) are
 only worth writing if their GEMM part keeps up with cuBLAS, which runs the big decode GEMMs at 1.01-1.05x the weight
-bytes' floor but the small ones (qkv, o_proj) at 1.34-1.39x (profile of 01bbbfc, docs/benchmarks.md).
+bytes' floor but the small ones (qkv, o_proj) at 1.34-1.39x (profile of 01bbbfc, docs/benchmarks/models.md).
 
 For Llama-3-8B's four weight shapes (qkv 6144x4096, o_proj 4096x4096, gate_up 28672x4096, down 4096x14336) at
 M = 1, 4 and 16 rows: ``torch.nn.functional.linear`` (cuBLAS) against ``skinny_linear`` at every launch shape of

@@ -1,5 +1,5 @@
 """Can an L2 prefetch hide a decode GEMM's weight stream behind kernels that leave HBM idle? An experiment, not a
-kernel of the step (docs/benchmarks.md has the verdict: in the model step it did not pay).
+kernel of the step (docs/benchmarks/experiments.md has the verdict: in the model step it did not pay).
 
 Between a decode step's GEMMs run kernels that barely touch memory (RoPE, attention over a short context, the
 split-KV combine, RMSNorm). The idea: fork a side branch before such a window that prefetches the next GEMM's weight

@@ -2,8 +2,8 @@
 the step. The sampler takes each row's 1,024 largest logits for its top-k / top-p filters with ``torch.topk``, over
 every row of the bucket, though greedy rows, rows with no filter and the empty rows of a step never read them: 170 us
 of the 203 us of sampling at 64 rows on the H200 (Qwen3's 151,936 logits). A radix select with one program per row,
-skipping the rows that do not filter, was latency-bound: 327-522 us at 64 rows (docs/benchmarks.md, "A radix top-k
-for the sampler's candidates").
+skipping the rows that do not filter, was latency-bound: 327-522 us at 64 rows (docs/benchmarks/experiments.md,
+"A radix top-k for the sampler's candidates").
 
 ``top_candidates`` here spreads every row over ``CHUNK``-entry programs. The logits' bits become order-preserving
 unsigned keys (16 for bf16 / fp16, 32 for float32); each 8-bit digit, highest first, is found by a histogram pass

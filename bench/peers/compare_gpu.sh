@@ -52,7 +52,7 @@ case "$cell" in
     for report in "$OUT"/{warm,cold,peer}/serving_report*.txt; do
       [ -e "$report" ] && echo "== $report" && cat "$report"
     done | tee "$OUT/compare_report.txt"
-    # Every run as one Markdown row, as docs/benchmarks.md's tables have them, one table per cell.
+    # Every run as one Markdown row, as docs/benchmarks/peers.md's tables have them, one table per cell.
     for name in warm cold peer; do
       results=$(ls "$OUT/$name"/serving_*.json 2>/dev/null)
       [ -n "$results" ] && echo "### $name" && echo && PYTHONPATH=src python -m blink.cli bench report $results \

@@ -10,7 +10,7 @@ vLLM's offline engine (``vllm.LLM``: the engine core of its server, without HTTP
 random weights (``load_format="dummy"``), the limits of ``vllm_gpu.sh serve`` and its prefix cache off, in this
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that CUPTI sees its kernels. Per batch B: B prompts of random
 token ids, ``context - steps // 2`` long, so that the decode steps average ``context`` tokens of context; greedy
-(``--temperature 0``, as the served comparisons of docs/benchmarks.md; blink's step graph runs the same sampling
+(``--temperature 0``, as the served comparisons of docs/benchmarks/peers.md; blink's step graph runs the same sampling
 kernels either way) or ``--temperature T --top-p P``; ``ignore_eos``. A run of ``1 + N`` output tokens is the prefill,
 the first token and N decode steps, so each measure is the difference of a run of ``1 + N`` tokens and one of 1
 token, over N:

@@ -3,8 +3,8 @@
 A child of the cgroup v2 root whose ``cpuset.cpus.partition`` is ``root`` takes its cores out of the root's
 effective set, so no other process on the host — the engine, the neighbours, whatever cgroup they sit in — may run
 on them, while the process moved into it may run nowhere else: the reserved layout of the immunity benchmarks
-(docs/benchmarks.md, "Agent immunity"), enforced by the kernel and made by the server itself for the core
-``blink.cores.place`` chose.
+(docs/benchmarks/interference.md, "Agent immunity on the H200"), enforced by the kernel and made by the server itself
+for the core ``blink.cores.place`` chose.
 
 It needs root (or a delegated root cgroup) and cgroup v2 mounted at ``/sys/fs/cgroup`` with the cpuset controller;
 inside a container's cgroup namespace the kernel refuses a partition (its root is not a partition root). Refused,

@@ -2,9 +2,9 @@
 (the only host process on the per-token path) or a benchmark client as far as this process is permitted;
 ``reset_priority`` puts the engine process (it only sleeps while the GPU schedules itself) back to the normal class.
 
-Not done, as measured on the H200 (docs/benchmarks.md, "Agent immunity on the H200"): asking Linux 6.12+ for a short
-EEVDF slice (sched_setattr's sched_runtime, 0.1 ms) for the agent and the client, meant to let their wake-ups preempt
-a running neighbour, made every tail worse beside 64 hogs (P50 TTFT 8.2x isolated instead of 1.8x).
+Not done, as measured on the H200 (docs/benchmarks/interference.md, "Tried and not kept"): asking Linux 6.12+ for
+a short EEVDF slice (sched_setattr's sched_runtime, 0.1 ms) for the agent and the client, meant to let their wake-ups
+preempt a running neighbour, made every tail worse beside 64 hogs (P50 TTFT 8.2x isolated instead of 1.8x).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from blink.cores import cpu_list
 log = logging.getLogger("blink")
 
 # "auto": nice -10, or the best below it this process is allowed. Not realtime: on a CPU box with hogs on every core
-# it held the target no better than nice -10 (docs/benchmarks.md, "Agent immunity"), and a real-time agent that ever
-# spun would starve its core's normal tasks (the kernel's softirq threads among them) down to 5%.
+# it held the target no better than nice -10 (docs/benchmarks/interference.md, "Agent immunity"), and a real-time
+# agent that ever spun would starve its core's normal tasks (the kernel's softirq threads among them) down to 5%.
 PRIORITIES = ("auto", "normal", "high", "realtime", "deadline")
 HIGH_NICE = -10
 RT_PRIORITY = 10

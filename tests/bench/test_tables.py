@@ -1,5 +1,5 @@
 """blink.bench.tables: ``blink bench report --markdown``, each run of the result JSONs one Markdown row, its numbers
-written as docs/benchmarks.md's serving tables write them, n/a where a run lacks one."""
+written as the serving tables of docs/benchmarks/ write them, n/a where a run lacks one."""
 import json
 import subprocess
 import sys

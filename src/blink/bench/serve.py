@@ -97,7 +97,7 @@ def add_parsers(subparsers) -> None:
     r.add_argument("results", nargs="+", help="result JSON files")
     r.add_argument("--plot-dir", default=None, help="write PNG plots of every run here")
     r.add_argument("--markdown", action="store_true", help="print the runs as a Markdown table instead of the summary "
-                   "(the columns of docs/benchmarks.md's serving tables)")
+                   "(the columns of the serving tables in docs/benchmarks/)")
     r.set_defaults(run=report)
 
 

@@ -1,5 +1,5 @@
 """Result tables for documents: ``blink bench report --markdown`` prints one Markdown row per run of the result JSONs
-of ``blink bench serve``, the columns docs/benchmarks.md's serving tables use, so that a table there is the command's
+of ``blink bench serve``, the columns the serving tables of docs/benchmarks/ use, so that a table there is the command's
 output and not a copy made by hand. A value a run does not have (no energy meter, a server without /metrics) is n/a.
 """
 from __future__ import annotations

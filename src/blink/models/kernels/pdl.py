@@ -8,7 +8,8 @@ instantiates for device launch (``bench/decode_chain_bench.py``) and the engine'
 
 The kernels do not trigger their dependents early (``gdc_launch_dependents``): on the H200 that made
 Qwen3-30B-A3B's batch-1 decode step 4% slower (3.757 -> 3.906 ms) though batches 16-64 gained ~1.3%; placed at
-completion, batch 1 gained 0.8% and no cell lost beyond noise (docs/benchmarks.md).
+completion, batch 1 gained 0.8% and no cell lost beyond noise (docs/benchmarks/models.md,
+"Programmatic dependent launch").
 
 Invariants every step kernel keeps:
 
