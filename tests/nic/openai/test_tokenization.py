@@ -119,7 +119,8 @@ def test_bad_tokenizer_requests_get_an_openai_error(local_ring, tokenizer, path,
 
 def test_version_is_the_installed_distributions(local_ring, tokenizer):
     async def scenario(local):
-        assert await local.get("/version") == (200, {"version": metadata.version("blink")})
+        installed = metadata.distribution(metadata.packages_distributions()["blink"][0]).version
+        assert await local.get("/version") == (200, {"version": installed}) and installed.count(".") >= 1
 
     serve(local_ring, tokenizer, scenario)
 

@@ -88,6 +88,8 @@ class OpenAIServer:
         self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="blink-tokenizer",
                                               initializer=config.thread_start)
         self.created = int(time.time())
+        # /version's: the installed distribution that holds this package, whatever the distribution is named
+        self.blink_version = metadata.version(metadata.packages_distributions()["blink"][0])
         self.app = web.Application(middlewares=[self._errors, self._admit],
                                    client_max_size=config.limits.max_body_bytes)
         self.app.add_routes([web.post("/v1/completions", self.completions),
@@ -177,7 +179,7 @@ class OpenAIServer:
         return web.json_response(self._model_card())
 
     async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": metadata.version("blink")})    # the installed distribution's
+        return web.json_response({"version": self.blink_version})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         return vllm_json(await self._parse(request, self.tokenization.tokenize))
