@@ -10,7 +10,7 @@ import os
 import sys
 import uuid
 
-from blink.cli_options import engine_options, http_options, rdma_options
+from blink.cli_options import LOG_LEVELS, engine_options, http_options, model_options, rdma_options
 from blink.process import USER_ERRORS
 from blink.ring.split import REQUEST_SIDES
 
@@ -29,7 +29,7 @@ def serve(args) -> int:
     from blink.ring.reference import standin_engine
 
     configs = _agent_configs(args)      # checked before the engine starts
-    model_dir = _model_dir(args.model_path or args.model)
+    model_dir = _model_dir(args)
     tokenizer = _tokenizer(args, model_dir)
     if args.standin:
         from blink.config import DEFAULT_MAX_MODEL_LEN
@@ -49,7 +49,7 @@ def engine(args) -> int:
     """The engine on a new shared-memory ring until Ctrl-C or SIGTERM; ``blink agent --ring NAME`` serves HTTP on it."""
     from blink.process import serve_ring
 
-    serve_ring(_engine_config(args, _model_dir(args.model_path or args.model), ring_name=args.ring,
+    serve_ring(_engine_config(args, _model_dir(args), ring_name=args.ring,
                               request_side=args.request_side),
                listen=args.listen, rdma_device=_rdma_device(args))
     return 0
@@ -62,7 +62,7 @@ def generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
-    with Engine(_engine_config(args, _model_dir(args.model))) as llm:
+    with Engine(_engine_config(args, _model_dir(args))) as llm:
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         stream = llm.stream(prompt, params)
         for delta in stream:
@@ -78,7 +78,7 @@ def agent(args) -> int:
     from blink.process import split_cores
 
     configs = _agent_configs(args)
-    model_dir = _model_dir(args.model)
+    model_dir = _model_dir(args)
     with _agent_ring(args) as memory, split_cores(None, args.cpus, args.reserve_agent_cores) as cores:
         return _serve_http(args, configs, memory, _tokenizer(args, model_dir), model_dir, None, cores)
 
@@ -124,7 +124,9 @@ def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cor
     set_priority(args.agent_priority)           # before any thread starts: threads inherit it
     if cores:
         pin(cores, named=bool(args.cpus))       # keep the agent off the engine's cores
-    agent = Agent.attach(memory, liveness_timeout_s=args.liveness_timeout)
+    logging.getLogger("aiohttp").setLevel(LOG_LEVELS[args.uvicorn_log_level])
+    logging.getLogger("blink.server").setLevel(LOG_LEVELS[args.uvicorn_log_level])
+    agent = Agent.attach(memory, liveness_timeout_s=args.liveness_timeout, seed=args.seed)
     loop, drain = configs
     config = ServerConfig(model_name=args.served_model_name or os.path.basename(model_dir), loop=loop,
                           api_key=args.api_key or os.environ.get("BLINK_API_KEY") or None,
@@ -136,8 +138,11 @@ def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cor
 
 
 def _tokenizer(args, model_dir):
+    from blink.models import resolve_model
     from blink.nic.text import Tokenizer, chat_template_argument
 
+    if args.tokenizer is not None:
+        model_dir = resolve_model(args.tokenizer, args.tokenizer_revision, args.download_dir)
     return Tokenizer(model_dir, chat_template=chat_template_argument(args.chat_template),
                      special_tokens_in_content=not args.special_tokens_as_text)
 
@@ -147,10 +152,11 @@ def _ring_name() -> str:
     return f"blink-{os.getpid()}-{next(_ring_numbers)}-{uuid.uuid4().hex[:8]}"
 
 
-def _model_dir(model):
+def _model_dir(args):
     from blink.models import default_model_path, resolve_model
 
-    return resolve_model(model) if model is not None else default_model_path()
+    model = args.model_path or args.model
+    return resolve_model(model, args.revision, args.download_dir) if model is not None else default_model_path()
 
 
 def _engine_config(args, model_dir, **overrides):
@@ -183,7 +189,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=32, help="longest output")
     demo.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     serve_cmd = command("serve", serve, "engine + OpenAI-compatible HTTP server (agent) over a shared ring")
-    serve_cmd.add_argument("model_path", nargs="?", metavar="MODEL", help="same as --model")
+    model_options(serve_cmd, positional=True)
     http_options(serve_cmd)
     engine_options(serve_cmd, slots=256)
     serve_cmd.add_argument("--standin", action="store_true",
@@ -192,8 +198,7 @@ def _parser() -> argparse.ArgumentParser:
                            help="with --standin: the least time between its steps, as a GPU's decode step (0: no "
                                 "pause; benchmarks of the agent use ~10)")
     engine_cmd = command("engine", engine, "the engine alone, on a new shared-memory ring (see: blink agent)")
-    engine_cmd.add_argument("model_path", nargs="?", metavar="MODEL", help="same as --model")
-    engine_cmd.add_argument("--model", default=None, help="model directory (HF layout); default: the embedded SmolLM2")
+    model_options(engine_cmd, positional=True)
     engine_cmd.add_argument("--ring", required=True, help="name of the ring to create (/dev/shm/NAME)")
     engine_cmd.add_argument("--listen", default=None, metavar="HOST:PORT",
                             help="also let agents on other hosts or DPUs attach here (docs/dpu.md)")
@@ -204,7 +209,7 @@ def _parser() -> argparse.ArgumentParser:
     engine_options(engine_cmd, slots=256)
     gen_cmd = command("generate", generate, "generate from one prompt with an in-process engine")
     gen_cmd.add_argument("prompt", help="the prompt text")
-    gen_cmd.add_argument("--model", default=None, help="model directory (HF layout); default: the embedded SmolLM2")
+    model_options(gen_cmd, positional=False)
     gen_cmd.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen_cmd.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
     gen_cmd.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -214,6 +219,7 @@ def _parser() -> argparse.ArgumentParser:
     gen_cmd.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence tokens")
     engine_options(gen_cmd, slots=4)
     agent_cmd = command("agent", agent, "OpenAI-compatible HTTP server on the ring of a running engine")
+    model_options(agent_cmd, positional=False)
     http_options(agent_cmd)
     where = agent_cmd.add_mutually_exclusive_group(required=True)
     where.add_argument("--ring", default=None, help="the engine's shared-memory ring name (/dev/shm/NAME)")

@@ -8,6 +8,29 @@ import argparse
 from blink.priority import PRIORITIES
 
 
+# vLLM's --uvicorn-log-level names -> logging's levels (trace: aiohttp has nothing below debug)
+LOG_LEVELS = {"critical": "CRITICAL", "error": "ERROR", "warning": "WARNING", "info": "INFO", "debug": "DEBUG",
+              "trace": "DEBUG"}
+
+
+def model_options(parser, *, positional: bool) -> None:
+    """The model and where its files are, by vLLM's option names (``blink.models.resolve_model``)."""
+    if positional:
+        parser.add_argument("model_path", nargs="?", metavar="MODEL", help="same as --model")
+    else:
+        parser.set_defaults(model_path=None)
+    parser.add_argument("--model", default=None, help="a model directory (HF layout) or a model id in the local "
+                        "Hugging Face cache; default: the embedded SmolLM2")
+    parser.add_argument("--revision", default="main",
+                        help="with a model id: the branch, tag or commit of its snapshot in the cache")
+    parser.add_argument("--download-dir", default=None, metavar="DIR",
+                        help="the Hugging Face hub cache that model ids are found in (default: $HF_HUB_CACHE, else "
+                             "$HF_HOME/hub, else ~/.cache/huggingface/hub); blink reads it and never downloads")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="accepted for vLLM's command lines, and changes nothing: blink runs no code a checkpoint "
+                             "brings (its model classes are its own, a tokenizer is read from tokenizer.json)")
+
+
 def _cpu_list(text: str) -> list[int]:
     from blink.cores import parse_cpu_list
 
@@ -60,8 +83,9 @@ def engine_options(parser, slots: int) -> None:
 def http_options(parser) -> None:
     from blink.nic.agent_loop import LoopConfig
 
-    parser.add_argument("--model", default=None, help="a model directory (HF layout) or a model id in the local "
-                        "Hugging Face cache; default: the embedded SmolLM2")
+    parser.add_argument("--tokenizer", default=None,
+                        help="the tokenizer's model directory or cached model id (default: the model's)")
+    parser.add_argument("--tokenizer-revision", default="main", help="with a --tokenizer id: its revision")
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: the dir name)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -71,6 +95,14 @@ def http_options(parser) -> None:
                         help="seconds the agent sleeps after a ring poll that found no tokens while requests are in "
                              "flight; 0: it polls without sleeping (a core busy while it serves, and no wake-up that "
                              "waits for a busy core; see docs/serving.md)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the sampling seeds given to requests that bring none: a server started with the "
+                             "same seed answers the same such requests, sent in the same order, with the same tokens "
+                             "(default: random)")
+    parser.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info",
+                        help="level of the HTTP server's log (vLLM's name; blink's server is aiohttp's)")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="accepted for vLLM's command lines: blink logs no request (nor its prompt) either way")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1 requests (default: $BLINK_API_KEY if set, "
                              "else no key)")
