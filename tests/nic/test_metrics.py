@@ -107,7 +107,8 @@ def test_vllms_metric_names_alias_blinks_labelled_with_the_model_name(local_ring
             return got[name, labels][0]
         assert {model for _, model in got.values()} == {None, "team/model"}
         assert value("vllm:num_requests_running") == value("blink_requests_running")
-        assert value("vllm:num_requests_waiting") == value("blink_requests_waiting") + value("blink_requests_queued")
+        assert value("vllm:num_requests_waiting") == value("blink_requests_waiting") + value("blink_requests_queued") \
+            == value("blink_requests_pending")
         assert value("vllm:num_requests_waiting") >= 2
         assert value("vllm:kv_cache_usage_perc") == value("blink_kv_cache_usage_ratio")
         for vllm, blink in [("vllm:prefix_cache_queries_total", "blink_prefix_cache_queries_total"),

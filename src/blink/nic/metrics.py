@@ -99,6 +99,12 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def pending(loop, stats: dict) -> int:
+    """Requests taken and not yet running, what a load balancer counts as waiting (vLLM's num_requests_waiting):
+    those in the ring not yet admitted (``stats``: the agent's ``stats()``) and those queued in ``loop``."""
+    return stats["waiting"] + len(loop.waiting)
+
+
 class _RingCollector:
     """Gauges and counters the GPU side keeps in the ring's control block, plus the agent's wait queue; and, from the
     same read, those vLLM exports too under vLLM's names and ``model_name`` label, which its Grafana dashboards and
@@ -136,8 +142,7 @@ class _RingCollector:
         yield from self._vllm(s, gauges, counters)
 
     def _vllm(self, s, gauges, counters):
-        # Waiting, to a load balancer, is every request sent here that does not run yet: the ring's and the agent's.
-        waiting = s["waiting"] + len(self.loop.waiting)
+        waiting = pending(self.loop, s)
         for name, doc, value in [
                 ("vllm:num_requests_running", "Requests the engine is running", gauges["blink_requests_running"][1]),
                 ("vllm:num_requests_waiting", "Requests not yet running: in the ring not yet admitted, or waiting in "
