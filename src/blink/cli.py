@@ -124,8 +124,8 @@ def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cor
     set_priority(args.agent_priority)           # before any thread starts: threads inherit it
     if cores:
         pin(cores, named=bool(args.cpus))       # keep the agent off the engine's cores
-    logging.getLogger("aiohttp").setLevel(LOG_LEVELS[args.uvicorn_log_level])
-    logging.getLogger("blink.server").setLevel(LOG_LEVELS[args.uvicorn_log_level])
+    for server_log in ("aiohttp", "blink.server"):
+        logging.getLogger(server_log).setLevel(LOG_LEVELS[args.uvicorn_log_level])
     agent = Agent.attach(memory, liveness_timeout_s=args.liveness_timeout, seed=args.seed)
     loop, drain = configs
     config = ServerConfig(model_name=args.served_model_name or os.path.basename(model_dir), loop=loop,
@@ -138,10 +138,11 @@ def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cor
 
 
 def _tokenizer(args, model_dir):
-    from blink.models import resolve_model
     from blink.nic.text import Tokenizer, chat_template_argument
 
     if args.tokenizer is not None:
+        from blink.models import resolve_model
+
         model_dir = resolve_model(args.tokenizer, args.tokenizer_revision, args.download_dir)
     return Tokenizer(model_dir, chat_template=chat_template_argument(args.chat_template),
                      special_tokens_in_content=not args.special_tokens_as_text)
