@@ -36,6 +36,8 @@ def serve(local_ring, tokenizer, scenario, **options):
 
 @pytest.mark.parametrize("special", [True, False])
 def test_tokenize_a_prompt_is_transformers_ids_and_token_strings_in_vllms_bytes(local_ring, tokenizer, hf, special):
+    """The ids /v1/completions feeds the model for the same text (with BOS and the like unless
+    ``add_special_tokens`` is false), each id's vocabulary entry, and ``max_model_len``."""
     prompt = "The capital of France is Paris. Ça va? 你好"
 
     async def scenario(local):
@@ -47,7 +49,8 @@ def test_tokenize_a_prompt_is_transformers_ids_and_token_strings_in_vllms_bytes(
                                   "token_strs": hf.convert_ids_to_tokens(ids)})
         status, raw = await post(local, "/tokenize", {"prompt": prompt})      # no model: the served one
         assert status == 200 and json.loads(raw)["token_strs"] is None
-        assert json.loads(raw)["tokens"] == hf(prompt)["input_ids"]
+        assert json.loads(raw)["tokens"] == hf(prompt)["input_ids"] == \
+            local.server.parser.completion({"prompt": prompt}).prompt     # what /v1/completions submits
 
     serve(local_ring, tokenizer, scenario)
 
