@@ -1,8 +1,12 @@
 """``blink generate``: one prompt through an in-process engine, against transformers' greedy continuation. (``blink
 serve``, ``blink engine`` and ``blink agent`` run end to end in tests/nic/openai/test_server.py.)"""
+import json
+import signal
 import socket
 import subprocess
 import sys
+import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,3 +104,79 @@ def test_a_port_in_use_is_one_line_not_a_traceback():
                               capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert f"blink serve: cannot listen on 127.0.0.1:{port}: " in done.stderr
+
+
+def cached_copy(cache, model_id, revision, files):
+    """A hub cache entry of ``model_id`` at ``revision`` whose snapshot holds ``files`` (name -> source path or
+    text)."""
+    from tests.models.test_hub import cached
+
+    snapshot = cached(cache, model_id, files=(), revision=revision, commit=f"{revision}0123")
+    for name, source in files.items():
+        (snapshot / name).symlink_to(source) if isinstance(source, Path) else (snapshot / name).write_text(source)
+    return snapshot
+
+
+def serve_standin(*options) -> tuple[subprocess.Popen, int]:
+    from tests.nic.openai.test_server import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--standin", "--port", str(port),
+                               "--slots", "4", "--max-model-len", "64", *options], stderr=subprocess.PIPE, text=True)
+    return server, port
+
+
+def post(port, path, body) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def started(server, port) -> None:
+    from tests.nic.openai.test_server import _healthy, wait_for
+
+    wait_for(lambda: server.poll() is not None or _healthy(port), timeout_s=120)
+    assert server.poll() is None, server.stderr.read()
+
+
+def answer_then_stop(server, port) -> tuple[str, str]:
+    """The text of an unseeded sampled completion, and the server's stderr once it has stopped."""
+    try:
+        started(server, port)
+        text = post(port, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 8, "temperature": 1.0,
+                                              "ignore_eos": True})["choices"][0]["text"]
+    finally:
+        server.send_signal(signal.SIGINT)
+        _, stderr = server.communicate(timeout=60)
+    return text, stderr
+
+
+TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+
+
+def test_vllms_model_tokenizer_seed_and_log_options(tmp_path, tokenizer):
+    """``--model ID --revision R --download-dir DIR`` serve that snapshot of DIR's cache; ``--tokenizer`` is read
+    from its own entry (here one whose chat template differs: /tokenize shows it in use); ``--trust-remote-code``
+    and ``--disable-log-requests`` are accepted; the same ``--seed`` gives an unseeded request the same tokens in a
+    restarted server, another seed others; ``--uvicorn-log-level warning`` leaves out the HTTP server's info line."""
+    from blink.models import default_model_path
+
+    source = default_model_path()
+    files = {f.name: f for f in source.iterdir()}
+    cached_copy(tmp_path, "org/model", "v1", files)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    cached_copy(tmp_path, "org/tokenizer", "main", {**files, "tokenizer_config.json":
+                                                    json.dumps({**config, "chat_template": TEMPLATE})})
+    server, port = serve_standin("--model", "org/model", "--revision", "v1", "--download-dir", str(tmp_path),
+                                 "--tokenizer", "org/tokenizer", "--trust-remote-code", "--disable-log-requests",
+                                 "--seed", "7", "--uvicorn-log-level", "warning")
+    started(server, port)
+    messages = [{"role": "user", "content": "hi"}]
+    tokens = post(port, "/tokenize", {"messages": messages})["tokens"]
+    assert tokens == tokenizer.encode("[user] hi\n", add_special_tokens=False)
+    first, quiet = answer_then_stop(server, port)
+    again, stderr = answer_then_stop(*serve_standin("--seed", "7"))
+    other, _ = answer_then_stop(*serve_standin("--seed", "8"))
+    assert first == again != other
+    assert "serving" in stderr and "serving" not in quiet and "Traceback" not in quiet, quiet

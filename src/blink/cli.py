@@ -1,5 +1,6 @@
-"""``blink`` command line: argparse and thin commands over ``blink.process`` (engine processes), ``blink.engine``
-(in-process generation) and ``blink.nic.openai`` (the HTTP agent)."""
+"""``blink`` command line: the subcommands and thin commands over ``blink.process`` (engine processes),
+``blink.engine`` (in-process generation) and ``blink.nic.openai`` (the HTTP agent); the options they share are in
+``blink.cli_options``."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +10,7 @@ import os
 import sys
 import uuid
 
-from blink.priority import PRIORITIES
+from blink.cli_options import LOG_LEVELS, engine_options, http_options, model_options, rdma_options
 from blink.process import USER_ERRORS
 from blink.ring.split import REQUEST_SIDES
 
@@ -28,7 +29,7 @@ def serve(args) -> int:
     from blink.ring.reference import standin_engine
 
     configs = _agent_configs(args)      # checked before the engine starts
-    model_dir = _model_dir(args.model_path or args.model)
+    model_dir = _model_dir(args)
     tokenizer = _tokenizer(args, model_dir)
     if args.standin:
         from blink.config import DEFAULT_MAX_MODEL_LEN
@@ -48,7 +49,7 @@ def engine(args) -> int:
     """The engine on a new shared-memory ring until Ctrl-C or SIGTERM; ``blink agent --ring NAME`` serves HTTP on it."""
     from blink.process import serve_ring
 
-    serve_ring(_engine_config(args, _model_dir(args.model_path or args.model), ring_name=args.ring,
+    serve_ring(_engine_config(args, _model_dir(args), ring_name=args.ring,
                               request_side=args.request_side),
                listen=args.listen, rdma_device=_rdma_device(args))
     return 0
@@ -61,7 +62,7 @@ def generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
-    with Engine(_engine_config(args, _model_dir(args.model))) as llm:
+    with Engine(_engine_config(args, _model_dir(args))) as llm:
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         stream = llm.stream(prompt, params)
         for delta in stream:
@@ -77,7 +78,7 @@ def agent(args) -> int:
     from blink.process import split_cores
 
     configs = _agent_configs(args)
-    model_dir = _model_dir(args.model)
+    model_dir = _model_dir(args)
     with _agent_ring(args) as memory, split_cores(None, args.cpus, args.reserve_agent_cores) as cores:
         return _serve_http(args, configs, memory, _tokenizer(args, model_dir), model_dir, None, cores)
 
@@ -111,13 +112,6 @@ def _rdma_device(args):
     return DeviceConfig(device=args.rdma_device, port=args.rdma_port, gid_index=args.rdma_gid_index)
 
 
-def _rdma_options(parser) -> None:
-    parser.add_argument("--rdma-device", default=None, help="RDMA device (ibv_devices; default: the only one)")
-    parser.add_argument("--rdma-port", type=int, default=1, help="RDMA device port")
-    parser.add_argument("--rdma-gid-index", type=int, default=0,
-                        help="GID table entry (show_gids; a RoCE v2 entry with the interface's address)")
-
-
 def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cores) -> int:
     """The HTTP agent on ``memory``'s ring until Ctrl-C / SIGTERM (exit 0) or until its engine is gone (exit 1: the
     engine is not restarted here; a supervisor restarts the whole server)."""
@@ -130,7 +124,9 @@ def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cor
     set_priority(args.agent_priority)           # before any thread starts: threads inherit it
     if cores:
         pin(cores, named=bool(args.cpus))       # keep the agent off the engine's cores
-    agent = Agent.attach(memory, liveness_timeout_s=args.liveness_timeout)
+    for server_log in ("aiohttp", "blink.server"):
+        logging.getLogger(server_log).setLevel(LOG_LEVELS[args.uvicorn_log_level])
+    agent = Agent.attach(memory, liveness_timeout_s=args.liveness_timeout, seed=args.seed)
     loop, drain = configs
     config = ServerConfig(model_name=args.served_model_name or os.path.basename(model_dir), loop=loop,
                           api_key=args.api_key or os.environ.get("BLINK_API_KEY") or None,
@@ -144,6 +140,10 @@ def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cor
 def _tokenizer(args, model_dir):
     from blink.nic.text import Tokenizer, chat_template_argument
 
+    if args.tokenizer is not None:
+        from blink.models import resolve_model
+
+        model_dir = resolve_model(args.tokenizer, args.tokenizer_revision, args.download_dir)
     return Tokenizer(model_dir, chat_template=chat_template_argument(args.chat_template),
                      special_tokens_in_content=not args.special_tokens_as_text)
 
@@ -153,10 +153,11 @@ def _ring_name() -> str:
     return f"blink-{os.getpid()}-{next(_ring_numbers)}-{uuid.uuid4().hex[:8]}"
 
 
-def _model_dir(model):
+def _model_dir(args):
     from blink.models import default_model_path, resolve_model
 
-    return resolve_model(model) if model is not None else default_model_path()
+    model = args.model_path or args.model
+    return resolve_model(model, args.revision, args.download_dir) if model is not None else default_model_path()
 
 
 def _engine_config(args, model_dir, **overrides):
@@ -171,101 +172,6 @@ def _engine_config(args, model_dir, **overrides):
                         cpu_kv_cache_gib=args.cpu_kv_cache_gib, n_slots=args.slots,
                         max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
                         load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size, **overrides)
-
-
-def _cpu_list(text: str) -> list[int]:
-    from blink.cores import parse_cpu_list
-
-    try:
-        return parse_cpu_list(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _engine_options(parser, slots: int) -> None:
-    """Model, device, memory, scheduler and ring sizes (``EngineConfig``, ``SchedulerConfig``)."""
-    from blink.config import DEVICES, DTYPES, LOAD_FORMATS, EngineConfig, SchedulerConfig
-    from blink.device.config import MAX_BUCKETS
-
-    d, s = EngineConfig(), SchedulerConfig()
-    parser.add_argument("--device", choices=DEVICES, default=d.device, help="auto: the GPU if there is one")
-    parser.add_argument("--load-format", choices=LOAD_FORMATS, default=d.load_format,
-                        help="dummy: random weights, only config.json is read (benchmarks of large shapes)")
-    parser.add_argument("--dtype", choices=DTYPES, default=None,
-                        help="default: the checkpoint's on a GPU, float32 on the CPU")
-    parser.add_argument("--max-num-seqs", type=int, default=s.max_num_seqs, help="most sequences running at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens,
-                        help="most tokens in one step (the largest captured step graph)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="prompt + output positions of one sequence (default: the model's context, at most 4096)")
-    parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
-                        help=f"token counts of the captured step graphs, increasing, at most {MAX_BUCKETS} (a step "
-                             "runs in the smallest that holds it, its other rows padding); default: 1 2 4 8, then "
-                             "four sizes per doubling in steps of at least 8, up to --max-num-batched-tokens")
-    parser.add_argument("--block-size", type=int, default=s.page_size, help="tokens per KV page")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=s.enable_prefix_caching, help="reuse the KV pages of shared prompt prefixes")
-    parser.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
-                        help="split the model over this many processes (the CPU only, so far)")
-    parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory options)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
-                        help="share of the GPU's memory for weights, activations and the KV cache")
-    parser.add_argument("--cpu-kv-cache-gib", type=float, default=d.cpu_kv_cache_gib,
-                        help="KV cache size on the CPU")
-    parser.add_argument("--policy", default=None, metavar="MODULE:FUNCTION",
-                        help="admission policy: a numba device function (docs/scheduler.md); default: first come, "
-                             "first served")
-    parser.add_argument("--slots", type=int, default=slots, help="ring request slots")
-    parser.add_argument("--max-prompt-tokens", type=int, default=None,
-                        help="longest prompt a ring slot holds (default: max-model-len - 1)")
-    parser.add_argument("--max-output-tokens", type=int, default=None,
-                        help="longest output a ring slot holds (default: max-model-len - 1)")
-
-
-def _http_options(parser) -> None:
-    from blink.nic.agent_loop import LoopConfig
-
-    parser.add_argument("--model", default=None, help="a model directory (HF layout) or a model id in the local "
-                        "Hugging Face cache; default: the embedded SmolLM2")
-    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: the dir name)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--max-queued", type=int, default=LoopConfig.max_queued,
-                        help="requests that may wait in the agent for a free ring slot; beyond it: 429")
-    parser.add_argument("--poll-interval", type=float, default=LoopConfig.poll_interval_s,
-                        help="seconds the agent sleeps after a ring poll that found no tokens while requests are in "
-                             "flight; 0: it polls without sleeping (a core busy while it serves, and no wake-up that "
-                             "waits for a busy core; see docs/serving.md)")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1 requests (default: $BLINK_API_KEY if set, "
-                             "else no key)")
-    parser.add_argument("--chat-template", default=None,
-                        help="a chat template file, or the template itself (default: the model's chat_template.jinja "
-                             "or tokenizer_config.json)")
-    parser.add_argument("--generation-config", default="auto",
-                        help="default sampling: auto (the model's generation_config.json), vllm (the OpenAI API's "
-                             "defaults) or a directory holding a generation_config.json")
-    parser.add_argument("--special-tokens-as-text", action="store_true",
-                        help="encode special tokens' text inside chat messages as plain text (default: as the special "
-                             "tokens, like transformers and vLLM; see docs/serving.md)")
-    parser.add_argument("--liveness-timeout", type=float, default=10.0,
-                        help="seconds the engine may show no sign of life (outside a long step) before requests "
-                             "get 503")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="seconds the first SIGTERM / Ctrl-C waits for the requests in flight (new ones get 503) "
-                             "before it ends the rest with an error and exits; a second one exits at once")
-    parser.add_argument("--agent-priority", choices=PRIORITIES, default="auto",
-                        help="CPU priority of the agent on a shared host: high = nice -10, realtime = SCHED_RR, "
-                             "deadline = SCHED_DEADLINE with half a core's budget, not pinned (all need "
-                             "CAP_SYS_NICE; refused, the agent runs at the best level permitted and says so), "
-                             "auto = high where permitted, else the best below")
-    parser.add_argument("--cpus", type=_cpu_list, default=None,
-                        help="pin the agent to these cores, e.g. 2,3 (default: the least busy core this process may "
-                             "use that no other blink server claims; serve pins the engine to the others)")
-    parser.add_argument("--reserve-agent-cores", action=argparse.BooleanOptionalAction, default=False,
-                        help="give the agent's cores to it alone: a cgroup v2 cpuset partition no other process on "
-                             "the host may run on, removed at exit (needs root and cgroup v2; refused, the agent "
-                             "runs without it and says why)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -284,28 +190,27 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=32, help="longest output")
     demo.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     serve_cmd = command("serve", serve, "engine + OpenAI-compatible HTTP server (agent) over a shared ring")
-    serve_cmd.add_argument("model_path", nargs="?", metavar="MODEL", help="same as --model")
-    _http_options(serve_cmd)
-    _engine_options(serve_cmd, slots=256)
+    model_options(serve_cmd, positional=True)
+    http_options(serve_cmd)
+    engine_options(serve_cmd, slots=256)
     serve_cmd.add_argument("--standin", action="store_true",
                            help="run the reference consumer with the stand-in model as the engine")
     serve_cmd.add_argument("--standin-step-ms", type=float, default=0.0,
                            help="with --standin: the least time between its steps, as a GPU's decode step (0: no "
                                 "pause; benchmarks of the agent use ~10)")
     engine_cmd = command("engine", engine, "the engine alone, on a new shared-memory ring (see: blink agent)")
-    engine_cmd.add_argument("model_path", nargs="?", metavar="MODEL", help="same as --model")
-    engine_cmd.add_argument("--model", default=None, help="model directory (HF layout); default: the embedded SmolLM2")
+    model_options(engine_cmd, positional=True)
     engine_cmd.add_argument("--ring", required=True, help="name of the ring to create (/dev/shm/NAME)")
     engine_cmd.add_argument("--listen", default=None, metavar="HOST:PORT",
                             help="also let agents on other hosts or DPUs attach here (docs/dpu.md)")
     engine_cmd.add_argument("--request-side", choices=REQUEST_SIDES, default=REQUEST_SIDES[0],
                             help="where the ring's request side lives: host memory, or GPU memory (a GPU engine with "
                                  "--listen: agents attach only through the listener, a NIC writes it directly)")
-    _rdma_options(engine_cmd)
-    _engine_options(engine_cmd, slots=256)
+    rdma_options(engine_cmd)
+    engine_options(engine_cmd, slots=256)
     gen_cmd = command("generate", generate, "generate from one prompt with an in-process engine")
     gen_cmd.add_argument("prompt", help="the prompt text")
-    gen_cmd.add_argument("--model", default=None, help="model directory (HF layout); default: the embedded SmolLM2")
+    model_options(gen_cmd, positional=False)
     gen_cmd.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen_cmd.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
     gen_cmd.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -313,16 +218,17 @@ def _parser() -> argparse.ArgumentParser:
     gen_cmd.add_argument("--top-k", type=int, default=0, help="0: no top-k")
     gen_cmd.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     gen_cmd.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence tokens")
-    _engine_options(gen_cmd, slots=4)
+    engine_options(gen_cmd, slots=4)
     agent_cmd = command("agent", agent, "OpenAI-compatible HTTP server on the ring of a running engine")
-    _http_options(agent_cmd)
+    model_options(agent_cmd, positional=False)
+    http_options(agent_cmd)
     where = agent_cmd.add_mutually_exclusive_group(required=True)
     where.add_argument("--ring", default=None, help="the engine's shared-memory ring name (/dev/shm/NAME)")
     where.add_argument("--remote", default=None, metavar="HOST:PORT",
                        help="the engine's --listen address: attach over --transport")
     agent_cmd.add_argument("--transport", choices=("rdma", "ipc"), default="rdma",
                            help="with --remote: RDMA (a DPU or another host) or CUDA IPC (the same host)")
-    _rdma_options(agent_cmd)
+    rdma_options(agent_cmd)
     bench_cmd = sub.add_parser("bench", help="benchmarks: serve (online serving, vllm bench serve's metrics), report")
     bench_cmd.set_defaults(run=None)
     bench_sub = bench_cmd.add_subparsers(dest="bench_command", required=True)

@@ -82,8 +82,29 @@ def test_synthetic_lengths_are_sharegpt_like_and_filtered():
 def test_synthetic_fixed_output_len():
     requests = synthetic(20, vocab_size=100, seed=0, output_len=128)
     assert {r.output_len for r in requests} == {128}
-    with pytest.raises(ValueError, match="vocab_size must be >= 1"):
+    with pytest.raises(ValueError, match=r"vocab_size, output_len and input_len must be >= 1 \(got 0,"):
         synthetic(1, vocab_size=0)
+
+
+def test_synthetic_fixed_input_len_draws_only_the_outputs():
+    """``--input-len`` (vLLM's --random-input-len): every prompt has that many tokens; outputs are still drawn,
+    ShareGPT-like and filtered; a smaller set is still a prefix of a larger one."""
+    requests = synthetic(400, vocab_size=1000, seed=1, input_len=100)
+    assert all(r.prompt_len == len(r.prompt) == 100 for r in requests)
+    output = np.array([r.output_len for r in requests])
+    assert output.min() >= MIN_LEN and 160 < output.mean() < 240 and len(set(output)) > 100
+    assert synthetic(7, vocab_size=1000, seed=1, input_len=100) == requests[:7]
+    with pytest.raises(ValueError, match="input_len must be >= 1"):
+        synthetic(1, vocab_size=10, input_len=0)
+
+
+def test_fixed_lengths_beyond_sharegpts_bounds_are_taken_as_given():
+    """A fixed output of 2048 tokens or more passed no drawn prompt through the total bound: the set never ended."""
+    assert {(r.prompt_len, r.output_len) for r in synthetic(3, vocab_size=50, input_len=3000, output_len=4096)} == \
+        {(3000, 4096)}
+    requests = synthetic(20, vocab_size=50, seed=2, output_len=4096)
+    assert {r.output_len for r in requests} == {4096}
+    assert all(MIN_LEN <= r.prompt_len <= MAX_PROMPT_LEN for r in requests)
 
 
 def test_shared_prefix_requests_begin_with_one_system_prompt_and_are_deterministic():

@@ -52,7 +52,7 @@ def standin_server():
     """``blink serve --standin`` on a free port; yields its base URL."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--standin", "--port", str(port),
-                               "--slots", "64", "--max-prompt-tokens", "1024", "--max-output-tokens", "2048"])
+                               "--slots", "64", "--max-prompt-tokens", "2048", "--max-output-tokens", "2048"])
     try:
         deadline = time.monotonic() + 120
         while not healthy(port):
@@ -176,6 +176,20 @@ def test_warm_up_requests_reach_the_server_and_are_not_measured(standin_server, 
     assert generated_tokens(standin_server) - before == sent[0].output_len + 2 * sum(warm) + measured
     refused = bench("serve", "--base-url", standin_server, "--num-prompts", "3", "--num-warmups", "-1")
     assert refused.returncode == 1 and "--num-warmups must be >= 0 (got -1)" in refused.stderr
+
+
+def test_fixed_input_and_output_lengths_are_what_the_server_gets(standin_server, tmp_path):
+    """``--input-len N --output-len M`` (vllm bench serve's --random-input-len / --random-output-len): every prompt
+    reaches the server with N tokens and every answer has M; another dataset refuses --input-len in one line."""
+    result_json = tmp_path / "fixed.json"
+    done = bench("serve", "--base-url", standin_server, "--num-prompts", "4", "--input-len", "1500", "--output-len",
+                 "9", "--result-json", str(result_json))
+    assert done.returncode == 0, done.stderr
+    run, = strict_json(result_json)["runs"]
+    assert run["completed"] == 4 and run["input_lens"] == [1500] * 4 and run["output_lens"] == [9] * 4
+    done = bench("serve", "--base-url", standin_server, "--dataset", "prefix", "--input-len", "10")
+    assert done.returncode == 1 and "--input-len fixes the synthetic dataset's prompts" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_a_failing_first_request_stops_the_benchmark_naming_the_error(standin_server):

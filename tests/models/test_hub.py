@@ -53,3 +53,19 @@ def test_the_engine_serves_a_model_by_its_cached_id(tmp_path, monkeypatch):
     with Engine(config) as engine:
         out = engine.generate("Hello", SamplingParams(max_tokens=3, temperature=0))[0]
     assert len(out.token_ids) == 3
+
+
+def test_a_revision_and_another_cache_pick_that_snapshot(tmp_path, monkeypatch):
+    """``resolve_model(id, revision, cache)``: vLLM's --revision and --download-dir. A branch or tag is read from
+    refs/, a commit is a snapshot's own name; the cache named is searched instead of $HF_HUB_CACHE's."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    main = cached(tmp_path, "org/model")
+    tagged = tmp_path / "models--org--model" / "snapshots" / "4567cdef"
+    tagged.mkdir()
+    (tmp_path / "models--org--model" / "refs" / "v1").write_text("4567cdef")
+    assert resolve_model("org/model", cache=tmp_path) == main
+    assert resolve_model("org/model", "v1", tmp_path) == resolve_model("org/model", "4567cdef", tmp_path) == tagged
+    with pytest.raises(FileNotFoundError, match="revision 'v2'"):
+        resolve_model("org/model", "v2", tmp_path)
+    with pytest.raises(FileNotFoundError, match="elsewhere"):
+        resolve_model("org/model")

@@ -71,3 +71,56 @@ def test_the_steal_time_of_the_loop_threads_cores_is_counted(local_ring, tokeniz
             os.sched_setaffinity(0, allowed)
 
     run_local(local_ring, tokenizer, scenario, serve=True)
+
+
+async def samples(local) -> dict[tuple, float]:
+    """The server's /metrics: (name, labels without model_name) -> value, and the model_name each sample carries."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with local.session.get(f"http://127.0.0.1:{local.port}/metrics") as response:
+        text = await response.text()
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = dict(s.labels)
+            model = labels.pop("model_name", None)
+            found[s.name, tuple(sorted(labels.items()))] = (s.value, model)
+    return found
+
+
+def test_vllms_metric_names_alias_blinks_labelled_with_the_model_name(local_ring, tokenizer):
+    """What vLLM's dashboards and the Gateway API inference extension read is there under vLLM's names, with
+    ``model_name`` the served name, and equals blink's own measures: the latency histograms bucket by bucket, the
+    prefix cache counters, and (with requests held in the ring and the agent's queue) the running and waiting
+    gauges."""
+    async def scenario(local):
+        for _ in range(3):
+            await local.complete(max_tokens=4)
+        local.engine_runs.clear()                # the engine stalls: requests wait in the ring and in the agent
+        held = [asyncio.create_task(local.complete(max_tokens=4)) for _ in range(6)]
+        await local.until(lambda: len(local.server.loop.waiting) == 2)
+        got = await samples(local)
+        local.engine_runs.set()
+        await asyncio.gather(*held)
+
+        def value(name, labels=()):
+            return got[name, labels][0]
+        assert {model for _, model in got.values()} == {None, "team/model"}
+        assert value("vllm:num_requests_running") == value("blink_requests_running")
+        assert value("vllm:num_requests_waiting") == value("blink_requests_waiting") + value("blink_requests_queued") \
+            == value("blink_requests_pending")
+        assert value("vllm:num_requests_waiting") >= 2
+        assert value("vllm:kv_cache_usage_perc") == value("blink_kv_cache_usage_ratio")
+        for vllm, blink in [("vllm:prefix_cache_queries_total", "blink_prefix_cache_queries_total"),
+                            ("vllm:prefix_cache_hits_total", "blink_prefix_cache_hits_total")]:
+            assert value(vllm) == value(blink) and got[vllm, ()][1] == "team/model"
+        for vllm, blink in [("vllm:time_to_first_token_seconds", "blink_time_to_first_token_seconds"),
+                            ("vllm:inter_token_latency_seconds", "blink_inter_token_latency_seconds"),
+                            ("vllm:e2e_request_latency_seconds", "blink_e2e_request_latency_seconds")]:
+            ours = {(n.replace(blink, vllm), labels): v for (n, labels), (v, _) in got.items()
+                    if n.startswith(blink + "_")}
+            aliases = {key: v for key, (v, model) in got.items() if key[0].startswith(vllm + "_")}
+            assert aliases == ours and ours[f"{vllm}_count", ()] >= 3
+            assert {got[key][1] for key in aliases} == {"team/model"}
+
+    run_local(local_ring, tokenizer, scenario, serve=True, model_name="team/model")

@@ -5,9 +5,11 @@ conversations that resend their history) for the prefix cache.
 Every request carries its prompt as token ids, so the server's prompt length is exactly ``prompt_len`` (no
 re-tokenization on the server), and ``output_len`` is the ``max_tokens`` it asks for.
 
-Filter (vLLM's ``is_valid_sequence`` for ShareGPT): ``prompt_len >= 4``, ``output_len >= 4`` (unless a fixed
-``output_len`` is asked for), ``prompt_len <= 1024``, ``prompt_len + output_len <= 2048``. Both ShareGPT-like datasets
-obey it; the shared-prefix one bounds each turn instead (``MAX_TURN_LEN``).
+Filter (vLLM's ``is_valid_sequence`` for ShareGPT): ``prompt_len >= 4``, ``output_len >= 4``, ``prompt_len <= 1024``,
+``prompt_len + output_len <= 2048``. Both ShareGPT-like datasets obey it; a length the user fixes (``output_len``,
+and for the synthetic set ``input_len``, as ``vllm bench serve --random-input-len/--random-output-len`` fix them) is
+taken as given: only the drawn length is checked, against its own bounds. The shared-prefix set bounds each turn
+instead (``MAX_TURN_LEN``).
 """
 from __future__ import annotations
 
@@ -35,29 +37,35 @@ class SampleRequest:
     output_len: int
 
 
-def is_valid(prompt_len: int, output_len: int, fixed_output: bool) -> bool:
-    """vLLM's ShareGPT filter (module docstring); a fixed output length skips the minimum-output check."""
-    if prompt_len < MIN_LEN or (not fixed_output and output_len < MIN_LEN):
-        return False
-    return prompt_len <= MAX_PROMPT_LEN and prompt_len + output_len <= MAX_TOTAL_LEN
+def is_valid(prompt_len: int, output_len: int, fixed_output: bool, fixed_input: bool = False) -> bool:
+    """vLLM's ShareGPT filter (module docstring) of the lengths that were drawn; a fixed length passes as given
+    (with the total bound, a fixed output of 2048 or more would pass no prompt at all)."""
+    prompt_ok = fixed_input or MIN_LEN <= prompt_len <= MAX_PROMPT_LEN
+    output_ok = fixed_output or output_len >= MIN_LEN
+    return prompt_ok and output_ok and (fixed_input or fixed_output or prompt_len + output_len <= MAX_TOTAL_LEN)
 
 
-def synthetic(num_prompts: int, vocab_size: int, seed: int = 0, output_len: int | None = None) -> list[SampleRequest]:
+def synthetic(num_prompts: int, vocab_size: int, seed: int = 0, output_len: int | None = None,
+              input_len: int | None = None) -> list[SampleRequest]:
     """``num_prompts`` requests with log-normal, ShareGPT-like lengths and uniformly random prompt tokens.
 
-    Invariant: request ``i`` depends only on ``(seed, i)`` (and ``output_len``), so a smaller ``num_prompts`` gives a
-    prefix of a larger one. ``output_len`` fixes every request's output length instead of drawing it.
+    Invariant: request ``i`` depends only on ``(seed, i)`` (and the fixed lengths), so a smaller ``num_prompts`` gives
+    a prefix of a larger one. ``output_len`` and ``input_len`` fix every request's output and prompt length instead
+    of drawing them.
     """
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size must be >= 1 (got {vocab_size})")
-    return [_synthetic_one(np.random.default_rng([seed, i]), vocab_size, output_len) for i in range(num_prompts)]
+    if vocab_size < 1 or any(n is not None and n < 1 for n in (output_len, input_len)):
+        raise ValueError(f"vocab_size, output_len and input_len must be >= 1 (got {vocab_size}, {output_len}, "
+                         f"{input_len})")
+    return [_synthetic_one(np.random.default_rng([seed, i]), vocab_size, output_len, input_len)
+            for i in range(num_prompts)]
 
 
-def _synthetic_one(rng: np.random.Generator, vocab_size: int, output_len: int | None) -> SampleRequest:
+def _synthetic_one(rng: np.random.Generator, vocab_size: int, output_len: int | None,
+                   input_len: int | None) -> SampleRequest:
     while True:     # rejection sampling: the same filter that ShareGPT conversations go through
-        prompt_len = round(rng.lognormal(PROMPT_LOG_MEAN, PROMPT_LOG_STD))
+        prompt_len = input_len if input_len is not None else round(rng.lognormal(PROMPT_LOG_MEAN, PROMPT_LOG_STD))
         out = output_len if output_len is not None else round(rng.lognormal(OUTPUT_LOG_MEAN, OUTPUT_LOG_STD))
-        if is_valid(prompt_len, out, output_len is not None):
+        if is_valid(prompt_len, out, output_len is not None, input_len is not None):
             prompt = rng.integers(0, vocab_size, prompt_len).tolist()
             return SampleRequest(prompt, prompt_len, out)
 

@@ -59,7 +59,10 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--tokenizer", default=None, help="model directory whose tokenizer.json encodes ShareGPT text "
                    "and bounds synthetic token ids (default: --model if it has one, else the embedded SmolLM2)")
     p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--output-len", type=int, default=None, help="fix every request's output length")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="fix every request's output length (vllm bench serve: --random-output-len)")
+    p.add_argument("--input-len", type=int, default=None,
+                   help="synthetic: fix every prompt's length in tokens (vllm bench serve: --random-input-len)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s; inf sends every request at once")
     p.add_argument("--burstiness", type=float, default=1.0,
@@ -131,11 +134,13 @@ def load_requests(args) -> list:
     from blink.nic.text import Tokenizer
 
     for option, value in (("--num-prompts", args.num_prompts), ("--output-len", args.output_len),
-                          ("--max-concurrency", args.max_concurrency)):
+                          ("--input-len", args.input_len), ("--max-concurrency", args.max_concurrency)):
         if value is not None and value < 1:
             raise ValueError(f"{option} must be >= 1 (got {value})")
     if args.num_warmups < 0:
         raise ValueError(f"--num-warmups must be >= 0 (got {args.num_warmups})")
+    if args.input_len is not None and args.dataset != "synthetic":
+        raise ValueError(f"--input-len fixes the synthetic dataset's prompts; --dataset {args.dataset} has its own")
     tokenizer = Tokenizer(tokenizer_dir(args))
     if args.dataset == "sharegpt":
         if args.dataset_path is None:
@@ -144,7 +149,7 @@ def load_requests(args) -> list:
     if args.dataset == "prefix":
         return datasets.shared_prefix(args.num_prompts, tokenizer.vocab_size, args.seed, args.output_len,
                                       args.prefix_len, args.turns)
-    return datasets.synthetic(args.num_prompts, tokenizer.vocab_size, args.seed, args.output_len)
+    return datasets.synthetic(args.num_prompts, tokenizer.vocab_size, args.seed, args.output_len, args.input_len)
 
 
 def tokenizer_dir(args) -> str:

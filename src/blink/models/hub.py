@@ -19,20 +19,22 @@ def hub_cache() -> Path:
     return home / "hub"
 
 
-def resolve_model(name: str, revision: str = "main") -> Path:
-    """The directory of ``name``: itself if it is one, else the cached snapshot of the model id ``name``."""
+def resolve_model(name: str, revision: str = "main", cache: Path | str | None = None) -> Path:
+    """The directory of ``name``: itself if it is one, else the snapshot of the model id ``name`` at ``revision`` (a
+    branch, tag or commit) in the hub cache ``cache`` (default: ``hub_cache()``)."""
+    cache = hub_cache() if cache is None else Path(cache).expanduser()
     path = Path(name).expanduser()
     if path.is_dir():
         return path
     if name.startswith(("/", ".", "~")) or name.count("/") > 1:    # a path, not an ORG/NAME model id
         raise ConfigError(f"{path}: no such file or directory (a model is a directory with a config.json, or a "
                           f"model id ORG/NAME in the local Hugging Face cache)")
-    repo = hub_cache() / f"models--{name.replace('/', '--')}"
+    repo = cache / f"models--{name.replace('/', '--')}"
     ref = repo / "refs" / revision
     snapshot = repo / "snapshots" / (ref.read_text().strip() if ref.is_file() else revision)
     if name.count("/") == 1 and snapshot.is_dir():
         return snapshot
     raise FileNotFoundError(
-        f"model {name!r} is neither a directory nor a model id in the local Hugging Face cache ({hub_cache()}, "
+        f"model {name!r} is neither a directory nor a model id in the local Hugging Face cache ({cache}, "
         f"revision {revision!r}): blink resolves model ids from the local cache only, without a network; download "
         f"it there first (huggingface-cli download {name}) or pass its directory")

@@ -44,9 +44,13 @@ class Agent:
 
     ``liveness_timeout_s``: how long the engine may show no sign of life (``blink.nic.liveness``) while requests are
     in flight before ``poll()`` raises ``EngineUnresponsive`` instead of waiting forever.
+    ``seed``: where the sampling seeds of requests that bring none come from (``blink serve --seed``): the same seed
+    gives the n-th such request the same seed, so a restarted server answers them with the same tokens whatever else
+    is batched with them; None: a random start.
     """
 
-    def __init__(self, memory: RemoteMemory, geometry: RingGeometry, *, liveness_timeout_s: float = 10.0):
+    def __init__(self, memory: RemoteMemory, geometry: RingGeometry, *, liveness_timeout_s: float = 10.0,
+                 seed: int | None = None):
         self.memory = memory
         self.layout = layout = RingLayout(geometry)
         if memory.size < layout.size:
@@ -71,6 +75,7 @@ class Agent:
         self._slot_of: dict[int, int] = {}
         self._next_id = 1
         self.liveness = Liveness(liveness_timeout_s)
+        self._seeds = random.Random(seed)
         self._waiting_since: float | None = None    # when requests last started waiting on an idle ring
         self._submitted = int(block["submitted"])       # doorbells continue from an earlier agent's counts
         self._cancels = int(block["cancels"])
@@ -93,7 +98,7 @@ class Agent:
         """
         prompt = self._validate(prompt_tokens, params)
         request_id = self._next_id
-        seed = random.getrandbits(64) if params.seed is None else params.seed
+        seed = self._seeds.getrandbits(64) if params.seed is None else params.seed
         page_size = self.geometry.prefix_page_size
         keys, state = prompt_keys(prompt, page_size, self._prefix_seed) if page_size else (None, 0)
         header = encode_header(self.layout.header_dtype, request_id=request_id, arrival_ns=time.monotonic_ns(),

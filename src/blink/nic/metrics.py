@@ -8,7 +8,7 @@ import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 # Two ring polls this far apart while requests are in flight held their tokens back by most of a decode step (5-20 ms
 # on 8B models): a stall of the agent, which every stream in flight feels at once.
@@ -54,10 +54,14 @@ class Metrics:
         self.requests = Counter("blink_requests_finished", "Requests ended, by finish reason", ["finish_reason"],
                                 registry=r)
 
-    def watch(self, loop) -> None:
-        """Read ``loop`` (an ``AgentLoop``) at every scrape: the ring's words, its queue, its thread."""
-        self.registry.register(_RingCollector(loop))
+    def watch(self, loop, model_name: str) -> None:
+        """Read ``loop`` (an ``AgentLoop``) at every scrape: the ring's words, its queue, its thread; and name what
+        vLLM also measures by vLLM's names too, labelled ``model_name`` (``_RingCollector``, ``_HistogramAliases``)."""
+        self.registry.register(_RingCollector(loop, model_name))
         self.registry.register(_LoopThreadCollector(loop))
+        self.registry.register(_HistogramAliases({"vllm:time_to_first_token_seconds": self.ttft,
+                                                  "vllm:inter_token_latency_seconds": self.itl,
+                                                  "vllm:e2e_request_latency_seconds": self.e2e}, model_name))
 
     def tokens(self, req, n: int) -> None:
         if not n:
@@ -95,11 +99,19 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class _RingCollector:
-    """Gauges and counters the GPU side keeps in the ring's control block, plus the agent's wait queue."""
+def pending(loop, stats: dict) -> int:
+    """Requests taken and not yet running, what a load balancer counts as waiting (vLLM's num_requests_waiting):
+    those in the ring not yet admitted (``stats``: the agent's ``stats()``) and those queued in ``loop``."""
+    return stats["waiting"] + len(loop.waiting)
 
-    def __init__(self, loop):
-        self.loop = loop
+
+class _RingCollector:
+    """Gauges and counters the GPU side keeps in the ring's control block, plus the agent's wait queue; and, from the
+    same read, those vLLM exports too under vLLM's names and ``model_name`` label, which its Grafana dashboards and
+    the Kubernetes Gateway API inference extension's endpoint picker read."""
+
+    def __init__(self, loop, model_name: str):
+        self.loop, self.model_name = loop, model_name
 
     def collect(self):
         s = self.loop.agent.stats()
@@ -127,6 +139,42 @@ class _RingCollector:
                                              s["prefill_tokens"])}
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield from self._vllm(s, gauges, counters)
+
+    def _vllm(self, s, gauges, counters):
+        waiting = pending(self.loop, s)
+        for name, doc, value in [
+                ("vllm:num_requests_running", "Requests the engine is running", gauges["blink_requests_running"][1]),
+                ("vllm:num_requests_waiting", "Requests not yet running: in the ring not yet admitted, or waiting in "
+                                              "the agent for a free ring slot", waiting),
+                ("vllm:kv_cache_usage_perc", "Fraction of KV-cache pages in use (1: all)",
+                 gauges["blink_kv_cache_usage_ratio"][1])]:
+            yield self._labelled(GaugeMetricFamily(name, doc, labels=["model_name"]), value)
+        for name, blink_name in [("vllm:prefix_cache_queries", "blink_prefix_cache_queries"),
+                                 ("vllm:prefix_cache_hits", "blink_prefix_cache_hits")]:
+            doc, value = counters[blink_name]
+            yield self._labelled(CounterMetricFamily(name, doc, labels=["model_name"]), value)
+
+    def _labelled(self, family, value):
+        family.add_metric([self.model_name], value)
+        return family
+
+
+class _HistogramAliases:
+    """The agent's latency histograms again under vLLM's names (``vllm name -> Histogram``), labelled
+    ``model_name``: copied at scrape time, so a token costs one observation, not two."""
+
+    def __init__(self, histograms: dict, model_name: str):
+        self.histograms, self.model_name = histograms, model_name
+
+    def collect(self):
+        for name, histogram in self.histograms.items():
+            for family in histogram.collect():
+                alias = Metric(name, family.documentation, family.type)
+                for sample in family.samples:
+                    alias.add_sample(name + sample.name[len(family.name):],
+                                     {**sample.labels, "model_name": self.model_name}, sample.value, sample.timestamp)
+                yield alias
 
 
 class _LoopThreadCollector:

@@ -60,6 +60,11 @@ class Tokenizer:
     def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_strs(self, ids) -> list[str]:
+        """Each id's token as the vocabulary writes it (byte-level: "Ġ" for a space), as ``transformers``'
+        ``convert_ids_to_tokens`` gives them."""
+        return [self._tokenizer.id_to_token(i) for i in ids]
+
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         """The chat template applied to ``messages``. ``ValueError`` if there is no template or it rejects them."""
         if self._template is None:
@@ -72,12 +77,13 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}") from None
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
         if self._content_tokenizer is None:
-            return self.encode(self.render_chat(messages), add_special_tokens=False)
+            return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt),
+                               add_special_tokens=False)
         # Render with a marker in place of each content, then encode the template's text and the contents apart.
         marked = [{**m, "content": f"{_MARK}{i}{_MARK}"} for i, m in enumerate(messages)]
-        pieces = self.render_chat(marked).split(_MARK)
+        pieces = self.render_chat(marked, add_generation_prompt=add_generation_prompt).split(_MARK)
         ids = []
         for k, piece in enumerate(pieces):
             if k % 2 == 0:

@@ -70,10 +70,10 @@ def finished(answer: tuple[int, dict, str], stream: bool = False) -> bool:
 
 @asynccontextmanager
 async def local_server(local_ring, tokenizer: Tokenizer, *, max_queued: int = 2, drain_timeout_s: float = 30.0,
-                       liveness_timeout_s: float = 10.0):
+                       liveness_timeout_s: float = 10.0, model_name: str = "local"):
     """A server on an in-process ring whose engine has not started yet (call ``Local.serve()``)."""
     memory, agent, consumer = local_ring(GEOMETRY, liveness_timeout_s=liveness_timeout_s)
-    config = ServerConfig(model_name="local", loop=LoopConfig(max_queued=max_queued),
+    config = ServerConfig(model_name=model_name, loop=LoopConfig(max_queued=max_queued),
                           drain=DrainConfig(timeout_s=drain_timeout_s))
     server = OpenAIServer(agent, tokenizer, config)
     listening = await start(server, "127.0.0.1", 0)

@@ -20,6 +20,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from blink.nic.agent_loop import STARTING, AgentLoop
 from blink.nic.drain import Drain
+from blink.nic.metrics import pending
 
 
 class Probes:
@@ -82,7 +83,7 @@ class LoadCollector:
         stats, tracker = loop.agent.stats(), loop.agent.tracker
         gauges = {
             "blink_requests_pending": ("Requests taken and not yet running: waiting in the ring plus queued in the "
-                                       "agent (vLLM's num_requests_waiting)", stats["waiting"] + len(loop.waiting)),
+                                       "agent (vLLM's num_requests_waiting)", pending(loop, stats)),
             "blink_requests_max_queued": ("Requests that may wait in the agent for a ring slot (--max-queued)",
                                           loop.config.max_queued),
             "blink_http_requests_in_flight": ("Generation requests taken and not yet answered (what a drain waits "

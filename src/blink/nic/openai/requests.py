@@ -75,7 +75,7 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _field(body: dict, name: str, kinds: tuple, rule: str, default=None, ok=lambda v: True):
+def body_field(body: dict, name: str, kinds: tuple, rule: str, default=None, ok=lambda v: True):
     """``body[name]`` checked to be one of ``kinds`` (bool only if listed) and ``ok``; ``default`` if absent/null."""
     value = body.get(name)
     if value is None:
@@ -85,7 +85,16 @@ def _field(body: dict, name: str, kinds: tuple, rule: str, default=None, ok=lamb
     return value
 
 
-def _text(value: str, param: str) -> str:
+def refuse_unsupported(body: dict, neutral_values: dict) -> None:
+    """400 for a field of ``neutral_values`` (name -> the values that ask for nothing) set to anything else."""
+    for name, neutral in neutral_values.items():
+        value = body.get(name)
+        if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
+            raise ApiError(400, f"'{name}' is not supported by this server (got {shown(value)}): leave it out",
+                           param=name)
+
+
+def text_field(value: str, param: str) -> str:
     """Tokenizers need valid Unicode: JSON can smuggle in unpaired surrogates (\\ud800)."""
     try:
         value.encode("utf-8")
@@ -110,20 +119,17 @@ class Parser:
 
     def completion(self, body: dict) -> Job:
         prompt = self._completion_prompt(body.get("prompt"))
-        logprobs = _field(body, "logprobs", (int,), "0 (only the sampled token's logprob is available) or null",
+        logprobs = body_field(body, "logprobs", (int,), "0 (only the sampled token's logprob is available) or null",
                           None, lambda v: v == 0)
         return self._job(body, prompt, chat=False, logprobs=logprobs is not None, max_tokens_field="max_tokens",
                          default_max=self.defaults.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
 
     def chat(self, body: dict) -> Job:
         messages = self._messages(body.get("messages"))
-        try:
-            prompt = self.tokenizer.encode_chat(messages)
-        except ValueError as e:
-            raise ApiError(400, str(e), param="messages") from None
-        _field(body, "top_logprobs", (int,), "0 or null (only the sampled token's logprob is available)", 0,
+        prompt = chat_prompt(self.tokenizer, messages, body)
+        body_field(body, "top_logprobs", (int,), "0 or null (only the sampled token's logprob is available)", 0,
                lambda v: v == 0)
-        logprobs = _field(body, "logprobs", (bool,), "a boolean", False)
+        logprobs = body_field(body, "logprobs", (bool,), "a boolean", False)
         # The newer name wins where both are given; a null one counts as absent, as everywhere in a body.
         new_name = body.get("max_completion_tokens") is not None
         return self._job(body, prompt, chat=True, logprobs=logprobs,
@@ -132,13 +138,9 @@ class Parser:
 
     def _job(self, body: dict, prompt: list[int], *, chat: bool, logprobs: bool, max_tokens_field: str,
              default_max) -> Job:
-        self._check_model(body)
-        for name, neutral in UNSUPPORTED.items():
-            value = body.get(name)
-            if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
-                raise ApiError(400, f"'{name}' is not supported by this server (got {shown(body[name])}): "
-                                    "leave it out", param=name)
-        n = _field(body, "n", (int,), f"an integer in [1, {MAX_CHOICES}]", 1, lambda v: 1 <= v <= MAX_CHOICES)
+        self.check_model(body)
+        refuse_unsupported(body, UNSUPPORTED)
+        n = body_field(body, "n", (int,), f"an integer in [1, {MAX_CHOICES}]", 1, lambda v: 1 <= v <= MAX_CHOICES)
         if len(prompt) > self.max_prompt:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens but this server accepts at most "
                                 f"{self.max_prompt}: shorten it", param="messages" if chat else "prompt",
@@ -146,20 +148,20 @@ class Parser:
         if logprobs and not self.geometry.logprobs:
             raise ApiError(400, "logprobs are not available: the ring was built without a logprobs area",
                            param="logprobs")
-        stream = _field(body, "stream", (bool,), "a boolean", False)
-        options = _field(body, "stream_options", (dict,), "an object like {\"include_usage\": true}", {})
+        stream = body_field(body, "stream", (bool,), "a boolean", False)
+        options = body_field(body, "stream_options", (dict,), "an object like {\"include_usage\": true}", {})
         if options and not stream:
             raise ApiError(400, "'stream_options' is only for streamed answers: send \"stream\": true, or leave it "
                                 "out", param="stream_options")
-        include_usage = _field(options, "include_usage", (bool,), "a boolean", False)
-        priority = _field(body, "priority", (int,), "an integer in [-2**31, 2**31)", 0,
+        include_usage = body_field(options, "include_usage", (bool,), "a boolean", False)
+        priority = body_field(body, "priority", (int,), "an integer in [-2**31, 2**31)", 0,
                           lambda v: -2**31 <= v < 2**31)
         params = self._sampling(body, len(prompt), max_tokens_field, default_max, logprobs)
         return Job(chat, prompt, params, self._stop(body), stream, include_usage, priority, n)
 
     def _sampling(self, body, prompt_len: int, max_tokens_field: str, default_max: int | None,
                   logprobs: bool) -> SamplingParams:
-        requested = _field(body, max_tokens_field, (int,), "an integer >= 1", None, lambda v: v >= 1)
+        requested = body_field(body, max_tokens_field, (int,), "an integer >= 1", None, lambda v: v >= 1)
         try:
             room = max_tokens_for(requested, prompt_len, self.context_len, self.geometry.max_output_tokens,
                                   max_tokens_field)
@@ -168,11 +170,11 @@ class Parser:
         if requested is None and default_max is not None:
             room = min(room, default_max)
         vocab = self.tokenizer.vocab_size
-        stop_ids = _field(body, "stop_token_ids", (list,),
+        stop_ids = body_field(body, "stop_token_ids", (list,),
                           f"a list of at most {self.geometry.max_stop_ids} token ids in [0, {vocab})", [],
-                          lambda v: len(v) <= self.geometry.max_stop_ids and _are_tokens(v, vocab))
-        seed = _field(body, "seed", (int,), "an integer in [-2**63, 2**64)", None, lambda v: -2**63 <= v < 2**64)
-        top_k = _field(body, "top_k", (int,), "an integer >= -1 (-1 or 0: no top-k)", self.defaults.top_k,
+                          lambda v: len(v) <= self.geometry.max_stop_ids and are_tokens(v, vocab))
+        seed = body_field(body, "seed", (int,), "an integer in [-2**63, 2**64)", None, lambda v: -2**63 <= v < 2**64)
+        top_k = body_field(body, "top_k", (int,), "an integer >= -1 (-1 or 0: no top-k)", self.defaults.top_k,
                        lambda v: v >= -1)
         try:
             return self._params(body, room, stop_ids, seed, top_k, logprobs)
@@ -182,22 +184,22 @@ class Parser:
     def _params(self, body, room: int, stop_ids, seed, top_k: int, logprobs: bool) -> SamplingParams:
         return SamplingParams(
             max_tokens=room,
-            temperature=_field(body, "temperature", (int, float), "a number >= 0 (0: greedy)",
+            temperature=body_field(body, "temperature", (int, float), "a number >= 0 (0: greedy)",
                                self.defaults.temperature, lambda v: 0 <= v < math.inf),
-            top_p=_field(body, "top_p", (int, float), "a number in (0, 1]", self.defaults.top_p,
+            top_p=body_field(body, "top_p", (int, float), "a number in (0, 1]", self.defaults.top_p,
                          lambda v: 0 < v <= 1),
             top_k=max(top_k, 0),
             seed=None if seed is None else seed % 2**64,
             stop_token_ids=tuple(stop_ids),
-            ignore_eos=_field(body, "ignore_eos", (bool,), "a boolean", False),
+            ignore_eos=body_field(body, "ignore_eos", (bool,), "a boolean", False),
             logprobs=logprobs,
-            presence_penalty=_field(body, "presence_penalty", (int, float), PENALTY_RULE, 0.0, _in_penalty_range),
-            frequency_penalty=_field(body, "frequency_penalty", (int, float), PENALTY_RULE, 0.0, _in_penalty_range),
-            repetition_penalty=_field(body, "repetition_penalty", (int, float), "a number > 0 (1: none)",
+            presence_penalty=body_field(body, "presence_penalty", (int, float), PENALTY_RULE, 0.0, _in_penalty_range),
+            frequency_penalty=body_field(body, "frequency_penalty", (int, float), PENALTY_RULE, 0.0, _in_penalty_range),
+            repetition_penalty=body_field(body, "repetition_penalty", (int, float), "a number > 0 (1: none)",
                                       self.defaults.repetition_penalty, lambda v: 0 < v < math.inf))
 
-    def _check_model(self, body: dict) -> None:
-        model = _field(body, "model", (str,), "a string", self.model_name)
+    def check_model(self, body: dict) -> None:
+        model = body_field(body, "model", (str,), "a string", self.model_name)
         if model != self.model_name:
             raise ApiError(404, f"the model {shown(model)} does not exist: this server serves "
                                 f"{self.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
@@ -206,9 +208,9 @@ class Parser:
         rule = f"a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings"
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else stop
-        _field({"stop": stop}, "stop", (list,), rule, None,
+        body_field({"stop": stop}, "stop", (list,), rule, None,
                lambda v: len(v) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in v))
-        return tuple(_text(s, "stop") for s in stop or ())
+        return tuple(text_field(s, "stop") for s in stop or ())
 
     def cheap(self, body: dict, chat: bool) -> bool:
         """Whether parsing ``body`` is cheap enough for the event loop: a completion whose prompt is at most
@@ -224,8 +226,8 @@ class Parser:
         prompt = _unbatched(prompt)
         if isinstance(prompt, str):
             self._check_text_bytes(len(prompt.encode("utf-8", "surrogatepass")), "prompt")
-            ids = self.tokenizer.encode(_text(prompt, "prompt"))
-        elif isinstance(prompt, list) and _are_tokens(prompt, self.tokenizer.vocab_size):
+            ids = self.tokenizer.encode(text_field(prompt, "prompt"))
+        elif isinstance(prompt, list) and are_tokens(prompt, self.tokenizer.vocab_size):
             ids = prompt
         else:
             raise ApiError(400, f"'prompt' must be {rule}, with token ids in [0, {self.tokenizer.vocab_size}) "
@@ -235,14 +237,12 @@ class Parser:
         return ids
 
     def _messages(self, messages) -> list[dict]:
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, f"'messages' must be a non-empty list of messages (got {shown(messages)})",
-                           param="messages")
-        if len(messages) > self.max_prompt:     # refused before the template renders them all: each takes a token
+        # Refused before the template renders them all: every message takes at least one token.
+        if isinstance(messages, list) and len(messages) > self.max_prompt:
             raise ApiError(400, f"'messages' has {len(messages)} messages, but every message takes at least one of the "
                                 f"{self.max_prompt} prompt tokens this server accepts: send fewer", param="messages",
                            code="context_length_exceeded")
-        parsed = [self._message(m, i) for i, m in enumerate(messages)]
+        parsed = chat_messages(messages)
         self._check_text_bytes(sum(len(m["content"].encode()) for m in parsed), "messages")
         return parsed
 
@@ -252,27 +252,47 @@ class Parser:
                                 f"server accepts (at most {self.max_text_bytes} bytes could): shorten it", param=param,
                            code="context_length_exceeded")
 
-    def _message(self, message, i: int) -> dict:
-        param = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
-            raise ApiError(400, f"'{param}' must be an object with a 'role' in {list(CHAT_ROLES)} "
-                                f"(got {shown(message)})", param=param)
-        content = message.get("content")
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                             and isinstance(p.get("text"), str) for p in content):
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise ApiError(400, f"'{param}.content' must be a string or a list of text parts "
-                                f"({{\"type\": \"text\", \"text\": ...}}); only text is supported "
-                                f"(got {shown(content)})", param=f"{param}.content")
-        return {"role": message["role"], "content": _text(content, f"{param}.content")}
+
+def chat_messages(messages) -> list[dict]:
+    """``messages`` as the chat template takes them: a non-empty list of {"role", "content"} with text contents (a
+    list of text parts joined); 400 naming the message otherwise."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, f"'messages' must be a non-empty list of messages (got {shown(messages)})",
+                       param="messages")
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: list[dict], body: dict) -> list[int]:
+    """The token ids the model is fed for chat ``messages`` (``chat_messages``): the chat template rendered, with the
+    assistant's generation prompt unless the body's ``add_generation_prompt`` (vLLM's) is false."""
+    add_generation_prompt = body_field(body, "add_generation_prompt", (bool,), "a boolean", True)
+    try:
+        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="messages") from None
+
+
+def _message(message, i: int) -> dict:
+    param = f"messages[{i}]"
+    if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+        raise ApiError(400, f"'{param}' must be an object with a 'role' in {list(CHAT_ROLES)} "
+                            f"(got {shown(message)})", param=param)
+    content = message.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ApiError(400, f"'{param}.content' must be a string or a list of text parts "
+                            f"({{\"type\": \"text\", \"text\": ...}}); only text is supported "
+                            f"(got {shown(content)})", param=f"{param}.content")
+    return {"role": message["role"], "content": text_field(content, f"{param}.content")}
 
 
 def _in_penalty_range(value) -> bool:
     return -PENALTY_LIMIT <= value <= PENALTY_LIMIT
 
 
-def _are_tokens(values: list, vocab_size: int) -> bool:
+def are_tokens(values: list, vocab_size: int) -> bool:
     """Whether every element of ``values`` is a token id: an int (a bool is not one) in [0, vocab_size). In C loops
     (``map``, ``set``, ``min``, ``max``): every prompt of ids is checked on the event loop, and a Python loop took
     39 us for 216 ids against 13 us."""

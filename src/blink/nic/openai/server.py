@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP front of the agent: the aiohttp app (``OpenAIServer``) with its routes for completions,
-chat, models, health (``/health``; ``/livez`` and ``/readyz`` from ``health``) and metrics; its ``ServerConfig``; and
-the entry points ``start`` and ``run`` (SIGTERM drains: ``blink.nic.drain``).
+chat, models, health (``/health``; ``/livez`` and ``/readyz`` from ``health``), metrics, and vLLM's ``/version``,
+``/tokenize`` and ``/detokenize`` (``tokenization``); its ``ServerConfig``; and the entry points ``start`` and ``run``
+(SIGTERM drains: ``blink.nic.drain``).
 
 One asyncio event loop owns the ``Agent`` (which is not thread-safe). A handler reads the body within the limits
 (``limits``), parses it (``requests``) on the loop when its prompt is token ids and in a worker thread when it must
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from importlib import metadata
 
 from aiohttp import web
 
@@ -34,6 +36,7 @@ from blink.nic.openai.health import LoadCollector, Probes
 from blink.nic.openai.limits import ConnectionGuard, HttpLimits, OneLineBadRequests, read_body
 from blink.nic.openai.requests import Job, Parser, json_body
 from blink.nic.openai.responses import Responder
+from blink.nic.openai.tokenization import Tokenization, vllm_json
 from blink.nic.text import Tokenizer
 
 log = logging.getLogger("blink.server")
@@ -73,10 +76,11 @@ class OpenAIServer:
         self.exit_code = 0
         self.stopped = asyncio.Event()
         self.parser = Parser(tokenizer, config.model_name, agent, config.defaults)
+        self.tokenization = Tokenization(self.parser)
         self.metrics = Metrics()
         self.loop = AgentLoop(agent, self.metrics, config.loop)
         self.responder = Responder(tokenizer, config.model_name, self.metrics, self.loop.close)
-        self.metrics.watch(self.loop)
+        self.metrics.watch(self.loop, config.model_name)
         self.drain = Drain(self.loop, config.drain)
         self.probes = Probes(self.loop, self.drain)
         self.metrics.registry.register(LoadCollector(self.probes))
@@ -84,12 +88,16 @@ class OpenAIServer:
         self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="blink-tokenizer",
                                               initializer=config.thread_start)
         self.created = int(time.time())
+        # /version's: the installed distribution that holds this package, whatever the distribution is named
+        self.blink_version = metadata.version(metadata.packages_distributions()["blink"][0])
         self.app = web.Application(middlewares=[self._errors, self._admit],
                                    client_max_size=config.limits.max_body_bytes)
         self.app.add_routes([web.post("/v1/completions", self.completions),
                              web.post("/v1/chat/completions", self.chat_completions),
-                             web.get("/v1/models", self.models), web.get("/health", self.health),
-                             web.get("/metrics", self.metrics_text)])
+                             web.get("/v1/models", self.models), web.get("/v1/models/{model:.+}", self.model),
+                             web.get("/health", self.health), web.get("/metrics", self.metrics_text),
+                             web.get("/version", self.version), web.post("/tokenize", self.tokenize),
+                             web.post("/detokenize", self.detokenize)])
         self.app.add_routes(self.probes.routes())         # /livez, /readyz (blink.nic.openai.health)
         self.app.cleanup_ctx.append(self._background)
 
@@ -158,10 +166,26 @@ class OpenAIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._answer(request, chat=True)
 
+    def _model_card(self) -> dict:
+        return {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "blink",
+                "max_model_len": self.parser.context_len}
+
     async def models(self, request: web.Request) -> web.Response:
-        model = {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "blink",
-                 "max_model_len": self.parser.context_len}
-        return web.json_response({"object": "list", "data": [model]})
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """OpenAI's "retrieve model": the served model's entry of /v1/models, 404 for any other id."""
+        self.parser.check_model({"model": request.match_info["model"]})
+        return web.json_response(self._model_card())
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": self.blink_version})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return vllm_json(await self._parse(request, self.tokenization.tokenize))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return vllm_json(await self._parse(request, self.tokenization.detokenize))
 
     async def health(self, request: web.Request) -> web.Response:
         problem = self.loop.health()
@@ -176,15 +200,17 @@ class OpenAIServer:
 
     async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrival = time.monotonic()      # the headers are in: a streamed answer's first chunk is timed from here
-        return await self._serve(request, await self._parse(request, chat), arrival)
+        parse = self.parser.chat if chat else self.parser.completion
+        job = await self._parse(request, parse, cheap=lambda body: self.parser.cheap(body, chat))
+        return await self._serve(request, job, arrival)
 
-    async def _parse(self, request: web.Request, chat: bool) -> Job:
-        """The request's body, parsed: on the event loop when that is cheap (token ids), else in a worker thread."""
+    async def _parse(self, request: web.Request, parse, cheap=lambda body: False):
+        """``parse(body)`` of the request's JSON body: on the event loop when that is ``cheap`` (token ids), else in
+        a worker thread (tokenizing)."""
         deadline = asyncio.get_running_loop().time() + self.config.limits.body_timeout_s
         async with self.guard.receiving(deadline):
             body = json_body(await read_body(request, self.config.limits, deadline))
-            parse = self.parser.chat if chat else self.parser.completion
-            if self.parser.cheap(body, chat):
+            if cheap(body):
                 return parse(body)
             return await asyncio.get_running_loop().run_in_executor(self._tokenizing, parse, body)
 
