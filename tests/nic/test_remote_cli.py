@@ -109,7 +109,7 @@ def test_an_agent_attached_through_the_listener_answers_like_one_attached_by_nam
         assert "pyverbs" in stderr or "RDMA" in stderr, stderr
         engine.send_signal(signal.SIGINT)
         assert engine.wait(60) == 0
-        assert not os.path.exists(f"/dev/shm/{ring}")
+        assert not os.path.exists(f"/dev/shm/{ring}") and not os.path.exists(f"/dev/shm/{ring}.key")
     finally:
         engine.kill()
 

@@ -179,6 +179,7 @@ class SharedMemory(_MappedMemory):
                 os.unlink(self.path)
             raise
         self._fd = fd           # kept open: its locks last as long as it does
+        self._companions: list[str] = []
         self.buffer = memoryview(self._map)
 
     def _create(self, size: int | None) -> int:
@@ -231,6 +232,10 @@ class SharedMemory(_MappedMemory):
     def open(cls, name: str, size: int | None = None) -> "SharedMemory":
         return cls(name, size)
 
+    def removes(self, path: str) -> None:
+        """The creator also removes ``path`` (a file that lives as long as the ring) when it closes."""
+        self._companions.append(path)
+
     def claim_agent(self) -> None:
         if not lock_byte(self._fd, AGENT_BYTE):
             raise RingRefused(f"another agent is attached to the ring {self.path} already: one agent per ring (two "
@@ -239,10 +244,11 @@ class SharedMemory(_MappedMemory):
     def close(self) -> None:
         self._unmap()
         if self._owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            for path in (self.path, *self._companions):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
         if self._fd >= 0:
             os.close(self._fd)      # drops this side's locks (the creator's once the name is gone)
             self._fd = -1
