@@ -18,5 +18,4 @@ __all__ = ["AsyncEngine", "AsyncRequestStream", "BlinkError", "CheckpointError",
            "Engine", "EngineClosed", "EngineConfig", "EngineError", "EngineUnavailable", "EngineUnresponsive",
            "GGUFError", "GenerationOutput", "HandshakeError", "IllegalTransition", "LaunchError", "Overloaded",
            "RdmaError", "RequestError", "RequestStream", "RingFull", "RingMismatch", "RingRefused",
-           "SamplingParams",
-           "SchedulerConfig", "StreamDelta"]
+           "SamplingParams", "SchedulerConfig", "StreamDelta"]

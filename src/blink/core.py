@@ -164,7 +164,7 @@ def create_ring(name: str | None, geometry: RingGeometry, request_side: str = "h
         except BaseException:
             secret.remove(name)
             raise
-        memory.removes(secret.key_path(name))
+        memory.also_remove(secret.key_path(name))
     memory.write(0, control.fresh(geometry, digest))
     if request_side == "device":
         control.write(memory, "engine_state", control.ENGINE_ELSEWHERE)

@@ -65,5 +65,4 @@ class GGUFError(BlinkError, ValueError):
 
 __all__ = ["BlinkError", "CheckpointError", "ConfigError", "CudaIpcError", "EngineClosed", "EngineError",
            "EngineUnavailable", "EngineUnresponsive", "GGUFError", "HandshakeError", "IllegalTransition", "LaunchError",
-           "Overloaded", "RdmaError", "RequestError", "RingFull", "RingMismatch",
-           "RingRefused"]
+           "Overloaded", "RdmaError", "RequestError", "RingFull", "RingMismatch", "RingRefused"]

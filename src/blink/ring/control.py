@@ -112,9 +112,9 @@ def fresh(geometry: RingGeometry, secret_digest: int = 0) -> bytes:
     seed, the digest of its agents' secret (0: none), every counter zero."""
     block = np.zeros(1, CONTROL_DTYPE)
     block["magic"] = MAGIC
-    block["secret_digest"] = secret_digest
     block["version"] = VERSION
     block["creator_pid"] = os.getpid()
+    block["secret_digest"] = secret_digest
     block["prefix_seed"] = secrets.randbits(64)
     for name, value in geometry_words(geometry).items():
         block[name] = value

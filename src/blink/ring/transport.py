@@ -194,7 +194,7 @@ class SharedMemory(_MappedMemory):
                                   "engine uses it, or a killed one left it behind; pick another name, or remove "
                                   "the file if no engine runs on it") from None
         try:
-            lock_byte(fd, CREATOR_BYTE)
+            lock_byte(fd, CREATOR_BYTE)             # a file made just now: nobody else can hold it
             try:
                 os.posix_fallocate(fd, 0, size)     # every page now: a write can never find /dev/shm full
             except OSError as e:
@@ -232,7 +232,7 @@ class SharedMemory(_MappedMemory):
     def open(cls, name: str, size: int | None = None) -> "SharedMemory":
         return cls(name, size)
 
-    def removes(self, path: str) -> None:
+    def also_remove(self, path: str) -> None:
         """The creator also removes ``path`` (a file that lives as long as the ring) when it closes."""
         self._companions.append(path)
 
