@@ -5,6 +5,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import time
 import pytest
 
 from blink.cores import Claims, Placement, busy_fractions, by_idleness, cpu_list, parse_cpu_list, place
+from tests.privileges import run_as, shared_dir, unused_uid
 
 STAT_BEFORE = """cpu  100 0 100 800 0 0 0 0 0 0
 cpu0 50 0 50 400 0 0 0 0 0 0
@@ -167,3 +169,42 @@ def test_two_blink_serve_on_one_host_pin_their_agents_to_different_cores():
                 server.wait(30)
             finally:
                 server.kill()       # one that ignored its SIGINT fails the test without holding its core claim on
+
+
+
+@pytest.mark.parametrize("made_by", ["the other user", "root"])
+def test_files_planted_by_another_user_never_make_a_root_server_write_elsewhere(made_by):
+    """Issue 38 #1: another local user who makes the claim directory first, or plants links in root's (the kernel
+    does not follow them only where fs.protected_symlinks / protected_hardlinks are set), must not get a root server
+    to chmod or overwrite a file of root's, nor hang it on a FIFO."""
+    with shared_dir() as directory:
+        _plant_and_claim(directory, made_by)
+
+
+def _plant_and_claim(directory, made_by: str) -> None:
+    uid = unused_uid()
+    victim = directory / "victim"
+    victim.write_text("root's own\n")
+    os.chmod(victim, 0o600)
+    claims_dir = directory / "blink-cores"
+    if made_by == "root":
+        made = Claims(str(claims_dir))
+        assert made.claim(7) and made.unavailable is None
+        made.close()
+    planted = run_as(uid, f"""
+import os
+os.makedirs({str(claims_dir)!r}, mode=0o777, exist_ok=True)
+os.symlink({str(victim)!r}, {str(claims_dir / "0")!r})
+os.mkfifo({str(claims_dir / "1")!r})
+""")
+    assert planted.returncode == 0, planted.stderr
+    # What the other user links where fs.protected_hardlinks is 0 (this host's kernel may forbid it to link a file it
+    # does not own, so root links it here).
+    os.link(victim, claims_dir / "2")
+    for core in (0, 1, 2):
+        claims = Claims(str(claims_dir))
+        assert claims.claim(core) and claims.holder(core) is None, "claims here are unavailable: nothing to respect"
+        claims.close()
+        assert victim.read_text() == "root's own\n", f"core {core}'s claim overwrote root's file"
+        assert stat.S_IMODE(os.stat(victim).st_mode) == 0o600, f"core {core}'s claim chmodded root's file"
+        assert claims.unavailable is not None, f"core {core}'s planted file was used as a claim"

@@ -85,3 +85,53 @@ def test_an_engine_with_its_request_side_in_gpu_memory_needs_a_listener():
 
     with pytest.raises(ValueError, match="--request-side device.*needs --listen HOST:PORT"):
         serve_ring(EngineConfig(ring_name="blink-test-unused", request_side="device"))
+
+
+MAKE_RING = """
+import sys, time
+from blink.core import create_ring
+from blink.ring.geometry import RingGeometry
+ring = create_ring(sys.argv[1], RingGeometry(n_slots=2, max_prompt_tokens=8, max_output_tokens=8))
+print("made", flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_rings_of_killed_servers_are_swept_and_no_other():
+    """Issue 38 #10: a whole-group crash (kill -9 of serve and its engine) left its ring and key in /dev/shm; the
+    next server removes them, and only them: not a live engine's ring, nor a file that is not a ring of this blink."""
+    import signal
+    import subprocess
+    import sys
+    import uuid
+
+    from blink.process import sweep_stale_rings
+    from blink.ring import secret
+    from blink.ring.transport import SharedMemory
+
+    def path(name):
+        return os.path.join(SharedMemory.SHM_DIR, name)
+
+    tag = uuid.uuid4().hex[:8]
+    dead, live, other = f"blink-{tag}-dead", f"blink-{tag}-live", f"blink-{tag}-not-a-ring"
+    makers = {name: subprocess.Popen([sys.executable, "-c", MAKE_RING, name], stdout=subprocess.PIPE, text=True)
+              for name in (dead, live)}
+    try:
+        for maker in makers.values():
+            assert maker.stdout.readline() == "made\n"
+        makers[dead].send_signal(signal.SIGKILL)
+        makers[dead].wait()
+        with open(path(other), "wb") as f:
+            f.write(bytes(4096))
+        assert os.path.exists(path(dead)) and os.path.exists(secret.key_path(dead)), "kill -9 leaves them"
+        sweep_stale_rings()
+        assert not os.path.exists(path(dead)) and not os.path.exists(secret.key_path(dead))
+        assert os.path.exists(path(live)) and os.path.exists(secret.key_path(live)) and os.path.exists(path(other))
+    finally:
+        for maker in makers.values():
+            maker.kill()
+            maker.wait()
+        for name in (dead, live, other):
+            for leftover in (path(name), secret.key_path(name)):
+                if os.path.exists(leftover):
+                    os.unlink(leftover)

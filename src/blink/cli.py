@@ -98,9 +98,9 @@ def _agent_configs(args):
 
 def _agent_ring(args):
     if args.ring is not None:
-        from blink.ring.transport import SharedMemory
+        from blink.process import open_ring
 
-        return SharedMemory.open(args.ring)
+        return open_ring(args.ring)
     from blink.nic.remote import open_remote
 
     return open_remote(args.remote, args.transport, device=_rdma_device(args))

@@ -147,14 +147,25 @@ class EngineCore:
 
 
 def create_ring(name: str | None, geometry: RingGeometry, request_side: str = "host"):
-    """A fresh ring: in this process (``name=None``) or in POSIX shared memory; control block initialised. With
+    """A fresh ring: in this process (``name=None``) or in POSIX shared memory, with the key file its agents are
+    given (``blink.ring.secret``: made first, removed with the ring); control block initialised. With
     ``request_side="device"`` the scheduler serves a GPU copy of its request side, so this copy is marked
     ``ENGINE_ELSEWHERE`` from its creation on: an agent that opens it by name is refused, never left waiting."""
+    from blink.ring import secret
     from blink.ring.transport import LocalMemory, SharedMemory
 
     layout = RingLayout(geometry)
-    memory = LocalMemory(layout.size) if name is None else SharedMemory.create(name, layout.size)
-    layout.initialise(memory)
+    if name is None:
+        memory, digest = LocalMemory(layout.size), 0
+    else:
+        digest = secret.digest(secret.publish(name))
+        try:
+            memory = SharedMemory.create(name, layout.size)
+        except BaseException:
+            secret.remove(name)
+            raise
+        memory.also_remove(secret.key_path(name))
+    memory.write(0, control.fresh(geometry, digest))
     if request_side == "device":
         control.write(memory, "engine_state", control.ENGINE_ELSEWHERE)
     return memory

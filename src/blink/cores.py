@@ -7,6 +7,11 @@ process exits, however it exits (a killed server leaves no stale claim, and no p
 of meaning once unlocked (unlinking them would race with another server locking the same name). Claims are seen by
 processes that share ``/dev/shm``: servers in separate containers are kept apart by their cpusets instead
 (docs/serving.md, "Reserved cores").
+
+The directory is shared by every user's servers, so nothing in it steers this process's writes elsewhere: the
+directory must be a real one (never a link), owned by root or this process's user, and sticky where others may write
+it; a claim file is never a link (``O_NOFOLLOW``), must be a regular file with one name, and is made here only with
+``O_EXCL`` (only a file made here is chmodded). Anything else makes claims unavailable, said once.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +28,8 @@ log = logging.getLogger("blink")
 CLAIM_DIR = "/dev/shm/blink-cores"
 MAX_CORES = 8192        # the largest CONFIG_NR_CPUS Linux builds with
 SAMPLE_S = 0.2          # how long the cores' busy time is watched before the agent's is chosen
+# A claim file is never followed as a link; non-blocking, so that a FIFO planted under its name cannot hang the open.
+_CLAIM_OPEN = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -167,21 +175,62 @@ class Claims:
         if self.unavailable is not None:
             return None
         try:
+            directory = _open_claim_directory(self.directory)
             try:
-                os.mkdir(self.directory)
-                os.chmod(self.directory, 0o1777)        # every user's servers claim here; sticky, as /tmp
-            except FileExistsError:
-                pass
-            path = os.path.join(self.directory, str(core))
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-            if os.fstat(fd).st_uid == os.geteuid():
-                os.fchmod(fd, 0o666)                    # whatever the umask: another user's server may lock it
-            return fd
+                return _open_claim_file(directory, str(core))
+            finally:
+                os.close(directory)
         except OSError as e:
             self.unavailable = f"{self.directory}: {e.strerror or errno.errorcode.get(e.errno, e)}"
             log.warning("cannot claim cores in %s; another blink server on this host may pick the same core",
                         self.unavailable)
             return None
+
+
+def _open_claim_directory(path: str) -> int:
+    """``path`` opened as a directory (made, mode 1777, if absent), once it is safe to open files in: ``OSError``
+    saying why it is not."""
+    try:
+        os.mkdir(path, 0o700)
+        made = True
+    except FileExistsError:
+        made = False
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if made:
+            os.fchmod(fd, 0o1777)       # every user's servers claim here; sticky, as /tmp
+        info = os.fstat(fd)
+        if info.st_uid not in (0, os.geteuid()):
+            raise OSError(errno.EPERM, f"it belongs to uid {info.st_uid}, who could swap the files in it: remove it "
+                                       "(the next server makes it again), or make it as root: mkdir -m 1777")
+        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            raise OSError(errno.EPERM, f"others may write it (mode {stat.S_IMODE(info.st_mode):o}) and it is not "
+                                       "sticky: chmod 1777 it")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_claim_file(directory: int, name: str) -> int:
+    """The claim file ``name`` in the open ``directory``, opened read-write: an existing one if it is a regular file
+    with no other name (a link to another file, planted by another user, is refused, never written), else a new one
+    made here (mode 0666: another user's server may lock it)."""
+    try:
+        fd = os.open(name, _CLAIM_OPEN, dir_fd=directory)
+    except FileNotFoundError:
+        try:
+            fd = os.open(name, _CLAIM_OPEN | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=directory)
+        except FileExistsError:         # another server made it meanwhile
+            return _open_claim_file(directory, name)
+        os.fchmod(fd, 0o666)            # whatever the umask
+        return fd
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        raise OSError(errno.EPERM, f"claim file {name} is not a regular file with one name (another user may have "
+                                   "planted it): remove it")
+    return fd
 
 
 @contextmanager

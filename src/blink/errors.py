@@ -5,7 +5,7 @@ Errors about bad input (a configuration, a checkpoint, a request) are also ``Val
 engine are ``RuntimeError``s. Every message says what was wrong and what to do.
 """
 from blink.ring.errors import (BlinkError, EngineUnresponsive, IllegalTransition, RequestError, RingFull,
-                               RingMismatch)
+                               RingMismatch, RingRefused)
 
 
 class EngineError(BlinkError):
@@ -65,4 +65,4 @@ class GGUFError(BlinkError, ValueError):
 
 __all__ = ["BlinkError", "CheckpointError", "ConfigError", "CudaIpcError", "EngineClosed", "EngineError",
            "EngineUnavailable", "EngineUnresponsive", "GGUFError", "HandshakeError", "IllegalTransition", "LaunchError",
-           "Overloaded", "RdmaError", "RequestError", "RingFull", "RingMismatch"]
+           "Overloaded", "RdmaError", "RequestError", "RingFull", "RingMismatch", "RingRefused"]

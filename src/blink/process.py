@@ -78,8 +78,10 @@ def engine_process(config: EngineConfig):
     Yields ``(memory, process)`` once the ring exists; on exit asks the engine to shut down through the ring, waits
     for the process, and removes the ring if the engine could not.
     """
+    from blink.ring import secret
     from blink.ring.transport import SharedMemory
 
+    sweep_stale_rings()
     process = mp.get_context("spawn").Process(target=_engine_entry, args=(config, os.getpid()), daemon=True)
     process.start()
     memory = None
@@ -97,6 +99,51 @@ def engine_process(config: EngineConfig):
             process.kill()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SharedMemory.SHM_DIR, config.ring_name))
+        secret.remove(config.ring_name)
+
+
+def open_ring(name: str):
+    """``blink agent --ring NAME``: the shared-memory ring ``name`` of an engine that runs already, once it is known
+    to be this user's (``SharedMemory.open``) and made with the secret this agent was given (``blink.ring.secret``:
+    the key file beside it, or ``$BLINK_RING_SECRET``)."""
+    from blink.ring import secret
+    from blink.ring.transport import SharedMemory
+
+    memory = SharedMemory.open(name)
+    try:
+        secret.verify(memory, secret.read(name), name)
+    except BaseException:
+        memory.close()
+        raise
+    return memory
+
+
+def sweep_stale_rings() -> None:
+    """Remove the rings (and their key files) that killed servers of this user left in ``/dev/shm``: named as
+    ``blink serve`` names them (``blink-PID-...``), this user's, initialised, and held by no engine (no lock on their
+    ``CREATOR_BYTE``: the lock goes with its process however it ends, in whatever pid namespace it ran)."""
+    from blink.ring import secret
+    from blink.ring.transport import CREATOR_BYTE, SharedMemory, check_owned, lock_byte
+
+    for entry in os.scandir(SharedMemory.SHM_DIR):
+        if not entry.name.startswith("blink-") or entry.name.endswith(secret.SUFFIX):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue                # another user's, or gone meanwhile
+        try:
+            check_owned(fd, entry.path)
+            identity = (control.MAGIC | control.VERSION << 32).to_bytes(8, "little")
+            if os.pread(fd, 8, 0) != identity or not lock_byte(fd, CREATOR_BYTE):
+                continue            # not a ring of this blink (whose engines hold the lock), not made yet, or live
+            os.unlink(entry.path)
+            secret.remove(entry.name)
+            log.info("removed %s, the ring of a blink server that is gone", entry.path)
+        except (BlinkError, OSError):
+            continue
+        finally:
+            os.close(fd)
 
 
 def _engine_entry(config: EngineConfig, parent: int) -> None:

@@ -109,7 +109,7 @@ def test_an_agent_attached_through_the_listener_answers_like_one_attached_by_nam
         assert "pyverbs" in stderr or "RDMA" in stderr, stderr
         engine.send_signal(signal.SIGINT)
         assert engine.wait(60) == 0
-        assert not os.path.exists(f"/dev/shm/{ring}")
+        assert not os.path.exists(f"/dev/shm/{ring}") and not os.path.exists(f"/dev/shm/{ring}.key")
     finally:
         engine.kill()
 
@@ -149,3 +149,34 @@ def test_an_agent_writing_the_gpu_memory_ring_through_cuda_ipc_answers_like_one_
         assert not os.path.exists(f"/dev/shm/{ring}")
     finally:
         device.kill()
+
+
+def test_blink_agent_refuses_another_users_ring_in_one_line():
+    """Issue 38 #2 from the command line: another local user's fake engine (a ring with a valid control block and a
+    key file of its own, under the name the user gives ``blink agent --ring``) is refused, saying whose it is."""
+    from blink.models import default_model_path
+    from blink.ring import secret
+    from blink.ring.geometry import RingGeometry
+    from blink.ring.layout import RingLayout
+    from tests.privileges import run_as, second_user_reason, unused_uid
+
+    if reason := second_user_reason():
+        pytest.skip(reason)
+    ring = f"blink-test-fake-{os.getpid()}"
+    layout = RingLayout(RingGeometry(n_slots=2, max_prompt_tokens=8, max_output_tokens=8))
+    ring_bytes = layout.control_bytes().ljust(layout.size, b"\0")
+    fake = run_as(unused_uid(), f"""
+import os
+for path, data in (({secret.key_path(ring)!r}, b"the fake engine's"),
+                   ({"/dev/shm/" + ring!r}, bytes.fromhex({ring_bytes.hex()!r}))):
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    os.write(fd, data)
+""")
+    try:
+        assert fake.returncode == 0, fake.stderr
+        stderr = refusal_by_name(ring, default_model_path())
+        assert f"/dev/shm/{ring} belongs to uid" in stderr and "run the agent as that user" in stderr, stderr
+    finally:
+        for path in (f"/dev/shm/{ring}", secret.key_path(ring)):
+            if os.path.exists(path):
+                os.unlink(path)

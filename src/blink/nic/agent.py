@@ -83,7 +83,10 @@ class Agent:
 
     @classmethod
     def attach(cls, memory: RemoteMemory, **options) -> Agent:
-        """An agent on an existing ring, with the geometry its creator wrote into the control block."""
+        """An agent on an existing ring, with the geometry its creator wrote into the control block; the ring's only
+        agent until ``memory`` is closed (``RingRefused`` if another agent is attached: two would take each other's
+        slots and answer with each other's tokens)."""
+        memory.claim_agent()
         return cls(memory, control.geometry_of(memory.read(0, control.CONTROL_DTYPE.itemsize)), **options)
 
     @property

@@ -17,7 +17,7 @@ from blink.ring.errors import RingMismatch
 from blink.ring.geometry import RingGeometry
 
 MAGIC = 0x4B4E4C42  # "BLNK" in little-endian bytes
-VERSION = 4
+VERSION = 5
 
 # Control block flags.
 RING_LOGPROBS = 1
@@ -75,8 +75,10 @@ CONTROL_DTYPE = struct([
     ("prefix_evictions", "<u8", 184),   # GPU: cached pages evicted for reuse
     ("prefill_tokens", "<u8", 192),     # GPU: prompt positions the model computed (preemption recomputes)
     ("cached_pages", "<u4", 200),   # GPU gauge: pages in the prefix cache (in use or evictable)
+    ("secret_digest", "<u8", 208),  # creator: a digest of the secret its agents are given (blink.ring.secret)
 ], 256)
 
+WORDS = tuple(name for name in CONTROL_DTYPE.names if name != "secret_digest")    # what ``read`` shows
 GEOMETRY_FIELDS = ("n_slots", "max_prompt_tokens", "max_output_tokens", "max_stop_ids", "flags", "max_model_len",
                    "prefix_page_size")
 STATS_FIELDS = ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted", "kv_pages_total",
@@ -105,13 +107,14 @@ def geometry_words(geometry: RingGeometry) -> dict[str, int]:
             "max_model_len": g.max_model_len, "prefix_page_size": g.prefix_page_size}
 
 
-def fresh(geometry: RingGeometry) -> bytes:
+def fresh(geometry: RingGeometry, secret_digest: int = 0) -> bytes:
     """The control block of a new ring, created by this process: identity and geometry set, a random prefix-key
-    seed, every counter zero."""
+    seed, the digest of its agents' secret (0: none), every counter zero."""
     block = np.zeros(1, CONTROL_DTYPE)
     block["magic"] = MAGIC
     block["version"] = VERSION
     block["creator_pid"] = os.getpid()
+    block["secret_digest"] = secret_digest
     block["prefix_seed"] = secrets.randbits(64)
     for name, value in geometry_words(geometry).items():
         block[name] = value
@@ -161,9 +164,10 @@ def geometry_of(raw: bytes) -> RingGeometry:
 
 
 def read(memory) -> dict[str, int]:
-    """Every control-block word of the ring in ``memory`` (a ``RemoteMemory``), by field name, in one read."""
+    """Every control-block word of the ring in ``memory`` (a ``RemoteMemory``), by name, in one read; not the secret's
+    digest (``WORDS``): the stats go to logs and /metrics."""
     block = decode(memory.read(0, CONTROL_DTYPE.itemsize))
-    return {name: int(block[name]) for name in CONTROL_DTYPE.names}
+    return {name: int(block[name]) for name in WORDS}
 
 
 def write(memory, name: str, value: int) -> None:

@@ -33,3 +33,8 @@ class RingFull(BlinkError):
 
 class EngineUnresponsive(BlinkError):
     """The GPU side stopped making progress (heartbeat frozen) or has stopped while requests were in flight."""
+
+
+class RingRefused(BlinkError):
+    """A shared-memory ring this process must not attach to: another user's, open to other users, or already
+    served by another agent."""

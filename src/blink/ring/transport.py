@@ -12,9 +12,15 @@ Ordering guarantee every implementation gives (the whole NIC↔GPU protocol rest
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import mmap
 import os
+import stat
+import struct
 from abc import ABC, abstractmethod
+
+from blink.ring.errors import RingRefused
 
 
 class RemoteMemory(ABC):
@@ -35,6 +41,10 @@ class RemoteMemory(ABC):
 
     def close(self) -> None:
         """Release this side's mapping."""
+
+    def claim_agent(self) -> None:
+        """Make this the only agent on the region until ``close``; ``RingRefused`` if another agent has it. Only
+        shared memory, which any process of the user may open by name, needs it: elsewhere it does nothing."""
 
     def _check_range(self, offset: int, nbytes: int) -> None:
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
@@ -93,23 +103,60 @@ def is_shm_name(name) -> bool:
             and len(name.encode("utf-8", "surrogateescape")) <= 255)
 
 
-def _check_room(directory: str, size: int) -> None:
-    """``ValueError`` if ``directory``'s filesystem cannot hold ``size`` bytes: the ring's file is sparse, so it would
-    be created, and the first write to a page beyond the room would kill the process (SIGBUS) under load."""
-    stat = os.statvfs(directory)
-    free = stat.f_bavail * stat.f_frsize
-    if size > free:
-        raise ValueError(f"the ring takes {size / 2**20:.1f} MiB but {directory} has {free / 2**20:.1f} MiB free: give "
-                         "it fewer slots or shorter sequences (--slots, --max-model-len), or a larger "
-                         f"{directory} (docker run --shm-size)")
+def _free_bytes(directory: str) -> int:
+    info = os.statvfs(directory)
+    return info.f_bavail * info.f_frsize
+
+
+def _room_error(directory: str, size: int) -> ValueError:
+    """What a ring that does not fit in ``directory`` is refused with."""
+    free = _free_bytes(directory)
+    return ValueError(f"the ring takes {size / 2**20:.1f} MiB but {directory} has {free / 2**20:.1f} MiB free: give "
+                      "it fewer slots or shorter sequences (--slots, --max-model-len), or a larger "
+                      f"{directory} (docker run --shm-size)")
+
+
+# Bytes of a ring's file that its users lock (Linux open-file-description locks: per open file, released when it is
+# closed, by whatever process, in whatever namespace): the creator holds CREATOR_BYTE while the ring is served, so a
+# ring nobody holds it on is one a killed engine left behind; the agent holds AGENT_BYTE, one agent per ring.
+CREATOR_BYTE, AGENT_BYTE = 0, 1
+
+
+def lock_byte(fd: int, byte: int) -> bool:
+    """Write-lock ``byte`` of ``fd``'s file for this open file description: False if another one holds it."""
+    request = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0)     # struct flock, l_pid 0
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, request)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def check_owned(fd: int, path: str) -> None:
+    """``RingRefused`` unless the file open at ``fd`` is a regular file of this process's user that no other user
+    may read or write (mode 0600, as an engine makes its ring): another user's file, or one open to others, may be a
+    fake engine's, which would read every prompt and write the answers."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise RingRefused(f"{path} is not a regular file, so no blink engine made it: remove it or pick another name")
+    if info.st_uid != os.geteuid():
+        raise RingRefused(f"{path} belongs to uid {info.st_uid}, not to this process's user (uid {os.geteuid()}): "
+                          "an agent attaches only to a ring its own user's engine made; run the agent as that user")
+    if info.st_mode & 0o077:
+        raise RingRefused(f"{path} is open to other users (mode {stat.S_IMODE(info.st_mode):04o}, an engine makes "
+                          "its ring 0600), so others may have read or written it: not attached")
 
 
 class SharedMemory(_MappedMemory):
     """A POSIX shared-memory region (``/dev/shm/<name>``) that another process opens by name.
 
     The creator owns the name: ``close()`` on the creator also unlinks it. Openers only unmap. The region is
-    zero-filled at creation and page-aligned, so the engine can register it with the GPU (``cudaHostRegister``) and
-    the scheduler reads it in place.
+    zero-filled at creation, its pages reserved then (a full ``/dev/shm`` later cannot fault a write to it: SIGBUS),
+    and page-aligned, so the engine can register it with the GPU (``cudaHostRegister``) and the scheduler reads it in
+    place. The creator makes it 0600 and holds its ``CREATOR_BYTE`` lock until ``close``; an opener refuses a region
+    that is not its own user's with mode 0600 (``check_owned``), and never follows a link.
     """
 
     SHM_DIR = "/dev/shm"
@@ -120,40 +167,62 @@ class SharedMemory(_MappedMemory):
         self.name = name
         self.path = os.path.join(self.SHM_DIR, name)
         self._owner = create
-        if create:
-            if size is None or size < 1:
-                raise ValueError(f"SharedMemory size must be >= 1 byte when creating (got {size})")
-            _check_room(self.SHM_DIR, size)
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            except FileExistsError:
-                raise FileExistsError(f"a shared-memory ring named {name!r} exists already ({self.path}): another "
-                                      "engine uses it, or a killed one left it behind; pick another name, or remove "
-                                      "the file if no engine runs on it") from None
-            try:
-                os.ftruncate(fd, size)
-            except BaseException:
-                os.close(fd)
-                os.unlink(self.path)
-                raise
-        else:
-            try:
-                fd = os.open(self.path, os.O_RDWR)
-            except FileNotFoundError:
-                raise FileNotFoundError(f"no shared-memory ring named {name!r} ({self.path}): start the engine "
-                                        "first, or pass the name it printed") from None
+        fd = self._create(size) if create else self._open()
         try:
             self.size = os.fstat(fd).st_size
             if size is not None and size != self.size:
                 raise ValueError(f"shared-memory ring {name!r} is {self.size} bytes, expected {size}")
             self._map = mmap.mmap(fd, self.size)
         except BaseException:
+            os.close(fd)
             if create:
                 os.unlink(self.path)
             raise
-        finally:
-            os.close(fd)
+        self._fd = fd           # kept open: its locks last as long as it does
+        self._companions: list[str] = []
         self.buffer = memoryview(self._map)
+
+    def _create(self, size: int | None) -> int:
+        if size is None or size < 1:
+            raise ValueError(f"SharedMemory size must be >= 1 byte when creating (got {size})")
+        if size > _free_bytes(self.SHM_DIR):       # said before a byte is taken
+            raise _room_error(self.SHM_DIR, size)
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            raise FileExistsError(f"a shared-memory ring named {self.name!r} exists already ({self.path}): another "
+                                  "engine uses it, or a killed one left it behind; pick another name, or remove "
+                                  "the file if no engine runs on it") from None
+        try:
+            lock_byte(fd, CREATOR_BYTE)             # a file made just now: nobody else can hold it
+            try:
+                os.posix_fallocate(fd, 0, size)     # every page now: a write can never find /dev/shm full
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise _room_error(self.SHM_DIR, size) from None
+                raise
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        return fd
+
+    def _open(self) -> int:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no shared-memory ring named {self.name!r} ({self.path}): start the engine "
+                                    "first, or pass the name it printed") from None
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise RingRefused(f"{self.path} is a symbolic link, so no blink engine made it: not attached") from None
+        try:
+            check_owned(fd, self.path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     @classmethod
     def create(cls, name: str, size: int) -> "SharedMemory":
@@ -163,10 +232,23 @@ class SharedMemory(_MappedMemory):
     def open(cls, name: str, size: int | None = None) -> "SharedMemory":
         return cls(name, size)
 
+    def also_remove(self, path: str) -> None:
+        """The creator also removes ``path`` (a file that lives as long as the ring) when it closes."""
+        self._companions.append(path)
+
+    def claim_agent(self) -> None:
+        if not lock_byte(self._fd, AGENT_BYTE):
+            raise RingRefused(f"another agent is attached to the ring {self.path} already: one agent per ring (two "
+                              "would take each other's slots); stop it first, or start another engine")
+
     def close(self) -> None:
         self._unmap()
         if self._owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            for path in (self.path, *self._companions):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        if self._fd >= 0:
+            os.close(self._fd)      # drops this side's locks (the creator's once the name is gone)
+            self._fd = -1

@@ -3,6 +3,7 @@ being the reference consumer stepped in the server's own loop (``local.py``): st
 step, full, draining. ``/health`` keeps its meaning throughout."""
 import asyncio
 
+import numpy as np
 import pytest
 
 from blink.ring import control
@@ -125,3 +126,26 @@ def test_pending_is_what_waits_in_the_ring_and_in_the_agent(local_ring, tokenize
 
     run(local_ring, tokenizer, scenario)
 
+
+
+def test_a_server_whose_agent_loop_crashed_stops_with_exit_code_1(local_ring, tokenizer):
+    """Issue 38 #9: another writer on the ring (a second agent) changed a slot's epoch under the agent; its loop
+    crashed, and the process answered 503 for ever. Now the request in flight ends with an error and the server
+    stops with exit code 1, for its supervisor to restart it, as when its engine is gone."""
+    async def scenario(local):
+        local.serve()
+        await asyncio.sleep(0.15)
+        local.engine_runs.clear()                   # the request stays in the ring while the other writer acts
+        request = asyncio.create_task(local.complete(max_tokens=8))
+        agent = local.server.loop.agent
+        await local.until(lambda: agent.in_flight == 1)
+        (slot,) = agent._slot_of.values()
+        local.memory.write(agent.layout.status_at("epoch", slot), np.array([12345], "<u4").tobytes())
+        local.engine_runs.set()
+        async with asyncio.timeout(10):
+            await local.server.stopped.wait()
+        assert local.server.exit_code == 1
+        status, _, body = await request
+        assert status == 503 and "the agent loop crashed" in body
+
+    run(local_ring, tokenizer, scenario)

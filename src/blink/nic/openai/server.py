@@ -143,7 +143,9 @@ class OpenAIServer:
             return await handler(request)
 
     async def _background(self, app):
-        tasks = [asyncio.create_task(self.loop.run())]
+        polling = asyncio.create_task(self.loop.run())
+        polling.add_done_callback(self._loop_ended)
+        tasks = [polling]
         if self.engine_gone is not None:
             tasks.append(asyncio.create_task(self._watch_engine()))
         yield
@@ -151,6 +153,15 @@ class OpenAIServer:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """The agent loop ends only when the server stops, or when it crashed (it logged why and failed the requests
+        in flight): a server that can serve nothing more stops with ``exit_code`` 1, as when its engine is gone,
+        rather than answer 503 for ever."""
+        if not task.cancelled() and task.exception() is not None:
+            log.error("the agent loop crashed: stopping (exit code 1)")
+            self.exit_code = 1
+            self.stopped.set()
 
     async def _watch_engine(self) -> None:
         while (reason := self.engine_gone()) is None:
