@@ -329,7 +329,7 @@ def _parser() -> argparse.ArgumentParser:
     try:
         from blink.bench.serve import add_parsers
     except ImportError as e:            # the bench extra is not installed
-        message = f"blink bench needs the bench extra ({e.name} is missing): pip install 'blink[bench]'"
+        message = f"blink bench needs the bench extra ({e.name} is missing): pip install 'blink-serve[bench]'"
         bench_cmd.set_defaults(run=lambda args: print(message, file=sys.stderr) or 1)
     else:
         add_parsers(bench_sub)
