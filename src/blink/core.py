@@ -76,6 +76,7 @@ class EngineCore:
         control.write(self.ring_memory, "step_limit_s", self.backend.step_limit_s)
         self._stack.callback(self._stop)
         self.backend.start()
+        self._wait_until_serving(self.backend.step_limit_s)
         if config.ring_name is not None:
             log.info("ring /dev/shm/%s: %.1f MiB, %d slots", config.ring_name, self.memory.size / 2**20,
                      self.geometry.n_slots)
@@ -94,6 +95,18 @@ class EngineCore:
         followers = Followers.start(model_dir, dummy, dtype, config.tensor_parallel_size)
         self._stack.callback(followers.kill)
         return followers
+
+    def _wait_until_serving(self, timeout_s: float) -> None:
+        """Return once the scheduler loop's first iteration has marked the ring served: an engine handed to its
+        caller takes a request at once (an agent refuses requests while the engine is "still starting"). The first
+        iteration runs no step; it gets as long as a step may take before it counts as hung."""
+        deadline = time.monotonic() + timeout_s
+        while (state := self.stats()["engine_state"]) != control.ENGINE_SERVING:
+            if state == control.ENGINE_STOPPED or not self.backend.alive():
+                raise EngineError(f"the scheduler loop ended before it served: {self.backend.error!r}")
+            if time.monotonic() > deadline:
+                raise EngineError(f"the scheduler loop did not begin to serve within {timeout_s:.0f} s")
+            time.sleep(0.001)
 
     def _stop(self) -> None:
         """Shutdown through the ring (in-flight requests end with "abort"), wait for the loop, free the backend."""
