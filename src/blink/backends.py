@@ -26,6 +26,7 @@ from blink.config import EngineConfig
 from blink.device.config import SchedulerConfig
 from blink.device.step import StepBuffers, StepLayout
 from blink.errors import EngineError
+from blink.extras import require_gpu
 from blink.ring.geometry import RingGeometry
 
 SHUTDOWN_TIMEOUT_S = 120.0   # a CPU step of a full 2048-token prefill can take seconds
@@ -41,6 +42,8 @@ def select_device(requested: str) -> str:
     device = requested if requested != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise EngineError("EngineConfig.device='cuda' but torch sees no CUDA GPU: use device='cpu' (or 'auto')")
+    if device == "cuda":
+        require_gpu("the GPU engine")
     simulator = device == "cpu"
     if "numba" in sys.modules:
         from numba import config

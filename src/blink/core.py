@@ -17,6 +17,7 @@ from pathlib import Path
 
 from blink.config import EngineConfig
 from blink.errors import EngineError
+from blink.extras import require_engine
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout
@@ -42,6 +43,7 @@ class EngineCore:
             raise
 
     def _start(self, config: EngineConfig) -> None:
+        require_engine("the engine")
         from blink.backends import CpuBackend, GpuBackend, select_device
         from blink.models import ModelConfig, TensorParallel, default_model_path, resolve_model
         from blink.ranks import load
