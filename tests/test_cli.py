@@ -100,3 +100,15 @@ def test_a_port_in_use_is_one_line_not_a_traceback():
                               capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert f"blink serve: cannot listen on 127.0.0.1:{port}: " in done.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "engine", "agent", "generate", "ring-demo"])
+def test_help_shows_each_default_once(command, capsys):
+    """An option without a value by default says in its help what leaving it out does; argparse's "(default: None)"
+    after that said it a second time, and wrongly."""
+    from blink.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    assert "(default: None)" not in text and "(default: " in text

@@ -268,8 +268,15 @@ def _http_options(parser) -> None:
                              "runs without it and says why)")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, except None: the help says what leaving the option out does."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
-    formatter = argparse.ArgumentDefaultsHelpFormatter
+    formatter = _HelpFormatter
     parser = argparse.ArgumentParser(prog="blink", description=__doc__, formatter_class=formatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
