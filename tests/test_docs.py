@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,9 +56,14 @@ def test_ci_runs_the_readme_s_install_and_test_command():
 
 
 def execute(lang: str, code: str, timeout_s: float) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}       # as a user runs it
-    command = [sys.executable, "-c", code] if lang == "python" else ["bash", "-e", "-c", code]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    """Run a snippet as a user does: shell with ``bash -e``; Python saved as a script and run (a process that
+    multiprocessing spawns imports the script again, which ``python -c`` would hide)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    with tempfile.TemporaryDirectory() as scratch:
+        script = Path(scratch) / "snippet.py"
+        script.write_text(code)
+        command = [sys.executable, str(script)] if lang == "python" else ["bash", "-e", "-c", code]
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
 def listening(port: int) -> bool:
