@@ -120,3 +120,16 @@ def test_every_metric_the_page_names_is_exported(local_ring):
             return set(await local.metrics())
 
     assert named <= asyncio.run(exported())
+
+
+def test_the_load_signal_table_names_every_gauge_of_the_engine(local_ring):
+    """Each gauge the engine keeps in the ring (the prefix cache's among them) is in the page's table."""
+    from blink.nic.agent_loop import AgentLoop
+    from blink.nic.metrics import Metrics, _RingCollector
+    from blink.ring.geometry import RingGeometry
+
+    _, agent, _ = local_ring(RingGeometry(n_slots=4, max_prompt_tokens=8, max_output_tokens=8))
+    gauges = {family.name for family in _RingCollector(AgentLoop(agent, Metrics())).collect()
+              if family.type == "gauge"}
+    table = set(re.findall(r"^\| `(blink_[a-z_]+)`", DEPLOY.read_text(), flags=re.MULTILINE))
+    assert gauges and gauges <= table, gauges - table
