@@ -9,6 +9,7 @@ import os
 import sys
 import uuid
 
+from blink.models import resolve_model
 from blink.priority import PRIORITIES
 from blink.process import USER_ERRORS
 from blink.ring.split import REQUEST_SIDES
@@ -28,7 +29,7 @@ def serve(args) -> int:
     from blink.ring.reference import standin_engine
 
     configs = _agent_configs(args)      # checked before the engine starts
-    model_dir = _model_dir(args.model_path or args.model)
+    model_dir = resolve_model(args.model_path or args.model)
     tokenizer = _tokenizer(args, model_dir)
     if args.standin:
         from blink.config import DEFAULT_MAX_MODEL_LEN
@@ -48,7 +49,7 @@ def engine(args) -> int:
     """The engine on a new shared-memory ring until Ctrl-C or SIGTERM; ``blink agent --ring NAME`` serves HTTP on it."""
     from blink.process import serve_ring
 
-    serve_ring(_engine_config(args, _model_dir(args.model_path or args.model), ring_name=args.ring,
+    serve_ring(_engine_config(args, resolve_model(args.model_path or args.model), ring_name=args.ring,
                               request_side=args.request_side),
                listen=args.listen, rdma_device=_rdma_device(args))
     return 0
@@ -61,7 +62,7 @@ def generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
-    with Engine(_engine_config(args, _model_dir(args.model))) as llm:
+    with Engine(_engine_config(args, resolve_model(args.model))) as llm:
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         stream = llm.stream(prompt, params)
         for delta in stream:
@@ -77,7 +78,7 @@ def agent(args) -> int:
     from blink.process import split_cores
 
     configs = _agent_configs(args)
-    model_dir = _model_dir(args.model)
+    model_dir = resolve_model(args.model)
     with _agent_ring(args) as memory, split_cores(None, args.cpus, args.reserve_agent_cores) as cores:
         return _serve_http(args, configs, memory, _tokenizer(args, model_dir), model_dir, None, cores)
 
@@ -151,12 +152,6 @@ def _tokenizer(args, model_dir):
 def _ring_name() -> str:
     """A fresh shared-memory name: the pid alone repeats (PID 1 in every container), a random part does not."""
     return f"blink-{os.getpid()}-{next(_ring_numbers)}-{uuid.uuid4().hex[:8]}"
-
-
-def _model_dir(model):
-    from blink.models import default_model_path, resolve_model
-
-    return resolve_model(model) if model is not None else default_model_path()
 
 
 def _engine_config(args, model_dir, **overrides):
@@ -269,19 +264,16 @@ def _http_options(parser) -> None:
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Each option's default after its help, except None: the help says what leaving the option out does."""
-
-    def _get_help_string(self, action):
+    def _get_help_string(self, action):     # no "(default: None)": such an option's help says what its absence does
         return action.help if action.default is None else super()._get_help_string(action)
 
 
 def _parser() -> argparse.ArgumentParser:
-    formatter = _HelpFormatter
-    parser = argparse.ArgumentParser(prog="blink", description=__doc__, formatter_class=formatter)
+    parser = argparse.ArgumentParser(prog="blink", description=__doc__, formatter_class=_HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name, run, help):
-        p = sub.add_parser(name, help=help, description=help, formatter_class=formatter)
+        p = sub.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter)
         p.set_defaults(run=run)
         return p
 

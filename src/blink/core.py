@@ -45,14 +45,14 @@ class EngineCore:
     def _start(self, config: EngineConfig) -> None:
         require_engine("the engine")
         from blink.backends import CpuBackend, GpuBackend, select_device
-        from blink.models import ModelConfig, TensorParallel, default_model_path, resolve_model
+        from blink.models import ModelConfig, TensorParallel, resolve_model
         from blink.ranks import load
 
         self.device = select_device(config.device)
         if config.request_side == "device" and self.device != "cuda":
             raise EngineError("EngineConfig.request_side='device' keeps the ring's request side in GPU memory: it "
                               "needs a GPU (device='cuda'); on the CPU use request_side='host'")
-        model_dir = resolve_model(config.model) if config.model is not None else default_model_path()
+        model_dir = resolve_model(config.model)
         model_config = ModelConfig.from_file(model_dir)
         self.max_model_len = config.max_model_len(model_config.max_position_embeddings)
         self.geometry = config.geometry(self.max_model_len)

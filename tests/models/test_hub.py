@@ -53,3 +53,9 @@ def test_the_engine_serves_a_model_by_its_cached_id(tmp_path, monkeypatch):
     with Engine(config) as engine:
         out = engine.generate("Hello", SamplingParams(max_tokens=3, temperature=0))[0]
     assert len(out.token_ids) == 3
+
+
+def test_no_name_is_the_embedded_default_model():
+    from blink.models import default_model_path
+
+    assert resolve_model(None) == default_model_path()

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from blink.errors import ConfigError
 
+from .default import default_model_path
+
 
 def hub_cache() -> Path:
     if os.environ.get("HF_HUB_CACHE"):
@@ -19,8 +21,11 @@ def hub_cache() -> Path:
     return home / "hub"
 
 
-def resolve_model(name: str, revision: str = "main") -> Path:
-    """The directory of ``name``: itself if it is one, else the cached snapshot of the model id ``name``."""
+def resolve_model(name: str | None, revision: str = "main") -> Path:
+    """The directory of ``name``: itself if it is one, else the cached snapshot of the model id ``name``; None is the
+    embedded default model."""
+    if name is None:
+        return default_model_path()
     path = Path(name).expanduser()
     if path.is_dir():
         return path
