@@ -49,11 +49,14 @@ def outside_this_tree() -> dict:
 
 
 def test_the_core_install_is_this_project_without_torch_or_numba(agent_venv):
-    code = ("import importlib.metadata as m, importlib.util as u, blink; "
-            "print(m.version('blink-serve'), blink.__file__, [n for n in ('torch', 'numba') if u.find_spec(n)])")
+    code = ("import importlib.metadata as m, importlib.resources as r, importlib.util as u, blink; "
+            "data = r.files('blink.device').joinpath('shim.cu').is_file() and "
+            "r.files('blink.models').joinpath('shapes', 'llama-3-8b', 'config.json').is_file(); "
+            "print(m.version('blink-serve'), blink.__file__, data, [n for n in ('torch', 'numba') if u.find_spec(n)])")
     done = run(agent_venv / "python", "-c", code, env=outside_this_tree(), cwd=agent_venv)
-    version, where, engine_modules = done.stdout.split(maxsplit=2)
+    version, where, data, engine_modules = done.stdout.split(maxsplit=3)
     assert version == PROJECT["version"] and where.startswith(str(agent_venv.parent)), done.stdout
+    assert data == "True", "the wheel lacks its package data (shim.cu, the full-size shapes)"
     assert engine_modules.strip() == "[]", done.stdout
     run(agent_venv / "blink", "agent", "--help", env=outside_this_tree())
 
