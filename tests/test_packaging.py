@@ -33,7 +33,8 @@ def agent_venv(tmp_path_factory) -> Path:
     shutil.copytree(ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     run(sys.executable, "-m", "pip", "wheel", "-q", "-w", wheels, tree)
     venv.create(env, with_pip=True)
-    run(env / "bin" / "pip", "install", "-q", "--no-index", "--find-links", wheels, PROJECT["name"])
+    run(env / "bin" / "pip", "install", "-q", "--no-index", "--find-links", wheels, PROJECT["name"],
+        env=outside_this_tree())        # on PYTHONPATH, a checkout's blink_serve.egg-info would count as installed
     return env / "bin"
 
 
