@@ -26,7 +26,6 @@ from blink.config import EngineConfig
 from blink.device.config import IMAGE_ARCH, IMAGE_CC, SchedulerConfig
 from blink.device.step import StepBuffers, StepLayout
 from blink.errors import EngineError
-from blink.extras import require_gpu
 from blink.ring.geometry import RingGeometry
 
 SHUTDOWN_TIMEOUT_S = 120.0   # a CPU step of a full 2048-token prefill can take seconds
@@ -43,7 +42,6 @@ def select_device(requested: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise EngineError("EngineConfig.device='cuda' but torch sees no CUDA GPU: use device='cpu' (or 'auto')")
     if device == "cuda":
-        require_gpu("the GPU engine")
         check_capability(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
     simulator = device == "cpu"
     if "numba" in sys.modules:

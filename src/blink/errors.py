@@ -60,8 +60,8 @@ class CheckpointError(BlinkError, ValueError):
 
 
 class MissingExtra(BlinkError, ImportError):
-    """A part of blink that this install lacks: the engine without the engine extra, the GPU engine without the gpu
-    extra. The message names the ``pip install`` that adds it."""
+    """A part of blink that this install lacks (the engine without the engine extra). The message names the ``pip
+    install`` that adds it."""
 
 
 class GGUFError(BlinkError, ValueError):
