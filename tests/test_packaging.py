@@ -68,7 +68,7 @@ def test_blink_serve_without_the_engine_extra_names_it_in_one_line(agent_venv):
     done = subprocess.run([agent_venv / "blink", "serve", "--model", default_model_path(), "--port", "0"],
                           capture_output=True, text=True, timeout=300, env=outside_this_tree())
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.strip().splitlines()[-1] == ("blink serve: the engine needs the engine extra (torch, numba_cuda "
+    assert done.stderr.strip().splitlines()[-1] == ("blink serve: the engine needs the engine extra (torch, numba "
                                                     "not installed): pip install 'blink-serve[engine]'"), done.stderr
 
 

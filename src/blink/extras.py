@@ -13,7 +13,7 @@ import importlib.util
 from blink.errors import MissingExtra
 
 DISTRIBUTION = "blink-serve"
-ENGINE_MODULES = ("torch", "numba_cuda")
+ENGINE_MODULES = ("torch", "numba")     # numba.cuda is numba-cuda's
 
 
 def require_engine(what: str) -> None:
