@@ -60,6 +60,7 @@ def execute(lang: str, code: str, timeout_s: float) -> subprocess.CompletedProce
     """Run a snippet as a user does: shell with ``bash -e``; Python saved as a script and run (a process that
     multiprocessing spawns imports the script again, which ``python -c`` would hide)."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"     # the venv's commands, as if activated
     with tempfile.TemporaryDirectory() as scratch:
         script = Path(scratch) / "snippet.py"
         script.write_text(code)
