@@ -54,3 +54,15 @@ def test_the_pool_must_hold_one_longest_sequence():
     with pytest.raises(ValueError, match=r"holds 3 pages of 16 tokens, but one sequence of max_model_len=64 "
                                          r"tokens needs 4: give it more memory \(the knob\)"):
         scheduler_config(config, 64, 3, (2,), "the knob")
+
+
+def test_a_gpu_the_scheduler_image_is_not_built_for_is_refused_by_name():
+    """The image is an sm_90 cubin: a GPU of another major version would refuse it at cuModuleLoadData, after the
+    model has loaded; it is refused before, naming the GPU and what to do."""
+    from blink.backends import check_capability
+
+    check_capability("NVIDIA H200", (9, 0))
+    for name, capability in (("NVIDIA A100-SXM4-80GB", (8, 0)), ("NVIDIA L40S", (8, 9)), ("NVIDIA B200", (10, 0))):
+        major, minor = capability
+        with pytest.raises(EngineError, match=rf"compute capability 9\.0 .* {name} is {major}\.{minor}"):
+            check_capability(name, capability)

@@ -180,3 +180,15 @@ def test_vllms_model_tokenizer_seed_and_log_options(tmp_path, tokenizer):
     other, _ = answer_then_stop(*serve_standin("--seed", "8"))
     assert first == again != other
     assert "serving" in stderr and "serving" not in quiet and "Traceback" not in quiet, quiet
+
+
+@pytest.mark.parametrize("command", ["serve", "engine", "agent", "generate", "ring-demo"])
+def test_help_shows_each_default_once(command, capsys):
+    """An option without a value by default says in its help what leaving it out does; argparse's "(default: None)"
+    after that said it a second time, and wrongly."""
+    from blink.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    assert "(default: None)" not in text and "(default: " in text

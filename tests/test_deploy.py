@@ -1,9 +1,13 @@
 """docs/deploy.md's Kubernetes manifests and gateway settings, checked for every field the probes and the drain rely
 on: probes on /livez and /readyz at the container's port, a grace period that outlasts preStop + --drain-timeout,
 one GPU, a Prometheus scrape of /metrics, an InferencePool that selects the Deployment's pods at their port, arguments
-``blink`` accepts, and metric names that a running server exports. (The HAProxy recipe runs in test_router.py.)"""
+``blink`` accepts, metric names that a running server exports, and the image the repository's Dockerfile builds
+(served as ``blink serve`` on its exposed port, by a user that is not root). (The HAProxy recipe runs in
+test_router.py; the Dockerfile is linted by docs/gpu.md's snippet.)"""
 import asyncio
+import json
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,8 @@ from blink.cli import _parser
 from blink.nic.text import Tokenizer
 from tests.nic.openai.local import local_server
 
-DEPLOY = Path(__file__).parent.parent / "docs" / "deploy.md"
+ROOT = Path(__file__).parent.parent
+DEPLOY = ROOT / "docs" / "deploy.md"
 ENGINE_STOP_S = 10          # the grace period's room for the engine's shutdown after the drain
 
 
@@ -120,3 +125,52 @@ def test_every_metric_the_page_names_is_exported(local_ring):
             return set(await local.metrics())
 
     assert named <= asyncio.run(exported())
+
+
+def test_the_load_signal_table_names_every_gauge_of_the_engine(local_ring):
+    """Each gauge the engine keeps in the ring (the prefix cache's among them) is in the page's table."""
+    from blink.nic.agent_loop import AgentLoop
+    from blink.nic.metrics import Metrics, _RingCollector
+    from blink.ring.geometry import RingGeometry
+
+    _, agent, _ = local_ring(RingGeometry(n_slots=4, max_prompt_tokens=8, max_output_tokens=8))
+    gauges = {family.name for family in _RingCollector(AgentLoop(agent, Metrics())).collect()
+              if family.type == "gauge"}
+    table = set(re.findall(r"^\| `(blink_[a-z_]+)`", DEPLOY.read_text(), flags=re.MULTILINE))
+    assert gauges and gauges <= table, gauges - table
+
+
+def dockerfile() -> dict[str, list[str]]:
+    """The Dockerfile's instructions of the final stage by keyword, each a list of their argument strings."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    final = re.split(r"^FROM ", text, flags=re.MULTILINE)[-1]
+    found = {}
+    for line in final.splitlines():
+        if line.strip() and not line.startswith("#"):
+            keyword, _, rest = line.strip().partition(" ")
+            found.setdefault(keyword, []).append(rest.strip())
+    return found
+
+
+def test_the_manifests_run_the_image_the_dockerfile_builds(manifests):
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    built = set(re.findall(r"docker build -t (\S+) \.", (ROOT / "docs" / "gpu.md").read_text()
+                           + (ROOT / "Dockerfile").read_text() + DEPLOY.read_text()))
+    assert built == {container(manifests)["image"]}, built
+    assert container(manifests)["image"].endswith(f"/{project['name']}:{project['version']}")
+
+
+def test_the_image_serves_blink_on_its_exposed_port_as_a_user_and_checks_its_health():
+    instructions = dockerfile()
+    (port,) = (int(p) for p in instructions["EXPOSE"])
+    (entrypoint,) = (json.loads(e) for e in instructions["ENTRYPOINT"])
+    assert entrypoint[0] == "blink"
+    args = _parser().parse_args(entrypoint[1:] + ["Qwen/Qwen3-8B"])     # what docker run's arguments append to
+    assert (args.command, args.host, args.port, args.model_path) == ("serve", "0.0.0.0", port, "Qwen/Qwen3-8B")
+    (healthcheck,) = instructions["HEALTHCHECK"]
+    assert f"http://127.0.0.1:{port}/health" in healthcheck
+    (user,) = instructions["USER"]
+    assert user.isdigit() and int(user) != 0
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    installed = re.findall(r"blink_serve-\S*\.whl.*?\[(\w+)\]", " ".join(instructions["RUN"]))
+    assert installed and set(installed) <= set(extras), installed

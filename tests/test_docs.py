@@ -5,8 +5,9 @@ A fenced ``python`` or ``bash`` block is preceded by a comment saying how it run
 ``blink serve`` with the embedded model runs on 127.0.0.1:8000, within an optional time bound in seconds:
 ``server 20``), ``<!-- snippet: daemon -->`` (each command starts a server: all are started in order, must come up
 and keep running, then are stopped with Ctrl-C), ``<!-- snippet: ci -->`` (the install-and-test command that
-``.ci/run`` itself runs), ``<!-- snippet: gpu -->`` (needs the H200; not run here) or ``<!-- snippet: host -->``
-(changes the host's configuration, as root: cgroups, systemd; not run here). A snippet inside a list item may be
+``.ci/run`` itself runs), ``<!-- snippet: gpu -->`` (needs the H200; not run here), ``<!-- snippet: docker -->`` (needs
+a Docker daemon: run where ``docker info`` answers, skipped elsewhere) or ``<!-- snippet: host -->`` (changes the
+host's configuration, as root: cgroups, systemd; not run here). A snippet inside a list item may be
 indented, its comment with it.
 """
 import os
@@ -16,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +27,7 @@ ROOT = Path(__file__).parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "benchmarks").glob("*.md"))]
 BLOCK = re.compile(r"(?:<!-- snippet: (?P<kind>[\w]+)(?: (?P<arg>[^-]+?))? -->\n[ \t]*)?```(?P<lang>python|bash|sh)\n"
                    r"(?P<code>.*?)\n[ \t]*```", re.S)
-KINDS = ("run", "server", "daemon", "ci", "gpu", "host")
+KINDS = ("run", "server", "daemon", "ci", "gpu", "docker", "host")
 
 
 def snippets():
@@ -55,9 +57,15 @@ def test_ci_runs_the_readme_s_install_and_test_command():
 
 
 def execute(lang: str, code: str, timeout_s: float) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}       # as a user runs it
-    command = [sys.executable, "-c", code] if lang == "python" else ["bash", "-e", "-c", code]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    """Run a snippet as a user does: shell with ``bash -e``; Python saved as a script and run (a process that
+    multiprocessing spawns imports the script again, which ``python -c`` would hide)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"     # the venv's commands, as if activated
+    with tempfile.TemporaryDirectory() as scratch:
+        script = Path(scratch) / "snippet.py"
+        script.write_text(code)
+        command = [sys.executable, str(script)] if lang == "python" else ["bash", "-e", "-c", code]
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
 def listening(port: int) -> bool:
@@ -88,6 +96,21 @@ def server():
 @pytest.mark.parametrize("kind,arg,lang,code", [p for p in SNIPPETS if p.values[0] == "run"])
 def test_snippet_runs(kind, arg, lang, code):
     done = execute(lang, code, float(arg or 300))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def docker_daemon() -> bool:
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=60).returncode == 0
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.parametrize("kind,arg,lang,code", [p for p in SNIPPETS if p.values[0] == "docker"])
+def test_docker_snippet_runs_where_a_daemon_is(kind, arg, lang, code):
+    if not docker_daemon():
+        pytest.skip("no Docker daemon answers (docker info): the Dockerfile is linted by the run snippet of gpu.md")
+    done = execute(lang, code, float(arg or 3600))
     assert done.returncode == 0, done.stderr[-3000:]
 
 

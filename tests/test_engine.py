@@ -581,3 +581,20 @@ def test_async_engine_stop_strings_and_closed_engine(async_engine):
     stop = full.text[len(full.text) // 2:][:3]
     cut = loop.run_until_complete(aengine.generate(PROMPTS[4], replace(params, stop=(stop,))))
     assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index(stop)]
+
+
+def test_a_started_engine_takes_a_request_at_once(model_dir):
+    """``AsyncEngine.start`` returns once the scheduler loop serves: a request right after it is never refused as
+    "still starting" (``examples/custom_policy.py`` once was, one run in six)."""
+    import asyncio
+
+    from blink import AsyncEngine
+    from blink.ring.control import ENGINE_SERVING
+
+    async def start_and_ask():
+        async with await AsyncEngine.start(CONFIG) as engine:
+            serving = engine.stats()["engine_state"] == ENGINE_SERVING
+            return serving, await engine.generate([1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+
+    serving, out = asyncio.run(start_and_ask())
+    assert serving and len(out.token_ids) == 2

@@ -9,13 +9,13 @@ from blink.config import EngineConfig, SamplingParams, SchedulerConfig
 from blink.engine import AsyncEngine, AsyncRequestStream, Engine, RequestStream
 from blink.errors import (BlinkError, CheckpointError, ConfigError, CudaIpcError, EngineClosed, EngineError,
                           EngineUnavailable, EngineUnresponsive, GGUFError, HandshakeError, IllegalTransition,
-                          LaunchError, Overloaded, RdmaError, RequestError, RingFull, RingMismatch,
+                          LaunchError, MissingExtra, Overloaded, RdmaError, RequestError, RingFull, RingMismatch,
                           RingRefused)
 from blink.outputs import GenerationOutput, StreamDelta
 
 __version__ = "0.1.0"
 __all__ = ["AsyncEngine", "AsyncRequestStream", "BlinkError", "CheckpointError", "ConfigError", "CudaIpcError",
            "Engine", "EngineClosed", "EngineConfig", "EngineError", "EngineUnavailable", "EngineUnresponsive",
-           "GGUFError", "GenerationOutput", "HandshakeError", "IllegalTransition", "LaunchError", "Overloaded",
-           "RdmaError", "RequestError", "RequestStream", "RingFull", "RingMismatch", "RingRefused",
+           "GGUFError", "GenerationOutput", "HandshakeError", "IllegalTransition", "LaunchError", "MissingExtra",
+           "Overloaded", "RdmaError", "RequestError", "RequestStream", "RingFull", "RingMismatch", "RingRefused",
            "SamplingParams", "SchedulerConfig", "StreamDelta"]

@@ -23,7 +23,7 @@ import time
 from dataclasses import astuple
 
 from blink.config import EngineConfig
-from blink.device.config import SchedulerConfig
+from blink.device.config import IMAGE_ARCH, IMAGE_CC, SchedulerConfig
 from blink.device.step import StepBuffers, StepLayout
 from blink.errors import EngineError
 from blink.ring.geometry import RingGeometry
@@ -41,6 +41,8 @@ def select_device(requested: str) -> str:
     device = requested if requested != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise EngineError("EngineConfig.device='cuda' but torch sees no CUDA GPU: use device='cpu' (or 'auto')")
+    if device == "cuda":
+        check_capability(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
     simulator = device == "cpu"
     if "numba" in sys.modules:
         from numba import config
@@ -55,6 +57,15 @@ def select_device(requested: str) -> str:
     else:
         os.environ["NUMBA_ENABLE_CUDASIM"] = str(int(simulator))
     return device
+
+
+def check_capability(name: str, capability: tuple[int, int]) -> None:
+    """``EngineError`` unless a GPU of ``capability`` loads the scheduler image: before the model loads, rather than
+    a CUDA error once it has."""
+    if capability[0] != IMAGE_CC[0] or capability[1] < IMAGE_CC[1]:
+        raise EngineError(f"the GPU engine's scheduler is built for compute capability {IMAGE_CC[0]}.{IMAGE_CC[1]} "
+                          f"({IMAGE_ARCH}: H100, H200, GH200) only, and {name} is {capability[0]}.{capability[1]}: "
+                          "serve on the CPU (device='cpu', --device cpu); docs/gpu.md says why")
 
 
 def scheduler_config(config: EngineConfig, max_model_len: int, num_pages: int, eos_token_ids: tuple[int, ...],

@@ -154,10 +154,9 @@ def _ring_name() -> str:
 
 
 def _model_dir(args):
-    from blink.models import default_model_path, resolve_model
+    from blink.models import resolve_model
 
-    model = args.model_path or args.model
-    return resolve_model(model, args.revision, args.download_dir) if model is not None else default_model_path()
+    return resolve_model(args.model_path or args.model, args.revision, args.download_dir)
 
 
 def _engine_config(args, model_dir, **overrides):
@@ -174,13 +173,17 @@ def _engine_config(args, model_dir, **overrides):
                         load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size, **overrides)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):     # no "(default: None)": such an option's help says what its absence does
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
-    formatter = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(prog="blink", description=__doc__, formatter_class=formatter)
+    parser = argparse.ArgumentParser(prog="blink", description=__doc__, formatter_class=_HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name, run, help):
-        p = sub.add_parser(name, help=help, description=help, formatter_class=formatter)
+        p = sub.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter)
         p.set_defaults(run=run)
         return p
 
@@ -235,7 +238,7 @@ def _parser() -> argparse.ArgumentParser:
     try:
         from blink.bench.serve import add_parsers
     except ImportError as e:            # the bench extra is not installed
-        message = f"blink bench needs the bench extra ({e.name} is missing): pip install 'blink[bench]'"
+        message = f"blink bench needs the bench extra ({e.name} is missing): pip install 'blink-serve[bench]'"
         bench_cmd.set_defaults(run=lambda args: print(message, file=sys.stderr) or 1)
     else:
         add_parsers(bench_sub)

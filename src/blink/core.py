@@ -17,6 +17,7 @@ from pathlib import Path
 
 from blink.config import EngineConfig
 from blink.errors import EngineError
+from blink.extras import require_engine
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout
@@ -42,15 +43,16 @@ class EngineCore:
             raise
 
     def _start(self, config: EngineConfig) -> None:
+        require_engine("the engine")
         from blink.backends import CpuBackend, GpuBackend, select_device
-        from blink.models import ModelConfig, TensorParallel, default_model_path, resolve_model
+        from blink.models import ModelConfig, TensorParallel, resolve_model
         from blink.ranks import load
 
         self.device = select_device(config.device)
         if config.request_side == "device" and self.device != "cuda":
             raise EngineError("EngineConfig.request_side='device' keeps the ring's request side in GPU memory: it "
                               "needs a GPU (device='cuda'); on the CPU use request_side='host'")
-        model_dir = resolve_model(config.model) if config.model is not None else default_model_path()
+        model_dir = resolve_model(config.model)
         model_config = ModelConfig.from_file(model_dir)
         self.max_model_len = config.max_model_len(model_config.max_position_embeddings)
         self.geometry = config.geometry(self.max_model_len)
@@ -76,6 +78,7 @@ class EngineCore:
         control.write(self.ring_memory, "step_limit_s", self.backend.step_limit_s)
         self._stack.callback(self._stop)
         self.backend.start()
+        self._wait_until_serving(self.backend.step_limit_s)
         if config.ring_name is not None:
             log.info("ring /dev/shm/%s: %.1f MiB, %d slots", config.ring_name, self.memory.size / 2**20,
                      self.geometry.n_slots)
@@ -94,6 +97,18 @@ class EngineCore:
         followers = Followers.start(model_dir, dummy, dtype, config.tensor_parallel_size)
         self._stack.callback(followers.kill)
         return followers
+
+    def _wait_until_serving(self, timeout_s: float) -> None:
+        """Return once the scheduler loop's first iteration has marked the ring served: an engine handed to its
+        caller takes a request at once (an agent refuses requests while the engine is "still starting"). The first
+        iteration runs no step; it gets as long as a step may take before it counts as hung."""
+        deadline = time.monotonic() + timeout_s
+        while (state := self.stats()["engine_state"]) != control.ENGINE_SERVING:
+            if state == control.ENGINE_STOPPED or not self.backend.alive():
+                raise EngineError(f"the scheduler loop ended before it served: {self.backend.error!r}")
+            if time.monotonic() > deadline:
+                raise EngineError(f"the scheduler loop did not begin to serve within {timeout_s:.0f} s")
+            time.sleep(0.001)
 
     def _stop(self) -> None:
         """Shutdown through the ring (in-flight requests end with "abort"), wait for the loop, free the backend."""

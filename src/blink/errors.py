@@ -59,10 +59,15 @@ class CheckpointError(BlinkError, ValueError):
     """A checkpoint does not match its config (missing, extra or misshapen tensors, unreadable files)."""
 
 
+class MissingExtra(BlinkError, ImportError):
+    """A part of blink that this install lacks (the engine without the engine extra). The message names the ``pip
+    install`` that adds it."""
+
+
 class GGUFError(BlinkError, ValueError):
     """A GGUF file cannot be converted (unsupported architecture, tensor type or metadata)."""
 
 
 __all__ = ["BlinkError", "CheckpointError", "ConfigError", "CudaIpcError", "EngineClosed", "EngineError",
            "EngineUnavailable", "EngineUnresponsive", "GGUFError", "HandshakeError", "IllegalTransition", "LaunchError",
-           "Overloaded", "RdmaError", "RequestError", "RingFull", "RingMismatch", "RingRefused"]
+           "MissingExtra", "Overloaded", "RdmaError", "RequestError", "RingFull", "RingMismatch", "RingRefused"]

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 from blink.config import EngineConfig
 from blink.errors import BlinkError, EngineError
+from blink.extras import require_engine
 from blink.priority import reset_priority
 from blink.ring import control
 
@@ -81,6 +82,7 @@ def engine_process(config: EngineConfig):
     from blink.ring import secret
     from blink.ring.transport import SharedMemory
 
+    require_engine("the engine")             # here, in one line, rather than by the engine process as it dies
     sweep_stale_rings()
     process = mp.get_context("spawn").Process(target=_engine_entry, args=(config, os.getpid()), daemon=True)
     process.start()

@@ -32,7 +32,7 @@ def test_without_nvidia_ml_py_energy_is_unavailable_and_names_the_bench_extra(mo
     with EnergyMeter() as meter:
         pass
     result = meter.result(output_tokens=100)
-    assert result["available"] is False and "pip install 'blink[bench]'" in result["reason"]
+    assert result["available"] is False and "pip install 'blink-serve[bench]'" in result["reason"]
 
 
 @pytest.mark.gpu

@@ -69,3 +69,9 @@ def test_a_revision_and_another_cache_pick_that_snapshot(tmp_path, monkeypatch):
         resolve_model("org/model", "v2", tmp_path)
     with pytest.raises(FileNotFoundError, match="elsewhere"):
         resolve_model("org/model")
+
+
+def test_no_name_is_the_embedded_default_model():
+    from blink.models import default_model_path
+
+    assert resolve_model(None) == default_model_path()

@@ -27,8 +27,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def blink(*args, **options) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "blink.cli", *args], **options)
+BLINK = (sys.executable, "-m", "blink.cli")     # the command, from this venv (tests/test_packaging.py: from another)
+
+
+def blink(*args, command=BLINK, **options) -> subprocess.Popen:
+    return subprocess.Popen([*command, *args], **options)
 
 
 def wait_for(condition, timeout_s: float) -> None:
@@ -65,10 +68,12 @@ def accepting(address: str) -> bool:
         return False
 
 
-def completion_through(agent_args: list[str], model_dir, prompt="remote") -> str:
-    """Start ``blink agent`` with ``agent_args``, ask one seeded completion, stop the agent; its text."""
+def completion_through(agent_args: list[str], model_dir, prompt="remote", **options) -> str:
+    """Start ``blink agent`` with ``agent_args`` (``options``: ``blink``'s), ask one seeded completion, stop the
+    agent; its text."""
     port = free_port()
-    agent = blink("agent", *agent_args, "--model", str(model_dir), "--port", str(port), "--served-model-name", "m")
+    agent = blink("agent", *agent_args, "--model", str(model_dir), "--port", str(port), "--served-model-name", "m",
+                  **options)
     try:
         wait_for(lambda: healthy(port), timeout_s=120)
         status, body = request(port, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 5, "seed": 2})

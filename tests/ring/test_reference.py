@@ -140,3 +140,24 @@ def test_the_consumer_process_stops_when_its_parent_is_killed():
         time.sleep(0.1)
     else:
         raise AssertionError(f"the consumer {consumer} still runs after its parent was killed")
+
+
+def test_a_stand_in_engine_that_dies_at_start_is_reported_with_its_cause(tmp_path):
+    """README's ring snippet saved as a script without ``if __name__ == "__main__":``: the spawned consumer imports
+    the script again, which starts another engine during bootstrap, and dies. The parent says that it died and why,
+    at once, instead of an agent's "unresponsive" after its liveness timeout."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ring_script.py"
+    script.write_text("from blink.nic.agent import Agent\n"
+                      "from blink.ring.geometry import RingGeometry\n"
+                      "from blink.ring.reference import standin_engine\n"
+                      "geometry = RingGeometry(n_slots=4, max_prompt_tokens=8, max_output_tokens=8)\n"
+                      "with standin_engine(geometry) as (memory, _):\n"
+                      "    Agent.attach(memory)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert "EngineUnresponsive: the stand-in engine process" in last and "exited with code 1" in last, done.stderr
+    assert "if __name__ == \"__main__\":" in last, last

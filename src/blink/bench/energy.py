@@ -31,7 +31,7 @@ class EnergyMeter:
         try:
             import pynvml
         except ImportError:
-            self.reason = "nvidia-ml-py is not installed (the bench extra: pip install 'blink[bench]')"
+            self.reason = "nvidia-ml-py is not installed (the bench extra: pip install 'blink-serve[bench]')"
             return self
         try:
             pynvml.nvmlInit()

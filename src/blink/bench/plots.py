@@ -27,7 +27,7 @@ def write_plots(runs: list[dict], plot_dir) -> list[Path]:
     try:
         import matplotlib
     except ImportError as e:
-        raise ImportError("plots need matplotlib, which the bench extra installs: pip install 'blink[bench]'",
+        raise ImportError("plots need matplotlib, which the bench extra installs: pip install 'blink-serve[bench]'",
                           name="matplotlib") from e
 
     matplotlib.use("Agg")

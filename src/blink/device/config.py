@@ -16,6 +16,10 @@ MAX_EOS = 8             # end-of-sequence ids the device checks per token
 MAX_BUCKETS = 32        # step graphs the launch table holds
 MAX_BLOCK_THREADS = 1024
 MAX_IDLE_SLEEP_NS = 1_000_000
+# The compute capability the scheduler image is built for, its only one (a cubin loads on its own major version):
+# the H100, H200 and GH200. docs/gpu.md says what building for another would take.
+IMAGE_CC = (9, 0)
+IMAGE_ARCH = f"sm_{IMAGE_CC[0]}{IMAGE_CC[1]}"
 
 
 def check(ok: bool, owner: str, field: str, rule: str, value) -> None:

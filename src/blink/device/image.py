@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from blink.device.config import MAX_BUCKETS, SchedulerConfig
+from blink.device.config import IMAGE_ARCH, MAX_BUCKETS, SchedulerConfig
 from blink.device.numba_compat import SIMULATOR, cuda
 from blink.device.policy import fcfs
 from blink.device.scheduler import make_iterate
@@ -122,7 +122,7 @@ def compile_policy(policy=fcfs, cc=(9, 0)) -> bytes:
     return ltoir
 
 
-def compile_shim(arch: str = "sm_90") -> bytes:
+def compile_shim(arch: str = IMAGE_ARCH) -> bytes:
     """LTO-IR of ``shim.cu`` (NVRTC), with ``SHIM_DEFINES``."""
     from cuda.bindings import nvrtc
 
@@ -141,7 +141,7 @@ def compile_shim(arch: str = "sm_90") -> bytes:
     return ltoir
 
 
-def link_image(policy=fcfs, arch: str = "sm_90") -> bytes:
+def link_image(policy=fcfs, arch: str = IMAGE_ARCH) -> bytes:
     """The linked cubin: policy + iteration (numba) + shim (NVRTC) + libcudadevrt (nvJitLink).
 
     Images of blink's own policies are cached under ``$BLINK_CACHE_DIR/scheduler`` by a hash of everything they are

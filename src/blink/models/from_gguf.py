@@ -13,8 +13,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
-from safetensors.torch import save_file
+from safetensors.numpy import save_file
 
 from blink.errors import GGUFError
 
@@ -62,7 +61,7 @@ def hf_config(reader, path: Path) -> dict:
     }
 
 
-def hf_tensors(reader, config: dict, path: Path) -> dict[str, torch.Tensor]:
+def hf_tensors(reader, config: dict, path: Path) -> dict[str, np.ndarray]:
     from gguf.quants import dequantize
 
     out = {}
@@ -81,7 +80,7 @@ def hf_tensors(reader, config: dict, path: Path) -> dict[str, torch.Tensor]:
             w = unpermute_qk(w, config["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             w = unpermute_qk(w, config["num_key_value_heads"])
-        out[name] = torch.from_numpy(np.ascontiguousarray(w))
+        out[name] = np.ascontiguousarray(w)
     return out
 
 

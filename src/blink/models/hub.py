@@ -11,6 +11,8 @@ from pathlib import Path
 
 from blink.errors import ConfigError
 
+from .default import default_model_path
+
 
 def hub_cache() -> Path:
     if os.environ.get("HF_HUB_CACHE"):
@@ -19,9 +21,11 @@ def hub_cache() -> Path:
     return home / "hub"
 
 
-def resolve_model(name: str, revision: str = "main", cache: Path | str | None = None) -> Path:
+def resolve_model(name: str | None, revision: str = "main", cache: Path | str | None = None) -> Path:
     """The directory of ``name``: itself if it is one, else the snapshot of the model id ``name`` at ``revision`` (a
-    branch, tag or commit) in the hub cache ``cache`` (default: ``hub_cache()``)."""
+    branch, tag or commit) in the hub cache ``cache`` (default: ``hub_cache()``); None is the embedded default model."""
+    if name is None:
+        return default_model_path()
     cache = hub_cache() if cache is None else Path(cache).expanduser()
     path = Path(name).expanduser()
     if path.is_dir():

@@ -28,7 +28,7 @@ import numpy as np
 
 from blink.ring import control
 from blink.ring.control import CONTROL_DTYPE, ENGINE_SERVING, ENGINE_STOPPED
-from blink.ring.errors import IllegalTransition
+from blink.ring.errors import EngineUnresponsive, IllegalTransition
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_NAMES, FINISH_NONE, FINISH_STOP,
                                FINISHED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, GPU, READY, RUNNING, STATE_NAMES, RingLayout,
@@ -36,6 +36,7 @@ from blink.ring.layout import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH
 from blink.ring.standin import STANDIN_VOCAB, standin_continuation, standin_logprob, standin_token
 
 _standin_numbers = itertools.count()
+STANDIN_START_S = 120.0     # a spawned Python importing numpy and blink.ring: seconds on a busy 2-core box
 log = logging.getLogger("blink")
 
 
@@ -239,8 +240,26 @@ def standin_engine(geometry: RingGeometry, **consumer_options):
         log.info("ring /dev/shm/%s: %.1f MiB, %d slots; stand-in engine pid %d", name, layout.size / 2**20,
                  geometry.n_slots, consumer.pid)
         try:
+            _wait_until_serving(memory, consumer)
             yield memory, consumer
         finally:
             control.request_shutdown(memory)
             consumer.join(10)
             consumer.kill()
+
+
+def _wait_until_serving(memory, consumer) -> None:
+    """Return once the consumer process serves the ring; ``EngineUnresponsive`` saying so if it died first (an agent
+    would only see an engine that never beats) or never began."""
+    deadline = time.monotonic() + STANDIN_START_S
+    while int(control.read(memory)["engine_state"]) != ENGINE_SERVING:
+        if not consumer.is_alive():
+            raise EngineUnresponsive(
+                f"the stand-in engine process (pid {consumer.pid}) exited with code {consumer.exitcode} before it "
+                f"served the ring (its error is above). Run from a script, the code that starts it must be under "
+                f"'if __name__ == \"__main__\":': multiprocessing's spawn imports the script again in the new "
+                f"process, which must not start an engine of its own")
+        if time.monotonic() > deadline:
+            raise EngineUnresponsive(f"the stand-in engine process (pid {consumer.pid}) did not begin to serve the "
+                                     f"ring within {STANDIN_START_S:.0f} s")
+        time.sleep(0.005)
