@@ -123,7 +123,7 @@ def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cor
     engine is not restarted here; a supervisor restarts the whole server)."""
     from blink.nic.agent import Agent
     from blink.nic.defaults import sampling_defaults
-    from blink.nic.openai.server import OpenAIServer, ServerConfig, run
+    from blink.nic.openai.server import OpenAIServer, ServerConfig, api_key_from, run
     from blink.priority import helper_priority, pin, set_priority
     from blink.process import engine_watch
 
@@ -133,7 +133,7 @@ def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cor
     agent = Agent.attach(memory, liveness_timeout_s=args.liveness_timeout)
     loop, drain = configs
     config = ServerConfig(model_name=args.served_model_name or os.path.basename(model_dir), loop=loop,
-                          api_key=args.api_key or os.environ.get("BLINK_API_KEY") or None,
+                          api_key=api_key_from(args.api_key, args.api_key_file),
                           defaults=sampling_defaults(model_dir, args.generation_config), drain=drain,
                           thread_start=helper_priority)
     # Listening while the engine starts: /livez 200, /readyz 503 "starting" (docs/deploy.md).
@@ -236,9 +236,9 @@ def _http_options(parser) -> None:
                         help="seconds the agent sleeps after a ring poll that found no tokens while requests are in "
                              "flight; 0: it polls without sleeping (a core busy while it serves, and no wake-up that "
                              "waits for a busy core; see docs/serving.md)")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1 requests (default: $BLINK_API_KEY if set, "
-                             "else no key)")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests (shown by ps: prefer "
+                        "--api-key-file or $BLINK_API_KEY, read without either; default: no key)")
+    parser.add_argument("--api-key-file", help="a file holding the API key (its text without surrounding whitespace)")
     parser.add_argument("--chat-template", default=None,
                         help="a chat template file, or the template itself (default: the model's chat_template.jinja "
                              "or tokenizer_config.json)")
