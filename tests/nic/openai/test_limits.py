@@ -256,6 +256,15 @@ def test_the_bearer_scheme_is_case_insensitive():
                 sock.sendall(f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: {scheme} {key}\r\n\r\n"
                              .encode())
                 assert one_response(sock)[0].split()[1] == str(status).encode(), (scheme, key)
+        with connect(port) as sock:
+            # Refused before all its body came: the connection closes after the answer (the guard counts the next
+            # head from the first byte after a response, which must not be the rest of this body).
+            body = completion("hello")
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body) + 10}\r\n\r\n"
+                         .encode() + body)
+            assert one_response(sock)[0].split()[1] == b"401"
+            sock.sendall(b" " * 10)             # the rest, which aiohttp reads and drops: it would keep the connection
+            assert sock.recv(1) == b""
 
 
 def test_a_burst_of_requests_beyond_the_cap_is_queued_not_refused(server):

@@ -121,7 +121,17 @@ class OpenAIServer:
 
     @web.middleware
     async def _errors(self, request, handler):
-        """Every error leaves as an OpenAI-style JSON body, aiohttp's own (404, 405, 413) included."""
+        """Every error leaves as an OpenAI-style JSON body, aiohttp's own (404, 405, 413) included. An answer to a
+        request whose body was not read whole (refused before it was) closes its connection: the guard counts the
+        next request head from the first byte after the response (``connections``), which must not be that body's."""
+        response = await self._respond(request, handler)
+        if request.content.is_eof():
+            self.guard.response_done(request.transport)
+        else:
+            response.force_close()
+        return response
+
+    async def _respond(self, request, handler) -> web.StreamResponse:
         try:
             self._check_api_key(request)
             return await handler(request)
@@ -137,9 +147,6 @@ class OpenAIServer:
         except Exception:
             log.exception("unexpected error serving %s %s", request.method, request.path)
             return ApiError(500, "internal server error (see the server log)").response()
-        finally:
-            if request.content.is_eof():    # else aiohttp discards the rest of the body, or closes the connection
-                self.guard.response_done(request.transport)
 
     def _check_api_key(self, request: web.Request) -> None:
         key = self.config.api_key
