@@ -159,7 +159,8 @@ class OpenAIServer:
         if scheme.lower() != BEARER or not hmac.compare_digest(credentials.encode("utf-8", "surrogateescape"),
                                                                key.encode()):
             raise ApiError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>' with the "
-                                "key the server was started with (--api-key)", code="invalid_api_key")
+                                "key the server was started with (--api-key-file, $BLINK_API_KEY or --api-key)",
+                           code="invalid_api_key")
 
     @web.middleware
     async def _admit(self, request, handler):
