@@ -51,9 +51,9 @@ def server():
         yield served
 
 
-def connect(port) -> socket.socket:
+def connect(port, timeout_s: float = 10.0) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.settimeout(10)
+    sock.settimeout(timeout_s)
     return sock
 
 
@@ -64,8 +64,8 @@ def receive(sock) -> bytes:
     return data
 
 
-def post(port, body: bytes, headers: str = "", path="/v1/completions") -> tuple[int, dict]:
-    with connect(port) as sock:
+def post(port, body: bytes, headers: str = "", path="/v1/completions", timeout_s: float = 10.0) -> tuple[int, dict]:
+    with connect(port, timeout_s) as sock:
         sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\n{headers}\r\n".encode() + body)
         head, _, payload = receive(sock).partition(b"\r\n\r\n")
@@ -395,7 +395,8 @@ def test_long_prompts_being_tokenized_neither_stall_streams_nor_make_small_chats
         longest = min(served.parser.max_text_bytes, served.config.limits.max_body_bytes - 100)
         text = "word " * (longest // 5)                             # as long as is still tokenized
         start = time.monotonic()
-        longs = [pool.submit(post, port, completion(text)) for _ in range(8)]
+        # One tokenizer thread takes them in turn: seconds each on a busy machine.
+        longs = [pool.submit(post, port, completion(text), timeout_s=300) for _ in range(8)]
         time.sleep(0.5)                                             # they are read and being tokenized
         streaming = pool.submit(stream_gaps, port, 30)
         chat = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
