@@ -18,7 +18,7 @@ from aiohttp import web_protocol
 from aiohttp.http_exceptions import ContentEncodingError
 
 from blink.nic.openai.errors import ApiError
-from blink.nic.openai.limits import HttpLimits, one_line
+from blink.nic.openai.limits import DECODABLE, HttpLimits, one_line
 
 HEAD_END = b"\r\n\r\n"
 
@@ -154,7 +154,7 @@ class JsonErrors(web_protocol.RequestHandler):
         plain = super().handle_error(request, status, exc, message)   # logs, and refuses once a response began
         if isinstance(exc, ContentEncodingError):
             error = ApiError(415, f"the request body's Content-Encoding cannot be decoded here ({one_line(exc)}): "
-                                  "send it plain, gzip or deflate")
+                                  f"send it as one of {', '.join(DECODABLE)}")
         elif plain.status < 500:
             error = ApiError(plain.status, f"the request is not valid HTTP/1.1 ({one_line(exc or message)})")
         else:

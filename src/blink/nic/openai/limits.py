@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from aiohttp import http_exceptions, web
+from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 
 from blink.nic.openai.errors import ApiError
 
@@ -26,7 +27,8 @@ from blink.nic.openai.errors import ApiError
 # handler reads it, place or not.
 SMALL_BODY_BYTES = 1 << 16
 RATE_GRACE_S = 1.0              # a body's first min_body_rate bytes may take this long after it got its place
-DECODABLE = ("gzip", "deflate", "identity")     # Content-Encodings of a body this server reads
+# The Content-Encodings of a body this server reads: aiohttp's, br and zstd where their libraries are installed.
+DECODABLE = ("gzip", "deflate", "identity") + ("br",) * HAS_BROTLI + ("zstd",) * HAS_ZSTD
 
 
 @dataclass(frozen=True)
@@ -124,8 +126,8 @@ def check_encoding(request: web.BaseRequest) -> None:
     """415 for a Content-Encoding this server does not decode (aiohttp passes unknown ones through undecoded)."""
     encoding = request.headers.get("Content-Encoding")
     if encoding is not None and encoding.strip().lower() not in DECODABLE:
-        raise ApiError(415, f"Content-Encoding {encoding[:40]!r} is not supported: send the body plain, gzip or "
-                            "deflate")
+        raise ApiError(415, f"Content-Encoding {encoding[:40]!r} is not supported: send the body as one of "
+                            f"{', '.join(DECODABLE)}")
 
 
 def one_line(error) -> str:
