@@ -117,7 +117,7 @@ def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cor
     engine is not restarted here; a supervisor restarts the whole server)."""
     from blink.nic.agent import Agent
     from blink.nic.defaults import sampling_defaults
-    from blink.nic.openai.server import OpenAIServer, ServerConfig, run
+    from blink.nic.openai.server import OpenAIServer, ServerConfig, api_key_from, run
     from blink.priority import helper_priority, pin, set_priority
     from blink.process import engine_watch
 
@@ -129,7 +129,7 @@ def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cor
     agent = Agent.attach(memory, liveness_timeout_s=args.liveness_timeout, seed=args.seed)
     loop, drain = configs
     config = ServerConfig(model_name=args.served_model_name or os.path.basename(model_dir), loop=loop,
-                          api_key=args.api_key or os.environ.get("BLINK_API_KEY") or None,
+                          api_key=api_key_from(args.api_key, args.api_key_file),
                           defaults=sampling_defaults(model_dir, args.generation_config), drain=drain,
                           thread_start=helper_priority)
     # Listening while the engine starts: /livez 200, /readyz 503 "starting" (docs/deploy.md).

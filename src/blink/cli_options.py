@@ -103,9 +103,9 @@ def http_options(parser) -> None:
                         help="level of the HTTP server's log (vLLM's name; blink's server is aiohttp's)")
     parser.add_argument("--disable-log-requests", action="store_true",
                         help="accepted for vLLM's command lines: blink logs no request (nor its prompt) either way")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1 requests (default: $BLINK_API_KEY if set, "
-                             "else no key)")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests (shown by ps: prefer "
+                        "--api-key-file or $BLINK_API_KEY, read without either; default: no key)")
+    parser.add_argument("--api-key-file", help="a file holding the API key (its text without surrounding whitespace)")
     parser.add_argument("--chat-template", default=None,
                         help="a chat template file, or the template itself (default: the model's chat_template.jinja "
                              "or tokenizer_config.json)")

@@ -1,4 +1,7 @@
 """blink.nic.text against transformers' tokenizer of the same model directory (the embedded SmolLM2, byte-level BPE)."""
+import threading
+import time
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -40,6 +43,40 @@ def test_special_tokens_and_limits_come_from_the_model_dir(tok, hf):
     assert tok.vocab_size == len(hf)
     assert tok.eos_token_ids == (hf.eos_token_id,)
     assert tok.context_len == 8192
+    assert tok.special_ids == frozenset(hf.all_special_ids) | frozenset(hf.added_tokens_decoder)
+
+
+def test_no_token_stands_for_more_input_bytes_than_max_token_bytes(tok):
+    """The bound that refuses long prompts before they are tokenized (byte-level: one input byte per character of a
+    token's surface form; the UTF-8 of the surface form, 162 bytes for SmolLM2, made the bound twice as loose)."""
+    vocab = tok._tokenizer.get_vocab(with_added_tokens=True)
+    longest = max(len(tok.decode([i], skip_special_tokens=False).encode("utf-8", "surrogatepass"))
+                  for i in vocab.values() if "\ufffd" not in tok.decode([i], skip_special_tokens=False))
+    assert longest == tok.max_token_bytes == 81
+
+
+def test_every_chat_message_costs_at_least_message_tokens(tok):
+    """The bound that refuses chats of too many messages before the template renders them."""
+    assert tok.message_tokens == 5
+    for roles in (["user"] * 3, ["system", "user", "assistant", "user"], ["assistant", "assistant"]):
+        messages = [{"role": r, "content": ""} for r in roles]
+        assert len(tok.encode_chat(messages)) >= tok.message_tokens * len(messages)
+
+
+def test_encoding_a_long_text_lets_other_threads_run(tok):
+    """Regression: encoding held the GIL, so a 1 MB prompt in a tokenizer thread stopped the event loop's thread
+    for all of its 2.6 s. The longest pause of a thread that sleeps 1 ms at a time is a small part of the encoding."""
+    text = "héllo wörld, 123 " * 60000
+    done, gaps = threading.Event(), []
+    worker = threading.Thread(target=lambda: (tok.encode(text), done.set()))
+    start = last = time.perf_counter()
+    worker.start()
+    while not done.is_set():
+        time.sleep(0.001)
+        gaps.append(time.perf_counter() - last)
+        last = time.perf_counter()
+    worker.join()
+    assert max(gaps) < (time.perf_counter() - start) / 4, (max(gaps), time.perf_counter() - start)
 
 
 @pytest.mark.parametrize("messages", [
@@ -84,6 +121,54 @@ def test_detokenizer_equals_transformers_decode_of_any_ids(tok, hf, ids):
         # Nothing emitted may change later: it is a prefix of the decode of every longer sequence.
         assert hf.decode(ids[:k], skip_special_tokens=True).startswith(emitted)
     assert emitted + detok.flush() == hf.decode(ids, skip_special_tokens=True)
+
+
+def byte_token(tok, byte: int) -> int:
+    """The id of the byte-level token of one byte (GPT-2's byte-to-character map: printable bytes are themselves,
+    the others 256, 257, ... in order)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    other = [b for b in range(256) if b not in printable]
+    return tok._tokenizer.token_to_id(chr(byte) if byte in printable else chr(256 + other.index(byte)))
+
+
+def test_detokenizer_settles_long_runs_of_invalid_utf8_without_changing_the_text(tok, hf):
+    """A run of bytes that never completes a character is emitted as it comes (not held to the end), and a
+    character split over tokens right after it still comes out whole."""
+    garbage = [byte_token(tok, 0x80)] * 40
+    ids = tok.encode("a") + garbage + tok.encode("你好") + garbage[:5] + tok.encode(" 👋🏽")
+    detok, emitted, held = Detokenizer(tok), "", 0
+    for k, token in enumerate(ids, 1):
+        emitted += detok.push(token)
+        assert hf.decode(ids[:k]).startswith(emitted)
+        held = max(held, len(hf.decode(ids[:k])) - len(emitted))
+    assert emitted + detok.flush() == hf.decode(ids) and "你好" in emitted
+    assert held <= Detokenizer.MAX_HELD + 4
+
+
+@pytest.mark.parametrize("kind", ["special", "invalid UTF-8"])
+def test_detokenizer_work_per_token_does_not_grow_with_tokens_it_holds(tok, kind):
+    """Regression: special tokens (skipped) and bytes that never complete a character grew the decoded window
+    without bound: 8.3 s of CPU per 4,000 tokens against 0.13 s for plain text. Counted in tokens decoded, which a
+    busy machine does not change: per token, no more than for plain text of the same length, plus the window."""
+    n = 2000
+    plain = tok.encode("the quick brown fox jumps over the lazy dog " * 200)[:n]
+    held = [sorted(tok.special_ids)[0]] * n if kind == "special" else [byte_token(tok, 0x80)] * n
+
+    class Counting(Tokenizer):
+        decoded = 0
+
+        def decode(self, ids, **kw):
+            Counting.decoded += len(ids)
+            return super().decode(ids, **kw)
+
+    counting = object.__new__(Counting)
+    counting.__dict__.update(tok.__dict__)
+    work = {}
+    for name, ids in (("plain", plain), (kind, held)):
+        Counting.decoded = 0
+        stream_deltas(Detokenizer(counting), ids)
+        work[name] = Counting.decoded
+    assert work[kind] <= 2 * work["plain"] + 4 * (Detokenizer.MAX_HELD + 4) * n, work
 
 
 def test_detokenizer_keeps_special_tokens_when_asked(tok, hf):

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from blink import Engine, EngineConfig, EngineError, SamplingParams, SchedulerConfig
 from blink.nic.agent import Agent
 from blink.nic.agent_loop import LoopConfig
-from blink.nic.openai.server import OpenAIServer, ServerConfig, start
+from blink.nic.openai.server import OpenAIServer, ServerConfig, api_key_from, start
 from blink.nic.text import Tokenizer
 from blink.process import engine_process, wait_until_serving
 from blink.ring.layout import FREE, RUNNING
@@ -518,7 +518,7 @@ BAD = [  # (path, body, status, what the message must mention)
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "not supported"),
     (CHAT, {"messages": USER, "model": "nope"}, 404, "GET /v1/models"),
     (CHAT, {"messages": [{"role": "user", "content": "hello " * 300}]}, 400, "shorten it"),
-    (CHAT, {"messages": [{"role": "user", "content": ""}] * 257}, 400, "every message takes at least one"),
+    (CHAT, {"messages": [{"role": "user", "content": ""}] * 60}, 400, "each message takes at least 5"),
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "'max_completion_tokens' must be an integer >= 1"),
     (CHAT, {"messages": USER, "max_completion_tokens": 10**30}, 400, "lower max_completion_tokens"),
     ("/v1/nothing", {}, 404, "Not Found"),
@@ -836,17 +836,43 @@ def test_a_stale_ring_under_the_engines_name_is_never_attached(model_dir, tmp_pa
     assert _ring_name() != _ring_name()
 
 
-def test_serve_with_max_model_len_alone_an_api_key_and_a_policy(model_dir):
+def test_api_key_from_the_option_a_file_or_the_environment(tmp_path, monkeypatch):
+    key_file = tmp_path / "key"
+    key_file.write_text("sesame\n")
+    monkeypatch.setenv("BLINK_API_KEY", "from-env")
+    assert api_key_from("opened", None) == "opened"
+    assert api_key_from(None, str(key_file)) == "sesame"
+    assert api_key_from(None, None) == "from-env"
+    monkeypatch.delenv("BLINK_API_KEY")
+    assert api_key_from(None, None) is None
+    with pytest.raises(ValueError, match="not both"):
+        api_key_from("opened", str(key_file))
+    key_file.write_text(" \n")
+    with pytest.raises(ValueError, match="is empty"):
+        api_key_from(None, str(key_file))
+    with pytest.raises(ValueError, match="cannot read the key"):
+        api_key_from(None, str(tmp_path / "missing"))
+
+
+def test_serve_with_max_model_len_alone_an_api_key_and_a_policy(model_dir, tmp_path):
     """vLLM users' options: --max-model-len alone sizes the ring (and /v1/models reports it, and a longer request is
-    a 400 naming it); --api-key gates /v1 (401 without it, with the official client); --policy reaches the GPU
-    scheduler: with one running sequence at a time, waiting requests are admitted lowest priority value first."""
+    a 400 naming it); --api-key-file gates /v1 (401 without the key, with the official client; the key is not on
+    the command line for ps to show, and the scheme is case-insensitive); --policy reaches the GPU scheduler: with
+    one running sequence at a time, waiting requests are admitted lowest priority value first."""
     port = free_port()
+    (tmp_path / "key").write_text("sesame\n")
     serve = blink_cli("serve", str(model_dir), "--port", str(port), "--served-model-name", MODEL, "--device", "cpu",
                       "--max-model-len", "96", "--max-num-seqs", "1", "--max-num-batched-tokens", "64",
-                      "--cpu-kv-cache-gib", "0.05", "--api-key", "sesame", "--policy",
+                      "--cpu-kv-cache-gib", "0.05", "--api-key-file", str(tmp_path / "key"), "--policy",
                       "blink.device.policy:by_priority")
     try:
         wait_for(lambda: _healthy(port), timeout_s=120)       # /health needs no key
+        with open(f"/proc/{serve.pid}/cmdline", "rb") as cmdline:
+            assert b"sesame" not in cmdline.read()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:     # RFC 7235: any case
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                         b"Authorization: bearer sesame\r\n\r\n")
+            assert sock.recv(64).startswith(b"HTTP/1.1 200 ")
         url = f"http://127.0.0.1:{port}/v1"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()

@@ -114,8 +114,11 @@ class Parser:
         self.context_len = g.max_model_len         # the engine's limit, which the ring's creator wrote
         self.max_prompt = min(g.max_prompt_tokens, self.context_len - 1)
         # Text longer than this cannot tokenize to max_prompt tokens or fewer: refused before tokenizing (a 1 MB
-        # prompt took 0.5 s of tokenizer time to find out). Twice the bound: normalizers may shrink text a little.
-        self.max_text_bytes = 2 * self.max_prompt * tokenizer.max_token_bytes
+        # prompt took 0.5 s of tokenizer time to find out). Below the body's cap wherever max_prompt is below
+        # 1 MiB / max_token_bytes (12,945 for SmolLM2; the bound was 4 times looser, above the cap: it never fired).
+        self.max_text_bytes = self.max_prompt * tokenizer.max_token_bytes
+        # More messages than this cannot render to max_prompt tokens or fewer: refused before the template.
+        self.max_messages = 1 + (self.max_prompt - 1) // tokenizer.message_tokens
 
     def completion(self, body: dict) -> Job:
         prompt = self._completion_prompt(body.get("prompt"))
@@ -237,10 +240,11 @@ class Parser:
         return ids
 
     def _messages(self, messages) -> list[dict]:
-        # Refused before the template renders them all: every message takes at least one token.
-        if isinstance(messages, list) and len(messages) > self.max_prompt:
-            raise ApiError(400, f"'messages' has {len(messages)} messages, but every message takes at least one of the "
-                                f"{self.max_prompt} prompt tokens this server accepts: send fewer", param="messages",
+        # Refused before the template renders them all (chat_messages checks each message's shape).
+        if isinstance(messages, list) and len(messages) > self.max_messages:
+            raise ApiError(400, f"'messages' has {len(messages)} messages, but each message takes at least "
+                                f"{self.tokenizer.message_tokens} of the {self.max_prompt} prompt tokens this server "
+                                f"accepts (at most {self.max_messages} messages fit): send fewer", param="messages",
                            code="context_length_exceeded")
         parsed = chat_messages(messages)
         self._check_text_bytes(sum(len(m["content"].encode()) for m in parsed), "messages")

@@ -4,9 +4,10 @@ chat, models, health (``/health``; ``/livez`` and ``/readyz`` from ``health``), 
 (SIGTERM drains: ``blink.nic.drain``).
 
 One asyncio event loop owns the ``Agent`` (which is not thread-safe). A handler reads the body within the limits
-(``limits``), parses it (``requests``) on the loop when its prompt is token ids and in a worker thread when it must
-be tokenized (tokenizing a long prompt must not stall the loop; a thread's round trip is two more wake-ups per
-request, which cost the most where the agent shares its core), hands it to the ``AgentLoop``
+(``limits``; what a connection may hold before that: ``connections``), parses it (``requests``) on the loop when its
+prompt is token ids and in a tokenizer thread when it must be tokenized (tokenizing a long prompt must not stall the
+loop; a thread's round trip is two more wake-ups per request, which cost the most where the agent shares its core),
+hands it to the ``AgentLoop``
 (``blink.nic.agent_loop``), whose one task polls the ring and fans tokens out to per-request queues, and writes the
 answer (``responses``). Every request a handler submits it closes when it leaves, whatever the reason; every error,
 aiohttp's own included, leaves as an OpenAI-style body, and the server keeps serving everyone else.
@@ -17,11 +18,13 @@ import asyncio
 import gc
 import hmac
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 
 from aiohttp import web
 
@@ -33,7 +36,8 @@ from blink.nic.defaults import SamplingDefaults
 from blink.nic.drain import ABORT_GRACE_S, Drain, DrainConfig
 from blink.nic.openai.errors import REFUSALS, ApiError, api_error
 from blink.nic.openai.health import LoadCollector, Probes
-from blink.nic.openai.limits import ConnectionGuard, HttpLimits, OneLineBadRequests, read_body
+from blink.nic.openai.connections import ConnectionGuard, JsonErrors
+from blink.nic.openai.limits import BodyPlaces, HttpLimits, OneLineBadRequests, is_small, read_body
 from blink.nic.openai.requests import Job, Parser, json_body
 from blink.nic.openai.responses import Responder
 from blink.nic.openai.tokenization import Tokenization, vllm_json
@@ -41,7 +45,8 @@ from blink.nic.text import Tokenizer
 
 log = logging.getLogger("blink.server")
 logging.getLogger("aiohttp.server").addFilter(OneLineBadRequests())
-TOKENIZER_THREADS = 2
+LINGER_S = 1.0
+BEARER = "bearer "            # RFC 7235: an authentication scheme's name is case-insensitive
 
 
 @dataclass(frozen=True)
@@ -49,9 +54,10 @@ class ServerConfig:
     """``model_name``: the name clients use; ``loop``: the agent loop's bounds and timing (``LoopConfig``: the wait
     queue beyond which requests get 429); ``limits``: what a client may hold of the server (``HttpLimits``);
     ``api_key``: when set, every /v1 request must carry ``Authorization: Bearer <api_key>`` (else 401; /health and
-    /metrics stay open, as in vLLM); ``defaults``: the sampling of fields a request leaves out.
+    /metrics stay open, as in vLLM; ``api_key_from`` reads it as ``blink serve`` takes it); ``defaults``: the
+    sampling of fields a request leaves out.
     ``drain``: how long a SIGTERM waits for the requests in flight (``blink.nic.drain``).
-    ``thread_start``: called first in each thread the server starts (its tokenizer pool), e.g. to give them a
+    ``thread_start``: called first in each thread the server starts (its tokenizer threads), e.g. to give them a
     priority the loop's thread does not pass on (``blink serve``: ``blink.priority.helper_priority``).
     /health fails and requests get 503 while the agent's ``Liveness`` says the engine is not serving."""
 
@@ -62,6 +68,23 @@ class ServerConfig:
     defaults: SamplingDefaults = SamplingDefaults()
     drain: DrainConfig = DrainConfig()
     thread_start: Callable[[], None] | None = None
+
+
+def api_key_from(option: str | None, path: str | None) -> str | None:
+    """The API key of ``--api-key``, of ``--api-key-file`` (the file's text without surrounding whitespace) or,
+    without either, of ``$BLINK_API_KEY`` (vLLM's is VLLM_API_KEY); None: no key. ``--api-key`` shows the key to
+    every local user (``ps``, /proc/PID/cmdline); the file and the environment do not."""
+    if option is not None and path is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if path is None:
+        return option or os.environ.get("BLINK_API_KEY") or None
+    try:
+        key = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--api-key-file {path}: cannot read the key ({e})") from None
+    if not key:
+        raise ValueError(f"--api-key-file {path} is empty: write the API key in it")
+    return key
 
 
 class OpenAIServer:
@@ -84,9 +107,12 @@ class OpenAIServer:
         self.drain = Drain(self.loop, config.drain)
         self.probes = Probes(self.loop, self.drain)
         self.metrics.registry.register(LoadCollector(self.probes))
-        self.guard = ConnectionGuard(config.limits)
-        self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="blink-tokenizer",
-                                              initializer=config.thread_start)
+        self.guard, self.places = ConnectionGuard(config.limits), BodyPlaces(config.limits)
+        # Two tokenizer threads, one for small bodies and one for large ones (``limits.is_small``): a small chat
+        # never waits behind the tokenizing of large prompts (16 of them made small chats wait 21 s in one queue).
+        self._tokenizing = {small: ThreadPoolExecutor(1, thread_name_prefix=f"blink-tokenizer-{name}",
+                                                      initializer=config.thread_start)
+                            for small, name in ((True, "small"), (False, "large"))}
         self.created = int(time.time())
         # /version's: the installed distribution that holds this package, whatever the distribution is named
         self.blink_version = metadata.version(metadata.packages_distributions()["blink"][0])
@@ -103,8 +129,17 @@ class OpenAIServer:
 
     @web.middleware
     async def _errors(self, request, handler):
-        """Every error leaves as an OpenAI-style JSON body, aiohttp's own (404, 405, 413) included."""
-        self.guard.head_received(request.transport)
+        """Every error leaves as an OpenAI-style JSON body, aiohttp's own (404, 405, 413) included. An answer to a
+        request whose body was not read whole (refused before it was) closes its connection: the guard counts the
+        next request head from the first byte after the response (``connections``), which must not be that body's."""
+        response = await self._respond(request, handler)
+        if request.content.is_eof():
+            self.guard.response_done(request.transport)
+        else:
+            response.force_close()
+        return response
+
+    async def _respond(self, request, handler) -> web.StreamResponse:
         try:
             self._check_api_key(request)
             return await handler(request)
@@ -120,19 +155,20 @@ class OpenAIServer:
         except Exception:
             log.exception("unexpected error serving %s %s", request.method, request.path)
             return ApiError(500, "internal server error (see the server log)").response()
-        finally:
-            self.guard.response_done(request.transport)
 
     def _check_api_key(self, request: web.Request) -> None:
         key = self.config.api_key
         if key is None or not request.path.startswith("/v1"):
             return
         given = request.headers.get("Authorization", "")
+        scheme, credentials = given[:len(BEARER)], given[len(BEARER):]
         # aiohttp decodes header bytes with surrogateescape: encode them back the same way (a non-UTF-8 header is
         # a wrong key, not a server error)
-        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {key}".encode()):
+        if scheme.lower() != BEARER or not hmac.compare_digest(credentials.encode("utf-8", "surrogateescape"),
+                                                               key.encode()):
             raise ApiError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>' with the "
-                                "key the server was started with (--api-key)", code="invalid_api_key")
+                                "key the server was started with (--api-key-file, $BLINK_API_KEY or --api-key)",
+                           code="invalid_api_key")
 
     @web.middleware
     async def _admit(self, request, handler):
@@ -152,7 +188,8 @@ class OpenAIServer:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+        for pool in self._tokenizing.values():
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _loop_ended(self, task: asyncio.Task) -> None:
         """The agent loop ends only when the server stops, or when it crashed (it logged why and failed the requests
@@ -217,13 +254,20 @@ class OpenAIServer:
 
     async def _parse(self, request: web.Request, parse, cheap=lambda body: False):
         """``parse(body)`` of the request's JSON body: on the event loop when that is ``cheap`` (token ids), else in
-        a worker thread (tokenizing)."""
+        a tokenizer thread. A small body takes no place (``limits``)."""
         deadline = asyncio.get_running_loop().time() + self.config.limits.body_timeout_s
-        async with self.guard.receiving(deadline):
-            body = json_body(await read_body(request, self.config.limits, deadline))
-            if cheap(body):
-                return parse(body)
-            return await asyncio.get_running_loop().run_in_executor(self._tokenizing, parse, body)
+        small = is_small(request)
+        if small:
+            return await self._parse_body(request, parse, cheap, deadline, None, small)
+        async with self.places.receiving(deadline) as granted:
+            return await self._parse_body(request, parse, cheap, deadline, granted, small)
+
+    async def _parse_body(self, request: web.Request, parse, cheap, deadline: float, rate_from: float | None,
+                          small: bool):
+        body = json_body(await read_body(request, self.config.limits, deadline, rate_from))
+        if cheap(body):
+            return parse(body)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing[small], parse, body)
 
     async def _serve(self, request: web.Request, job: Job, arrival: float) -> web.StreamResponse:
         reqs = []
@@ -255,13 +299,19 @@ class Listening:
 
 async def start(server: OpenAIServer, host: str, port: int) -> Listening:
     """Serve ``server`` on ``host:port`` (0: any free port) in the running loop, every connection guarded."""
-    limits = server.config.limits
-    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None,
-                           keepalive_timeout=limits.keepalive_timeout_s, shutdown_timeout=ABORT_GRACE_S)
+    loop = asyncio.get_running_loop()
+    # A refused body's rest is read and dropped for LINGER_S (aiohttp's default: 10 s), so that its client reads the
+    # answer rather than a reset, and the connection is closed then.
+    handling = {"access_log": None, "keepalive_timeout": server.config.limits.keepalive_timeout_s,
+                "lingering_time": LINGER_S}
+    runner = web.AppRunner(server.app, handler_cancellation=True, shutdown_timeout=ABORT_GRACE_S, **handling)
     await runner.setup()
+
+    def protocol():         # aiohttp's (runner.server()), its own errors in OpenAI JSON
+        return server.guard.protocol(JsonErrors(runner.server, loop=loop, **handling))
+
     try:
-        listener = await asyncio.get_running_loop().create_server(lambda: server.guard.protocol(runner.server()),
-                                                                  host, port)
+        listener = await loop.create_server(protocol, host, port)
     except OSError as e:        # a port in use, an address this host does not have: the operator's to change
         await runner.cleanup()
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}: choose another --host or --port") \
