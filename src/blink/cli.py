@@ -117,7 +117,8 @@ def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cor
     engine is not restarted here; a supervisor restarts the whole server)."""
     from blink.nic.agent import Agent
     from blink.nic.defaults import sampling_defaults
-    from blink.nic.openai.server import OpenAIServer, ServerConfig, api_key_from, run
+    from blink.nic.openai.api_key import api_key_from
+    from blink.nic.openai.server import OpenAIServer, ServerConfig, run
     from blink.priority import helper_priority, pin, set_priority
     from blink.process import engine_watch
 

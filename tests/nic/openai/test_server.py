@@ -26,7 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from blink import Engine, EngineConfig, EngineError, SamplingParams, SchedulerConfig
 from blink.nic.agent import Agent
 from blink.nic.agent_loop import LoopConfig
-from blink.nic.openai.server import OpenAIServer, ServerConfig, api_key_from, start
+from blink.nic.openai.api_key import api_key_from
+from blink.nic.openai.server import OpenAIServer, ServerConfig, start
 from blink.nic.text import Tokenizer
 from blink.process import engine_process, wait_until_serving
 from blink.ring.layout import FREE, RUNNING

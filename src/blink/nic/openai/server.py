@@ -18,13 +18,11 @@ import asyncio
 import gc
 import hmac
 import logging
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata
-from pathlib import Path
 
 from aiohttp import web
 
@@ -54,8 +52,8 @@ class ServerConfig:
     """``model_name``: the name clients use; ``loop``: the agent loop's bounds and timing (``LoopConfig``: the wait
     queue beyond which requests get 429); ``limits``: what a client may hold of the server (``HttpLimits``);
     ``api_key``: when set, every /v1 request must carry ``Authorization: Bearer <api_key>`` (else 401; /health and
-    /metrics stay open, as in vLLM; ``api_key_from`` reads it as ``blink serve`` takes it); ``defaults``: the
-    sampling of fields a request leaves out.
+    /metrics stay open, as in vLLM; ``api_key.api_key_from`` reads it as ``blink serve`` takes it); ``defaults``:
+    the sampling of fields a request leaves out.
     ``drain``: how long a SIGTERM waits for the requests in flight (``blink.nic.drain``).
     ``thread_start``: called first in each thread the server starts (its tokenizer threads), e.g. to give them a
     priority the loop's thread does not pass on (``blink serve``: ``blink.priority.helper_priority``).
@@ -68,23 +66,6 @@ class ServerConfig:
     defaults: SamplingDefaults = SamplingDefaults()
     drain: DrainConfig = DrainConfig()
     thread_start: Callable[[], None] | None = None
-
-
-def api_key_from(option: str | None, path: str | None) -> str | None:
-    """The API key of ``--api-key``, of ``--api-key-file`` (the file's text without surrounding whitespace) or,
-    without either, of ``$BLINK_API_KEY`` (vLLM's is VLLM_API_KEY); None: no key. ``--api-key`` shows the key to
-    every local user (``ps``, /proc/PID/cmdline); the file and the environment do not."""
-    if option is not None and path is not None:
-        raise ValueError("give --api-key or --api-key-file, not both")
-    if path is None:
-        return option or os.environ.get("BLINK_API_KEY") or None
-    try:
-        key = Path(path).read_text().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--api-key-file {path}: cannot read the key ({e})") from None
-    if not key:
-        raise ValueError(f"--api-key-file {path} is empty: write the API key in it")
-    return key
 
 
 class OpenAIServer:
