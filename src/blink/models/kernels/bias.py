@@ -9,6 +9,8 @@ def apply_logit_bias(logits: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor
     """Add ``bias[r, j]`` to the logit of token ``ids[r, j]`` of row ``r`` of ``logits [S, V]``, in place, for ``j <
     count[r]`` and ids in ``[0, V)`` (others are ignored; a row's ids are distinct). The sum is taken in float32 and
     rounded once to the logits' dtype. Fixed shapes, no host read: the CUDA step runs it too."""
+    if ids.shape[1] == 0:       # a ring without logit_bias (the shape is fixed: a captured graph has no branch)
+        return
     vocab = logits.shape[1]
     valid = ((torch.arange(ids.shape[1], device=ids.device) < count[:, None]) & (ids >= 0) & (ids < vocab))
     # Entries that add nothing rewrite the row's first valid entry (or, without one, token 0 as it is), so every
