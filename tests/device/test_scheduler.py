@@ -16,7 +16,7 @@ from tests.device.pages import check_pages
 
 from blink.device.config import SchedulerConfig
 from blink.device.sim import SimScheduler
-from blink.device.state import FREE_TOP, IDLE, N_EVICTABLE, N_RUNNING, STOP
+from blink.device.state import FREE_TOP, H32_N_LOGIT_BIAS, HF_MIN_P, IDLE, N_EVICTABLE, N_RUNNING, STOP
 from blink.device.step import StepBuffers, StepLayout
 from blink.errors import RingFull
 from blink.nic.agent import Agent
@@ -166,9 +166,8 @@ def check_step_contract(s, config, bucket):
         assert s.logits_indices[r] == (int(qsl[r + 1]) - 1 if length == total else -1)
         assert s.seed[r] == s.seq_seed[slot] and s.temperature[r] == s.seq_temperature[slot]
         # The request's min_p and logit_bias, as the agent wrote them into the ring, whoever held the row before.
-        header = s.hdr_f32[slot].view(RingLayout(GEOMETRY).header_dtype)[0]
-        n_bias = int(header["n_logit_bias"])
-        assert s.min_p[r] == header["min_p"] and s.n_logit_bias[r] == n_bias
+        n_bias = int(s.hdr_i32[slot, H32_N_LOGIT_BIAS])
+        assert s.min_p[r] == s.hdr_f32[slot, HF_MIN_P] and s.n_logit_bias[r] == n_bias
         assert (s.logit_bias_ids[r, :n_bias] == s.bias_i32[slot, 0:2 * n_bias:2]).all()
         assert (s.logit_bias[r, :n_bias] == s.bias_f32[slot, 1:2 * n_bias:2]).all()
         chunks.append(q)
