@@ -58,8 +58,9 @@ class SamplingParams:
     every token already generated, once / per occurrence; ``repetition_penalty`` (> 0, 1 disables) divides a positive
     logit (multiplies a negative one) of every token in the prompt or the output: vLLM's penalties, applied on the
     device before temperature and the filters. ``logit_bias`` (token id → a number in [-100, 100]) is added to those
-    tokens' logits after the penalties. ``min_p`` (in [0, 1], 0 disables) keeps the tokens whose probability, after
-    temperature, is at least ``min_p`` times the most likely token's (vLLM's rule), before top-k and top-p.
+    tokens' logits before the penalties (vLLM's order). ``min_p`` (in [0, 1], 0 disables) keeps the tokens whose
+    probability, after temperature, is at least ``min_p`` times the most likely token's (vLLM's rule), before top-k
+    and top-p.
     ``top_logprobs`` (up to ``MAX_TOP_LOGPROBS``; needs ``logprobs``) reports that many most likely tokens with their
     logprobs at each position, of the same distribution as the sampled token's logprob (after the penalties and
     ``logit_bias``, before temperature and the filters).
