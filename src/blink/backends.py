@@ -85,9 +85,11 @@ def scheduler_config(config: EngineConfig, max_model_len: int, num_pages: int, e
     return config.scheduler.resolve(num_pages=num_pages, max_model_len=max_model_len, eos_token_ids=eos_token_ids)
 
 
-def step_layout(config: SchedulerConfig, max_model_len: int) -> StepLayout:
-    """The step buffers' sizes: the largest bucket, every running sequence, one longest sequence's pages."""
-    return StepLayout(config.buckets[-1], config.max_num_seqs, -(-max_model_len // config.page_size))
+def step_layout(config: SchedulerConfig, max_model_len: int, geometry: RingGeometry) -> StepLayout:
+    """The step buffers' sizes: the largest bucket, every running sequence, one longest sequence's pages, the ring's
+    logit biases and top logprobs."""
+    return StepLayout(config.buckets[-1], config.max_num_seqs, -(-max_model_len // config.page_size),
+                      geometry.max_logit_bias, geometry.max_top_logprobs)
 
 
 def _budget(config: EngineConfig, memory_option: str) -> str:
@@ -131,7 +133,7 @@ class CpuBackend:
         self.model = model
         self.kv = model.allocate_kv_cache(num_pages, page_size)
         _log_pool(num_pages, page_size, page_bytes)
-        self.step = StepBuffers(step_layout(self.config, max_model_len))
+        self.step = StepBuffers(step_layout(self.config, max_model_len, geometry))
         self.history = TokenHistory.allocate(num_pages, page_size, TokenHistory.scratch(
             self.step.layout.max_num_seqs, model.lm_head_weight().shape[0], "cpu"))
         self.followers = followers
@@ -198,7 +200,7 @@ class GpuBackend:
 
         page_size = config.scheduler.page_size
         self.model = model
-        self.step = StepBuffers(step_layout(config.scheduler, max_model_len), "cuda")
+        self.step = StepBuffers(step_layout(config.scheduler, max_model_len, geometry), "cuda")
         # Allocated before the pool is sized, so that it counts as taken.
         counts = TokenHistory.scratch(self.step.layout.max_num_seqs, model.lm_head_weight().shape[0], "cuda")
         page_bytes = pool_page_bytes(model, page_size)

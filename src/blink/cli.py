@@ -167,11 +167,10 @@ def _engine_config(args, model_dir, **overrides):
                                 page_size=args.block_size, num_pages=args.num_pages,
                                 max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                                 buckets=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None)
-    return EngineConfig(model=str(model_dir), device=args.device, dtype=args.dtype, scheduler=scheduler,
-                        policy=args.policy, gpu_memory_utilization=args.gpu_memory_utilization,
-                        cpu_kv_cache_gib=args.cpu_kv_cache_gib, n_slots=args.slots,
-                        max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
-                        load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size, **overrides)
+    same = ("device", "dtype", "policy", "gpu_memory_utilization", "cpu_kv_cache_gib", "max_prompt_tokens",
+            "max_output_tokens", "max_logit_bias", "max_top_logprobs", "load_format", "tensor_parallel_size")
+    return EngineConfig(model=str(model_dir), scheduler=scheduler, n_slots=args.slots,
+                        **{name: getattr(args, name) for name in same}, **overrides)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -78,6 +78,8 @@ def engine_options(parser, slots: int) -> None:
                         help="longest prompt a ring slot holds (default: max-model-len - 1)")
     parser.add_argument("--max-output-tokens", type=int, default=None,
                         help="longest output a ring slot holds (default: max-model-len - 1)")
+    parser.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias, help="logit_bias tokens per request")
+    parser.add_argument("--max-top-logprobs", type=int, default=d.max_top_logprobs, help="top_logprobs per token")
 
 
 def http_options(parser) -> None:

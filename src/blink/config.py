@@ -48,10 +48,12 @@ class EngineConfig:
     ``"module:function"`` (what crosses into an engine process).
 
     The ring has ``n_slots`` request slots of ``max_prompt_tokens`` prompt and ``max_output_tokens`` output tokens
-    (None: ``max_model_len - 1`` each). ``ring_name=None`` keeps it in this process; a name puts it in POSIX shared
-    memory (``/dev/shm/<ring_name>``) for an agent in another process. ``sim_threads`` is the simulated scheduler
-    block size in CPU mode (each is a Python thread: keep it small). ``tensor_parallel_size`` splits the model over
-    that many processes (``blink.ranks``; CPU only so far).
+    (None: ``max_model_len - 1`` each), each request's ``logit_bias`` up to ``max_logit_bias`` tokens and
+    ``top_logprobs`` up to ``max_top_logprobs`` per token (0: none; that area costs ``8 × n_slots ×
+    max_output_tokens × max_top_logprobs`` bytes of ring). ``ring_name=None`` keeps it in this process; a name puts
+    it in POSIX shared memory (``/dev/shm/<ring_name>``) for an agent in another process. ``sim_threads`` is the
+    simulated scheduler block size in CPU mode (each is a Python thread: keep it small). ``tensor_parallel_size``
+    splits the model over that many processes (``blink.ranks``; CPU only so far).
 
     ``request_side="device"`` (GPU only) keeps the ring's request side (control block, status, headers, prompts) in
     GPU memory, where the scheduler's polls are HBM reads and a NIC writes it by GPUDirect RDMA; the output side
@@ -72,6 +74,8 @@ class EngineConfig:
     max_output_tokens: int | None = None
     max_stop_ids: int = 8
     logprobs: bool = True
+    max_logit_bias: int = RingGeometry.max_logit_bias
+    max_top_logprobs: int = RingGeometry.max_top_logprobs
     ring_name: str | None = None
     sim_threads: int = 4
     tensor_parallel_size: int = 1
@@ -88,7 +92,8 @@ class EngineConfig:
         check(self.policy is None or isinstance(self.policy, str) or callable(self.policy), owner, "policy",
               "None, a function or 'module:function'", self.policy)
         RingGeometry.check("n_slots", self.n_slots, owner)
-        RingGeometry.check("max_stop_ids", self.max_stop_ids, owner)
+        for name in ("max_stop_ids", "max_logit_bias", "max_top_logprobs"):
+            RingGeometry.check(name, getattr(self, name), owner)
         for name in ("max_prompt_tokens", "max_output_tokens"):
             if getattr(self, name) is not None:
                 RingGeometry.check(name, getattr(self, name), owner)
@@ -129,7 +134,8 @@ class EngineConfig:
                              f"max_model_len={max_model_len} tokens: lower max_prompt_tokens (or leave it out)")
         caching = self.scheduler.enable_prefix_caching
         return RingGeometry(self.n_slots, prompt, self.max_output_tokens or max_model_len - 1, self.max_stop_ids,
-                            self.logprobs, max_model_len, self.scheduler.page_size if caching else 0)
+                            self.logprobs, max_model_len, self.scheduler.page_size if caching else 0,
+                            self.max_logit_bias, self.max_top_logprobs)
 
     def policy_function(self):
         """The admission policy as a numba device function (``blink.device.policy.fcfs`` when None)."""

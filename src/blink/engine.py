@@ -195,7 +195,7 @@ class RequestStream:
         if self._builder.finished:
             raise StopIteration
         out = self.engine._next_output(self.request_id)
-        delta = self._builder.push(out.new_tokens, out.new_logprobs, out.finish_reason)
+        delta = self._builder.push(out)
         if self._builder.stopped:
             self.close()                # a stop string: the ring's request is not needed any more
         elif out.finished:
@@ -294,7 +294,7 @@ class AsyncRequestStream:
         if isinstance(out, Exception):
             await self.aclose()
             raise out
-        delta = self._builder.push(out.new_tokens, out.new_logprobs, out.finish_reason)
+        delta = self._builder.push(out)
         if self._builder.finished:
             self._submission.finish_reason = delta.finish_reason
             await self.aclose()

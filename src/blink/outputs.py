@@ -18,6 +18,8 @@ class GenerationOutput:
     text: str | None = None
     finish_reason: str | None = None     # "stop", "length", "abort" or "error"
     logprobs: list[float] | None = None
+    # With ``top_logprobs``: per token, the (token id, logprob) of the most likely tokens, most likely first.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class StreamDelta:
     text: str | None
     logprobs: list[float] | None
     finish_reason: str | None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class OutputBuilder:
@@ -45,7 +48,8 @@ class OutputBuilder:
         if params.stop and tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer to match text: this model directory has no "
                              "tokenizer.json (use stop_token_ids)")
-        self.output = GenerationOutput(list(prompt), logprobs=[] if params.logprobs else None)
+        self.output = GenerationOutput(list(prompt), logprobs=[] if params.logprobs else None,
+                                       top_logprobs=[] if params.top_logprobs else None)
         self._text = TextStream(tokenizer, params.stop) if tokenizer is not None else None
         if self._text is not None:
             self.output.text = ""
@@ -55,8 +59,11 @@ class OutputBuilder:
     def finished(self) -> bool:
         return self.output.finish_reason is not None
 
-    def push(self, new_tokens: list[int], new_logprobs: list[float] | None, finish_reason: str | None) -> StreamDelta:
-        """Fold one poll's tokens in; the delta they add (the last delta carries the finish reason)."""
+    def push(self, out) -> StreamDelta:
+        """Fold one poll's tokens in (the agent's ``RequestOutput``); the delta they add (the last delta carries the
+        finish reason)."""
+        new_tokens, new_logprobs, new_top, finish_reason = (out.new_tokens, out.new_logprobs, out.new_top_logprobs,
+                                                            out.finish_reason)
         text = None
         if self._text is not None:
             text, kept = "", 0
@@ -70,11 +77,14 @@ class OutputBuilder:
                 finish_reason = "stop"
                 new_tokens = new_tokens[:kept]
                 new_logprobs = new_logprobs[:kept] if new_logprobs is not None else None
+                new_top = new_top[:kept] if new_top is not None else None
             if finish_reason is not None:
                 text += self._text.finish()
             self.output.text += text
         self.output.token_ids += new_tokens
         if new_logprobs is not None and self.output.logprobs is not None:
             self.output.logprobs += new_logprobs
+        if new_top is not None and self.output.top_logprobs is not None:
+            self.output.top_logprobs += new_top
         self.output.finish_reason = finish_reason
-        return StreamDelta(list(new_tokens), text, new_logprobs, finish_reason)
+        return StreamDelta(list(new_tokens), text, new_logprobs, finish_reason, new_top)

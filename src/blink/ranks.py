@@ -47,9 +47,12 @@ class Setup:
     max_num_batched_tokens: int
     max_num_seqs: int
     max_pages_per_seq: int
+    max_logit_bias: int
+    max_top_logprobs: int
 
     def layout(self) -> StepLayout:
-        return StepLayout(self.max_num_batched_tokens, self.max_num_seqs, self.max_pages_per_seq)
+        return StepLayout(self.max_num_batched_tokens, self.max_num_seqs, self.max_pages_per_seq,
+                          self.max_logit_bias, self.max_top_logprobs)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from tests.device.pages import check_pages
 
 from blink.device.config import SchedulerConfig
 from blink.device.sim import SimScheduler
-from blink.device.state import FREE_TOP, IDLE, N_EVICTABLE, N_RUNNING, STOP
+from blink.device.state import FREE_TOP, H32_N_LOGIT_BIAS, HF_MIN_P, IDLE, N_EVICTABLE, N_RUNNING, STOP
 from blink.device.step import StepBuffers, StepLayout
 from blink.errors import RingFull
 from blink.nic.agent import Agent
@@ -28,7 +28,8 @@ from blink.ring.request import SamplingParams
 from blink.ring.standin import standin_continuation, standin_step
 from blink.ring.transport import LocalMemory
 
-GEOMETRY = RingGeometry(n_slots=12, max_prompt_tokens=40, max_output_tokens=12, max_stop_ids=2, prefix_page_size=4)
+GEOMETRY = RingGeometry(n_slots=12, max_prompt_tokens=40, max_output_tokens=12, max_stop_ids=2, prefix_page_size=4,
+                        max_logit_bias=3, max_top_logprobs=2)
 CONFIG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, page_size=4, num_pages=24, max_model_len=52,
                          buckets=(1, 2, 4, 8, 16), eos_token_ids=(), block_threads=4)
 
@@ -83,12 +84,14 @@ class Harness:
         self.memory.write(0, self.layout.control_bytes())
         self.agent = Agent(self.memory, geometry)
         self.config = config
-        self.step = StepBuffers(StepLayout(config.buckets[-1], config.max_num_seqs, config.max_pages_per_seq))
+        self.step = StepBuffers(StepLayout(config.buckets[-1], config.max_num_seqs, config.max_pages_per_seq,
+                                           geometry.max_logit_bias, geometry.max_top_logprobs))
         options = {} if policy is None else {"policy": policy}
         self.kv = KVContents()
         self.scheduler = SimScheduler(self.layout.view(self.memory.buffer), geometry, config, self.step,
                                       step_fn=self.run_step, threads=threads, **options)
         self.outputs: dict[int, list[int]] = {}
+        self.top: dict[int, list] = {}
         self.reasons: dict[int, str] = {}
         self.steps: list[dict] = []
 
@@ -103,6 +106,7 @@ class Harness:
         for out in self.agent.poll():
             assert out.request_id not in self.reasons, "output after the request finished"
             self.outputs.setdefault(out.request_id, []).extend(out.new_tokens)
+            self.top.setdefault(out.request_id, []).extend(out.new_top_logprobs or [])
             if out.finished:
                 self.reasons[out.request_id] = out.finish_reason
         return outcome
@@ -110,12 +114,21 @@ class Harness:
     def run_step(self, arrays, bucket_tokens):
         self.kv.step(arrays, self.config.page_size)
         standin_step(arrays, bucket_tokens)
+        standin_top(arrays)
 
     def run_until_idle(self, limit=400):
         for _ in range(limit):
             if self.iterate() == IDLE and not self.agent.in_flight:
                 return
         raise AssertionError(f"not idle after {limit} iterations; in flight: {self.agent.in_flight}")
+
+
+def standin_top(s):
+    """Top logprobs for the stand-in's sampled rows: the token and its two successors, at its logprob, -1, -2."""
+    for r in range(s.sampled_top_ids.shape[0]):
+        for j in range(s.sampled_top_ids.shape[1]):
+            s.sampled_top_ids[r, j] = s.sampled_ids[r] + j
+            s.sampled_top_logprobs[r, j] = s.sampled_logprobs[r] - j
 
 
 def check_step_contract(s, config, bucket):
@@ -152,6 +165,11 @@ def check_step_contract(s, config, bucket):
         assert (s.block_tables[r, :n_pages] == s.seq_pages[slot, :n_pages]).all()
         assert s.logits_indices[r] == (int(qsl[r + 1]) - 1 if length == total else -1)
         assert s.seed[r] == s.seq_seed[slot] and s.temperature[r] == s.seq_temperature[slot]
+        # The request's min_p and logit_bias, as the agent wrote them into the ring, whoever held the row before.
+        n_bias = int(s.hdr_i32[slot, H32_N_LOGIT_BIAS])
+        assert s.min_p[r] == s.hdr_f32[slot, HF_MIN_P] and s.n_logit_bias[r] == n_bias
+        assert (s.logit_bias_ids[r, :n_bias] == s.bias_i32[slot, 0:2 * n_bias:2]).all()
+        assert (s.logit_bias[r, :n_bias] == s.bias_f32[slot, 1:2 * n_bias:2]).all()
         chunks.append(q)
     return {"slots": slots, "chunks": chunks}
 
@@ -174,7 +192,8 @@ def test_random_workloads_match_the_reference(requests, num_pages, threads, use_
             if arrival == iteration:
                 stop = (standin_continuation(prompt, seed, max_tokens)[max_tokens // 2],) if use_stop else ()
                 params = SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=ignore_eos,
-                                        stop_token_ids=stop)
+                                        stop_token_ids=stop, min_p=seed % 5 / 4,
+                                        logit_bias={(seed >> 8 * k) % 32000: k - 1.5 for k in range(seed % 4)})
                 rid = h.agent.submit(prompt, params)
                 submitted[rid] = (prompt, params, cancel)
             elif arrival + 2 == iteration and cancel:
@@ -289,6 +308,34 @@ def test_logprobs_reach_the_ring_only_when_asked():
     tokens = [4, 5] + standin_continuation([4, 5], 8, 3)
     assert got[with_lp] == [standin_logprob(tokens[p - 1], p, 8) for p in range(2, 5)]
     assert got[without] == []
+
+
+def test_top_logprobs_reach_the_ring_as_many_as_asked():
+    from blink.ring.standin import standin_logprob
+
+    h = Harness()
+    rids = {top: h.agent.submit([4, 5], SamplingParams(max_tokens=3, seed=8, logprobs=top > 0, top_logprobs=top))
+            for top in (0, 1, 2)}
+    h.run_until_idle()
+    tokens = [4, 5] + standin_continuation([4, 5], 8, 3)
+    for top, rid in rids.items():
+        want = [[(tokens[p] + j, standin_logprob(tokens[p - 1], p, 8) - j) for j in range(top)] for p in range(2, 5)]
+        assert h.top[rid] == (want if top else []), top
+
+
+@pytest.mark.parametrize("field, value", [("n_logit_bias", 4), ("top_logprobs", 3), ("n_logit_bias", 2**31)])
+def test_a_header_asking_for_more_than_the_ring_holds_finishes_with_error(field, value):
+    """A header the agent would never write (a bug, or a hostile writer of the ring): counts beyond the ring's rows
+    are refused at admission, not read past the row."""
+    h = Harness()
+    rid = h.agent.submit([4, 5], SamplingParams(max_tokens=3, logprobs=True))
+    ok = h.agent.submit([4, 5], SamplingParams(max_tokens=3))
+    slot = h.agent._slot_of[rid]
+    dtype = h.layout.header_dtype
+    h.memory.write(h.layout.header_at(slot) + dtype.fields[field][1], np.array([value], "<u4").tobytes())
+    h.run_until_idle()
+    assert (h.reasons[rid], h.outputs.get(rid, [])) == ("error", [])
+    assert h.reasons[ok] == "length"
 
 
 def test_a_request_cancelled_during_chunked_prefill_finishes_with_abort_and_no_tokens():

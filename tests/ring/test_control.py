@@ -32,7 +32,8 @@ def test_verify_accepts_its_own_control_block_and_names_mismatched_fields():
 
 
 @pytest.mark.parametrize("geometry", [RingGeometry(), RingGeometry(n_slots=3, max_prompt_tokens=5, max_output_tokens=7,
-                                                                   max_stop_ids=0, logprobs=False)])
+                                                                   max_stop_ids=0, logprobs=False, max_logit_bias=0,
+                                                                   max_top_logprobs=20)])
 def test_the_geometry_read_back_from_a_ring_is_the_one_it_was_created_with(geometry):
     assert control.geometry_of(control.fresh(geometry)) == geometry
     with pytest.raises(RingMismatch, match="'magic'"):

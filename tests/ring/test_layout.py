@@ -6,8 +6,8 @@ import pytest
 from blink.errors import IllegalTransition
 from blink.ring.control import CONTROL_DTYPE
 from blink.ring.geometry import RingGeometry
-from blink.ring.layout import (AGENT, FINISHED, FREE, GPU, READY, RUNNING, STATUS_COLUMNS, RingLayout, check_transition,
-                               header_dtype)
+from blink.ring.layout import (AGENT, FINISHED, FREE, GPU, PAIR_DTYPE, READY, RUNNING, STATUS_COLUMNS, RingLayout,
+                               check_transition, header_dtype)
 
 # The contract, written out by hand: (field, byte offset, byte size). A change here is a protocol change.
 CONTROL_SPEC = [("magic", 0, 4), ("version", 4, 4), ("n_slots", 8, 4), ("max_prompt_tokens", 12, 4),
@@ -19,15 +19,17 @@ CONTROL_SPEC = [("magic", 0, 4), ("version", 4, 4), ("n_slots", 8, 4), ("max_pro
                 ("in_step", 132, 4), ("step_limit_s", 136, 4), ("alive", 144, 8), ("creator_pid", 152, 4),
                 ("prefix_page_size", 156, 4), ("prefix_seed", 160, 8), ("prefix_query_tokens", 168, 8),
                 ("prefix_hit_tokens", 176, 8), ("prefix_evictions", 184, 8), ("prefill_tokens", 192, 8),
-                ("cached_pages", 200, 4), ("secret_digest", 208, 8)]
+                ("cached_pages", 200, 4), ("max_logit_bias", 204, 4), ("max_top_logprobs", 208, 4),
+                ("secret_digest", 216, 8)]
 HEADER_SPEC = [("request_id", 0, 8), ("arrival_ns", 8, 8), ("seed", 16, 8), ("prompt_len", 24, 4),
                ("max_tokens", 28, 4), ("temperature", 32, 4), ("top_p", 36, 4), ("top_k", 40, 4), ("flags", 44, 4),
                ("n_stop", 48, 4), ("priority", 52, 4), ("prefix_state", 56, 8), ("presence_penalty", 64, 4),
-               ("frequency_penalty", 68, 4), ("repetition_penalty", 72, 4)]
+               ("frequency_penalty", 68, 4), ("repetition_penalty", 72, 4), ("min_p", 76, 4), ("top_logprobs", 80, 4),
+               ("n_logit_bias", 84, 4)]
 
 
 @pytest.mark.parametrize("dtype,spec,itemsize", [(CONTROL_DTYPE, CONTROL_SPEC, 256),
-                                                 (header_dtype(8), HEADER_SPEC + [("stop_ids", 80, 32)], 112)])
+                                                 (header_dtype(8), HEADER_SPEC + [("stop_ids", 96, 32)], 128)])
 def test_struct_offsets_sizes_and_natural_alignment(dtype, spec, itemsize):
     assert dtype.itemsize == itemsize
     assert list(dtype.names) == [name for name, _, _ in spec]
@@ -40,14 +42,15 @@ def test_struct_offsets_sizes_and_natural_alignment(dtype, spec, itemsize):
     assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:])), "fields overlap"
 
 
-@pytest.mark.parametrize("max_stop_ids,itemsize", [(0, 80), (1, 96), (4, 96), (5, 112), (64, 336)])
+@pytest.mark.parametrize("max_stop_ids,itemsize", [(0, 96), (1, 112), (4, 112), (5, 128), (64, 352)])
 def test_header_size_follows_stop_capacity(max_stop_ids, itemsize):
     assert header_dtype(max_stop_ids).itemsize == itemsize
 
 
 @pytest.mark.parametrize("geometry", [RingGeometry(), RingGeometry(n_slots=3, max_prompt_tokens=5, max_output_tokens=7,
-                                                                   max_stop_ids=0, logprobs=False),
-                                      RingGeometry(n_slots=5, max_prompt_tokens=70, prefix_page_size=16)])
+                                                                   max_stop_ids=0, logprobs=False, max_logit_bias=0),
+                                      RingGeometry(n_slots=5, max_prompt_tokens=70, prefix_page_size=16,
+                                                   max_logit_bias=3, max_top_logprobs=20)])
 def test_regions_are_page_aligned_disjoint_and_sized(geometry):
     layout = RingLayout(geometry)
     n = geometry.n_slots
@@ -56,8 +59,10 @@ def test_regions_are_page_aligned_disjoint_and_sized(geometry):
                 "prompts": 4 * n * geometry.max_prompt_tokens,
                 "prefix_keys": 8 * n * (geometry.max_prompt_tokens // geometry.prefix_page_size
                                         if geometry.prefix_page_size else 0),
+                "logit_bias": 8 * n * geometry.max_logit_bias,
                 "outputs": 4 * n * geometry.max_output_tokens,
-                "logprobs": 4 * n * geometry.max_output_tokens if geometry.logprobs else 0}
+                "logprobs": 4 * n * geometry.max_output_tokens if geometry.logprobs else 0,
+                "top_logprobs": 8 * n * geometry.max_output_tokens * geometry.max_top_logprobs}
     previous_end = 0
     for name, (offset, size) in layout.regions.items():
         assert size == expected[name]
@@ -68,6 +73,10 @@ def test_regions_are_page_aligned_disjoint_and_sized(geometry):
         assert layout.status_at(name, n - 1) == layout.offset("status") + i * column + 4 * (n - 1)
     assert STATUS_COLUMNS == ("state", "epoch", "cancel", "finish_reason", "n_generated")
     assert layout.output_at(1, 2) == layout.offset("outputs") + 4 * geometry.max_output_tokens + 8
+    assert layout.logit_bias_at(2) == layout.offset("logit_bias") + 16 * geometry.max_logit_bias
+    assert layout.top_logprobs_at(1, 2) == (layout.offset("top_logprobs")
+                                            + 8 * geometry.max_top_logprobs * (geometry.max_output_tokens + 2))
+    assert list(layout.regions).index("logit_bias") < list(layout.regions).index("outputs")  # the request side
 
 
 def _random_value(dtype: np.dtype, rng):
@@ -78,7 +87,8 @@ def _random_value(dtype: np.dtype, rng):
 
 
 def test_every_field_round_trips_through_the_region_views():
-    geometry = RingGeometry(n_slots=5, max_prompt_tokens=7, max_output_tokens=3, max_stop_ids=4, prefix_page_size=3)
+    geometry = RingGeometry(n_slots=5, max_prompt_tokens=7, max_output_tokens=3, max_stop_ids=4, prefix_page_size=3,
+                            max_logit_bias=2, max_top_logprobs=2)
     layout = RingLayout(geometry)
     rng = np.random.default_rng(0)
     buffer = bytearray(layout.size)
@@ -96,6 +106,9 @@ def test_every_field_round_trips_through_the_region_views():
     view.prefix_keys[:] = rng.integers(0, 2**64, view.prefix_keys.shape, dtype=np.uint64, endpoint=False)
     view.outputs[:] = rng.integers(0, 2**31, view.outputs.shape)
     view.logprobs[:] = rng.standard_normal(view.logprobs.shape)
+    for pairs in (view.logit_bias, view.top_logprobs):
+        pairs["token"] = rng.integers(0, 2**31, pairs.shape)
+        pairs["value"] = rng.standard_normal(pairs.shape)
     # Read back through raw byte offsets, as a transport would.
     for (region, slot, name), value in written.items():
         dtype = {"control": CONTROL_DTYPE, "headers": layout.header_dtype}[region]
@@ -116,15 +129,22 @@ def test_every_field_round_trips_through_the_region_views():
         np.testing.assert_array_equal(out, view.outputs[slot])
         lp = np.frombuffer(bytes(buffer[layout.logprob_at(slot): layout.logprob_at(slot, 3)]), "<f4")
         np.testing.assert_array_equal(lp, view.logprobs[slot])
+        bias = np.frombuffer(bytes(buffer[layout.logit_bias_at(slot): layout.logit_bias_at(slot) + 16]), PAIR_DTYPE)
+        np.testing.assert_array_equal(bias, view.logit_bias[slot])
+        for index in range(3):
+            at = layout.top_logprobs_at(slot, index)
+            np.testing.assert_array_equal(np.frombuffer(bytes(buffer[at: at + 16]), PAIR_DTYPE),
+                                          view.top_logprobs[slot, index])
 
 
 def test_views_do_not_overlap():
-    layout = RingLayout(RingGeometry(n_slots=4, max_prompt_tokens=3, max_output_tokens=2, prefix_page_size=1))
+    layout = RingLayout(RingGeometry(n_slots=4, max_prompt_tokens=3, max_output_tokens=2, prefix_page_size=1,
+                                     max_logit_bias=3, max_top_logprobs=2))
     buffer = bytearray(layout.size)
     view = layout.view(buffer)
     columns = [view.status[name] for name in STATUS_COLUMNS]
-    for array in (view.control, *columns, view.headers, view.prompts, view.prefix_keys, view.outputs,
-                  view.logprobs):
+    for array in (view.control, *columns, view.headers, view.prompts, view.prefix_keys, view.logit_bias,
+                  view.outputs, view.logprobs, view.top_logprobs):
         array.view(np.uint8)[...] = 0xFF
         assert sum(buffer) == 0xFF * array.nbytes
         array.view(np.uint8)[...] = 0

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blink.ring.layout import FLAG_IGNORE_EOS, FLAG_LOGPROBS, header_dtype
-from blink.ring.request import GREEDY_BELOW, SamplingParams, encode_header
+from blink.ring.layout import FLAG_IGNORE_EOS, FLAG_LOGPROBS, PAIR_DTYPE, header_dtype
+from blink.ring.request import GREEDY_BELOW, SamplingParams, encode_header, encode_logit_bias
 
 HEADER = header_dtype(4)
 FIELDS = dict(request_id=7, arrival_ns=123, seed=2**64 - 1, prompt_len=5, priority=-3)
@@ -21,7 +21,12 @@ FIELDS = dict(request_id=7, arrival_ns=123, seed=2**64 - 1, prompt_len=5, priori
                                          ("presence_penalty", 2.01), ("presence_penalty", float("nan")),
                                          ("frequency_penalty", -2.5), ("frequency_penalty", True),
                                          ("repetition_penalty", 0), ("repetition_penalty", -1.0),
-                                         ("repetition_penalty", float("inf")), ("repetition_penalty", 1e-46)])
+                                         ("repetition_penalty", float("inf")), ("repetition_penalty", 1e-46),
+                                         ("min_p", -0.01), ("min_p", 1.01), ("min_p", float("nan")), ("min_p", True),
+                                         ("logit_bias", {5: 100.5}), ("logit_bias", {5: -101}),
+                                         ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}),
+                                         ("logit_bias", {5: float("nan")}), ("logit_bias", [(5, 1.0)]),
+                                         ("top_logprobs", 21), ("top_logprobs", -1), ("top_logprobs", 3)])
 def test_sampling_params_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})
@@ -52,15 +57,20 @@ def test_a_stop_string_alone_is_a_one_element_tuple():
                         stop_token_ids=st.lists(st.integers(0, 2**31 - 1), max_size=4).map(tuple),
                         ignore_eos=st.booleans(), logprobs=st.booleans(),
                         presence_penalty=st.floats(-2, 2), frequency_penalty=st.floats(-2, 2),
-                        repetition_penalty=st.floats(1e-6, 3.4e38)))
+                        repetition_penalty=st.floats(1e-6, 3.4e38), min_p=st.floats(0, 1),
+                        logit_bias=st.dictionaries(st.integers(0, 2**31 - 1), st.floats(-100, 100), max_size=5)))
 def test_every_valid_request_encodes_to_exactly_its_values(params):
     header = np.frombuffer(encode_header(HEADER, params=params, **FIELDS), HEADER)[0]
     for name, value in FIELDS.items():
         assert int(header[name]) == value
     assert int(header["max_tokens"]) == params.max_tokens and int(header["top_k"]) == params.top_k
     assert header["temperature"] == np.float32(params.temperature) and header["top_p"] == np.float32(params.top_p)
-    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
         assert header[name] == np.float32(getattr(params, name)), name
+    assert int(header["n_logit_bias"]) == len(params.logit_bias) and int(header["top_logprobs"]) == 0
+    pairs = np.frombuffer(encode_logit_bias(params), PAIR_DTYPE)
+    assert pairs["token"].tolist() == list(params.logit_bias)
+    assert pairs["value"].tolist() == [float(np.float32(b)) for b in params.logit_bias.values()]
     assert int(header["n_stop"]) == len(params.stop_token_ids)
     assert header["stop_ids"][:len(params.stop_token_ids)].tolist() == list(params.stop_token_ids)
     flags = (FLAG_IGNORE_EOS if params.ignore_eos else 0) | (FLAG_LOGPROBS if params.logprobs else 0)
@@ -94,3 +104,13 @@ def test_penalties_are_neutral_by_default_and_say_when_they_are_not():
     assert not SamplingParams().has_penalties
     assert all(SamplingParams(**{name: value}).has_penalties
                for name, value in [("presence_penalty", -0.5), ("frequency_penalty", 2), ("repetition_penalty", 1.1)])
+
+
+def test_top_logprobs_need_logprobs_and_are_encoded():
+    """OpenAI's rule: top_logprobs only with logprobs (the error names top_logprobs)."""
+    with pytest.raises(ValueError, match="SamplingParams.top_logprobs must be 0 unless logprobs is True"):
+        SamplingParams(top_logprobs=2)
+    header = np.frombuffer(encode_header(HEADER, params=SamplingParams(logprobs=True, top_logprobs=20), **FIELDS),
+                           HEADER)[0]
+    assert int(header["top_logprobs"]) == 20 and int(header["flags"]) == FLAG_LOGPROBS
+    assert encode_logit_bias(SamplingParams()) == b""

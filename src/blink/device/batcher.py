@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from numba import int64
 
-from blink.device import prefix
+from blink.device import prefix, sampling
 from blink.device.block import exclusive_scan, locate
 from blink.device.kv import allocate_pages, free_sequences, free_total
 from blink.device.numba_compat import cuda
@@ -25,7 +25,6 @@ from blink.device.state import (BUCKET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_PAG
                                 CFG_TOKEN_BUDGET, CFG_WATERMARK, IDLE, K_ADMITTED, K_CHUNKED, K_COPIES,
                                 K_DECODE_PAGES, K_HIT_TOKENS, K_NEED, K_PREEMPTED, K_PREFILLS, K_QUERY_TOKENS,
                                 K_VICTIM, N_QUEUED, N_ROWS, N_RUNNING, QUEUE_HEAD)
-from blink.device.step import N_PENALTIES
 
 
 @cuda.jit(device=True)
@@ -232,14 +231,8 @@ def write_rows(s, sh, n):
         s.query_start_loc[r] = start
         s.seq_lens[r] = length
         s.logits_indices[r] = start + chunk - 1 if length == s.seq_total[slot] else -1
-        s.temperature[r] = s.seq_temperature[slot]
-        s.top_p[r] = s.seq_top_p[slot]
-        s.top_k[r] = s.seq_top_k[slot]
-        s.seed[r] = s.seq_seed[slot]
-        s.prompt_lens[r] = s.seq_prompt_len[slot]
-        for k in range(N_PENALTIES):
-            s.penalties[r, k] = s.seq_penalties[slot, k]
         same = s.row_slot[r] == slot and s.row_version[r] == s.seq_version[slot]
+        sampling.write_sampling(s, r, slot, same)
         copied = s.row_pages[r] if same else 0
         sh.keys[r] = copied                       # first block-table entry this row still lacks
         sh.pages[r] = s.seq_npages[slot] - copied     # entries to copy

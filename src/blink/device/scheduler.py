@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from numba import int32, int64
 
-from blink.device import batcher, prefix
+from blink.device import batcher, prefix, sampling
 from blink.device.block import MAX_THREADS, exclusive_scan
 from blink.device.doorbells import read_doorbells
 from blink.device.kv import free_sequences, free_total
@@ -81,6 +81,7 @@ def consume(s, sh):
             s.outputs[slot, n] = token
             if s.cfg[CFG_LOGPROBS] != 0 and (s.seq_flags[slot] & FLAG_LOGPROBS) != 0:
                 s.logprobs[slot, n] = load_volatile(s.sampled_logprobs, r)
+                sampling.store_top_logprobs(s, r, slot, n)
             s.consumed[r] = slot                  # n_generated is published after this iteration's fence
             prefix.note_token(s, slot, s.seq_total[slot], token)
             s.seq_total[slot] += 1

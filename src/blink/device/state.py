@@ -35,9 +35,9 @@ STOP = -2       # shutdown done: do not relaunch
 
 # Scheduler configuration words (s.cfg).
 CFG_NAMES = ("page_size", "token_budget", "max_num_seqs", "n_buckets", "n_eos", "watermark", "max_model_len",
-             "logprobs", "max_stop", "prefix_caching")
+             "logprobs", "max_stop", "prefix_caching", "max_logit_bias", "max_top_logprobs")
 CFG_PAGE_SIZE, CFG_TOKEN_BUDGET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_N_EOS, CFG_WATERMARK, CFG_MAX_MODEL_LEN, \
-    CFG_LOGPROBS, CFG_MAX_STOP, CFG_PREFIX_CACHING = _names(*CFG_NAMES)
+    CFG_LOGPROBS, CFG_MAX_STOP, CFG_PREFIX_CACHING, CFG_MAX_LOGIT_BIAS, CFG_MAX_TOP_LOGPROBS = _names(*CFG_NAMES)
 CFG_WORDS = len(CFG_NAMES)
 
 # Control-block words, as indices into the u32 (C32_*) and u64 (C64_*) views of the block.
@@ -79,9 +79,10 @@ def _header_word(name: str, size: int) -> int:
 # Header words, as indices into the i32 / f32 (H32_*, HF_*) and u64 (H64_*) views of a header.
 H64_REQUEST_ID, H64_ARRIVAL, H64_SEED, H64_PREFIX_STATE = (
     _header_word(n, 8) for n in ("request_id", "arrival_ns", "seed", "prefix_state"))
-H32_PROMPT_LEN, H32_MAX_TOKENS, H32_TOP_K, H32_FLAGS, H32_N_STOP, H32_PRIORITY, H32_STOP_IDS = (
-    _header_word(n, 4) for n in ("prompt_len", "max_tokens", "top_k", "flags", "n_stop", "priority", "stop_ids"))
-HF_TEMPERATURE, HF_TOP_P = _header_word("temperature", 4), _header_word("top_p", 4)
+H32_PROMPT_LEN, H32_MAX_TOKENS, H32_TOP_K, H32_FLAGS, H32_N_STOP, H32_PRIORITY, H32_STOP_IDS, H32_TOP_LOGPROBS, \
+    H32_N_LOGIT_BIAS = (_header_word(n, 4) for n in ("prompt_len", "max_tokens", "top_k", "flags", "n_stop", "priority",
+                                                     "stop_ids", "top_logprobs", "n_logit_bias"))
+HF_TEMPERATURE, HF_TOP_P, HF_MIN_P = (_header_word(n, 4) for n in ("temperature", "top_p", "min_p"))
 # The three penalties are consecutive f32 words of the header, in the order of a row of ``penalties``.
 PENALTY_NAMES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 HF_PENALTIES = _header_word(PENALTY_NAMES[0], 4)
@@ -111,6 +112,12 @@ class SchedulerArrays(NamedTuple):
     prefix_keys: object     # u64 [n, prefix_key_pages] keys of each prompt's full pages (or [n, 1] without keys)
     outputs: object         # i32 [n, max_output_tokens]
     logprobs: object        # f32 [n, max_output_tokens] (or [n, 1] when the ring has no logprobs area)
+    # The pair regions as rows of 32-bit words (token at 2 k, value at 2 k + 1), read as int32 and as float32;
+    # [n, 2] when the ring has no such region.
+    bias_i32: object        # [n, 2 max_logit_bias]  each request's logit_bias pairs
+    bias_f32: object
+    top_i32: object         # [n, 2 max_output_tokens max_top_logprobs]  top logprobs of each output position
+    top_f32: object
     # Step inputs and outputs (StepBuffers).
     num_seqs: object
     token_ids: object
@@ -126,8 +133,14 @@ class SchedulerArrays(NamedTuple):
     seed: object
     prompt_lens: object
     penalties: object
+    min_p: object
+    n_logit_bias: object
+    logit_bias_ids: object
+    logit_bias: object
     sampled_ids: object
     sampled_logprobs: object
+    sampled_top_ids: object
+    sampled_top_logprobs: object
     # Scheduler state (device memory only).
     sched: object           # i32 [SCHED_WORDS]  N_RUNNING, FREE_TOP, N_ROWS, BUCKET, N_QUEUED, QUEUE_HEAD
     stats: object           # i64 [STATS_WORDS]  device copies of the control block's u64 counters, doorbells seen
@@ -152,6 +165,11 @@ class SchedulerArrays(NamedTuple):
     seq_top_p: object       # f32 [n]
     seq_seed: object        # i64 [n]
     seq_penalties: object   # f32 [n, 3]  presence, frequency, repetition (PENALTY_NAMES)
+    seq_min_p: object       # f32 [n]
+    seq_top_logprobs: object  # i32 [n]  top logprobs per output position the request asked for
+    seq_n_logit_bias: object  # i32 [n]
+    seq_bias_ids: object    # i32 [n, max_logit_bias or 1]  the request's logit_bias, copied at admission
+    seq_bias: object        # f32 [n, max_logit_bias or 1]
     seq_keys: object        # u64 [n, max_pages_per_seq]  prefix key of each full page (prompt: the ring's)
     seq_hash: object        # u64 [n]  prefix-key chain state after the sequence's last known token
     seq_seen: object        # i32 [n]  a READY slot the scheduler holds: QUEUED or REFUSED (0: none; see below)
@@ -242,11 +260,14 @@ def ring_arrays(view: RingView) -> dict[str, np.ndarray]:
     logprobs = view.logprobs if view.logprobs is not None else np.zeros((n, 1), np.float32)
     prefix_keys = view.prefix_keys if view.prefix_keys is not None else np.zeros((n, 1), np.uint64)
     control = view.control.view(np.uint8).reshape(-1)
+    bias, top = (np.zeros((n, 2), np.int32) if pairs is None else pairs.view(np.int32).reshape(n, -1)
+                 for pairs in (view.logit_bias, view.top_logprobs))
     return dict(ctl32=control.view(np.uint32), ctl64=control.view(np.uint64), state=view.status["state"],
                 epoch=view.status["epoch"], cancel=view.status["cancel"], finish=view.status["finish_reason"],
                 ngen=view.status["n_generated"], hdr_i32=raw_headers.view(np.int32),
                 hdr_f32=raw_headers.view(np.float32), hdr_u64=raw_headers.view(np.uint64), prompts=view.prompts,
-                prefix_keys=prefix_keys, outputs=view.outputs, logprobs=logprobs)
+                prefix_keys=prefix_keys, outputs=view.outputs, logprobs=logprobs, bias_i32=bias,
+                bias_f32=bias.view(np.float32), top_i32=top, top_f32=top.view(np.float32))
 
 
 def check_prefix_ring(config: SchedulerConfig, geometry: RingGeometry) -> None:
@@ -269,6 +290,9 @@ def state_arrays(config: SchedulerConfig, geometry: RingGeometry, step: StepLayo
     if step.max_pages_per_seq < config.max_pages_per_seq:
         raise ValueError(f"StepLayout.max_pages_per_seq {step.max_pages_per_seq} < {config.max_pages_per_seq} "
                          "(max_model_len / page_size)")
+    for name in ("max_logit_bias", "max_top_logprobs"):
+        if getattr(step, name) < getattr(geometry, name):
+            raise ValueError(f"StepLayout.{name} {getattr(step, name)} < the ring's {getattr(geometry, name)}")
     check_prefix_ring(config, geometry)
     cfg = np.zeros(CFG_WORDS, np.int32)
     cfg[CFG_PAGE_SIZE] = config.page_size
@@ -281,6 +305,8 @@ def state_arrays(config: SchedulerConfig, geometry: RingGeometry, step: StepLayo
     cfg[CFG_LOGPROBS] = int(geometry.logprobs)
     cfg[CFG_MAX_STOP] = geometry.max_stop_ids
     cfg[CFG_PREFIX_CACHING] = int(config.enable_prefix_caching)
+    cfg[CFG_MAX_LOGIT_BIAS] = geometry.max_logit_bias
+    cfg[CFG_MAX_TOP_LOGPROBS] = geometry.max_top_logprobs
     sched = np.zeros(SCHED_WORDS, np.int32)
     sched[FREE_TOP] = config.num_pages
     sched[BUCKET] = IDLE
@@ -298,7 +324,9 @@ def state_arrays(config: SchedulerConfig, geometry: RingGeometry, step: StepLayo
         seq_last=i32(n), seq_version=i32(n), seq_finish=i32(n), seq_top_k=i32(n), seq_n_stop=i32(n),
         seq_stop=i32(n, max(geometry.max_stop_ids, 1)), seq_temperature=np.zeros(n, np.float32),
         seq_top_p=np.ones(n, np.float32), seq_seed=np.zeros(n, np.int64),
-        seq_penalties=np.tile(np.float32([0, 0, 1]), (n, 1)), seq_keys=u64(n, config.max_pages_per_seq),
+        seq_penalties=np.tile(np.float32([0, 0, 1]), (n, 1)), seq_min_p=np.zeros(n, np.float32),
+        seq_top_logprobs=i32(n), seq_n_logit_bias=i32(n), seq_bias_ids=i32(n, max(geometry.max_logit_bias, 1)),
+        seq_bias=np.zeros((n, max(geometry.max_logit_bias, 1)), np.float32), seq_keys=u64(n, config.max_pages_per_seq),
         seq_hash=u64(n), seq_seen=i32(n), queue_slots=i32(n), queue_keys=np.zeros(n, np.int64),
         queue_tmp_slots=i32(n), queue_tmp_keys=np.zeros(n, np.int64), running=i32(seqs), consumed=i32(seqs),
         pending_finished=i32(n), doorbells=np.zeros(len(DOORBELL_NAMES), np.int64),

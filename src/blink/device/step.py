@@ -25,9 +25,11 @@ Invariants the batcher guarantees (and the model may rely on):
   request samples the same tokens whatever else is in the batch. ``penalties[i]`` are the row's presence,
   frequency and repetition penalties (0, 0, 1: none) and ``prompt_lens[i]`` its prompt length: the penalties read the
   row's history, positions ``0 .. seq_lens[i] - 1`` through its block table, those below ``prompt_lens[i]`` being
-  prompt tokens.
+  prompt tokens. ``logit_bias[i, j]`` is added to the logit of token ``logit_bias_ids[i, j]`` for ``j <
+  n_logit_bias[i]`` (entries past it are stale); ``min_p[i]`` (0: off) is the row's min-p filter.
 
-The step writes ``sampled_ids[i]`` and ``sampled_logprobs[i]`` for every row with ``logits_indices[i] >= 0``.
+The step writes ``sampled_ids[i]`` and ``sampled_logprobs[i]`` for every row with ``logits_indices[i] >= 0``, and
+``sampled_top_ids[i]`` / ``sampled_top_logprobs[i]``: the ``max_top_logprobs`` most likely tokens, most likely first.
 """
 from __future__ import annotations
 
@@ -35,22 +37,29 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from blink.ring.geometry import RingGeometry
+
 N_PENALTIES = 3     # presence, frequency, repetition: one f32 each per row
 
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Sizes of the step buffers. ``max_num_batched_tokens`` is the largest token bucket that is captured."""
+    """Sizes of the step buffers. ``max_num_batched_tokens`` is the largest token bucket that is captured;
+    ``max_logit_bias`` and ``max_top_logprobs`` are the ring's (``RingGeometry``)."""
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_pages_per_seq: int = 512
+    max_logit_bias: int = RingGeometry.max_logit_bias
+    max_top_logprobs: int = RingGeometry.max_top_logprobs
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_pages_per_seq"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"StepLayout.{name} must be a positive int (got {value!r})")
+        for name in ("max_logit_bias", "max_top_logprobs"):
+            RingGeometry.check(name, getattr(self, name), "StepLayout")
 
     def sample_rows(self, bucket_tokens: int) -> int:
         """Sequence rows a step of ``bucket_tokens`` tokens can hold: one sequence needs at least one token."""
@@ -59,6 +68,7 @@ class StepLayout:
     def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """Name -> (shape, dtype) of every buffer, in the order they are allocated."""
         t, s, p = self.max_num_batched_tokens, self.max_num_seqs, self.max_pages_per_seq
+        b, k = self.max_logit_bias, self.max_top_logprobs
         i32, i64, f32 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32)
         return {
             "num_seqs": ((1,), i32),
@@ -75,8 +85,14 @@ class StepLayout:
             "seed": ((s,), i64),
             "prompt_lens": ((s,), i32),
             "penalties": ((s, N_PENALTIES), f32),
+            "min_p": ((s,), f32),
+            "n_logit_bias": ((s,), i32),
+            "logit_bias_ids": ((s, b), i32),
+            "logit_bias": ((s, b), f32),
             "sampled_ids": ((s,), i32),
             "sampled_logprobs": ((s,), f32),
+            "sampled_top_ids": ((s, k), i32),
+            "sampled_top_logprobs": ((s, k), f32),
         }
 
 

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 from numba import int64, uint32
 
+from blink.device import sampling
 from blink.device.block import next_power_of_two, sort_pairs
 from blink.device.numba_compat import cuda, load_volatile
 from blink.device.state import (CFG_MAX_MODEL_LEN, CFG_MAX_STOP, H32_FLAGS, H32_MAX_TOKENS, H32_N_STOP, H32_PRIORITY,
-                                H32_PROMPT_LEN, H32_STOP_IDS, H32_TOP_K, H64_ARRIVAL, H64_PREFIX_STATE, H64_REQUEST_ID,
-                                H64_SEED, HF_PENALTIES, HF_TEMPERATURE, HF_TOP_P, K_CANCELLED, K_FINISHED, K_NEW,
-                                K_REFUSED, K_REJECTED, MAX_CANDIDATES, N_PENDING_FINISHED, N_QUEUED, QUEUE_HEAD, QUEUED,
-                                REFUSED, S_SEEN_SUBMITTED)
-from blink.device.step import N_PENALTIES
+                                H32_PROMPT_LEN, H32_STOP_IDS, H64_ARRIVAL, H64_PREFIX_STATE, H64_REQUEST_ID,
+                                K_CANCELLED, K_FINISHED, K_NEW, K_REFUSED, K_REJECTED, MAX_CANDIDATES,
+                                N_PENDING_FINISHED, N_QUEUED, QUEUE_HEAD, QUEUED, REFUSED, S_SEEN_SUBMITTED)
 from blink.ring.layout import FINISH_ABORT, FINISH_ERROR, READY
 
 SCAN_UNROLL = 8     # state words each thread has in flight at once: the column is read across PCIe
@@ -41,7 +40,8 @@ def servable(s, slot):
     max_tokens = s.hdr_i32[slot, H32_MAX_TOKENS]
     n_stop = s.hdr_i32[slot, H32_N_STOP]
     return (1 <= prompt_len <= s.prompts.shape[1] and 1 <= max_tokens <= s.outputs.shape[1]
-            and 0 <= n_stop <= s.cfg[CFG_MAX_STOP] and prompt_len + max_tokens <= s.cfg[CFG_MAX_MODEL_LEN])
+            and 0 <= n_stop <= s.cfg[CFG_MAX_STOP] and prompt_len + max_tokens <= s.cfg[CFG_MAX_MODEL_LEN]
+            and sampling.fits(s, slot))
 
 
 @cuda.jit(device=True)
@@ -50,15 +50,10 @@ def load_header(s, slot):
     s.seq_prompt_len[slot] = s.hdr_i32[slot, H32_PROMPT_LEN]
     s.seq_max_tokens[slot] = s.hdr_i32[slot, H32_MAX_TOKENS]
     s.seq_flags[slot] = s.hdr_i32[slot, H32_FLAGS]
-    s.seq_top_k[slot] = s.hdr_i32[slot, H32_TOP_K]
     s.seq_n_stop[slot] = s.hdr_i32[slot, H32_N_STOP]
     for k in range(s.hdr_i32[slot, H32_N_STOP]):
         s.seq_stop[slot, k] = s.hdr_i32[slot, H32_STOP_IDS + k]
-    s.seq_temperature[slot] = s.hdr_f32[slot, HF_TEMPERATURE]
-    s.seq_top_p[slot] = s.hdr_f32[slot, HF_TOP_P]
-    s.seq_seed[slot] = int64(s.hdr_u64[slot, H64_SEED])
-    for k in range(N_PENALTIES):
-        s.seq_penalties[slot, k] = s.hdr_f32[slot, HF_PENALTIES + k]
+    sampling.load_sampling(s, slot)
     s.seq_hash[slot] = s.hdr_u64[slot, H64_PREFIX_STATE]      # the prompt's prefix-key chain state (prefix.py)
 
 

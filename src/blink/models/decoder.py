@@ -177,13 +177,14 @@ class DecoderLM(nn.Module):
                 history: TokenHistory | None = None) -> torch.Tensor:
         """One model step over the first ``num_tokens`` token rows of ``buf`` (a ``StepBuffers``).
 
-        With ``history`` (the token ids of ``kv_cache``'s positions) the step records its tokens there and applies
-        each row's penalties (``buf.penalties``) to its logits before sampling; without it, penalties are ignored
-        (a model driven outside an engine).
+        Each row's ``logit_bias`` is added to its logits, then, with ``history`` (the token ids of ``kv_cache``'s
+        positions), the step records its tokens there and applies each row's penalties (``buf.penalties``) before
+        sampling; without it, penalties are ignored (a model driven outside an engine).
 
-        Writes ``buf.sampled_ids`` / ``buf.sampled_logprobs`` for rows with ``logits_indices >= 0`` (others keep
-        their values) and returns the logits ``[sample_rows(num_tokens), vocab]`` of the sampled rows in the model's
-        dtype (sampling reads them as they are; a float32 copy would cost a pass over them every step).
+        Writes ``buf.sampled_ids`` / ``buf.sampled_logprobs`` / ``buf.sampled_top_ids`` / ``buf.sampled_top_logprobs``
+        for rows with ``logits_indices >= 0`` (others keep their values) and returns the logits
+        ``[sample_rows(num_tokens), vocab]`` of the sampled rows in the model's dtype (sampling reads them as they
+        are; a float32 copy would cost a pass over them every step).
         """
         c, ops, t = self.local_config, self.ops, num_tokens
         s = buf.layout.sample_rows(t)
@@ -199,12 +200,15 @@ class DecoderLM(nn.Module):
         last = rows.clamp(min=0).long()
         h, _ = ops.rms_norm(h[last], self.model.norm.weight, c.rms_norm_eps, residual[last])
         logits = F.linear(h, self.lm_head_weight())
+        ops.apply_logit_bias(logits, buf.logit_bias_ids[:s], buf.logit_bias[:s], buf.n_logit_bias[:s])
         if history is not None:
             ops.apply_penalties(logits, history.tokens, buf.block_tables[:s], buf.seq_lens[:s], buf.prompt_lens[:s],
                                 buf.penalties[:s], history.counts[:s], history.page_size)
-        ids, logprobs = sample(logits, buf.temperature[:s], buf.top_k[:s], buf.top_p[:s], buf.seed[:s],
-                               buf.seq_lens[:s], ops)
+        out = sample(logits, buf.temperature[:s], buf.top_k[:s], buf.top_p[:s], buf.min_p[:s], buf.seed[:s],
+                     buf.seq_lens[:s], ops, buf.sampled_top_ids.shape[1])
         valid = rows >= 0
-        buf.sampled_ids[:s] = torch.where(valid, ids, buf.sampled_ids[:s])
-        buf.sampled_logprobs[:s] = torch.where(valid, logprobs, buf.sampled_logprobs[:s])
+        buf.sampled_ids[:s] = torch.where(valid, out.ids, buf.sampled_ids[:s])
+        buf.sampled_logprobs[:s] = torch.where(valid, out.logprobs, buf.sampled_logprobs[:s])
+        buf.sampled_top_ids[:s] = torch.where(valid[:, None], out.top_ids, buf.sampled_top_ids[:s])
+        buf.sampled_top_logprobs[:s] = torch.where(valid[:, None], out.top_logprobs, buf.sampled_top_logprobs[:s])
         return logits

@@ -21,8 +21,9 @@ from blink.ring import control
 from blink.ring.control import CONTROL_DTYPE, ENGINE_STOPPED
 from blink.ring.geometry import RingGeometry
 from blink.ring.hashing import prompt_keys
-from blink.ring.layout import AGENT, FINISH_NAMES, FINISHED, FREE, READY, RUNNING, RingLayout, check_transition
-from blink.ring.request import SamplingParams, encode_header
+from blink.ring.layout import (AGENT, FINISH_NAMES, FINISHED, FREE, PAIR_DTYPE, READY, RUNNING, RingLayout,
+                               check_transition)
+from blink.ring.request import SamplingParams, encode_header, encode_logit_bias
 from blink.ring.transport import RemoteMemory
 
 _U32 = np.dtype("<u4")
@@ -37,6 +38,8 @@ class RequestOutput:
     new_logprobs: list[float] | None   # only for requests submitted with ``logprobs=True``
     finished: bool
     finish_reason: str | None          # "stop", "length", "abort" or "error" once finished
+    # Only for requests submitted with ``top_logprobs``: per new token, its (token, logprob) pairs, most likely first.
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Agent:
@@ -71,6 +74,7 @@ class Agent:
         self._request_id = np.zeros(n, np.uint64)   # 0 = slot not in flight for this agent
         self._delivered = np.zeros(n, np.int64)     # tokens already returned by poll()
         self._wants_logprobs = np.zeros(n, bool)
+        self._top_logprobs = np.zeros(n, np.int32)  # top logprobs per token the request asked for
         self._seen_running = np.zeros(n, bool)      # the agent has re-read n_generated since admission
         self._slot_of: dict[int, int] = {}
         self._next_id = 1
@@ -109,7 +113,7 @@ class Agent:
                                prefix_state=state)
         slot = self.tracker.claim()
         try:
-            self._publish(slot, header, prompt, keys)
+            self._publish(slot, header, prompt, keys, encode_logit_bias(params))
         except BaseException:
             self.tracker.release(slot)      # the slot was never published READY: it is still the agent's
             raise
@@ -118,15 +122,18 @@ class Agent:
         self._delivered[slot] = 0
         self._seen_running[slot] = False
         self._wants_logprobs[slot] = params.logprobs
+        self._top_logprobs[slot] = params.top_logprobs
         self._slot_of[request_id] = slot
         return request_id
 
-    def _publish(self, slot: int, header: bytes, prompt: np.ndarray, keys: np.ndarray | None) -> None:
+    def _publish(self, slot: int, header: bytes, prompt: np.ndarray, keys: np.ndarray | None, bias: bytes) -> None:
         """Payload first, then the new epoch, then READY, then the doorbell (docs/architecture.md)."""
         epoch = int(self._epoch[slot]) % 0xFFFFFFFF + 1      # never 0: cancel == 0 means "no cancel"
         layout = self.layout
         self.memory.write(layout.header_at(slot), header)
         self.memory.write(layout.prompt_at(slot), prompt.tobytes())
+        if bias:
+            self.memory.write(layout.logit_bias_at(slot), bias)
         if keys is not None and keys.size:
             self.memory.write(layout.prefix_keys_at(slot), keys.astype("<u8").tobytes())
         self._write_word("epoch", slot, epoch)
@@ -232,6 +239,12 @@ class Agent:
              "(RingGeometry.max_stop_ids)"),
             (not params.logprobs or g.logprobs, "logprobs",
              "logprobs=True needs a ring built with RingGeometry(logprobs=True)"),
+            (params.top_logprobs <= g.max_top_logprobs, "top_logprobs",
+             f"top_logprobs={params.top_logprobs} is above the {g.max_top_logprobs} this ring has room for "
+             "(RingGeometry.max_top_logprobs)"),
+            (len(params.logit_bias or ()) <= g.max_logit_bias, "logit_bias",
+             f"logit_bias has {len(params.logit_bias or ())} tokens; at most {g.max_logit_bias} fit "
+             "(RingGeometry.max_logit_bias)"),
             (prompt.size + params.max_tokens <= g.max_model_len, "max_tokens",
              f"the prompt has {prompt.size} tokens and max_tokens={params.max_tokens}, together "
              f"{prompt.size + params.max_tokens} positions, but the engine's max_model_len is {g.max_model_len}: "
@@ -289,11 +302,21 @@ class Agent:
                 raw = self.memory.read(self.layout.logprob_at(slot, start), 4 * (end - start))
                 logprobs = np.frombuffer(raw, "<f4").tolist()
         self._delivered[slot] = end
+        top = self._read_top_logprobs(slot, start, end) if self._top_logprobs[slot] else None
         finished = finish_reason is not None
         if finished:
             self._release(slot, request_id)
         return RequestOutput(request_id, tokens, logprobs, finished,
-                             (FINISH_NAMES.get(finish_reason) or "error") if finished else None)
+                             (FINISH_NAMES.get(finish_reason) or "error") if finished else None, top)
+
+    def _read_top_logprobs(self, slot: int, start: int, end: int) -> list[list[tuple[int, float]]]:
+        """The first ``top_logprobs`` pairs of each output position ``[start, end)`` of ``slot``: one read."""
+        if end <= start:
+            return []
+        k = self.geometry.max_top_logprobs
+        raw = self.memory.read(self.layout.top_logprobs_at(slot, start), PAIR_DTYPE.itemsize * k * (end - start))
+        pairs = np.frombuffer(raw, PAIR_DTYPE).reshape(end - start, k)[:, :self._top_logprobs[slot]]
+        return [list(zip(row["token"].tolist(), row["value"].tolist())) for row in pairs]
 
     def _release(self, slot: int, request_id: int) -> None:
         check_transition(FINISHED, FREE, AGENT)

@@ -125,7 +125,8 @@ class AgentLoop:
             return
         if req.request_id is None:
             self.waiting.remove(req)
-            req.queue.put_nowait(RequestOutput(0, [], [] if req.params.logprobs else None, True, "abort"))
+            req.queue.put_nowait(RequestOutput(0, [], [] if req.params.logprobs else None, True, "abort",
+                                               [] if req.params.top_logprobs else None))
         else:
             self.agent.cancel(req.request_id)
 

@@ -75,12 +75,14 @@ CONTROL_DTYPE = struct([
     ("prefix_evictions", "<u8", 184),   # GPU: cached pages evicted for reuse
     ("prefill_tokens", "<u8", 192),     # GPU: prompt positions the model computed (preemption recomputes)
     ("cached_pages", "<u4", 200),   # GPU gauge: pages in the prefix cache (in use or evictable)
-    ("secret_digest", "<u8", 208),  # creator: a digest of the secret its agents are given (blink.ring.secret)
+    ("max_logit_bias", "<u4", 204),     # creator: (token, bias) pairs per request (geometry)
+    ("max_top_logprobs", "<u4", 208),   # creator: top logprobs per output position (geometry)
+    ("secret_digest", "<u8", 216),  # creator: a digest of the secret its agents are given (blink.ring.secret)
 ], 256)
 
 WORDS = tuple(name for name in CONTROL_DTYPE.names if name != "secret_digest")    # what ``read`` shows
 GEOMETRY_FIELDS = ("n_slots", "max_prompt_tokens", "max_output_tokens", "max_stop_ids", "flags", "max_model_len",
-                   "prefix_page_size")
+                   "prefix_page_size", "max_logit_bias", "max_top_logprobs")
 STATS_FIELDS = ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted", "kv_pages_total",
                 "kv_pages_free", "running", "waiting", "prefix_query_tokens", "prefix_hit_tokens", "prefix_evictions",
                 "prefill_tokens", "cached_pages")
@@ -104,7 +106,8 @@ def geometry_words(geometry: RingGeometry) -> dict[str, int]:
     g = geometry
     return {"n_slots": g.n_slots, "max_prompt_tokens": g.max_prompt_tokens, "max_output_tokens": g.max_output_tokens,
             "max_stop_ids": g.max_stop_ids, "flags": RING_LOGPROBS if g.logprobs else 0,
-            "max_model_len": g.max_model_len, "prefix_page_size": g.prefix_page_size}
+            "max_model_len": g.max_model_len, "prefix_page_size": g.prefix_page_size,
+            "max_logit_bias": g.max_logit_bias, "max_top_logprobs": g.max_top_logprobs}
 
 
 def fresh(geometry: RingGeometry, secret_digest: int = 0) -> bytes:
@@ -160,7 +163,8 @@ def geometry_of(raw: bytes) -> RingGeometry:
     return RingGeometry(n_slots=int(block["n_slots"]), max_prompt_tokens=int(block["max_prompt_tokens"]),
                         max_output_tokens=int(block["max_output_tokens"]), max_stop_ids=int(block["max_stop_ids"]),
                         logprobs=bool(int(block["flags"]) & RING_LOGPROBS),
-                        max_model_len=int(block["max_model_len"]), prefix_page_size=int(block["prefix_page_size"]))
+                        max_model_len=int(block["max_model_len"]), prefix_page_size=int(block["prefix_page_size"]),
+                        max_logit_bias=int(block["max_logit_bias"]), max_top_logprobs=int(block["max_top_logprobs"]))
 
 
 def read(memory) -> dict[str, int]:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_TOP_LOGPROBS = 20   # the most top logprobs per token a request may ask for (OpenAI's limit)
+
 
 @dataclass(frozen=True)
 class RingGeometry:
@@ -10,7 +12,10 @@ class RingGeometry:
     engine's limit on one sequence, ``max_model_len`` (prompt + output positions; None: the slot's prompt and output
     capacity together), which the agent enforces before a request reaches the ring. ``prefix_page_size``: the KV
     page size whose prompt-page keys (``blink.ring.hashing``) the agent writes with each request, for the GPU's
-    prefix cache; 0: the ring carries no keys.
+    prefix cache; 0: the ring carries no keys. ``max_logit_bias``: the (token, bias) pairs one request's
+    ``logit_bias`` may hold (0: none); ``max_top_logprobs``: the most likely tokens (with their logprobs) the GPU
+    reports per output position when a request asks for ``top_logprobs`` (0: the ring has no room for them; it
+    costs ``8 × n_slots × max_output_tokens × max_top_logprobs`` bytes).
 
     ``LIMITS`` bound each size by what its control-block word and the regions' byte offsets can hold; ``check``
     applies them to one value, for configurations that carry a ring size of their own (``EngineConfig``).
@@ -23,9 +28,12 @@ class RingGeometry:
     logprobs: bool = True
     max_model_len: int | None = None
     prefix_page_size: int = 0
+    max_logit_bias: int = 300
+    max_top_logprobs: int = 0
 
     LIMITS = {"n_slots": (1, 1 << 20), "max_prompt_tokens": (1, 1 << 24), "max_output_tokens": (1, 1 << 24),
-              "max_stop_ids": (0, 64), "max_model_len": (2, (1 << 31) - 1), "prefix_page_size": (0, 1 << 16)}
+              "max_stop_ids": (0, 64), "max_model_len": (2, (1 << 31) - 1), "prefix_page_size": (0, 1 << 16),
+              "max_logit_bias": (0, 1 << 16), "max_top_logprobs": (0, MAX_TOP_LOGPROBS)}
 
     def __post_init__(self):
         if self.max_model_len is None and isinstance(self.max_prompt_tokens, int) \

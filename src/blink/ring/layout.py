@@ -11,8 +11,10 @@ Regions, each starting on a 4 KiB boundary::
     headers   [n_slots] header_dtype          request id, sampling params, stop ids, arrival time
     prompts   [n_slots, max_prompt_tokens] int32
     prefix_keys [n_slots, geometry.prefix_key_pages] uint64   (only when geometry.prefix_page_size)
+    logit_bias [n_slots, max_logit_bias] PAIR_DTYPE (token, bias)
     outputs   [n_slots, max_output_tokens] int32
     logprobs  [n_slots, max_output_tokens] float32   (only when geometry.logprobs)
+    top_logprobs [n_slots, max_output_tokens, max_top_logprobs] PAIR_DTYPE (token, logprob)
 
 The status words of all slots are contiguous so that the agent learns the state and progress of every slot with
 ONE bulk read, and the GPU scans the packed state column with coalesced loads.
@@ -105,11 +107,15 @@ def status_column_stride(n_slots: int) -> int:
     return _round_up(4 * n_slots, 64)
 
 
-HEADER_FIXED_BYTES = 80     # the header's fields before the stop ids (76 used)
+HEADER_FIXED_BYTES = 96     # the header's fields before the stop ids (88 used)
+
+# An element of the logit_bias and top_logprobs regions: a token id and a float32 (its bias, or its logprob). The
+# GPU side reads a slot's pairs as one row of 32-bit words: the token at word 2 k, the number at word 2 k + 1.
+PAIR_DTYPE = struct([("token", "<i4", 0), ("value", "<f4", 4)], 8)
 
 
 def header_dtype(max_stop_ids: int) -> np.dtype:
-    """Request header: 80 fixed bytes, then the stop ids, padded to 16 bytes."""
+    """Request header: 96 fixed bytes, then the stop ids, padded to 16 bytes."""
     fixed = [
         ("request_id", "<u8", 0),
         ("arrival_ns", "<u8", 8),
@@ -126,6 +132,9 @@ def header_dtype(max_stop_ids: int) -> np.dtype:
         ("presence_penalty", "<f4", 64),
         ("frequency_penalty", "<f4", 68),
         ("repetition_penalty", "<f4", 72),
+        ("min_p", "<f4", 76),
+        ("top_logprobs", "<u4", 80),    # top logprobs per output position (0: none)
+        ("n_logit_bias", "<u4", 84),    # valid pairs in the slot's logit_bias row
     ]
     if max_stop_ids:
         fixed.append(("stop_ids", ("<i4", (max_stop_ids,)), HEADER_FIXED_BYTES))
@@ -147,6 +156,8 @@ class RingView:
     outputs: np.ndarray        # [n_slots, max_output_tokens] int32
     logprobs: np.ndarray | None  # [n_slots, max_output_tokens] float32
     prefix_keys: np.ndarray | None = None  # [n_slots, prefix_key_pages] uint64 (only if geometry.prefix_page_size)
+    logit_bias: np.ndarray | None = None   # [n_slots, max_logit_bias] PAIR_DTYPE (only if geometry.max_logit_bias)
+    top_logprobs: np.ndarray | None = None  # [n_slots, max_output_tokens, max_top_logprobs] PAIR_DTYPE (or None)
 
 
 class RingLayout:
@@ -159,12 +170,16 @@ class RingLayout:
         self.prompt_stride = 4 * g.max_prompt_tokens
         self.output_stride = 4 * g.max_output_tokens
         self.prefix_key_stride = 8 * g.prefix_key_pages
+        self.logit_bias_stride = PAIR_DTYPE.itemsize * g.max_logit_bias
+        self.top_logprobs_stride = PAIR_DTYPE.itemsize * g.max_output_tokens * g.max_top_logprobs
         offset = 0
         sizes = [("control", CONTROL_DTYPE.itemsize), ("status", self.status_dtype.itemsize),
                  ("headers", g.n_slots * self.header_dtype.itemsize), ("prompts", g.n_slots * self.prompt_stride),
                  ("prefix_keys", g.n_slots * self.prefix_key_stride),
+                 ("logit_bias", g.n_slots * self.logit_bias_stride),
                  ("outputs", g.n_slots * self.output_stride),
-                 ("logprobs", g.n_slots * self.output_stride if g.logprobs else 0)]
+                 ("logprobs", g.n_slots * self.output_stride if g.logprobs else 0),
+                 ("top_logprobs", g.n_slots * self.top_logprobs_stride)]
         self.regions: dict[str, tuple[int, int]] = {}
         for name, size in sizes:
             self.regions[name] = (offset, size)
@@ -186,6 +201,14 @@ class RingLayout:
 
     def prefix_keys_at(self, slot: int) -> int:
         return self.offset("prefix_keys") + slot * self.prefix_key_stride
+
+    def logit_bias_at(self, slot: int) -> int:
+        return self.offset("logit_bias") + slot * self.logit_bias_stride
+
+    def top_logprobs_at(self, slot: int, index: int = 0) -> int:
+        """The first of output position ``index``'s ``max_top_logprobs`` pairs."""
+        return (self.offset("top_logprobs") + slot * self.top_logprobs_stride
+                + index * PAIR_DTYPE.itemsize * self.geometry.max_top_logprobs)
 
     def output_at(self, slot: int, index: int = 0) -> int:
         return self.offset("outputs") + slot * self.output_stride + 4 * index
@@ -225,4 +248,7 @@ class RingLayout:
             logprobs=region("logprobs", np.dtype("<f4"), (g.n_slots, g.max_output_tokens)) if g.logprobs else None,
             prefix_keys=(region("prefix_keys", np.dtype("<u8"), (g.n_slots, g.prefix_key_pages))
                          if g.prefix_page_size else None),
+            logit_bias=region("logit_bias", PAIR_DTYPE, (g.n_slots, g.max_logit_bias)) if g.max_logit_bias else None,
+            top_logprobs=(region("top_logprobs", PAIR_DTYPE, (g.n_slots, g.max_output_tokens, g.max_top_logprobs))
+                          if g.max_top_logprobs else None),
         )

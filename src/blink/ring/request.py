@@ -15,13 +15,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from blink.ring.errors import RequestError
-from blink.ring.layout import FLAG_IGNORE_EOS, FLAG_LOGPROBS
+from blink.ring.geometry import MAX_TOP_LOGPROBS
+from blink.ring.layout import FLAG_IGNORE_EOS, FLAG_LOGPROBS, PAIR_DTYPE
 
 U64_MAX = (1 << 64) - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 # Below this a temperature is greedy (vLLM's rule too): dividing logits by a denormal float32 overflows them.
 GREEDY_BELOW = 1e-5
 PENALTY_LIMIT = 2      # presence and frequency penalties lie in [-PENALTY_LIMIT, PENALTY_LIMIT] (OpenAI's)
+BIAS_LIMIT = 100       # a logit bias lies in [-BIAS_LIMIT, BIAS_LIMIT] (OpenAI's)
 
 
 def shown(value) -> str:
@@ -55,7 +57,13 @@ class SamplingParams:
     end-of-sequence tokens. ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2], 0 disables) lower the logit of
     every token already generated, once / per occurrence; ``repetition_penalty`` (> 0, 1 disables) divides a positive
     logit (multiplies a negative one) of every token in the prompt or the output: vLLM's penalties, applied on the
-    device before temperature and the filters.
+    device before temperature and the filters. ``logit_bias`` (token id → a number in [-100, 100]) is added to those
+    tokens' logits before the penalties (vLLM's order). ``min_p`` (in [0, 1], 0 disables) keeps the tokens whose
+    probability, after temperature, is at least ``min_p`` times the most likely token's (vLLM's rule), before top-k
+    and top-p.
+    ``top_logprobs`` (up to ``MAX_TOP_LOGPROBS``; needs ``logprobs``) reports that many most likely tokens with their
+    logprobs at each position, of the same distribution as the sampled token's logprob (after the penalties and
+    ``logit_bias``, before temperature and the filters).
     """
 
     max_tokens: int = 16
@@ -70,6 +78,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    top_logprobs: int = 0
 
     @property
     def has_penalties(self) -> bool:
@@ -106,6 +117,18 @@ class SamplingParams:
         r = self.repetition_penalty
         _check(_is_number(r) and 0.0 < r <= FLOAT32_MAX and np.float32(r) > 0, "repetition_penalty",
                f"a number in (0, {FLOAT32_MAX:.4g}] (float32; 1 disables it)", r)
+        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "a number in [0, 1] (0 disables it)",
+               self.min_p)
+        bias = self.logit_bias
+        _check(bias is None or (isinstance(bias, dict) and all(_is_int(t) and 0 <= t < 2**31 and _is_number(b)
+                                                               and -BIAS_LIMIT <= b <= BIAS_LIMIT
+                                                               for t, b in bias.items())),
+               "logit_bias", f"None or a dict of token ids in [0, 2**31) to numbers in [-{BIAS_LIMIT}, {BIAS_LIMIT}]",
+               bias)
+        _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
+               f"an int in [0, {MAX_TOP_LOGPROBS}]", self.top_logprobs)
+        _check(self.top_logprobs == 0 or self.logprobs, "top_logprobs", "0 unless logprobs is True",
+               self.top_logprobs)
 
 
 def encode_header(header_dtype: np.dtype, *, request_id: int, arrival_ns: int, seed: int, prompt_len: int,
@@ -121,7 +144,8 @@ def encode_header(header_dtype: np.dtype, *, request_id: int, arrival_ns: int, s
               "flags": (FLAG_IGNORE_EOS if params.ignore_eos else 0) | (FLAG_LOGPROBS if params.logprobs else 0),
               "n_stop": len(params.stop_token_ids), "priority": priority, "prefix_state": prefix_state,
               "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
-              "repetition_penalty": params.repetition_penalty}
+              "repetition_penalty": params.repetition_penalty, "min_p": params.min_p,
+              "top_logprobs": params.top_logprobs, "n_logit_bias": len(params.logit_bias or ())}
     fields = [_fits(header_dtype.fields[name][0], name, values[name]) for name in header_dtype.names
               if name != "stop_ids"]
     if "stop_ids" in header_dtype.names:
@@ -133,6 +157,16 @@ def encode_header(header_dtype: np.dtype, *, request_id: int, arrival_ns: int, s
     header = np.zeros(1, header_dtype)
     header[0] = tuple(fields)
     return header.tobytes()
+
+
+def encode_logit_bias(params: SamplingParams) -> bytes:
+    """The request's ``logit_bias`` as the ring's row of (token, bias) pairs stores it (the agent has checked that
+    they fit the row); empty without one."""
+    pairs = np.zeros(len(params.logit_bias or ()), PAIR_DTYPE)
+    if params.logit_bias:
+        pairs["token"] = list(params.logit_bias)
+        pairs["value"] = list(params.logit_bias.values())
+    return pairs.tobytes()
 
 
 @functools.cache

@@ -91,7 +91,8 @@ def _setup_row_logsumexp(logits):
     from blink.models.kernels.sampling import row_logsumexp
 
     divisor = torch.full((logits.shape[0],), 0.7, device=logits.device)
-    return lambda logits: torch.cat(row_logsumexp(logits, divisor))
+    floor = torch.full((logits.shape[0],), -1.0, device=logits.device)
+    return lambda logits: torch.cat(row_logsumexp(logits, divisor, floor))
 
 
 KERNELS = {  # name: (setup of a kernel reading a tensor of the shape, shape, dtype)

@@ -45,16 +45,61 @@ def test_row_logsumexp_matches_reference(backend):
     logits[2, :4096] = float("-inf")
     logits[5] = float("-inf")
     divisor = _divisor(rows, device)
+    no_floor = torch.full((rows,), float("-inf"), device=device)
     from blink.models.kernels.sampling import row_logsumexp
 
-    lse, lse_scaled = row_logsumexp(logits, divisor)
+    lse, lse_scaled = row_logsumexp(logits, divisor, no_floor)
     want, want_scaled = (torch.logsumexp(x.double(), dim=1) for x in (logits, logits / divisor[:, None]))
     assert lse.dtype == lse_scaled.dtype == torch.float32
     assert torch.all(lse[5] == float("-inf")) and torch.all(lse_scaled[5] == float("-inf"))
     assert rel_err(lse[:5], want[:5]) < 1e-6 and rel_err(lse_scaled[:5], want_scaled[:5]) < 1e-6
     half = logits.bfloat16()
-    for got, want in zip(row_logsumexp(half, divisor), row_logsumexp(half.float(), divisor)):
+    for got, want in zip(row_logsumexp(half, divisor, no_floor), row_logsumexp(half.float(), divisor, no_floor)):
         assert torch.equal(got, want)  # bf16 read as it is: the same sums as its float32 copy
+
+
+def test_row_logsumexp_sums_the_scaled_row_above_its_floor(backend):
+    """min-p: the scaled log-sum-exp covers only the entries ``>= floor`` (float64 reference), the plain one the
+    whole row; a floor at the row's maximum keeps the maximum alone."""
+    device, _, _ = backend
+    rows, vocab = 6, 5003
+    logits = torch.randn(rows, vocab, device=device).mul(3)
+    divisor = _divisor(rows, device)
+    scaled = logits / divisor[:, None]
+    top = scaled.max(dim=1).values
+    floor = top + torch.log(torch.tensor([0.0, 0.05, 0.3, 0.5, 1.0, 1e-4], device=device))
+    from blink.models.kernels.sampling import row_logsumexp
+
+    lse, lse_scaled = row_logsumexp(logits, divisor, floor)
+    kept = torch.where(scaled >= floor[:, None], scaled.double(), float("-inf"))
+    assert rel_err(lse, torch.logsumexp(logits.double(), 1)) < 1e-6
+    assert rel_err(lse_scaled, torch.logsumexp(kept, 1)) < 1e-6
+    assert lse_scaled[4] == top[4]      # min_p = 1: the maximum alone
+    assert rel_err(lse_scaled, reference.row_logsumexp(logits, divisor, floor)[1]) < 1e-6
+
+
+def test_candidate_threshold_with_min_p_matches_reference(backend):
+    """min-p's floor with top-k, top-p, both and neither; a floor below every candidate with top-p unclosed (the
+    threshold is the floor, not -inf) and one at the maximum (only it stays)."""
+    device, _, _ = backend
+    from blink.models.kernels.sampling import candidate_threshold
+
+    rows, vocab, n = 12, 3000, 1024
+    logits = torch.randn(rows, vocab, device=device) * 3
+    logits[9:] *= 0.001  # flat rows: every candidate survives min-p, top-p does not close within them
+    divisor = _divisor(rows, device)
+    scaled = logits / divisor[:, None]
+    min_p = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.5, 1.0, 0.01, 0.3, 0.0, 1e-3, 1e-3, 0.9], device=device)
+    floor = scaled.max(dim=1).values + torch.log(min_p)
+    lse_scaled = reference.row_logsumexp(logits, divisor, floor)[1]
+    top_k = torch.tensor([0, 5, 0, 40, 0, 0, 3, 2000, 0, 0, 0, 0], dtype=torch.int32, device=device)
+    top_p = torch.tensor([1.0, 1.0, 0.5, 0.95, 0.9, 1.0, 0.8, 0.9, 0.7, 0.9, 1.0, 0.5], device=device)
+    cand = torch.topk(logits, n, dim=1).values
+    got = candidate_threshold(cand, divisor, lse_scaled, top_k, top_p, floor)
+    want = reference.candidate_threshold(cand, divisor, lse_scaled, top_k, top_p, floor)
+    assert torch.equal(got, want), (got, want)
+    assert torch.all(want >= floor) and want[5] == scaled[5].max()
+    assert torch.equal(want[9:11], floor[9:11])     # unclosed: cut at the floor
 
 
 def test_candidate_threshold_matches_reference(backend):
@@ -72,11 +117,12 @@ def test_candidate_threshold_matches_reference(backend):
         top_k = torch.tensor([0, 5, 0, 40, 2000, 0, 1, 0, 3, 0, 0, 7], dtype=torch.int32, device=device)
         top_p = torch.tensor([1.0, 1.0, 0.5, 0.95, 0.9, 0.999, 1.0, 0.05, 0.3, 0.8, 0.9, 0.9], device=device)
         cand = torch.topk(logits, n, dim=1).values
-        got = candidate_threshold(cand, divisor, lse_scaled, top_k, top_p)
-        want = reference.candidate_threshold(cand, divisor, lse_scaled, top_k, top_p)
+        floor = torch.full((12,), float("-inf"), device=device)
+        got = candidate_threshold(cand, divisor, lse_scaled, top_k, top_p, floor)
+        want = reference.candidate_threshold(cand, divisor, lse_scaled, top_k, top_p, floor)
         assert torch.equal(got, want), (vocab, got, want)
         half = cand.bfloat16()
-        assert torch.equal(candidate_threshold(half, divisor, lse_scaled, top_k, top_p),
-                           reference.candidate_threshold(half.float(), divisor, lse_scaled, top_k, top_p))
+        assert torch.equal(candidate_threshold(half, divisor, lse_scaled, top_k, top_p, floor),
+                           reference.candidate_threshold(half.float(), divisor, lse_scaled, top_k, top_p, floor))
         assert want[0] == float("-inf") and torch.isfinite(want[[1, 2, 3, 11]]).all()
         assert (want[10] == float("-inf")) == (n < vocab)  # a flat row's nucleus is wider than the candidates

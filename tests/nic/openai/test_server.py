@@ -35,6 +35,7 @@ from blink.ring.reference import standin_engine
 
 MODEL = "smollm2-test"
 ENGINE = EngineConfig(device="cpu", n_slots=8, max_prompt_tokens=256, max_output_tokens=32, max_stop_ids=4,
+                      max_logit_bias=4, max_top_logprobs=5,
                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=288),
                       cpu_kv_cache_gib=0.25, sim_threads=2)
 GEOMETRY = ENGINE.geometry(ENGINE.scheduler.max_model_len)
@@ -298,6 +299,73 @@ def test_logprobs_are_the_sampled_tokens(served, reference, hf):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                           seed=5, logprobs=True)
     assert len(chat.choices[0].logprobs.content) == 3
+    assert all(c.top_logprobs == [] and bytes(c.bytes) == c.token.encode() for c in chat.choices[0].logprobs.content)
+
+
+def _chat_top(entries):
+    """Chat logprobs content as plain values: per token (token, logprob, bytes, [(token, logprob, bytes)])."""
+    return [(c.token, c.logprob, bytes(c.bytes), [(t.token, t.logprob, bytes(t.bytes)) for t in c.top_logprobs])
+            for c in entries]
+
+
+def test_top_logprobs_in_openais_shapes_whole_and_streamed(served, reference, hf):
+    """Chat ``logprobs: true, top_logprobs: N`` and completions ``logprobs: N``: the reference engine's top tokens
+    (which equal transformers' top-k log-probabilities: tests/test_sampling.py), decoded one by one, in OpenAI's
+    objects; a stream's chunks carry the same entries."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ids = chat_ids(hf, messages)
+    want = reference.generate([ids], SamplingParams(max_tokens=5, seed=9, logprobs=True, top_logprobs=3))[0]
+    client = served.client()
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, seed=9, logprobs=True,
+                                          top_logprobs=3)
+    got = _chat_top(chat.choices[0].logprobs.content)
+    text = lambda t: hf.decode([t])  # noqa: E731
+    assert [(g[0], g[2], [(t, b) for t, _, b in g[3]]) for g in got] == [
+        (text(t), text(t).encode(), [(text(i), text(i).encode()) for i, _ in top])
+        for t, top in zip(want.token_ids, want.top_logprobs, strict=True)]
+    for g, logprob, top in zip(got, want.logprobs, want.top_logprobs, strict=True):
+        assert g[1] == pytest.approx(logprob, abs=1e-4)
+        assert [lp for _, lp, _ in g[3]] == pytest.approx([lp for _, lp in top], abs=1e-4)
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, seed=9, logprobs=True,
+                                            top_logprobs=3, stream=True)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in _chat_top(c.choices[0].logprobs.content)]
+    # The same tokens; the numbers to float32 rounding (the batch each step ran in may differ).
+    assert [(e[0], [t for t, _, _ in e[3]]) for e in streamed] == [(e[0], [t for t, _, _ in e[3]]) for e in got]
+    assert [e[1] for e in streamed] == pytest.approx([e[1] for e in got], abs=1e-4)
+    prompt = hf("The sky is")["input_ids"]
+    want = reference.generate([prompt], SamplingParams(max_tokens=4, seed=2, logprobs=True, top_logprobs=2))[0]
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, seed=2, logprobs=2)
+    top = whole.choices[0].logprobs.top_logprobs
+    assert [list(d) for d in top] == [[text(i) for i, _ in step] + ([] if text(t) in map(text, dict(step)) else
+                                                                    [text(t)])
+                                      for t, step in zip(want.token_ids, want.top_logprobs, strict=True)]
+    for d, step in zip(top, want.top_logprobs, strict=True):
+        assert [d[text(i)] for i, _ in step] == pytest.approx([lp for _, lp in step], abs=1e-4)
+    chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, seed=2, logprobs=2, stream=True)
+    streamed = [d for c in chunks for d in (c.choices[0].logprobs.top_logprobs if c.choices[0].logprobs else [])]
+    assert [list(d) for d in streamed] == [list(d) for d in top]
+    assert [v for d in streamed for v in d.values()] == pytest.approx([v for d in top for v in d.values()], abs=1e-4)
+
+
+def test_logit_bias_and_min_p_reach_the_sampler(served, reference, hf):
+    """Through the openai client: a +100 bias makes a token every token; a -100 bias keeps the greedy token out;
+    min_p = 1 (an extra field for the client) samples the most likely token, as greedy decoding does."""
+    client = served.client()
+    prompt = hf("The capital of France is")["input_ids"]
+    forced = hf(" banana")["input_ids"][0]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                    logit_bias={str(forced): 100})
+    assert out.choices[0].text == hf.decode([forced] * 4)
+    greedy = reference.generate([prompt], SamplingParams(max_tokens=4, temperature=0))[0].token_ids
+    banned = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                       logit_bias={str(greedy[0]): -100})
+    want = reference.generate([prompt], SamplingParams(max_tokens=4, temperature=0,
+                                                       logit_bias={greedy[0]: -100}))[0].token_ids
+    assert banned.choices[0].text == hf.decode(want) and want[0] != greedy[0]
+    sampled = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=1.5, seed=4,
+                                        extra_body={"min_p": 1.0})
+    assert sampled.choices[0].text == hf.decode(greedy)
 
 
 def test_concurrent_streams_all_complete(served, reference, hf):
@@ -494,7 +562,20 @@ BAD = [  # (path, body, status, what the message must mention)
     (COMPLETIONS, {"prompt": [1] * 257}, 400, "at most 256"),
     (COMPLETIONS, {"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),
     (COMPLETIONS, {"prompt": "x", "n": 17}, 400, "'n' must be an integer in [1, 16]"),
-    (COMPLETIONS, {"prompt": "x", "logprobs": 5}, 400, "logprobs"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 6}, 400, "'logprobs' asks for 6 top logprobs per token, but this "
+                                                      "server keeps at most 5: start it with --max-top-logprobs 6"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 21}, 400, "'logprobs' must be an integer in [0, 20]"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": True}, 400, "'logprobs' must be an integer"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"49152": 1}}, 400, "'logit_bias' must be an object mapping token "
+                                                                   "ids in [0, 49152)"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 100.5}}, 400, "to numbers in [-100, 100]"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": "up"}}, 400, "'logit_bias' must be"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"-5": 1}}, 400, "'logit_bias' must be"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"5" * 5000: 1}}, 400, "'logit_bias' must be"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": [[5, 1]]}, 400, "'logit_bias' must be"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 1, "05": 2}}, 400, "names a token id twice"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {str(t): 1 for t in range(5)}}, 400,
+     "'logit_bias' asks for 5 tokens, but this server keeps at most 4: start it with --max-logit-bias 5"),
     (COMPLETIONS, {"prompt": "x", "stop": 5}, 400, "stop"),
     (COMPLETIONS, {"prompt": "x", "stop": [""]}, 400, "non-empty"),
     (COMPLETIONS, {"prompt": "x", "stop": ["a"] * 17}, 400, "at most 16"),
@@ -507,7 +588,9 @@ BAD = [  # (path, body, status, what the message must mention)
     (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "not supported"),
     (COMPLETIONS, {"prompt": "x", "best_of": True}, 400, "not supported"),        # true == 1, but not an int
     (COMPLETIONS, {"prompt": "x", "best_of": 1.0}, 400, "not supported"),
-    (COMPLETIONS, {"prompt": "x", "min_p": 0.1}, 400, "not supported"),
+    (COMPLETIONS, {"prompt": "x", "min_p": 1.5}, 400, "'min_p' must be a number in [0, 1]"),
+    (COMPLETIONS, {"prompt": "x", "min_p": -0.1}, 400, "'min_p' must be a number in [0, 1]"),
+    (CHAT, {"messages": USER, "min_p": "0.1"}, 400, "'min_p' must be a number"),
     (COMPLETIONS, {"prompt": "x", "temperature": 10**400}, 400, "'temperature' must be"),   # beyond any float
     (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "only for streamed answers"),
     (CHAT, {"messages": []}, 400, "non-empty list"),
@@ -515,7 +598,10 @@ BAD = [  # (path, body, status, what the message must mention)
     (CHAT, {"messages": [{"content": "no role"}]}, 400, "'role'"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
      "only text"),
-    (CHAT, {"messages": USER, "top_logprobs": 3}, 400, "top_logprobs"),
+    (CHAT, {"messages": USER, "top_logprobs": 3}, 400, "'top_logprobs' needs \"logprobs\": true"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "'top_logprobs' must be an integer in "
+                                                                          "[0, 20]"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 6}, 400, "start it with --max-top-logprobs 6"),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "not supported"),
     (CHAT, {"messages": USER, "model": "nope"}, 404, "GET /v1/models"),
     (CHAT, {"messages": [{"role": "user", "content": "hello " * 300}]}, 400, "shorten it"),
@@ -557,13 +643,14 @@ good_values = {
     "ignore_eos": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "stop_token_ids": st.lists(st.integers(-1, 49152), max_size=5), "priority": st.integers(-5, 5),
     "presence_penalty": st.floats(-2.5, 2.5), "frequency_penalty": st.floats(-2.5, 2.5),
-    "repetition_penalty": st.floats(-0.5, 3),
+    "repetition_penalty": st.floats(-0.5, 3), "min_p": st.floats(-0.5, 1.5),
+    "logit_bias": st.dictionaries(st.integers(-1, 49152).map(str), st.floats(-110, 110), max_size=5),
 }
 prompts = {COMPLETIONS: {"prompt": st.text(min_size=1, max_size=30) | st.lists(st.integers(0, 49151), max_size=8),
-                         "logprobs": st.sampled_from([None, 0, 0, 1])},
+                         "logprobs": st.sampled_from([None, 0, 0, 1, 5, 6])},
            CHAT: {"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
                                                               "content": st.text(max_size=30)}), max_size=3),
-                  "logprobs": st.booleans()}}
+                  "logprobs": st.booleans(), "top_logprobs": st.sampled_from([None, 0, 3, 5, 6])}}
 
 
 # Every numeric field at the limits of the types that store it: the ring header's u32 / i32 / u64 / f32, Python's
@@ -572,7 +659,8 @@ TYPE_LIMITS = [0, 1, -1, 2**31 - 1, 2**31, -2**31, -2**31 - 1, 2**32 - 1, 2**32,
                -2**63 - 1, 10**30,
                0.0, -0.0, 1e-45, 1e-39, 1e-5, 0.5, 3.4e38, 3.5e38, 1e308, -1e308, 1.7976931348623157e308]
 NUMERIC_FIELDS = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "priority", "n",
-                  "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "best_of"]
+                  "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "best_of",
+                  "min_p"]
 
 
 @st.composite

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..hashing import gumbel_noise, row_key
+from .bias import apply_logit_bias  # noqa: F401  (torch and capturable: the same on every device)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -141,25 +142,29 @@ def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scal
     return out
 
 
-def row_logsumexp(logits: torch.Tensor, divisor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def row_logsumexp(logits: torch.Tensor, divisor: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
     """Per row of ``logits [S, V]`` (any float dtype, computed in float32): (log-sum-exp of the row, log-sum-exp of
-    the row divided by ``divisor``)."""
+    the entries of the row divided by ``divisor`` that are ``>= floor``, the min-p survivors)."""
     logits = logits.float()
-    return torch.logsumexp(logits, dim=1), torch.logsumexp(logits / divisor[:, None], dim=1)
+    scaled = logits / divisor[:, None]
+    return torch.logsumexp(logits, dim=1), torch.logsumexp(torch.where(scaled >= floor[:, None], scaled,
+                                                                       float("-inf")), dim=1)
 
 
 def candidate_threshold(cand: torch.Tensor, divisor: torch.Tensor, lse_scaled: torch.Tensor, top_k: torch.Tensor,
-                        top_p: torch.Tensor) -> torch.Tensor:
+                        top_p: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     """The filters of ``blink.models.sampler`` on each row's ``n`` largest logits ``cand [S, n]`` (descending):
-    the smallest of them, divided by ``divisor`` (> 0, which keeps the order), that top-k and top-p keep, ``-inf``
-    where top-p (top-k off) is still short of ``top_p`` after all ``n``. ``lse_scaled`` is the log-sum-exp of each
-    whole scaled row: top-p renormalises over it without top-k, over the top-k survivors with it."""
+    the smallest of them, divided by ``divisor`` (> 0, which keeps the order), that min-p (a scaled logit
+    ``>= floor``), then top-k among those, then top-p keep; ``floor`` where top-p (top-k off) is still short of
+    ``top_p`` after all ``n``. ``lse_scaled`` is the log-sum-exp of the min-p survivors of each whole scaled row:
+    top-p renormalises over it without top-k, over the top-k survivors with it."""
     n = cand.shape[1]
     cand = cand.float() / divisor[:, None]
     rank = torch.arange(n, device=cand.device)[None, :]
     k_on = top_k > 0
     k = torch.where(k_on, top_k.clamp(max=n), n)[:, None]
-    in_k = rank < k
+    in_k = (rank < k) & (cand >= floor[:, None])
     masked = torch.where(in_k, cand, float("-inf"))
     norm = torch.where(k_on, torch.logsumexp(masked, dim=1), lse_scaled)
     probs = torch.exp(masked - norm[:, None])
@@ -168,7 +173,7 @@ def candidate_threshold(cand: torch.Tensor, divisor: torch.Tensor, lse_scaled: t
     keep = in_k & ((top_p[:, None] >= 1) | (mass_before < top_p[:, None]) | (rank == 0))
     threshold = torch.where(keep, cand, float("inf")).amin(dim=1)
     unclosed = ~k_on & keep[:, -1]
-    return torch.where(unclosed, float("-inf"), threshold)
+    return torch.where(unclosed, floor, threshold)
 
 
 def gumbel_argmax(logits: torch.Tensor, divisor: torch.Tensor, threshold: torch.Tensor, seed: torch.Tensor,

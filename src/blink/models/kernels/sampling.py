@@ -6,11 +6,11 @@ and divides by the row's temperature as it reads (``div_rn``: the correctly roun
 a float32 copy nor the scaled rows are ever stored.
 
 - ``row_logsumexp``: program ``(row, chunk)`` keeps a running max and sum of exponentials per lane over ``CHUNK``
-  entries of the row and of the scaled row (one pass instead of torch's two reductions of each) and folds its
-  lanes; one program per row then folds the row's chunks (one program per row alone took ~50 us for a 128k
+  entries of the row and of the scaled row's min-p survivors (one pass instead of torch's two reductions of each)
+  and folds its lanes; one program per row then folds the row's chunks (one program per row alone took ~50 us for a 128k
   vocabulary on the H200: a serial loop of loads).
-- ``candidate_threshold``: one program per row applies top-k and top-p to the row's candidates (its largest logits,
-  sorted by ``torch.topk``) in registers: one launch instead of ~20 small torch ones.
+- ``candidate_threshold``: one program per row applies min-p, top-k and top-p to the row's candidates (its largest
+  logits, sorted by ``torch.topk``) in registers: one launch instead of ~20 small torch ones.
 - ``gumbel_argmax``: program ``(row, chunk)`` derives the row's key from its seed and length (``hashing.row_key``,
   in uint32), scans ``CHUNK`` vocabulary entries and writes its best (value, index); the host-free ``torch.max``
   over the chunks of a row picks the token. The first chunk wins a tie, as the lowest index does in the reference.
@@ -59,12 +59,14 @@ def _fold(m, s):
 
 
 @triton.jit
-def _chunk_logsumexp_kernel(logits_ptr, div_ptr, part_ptr, vocab, stride, n_chunks, CHUNK: tl.constexpr,
+def _chunk_logsumexp_kernel(logits_ptr, div_ptr, floor_ptr, part_ptr, vocab, stride, n_chunks, CHUNK: tl.constexpr,
                             BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Program ``(row, chunk)``: (max, sum of exp(x - max)) of ``CHUNK`` entries of the row and of the scaled row."""
+    """Program ``(row, chunk)``: (max, sum of exp(x - max)) of ``CHUNK`` entries of the row and of the scaled row's
+    entries ``>= floor``."""
     row, chunk = tl.program_id(0), tl.program_id(1)
     wait_for_previous(PDL)
     divisor = tl.load(div_ptr + row)
+    floor = tl.load(floor_ptr + row)
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK], tl.float32)
     m_scaled = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -73,7 +75,8 @@ def _chunk_logsumexp_kernel(logits_ptr, div_ptr, part_ptr, vocab, stride, n_chun
         idx = start + tl.arange(0, BLOCK)
         x = tl.load(logits_ptr + row * stride + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
         m, s = _online_update(m, s, x)
-        m_scaled, s_scaled = _online_update(m_scaled, s_scaled, tl.math.div_rn(x, divisor))
+        scaled = tl.math.div_rn(x, divisor)
+        m_scaled, s_scaled = _online_update(m_scaled, s_scaled, tl.where(scaled >= floor, scaled, float("-inf")))
     part = part_ptr + (row * n_chunks + chunk) * 4
     top, total = _fold_lanes(m, s)
     tl.store(part, top)
@@ -102,23 +105,24 @@ def _fold_chunks_kernel(part_ptr, lse_ptr, lse_scaled_ptr, n_chunks, CHUNKS_P2: 
                                          tl.load(part + 3, mask=ok, other=0.0)))
 
 
-def row_logsumexp(logits: torch.Tensor, divisor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits [S, V]`` floating (unit stride in V), ``divisor [S]`` > 0 → (log-sum-exp of each row, of each row
-    divided by its divisor), float32 ``[S]`` each."""
+def row_logsumexp(logits: torch.Tensor, divisor: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
+    """``logits [S, V]`` floating (unit stride in V), ``divisor [S]`` > 0, ``floor [S]`` float32 → (log-sum-exp of
+    each row, of the entries of each row divided by its divisor that are ``>= floor``), float32 ``[S]`` each."""
     rows, vocab = logits.shape
     n_chunks = triton.cdiv(vocab, CHUNK)
     parts = torch.empty((rows, n_chunks, 4), dtype=torch.float32, device=logits.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse_scaled = torch.empty_like(lse)
-    _chunk_logsumexp_kernel[(rows, n_chunks)](logits, divisor, parts, vocab, logits.stride(0), n_chunks, CHUNK=CHUNK,
-                                              BLOCK=1024, num_warps=4, **pdl_args(logits.device))
+    _chunk_logsumexp_kernel[(rows, n_chunks)](logits, divisor, floor, parts, vocab, logits.stride(0), n_chunks,
+                                              CHUNK=CHUNK, BLOCK=1024, num_warps=4, **pdl_args(logits.device))
     _fold_chunks_kernel[(rows,)](parts, lse, lse_scaled, n_chunks, CHUNKS_P2=triton.next_power_of_2(n_chunks),
                                  **pdl_args(logits.device))
     return lse, lse_scaled
 
 
 @triton.jit
-def _candidate_threshold_kernel(cand_ptr, div_ptr, lse_scaled_ptr, top_k_ptr, top_p_ptr, thr_ptr, n, stride,
+def _candidate_threshold_kernel(cand_ptr, div_ptr, lse_scaled_ptr, top_k_ptr, top_p_ptr, floor_ptr, thr_ptr, n, stride,
                                 N_P2: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
     wait_for_previous(PDL)
@@ -127,7 +131,8 @@ def _candidate_threshold_kernel(cand_ptr, div_ptr, lse_scaled_ptr, top_k_ptr, to
     cand = tl.math.div_rn(cand, tl.load(div_ptr + row))
     top_k = tl.load(top_k_ptr + row)
     k_on = top_k > 0
-    in_k = rank < tl.where(k_on, tl.minimum(top_k, n), n)
+    floor = tl.load(floor_ptr + row)
+    in_k = (rank < tl.where(k_on, tl.minimum(top_k, n), n)) & (cand >= floor)
     masked = tl.where(in_k, cand, float("-inf"))
     top = tl.max(masked, 0)  # the row's largest candidate: finite
     norm = tl.where(k_on, top + tl.log(tl.sum(tl.exp(masked - top), 0)), tl.load(lse_scaled_ptr + row))
@@ -137,16 +142,16 @@ def _candidate_threshold_kernel(cand_ptr, div_ptr, lse_scaled_ptr, top_k_ptr, to
     keep = tl.where(top_p >= 1, in_k, in_k & ((mass_before < top_p) | (rank == 0)))
     threshold = tl.min(tl.where(keep, cand, float("inf")), 0)
     last_kept = tl.sum(tl.where(keep & (rank == n - 1), 1, 0), 0) > 0
-    tl.store(thr_ptr + row, tl.where(last_kept & (top_k <= 0), float("-inf"), threshold))
+    tl.store(thr_ptr + row, tl.where(last_kept & (top_k <= 0), floor, threshold))
 
 
 def candidate_threshold(cand: torch.Tensor, divisor: torch.Tensor, lse_scaled: torch.Tensor, top_k: torch.Tensor,
-                        top_p: torch.Tensor) -> torch.Tensor:
+                        top_p: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     """``cand [S, n]`` floating, each row descending (unit stride in n) → float32 thresholds ``[S]``; as
     ``reference.candidate_threshold``."""
     rows, n = cand.shape
     threshold = torch.empty(rows, dtype=torch.float32, device=cand.device)
-    _candidate_threshold_kernel[(rows,)](cand, divisor, lse_scaled, top_k, top_p, threshold, n, cand.stride(0),
+    _candidate_threshold_kernel[(rows,)](cand, divisor, lse_scaled, top_k, top_p, floor, threshold, n, cand.stride(0),
                                          N_P2=triton.next_power_of_2(n), num_warps=4, **pdl_args(cand.device))
     return threshold
 

@@ -14,7 +14,8 @@ from blink.nic.agent import Agent
 from blink.nic.defaults import SamplingDefaults
 from blink.nic.openai.errors import ApiError
 from blink.nic.text import Tokenizer, max_tokens_for
-from blink.ring.request import PENALTY_LIMIT, SamplingParams, shown
+from blink.ring.geometry import MAX_TOP_LOGPROBS
+from blink.ring.request import BIAS_LIMIT, PENALTY_LIMIT, SamplingParams, shown
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # the OpenAI API's default for /v1/completions; chat defaults to the room left
 MAX_CHOICES = 16                      # n: choices per request, each its own ring request
@@ -22,8 +23,10 @@ MAX_STOP_STRINGS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 PENALTY_RULE = f"a number in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}] (0: none)"   # presence and frequency penalties
 # Accepted only at their neutral values: anything else asks for a feature this server does not have.
-UNSUPPORTED = {"echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},), "min_tokens": (0,),
-               "min_p": (0, 0.0), "tools": ([],), "response_format": ({"type": "text"},)}
+UNSUPPORTED = {"echo": (False,), "suffix": ("",), "best_of": (1,), "min_tokens": (0,), "tools": ([],),
+               "response_format": ({"type": "text"},)}
+# The server option that sizes what the ring keeps of a request (RingGeometry's field of the same name).
+RING_OPTIONS = {"max_top_logprobs": "--max-top-logprobs", "max_logit_bias": "--max-logit-bias"}
 
 
 # -- request parsing -----------------------------------------------------------------------------------------------
@@ -122,25 +125,38 @@ class Parser:
 
     def completion(self, body: dict) -> Job:
         prompt = self._completion_prompt(body.get("prompt"))
-        logprobs = body_field(body, "logprobs", (int,), "0 (only the sampled token's logprob is available) or null",
-                          None, lambda v: v == 0)
-        return self._job(body, prompt, chat=False, logprobs=logprobs is not None, max_tokens_field="max_tokens",
+        # The legacy API's logprobs is a count: the sampled token's, and that many most likely tokens'.
+        logprobs = body_field(body, "logprobs", (int,), f"an integer in [0, {MAX_TOP_LOGPROBS}] or null", None,
+                          lambda v: 0 <= v <= MAX_TOP_LOGPROBS)
+        self._fits_ring("logprobs", logprobs or 0, "max_top_logprobs", "top logprobs per token")
+        return self._job(body, prompt, chat=False, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
+                         max_tokens_field="max_tokens",
                          default_max=self.defaults.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
 
     def chat(self, body: dict) -> Job:
         messages = self._messages(body.get("messages"))
         prompt = chat_prompt(self.tokenizer, messages, body)
-        body_field(body, "top_logprobs", (int,), "0 or null (only the sampled token's logprob is available)", 0,
-               lambda v: v == 0)
+        top = body_field(body, "top_logprobs", (int,), f"an integer in [0, {MAX_TOP_LOGPROBS}] or null", 0,
+                         lambda v: 0 <= v <= MAX_TOP_LOGPROBS)
         logprobs = body_field(body, "logprobs", (bool,), "a boolean", False)
+        if top and not logprobs:
+            raise ApiError(400, "'top_logprobs' needs \"logprobs\": true", param="top_logprobs")
         # The newer name wins where both are given; a null one counts as absent, as everywhere in a body.
         new_name = body.get("max_completion_tokens") is not None
-        return self._job(body, prompt, chat=True, logprobs=logprobs,
+        self._fits_ring("top_logprobs", top, "max_top_logprobs", "top logprobs per token")
+        return self._job(body, prompt, chat=True, logprobs=logprobs, top_logprobs=top,
                          max_tokens_field="max_completion_tokens" if new_name else "max_tokens",
                          default_max=self.defaults.max_tokens)
 
-    def _job(self, body: dict, prompt: list[int], *, chat: bool, logprobs: bool, max_tokens_field: str,
-             default_max) -> Job:
+    def _fits_ring(self, name: str, count: int, geometry_field: str, what: str) -> None:
+        """400 naming the field and the server option, unless the ring keeps ``count`` of what ``name`` asks for."""
+        room = getattr(self.geometry, geometry_field)
+        if count > room:
+            raise ApiError(400, f"'{name}' asks for {count} {what}, but this server keeps at most {room}: start it "
+                                f"with {RING_OPTIONS[geometry_field]} {count} (or more)", param=name)
+
+    def _job(self, body: dict, prompt: list[int], *, chat: bool, logprobs: bool, top_logprobs: int,
+             max_tokens_field: str, default_max) -> Job:
         self.check_model(body)
         refuse_unsupported(body, UNSUPPORTED)
         n = body_field(body, "n", (int,), f"an integer in [1, {MAX_CHOICES}]", 1, lambda v: 1 <= v <= MAX_CHOICES)
@@ -159,11 +175,11 @@ class Parser:
         include_usage = body_field(options, "include_usage", (bool,), "a boolean", False)
         priority = body_field(body, "priority", (int,), "an integer in [-2**31, 2**31)", 0,
                           lambda v: -2**31 <= v < 2**31)
-        params = self._sampling(body, len(prompt), max_tokens_field, default_max, logprobs)
+        params = self._sampling(body, len(prompt), max_tokens_field, default_max, logprobs, top_logprobs)
         return Job(chat, prompt, params, self._stop(body), stream, include_usage, priority, n)
 
     def _sampling(self, body, prompt_len: int, max_tokens_field: str, default_max: int | None,
-                  logprobs: bool) -> SamplingParams:
+                  logprobs: bool, top_logprobs: int) -> SamplingParams:
         requested = body_field(body, max_tokens_field, (int,), "an integer >= 1", None, lambda v: v >= 1)
         try:
             room = max_tokens_for(requested, prompt_len, self.context_len, self.geometry.max_output_tokens,
@@ -179,27 +195,47 @@ class Parser:
         seed = body_field(body, "seed", (int,), "an integer in [-2**63, 2**64)", None, lambda v: -2**63 <= v < 2**64)
         top_k = body_field(body, "top_k", (int,), "an integer >= -1 (-1 or 0: no top-k)", self.defaults.top_k,
                        lambda v: v >= -1)
+        sampling = dict(top_k=max(top_k, 0), seed=None if seed is None else seed % 2**64, logprobs=logprobs,
+                        top_logprobs=top_logprobs, logit_bias=self._logit_bias(body.get("logit_bias")),
+                        min_p=body_field(body, "min_p", (int, float), "a number in [0, 1] (0: none)", 0.0,
+                                     lambda v: 0 <= v <= 1))
         try:
-            return self._params(body, room, stop_ids, seed, top_k, logprobs)
+            return self._params(body, room, stop_ids, sampling)
         except RequestError as e:    # a value the parser's type checks let through but the ring cannot store
             raise ApiError(400, str(e).replace(f"SamplingParams.{e.field}", f"'{e.field}'"), param=e.field) from None
 
-    def _params(self, body, room: int, stop_ids, seed, top_k: int, logprobs: bool) -> SamplingParams:
+    def _params(self, body, room: int, stop_ids, sampling: dict) -> SamplingParams:
         return SamplingParams(
+            **sampling,
             max_tokens=room,
             temperature=body_field(body, "temperature", (int, float), "a number >= 0 (0: greedy)",
                                self.defaults.temperature, lambda v: 0 <= v < math.inf),
             top_p=body_field(body, "top_p", (int, float), "a number in (0, 1]", self.defaults.top_p,
                          lambda v: 0 < v <= 1),
-            top_k=max(top_k, 0),
-            seed=None if seed is None else seed % 2**64,
             stop_token_ids=tuple(stop_ids),
             ignore_eos=body_field(body, "ignore_eos", (bool,), "a boolean", False),
-            logprobs=logprobs,
             presence_penalty=body_field(body, "presence_penalty", (int, float), PENALTY_RULE, 0.0, _in_penalty_range),
             frequency_penalty=body_field(body, "frequency_penalty", (int, float), PENALTY_RULE, 0.0, _in_penalty_range),
             repetition_penalty=body_field(body, "repetition_penalty", (int, float), "a number > 0 (1: none)",
                                       self.defaults.repetition_penalty, lambda v: 0 < v < math.inf))
+
+    def _logit_bias(self, value) -> dict[int, float] | None:
+        """OpenAI's ``logit_bias``: token ids (as JSON object keys, decimal strings) in the vocabulary, to numbers in
+        [-100, 100]; as many as the ring keeps."""
+        vocab = self.tokenizer.vocab_size
+        rule = (f"an object mapping token ids in [0, {vocab}) (as strings) to numbers in [-{BIAS_LIMIT}, "
+                f"{BIAS_LIMIT}]")
+        bias = body_field({"logit_bias": value}, "logit_bias", (dict,), rule, None, lambda v: all(
+            isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 12 and int(k) < vocab and _is_number(b)
+            and -BIAS_LIMIT <= b <= BIAS_LIMIT for k, b in v.items()))
+        if not bias:
+            return None
+        self._fits_ring("logit_bias", len(bias), "max_logit_bias", "tokens")
+        ids = {int(k): b for k, b in bias.items()}
+        if len(ids) < len(bias):
+            raise ApiError(400, f"'logit_bias' names a token id twice (got {shown(value)}): give each once",
+                           param="logit_bias")
+        return ids
 
     def check_model(self, body: dict) -> None:
         model = body_field(body, "model", (str,), "a string", self.model_name)
@@ -290,6 +326,10 @@ def _message(message, i: int) -> dict:
                             f"({{\"type\": \"text\", \"text\": ...}}); only text is supported "
                             f"(got {shown(content)})", param=f"{param}.content")
     return {"role": message["role"], "content": text_field(content, f"{param}.content")}
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _in_penalty_range(value) -> bool:

@@ -16,6 +16,7 @@ from aiohttp import web
 from blink.nic.agent_loop import Submission
 from blink.nic.metrics import Metrics
 from blink.nic.openai.errors import REFUSALS, api_error
+from blink.nic.openai.logprobs import chat_logprobs, completion_logprobs
 from blink.nic.openai.requests import Job
 from blink.nic.openai.sse import DONE, ChunkFormat, event
 from blink.nic.text import TextStream, Tokenizer
@@ -82,7 +83,8 @@ class Responder:
         return content, tokens
 
     async def _events(self, req: Submission, text: TextStream):
-        """Yield ``(delta, [(token, logprob)], finish_reason)`` per batch of tokens; the last has a finish_reason."""
+        """Yield ``(delta, [(token, logprob, top logprobs)], finish_reason)`` per batch of tokens; the last has a
+        finish_reason."""
         while True:
             out = await req.queue.get()
             if isinstance(out, Exception):
@@ -90,7 +92,8 @@ class Responder:
             delta, tokens = "", []
             for i, token in enumerate(out.new_tokens):
                 delta += text.push(token)
-                tokens.append((token, out.new_logprobs[i] if out.new_logprobs else None))
+                tokens.append((token, out.new_logprobs[i] if out.new_logprobs else None,
+                               out.new_top_logprobs[i] if out.new_top_logprobs else None))
                 if text.stopped:
                     break
             if text.stopped or out.finished:
@@ -114,14 +117,14 @@ class Responder:
         return {"index": index, **body, "logprobs": self._logprobs(job, tokens), "finish_reason": finish}
 
     def _logprobs(self, job: Job, tokens: list) -> dict | None:
-        """The sampled tokens' logprobs (no alternatives: the ring carries only the sampled token's)."""
         if not job.params.logprobs:
             return None
-        strings = [self.tokenizer.decode([t], skip_special_tokens=False) for t, _ in tokens]
         if job.chat:
-            return {"content": [{"token": s, "logprob": lp, "bytes": None, "top_logprobs": []}
-                                for s, (_, lp) in zip(strings, tokens, strict=True)]}
-        return {"tokens": strings, "token_logprobs": [lp for _, lp in tokens]}
+            return chat_logprobs(self._token_text, tokens)
+        return completion_logprobs(self._token_text, tokens, job.params.top_logprobs)
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def _usage(self, job: Job, texts: list[TextStream]) -> dict:
         n_prompt, n_completion = len(job.prompt), sum(text.n_tokens for text in texts)

@@ -1,0 +1,69 @@
+"""A request's sampling parameters on their way through the scheduler (device functions, one thread each).
+
+``load_sampling``: at admission, from the ring's header and ``logit_bias`` row into device memory (read across
+PCIe once). ``write_sampling``: into the step row that samples for the request; the ``logit_bias`` pairs only when
+the row held another request (or another admission of it) in the previous step, as the block tables are copied.
+``store_top_logprobs``: the step's most likely tokens of a row into the ring's ``top_logprobs`` area, as many as
+the request asked for.
+"""
+from __future__ import annotations
+
+from numba import int64
+
+from blink.device.numba_compat import cuda, load_volatile
+from blink.device.state import (CFG_MAX_LOGIT_BIAS, CFG_MAX_TOP_LOGPROBS, H32_N_LOGIT_BIAS, H32_TOP_K,
+                                H32_TOP_LOGPROBS, H64_SEED, HF_MIN_P, HF_PENALTIES, HF_TEMPERATURE, HF_TOP_P)
+from blink.device.step import N_PENALTIES
+
+
+@cuda.jit(device=True)
+def fits(s, slot):
+    """Whether the header's ``logit_bias`` and ``top_logprobs`` counts fit the ring."""
+    n_bias = s.hdr_i32[slot, H32_N_LOGIT_BIAS]
+    top = s.hdr_i32[slot, H32_TOP_LOGPROBS]
+    return 0 <= n_bias <= s.cfg[CFG_MAX_LOGIT_BIAS] and 0 <= top <= s.cfg[CFG_MAX_TOP_LOGPROBS]
+
+
+@cuda.jit(device=True)
+def load_sampling(s, slot):
+    s.seq_top_k[slot] = s.hdr_i32[slot, H32_TOP_K]
+    s.seq_temperature[slot] = s.hdr_f32[slot, HF_TEMPERATURE]
+    s.seq_top_p[slot] = s.hdr_f32[slot, HF_TOP_P]
+    s.seq_min_p[slot] = s.hdr_f32[slot, HF_MIN_P]
+    s.seq_seed[slot] = int64(s.hdr_u64[slot, H64_SEED])
+    for k in range(N_PENALTIES):
+        s.seq_penalties[slot, k] = s.hdr_f32[slot, HF_PENALTIES + k]
+    s.seq_top_logprobs[slot] = s.hdr_i32[slot, H32_TOP_LOGPROBS]
+    n_bias = s.hdr_i32[slot, H32_N_LOGIT_BIAS]
+    s.seq_n_logit_bias[slot] = n_bias
+    for k in range(n_bias):
+        s.seq_bias_ids[slot, k] = s.bias_i32[slot, 2 * k]
+        s.seq_bias[slot, k] = s.bias_f32[slot, 2 * k + 1]
+
+
+@cuda.jit(device=True)
+def write_sampling(s, r, slot, same):
+    """Row ``r`` samples for the request in ``slot``; ``same``: it did in the previous step too."""
+    s.temperature[r] = s.seq_temperature[slot]
+    s.top_p[r] = s.seq_top_p[slot]
+    s.top_k[r] = s.seq_top_k[slot]
+    s.min_p[r] = s.seq_min_p[slot]
+    s.seed[r] = s.seq_seed[slot]
+    s.prompt_lens[r] = s.seq_prompt_len[slot]
+    for k in range(N_PENALTIES):
+        s.penalties[r, k] = s.seq_penalties[slot, k]
+    s.n_logit_bias[r] = s.seq_n_logit_bias[slot]
+    if not same:
+        for k in range(s.seq_n_logit_bias[slot]):
+            s.logit_bias_ids[r, k] = s.seq_bias_ids[slot, k]
+            s.logit_bias[r, k] = s.seq_bias[slot, k]
+
+
+@cuda.jit(device=True)
+def store_top_logprobs(s, r, slot, n):
+    """Row ``r``'s top tokens as output position ``n`` of ``slot`` (nothing unless the request asked for them).
+    Written by the step's kernels on other SMs: volatile loads, as the sampled token's."""
+    base = 2 * n * s.cfg[CFG_MAX_TOP_LOGPROBS]
+    for j in range(s.seq_top_logprobs[slot]):
+        s.top_i32[slot, base + 2 * j] = load_volatile(s.sampled_top_ids, (r, j))
+        s.top_f32[slot, base + 2 * j + 1] = load_volatile(s.sampled_top_logprobs, (r, j))
