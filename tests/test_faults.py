@@ -126,3 +126,17 @@ def test_an_engine_whose_step_raises_fails_what_is_in_flight_refuses_more_and_ex
 def _zombie(pid: int) -> bool:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_step_faults_come_from_the_environment_and_a_bad_value_names_the_variable():
+    from blink.faults import FAIL_STEP, SLOW_STEPS, InjectedFault, StepFaults
+
+    faults = StepFaults.from_env({SLOW_STEPS: "3:0.01", FAIL_STEP: "5"})
+    assert faults == StepFaults(slow_every=3, slow_s=0.01, fail_at=5)
+    for step in range(1, 5):
+        faults.before(step)
+    with pytest.raises(InjectedFault, match="model step 5"):
+        faults.before(5)
+    assert StepFaults.from_env({}) == StepFaults()
+    with pytest.raises(ValueError, match=SLOW_STEPS):
+        StepFaults.from_env({SLOW_STEPS: "often"})
