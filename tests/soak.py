@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import random
 import threading
@@ -309,6 +310,7 @@ def main() -> int:
     parser.add_argument("--liveness-timeout", type=float, default=defaults.liveness_timeout_s,
                         help="CPU engine: the agent's liveness timeout, in seconds")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     engine = (CpuEngine(args.slow_every, args.slow_s, args.liveness_timeout) if args.engine == "cpu" else None)
     soak = run(args.requests, args.concurrency, args.seed, engine)
     outcomes = {f"{kind} {outcome}": n for (kind, outcome), n in sorted(soak.outcomes.items())}

@@ -222,5 +222,7 @@ class AgentLoop:
     def fail_all(self, problem: str) -> None:
         """End every open request with ``problem``; their handlers report it and close them."""
         error = EngineUnavailable(f"{problem}: retry later", self.config.retry_after_s)
+        if self._active or self.waiting:
+            log.error("failing %d requests: %s", len(self._active) + len(self.waiting), problem)
         for req in [*self._active.values(), *self.waiting]:
             req.queue.put_nowait(error)
