@@ -46,9 +46,9 @@ for part in "${parts[@]}"; do
   case "$part" in
     tests)
       # Only the files that hold GPU tests: the device-policy tests import numba's simulator, which this run turns
-      # off, and the server tests need the openai client, which the GPU machine lacks.
-      mapfile -t files < <(grep -rlE "mark\.gpu|marks=pytest\.mark\.gpu" tests --include='test_*.py' --include=conftest.py \
-        | sed 's#/conftest.py$##' | grep -vx tests | sort -u)
+      # off, and the server tests need the openai client, which the GPU machine lacks (tests/test_gpu_suite.py
+      # collects these files with the GPU image's packages only).
+      mapfile -t files < <(bash bench/gpu_test_files.sh)
       python -m pytest -m gpu -q -p no:cacheprovider "${files[@]}" 2>&1 | tee "$OUT/gpu_tests.log"
       rc=${PIPESTATUS[0]} ;;
     scheduler)

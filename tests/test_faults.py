@@ -26,11 +26,11 @@ CPU_ENGINE = ["--device", "cpu", "--slots", "8", "--max-model-len", "96", "--max
               "--max-num-batched-tokens", "64", "--cpu-kv-cache-gib", "0.05"]
 
 
-def serve(*args, own_group: bool = False) -> tuple[subprocess.Popen, int]:
+def serve(*args, own_group: bool = False, **popen) -> tuple[subprocess.Popen, int]:
     """``blink serve ARGS`` once healthy; ``own_group``: in a process group of its own, as a terminal starts it."""
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--port", str(port), *args],
-                               start_new_session=own_group)
+                               start_new_session=own_group, **popen)
     wait_for(lambda: healthy(port), timeout_s=120)
     return process, port
 
@@ -102,6 +102,41 @@ def test_an_agent_killed_under_load_takes_its_engine_and_ring_with_it(kill_after
     wait_for(lambda: not rings(process.pid), timeout_s=10)
 
 
+def test_an_engine_whose_step_raises_fails_what_is_in_flight_refuses_more_and_exits_non_zero():
+    """An exception inside a model step (injected at step 30 by ``blink.faults``) kills the scheduler loop: every
+    request in flight ends with an error, new ones are refused (503, never queued), the engine releases everything
+    and exits non-zero, and ``blink serve`` exits 1 for its supervisor, leaving no ring behind."""
+    from blink.faults import FAIL_STEP
+
+    process, port = serve(*CPU_ENGINE, env={**os.environ, FAIL_STEP: "30"}, stderr=subprocess.PIPE, text=True)
+    try:
+        load = Load(port)
+        assert process.wait(300) == 1
+        ends = load.finish()
+        stderr = process.stderr.read()
+    finally:
+        process.kill()
+    assert {end for end, _ in ends} <= {"done", "error", "refused"}, "a stream was cut off without an error"
+    assert "error" in {end for end, _ in ends}, "the requests in flight at the fault ended with an error"
+    assert all(seconds < 30 for _, seconds in ends)
+    assert "fault injected in model step 30" in stderr and "the engine process exited with code 1" in stderr, stderr
+    assert not rings(process.pid), "serve left its ring behind"
+
+
 def _zombie(pid: int) -> bool:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_step_faults_come_from_the_environment_and_a_bad_value_names_the_variable():
+    from blink.faults import FAIL_STEP, SLOW_STEPS, InjectedFault, StepFaults
+
+    faults = StepFaults.from_env({SLOW_STEPS: "3:0.01", FAIL_STEP: "5"})
+    assert faults == StepFaults(slow_every=3, slow_s=0.01, fail_at=5)
+    for step in range(1, 5):
+        faults.before(step)
+    with pytest.raises(InjectedFault, match="model step 5"):
+        faults.before(5)
+    assert StepFaults.from_env({}) == StepFaults()
+    with pytest.raises(ValueError, match=SLOW_STEPS):
+        StepFaults.from_env({SLOW_STEPS: "often"})

@@ -14,7 +14,7 @@ import torch
 from blink import Engine, EngineConfig, SamplingParams, SchedulerConfig
 from blink.errors import ConfigError, EngineError
 from tests.models.harness import tiny_hf_model
-from tests.nic.openai.test_server import children
+from tests.processes import children
 
 # A 16-token step budget splits the 40-token prompt into chunks that share steps with the others' decodes.
 CONFIG = EngineConfig(device="cpu", n_slots=8, max_prompt_tokens=48, max_output_tokens=16, sim_threads=2,

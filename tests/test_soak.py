@@ -1,5 +1,6 @@
-"""A short soak in CI (tests/soak.py: mixed requests through the HTTP server over the stand-in engine, then every
-invariant); the full one (10^5 requests) is reported in docs/reliability.md."""
+"""Short soaks in CI (tests/soak.py: mixed requests through the HTTP server, then every invariant): over the stand-in
+engine, and over the real CPU engine with steps made longer than the agent's liveness timeout on purpose; the full
+ones are reported in docs/reliability.md."""
 from tests import soak
 
 
@@ -8,3 +9,12 @@ def test_a_short_soak_keeps_every_invariant():
     result.check()
     kinds = {kind for kind, outcome in result.outcomes if outcome in ("ok", "4xx", "cancelled")}
     assert kinds == set(soak.KINDS), "every kind of request was served or refused as it should"
+
+
+def test_long_steps_of_the_cpu_engine_lose_no_request():
+    """Regression (issue 38, item 3: 507 of 7,201 valid requests of a soak got a false "engine dead" 503 after steps
+    longer than the liveness timeout). Every 8th step sleeps 1.5 s, past the agent's 1 s liveness timeout."""
+    engine = soak.CpuEngine(slow_every=8, slow_s=1.5, liveness_timeout_s=1.0)
+    result = soak.run(requests=100, concurrency=64, seed=2, engine=engine)
+    result.check()
+    assert result.steps >= 3 * engine.slow_every, f"only {result.steps} steps: too few long ones to test anything"

@@ -117,6 +117,7 @@ class CpuBackend:
     def __init__(self, model, memory, geometry: RingGeometry, config: EngineConfig, max_model_len: int,
                  eos_token_ids: tuple[int, ...], followers=None):
         from blink.device.sim import SimScheduler
+        from blink.faults import StepFaults
         from blink.models.history import TokenHistory
         from blink.ranks import Setup
         from blink.ring.layout import RingLayout
@@ -143,9 +144,13 @@ class CpuBackend:
         self.ring_memory = memory
         self.scheduler = SimScheduler(self._view, geometry, self.config, self.step, step_fn=self._run_step,
                                       policy=config.policy_function(), threads=config.sim_threads)
+        for layer in model.model.layers:      # each layer a beat: a long step that progresses is not hung
+            layer.register_forward_hook(lambda *_: self.scheduler.progress())
+        self.faults, self._steps = StepFaults.from_env(), 0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="blink-cpu-scheduler", daemon=True)
-        # The largest step's matmul FLOPs at the slowest CPU expected, and a margin: beyond it the step is hung.
+        # The largest step's matmul FLOPs at the slowest CPU expected, and a margin: a step (each of its layers beats)
+        # that stands still longer is hung.
         weights = sum(p.numel() for p in model.parameters())
         self.step_limit_s = int(2 * weights * self.config.buckets[-1] / CPU_FLOPS_FLOOR) + 10
 
@@ -159,6 +164,8 @@ class CpuBackend:
     def _run_step(self, arrays, bucket_tokens: int) -> None:
         # The CPU step needs no fixed shapes (nothing is captured), so it runs the planned tokens, not the bucket.
         n_tokens = int(arrays.query_start_loc[int(arrays.num_seqs[0])])
+        self._steps += 1
+        self.faults.before(self._steps)
         if self.followers is not None:
             self.followers.run(self.step, n_tokens)
         self.model(self.step, self.kv, n_tokens, self.history)

@@ -60,6 +60,12 @@ def serve_ring(config: EngineConfig, listen: str | None = None, rdma_device=None
         while core.alive() and not stop.wait(control.ALIVE_TICK_S):
             ticks += 1
             control.write(core.ring_memory, "alive", ticks)
+        error = core.error
+    if error is not None:
+        # The loop died (the ring says "stopped", so the agent has failed what was in flight and refuses new
+        # requests); everything is released: exit non-zero so that a supervisor restarts the server.
+        log.error("the engine's scheduler loop failed", exc_info=error)
+        raise EngineError(f"the engine's scheduler loop failed ({error!r}): the engine has stopped")
     log.info("stopped")
 
 
@@ -99,6 +105,8 @@ def engine_process(config: EngineConfig):
             process.terminate()
             process.join(10)
             process.kill()
+        if process.exitcode:
+            log.warning("the engine process exited with code %d", process.exitcode)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SharedMemory.SHM_DIR, config.ring_name))
         secret.remove(config.ring_name)

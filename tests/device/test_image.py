@@ -3,7 +3,8 @@ the image of a built-in policy is cached.
 
 Everything numba-related runs in subprocesses here, so this module also loads under the simulator. The two links
 (a user's policy, a built-in one) take most of a minute each on a CI box: they start together, and each test waits
-for its own.
+for its own, as long as its link progresses (the limit is on the CPU time each uses, not on the wall clock: on a
+loaded 2-core host a link that waited for a core outlasted a 600 s wall-clock limit).
 """
 import pytest
 

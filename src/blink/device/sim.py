@@ -21,8 +21,8 @@ from blink.device.config import SchedulerConfig  # noqa: E402
 from blink.device.numba_compat import SIMULATOR, cuda  # noqa: E402
 from blink.device.policy import fcfs  # noqa: E402
 from blink.device.scheduler import make_iterate  # noqa: E402
-from blink.device.state import (C32_IN_STEP, STOP, SchedulerArrays, control_gauges, ring_arrays,  # noqa: E402
-                                state_arrays)
+from blink.device.state import (C32_IN_STEP, C32_SHUTDOWN, C64_CANCELS, C64_HEARTBEAT, C64_SUBMITTED,  # noqa: E402
+                                IDLE, STOP, SchedulerArrays, control_gauges, ring_arrays, state_arrays)
 from blink.device.step import StepBuffers  # noqa: E402
 from blink.ring.geometry import RingGeometry  # noqa: E402
 from blink.ring.layout import RingView  # noqa: E402
@@ -117,7 +117,8 @@ class SimScheduler:
     def iteration(self) -> int:
         """One scheduler iteration, then the step it planned. Returns the bucket index, IDLE or STOP."""
         # Host work (a simulated iteration, a model step on torch CPU) can outlast the agent's liveness timeout on a
-        # loaded machine: the ring says the loop is inside it, and the backend's step limit bounds it instead.
+        # loaded machine: ``in_step`` says the loop is inside it (nonzero), moves while it progresses (``progress``),
+        # and its return to 0 at the end is itself a beat (blink.nic.liveness).
         self.arrays.ctl32[C32_IN_STEP] = 1
         try:
             with _LAUNCH_LOCK, _fast_thread_switching():
@@ -129,14 +130,42 @@ class SimScheduler:
             self.arrays.ctl32[C32_IN_STEP] = 0
         return outcome
 
+    def progress(self) -> None:
+        """The step made progress (the CPU backend calls it after each model layer): ``in_step`` moves, so a step
+        that takes longer than the backend's step limit but keeps moving is not taken for a hung one."""
+        self.arrays.ctl32[C32_IN_STEP] += 1
+
     def run(self, idle_sleep_s: tuple[float, float] = (1e-3, 50e-3)) -> None:
         """Iterate until shutdown is requested and everything in flight was aborted.
 
-        An idle simulated iteration costs milliseconds of CPU (a Python thread per simulated thread), so while idle
-        the sleep between iterations doubles from ``idle_sleep_s[0]`` up to ``idle_sleep_s[1]``; work resets it.
+        While idle the sleep between iterations doubles from ``idle_sleep_s[0]`` up to ``idle_sleep_s[1]``; work
+        resets it. Once two idle iterations in a row saw the same doorbells (shutdown, submitted, cancels), the
+        scheduler is quiescent and a further iteration would change nothing but the heartbeat: until a doorbell
+        moves, the loop only beats (``_idle_beat``) instead of simulating a whole iteration (milliseconds of CPU
+        each, a Python thread per simulated thread), so an idle engine costs next to nothing.
         """
         shortest, longest = idle_sleep_s
-        sleep = 0.0
-        while (outcome := self.iteration()) != STOP:
+        sleep, idle_bells, quiet_bells = 0.0, None, None
+        while True:
+            bells = self._doorbells()
+            if bells == quiet_bells:
+                self._idle_beat()
+                outcome = IDLE
+            else:
+                outcome = self.iteration()
+                if outcome == STOP:
+                    return
+                quiet_bells = bells if outcome == IDLE and bells == idle_bells else None
+                idle_bells = bells if outcome == IDLE else None
             sleep = min(max(2 * sleep, shortest), longest) if outcome < 0 else 0.0
             time.sleep(sleep)
+
+    def _doorbells(self) -> tuple[int, int, int]:
+        a = self.arrays
+        return int(a.ctl32[C32_SHUTDOWN]), int(a.ctl64[C64_SUBMITTED]), int(a.ctl64[C64_CANCELS])
+
+    def _idle_beat(self) -> None:
+        """What an iteration of a quiescent scheduler changes: its heartbeat (the device copy and the ring's)."""
+        stats = self.arrays.stats
+        stats[C64_HEARTBEAT] += 1
+        self.arrays.ctl64[C64_HEARTBEAT] = stats[C64_HEARTBEAT]

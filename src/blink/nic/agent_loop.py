@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from blink.errors import EngineUnavailable, EngineUnresponsive, Overloaded, RingFull
 from blink.nic.agent import Agent, RequestOutput
+from blink.nic.invariants import IdleInvariants
 from blink.nic.metrics import Metrics
 from blink.ring.control import ENGINE_STARTING
 from blink.ring.request import SamplingParams
@@ -80,6 +81,7 @@ class AgentLoop:
         self.waiting: deque[Submission] = deque()       # the ring was full: FIFO, at most config.max_queued
         self._active: dict[int, Submission] = {}        # request id -> request whose outputs someone awaits
         self._wakeup = asyncio.Event()
+        self.invariants = IdleInvariants(agent.geometry.n_slots)
         self._problem: str | None = None
         self._sampled_at = 0.0
         self._crashed: str | None = None
@@ -145,6 +147,12 @@ class AgentLoop:
             self._problem = STARTING
         else:
             self._problem = self.agent.liveness.problem(stats, self._sampled_at)
+        if self._problem or self.agent.in_flight or self.waiting:
+            self.invariants.busy()
+            return
+        for violation in self.invariants.check(stats, self.agent.tracker.n_free):
+            log.error("an idle invariant is broken (nothing is in flight): %s", violation)
+            self.metrics.invariant_violations.inc()
 
     async def run(self) -> None:
         self.thread_id = threading.get_native_id()
@@ -215,5 +223,7 @@ class AgentLoop:
     def fail_all(self, problem: str) -> None:
         """End every open request with ``problem``; their handlers report it and close them."""
         error = EngineUnavailable(f"{problem}: retry later", self.config.retry_after_s)
+        if self._active or self.waiting:
+            log.error("failing %d requests: %s", len(self._active) + len(self.waiting), problem)
         for req in [*self._active.values(), *self.waiting]:
             req.queue.put_nowait(error)

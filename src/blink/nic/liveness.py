@@ -3,15 +3,19 @@
 Three signals, each written by the engine side:
 
 - ``heartbeat``: +1 per scheduler iteration, idle or not: the loop makes progress;
-- ``in_step``: 1 while the loop does host work (the CPU backend: a simulated iteration and its model step; a
-  2,048-token prefill can take tens of seconds, during which no iteration ends), bounded by ``step_limit_s``, the
-  longest a step may take there;
+- ``in_step``: nonzero while the loop does host work (the CPU backend: a simulated iteration and its model step; a
+  2,048-token prefill can take minutes on a loaded host, during which no iteration ends); it moves as that work
+  progresses (+1 per model layer) and drops to 0 at its end; ``step_limit_s`` bounds how long it may stand still;
 - ``alive``: +1 every ``ALIVE_TICK_S`` from the engine process itself (``blink.process.serve_ring``); 0 when
   nothing ticks it (an engine inside the agent's own process).
 
-The engine is dead when it reported a launch error, stopped, its process stopped ticking ``alive`` for
-``timeout_s``, or its heartbeat stood still for ``timeout_s`` outside a step (or for ``step_limit_s`` inside one).
-A long step is therefore not an alarm, and a dead loop still is.
+A beat is any change of the pair (``heartbeat``, ``in_step``): an iteration, a layer of a step, a step's end. The
+engine is dead when it reported a launch error, stopped, its process stopped ticking ``alive`` for ``timeout_s``,
+or it has not beaten for ``timeout_s`` outside a step (or for ``step_limit_s`` inside one). A long step that keeps
+moving is therefore never an alarm, however long it takes; a step stuck in one place for ``step_limit_s`` and a
+dead loop still are. The step's end counts as a beat because the heartbeat moves only when the next iteration
+begins: a reader between the two would otherwise see a heartbeat that stood still for the whole step, outside a
+step.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ class Liveness:
         # The process tick is judged over the timeout too: a few ticks must fit in it.
         self._tick_timeout_s = max(timeout_s, 4 * ALIVE_TICK_S)
         self.timeout_s = timeout_s
-        self._heartbeat = self._alive = None
+        self._beat = self._alive = None             # the last (heartbeat, in_step) and alive seen
         self._beat_at = self._alive_at = None
 
     def problem(self, control, now: float) -> str | None:
@@ -37,17 +41,17 @@ class Liveness:
             return f"the GPU loop reported device graph launch error {int(control['launch_error'])}"
         if int(control["engine_state"]) == ENGINE_STOPPED:
             return "the engine has stopped"
-        heartbeat, alive = int(control["heartbeat"]), int(control["alive"])
-        if heartbeat != self._heartbeat or self._beat_at is None:
-            self._heartbeat, self._beat_at = heartbeat, now
+        heartbeat, in_step, alive = int(control["heartbeat"]), int(control["in_step"]), int(control["alive"])
+        if (heartbeat, in_step) != self._beat or self._beat_at is None:
+            self._beat, self._beat_at = (heartbeat, in_step), now
         if alive != self._alive or self._alive_at is None:
             self._alive, self._alive_at = alive, now
         if self.process_gone(now):
             return f"the engine process has not ticked for {now - self._alive_at:.1f} s: it is gone or stopped"
         still = now - self._beat_at
-        limit = max(self.timeout_s, int(control["step_limit_s"])) if int(control["in_step"]) else self.timeout_s
+        limit = max(self.timeout_s, int(control["step_limit_s"])) if in_step else self.timeout_s
         if still > limit:
-            where = " inside one model step" if int(control["in_step"]) else ""
+            where = " inside one model step" if in_step else ""
             return (f"the engine's heartbeat has been stuck at {heartbeat} for {still:.1f} s{where}: the scheduler "
                     "loop (or consumer process) is not running")
         return None

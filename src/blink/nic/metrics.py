@@ -51,6 +51,9 @@ class Metrics:
         self._gc_pauses = [gc_pauses.labels(generation=str(g)) for g in range(3)]
         self._gc_started: float | None = None
         self.prompt_tokens = Counter("blink_prompt_tokens", "Prompt tokens submitted", registry=r)
+        self.invariant_violations = Counter("blink_invariant_violations", "Idle invariants found broken: pages or "
+                                            "slots held, or requests left, with nothing in flight (blink.nic."
+                                            "invariants); each is logged once", registry=r)
         self.requests = Counter("blink_requests_finished", "Requests ended, by finish reason", ["finish_reason"],
                                 registry=r)
 

@@ -32,6 +32,7 @@ from blink.nic.text import Tokenizer
 from blink.process import engine_process, wait_until_serving
 from blink.ring.layout import FREE, RUNNING
 from blink.ring.reference import standin_engine
+from tests.processes import children
 
 MODEL = "smollm2-test"
 ENGINE = EngineConfig(device="cpu", n_slots=8, max_prompt_tokens=256, max_output_tokens=32, max_stop_ids=4,
@@ -715,19 +716,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def children(pid: int) -> list[int]:
-    """Processes whose parent is ``pid``."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:     # the field after state is the ppid
-                    found.append(int(entry))
-        except (FileNotFoundError, ProcessLookupError):
-            pass    # it ended meanwhile
-    return found
 
 
 def engine_processes(pid: int) -> list[int]:
