@@ -168,7 +168,7 @@ def _engine_config(args, model_dir, **overrides):
                                 buckets=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None)
     return EngineConfig(model=str(model_dir), device=args.device, dtype=args.dtype, scheduler=scheduler,
                         policy=args.policy, gpu_memory_utilization=args.gpu_memory_utilization,
-                        cpu_kv_cache_gib=args.cpu_kv_cache_gib, n_slots=args.slots,
+                        cpu_kv_cache_gib=args.cpu_kv_cache_gib, n_slots=args.slots, quantization=args.quantization,
                         max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
                         load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size, **overrides)
 
@@ -184,7 +184,7 @@ def _cpu_list(text: str) -> list[int]:
 
 def _engine_options(parser, slots: int) -> None:
     """Model, device, memory, scheduler and ring sizes (``EngineConfig``, ``SchedulerConfig``)."""
-    from blink.config import DEVICES, DTYPES, LOAD_FORMATS, EngineConfig, SchedulerConfig
+    from blink.config import DEVICES, DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, SchedulerConfig
     from blink.device.config import MAX_BUCKETS
 
     d, s = EngineConfig(), SchedulerConfig()
@@ -193,6 +193,7 @@ def _engine_options(parser, slots: int) -> None:
                         help="dummy: random weights, only config.json is read (benchmarks of large shapes)")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="default: the checkpoint's on a GPU, float32 on the CPU")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, help="fp8: FP8 projections, quantized at load")
     parser.add_argument("--max-num-seqs", type=int, default=s.max_num_seqs, help="most sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens,
                         help="most tokens in one step (the largest captured step graph)")
@@ -210,8 +211,7 @@ def _engine_options(parser, slots: int) -> None:
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory options)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                         help="share of the GPU's memory for weights, activations and the KV cache")
-    parser.add_argument("--cpu-kv-cache-gib", type=float, default=d.cpu_kv_cache_gib,
-                        help="KV cache size on the CPU")
+    parser.add_argument("--cpu-kv-cache-gib", type=float, default=d.cpu_kv_cache_gib, help="KV cache size on the CPU")
     parser.add_argument("--policy", default=None, metavar="MODULE:FUNCTION",
                         help="admission policy: a numba device function (docs/scheduler.md); default: first come, "
                              "first served")

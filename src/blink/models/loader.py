@@ -22,7 +22,7 @@ from .llama import LlamaForCausalLM
 from .parallel import Split, TensorParallel
 from .phi3 import Phi3ForCausalLM
 from .projection import Projection
-from .quantization import FP8, QUANTIZATIONS, check_ignored
+from .quantization import FP8, check_ignored, requested
 from .qwen3 import Qwen3ForCausalLM
 from .qwen3_moe import Qwen3MoeForCausalLM
 
@@ -49,13 +49,12 @@ def load_model(path: str | Path, device="cpu", dtype: torch.dtype | str | None =
     An FP8 checkpoint (``quantization_config``) loads as it is stored; ``quantization="fp8"`` quantizes the
     projections of a checkpoint that is not, after loading them in ``dtype`` (vLLM's ``--quantization fp8``:
     per-channel scales; the model-dtype weights are freed projection by projection)."""
-    if quantization not in (None, *QUANTIZATIONS):
-        raise ConfigError(f"quantization {quantization!r} is not supported; use one of {QUANTIZATIONS} or None")
     config = ModelConfig.from_file(path)
+    quantized = requested(config, quantization)
     model = build_model(config, device, dtype, tp, group)
     load_weights(model, Path(path))
-    if quantization and config.quantization is None:
-        model.quantize_()
+    if quantized is not config:
+        model.quantize_(quantized.quantization)
     return model
 
 

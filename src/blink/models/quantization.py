@@ -19,7 +19,7 @@ asymmetric scales, projections left unquantized by ``ignored_layers`` / ``ignore
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -118,6 +118,16 @@ def _compressed_tensors(hf: dict) -> Fp8Config:
             raise ConfigError(f"{where}.input_activations: {acts.get('num_bits')}-bit {acts.get('type')} "
                               "activations are not supported (FP8 activations are quantized per token)")
     return Fp8Config(None, tuple(hf.get("ignore") or ()))
+
+
+def requested(config, quantization: str | None):
+    """``config`` (a ``ModelConfig``) as ``quantization`` asks for it: with per-row FP8 projections for ``"fp8"``
+    unless its checkpoint is FP8 already (whose layout wins, as in vLLM)."""
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ConfigError(f"quantization {quantization!r} is not supported; use one of {QUANTIZATIONS} or None")
+    if quantization is None or config.quantization is not None:
+        return config
+    return replace(config, quantization=Fp8Config())
 
 
 def check_ignored(config: Fp8Config, projections: list[str]) -> None:
