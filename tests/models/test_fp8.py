@@ -74,9 +74,8 @@ def test_the_engine_serves_quantization_fp8(hf_checkpoint):
         assert out.token_ids[:len(want)] == want
 
 
-def test_random_fp8_models_have_the_checkpoint_layouts():
-    config = ModelConfig.from_hf(tiny_hf_model("Qwen3MoeForCausalLM", **FAMILIES["Qwen3MoeForCausalLM"])
-                                 .config.to_dict())
+def test_random_fp8_models_have_the_checkpoint_layouts(hf_checkpoint):
+    config = ModelConfig.from_file(hf_checkpoint("Qwen3MoeForCausalLM", **FAMILIES["Qwen3MoeForCausalLM"])[1])
     block = random_model(replace(config, quantization=Fp8Config((32, 32))), dtype=torch.float32)
     ref = random_model(config, dtype=torch.float32)
     down = block.model.layers[0].mlp.experts.down_proj

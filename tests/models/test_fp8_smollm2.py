@@ -4,18 +4,17 @@ import torch
 
 from blink.device.step import StepLayout
 from blink.models import load_model
-from tests.models.harness import Runner, greedy_continuations
+from tests.models.harness import Runner
 
 PROMPTS = [  # held prompts: never used to choose the quantization scheme
     "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
-    "The three primary colors are", "import numpy as np\nx = np.", "Water boils at a temperature of",
-    "<|im_start|>user\nName a fruit that is yellow.<|im_end|>\n<|im_start|>assistant\n",
-    "The largest planet in our solar system is", "for i in range(10):\n    ", "My favourite book is",
-    "<|im_start|>user\nTranslate 'hello' to Spanish.<|im_end|>\n<|im_start|>assistant\n",
-    "In 1969, the first humans", "SELECT name FROM users WHERE", "The sun rises in the",
-    "<|im_start|>user\nWrite a haiku about rain.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n", "Water boils at a temperature of",
+    "import numpy as np\nx = np.", "<|im_start|>user\nName a fruit that is yellow.<|im_end|>\n<|im_start|>assistant\n",
+    "In 1969, the first humans",
 ]
+TOKENS = 16
+# docs/models.md, "FP8 weights": measured max 0.32 / mean 0.05 nats, 6 of 8 texts identical (see there)
+MAX_DRIFT, MEAN_DRIFT, IDENTICAL_SHARE = 1.0, 0.15, 0.5
 
 
 def decode(model, prompts: list[list[int]], n: int, forced: torch.Tensor | None = None):
@@ -32,3 +31,14 @@ def decode(model, prompts: list[list[int]], n: int, forced: torch.Tensor | None 
         logprobs[:, j] = torch.log_softmax(logits.float(), -1).gather(1, fed[:, None])[:, 0]
         chunks = [runner.chunk(i, [int(fed[i])], len(p) + j) for i, p in enumerate(prompts)]
     return logprobs, greedy
+
+
+def test_quantization_fp8_drifts_within_the_stated_tolerance(smollm2_dir, smollm2_hf_tokenizer):
+    prompts = [smollm2_hf_tokenizer.encode(p) for p in PROMPTS]
+    want_logprobs, text = decode(load_model(smollm2_dir, dtype=torch.float32), prompts, TOKENS)
+    logprobs, greedy = decode(load_model(smollm2_dir, dtype=torch.float32, quantization="fp8"), prompts, TOKENS,
+                              text)
+    drift = (logprobs - want_logprobs).abs()
+    assert drift.max() <= MAX_DRIFT and drift.mean() <= MEAN_DRIFT, (drift.max(), drift.mean())
+    identical = (greedy == text).all(1).float().mean()
+    assert identical >= IDENTICAL_SHARE, identical
