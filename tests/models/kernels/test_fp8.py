@@ -41,14 +41,14 @@ def test_quantize_activations_rounds_each_group_to_e4m3():
         assert torch.all(err <= scale.double() * 16)  # half a unit in the last place of e4m3 values up to 448
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 40])
+@pytest.mark.parametrize("tokens", [1, 7, 40, 100])
 def test_scaled_mm_per_token_per_row_matches_float64(backend, tokens):
     device, dtype, tol = backend
-    from blink.models.kernels.fp8 import fp8_linear
+    from blink.models.kernels.fp8 import scaled_mm
 
     weight, scale = fp8_weights((96, 256), None, device)
     x = torch.randn(tokens, 256, device=device, dtype=dtype)
-    out = fp8_linear(x, weight, scale, None)
+    out = scaled_mm(*quantize_activations(x, 256), weight, scale, dtype)
     want = dequantized_activations(x, 256) @ dequantize(weight, scale, None).double().T
     assert out.dtype == dtype and out.shape == (tokens, 96) and rel_err(out, want) < tol
     assert rel_err(out, reference.fp8_linear(x.double(), weight, scale, None)) < 0.05  # activations' rounding
@@ -58,13 +58,44 @@ def test_scaled_mm_per_token_per_row_matches_float64(backend, tokens):
                                                  (100, 256, 256, (128, 128))])
 def test_block_scale_gemm_matches_float64(backend, tokens, n, k, block):
     device, dtype, tol = backend
-    from blink.models.kernels.fp8 import fp8_linear
+    from blink.models.kernels.fp8 import block_gemm
 
     weight, scale = fp8_weights((n, k), block, device)
     x = torch.randn(tokens, k, device=device, dtype=dtype)
-    out = fp8_linear(x, weight, scale, block)
+    out = block_gemm(*quantize_activations(x, block[1]), weight, scale, block, dtype)
     want = dequantized_activations(x, block[1]) @ dequantize(weight, scale, block).double().T
     assert out.dtype == dtype and out.shape == (tokens, n) and rel_err(out, want) < tol
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+@pytest.mark.parametrize("block, tiles", [(None, None), (None, dict(block_n=16, block_k=128, split_k=3)),
+                                          ((128, 128), None), ((32, 64), dict(block_n=32, block_k=64, split_k=2))])
+def test_skinny_fp8_linear_matches_float64(backend, tokens, block, tiles):
+    """The weight-only decode GEMM: activations as they are, e4m3 weights times their scales; K of 320 is not a
+    whole number of ``block_k`` steps nor of split parts."""
+    device, dtype, tol = backend
+    from blink.models.kernels.fp8_skinny import SkinnyTiles, skinny_fp8_linear
+
+    weight, scale = fp8_weights((160, 320), block, device)
+    x = torch.randn(tokens, 320, device=device, dtype=dtype)
+    out = skinny_fp8_linear(x, weight, scale, block, tiles and SkinnyTiles(**tiles))
+    want = x.double() @ dequantize(weight, scale, block).double().T
+    assert out.dtype == dtype and out.shape == (tokens, 160) and rel_err(out, want) < tol
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_fp8_linear_quantizes_activations_only_beyond_decode_sized_steps(backend, block):
+    device, dtype, _ = backend
+    from blink.models.kernels.fp8 import block_gemm, fp8_linear, scaled_mm
+    from blink.models.kernels.fp8_skinny import SKINNY_MAX_TOKENS, skinny_fp8_linear
+
+    weight, scale = fp8_weights((128, 256), block, device)
+    group = 256 if block is None else block[1]
+    small, large = (torch.randn(t, 256, device=device, dtype=dtype) for t in (SKINNY_MAX_TOKENS, SKINNY_MAX_TOKENS + 1))
+    assert torch.equal(fp8_linear(small, weight, scale, block), skinny_fp8_linear(small, weight, scale, block))
+    quantized = (scaled_mm(*quantize_activations(large, group), weight, scale, dtype) if block is None else
+                 block_gemm(*quantize_activations(large, group), weight, scale, block, dtype))
+    assert torch.equal(fp8_linear(large, weight, scale, block), quantized)
 
 
 def moe_float64(x, logits, gate_up, gate_up_scale, down, down_scale, top_k, block):
@@ -108,17 +139,21 @@ STEP_CONFIG = dict(architecture="Qwen3MoeForCausalLM", vocab_size=300, hidden_si
 LAYOUTS = {"per-row": Fp8Config(), "block": Fp8Config((64, 64))}
 
 
-def linear_with_quantized_activations(x, weight, scale, block):
-    """``reference.fp8_linear`` with the activations quantized as the CUDA ops quantize them."""
-    group = x.shape[-1] if block is None else block[1]
-    return reference.fp8_linear(dequantized_activations(x, group).to(x.dtype), weight, scale, block)
+def linear_as_the_cuda_ops(x, weight, scale, block):
+    """``reference.fp8_linear`` with the activations quantized where the CUDA ops quantize them: beyond
+    decode-sized steps (``SKINNY_MAX_TOKENS`` rows), per token (and ``bk`` columns with block scales)."""
+    from blink.models.kernels.fp8_skinny import SKINNY_MAX_TOKENS
+
+    if x.shape[0] > SKINNY_MAX_TOKENS:
+        x = dequantized_activations(x, x.shape[-1] if block is None else block[1]).to(x.dtype)
+    return reference.fp8_linear(x, weight, scale, block)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fp8_model_step_on_triton_ops_matches_the_reference_path(backend, layout):
     """A dense model's whole step on the CUDA ops against the same model on the references with activations
-    quantized alike: only the kernels' arithmetic differs (and, where it moves a value across an e4m3 rounding
-    boundary, that value's rounding)."""
+    quantized where the CUDA ops quantize them: only the kernels' arithmetic differs (and, in steps beyond decode
+    size, where it moves a value across an e4m3 rounding boundary, that value's rounding)."""
     device, dtype, tol = backend
     from blink.models.kernels import OPS, triton_ops
 
@@ -127,7 +162,7 @@ def test_fp8_model_step_on_triton_ops_matches_the_reference_path(backend, layout
                          quantization=LAYOUTS[layout])
     model = random_model(config, device, dtype, std=0.05)
     ops = {name: getattr(reference, name) for name in OPS}
-    model.ops = SimpleNamespace(**{**ops, "fp8_linear": linear_with_quantized_activations})
+    model.ops = SimpleNamespace(**{**ops, "fp8_linear": linear_as_the_cuda_ops})
     want = [row[1] for row in mixed_batches(model)]
     model.ops = triton_ops
     got = [row[1] for row in mixed_batches(model)]

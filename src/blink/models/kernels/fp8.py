@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..quantization import quantize_activations
+from .fp8_skinny import SKINNY_MAX_TOKENS, skinny_fp8_linear
 from .pdl import pdl_args, wait_for_previous
 from .tiles import check_tiles
 
@@ -98,7 +99,10 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scal
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None) -> torch.Tensor:
     """``x [M, K]`` times e4m3 ``weight [N, K]`` with per-row ``scale [N]`` or per-``block`` scales → ``[M, N]`` in
-    ``x.dtype``, activations quantized per token (and per ``bk`` columns with block scales)."""
+    ``x.dtype``: decode-sized steps by the weight-only skinny GEMM (``fp8_skinny``), larger ones with activations
+    quantized per token (and per ``bk`` columns with block scales)."""
+    if x.shape[0] <= SKINNY_MAX_TOKENS:
+        return skinny_fp8_linear(x, weight, scale, block)
     if block is None:
         a, a_scale = quantize_activations(x, x.shape[-1])
         return scaled_mm(a, a_scale, weight, scale, x.dtype)
