@@ -69,7 +69,8 @@ def test_block_scale_gemm_matches_float64(backend, tokens, n, k, block):
 
 @pytest.mark.parametrize("tokens", [1, 7, 64])
 @pytest.mark.parametrize("block, tiles", [(None, None), (None, dict(block_n=16, block_k=128, split_k=3)),
-                                          ((128, 128), None), ((32, 64), dict(block_n=32, block_k=64, split_k=2))])
+                                          ((128, 128), None), ((64, 64), None),
+                                          ((32, 64), dict(block_n=32, block_k=64, split_k=2))])
 def test_skinny_fp8_linear_matches_float64(backend, tokens, block, tiles):
     """The weight-only decode GEMM: activations as they are, e4m3 weights times their scales; K of 320 is not a
     whole number of ``block_k`` steps nor of split parts."""

@@ -14,7 +14,7 @@ parts then add into a float32 buffer (zeroed first) by atomics, cast to the outp
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -32,7 +32,7 @@ class SkinnyTiles:
     ``split_k`` ways, Triton's warps and pipeline stages (``block_m`` follows the step's rows)."""
 
     block_n: int = 32
-    block_k: int = 256
+    block_k: int = 128
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
@@ -41,12 +41,18 @@ class SkinnyTiles:
         check_tiles(self)
 
 
-def skinny_tiles(n: int, k: int, block: tuple[int, int] | None) -> SkinnyTiles:
-    """The launch shape of a projection of ``n`` outputs and ``k`` inputs: with block scales ``block_k`` must divide
-    the weight block's ``bk`` and ``block_n`` its ``bn``, so that one scale covers a program's tile per step."""
+def skinny_tiles(m: int, n: int, k: int, block: tuple[int, int] | None) -> SkinnyTiles:
+    """The launch shape of ``m`` rows through a projection of ``n`` outputs and ``k`` inputs, from the H200 sweep of
+    ``bench/experiments/fp8_gemv_bench.py`` (Qwen3-8B's projections, each rule within 1.14x of the best shape
+    there): 32-row tiles over 128 columns; a long reduction (``k >= 2n``: few output tiles, each a long way to
+    stream) split 4 ways over 64-row tiles. With block scales a tile must not straddle a weight block."""
+    if k >= 2 * n:
+        tiles = SkinnyTiles(block_n=64, block_k=256 if block is None and m <= 16 else 128, split_k=4, num_stages=3)
+    else:
+        tiles = SkinnyTiles(block_n=32, block_k=128, num_stages=4 if m <= 16 else 3)
     if block is None:
-        return SkinnyTiles()
-    return SkinnyTiles(block_n=min(32, block[0]), block_k=min(128, block[1]))
+        return tiles
+    return replace(tiles, block_n=min(tiles.block_n, block[0]), block_k=min(tiles.block_k, block[1]))
 
 
 def block_m_for(m: int) -> int:
@@ -95,7 +101,7 @@ def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     (m, k), n = x.shape, weight.shape[0]
     if m > SKINNY_MAX_TOKENS:
         raise ValueError(f"skinny_fp8_linear takes at most {SKINNY_MAX_TOKENS} rows (got {m})")
-    tiles = tiles or skinny_tiles(n, k, block)
+    tiles = tiles or skinny_tiles(m, n, k, block)
     if block is not None and (block[1] % tiles.block_k or block[0] % tiles.block_n):
         raise ValueError(f"tiles {tiles} do not divide the weight blocks {block}")
     x = x if x.stride(-1) == 1 else x.contiguous()
