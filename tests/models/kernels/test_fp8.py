@@ -114,6 +114,7 @@ def linear_with_quantized_activations(x, weight, scale, block):
     return reference.fp8_linear(dequantized_activations(x, group).to(x.dtype), weight, scale, block)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fp8_model_step_on_triton_ops_matches_the_reference_path(backend, layout):
     """A dense model's whole step on the CUDA ops against the same model on the references with activations
