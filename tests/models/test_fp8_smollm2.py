@@ -1,5 +1,6 @@
 """``--quantization fp8`` on the embedded SmolLM2-135M-Instruct against the unquantized model (both on the CPU
 reference path, float32): the stated tolerance of docs/models.md ("FP8 weights")."""
+import pytest
 import torch
 
 from blink.device.step import StepLayout
@@ -33,6 +34,7 @@ def decode(model, prompts: list[list[int]], n: int, forced: torch.Tensor | None 
     return logprobs, greedy
 
 
+@pytest.mark.slow
 def test_quantization_fp8_drifts_within_the_stated_tolerance(smollm2_dir, smollm2_hf_tokenizer):
     prompts = [smollm2_hf_tokenizer.encode(p) for p in PROMPTS]
     want_logprobs, text = decode(load_model(smollm2_dir, dtype=torch.float32), prompts, TOKENS)

@@ -150,6 +150,7 @@ def linear_as_the_cuda_ops(x, weight, scale, block):
     return reference.fp8_linear(x, weight, scale, block)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fp8_model_step_on_triton_ops_matches_the_reference_path(backend, layout):
     """A dense model's whole step on the CUDA ops against the same model on the references with activations
