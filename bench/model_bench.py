@@ -26,6 +26,10 @@ are slower (docs/benchmarks/models.md, "Two corrections"). ``--power`` adds each
 power (NVML), the step replayed back to back from the host for 3 s (before any profile), and its joules per step and per
 token: the kernels' own watts, to set beside a server's; and the same for the weight GEMMs alone (cuBLAS, at batches 1,
 16, 64, 256), so that the step's energy splits into its GEMMs' and the rest's.
+``--quantization fp8`` runs the same table with FP8 projections (random weights quantized per output row;
+``--weight-block-size 128 128``: per 128x128 block, the layout of Qwen3's FP8 checkpoints), rows named
+``<model>-fp8``: the floor then reads each projection's weights at one byte each plus its float32 scales (the
+embeddings, LM head and router stay bf16, as does the KV cache); the roofline still takes the bf16 GEMM rate.
 Correctness of what is timed: ``tests/models`` (``-m gpu`` on the GPU).
 """
 from __future__ import annotations
@@ -34,6 +38,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import replace
 
 import torch
 
@@ -44,6 +49,7 @@ from blink.models import ModelConfig, plan_memory, random_model
 from blink.models.batch import SeqChunk, fill_step
 from blink.models.decoder import SparseMoE
 from blink.models.memory import GIB, weight_bytes
+from blink.models.quantization import QUANTIZATIONS, Fp8Config, requested
 from blink.models.shapes import SHAPES, shape_config
 
 MODELS = {name: shape_config(name) for name in SHAPES}
@@ -215,7 +221,7 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
         if profile:
             rows[-1]["profile"] = kernel_profile(graph, ms)
         del graph
-    for batch in (1, 16, 64, 256) if not (config.num_experts or profile) else ():
+    for batch in (1, 16, 64, 256) if not (config.num_experts or config.quantization or profile) else ():
         graph = gemms_only_graph(model, batch)
         ms = events_median_ms(graph.replay, reps)
         floor = gemm_weight_bytes(model) / bw * 1e3
@@ -286,6 +292,10 @@ def main():
                         help="only these steps, each also broken down per kernel: decode shapes (batch,context), "
                              "e.g. 1,1024, optionally run in a larger graph (batch,context,bucket: the rows "
                              "between batch and bucket are padding, as in a served step), and/or prefill")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                        help="FP8 projections (per-row scales unless --weight-block-size)")
+    parser.add_argument("--weight-block-size", type=int, nargs=2, default=None, metavar=("ROWS", "COLS"),
+                        help="with --quantization fp8: block scales, e.g. 128 128")
     parser.add_argument("--power", action="store_true", help="also each step's board power (NVML), replayed "
                         "back to back for 3 s: the kernels' watts without the scheduler or serving")
     args = parser.parse_args()
@@ -298,16 +308,22 @@ def main():
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bytes_per_s=bw,
                   bf16_flop_per_s=flops, rows=[])
     rows = result["rows"]
+    if args.weight_block_size and not args.quantization:
+        parser.error("--weight-block-size needs --quantization fp8")
     for name in args.models:
         torch.cuda.reset_peak_memory_stats()
-        rows += bench_model(name, MODELS[name], bw, flops, args.kv_gib, args.reps, profile, args.power)
+        config = requested(MODELS[name], args.quantization)
+        if args.weight_block_size:
+            config = replace(config, quantization=Fp8Config(tuple(args.weight_block_size)))
+        label = f"{name}-fp8" if args.quantization else name
+        rows += bench_model(label, config, bw, flops, args.kv_gib, args.reps, profile, args.power)
         with open(args.out, "w") as f:  # after every model: a run cut short keeps what it measured
             json.dump(result, f, indent=2)
-    print(f"\n{'model':13} {'kind':7} {'B':>4} {'ctx':>5} {'step ms':>9} {'floor ms':>9} {'ratio':>6} {'roof ms':>9} "
+    print(f"\n{'model':17} {'kind':7} {'B':>4} {'ctx':>5} {'step ms':>9} {'floor ms':>9} {'ratio':>6} {'roof ms':>9} "
           f"{'/roof':>6} {'tok/s':>9}")
     for r in rows:
         roof = r.get("roofline_ms")
-        print(f"{r['model']:13} {r['kind']:7} {r['batch']:4d} {r['context']:5d} {r['step_ms']:9.3f} "
+        print(f"{r['model']:17} {r['kind']:7} {r['batch']:4d} {r['context']:5d} {r['step_ms']:9.3f} "
               f"{r['floor_ms']:9.3f} {r['ratio']:6.2f} " + (f"{roof:9.3f} {r['step_ms'] / roof:6.2f} " if roof else
                                                               f"{'-':>9} {'-':>6} ") + f"{r['tokens_per_s']:9.0f}")
 

@@ -6,9 +6,11 @@
 #           then at 1 and 8 tokens broken down per kernel (last: replays after a profile run slower)
 #   engine  the slow GPU tests: the four full-size models (random weights) served through the Engine
 #   models  bench/model_bench.py: the four full-size models (Llama-3-8B, Phi-4, Qwen3-32B, Qwen3-30B-A3B)
+#   fp8     bench/model_bench.py --quantization fp8: the same models with FP8 projections, per-row scales, then
+#           128x128 block scales (not in the default list: `bash bench/models_gpu.sh fp8`)
 #   profile the same for the steps in PROFILE (default "1,1024 64,1024 prefill") only, each broken down per kernel,
 #           in a process of its own (graph replays after a CUPTI profile in the same process are slower)
-#   bash bench/models_gpu.sh [tests] [moe] [engine] [models] [profile] [-- model_bench.py arguments, e.g.
+#   bash bench/models_gpu.sh [tests] [moe] [engine] [models] [fp8] [profile] [-- model_bench.py arguments, e.g.
 #   --models phi-4]
 # Logs and JSON go under $OUT (default ./out).
 set -uo pipefail
@@ -34,10 +36,14 @@ for part in "${parts[@]}"; do
               | tee "$OUT/models_engine_tests.log" ;;
     moe) python3 -m bench.moe_bench --profile 1 8 --out "$OUT/moe_bench.json" 2>&1 | tee "$OUT/moe_bench.log" ;;
     models) python3 -m bench.model_bench --out "$OUT/model_bench.json" "$@" 2>&1 | tee "$OUT/model_bench.log" ;;
+    fp8) python3 -m bench.model_bench --quantization fp8 --out "$OUT/model_bench_fp8.json" "$@" 2>&1 \
+           | tee "$OUT/model_bench_fp8.log"
+         python3 -m bench.model_bench --quantization fp8 --weight-block-size 128 128 \
+           --out "$OUT/model_bench_fp8_block.json" "$@" 2>&1 | tee "$OUT/model_bench_fp8_block.log" ;;
     profile) read -ra shapes <<< "${PROFILE:-1,1024 64,1024 prefill}"
              python3 -m bench.model_bench --out "$OUT/model_bench_profile.json" --profile "${shapes[@]}" "$@" 2>&1 \
                | tee "$OUT/model_bench_profile.log" ;;
-    *) echo "unknown part: $part (tests | moe | engine | models | profile)"; false ;;
+    *) echo "unknown part: $part (tests | moe | engine | models | fp8 | profile)"; false ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "$part: rc=$rc in $((SECONDS - start)) s"

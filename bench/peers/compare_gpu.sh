@@ -9,6 +9,8 @@
 #                                            engines and not their caches, from one start of each server: the sweep,
 #                                            a closed loop of 64 streams (saturation) and one stream of 16 requests
 #                                            (latency) (~9 min: vLLM's second start ~115 s, its colocated runs ~4 min)
+#   bash bench/peers/compare_gpu.sh fp8      the cold cell with both servers at --quantization fp8 (weights quantized
+#                                            per channel at load, activations per token; KV bf16 in both)
 #   bash bench/peers/compare_gpu.sh peer     transformers' continuous batching on PEER_PROMPTS requests (~4 min)
 #   bash bench/peers/compare_gpu.sh report   every cell measured so far in this OUT, side by side, and every run as a
 #                                            Markdown row ($OUT/compare_table.md)
@@ -25,7 +27,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out} PROMPTS=${PROMPTS:-128} RATES=${RATES:-16,64,inf} PEER_PROMPTS=${PEER_PROMPTS:-8}
 VLLM_PROMPTS=${VLLM_PROMPTS:-$PROMPTS} BENCH_ARGS=${BENCH_ARGS:-} BLINK_ARGS=${BLINK_ARGS:-}
-cell=${1:?usage: bash bench/peers/compare_gpu.sh warm|cold|peer|report}
+cell=${1:?usage: bash bench/peers/compare_gpu.sh warm|cold|fp8|peer|report}
 NO_CACHE=--no-enable-prefix-caching
 COLD_RUNS=${COLD_RUNS:-"sweep:;closed:--sweep inf --max-concurrency 64;batch1:--sweep inf --max-concurrency 1 \
 --num-prompts 16"}
@@ -47,16 +49,18 @@ run() {
 case "$cell" in
   warm) run warm PEER_PROMPTS=0 WARMUPS="$PROMPTS" SERVE_ARGS="$BLINK_ARGS" ;;
   cold) run cold PEER_PROMPTS=0 SERVE_ARGS="$NO_CACHE $BLINK_ARGS" VLLM_ARGS="$NO_CACHE" RUNS="$COLD_RUNS" ;;
+  fp8) run fp8 PEER_PROMPTS=0 SERVE_ARGS="$NO_CACHE --quantization fp8 $BLINK_ARGS" \
+    VLLM_ARGS="$NO_CACHE --quantization fp8" RUNS="$COLD_RUNS" ;;
   peer) run peer PROMPTS=0 VLLM_PROMPTS=0 PEER_PROMPTS="$PEER_PROMPTS" PEER_TIMEOUT=400 ;;
   report)
-    for report in "$OUT"/{warm,cold,peer}/serving_report*.txt; do
+    for report in "$OUT"/{warm,cold,fp8,peer}/serving_report*.txt; do
       [ -e "$report" ] && echo "== $report" && cat "$report"
     done | tee "$OUT/compare_report.txt"
     # Every run as one Markdown row, as docs/benchmarks/peers.md's tables have them, one table per cell.
-    for name in warm cold peer; do
+    for name in warm cold fp8 peer; do
       results=$(ls "$OUT/$name"/serving_*.json 2>/dev/null)
       [ -n "$results" ] && echo "### $name" && echo && PYTHONPATH=src python -m blink.cli bench report $results \
         --markdown && echo
     done | tee "$OUT/compare_table.md" ;;
-  *) echo "unknown cell: $cell (warm | cold | peer | report)"; exit 2 ;;
+  *) echo "unknown cell: $cell (warm | cold | fp8 | peer | report)"; exit 2 ;;
 esac

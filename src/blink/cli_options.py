@@ -42,7 +42,7 @@ def _cpu_list(text: str) -> list[int]:
 
 def engine_options(parser, slots: int) -> None:
     """Model, device, memory, scheduler and ring sizes (``EngineConfig``, ``SchedulerConfig``)."""
-    from blink.config import DEVICES, DTYPES, LOAD_FORMATS, EngineConfig, SchedulerConfig
+    from blink.config import DEVICES, DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, SchedulerConfig
     from blink.device.config import MAX_BUCKETS
 
     d, s = EngineConfig(), SchedulerConfig()
@@ -51,6 +51,7 @@ def engine_options(parser, slots: int) -> None:
                         help="dummy: random weights, only config.json is read (benchmarks of large shapes)")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="default: the checkpoint's on a GPU, float32 on the CPU")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, help="fp8: FP8 projections, quantized at load")
     parser.add_argument("--max-num-seqs", type=int, default=s.max_num_seqs, help="most sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens,
                         help="most tokens in one step (the largest captured step graph)")

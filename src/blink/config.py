@@ -20,13 +20,14 @@ from blink.ring.transport import SHM_NAME_RULE, is_shm_name
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("float32", "float16", "bfloat16")
+QUANTIZATIONS = ("fp8",)  # blink.models.quantization.QUANTIZATIONS (the engine's config imports no torch)
 # A model's context beyond this must be asked for (``max_model_len``): every ring slot holds that many prompt and
 # output tokens, in shared memory.
 DEFAULT_MAX_MODEL_LEN = 4096
 MAX_TENSOR_PARALLEL = 64      # processes one engine may split a model over
 
-__all__ = ["DEFAULT_MAX_MODEL_LEN", "DEVICES", "DTYPES", "EngineConfig", "LOAD_FORMATS", "SamplingParams",
-           "SchedulerConfig", "load_policy"]
+__all__ = ["DEFAULT_MAX_MODEL_LEN", "DEVICES", "DTYPES", "EngineConfig", "LOAD_FORMATS", "QUANTIZATIONS",
+           "SamplingParams", "SchedulerConfig", "load_policy"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,9 @@ class EngineConfig:
     ``model`` is an HF-layout directory; ``None`` serves the embedded SmolLM2-135M-Instruct. ``load_format="dummy"``
     gives the model random weights instead of its checkpoint's (only ``config.json`` is read: benchmarks and shape
     tests of large models). ``device="auto"`` takes the GPU when torch sees one, else the CPU. ``dtype=None`` is the
-    checkpoint's dtype on a GPU and float32 on the CPU.
+    checkpoint's dtype on a GPU and float32 on the CPU. ``quantization="fp8"`` quantizes the checkpoint's projections
+    to FP8 e4m3 with per-channel scales at load (vLLM's ``--quantization fp8``); an FP8 checkpoint (its config's
+    ``quantization_config``) is served in FP8 without it. FP8 needs ``tensor_parallel_size=1`` so far.
 
     ``scheduler`` holds the scheduler's limits. Where it leaves ``num_pages`` to the engine, the KV pool takes, on a
     GPU, what fits in ``gpu_memory_utilization`` of the GPU's memory once weights, step buffers and activations are
@@ -65,6 +68,7 @@ class EngineConfig:
     load_format: str = "auto"
     device: str = "auto"
     dtype: str | None = None
+    quantization: str | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     policy: object = None
     gpu_memory_utilization: float = 0.9
@@ -88,6 +92,10 @@ class EngineConfig:
         check(self.load_format in LOAD_FORMATS, owner, "load_format", f"one of {LOAD_FORMATS}", self.load_format)
         check(self.device in DEVICES, owner, "device", f"one of {DEVICES}", self.device)
         check(self.dtype is None or self.dtype in DTYPES, owner, "dtype", f"None or one of {DTYPES}", self.dtype)
+        check(self.quantization is None or self.quantization in QUANTIZATIONS, owner, "quantization",
+              f"None or one of {QUANTIZATIONS}", self.quantization)
+        check(self.quantization is None or self.tensor_parallel_size == 1, owner, "quantization",
+              "None with tensor_parallel_size > 1 (FP8 is served on one device so far)", self.quantization)
         check(isinstance(self.scheduler, SchedulerConfig), owner, "scheduler", "a SchedulerConfig", self.scheduler)
         check(self.policy is None or isinstance(self.policy, str) or callable(self.policy), owner, "policy",
               "None, a function or 'module:function'", self.policy)

@@ -65,9 +65,10 @@ class EngineCore:
         dtype = config.dtype or ("float32" if self.device == "cpu" else model_config.dtype)
         dummy = config.load_format == "dummy"
         followers = self._start_followers(config, str(model_dir), dummy, dtype)
-        model = load(str(model_dir), dummy, dtype, self.device, tp)
-        log.info("loaded %s (%s, %s, %s weights, %s) in %.1f s", model_dir.name, model_config.architecture, dtype,
-                 config.load_format, self.device, time.monotonic() - started)
+        model = load(str(model_dir), dummy, dtype, self.device, tp, config.quantization)
+        log.info("loaded %s (%s, %s%s, %s weights, %s) in %.1f s", model_dir.name, model_config.architecture, dtype,
+                 " with FP8 projections" if model.config.quantization else "", config.load_format, self.device,
+                 time.monotonic() - started)
         self.vocab_size = model_config.vocab_size
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         if self.device == "cpu":

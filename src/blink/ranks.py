@@ -68,14 +68,17 @@ class Shard:
     port: int
 
 
-def load(model_dir: str, dummy: bool, dtype: str, device: str, tp):
+def load(model_dir: str, dummy: bool, dtype: str, device: str, tp, quantization: str | None = None):
     """Rank ``tp.rank``'s part of the model (all of it at world size 1): random weights when ``dummy``, else the
-    directory's checkpoint. The ranks' all-reduces use the default process group."""
+    directory's checkpoint; ``quantization="fp8"`` quantizes it at load (``load_model``). The ranks' all-reduces use
+    the default process group."""
     from blink.models import ModelConfig, load_model, random_model
+    from blink.models.quantization import requested
 
     if dummy:
-        return random_model(ModelConfig.from_file(model_dir), device=device, dtype=dtype, tp=tp)
-    return load_model(model_dir, device=device, dtype=dtype, tp=tp)
+        config = requested(ModelConfig.from_file(model_dir), quantization)
+        return random_model(config, device=device, dtype=dtype, tp=tp)
+    return load_model(model_dir, device=device, dtype=dtype, tp=tp, quantization=quantization)
 
 
 def _join(store, shard: Shard) -> None:

@@ -3,8 +3,9 @@
 Both spellings of the RoPE settings are read: the older top-level ``rope_theta`` / ``rope_scaling`` /
 ``partial_rotary_factor`` and transformers 5's ``rope_parameters`` dict; likewise ``num_experts`` and transformers 5's
 ``num_local_experts``. Anything the model step does not implement (an unknown architecture, a RoPE scaling type,
-biases, an activation other than SiLU, per-layer sliding windows) is refused here, by field name, so a checkpoint
-never loads into a model that would compute something else.
+biases, an activation other than SiLU, per-layer sliding windows, a ``quantization_config`` other than FP8:
+``quantization.py``) is refused here, by field name, so a checkpoint never loads into a model that would compute
+something else.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from blink.errors import ConfigError
+
+from .quantization import Fp8Config, parse_quantization
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
@@ -73,6 +76,7 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    quantization: Fp8Config | None = None
 
     def __post_init__(self):
         _check_architecture(self.architecture)
@@ -165,6 +169,8 @@ class ModelConfig:
         if self.rope_scaling:
             hf["rope_scaling"] = {"rope_type": "llama3", **{f.name: getattr(self.rope_scaling, f.name)
                                                              for f in fields(RopeScaling)}}
+        if self.quantization:
+            hf["quantization_config"] = self.quantization.to_hf()
         return hf
 
 
@@ -203,6 +209,7 @@ def _hf_fields(hf: dict) -> dict:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_scaling=_rope_scaling(hf.get("rope_scaling") or rope), sliding_window=window,
         dtype=hf.get("torch_dtype") or hf.get("dtype") or "bfloat16",
+        quantization=parse_quantization(hf.get("quantization_config")),
         **(_moe_fields(hf) if arch in MOE_ARCHITECTURES else {}))
 
 

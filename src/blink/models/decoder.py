@@ -17,19 +17,26 @@ captures into a CUDA graph per bucket ``T``; on CPU it uses the torch references
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blink.errors import ConfigError
+
 from .config import ModelConfig
 from .history import TokenHistory
 from .kernels import ops_for
 from .parallel import Split, TensorParallel, all_reduce, weight_split
+from .projection import Projection, parameter
+from .quantization import Fp8Config
 from .rope import cos_sin_cache
 from .sampler import sample
 
+_FP8_TP = ("FP8 weights (quantization_config, --quantization fp8) with tensor_parallel_size > 1 are not supported "
+           "yet: serve them on one GPU")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -37,42 +44,35 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _param(*shape, device, dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
-
-
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig, qk_norm: bool, **kw):
         super().__init__()
-        self.qkv_proj = nn.Module()
-        self.qkv_proj.weight = _param(c.q_size + 2 * c.kv_size, c.hidden_size, **kw)
-        self.o_proj = nn.Module()
-        self.o_proj.weight = _param(c.hidden_size, c.q_size, **kw)
+        self.qkv_proj = Projection(c.q_size + 2 * c.kv_size, c.hidden_size, c.quantization, **kw)
+        self.o_proj = Projection(c.hidden_size, c.q_size, c.quantization, **kw)
         if qk_norm:
             self.q_norm, self.k_norm = nn.Module(), nn.Module()
-            self.q_norm.weight = _param(c.head_dim, **kw)
-            self.k_norm.weight = _param(c.head_dim, **kw)
+            self.q_norm.weight = parameter(c.head_dim, **kw)
+            self.k_norm.weight = parameter(c.head_dim, **kw)
         self.c, self.qk_norm = c, qk_norm
 
     def forward(self, x, positions, cos_sin, kv_layer, slot_mapping, plan, ops):
         c = self.c
-        q, k, v = F.linear(x, self.qkv_proj.weight).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x, ops).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q, k, v = (t.unflatten(-1, (-1, c.head_dim)) for t in (q, k, v))
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         q = ops.rope_kv_write(q, k, v, positions, cos_sin, kv_layer, slot_mapping, *norms, c.rms_norm_eps)
         o = ops.attention(q, kv_layer, plan, c.head_dim ** -0.5, c.sliding_window)
-        return F.linear(o.flatten(1), self.o_proj.weight)
+        return self.o_proj(o.flatten(1), ops)
 
 
 class MLP(nn.Module):
     def __init__(self, c: ModelConfig, **kw):
         super().__init__()
-        self.gate_up_proj, self.down_proj = nn.Module(), nn.Module()
-        self.gate_up_proj.weight = _param(2 * c.intermediate_size, c.hidden_size, **kw)
-        self.down_proj.weight = _param(c.hidden_size, c.intermediate_size, **kw)
+        self.gate_up_proj = Projection(2 * c.intermediate_size, c.hidden_size, c.quantization, **kw)
+        self.down_proj = Projection(c.hidden_size, c.intermediate_size, c.quantization, **kw)
 
     def forward(self, x, ops):
-        return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x, ops)), ops)
 
 
 class SparseMoE(nn.Module):
@@ -80,20 +80,25 @@ class SparseMoE(nn.Module):
 
     ``experts.gate_up_proj.weight [E, 2I, H]`` holds each expert's gate rows then up rows, ``experts.down_proj.weight
     [E, H, I]`` its down projection (HF's in-memory layout; checkpoints store ``experts.<e>.gate_proj.weight`` etc.).
+    FP8 experts carry their scales beside them (``Projection``); the router stays in the model dtype.
     """
 
     def __init__(self, c: ModelConfig, **kw):
         super().__init__()
         self.gate, self.experts = nn.Module(), nn.Module()
-        self.gate.weight = _param(c.num_experts, c.hidden_size, **kw)
-        self.experts.gate_up_proj, self.experts.down_proj = nn.Module(), nn.Module()
-        self.experts.gate_up_proj.weight = _param(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size, **kw)
-        self.experts.down_proj.weight = _param(c.num_experts, c.hidden_size, c.moe_intermediate_size, **kw)
+        self.gate.weight = parameter(c.num_experts, c.hidden_size, **kw)
+        e, q = c.num_experts, c.quantization
+        self.experts.gate_up_proj = Projection(2 * c.moe_intermediate_size, c.hidden_size, q, experts=e, **kw)
+        self.experts.down_proj = Projection(c.hidden_size, c.moe_intermediate_size, q, experts=e, **kw)
         self.top_k, self.renormalize = c.num_experts_per_tok, c.norm_topk_prob
 
     def forward(self, x, ops):
-        return ops.fused_moe(x, F.linear(x, self.gate.weight), self.experts.gate_up_proj.weight,
-                             self.experts.down_proj.weight, self.top_k, self.renormalize)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if gate_up.quant is None:
+            return ops.fused_moe(x, F.linear(x, self.gate.weight), gate_up.weight, down.weight, self.top_k,
+                                 self.renormalize)
+        return ops.fused_moe(x, F.linear(x, self.gate.weight), gate_up.weight, down.weight, self.top_k,
+                             self.renormalize, gate_up.scale, down.scale, gate_up.block)
 
 
 class DecoderLayer(nn.Module):
@@ -104,8 +109,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(c, qk_norm, **kw)
         self.mlp = SparseMoE(c, **kw) if moe else MLP(c, **kw)
         self.input_layernorm, self.post_attention_layernorm = nn.Module(), nn.Module()
-        self.input_layernorm.weight = _param(c.hidden_size, **kw)
-        self.post_attention_layernorm.weight = _param(c.hidden_size, **kw)
+        self.input_layernorm.weight = parameter(c.hidden_size, **kw)
+        self.post_attention_layernorm.weight = parameter(c.hidden_size, **kw)
         self.eps, self.reduce = c.rms_norm_eps, reduce
 
     def forward(self, h, residual, positions, cos_sin, kv_layer, slot_mapping, plan, ops):
@@ -123,6 +128,9 @@ class DecoderLM(nn.Module):
 
     ``STACKED`` maps a fused parameter to the checkpoint tensors it is concatenated from, in row order.
 
+    Under a ``quantization`` config every ``Projection`` holds FP8 weights (``quantization.py``); ``quantize_``
+    converts a loaded model-dtype model (``--quantization fp8``).
+
     ``tp`` says which rank of a tensor-parallel model this is: the parameters and the KV pool hold that rank's share
     (``local_config``'s shapes; ``weight_split`` says how each is cut from the full model's) and ``group``, the
     process group of the ranks (None: torch's default group), sums the partial outputs. At world size 1
@@ -136,22 +144,34 @@ class DecoderLM(nn.Module):
                  tp: TensorParallel = TensorParallel(), group=None):
         super().__init__()
         tp.check_group(group)
+        if config.quantization is not None and tp.world_size > 1:
+            raise ConfigError(_FP8_TP)
         kw = dict(device=torch.device(device), dtype=dtype or torch_dtype(config.dtype))
         self.config, self.device, self.dtype = config, kw["device"], kw["dtype"]
         self.tp, self.local_config = tp, tp.shard(config)
         reduce = None if tp.world_size == 1 else partial(all_reduce, group=group)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Module()
-        self.model.embed_tokens.weight = _param(config.vocab_size, config.hidden_size, **kw)
+        self.model.embed_tokens.weight = parameter(config.vocab_size, config.hidden_size, **kw)
         self.model.layers = nn.ModuleList(DecoderLayer(self.local_config, self.QK_NORM, config.is_moe_layer(i), reduce,
                                                        **kw) for i in range(config.num_layers))
         self.model.norm = nn.Module()
-        self.model.norm.weight = _param(config.hidden_size, **kw)
+        self.model.norm.weight = parameter(config.hidden_size, **kw)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Module()
-            self.lm_head.weight = _param(config.vocab_size, config.hidden_size, **kw)
+            self.lm_head.weight = parameter(config.vocab_size, config.hidden_size, **kw)
         self.register_buffer("cos_sin", cos_sin_cache(config, kw["device"]), persistent=False)
         self.ops = ops_for(kw["device"])
+
+    def quantize_(self, quant: Fp8Config = Fp8Config()) -> None:
+        """Every projection (experts included) to e4m3 with ``quant``'s scales, in place: the model then is the one
+        an FP8 checkpoint of those weights would load into."""
+        if self.tp.world_size > 1:
+            raise ConfigError(_FP8_TP)
+        for module in self.modules():
+            if isinstance(module, Projection):
+                module.quantize_(quant)
+        self.config = self.local_config = replace(self.config, quantization=quant)
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight

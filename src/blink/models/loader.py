@@ -8,19 +8,21 @@ Every failure names the file, the tensor or the field that is wrong.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from blink.errors import CheckpointError
+from blink.errors import CheckpointError, ConfigError
 
 from .config import ModelConfig
 from .decoder import DecoderLM, torch_dtype
 from .llama import LlamaForCausalLM
-from .parallel import TensorParallel
+from .parallel import Split, TensorParallel
 from .phi3 import Phi3ForCausalLM
+from .projection import Projection
+from .quantization import FP8, check_ignored, requested
 from .qwen3 import Qwen3ForCausalLM
 from .qwen3_moe import Qwen3MoeForCausalLM
 
@@ -28,6 +30,7 @@ ARCHITECTURES: dict[str, type[DecoderLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM, "Phi3ForCausalLM": Phi3ForCausalLM}
 LOADABLE_DTYPES = {"F32", "F16", "BF16"}
+FP8_DTYPE = "F8_E4M3"
 INDEX = "model.safetensors.index.json"
 
 
@@ -40,10 +43,18 @@ def build_model(config: ModelConfig, device="cpu", dtype: torch.dtype | str | No
 
 
 def load_model(path: str | Path, device="cpu", dtype: torch.dtype | str | None = None,
-               tp: TensorParallel = TensorParallel(), group=None) -> DecoderLM:
-    """Load the HF-style model directory ``path`` (config.json + safetensors), rank ``tp.rank``'s slices only."""
-    model = build_model(ModelConfig.from_file(path), device, dtype, tp, group)
+               tp: TensorParallel = TensorParallel(), group=None, quantization: str | None = None) -> DecoderLM:
+    """Load the HF-style model directory ``path`` (config.json + safetensors), rank ``tp.rank``'s slices only.
+
+    An FP8 checkpoint (``quantization_config``) loads as it is stored; ``quantization="fp8"`` quantizes the
+    projections of a checkpoint that is not, after loading them in ``dtype`` (vLLM's ``--quantization fp8``:
+    per-channel scales; the model-dtype weights are freed projection by projection)."""
+    config = ModelConfig.from_file(path)
+    quantized = requested(config, quantization)
+    model = build_model(config, device, dtype, tp, group)
     load_weights(model, Path(path))
+    if quantized is not config:
+        model.quantize_(quantized.quantization)
     return model
 
 
@@ -53,7 +64,12 @@ def random_model(config: ModelConfig, device="cpu", dtype: torch.dtype | str | N
 
     A rank draws every tensor at its full size, in the unsharded model's order, and keeps its slice: its weights are
     slices of the unsharded random model of the same seed, whatever the world size.
+    An FP8 ``config.quantization`` draws the model-dtype weights, then quantizes them (``DecoderLM.quantize_``).
     """
+    if config.quantization is not None:
+        model = random_model(replace(config, quantization=None), device, dtype, seed, std, tp, group)
+        model.quantize_(config.quantization)
+        return model
     model = build_model(config, device, dtype, tp, group)
     full_shapes = [p.shape for p in build_model(config, "meta", dtype).parameters()]
     gen = torch.Generator(device=model.device).manual_seed(seed)
@@ -75,26 +91,33 @@ def random_model(config: ModelConfig, device="cpu", dtype: torch.dtype | str | N
 @dataclass
 class Target:
     """Where a checkpoint tensor goes: its full ``shape`` (what the config implies) and the ``pieces`` of it this
-    rank holds, as (index into the checkpoint tensor, the view of a parameter it is copied into)."""
+    rank holds, as (index into the checkpoint tensor, the view of a parameter it is copied into). ``fp8``: an e4m3
+    weight (the checkpoint must store ``F8_E4M3``); ``per_row``: a per-row scale, which the checkpoint may store as one
+    value for its tensor (``()``, ``(1,)``: per-tensor) or one per row (``(rows,)``, ``(rows, 1)``: per-channel)."""
 
     shape: tuple[int, ...]
     pieces: list[tuple[tuple[slice, ...], torch.Tensor]] = field(default_factory=list)
+    fp8: bool = False
+    per_row: bool = False
 
 
 def checkpoint_targets(model: DecoderLM) -> dict[str, Target]:
     """Checkpoint tensor name → its ``Target``, for every tensor a checkpoint must provide.
 
     A fused parameter takes its parts (``DecoderLM.weight_split``) as consecutive row ranges: from one checkpoint
-    tensor each when ``STACKED`` names them, else from one tensor holding them all (Phi-3's ``qkv_proj``). A 3-D
-    parameter stacks one matrix per expert: expert ``e``'s comes from ``<module>.<e>.<name>.<leaf>``
-    (``mlp.experts.3.up_proj.weight``). Under tensor parallelism each part gives the rank's slice of it.
+    tensor each when ``STACKED`` names them, else from one tensor holding them all (Phi-3's ``qkv_proj``). Stacked
+    experts hold one matrix per expert: expert ``e``'s comes from ``<module>.<e>.<name>.<leaf>``
+    (``mlp.experts.3.up_proj.weight``). Under tensor parallelism each part gives the rank's slice of it. An FP8
+    projection's scales follow its weight's rows (per-row scales) or its blocks of rows (block scales).
     """
     targets: dict[str, Target] = {}
     for name, param in model.named_parameters():
         head, _, leaf = name.rpartition(".")
         module, _, fused = head.rpartition(".")
-        matrices = [(f"{module}.{e}", m) for e, m in enumerate(param)] if param.dim() == 3 else [(module, param)]
-        split, stacked = model.weight_split(name), model.STACKED.get(fused)
+        owner = model.get_submodule(head)
+        experts = isinstance(owner, Projection) and owner.lead
+        matrices = [(f"{module}.{e}", m) for e, m in enumerate(param)] if experts else [(module, param)]
+        split, stacked = _split(model, head, leaf, matrices[0][1]), model.STACKED.get(fused)
         for prefix, matrix in matrices:
             for i, (source, target) in enumerate(model.tp.pieces(split)):
                 # a stacked part is a tensor of its own: its rows start at 0 there
@@ -102,9 +125,27 @@ def checkpoint_targets(model: DecoderLM) -> dict[str, Target]:
                                     else (fused, 0, split.full_size))
                 shape = matrix.shape[:split.dim] + (rows,) + matrix.shape[split.dim + 1:]
                 index = _along(split.dim, slice(source.start - start, source.stop - start))
-                targets.setdefault(_join(prefix, key, leaf), Target(tuple(shape))).pieces.append(
+                targets.setdefault(_join(prefix, key, leaf), Target(
+                    tuple(shape), fp8=param.dtype == FP8, per_row=leaf == "weight_scale")).pieces.append(
                     (index, matrix[_along(split.dim, target)]))
     return targets
+
+
+def _split(model: DecoderLM, head: str, leaf: str, matrix: torch.Tensor) -> Split:
+    """``weight_split`` of parameter ``head.leaf``; an FP8 scale's follows its weight's: per-row scales its rows,
+    block scales its rows in blocks (every fused part a whole number of blocks)."""
+    if not leaf.startswith("weight_scale"):
+        return model.weight_split(f"{head}.{leaf}")
+    split = model.weight_split(f"{head}.weight")
+    if split.dim != 0:  # row-parallel: the scales of the output rows are whole (world size 1 for FP8 so far)
+        return Split(0, ((matrix.shape[0], matrix.shape[0]),))
+    rows = model.get_submodule(head).block[0] if leaf == "weight_scale_inv" else 1
+    for full, _ in split.parts:
+        if full % rows:
+            raise ConfigError(f"quantization_config.weight_block_size {list(model.get_submodule(head).block)}: "
+                              f"{head} is fused from parts of {[f for f, _ in split.parts]} rows, not whole blocks "
+                              f"of {rows} rows; blink cannot stack their scales")
+    return Split(0, tuple((full // rows, local // rows) for full, local in split.parts))
 
 
 def _along(dim: int, rows: slice) -> tuple[slice, ...]:
@@ -137,6 +178,8 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 def load_weights(model: DecoderLM, path: Path) -> None:
     targets = checkpoint_targets(model)
+    if model.config.quantization is not None:
+        check_ignored(model.config.quantization, [n.removesuffix(".weight") for n, t in targets.items() if t.fp8])
     loaded: set[str] = set()
     for file in checkpoint_files(path):
         try:
@@ -156,9 +199,23 @@ def load_weights(model: DecoderLM, path: Path) -> None:
 def _copy_tensor(f, file: Path, name: str, target: Target) -> None:
     stored = f.get_slice(name)
     dtype = stored.get_dtype()
-    if dtype not in LOADABLE_DTYPES:
-        raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}; blink loads F32, F16 and BF16 weights")
+    if target.fp8 and dtype != FP8_DTYPE:
+        raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}; the checkpoint's quantization_config makes "
+                              f"it an FP8 weight ({FP8_DTYPE})")
+    if not target.fp8 and dtype not in LOADABLE_DTYPES:
+        raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}; blink loads F32, F16 and BF16 weights "
+                              f"({FP8_DTYPE} ones with an FP8 quantization_config)")
     shape = tuple(stored.get_shape())
+    if target.per_row:
+        rows = target.shape[0]
+        if shape not in ((), (1,), (rows,), (rows, 1)):
+            raise CheckpointError(f"{file}: tensor {name} has shape {shape}; a per-tensor scale has shape () or (1,), "
+                                  f"a per-channel one ({rows},) or ({rows}, 1)")
+        scales = f.get_tensor(name).reshape(-1)
+        with torch.no_grad():
+            for index, view in target.pieces:  # a per-tensor scale is broadcast over the piece's rows
+                view.copy_(scales if scales.numel() == 1 else scales[index])
+        return
     if shape != target.shape:
         raise CheckpointError(f"{file}: tensor {name} has shape {shape}, the config implies {target.shape}")
     with torch.no_grad():

@@ -15,17 +15,21 @@ no host reads, so the whole MLP captures into a step graph:
 3. ``_moe_gemm_kernel`` twice, one program per (block, output tile), blocks past ``total`` exiting at once: a grouped
    GEMM of each block's rows with its expert's weights. First ``x @ gate_up[e].T`` with SiLU-and-mul fused into the
    epilogue (``[N, I]``), then ``@ down[e].T`` times the entry's routing weight (``[N, H]``).
+   FP8 experts (``quantization.py``): ``x`` and the gated products are quantized per token (and per ``bk``
+   columns with block scales) by torch ops before each GEMM, which multiplies e4m3 tiles and applies the scales
+   (``QUANT``).
 4. ``_moe_sum_top_k_kernel``: the weighted combine, each token's ``top_k`` rows summed in float32 and rounded once, as
    torch's sum of them does (one launch instead of torch's strided reduction).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from ..quantization import quantize_activations
 from .pdl import pdl_args, wait_for_previous
 from .tiles import check_tiles
 
@@ -116,12 +120,18 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, expert_blocks_ptr, total_ptr, num_ent
 
 @triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_blocks_ptr, total_ptr, num_entries,
-                     n_out, k_dim, a_stride, w_stride_e, w_stride_n, entries_per_a_row, GATED: tl.constexpr,
-                     WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr):
+                     n_out, k_dim, a_stride, w_stride_e, w_stride_n, entries_per_a_row, a_scale_ptr, w_scale_ptr,
+                     a_scale_stride, w_scale_stride_e, w_scale_stride_n, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
+                     QUANT: tl.constexpr, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """``out[entry, n] = a[entry // entries_per_a_row] . w[expert, n]`` for the block's entries; ``GATED``: ``w``
     has ``2 * n_out`` rows and ``out = silu(gate) * up`` of rows ``n`` and ``n_out + n``; ``WEIGHTED``: times the
-    entry's routing weight. Gate, up and the product are rounded to the output dtype as the reference does."""
+    entry's routing weight. Gate, up and the product are rounded to the output dtype as the reference does.
+
+    ``QUANT`` 0: ``a`` and ``w`` in the model dtype. FP8 (``a`` and ``w`` e4m3, float32 scales): 1, per-row weight
+    scales ``[E, N]`` and one scale per ``a`` row, applied after the reduction; 2, weight scales per ``GROUP_N`` rows
+    and ``BLOCK_K`` columns ``[E, N/GROUP_N, K/BLOCK_K]`` and ``a`` scales per row and ``BLOCK_K`` columns, applied
+    at every step of the reduction."""
     block, tile = tl.program_id(0), tl.program_id(1)
     wait_for_previous(PDL)
     if block * BLOCK_M >= tl.load(total_ptr):
@@ -129,9 +139,13 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_bloc
     entries = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = entries < num_entries
     rows = (entries // entries_per_a_row).to(tl.int64)
-    w_base = w_ptr + tl.load(expert_blocks_ptr + block).to(tl.int64) * w_stride_e
+    expert = tl.load(expert_blocks_ptr + block).to(tl.int64)
+    w_base = w_ptr + expert * w_stride_e
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < n_out
+    a_scales = a_scale_ptr + rows * a_scale_stride
+    gate_scales = w_scale_ptr + expert * w_scale_stride_e + (n // GROUP_N) * w_scale_stride_n
+    up_scales = w_scale_ptr + expert * w_scale_stride_e + ((n_out + n) // GROUP_N) * w_scale_stride_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
@@ -139,10 +153,21 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_bloc
         k_ok = k < k_dim
         a = tl.load(a_ptr + rows[:, None] * a_stride + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & n_ok[None, :]
-        acc += tl.dot(a, tl.load(w_base + n[None, :] * w_stride_n + k[:, None], mask=w_mask, other=0.0))
+        gate = tl.dot(a, tl.load(w_base + n[None, :] * w_stride_n + k[:, None], mask=w_mask, other=0.0))
+        if QUANT == 2:
+            a_s = tl.load(a_scales + k0 // BLOCK_K, mask=valid, other=0.0)[:, None]
+            gate = gate * a_s * tl.load(gate_scales + k0 // BLOCK_K, mask=n_ok, other=0.0)[None, :]
+        acc += gate
         if GATED:
-            up = tl.load(w_base + (n_out + n)[None, :] * w_stride_n + k[:, None], mask=w_mask, other=0.0)
-            acc_up += tl.dot(a, up)
+            up = tl.dot(a, tl.load(w_base + (n_out + n)[None, :] * w_stride_n + k[:, None], mask=w_mask, other=0.0))
+            if QUANT == 2:
+                up = up * a_s * tl.load(up_scales + k0 // BLOCK_K, mask=n_ok, other=0.0)[None, :]
+            acc_up += up
+    if QUANT == 1:
+        a_s = tl.load(a_scales, mask=valid, other=0.0)[:, None]
+        acc = acc * a_s * tl.load(gate_scales, mask=n_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * a_s * tl.load(up_scales, mask=n_ok, other=0.0)[None, :]
     dtype = out_ptr.dtype.element_ty
     if GATED:
         gate = acc.to(dtype).to(tl.float32)
@@ -195,25 +220,49 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
+                down: torch.Tensor, tiles: Tiles | None = None, gate_up_scale: torch.Tensor | None = None,
+                down_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """``x [T, H]``, routing ``weights`` and int32 ``ids [T, top_k]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]``
-    (all contiguous) → ``[T, H]``."""
+    (all contiguous) → ``[T, H]``. FP8 experts come with their scales (``[E, N]`` per row, or ``[E, N/bn, K/bk]``
+    per ``block``); then ``x`` and the gated products are quantized per token (and ``bk`` columns) before each GEMM,
+    and the reduction steps by ``bk`` with block scales."""
     (t, hidden), (experts, two_i, _), top_k = x.shape, gate_up.shape, ids.shape[1]
     inter, n = two_i // 2, t * top_k
     tiles = tiles or tiles_for(n, experts)
+    quant = 0 if gate_up_scale is None else 1 if block is None else 2
+    if quant == 2:
+        tiles = replace(tiles, block_k=block[1])
     sorted_entries, expert_blocks, total = align(ids, experts, tiles.block_m)
     blocks = expert_blocks.numel()
-    shape = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
-                 num_stages=tiles.num_stages, **pdl_args(x.device))
+    shape = dict(QUANT=quant, GROUP_N=block[0] if quant == 2 else 1, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                 BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(x.device))
     act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
+    a, a_scale = _operand(x, quant, block)
     _moe_gemm_kernel[(blocks, triton.cdiv(inter, tiles.block_n))](
-        x, gate_up, act, weights, sorted_entries, expert_blocks, total, n, inter, hidden, x.stride(0),
-        gate_up.stride(0), gate_up.stride(1), top_k, GATED=True, WEIGHTED=False, **shape)
+        a, gate_up, act, weights, sorted_entries, expert_blocks, total, n, inter, hidden, a.stride(0),
+        gate_up.stride(0), gate_up.stride(1), top_k, *_scale_args(a_scale, gate_up_scale, gate_up), GATED=True,
+        WEIGHTED=False, **shape)
     y = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
+    a, a_scale = _operand(act, quant, block)
     _moe_gemm_kernel[(blocks, triton.cdiv(hidden, tiles.block_n))](
-        act, down, y, weights, sorted_entries, expert_blocks, total, n, hidden, inter, act.stride(0),
-        down.stride(0), down.stride(1), 1, GATED=False, WEIGHTED=True, **shape)
+        a, down, y, weights, sorted_entries, expert_blocks, total, n, hidden, inter, a.stride(0),
+        down.stride(0), down.stride(1), 1, *_scale_args(a_scale, down_scale, down), GATED=False, WEIGHTED=True,
+        **shape)
     return combine_top_k(y, top_k)
+
+
+def _operand(x: torch.Tensor, quant: int, block: tuple[int, int] | None):
+    """A GEMM's activations as the kernel reads them: ``x`` itself (no scales), or e4m3 with its scales."""
+    if quant == 0:
+        return x, None
+    return quantize_activations(x, x.shape[1] if block is None else block[1])
+
+
+def _scale_args(a_scale: torch.Tensor | None, w_scale: torch.Tensor | None, w: torch.Tensor) -> tuple:
+    """``a_scale_ptr, w_scale_ptr`` and their strides; without FP8, the weights stand in for pointers never read."""
+    if a_scale is None:
+        return w, w, 0, 0, 0
+    return a_scale, w_scale, a_scale.stride(0), w_scale.stride(0), w_scale.stride(1)
 
 
 def combine_top_k(y: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -227,7 +276,9 @@ def combine_top_k(y: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-              renormalize: bool) -> torch.Tensor:
-    """A mixture-of-experts MLP, ``x [T, H]`` → ``[T, H]``: ``route`` then ``moe_experts``."""
+              renormalize: bool, gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+              block: tuple[int, int] | None = None) -> torch.Tensor:
+    """A mixture-of-experts MLP, ``x [T, H]`` → ``[T, H]``: ``route`` then ``moe_experts`` (FP8 experts with their
+    scales)."""
     weights, ids = route(router_logits, top_k, renormalize)
-    return moe_experts(x, weights, ids, gate_up, down)
+    return moe_experts(x, weights, ids, gate_up, down, None, gate_up_scale, down_scale, block)

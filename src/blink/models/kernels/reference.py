@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..hashing import gumbel_noise, row_key
+from ..quantization import dequantize
 from .bias import apply_logit_bias  # noqa: F401  (torch and capturable: the same on every device)
 
 
@@ -59,10 +60,23 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-              renormalize: bool) -> torch.Tensor:
-    """A mixture-of-experts MLP: ``route`` then ``moe_experts``. ``x [T, H]`` → ``[T, H]``."""
+              renormalize: bool, gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+              block: tuple[int, int] | None = None) -> torch.Tensor:
+    """A mixture-of-experts MLP: ``route`` then ``moe_experts``. ``x [T, H]`` → ``[T, H]``. FP8 experts (with
+    scales, as ``fp8_linear`` takes them) are dequantized to ``x.dtype`` first."""
     weights, ids = route(router_logits, top_k, renormalize)
+    if gate_up_scale is not None:
+        gate_up = dequantize(gate_up, gate_up_scale, block).to(x.dtype)
+        down = dequantize(down, down_scale, block).to(x.dtype)
     return moe_experts(x, weights, ids, gate_up, down)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               block: tuple[int, int] | None) -> torch.Tensor:
+    """``x @ W.T`` for e4m3 ``weight [N, K]`` with its float32 scales (per row ``[N]``, or per ``block``
+    ``[N/bn, K/bk]``): the weights dequantized to ``x.dtype``, then one GEMM. Activations are not quantized here
+    (the CUDA kernels quantize them per token; their tests hold them to this with quantized activations)."""
+    return F.linear(x, dequantize(weight, scale, block).to(x.dtype))
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):

@@ -1,0 +1,84 @@
+"""Does the FP8 decode GEMM stream its weights near the HBM floor? The launch shapes of ``skinny_fp8_linear``
+(``blink.models.kernels.fp8_skinny``: e4m3 weights upcast in registers, activations as they are) against bf16
+cuBLAS and against ``torch._scaled_mm`` with per-token activation quantization (the large-M path of ``fp8_linear``),
+on the Qwen3-8B shape's four projections at M = 1, 16 and 64, per-row scales and 128x128 block scales.
+
+Each launch shape is first checked against float64 (dequantized weights); times are medians of CUDA-event-timed
+graph replays of ``CALLS`` back-to-back calls, each on its own weight copy (a step's layers read different weights),
+per call; the floor is the FP8 weight bytes (one per weight, scales beside) at the measured copy rate.
+
+Run: ``PYTHONPATH=src python3 -m bench.experiments.fp8_gemv_bench [--out fp8_gemv_bench.json]`` (``$OUT/...`` when
+``$OUT`` is set); ``bash bench/gpu_suite.sh experiment:fp8_gemv_bench``.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+
+import torch
+
+from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err, sweep_timed
+from blink.models.kernels.fp8 import scaled_mm
+from blink.models.kernels.fp8_skinny import SkinnyTiles, skinny_fp8_linear
+from blink.models.quantization import FP8_MAX, dequantize, quantize_activations, quantize_blocks, quantize_rows
+from blink.bench.shapes import SHAPES
+
+CALLS = 8
+ROWS = (1, 16, 64)
+BLOCK = (128, 128)
+SWEEP = [dict(block_n=n, block_k=k, split_k=s, num_warps=w, num_stages=st) for n, k, s, w, st in
+         itertools.product((16, 32, 64), (128, 256), (1, 2, 4), (4,), (3, 4, 6))]
+
+
+def projections(name: str) -> dict[str, tuple[int, int]]:
+    c = SHAPES[name]
+    return {"qkv": (c.q_size + 2 * c.kv_size, c.hidden_size), "o_proj": (c.hidden_size, c.q_size),
+            "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size)}
+
+
+def bench_shape(name: str, n: int, k: int, block, bw: float, reps: int) -> list[dict]:
+    bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(CALLS)]
+    quantized = [quantize_rows(w) if block is None else quantize_blocks(w, block) for w in bf16]
+    floor_us = (n * k + quantized[0][1].numel() * 4) / bw * 1e6
+    sweep = [s for s in SWEEP if block is None or (block[1] % s["block_k"] == 0 and block[0] % s["block_n"] == 0)]
+    rows = []
+    for m in ROWS:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        weight, scale = quantized[0]
+        want = x.double() @ dequantize(weight, scale, block).double().T
+        cublas_us = graph_ms(lambda: [torch.nn.functional.linear(x, w) for w in bf16], reps) * 1e3 / CALLS
+        scaled_us = None
+        if block is None:
+            def quantized_mm(i):
+                a, a_scale = quantize_activations(x, k)
+                return scaled_mm(a, a_scale, *quantized[i], torch.bfloat16)
+            scaled_us = graph_ms(lambda: [quantized_mm(i) for i in range(CALLS)], reps) * 1e3 / CALLS
+        results, best = sweep_timed(
+            sweep, lambda shape: rel_err(skinny_fp8_linear(x, weight, scale, block, SkinnyTiles(**shape)), want),
+            lambda shape, i: skinny_fp8_linear(x, *quantized[i], block, SkinnyTiles(**shape)), CALLS, reps)
+        default_us = graph_ms(lambda: [skinny_fp8_linear(x, *q, block) for q in quantized], reps) * 1e3 / CALLS
+        rows.append(dict(shape=name, n=n, k=k, m=m, block=block, floor_us=floor_us, cublas_bf16_us=cublas_us,
+                         scaled_mm_us=scaled_us, default_us=default_us, best=best, sweep=results))
+        print(f"{name:>8} {'row' if block is None else 'block'} m={m:2d}: floor {floor_us:6.2f} us  bf16 cuBLAS "
+              f"{cublas_us:6.2f}  scaled_mm {scaled_us or float('nan'):6.2f}  default {default_us:6.2f} "
+              f"(x{default_us / floor_us:.2f})  best {best['us']:6.2f} (x{best['us'] / floor_us:.2f}) "
+              f"{ {key: best[key] for key in ('block_n', 'block_k', 'split_k', 'num_stages')} }", flush=True)
+    return rows
+
+
+def main():
+    args, bw, _ = kernel_bench_start(__doc__, "fp8_gemv_bench.json", reps=20, sweep=False)
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; {CALLS} weight copies per graph; "
+          f"e4m3 max {FP8_MAX}", flush=True)
+    rows = []
+    for block in (None, BLOCK):
+        for name, (n, k) in projections("qwen3-8b").items():
+            rows += bench_shape(name, n, k, block, bw, args.reps)
+            torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bytes_per_s=bw, rows=rows), f,
+                  indent=2)
+
+
+if __name__ == "__main__":
+    main()

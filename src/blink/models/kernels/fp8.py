@@ -1,0 +1,110 @@
+"""FP8 projections on Hopper; reference: ``reference.fp8_linear`` (dequantize, then one GEMM).
+
+Activations are quantized per token inside the step (``quantization.quantize_activations``: torch ops, fixed shapes,
+no host reads, so they capture into the step graph), then:
+
+- per-row weight scales: ``torch._scaled_mm`` with row-wise scaling (cuBLASLt on sm90 with CUDA >= 12.9, else
+  CUTLASS). Its contract (torch 2.11, ``ScaledBlas.cpp``): the first operand row-major ``[M, K]``, the second
+  column-major ``[K, N]`` (``weight.t()`` of the row-major ``[N, K]`` weight), ``K`` and ``N`` multiples of 16,
+  ``scale_a`` float32 ``[M, 1]`` and ``scale_b`` float32 ``[1, N]``, both contiguous; the output bf16/fp16/fp32.
+- block weight scales (``weight_block_size = (bn, bk)``): ``_block_gemm_kernel``, activations scaled per token and
+  ``bk`` columns (DeepSeek-V3's scheme): each ``bk`` step of the reduction is one e4m3 ``tl.dot`` in float32, times
+  the token's and the weight block's scales.
+
+A fused Triton quantization kernel would save the torch ops' launches; CI could not check one: Triton's interpreter
+rounds float32 → e4m3 wrongly next to powers of two (126 → 64), so the casts stay torch's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quantization import quantize_activations
+from .fp8_skinny import SKINNY_MAX_TOKENS, skinny_fp8_linear
+from .pdl import pdl_args, wait_for_previous
+from .tiles import check_tiles
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape of the block-scale GEMM: ``block_m`` tokens and ``block_n`` outputs per program (the reduction
+    steps by the weight block's ``bk``), Triton's warps and pipeline stages."""
+
+    block_m: int
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        check_tiles(self)
+
+
+def tiles_for(num_tokens: int) -> Tiles:
+    """16-token blocks for decode-sized steps, 64 beyond (not yet swept on the H200)."""
+    return Tiles(block_m=16) if num_tokens <= 64 else Tiles(block_m=64)
+
+
+@triton.jit
+def _block_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, m, n, k, a_scale_stride, w_scale_stride,
+                       GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PDL: tl.constexpr):
+    """``out[m, n] = sum_k a[m, k] w[n, k] a_scale[m, k // BLOCK_K] w_scale[n // GROUP_N, k // BLOCK_K]``; ``a``
+    ``[m, k]`` and ``w`` ``[n, k]`` e4m3, contiguous; ``BLOCK_K`` is the weight block's column count."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < m, cols < n
+    w_scales = w_scale_ptr + (cols // GROUP_N).to(tl.int64) * w_scale_stride
+    wait_for_previous(PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(0, tl.cdiv(k, BLOCK_K)):
+        kk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = kk < k
+        a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * k + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + cols.to(tl.int64)[None, :] * k + kk[:, None], mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0)
+        a_s = tl.load(a_scale_ptr + rows * a_scale_stride + kb, mask=row_ok, other=0.0)
+        w_s = tl.load(w_scales + kb, mask=col_ok, other=0.0)
+        acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+    out = out_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def block_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               block: tuple[int, int], out_dtype: torch.dtype, tiles: Tiles | None = None) -> torch.Tensor:
+    """e4m3 ``a [M, K]`` with float32 ``a_scale [M, K/bk]`` times e4m3 ``weight [N, K]`` with float32 ``scale
+    [N/bn, K/bk]`` (all contiguous) → ``[M, N]`` in ``out_dtype``."""
+    (m, k), n = a.shape, weight.shape[0]
+    tiles = tiles or tiles_for(m)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
+    _block_gemm_kernel[grid](a, a_scale, weight, scale, out, m, n, k, a_scale.stride(0), scale.stride(0),
+                             GROUP_N=block[0], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block[1],
+                             num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(a.device))
+    return out
+
+
+def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 ``a [M, K]`` with float32 per-token ``a_scale [M]`` times e4m3 ``weight [N, K]`` with float32 per-row
+    ``scale [N]`` → ``[M, N]`` in ``out_dtype``, by ``torch._scaled_mm``'s row-wise scaling."""
+    return torch._scaled_mm(a, weight.t(), scale_a=a_scale.reshape(-1, 1), scale_b=scale.reshape(1, -1),
+                            out_dtype=out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               block: tuple[int, int] | None) -> torch.Tensor:
+    """``x [M, K]`` times e4m3 ``weight [N, K]`` with per-row ``scale [N]`` or per-``block`` scales → ``[M, N]`` in
+    ``x.dtype``: decode-sized steps by the weight-only skinny GEMM (``fp8_skinny``), larger ones with activations
+    quantized per token (and per ``bk`` columns with block scales)."""
+    if x.shape[0] <= SKINNY_MAX_TOKENS:
+        return skinny_fp8_linear(x, weight, scale, block)
+    if block is None:
+        a, a_scale = quantize_activations(x, x.shape[-1])
+        return scaled_mm(a, a_scale, weight, scale, x.dtype)
+    a, a_scale = quantize_activations(x, block[1])
+    return block_gemm(a, a_scale, weight, scale, block, x.dtype)

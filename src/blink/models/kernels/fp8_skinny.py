@@ -1,0 +1,115 @@
+"""FP8 weights times model-dtype activations for decode-sized steps (``M <= SKINNY_MAX_TOKENS`` rows).
+
+A decode step reads every weight once and does little arithmetic with it: its time is the weight bytes over HBM
+bandwidth. FP8 halves those bytes only if the GEMM streams them at the rate bf16 cuBLAS streams its own, and at a
+few rows neither ``torch._scaled_mm`` (a 128x128-tile kernel, 29 us per 8B projection at M = 1 on the H200, twice the
+bf16 time) nor the seven torch ops that quantize the activations per token do. So a decode step does not quantize
+its activations at all: each program loads ``BLOCK_N`` weight rows' e4m3 bytes, upcasts them in registers (e4m3 is
+exact in bf16) and multiplies them with the activations as they are, one ``tl.dot`` per ``BLOCK_K`` columns; the
+scales apply per weight row at the end (per row) or per ``(bn, bk)`` weight block along the reduction (block).
+
+The K dimension may be split over ``SPLIT_K`` programs to fill the SMs when ``N / BLOCK_N`` tiles are too few; the
+parts then add into a float32 buffer (zeroed first) by atomics, cast to the output dtype after. Reference:
+``reference.fp8_linear`` (dequantize, then one GEMM) — the same maths, without the activations' rounding to e4m3.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from .pdl import pdl_args, wait_for_previous
+from .tiles import check_tiles
+
+SKINNY_MAX_TOKENS = 64  # up to here a step's rows fit one BLOCK_M of tl.dot and the step is weight-bound
+
+
+@dataclass(frozen=True)
+class SkinnyTiles:
+    """Launch shape: ``block_n`` weight rows and ``block_k`` columns per iteration, the reduction split
+    ``split_k`` ways, Triton's warps and pipeline stages (``block_m`` follows the step's rows)."""
+
+    block_n: int = 32
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self):
+        check_tiles(self)
+
+
+def skinny_tiles(m: int, n: int, k: int, block: tuple[int, int] | None) -> SkinnyTiles:
+    """The launch shape of ``m`` rows through a projection of ``n`` outputs and ``k`` inputs, from the H200 sweep of
+    ``bench/experiments/fp8_gemv_bench.py`` (Qwen3-8B's projections, each rule within 1.14x of the best shape
+    there): 32-row tiles over 128 columns; a long reduction (``k >= 2n``: few output tiles, each a long way to
+    stream) split 4 ways over 64-row tiles. With block scales a tile must not straddle a weight block."""
+    if k >= 2 * n:
+        tiles = SkinnyTiles(block_n=64, block_k=256 if block is None and m <= 16 else 128, split_k=4, num_stages=3)
+    else:
+        tiles = SkinnyTiles(block_n=32, block_k=128, num_stages=4 if m <= 16 else 3)
+    if block is None:
+        return tiles
+    return replace(tiles, block_n=min(tiles.block_n, block[0]), block_k=min(tiles.block_k, block[1]))
+
+
+def block_m_for(m: int) -> int:
+    """``tl.dot`` takes at least 16 rows; the step's rows, rounded up to a power of two."""
+    return max(16, triton.next_power_of_2(m))
+
+
+@triton.jit(do_not_specialize=["m"])  # one compile per launch shape, whatever the step's rows
+def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, m, n, k, x_stride, scale_stride, GROUP_N: tl.constexpr,
+                   GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+    """``out[:m, tile] (+)= x[:m, part] @ (w[tile, part] * scale).T`` for output tile ``program_id(0)`` and K part
+    ``program_id(1)``. ``GROUP_K == 0``: per-row ``scale [n]``; else block ``scale [n/GROUP_N, k/GROUP_K]``."""
+    tile, part = tl.program_id(0), tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < m, cols < n
+    per_part = tl.cdiv(tl.cdiv(k, SPLIT_K), BLOCK_K) * BLOCK_K
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * k
+    wait_for_previous(PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(part * per_part, tl.minimum(k, (part + 1) * per_part), BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k
+        x = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(x.dtype)
+        if GROUP_K == 0:
+            acc += tl.dot(x, tl.trans(w))
+        else:
+            s = tl.load(scale_ptr + (cols // GROUP_N) * scale_stride + k0 // GROUP_K, mask=col_ok, other=0.0)
+            acc += tl.dot(x, tl.trans(w)) * s[None, :]
+    if GROUP_K == 0:
+        acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    out = out_ptr + rows[:, None] * n + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
+
+
+def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                      tiles: SkinnyTiles | None = None) -> torch.Tensor:
+    """``x [M, K]`` (M <= ``SKINNY_MAX_TOKENS``, any float dtype) times e4m3 ``weight [N, K]`` with per-row
+    ``scale [N]`` or per-``block`` ``scale [N/bn, K/bk]`` → ``[M, N]`` in ``x.dtype``."""
+    (m, k), n = x.shape, weight.shape[0]
+    if m > SKINNY_MAX_TOKENS:
+        raise ValueError(f"skinny_fp8_linear takes at most {SKINNY_MAX_TOKENS} rows (got {m})")
+    tiles = tiles or skinny_tiles(m, n, k, block)
+    if block is not None and (block[1] % tiles.block_k or block[0] % tiles.block_n):
+        raise ValueError(f"tiles {tiles} do not divide the weight blocks {block}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    split = tiles.split_k > 1
+    out = (torch.zeros if split else torch.empty)((m, n), device=x.device, dtype=torch.float32 if split else x.dtype)
+    group_n, group_k = block if block is not None else (0, 0)
+    _skinny_kernel[(triton.cdiv(n, tiles.block_n), tiles.split_k)](
+        x, weight, scale, out, m, n, k, x.stride(0), scale.stride(0), GROUP_N=group_n, GROUP_K=group_k,
+        BLOCK_M=block_m_for(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(x.device))
+    return out.to(x.dtype) if split else out

@@ -1,0 +1,179 @@
+"""The FP8 projections (``torch._scaled_mm`` with per-token and per-row scales, the block-scale Triton GEMM) and the
+FP8 fused MoE against float64 references of the dequantized weights: in Triton's interpreter on the CPU (float32
+activations) and on the GPU (bf16, ``gpu`` marker). The references quantize the activations as the kernels do
+(``quantize_activations``), so what is left is the kernels' own arithmetic."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from blink.models import ModelConfig, random_model
+from blink.models.kernels import reference
+from blink.models.quantization import FP8, FP8_MAX, Fp8Config, dequantize, quantize_activations
+from tests.models.harness import check_step_graph_device_launch, mixed_batches
+from tests.models.kernels.conftest import rel_err
+from tests.models.kernels.test_moe import skewed_router_logits
+
+
+def fp8_weights(shape, block, device):
+    """Random e4m3 weights over their whole range and positive float32 scales (per row, or per ``block``)."""
+    weight = (torch.randn(shape) * 100).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    rows, cols = shape[-2:]
+    lead = shape[:-2]
+    scale_shape = (*lead, rows) if block is None else (*lead, -(-rows // block[0]), -(-cols // block[1]))
+    return weight.to(device), (torch.rand(scale_shape) * 1e-3 + 1e-4).to(device)
+
+
+def dequantized_activations(x, group):
+    a, scale = quantize_activations(x, group)
+    return a.double() * scale.double().repeat_interleave(group, -1)
+
+
+def test_quantize_activations_rounds_each_group_to_e4m3():
+    x = torch.randn(5, 256, dtype=torch.float64) * torch.logspace(-3, 3, 5, dtype=torch.float64)[:, None]
+    x[2] = 0  # a row of zeros stays zeros
+    for group in (256, 64):
+        a, scale = quantize_activations(x, group)
+        assert a.dtype == FP8 and scale.shape == (5, 256 // group) and scale.dtype == torch.float32
+        peak = a.float().abs().unflatten(1, (-1, group)).amax(-1)
+        assert torch.all((peak == FP8_MAX) | (x.abs().unflatten(1, (-1, group)).amax(-1) == 0))
+        err = (dequantized_activations(x, group) - x).abs().unflatten(1, (-1, group)).amax(-1)
+        assert torch.all(err <= scale.double() * 16)  # half a unit in the last place of e4m3 values up to 448
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 40, 100])
+def test_scaled_mm_per_token_per_row_matches_float64(backend, tokens):
+    device, dtype, tol = backend
+    from blink.models.kernels.fp8 import scaled_mm
+
+    weight, scale = fp8_weights((96, 256), None, device)
+    x = torch.randn(tokens, 256, device=device, dtype=dtype)
+    out = scaled_mm(*quantize_activations(x, 256), weight, scale, dtype)
+    want = dequantized_activations(x, 256) @ dequantize(weight, scale, None).double().T
+    assert out.dtype == dtype and out.shape == (tokens, 96) and rel_err(out, want) < tol
+    assert rel_err(out, reference.fp8_linear(x.double(), weight, scale, None)) < 0.05  # activations' rounding
+
+
+@pytest.mark.parametrize("tokens, n, k, block", [(1, 160, 256, (128, 128)), (20, 96, 128, (32, 64)),
+                                                 (100, 256, 256, (128, 128))])
+def test_block_scale_gemm_matches_float64(backend, tokens, n, k, block):
+    device, dtype, tol = backend
+    from blink.models.kernels.fp8 import block_gemm
+
+    weight, scale = fp8_weights((n, k), block, device)
+    x = torch.randn(tokens, k, device=device, dtype=dtype)
+    out = block_gemm(*quantize_activations(x, block[1]), weight, scale, block, dtype)
+    want = dequantized_activations(x, block[1]) @ dequantize(weight, scale, block).double().T
+    assert out.dtype == dtype and out.shape == (tokens, n) and rel_err(out, want) < tol
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+@pytest.mark.parametrize("block, tiles", [(None, None), (None, dict(block_n=16, block_k=128, split_k=3)),
+                                          ((128, 128), None), ((64, 64), None),
+                                          ((32, 64), dict(block_n=32, block_k=64, split_k=2))])
+def test_skinny_fp8_linear_matches_float64(backend, tokens, block, tiles):
+    """The weight-only decode GEMM: activations as they are, e4m3 weights times their scales; K of 320 is not a
+    whole number of ``block_k`` steps nor of split parts."""
+    device, dtype, tol = backend
+    from blink.models.kernels.fp8_skinny import SkinnyTiles, skinny_fp8_linear
+
+    weight, scale = fp8_weights((160, 320), block, device)
+    x = torch.randn(tokens, 320, device=device, dtype=dtype)
+    out = skinny_fp8_linear(x, weight, scale, block, tiles and SkinnyTiles(**tiles))
+    want = x.double() @ dequantize(weight, scale, block).double().T
+    assert out.dtype == dtype and out.shape == (tokens, 160) and rel_err(out, want) < tol
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_fp8_linear_quantizes_activations_only_beyond_decode_sized_steps(backend, block):
+    device, dtype, _ = backend
+    from blink.models.kernels.fp8 import block_gemm, fp8_linear, scaled_mm
+    from blink.models.kernels.fp8_skinny import SKINNY_MAX_TOKENS, skinny_fp8_linear
+
+    weight, scale = fp8_weights((128, 256), block, device)
+    group = 256 if block is None else block[1]
+    small, large = (torch.randn(t, 256, device=device, dtype=dtype) for t in (SKINNY_MAX_TOKENS, SKINNY_MAX_TOKENS + 1))
+    assert torch.equal(fp8_linear(small, weight, scale, block), skinny_fp8_linear(small, weight, scale, block))
+    quantized = (scaled_mm(*quantize_activations(large, group), weight, scale, dtype) if block is None else
+                 block_gemm(*quantize_activations(large, group), weight, scale, block, dtype))
+    assert torch.equal(fp8_linear(large, weight, scale, block), quantized)
+
+
+def moe_float64(x, logits, gate_up, gate_up_scale, down, down_scale, top_k, block):
+    """The FP8 fused MoE in float64: activations quantized before each GEMM as the kernel does, weights
+    dequantized, the gated product and routing weights as the bf16 reference computes them."""
+    weights, ids = reference.route(logits, top_k, True)
+    group = lambda t: t.shape[1] if block is None else block[1]  # noqa: E731
+    w1, w2 = (dequantize(w, s, block).double() for w, s in ((gate_up, gate_up_scale), (down, down_scale)))
+    xq = dequantized_activations(x, group(x))
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(top_k):
+            e = int(ids[t, j])
+            gate, up = (xq[t] @ w1[e].T).chunk(2)
+            act = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+            out[t] += weights[t, j].double() * (dequantized_activations(act[None], group(act[None]))[0] @ w2[e].T)
+    return out
+
+
+@pytest.mark.parametrize("block", [None, (32, 64)])
+@pytest.mark.parametrize("tokens, experts, top_k", [(5, 8, 2), (70, 8, 2)])
+def test_fp8_fused_moe_matches_float64(backend, tokens, experts, top_k, block):
+    device, dtype, tol = backend
+    from blink.models.kernels.moe import fused_moe
+
+    hidden, inter = 128, 64
+    gate_up, gate_up_scale = fp8_weights((experts, 2 * inter, hidden), block, device)
+    down, down_scale = fp8_weights((experts, hidden, inter), block, device)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    logits = skewed_router_logits(tokens, experts, device, dtype)
+    out = fused_moe(x, logits, gate_up, down, top_k, True, gate_up_scale, down_scale, block)
+    want = moe_float64(x, logits, gate_up, gate_up_scale, down, down_scale, top_k, block)
+    assert out.dtype == dtype and rel_err(out, want) < (tol if dtype == torch.float32 else 3e-2)
+
+
+# A Qwen3-MoE with a dense and two MoE layers: every FP8 GEMM of the step (attention, dense MLP, experts)
+STEP_CONFIG = dict(architecture="Qwen3MoeForCausalLM", vocab_size=300, hidden_size=128, intermediate_size=256,
+                   num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6,
+                   rotary_dim=32, max_position_embeddings=4096, num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=(1,))
+LAYOUTS = {"per-row": Fp8Config(), "block": Fp8Config((64, 64))}
+
+
+def linear_as_the_cuda_ops(x, weight, scale, block):
+    """``reference.fp8_linear`` with the activations quantized where the CUDA ops quantize them: beyond
+    decode-sized steps (``SKINNY_MAX_TOKENS`` rows), per token (and ``bk`` columns with block scales)."""
+    from blink.models.kernels.fp8_skinny import SKINNY_MAX_TOKENS
+
+    if x.shape[0] > SKINNY_MAX_TOKENS:
+        x = dequantized_activations(x, x.shape[-1] if block is None else block[1]).to(x.dtype)
+    return reference.fp8_linear(x, weight, scale, block)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_model_step_on_triton_ops_matches_the_reference_path(backend, layout):
+    """A dense model's whole step on the CUDA ops against the same model on the references with activations
+    quantized where the CUDA ops quantize them: only the kernels' arithmetic differs (and, in steps beyond decode
+    size, where it moves a value across an e4m3 rounding boundary, that value's rounding)."""
+    device, dtype, tol = backend
+    from blink.models.kernels import OPS, triton_ops
+
+    config = ModelConfig(**{**STEP_CONFIG, "architecture": "LlamaForCausalLM", "num_experts": 0,
+                            "num_experts_per_tok": 0, "moe_intermediate_size": 0, "mlp_only_layers": ()},
+                         quantization=LAYOUTS[layout])
+    model = random_model(config, device, dtype, std=0.05)
+    ops = {name: getattr(reference, name) for name in OPS}
+    model.ops = SimpleNamespace(**{**ops, "fp8_linear": linear_as_the_cuda_ops})
+    want = [row[1] for row in mixed_batches(model)]
+    model.ops = triton_ops
+    got = [row[1] for row in mixed_batches(model)]
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < (1e-3 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_step_graph_device_launch_replays_bit_identically(layout):
+    config = ModelConfig(**STEP_CONFIG, quantization=LAYOUTS[layout])
+    check_step_graph_device_launch(random_model(config, "cuda"))
