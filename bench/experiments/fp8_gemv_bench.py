@@ -20,7 +20,7 @@ import torch
 from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err, sweep_timed
 from blink.models.kernels.fp8 import scaled_mm
 from blink.models.kernels.fp8_skinny import SkinnyTiles, skinny_fp8_linear
-from blink.models.quantization import FP8_MAX, dequantize, quantize_activations, quantize_blocks, quantize_rows
+from blink.models.e4m3 import FP8_MAX, dequantize, quantize_activations, quantize_blocks, quantize_rows
 from blink.bench.shapes import SHAPES
 
 CALLS = 8

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from blink.models import CheckpointError, ConfigError, ModelConfig, TensorParallel, load_model, random_model
-from blink.models.quantization import Fp8Config, dequantize
+from blink.models.e4m3 import dequantize
+from blink.models.quantization import Fp8Config
 from tests.models.fp8_checkpoints import VARIANTS, write_fp8_checkpoint
 from tests.models.harness import check_mixed_batches, hf_greedy, tiny_hf_model
 

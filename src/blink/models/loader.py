@@ -22,7 +22,8 @@ from .llama import LlamaForCausalLM
 from .parallel import Split, TensorParallel
 from .phi3 import Phi3ForCausalLM
 from .projection import Projection
-from .quantization import FP8, check_ignored, requested
+from .e4m3 import FP8
+from .quantization import check_ignored, requested
 from .qwen3 import Qwen3ForCausalLM
 from .qwen3_moe import Qwen3MoeForCausalLM
 

@@ -13,7 +13,8 @@ from torch import nn
 
 from blink.errors import ConfigError
 
-from .quantization import FP8, SCALED_MM_MULTIPLE, Fp8Config, quantize_blocks, quantize_rows
+from .e4m3 import FP8, quantize_blocks, quantize_rows
+from .quantization import SCALED_MM_MULTIPLE, Fp8Config
 
 
 def parameter(*shape, device, dtype) -> nn.Parameter:

@@ -1,4 +1,5 @@
-"""FP8 weights: what a checkpoint's ``quantization_config`` asks for, and the arithmetic of e4m3 with float32 scales.
+"""FP8 weights: what a checkpoint's ``quantization_config`` asks for (no torch: the agent's install reads model
+configs too); the arithmetic of e4m3 with float32 scales is ``e4m3.py``.
 
 Two layouts of the weights of every attention and MLP projection (experts included; embeddings, the LM head, norms
 and the MoE router stay in the model dtype), as vLLM reads them:
@@ -7,11 +8,12 @@ and the MoE router stay in the model dtype), as vLLM reads them:
   ``[N]``, ``weight = e4m3 * weight_scale[:, None]``. Per-tensor checkpoints (``quant_method: fp8`` without blocks,
   ``compressed-tensors`` strategy ``tensor``: one scale per checkpoint tensor) fill the rows of their tensor with it;
   per-channel ones (``compressed-tensors`` strategy ``channel``: ``[N, 1]``) give each row its own; ``--quantization
-  fp8`` computes it at load (``quantize_rows``). Fused q/k/v then keep every part's own scale, without requantizing.
+  fp8`` computes it at load (``e4m3.quantize_rows``). Fused q/k/v then keep every part's own scale, without
+  requantizing.
 - per block (``weight_block_size = (bn, bk)``, ``quant_method: fp8`` with ``weight_block_size``, DeepSeek-V3 / Qwen3
   FP8): ``weight_scale_inv`` float32 ``[ceil(N / bn), ceil(K / bk)]`` (despite its name, a multiplier).
 
-Activations are quantized per token inside the step (``quantize_activations``: one scale per row, or per row and
+Activations are quantized per token inside the step (``e4m3.quantize_activations``: one scale per row, or per row and
 ``bk`` columns with block weights), whatever a checkpoint's activation scheme: a static ``input_scale`` is not read
 (per-token scales are at least as fine). Anything else (``fmt: e5m2``, other methods, integer or grouped weights,
 asymmetric scales, projections left unquantized by ``ignored_layers`` / ``ignore``) is refused by field name.
@@ -21,15 +23,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-import torch
-import torch.nn.functional as F
-
 from blink.errors import ConfigError
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0       # the largest finite e4m3 value
 SCALED_MM_MULTIPLE = 16  # torch._scaled_mm takes N and K in multiples of 16
-MIN_AMAX = 1e-12      # a row of zeros gets this amax, not a zero scale (its quantized values are 0 either way)
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization / --quantization: quantize bf16 weights at load
 METHODS = ("fp8", "compressed-tensors")
 FIELD = "quantization_config"
@@ -140,42 +136,3 @@ def check_ignored(config: Fp8Config, projections: list[str]) -> None:
                     else name == entry or name.startswith(entry + ".")):
                 raise ConfigError(f"{FIELD} ignores {entry!r}, which leaves {name} unquantized: blink quantizes "
                                   "every attention and MLP projection or none")
-
-
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [..., N, K]`` → (e4m3 ``[..., N, K]``, float32 scales ``[..., N]``): each row scaled so that its largest
-    magnitude is ``FP8_MAX`` (``--quantization fp8``, vLLM's per-channel dynamic scheme)."""
-    scale = w.float().abs().amax(-1).clamp(min=MIN_AMAX) / FP8_MAX
-    return (w.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` → (e4m3 ``[M, K]``, float32 scales ``[M, K / group]``): each row's ``group`` consecutive columns
-    scaled so that their largest magnitude is ``FP8_MAX`` (``group = K``: one scale per token). Torch ops with fixed
-    shapes and no host reads: they capture into the step graph."""
-    xf = x.float().unflatten(-1, (-1, group))
-    scale = xf.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten(-2), scale.squeeze(-1)
-
-
-def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [..., N, K]`` → (e4m3 ``[..., N, K]``, float32 scales ``[..., ceil(N/bn), ceil(K/bk)]``): each ``block``
-    scaled so that its largest magnitude is ``FP8_MAX`` (random FP8 models of the block layout)."""
-    (bn, bk), (rows, cols) = block, w.shape[-2:]
-    padded = F.pad(w.float().abs(), (0, -cols % bk, 0, -rows % bn))
-    tiles = padded.unflatten(-1, (-1, bk)).unflatten(-3, (-1, bn))  # [..., N/bn, bn, K/bk, bk]
-    scale = tiles.amax(-1).amax(-2).clamp(min=MIN_AMAX) / FP8_MAX
-    return (w.float() / _per_element(scale, block, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
-    """e4m3 ``weight [..., N, K]`` times its scales (per row ``[..., N]``, or per ``block`` ``[..., N/bn, K/bk]``),
-    in float32."""
-    if block is None:
-        return weight.float() * scale[..., None]
-    return weight.float() * _per_element(scale, block, *weight.shape[-2:])
-
-
-def _per_element(scale: torch.Tensor, block: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
-    """Block scales ``[..., ceil(rows/bn), ceil(cols/bk)]`` repeated over their blocks: ``[..., rows, cols]``."""
-    return scale.repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :rows, :cols]

@@ -9,7 +9,8 @@ import torch
 
 from blink.models import ModelConfig, random_model
 from blink.models.kernels import reference
-from blink.models.quantization import FP8, FP8_MAX, Fp8Config, dequantize, quantize_activations
+from blink.models.e4m3 import FP8, FP8_MAX, dequantize, quantize_activations
+from blink.models.quantization import Fp8Config
 from tests.models.harness import check_step_graph_device_launch, mixed_batches
 from tests.models.kernels.conftest import rel_err
 from tests.models.kernels.test_moe import skewed_router_logits

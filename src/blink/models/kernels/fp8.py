@@ -1,6 +1,6 @@
 """FP8 projections on Hopper; reference: ``reference.fp8_linear`` (dequantize, then one GEMM).
 
-Activations are quantized per token inside the step (``quantization.quantize_activations``: torch ops, fixed shapes,
+Activations are quantized per token inside the step (``e4m3.quantize_activations``: torch ops, fixed shapes,
 no host reads, so they capture into the step graph), then:
 
 - per-row weight scales: ``torch._scaled_mm`` with row-wise scaling (cuBLASLt on sm90 with CUDA >= 12.9, else
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quantization import quantize_activations
+from ..e4m3 import quantize_activations
 from .fp8_skinny import SKINNY_MAX_TOKENS, skinny_fp8_linear
 from .pdl import pdl_args, wait_for_previous
 from .tiles import check_tiles

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quantization import quantize_activations
+from ..e4m3 import quantize_activations
 from .pdl import pdl_args, wait_for_previous
 from .tiles import check_tiles
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..hashing import gumbel_noise, row_key
-from ..quantization import dequantize
+from ..e4m3 import dequantize
 from .bias import apply_logit_bias  # noqa: F401  (torch and capturable: the same on every device)
 
 
