@@ -144,8 +144,9 @@ class CpuBackend:
         self.ring_memory = memory
         self.scheduler = SimScheduler(self._view, geometry, self.config, self.step, step_fn=self._run_step,
                                       policy=config.policy_function(), threads=config.sim_threads)
-        for layer in model.model.layers:      # each layer a beat: a long step that progresses is not hung
-            layer.register_forward_hook(lambda *_: self.scheduler.progress())
+        # Each layer a beat: a long step that progresses is not hung. Removed at close (the model may outlive us).
+        self._beats = [layer.register_forward_hook(lambda *_: self.scheduler.progress())
+                       for layer in model.model.layers]
         self.faults, self._steps = StepFaults.from_env(), 0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="blink-cpu-scheduler", daemon=True)
@@ -190,6 +191,8 @@ class CpuBackend:
         self.join()
         if self.followers is not None:
             self.followers.stop(clean=self.error is None)
+        for beat in self._beats:
+            beat.remove()
         self.scheduler = self._view = self.step = self.kv = self.history = self.model = self.followers = None
 
 
