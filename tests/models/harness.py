@@ -169,3 +169,21 @@ def check_step_graph_device_launch(model, bucket: int = 48):
         stream.synchronize()
         assert torch.equal(static_logits, want[0])
         assert torch.equal(runner.buf.sampled_ids, want[1]) and torch.equal(runner.buf.sampled_logprobs, want[2])
+
+
+def check_cpu_engine_greedy(hf_model, path, **config) -> None:
+    """The CPU engine serving the checkpoint at ``path`` (with ``config``'s EngineConfig fields) answers two prompts
+    greedily with ``hf_model``'s tokens, up to where transformers stops."""
+    from blink import Engine, EngineConfig, SamplingParams, SchedulerConfig
+
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    engine = Engine(EngineConfig(model=str(path), device="cpu", max_prompt_tokens=32, max_output_tokens=16, n_slots=8,
+                                 scheduler=SchedulerConfig(num_pages=64, max_num_seqs=4, max_num_batched_tokens=32,
+                                                           max_model_len=48), **config))
+    try:
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
+    finally:
+        engine.close()
+    for prompt, out in zip(prompts, outputs):
+        want = hf_greedy(hf_model, prompt, 6)
+        assert out.token_ids[:len(want)] == want

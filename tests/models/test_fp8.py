@@ -12,7 +12,7 @@ from blink.models import CheckpointError, ConfigError, ModelConfig, TensorParall
 from blink.models.e4m3 import dequantize
 from blink.models.quantization import Fp8Config
 from tests.models.fp8_checkpoints import VARIANTS, write_fp8_checkpoint
-from tests.models.harness import check_mixed_batches, hf_greedy, tiny_hf_model
+from tests.models.harness import check_cpu_engine_greedy, check_mixed_batches, tiny_hf_model
 
 FAMILIES = {  # architecture → what its tiny checkpoint sets beyond the harness's defaults
     "LlamaForCausalLM": {}, "Qwen3ForCausalLM": {}, "Phi3ForCausalLM": {"sliding_window": 7},
@@ -57,22 +57,9 @@ def test_quantization_fp8_quantizes_bf16_weights_per_channel_at_load(hf_checkpoi
 
 
 def test_the_engine_serves_quantization_fp8(hf_checkpoint):
-    from blink import Engine, EngineConfig, SamplingParams, SchedulerConfig
-
     hf_model, path = hf_checkpoint("LlamaForCausalLM")
     hf_model.load_state_dict({**hf_model.state_dict(), **per_channel_quantized(hf_model)})
-    prompts = [[5, 6, 7, 8], [9, 10]]
-    config = EngineConfig(model=str(path), device="cpu", quantization="fp8", max_prompt_tokens=32,
-                          max_output_tokens=16, n_slots=8, scheduler=SchedulerConfig(
-                              num_pages=64, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=48))
-    engine = Engine(config)
-    try:
-        outputs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
-    finally:
-        engine.close()
-    for prompt, out in zip(prompts, outputs):
-        want = hf_greedy(hf_model, prompt, 6)
-        assert out.token_ids[:len(want)] == want
+    check_cpu_engine_greedy(hf_model, path, quantization="fp8")
 
 
 def test_random_fp8_models_have_the_checkpoint_layouts(hf_checkpoint):

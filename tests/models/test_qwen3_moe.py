@@ -9,7 +9,8 @@ import torch
 
 from blink.models import load_model
 from blink.models.decoder import SparseMoE
-from tests.models.harness import check_mixed_batches, check_step_graph_device_launch, greedy_continuations, hf_greedy
+from tests.models.harness import (check_cpu_engine_greedy, check_mixed_batches, check_step_graph_device_launch,
+                                  greedy_continuations, hf_greedy)
 
 ARCH = "Qwen3MoeForCausalLM"
 SHAPES = {
@@ -52,21 +53,8 @@ def test_dense_layers_follow_mlp_only_layers_and_decoder_sparse_step(hf_checkpoi
 
 
 def test_the_engine_serves_it_unchanged(hf_checkpoint):
-    from blink import Engine, EngineConfig, SamplingParams, SchedulerConfig
-
     hf_model, path = hf_checkpoint(ARCH, **SHAPES["8-experts-top-2"])
-    prompts = [[5, 6, 7, 8], [9, 10]]
-    config = EngineConfig(model=str(path), device="cpu", max_prompt_tokens=32, max_output_tokens=16, n_slots=8,
-                          scheduler=SchedulerConfig(num_pages=64, max_num_seqs=4, max_num_batched_tokens=32,
-                                                    max_model_len=48))
-    engine = Engine(config)
-    try:
-        outputs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
-    finally:
-        engine.close()
-    for prompt, out in zip(prompts, outputs):
-        want = hf_greedy(hf_model, prompt, 6)
-        assert out.token_ids[:len(want)] == want
+    check_cpu_engine_greedy(hf_model, path)
 
 
 @pytest.mark.gpu
