@@ -4,7 +4,7 @@
 #                                      per-kernel profiles), engine, serving (Qwen3-8B shape, blink against
 #                                      transformers, isolated and with hogs)
 #   bash bench/gpu_suite.sh tests      every GPU test (pytest -m gpu: scheduler, models incl. full size, engine,
-#                                      energy)
+#                                      energy); `tests:tests/models` and `tests-but:tests/models` are its two halves
 #   bash bench/gpu_suite.sh PART ...   any of: tests scheduler models engine serving, and these, not in the default
 #                                      set: serving-models (bench/serving_models.sh; PEER_PROMPTS, BENCH_ARGS, LIMIT
 #                                      as there), serving-prefix (bench/serving_prefix.sh: the prefix cache on and
@@ -44,12 +44,19 @@ status=0
 for part in "${parts[@]}"; do
   start=$SECONDS
   case "$part" in
-    tests)
+    tests|tests:*|tests-but:*)
       # Only the files that hold GPU tests: the device-policy tests import numba's simulator, which this run turns
       # off, and the server tests need the openai client, which the GPU machine lacks (tests/test_gpu_suite.py
-      # collects these files with the GPU image's packages only).
-      mapfile -t files < <(bash bench/gpu_test_files.sh)
-      python -m pytest -m gpu -q -p no:cacheprovider "${files[@]}" 2>&1 | tee "$OUT/gpu_tests.log"
+      # collects these files with the GPU image's packages only). `tests:PATH` keeps the files under PATH,
+      # `tests-but:PATH` the others: the whole set in two runs of under 10 minutes each.
+      case "$part" in
+        tests:*) keep=(grep "^${part#tests:}") ;;
+        tests-but:*) keep=(grep -v "^${part#tests-but:}") ;;
+        *) keep=(cat) ;;
+      esac
+      mapfile -t files < <(bash bench/gpu_test_files.sh | "${keep[@]}")
+      log=gpu_tests${part#tests}
+      python -m pytest -m gpu -q -p no:cacheprovider "${files[@]}" 2>&1 | tee "$OUT/${log//[:\/]/_}.log"
       rc=${PIPESTATUS[0]} ;;
     scheduler)
       bench_part scheduler_bench scheduler_bench --json; rc=$? ;;
@@ -78,7 +85,7 @@ for part in "${parts[@]}"; do
       else
         echo "unknown experiment: $name (no bench/experiments/$name.py)"; rc=2
       fi ;;
-    *) echo "unknown part: $part (tests | scheduler | models | engine | serving | serving-models | serving-prefix |" \
+    *) echo "unknown part: $part (tests | tests:PATH | tests-but:PATH | scheduler | models | engine | serving | serving-models | serving-prefix |" \
          "moe-sweep | attention | attention-sweep | ring | experiment:NAME)"; rc=2 ;;
   esac
   echo "gpu_suite $part: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/suite_times.txt"

@@ -119,7 +119,8 @@ class ReferenceConsumer:
         for slot, epoch in self._running.items():
             state = int(status["state"][slot])
             if state != RUNNING or int(status["epoch"][slot]) != epoch:
-                raise IllegalTransition(f"slot {slot} is RUNNING on the GPU side but the ring shows "
+                raise IllegalTransition(f"slot {slot} is RUNNING on the GPU side (epoch {epoch}, "
+                                        f"{int(status['n_generated'][slot])} generated) but the ring shows "
                                         f"{STATE_NAMES.get(state, state)} epoch {int(status['epoch'][slot])}: "
                                         "only the GPU side may write a RUNNING slot")
 
