@@ -12,8 +12,8 @@ from blink.errors import (BlinkError, CheckpointError, ConfigError, CudaIpcError
                           LaunchError, MissingExtra, Overloaded, RdmaError, RequestError, RingFull, RingMismatch,
                           RingRefused)
 from blink.outputs import GenerationOutput, StreamDelta
+from blink.version import __version__  # noqa: F401 (blink.__version__, as packages have it)
 
-__version__ = "0.1.0"
 __all__ = ["AsyncEngine", "AsyncRequestStream", "BlinkError", "CheckpointError", "ConfigError", "CudaIpcError",
            "Engine", "EngineClosed", "EngineConfig", "EngineError", "EngineUnavailable", "EngineUnresponsive",
            "GGUFError", "GenerationOutput", "HandshakeError", "IllegalTransition", "LaunchError", "MissingExtra",

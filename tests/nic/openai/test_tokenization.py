@@ -7,6 +7,8 @@ from importlib import metadata
 
 import pytest
 
+import blink.version
+
 from tests.nic.openai.local import GEOMETRY, run_local
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Wie geht's? 你好"}]
@@ -120,10 +122,13 @@ def test_bad_tokenizer_requests_get_an_openai_error(local_ring, tokenizer, path,
     serve(local_ring, tokenizer, scenario)
 
 
-def test_version_is_the_installed_distributions(local_ring, tokenizer):
+def test_version_is_the_installed_distributions_and_the_source_trees(local_ring, tokenizer):
+    """/version answers the version written once in blink/version.py, which the installed distribution's metadata
+    carries too (a run from a source tree, PYTHONPATH=src with nothing installed, raised KeyError here before)."""
     async def scenario(local):
         installed = metadata.distribution(metadata.packages_distributions()["blink"][0]).version
-        assert await local.get("/version") == (200, {"version": installed}) and installed.count(".") >= 1
+        assert installed == blink.version.__version__ and installed.count(".") >= 1
+        assert await local.get("/version") == (200, {"version": installed})
 
     serve(local_ring, tokenizer, scenario)
 

@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from importlib import metadata
 
 from aiohttp import web
 
@@ -40,6 +39,7 @@ from blink.nic.openai.requests import Job, Parser, json_body
 from blink.nic.openai.responses import Responder
 from blink.nic.openai.tokenization import Tokenization, vllm_json
 from blink.nic.text import Tokenizer
+from blink.version import __version__
 
 log = logging.getLogger("blink.server")
 logging.getLogger("aiohttp.server").addFilter(OneLineBadRequests())
@@ -95,8 +95,6 @@ class OpenAIServer:
                                                       initializer=config.thread_start)
                             for small, name in ((True, "small"), (False, "large"))}
         self.created = int(time.time())
-        # /version's: the installed distribution that holds this package, whatever the distribution is named
-        self.blink_version = metadata.version(metadata.packages_distributions()["blink"][0])
         self.app = web.Application(middlewares=[self._errors, self._admit],
                                    client_max_size=config.limits.max_body_bytes)
         self.app.add_routes([web.post("/v1/completions", self.completions),
@@ -208,7 +206,7 @@ class OpenAIServer:
         return web.json_response(self._model_card())
 
     async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": self.blink_version})
+        return web.json_response({"version": __version__})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         return vllm_json(await self._parse(request, self.tokenization.tokenize))
