@@ -216,3 +216,24 @@ def test_one_agent_per_ring():
             holder.wait()
         with SharedMemory.open(name) as second:
             assert Agent.attach(second).in_flight == 0, "the killed agent's claim went with it"
+
+
+def stores_of_one_write(nbytes: int, tmp_path) -> int:
+    """How many times one ``LocalMemory.write`` of ``nbytes`` at an aligned offset touches its first word (gdb)."""
+    script = os.path.join(os.path.dirname(__file__), "word_stores.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), BLINK_WORD_FILE=str(tmp_path / "address"))
+    out = subprocess.run(["gdb", "-nx", "-batch", "-x", script, "--args", sys.executable, script, str(nbytes)],
+                         capture_output=True, text=True, env=env, timeout=120).stdout
+    if "stores: " not in out:
+        pytest.skip(f"gdb could not watch the word (no hardware watchpoints or no ptrace here): {out[-300:]}")
+    return int(out.split("stores: ")[1].split()[0])
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="needs gdb to count the stores of a write")
+@pytest.mark.parametrize("nbytes", [4, 8])
+def test_a_word_write_is_one_store(nbytes, tmp_path):
+    """Regression: a status word was written with memcpy, which stores 4 bytes twice; a consumer admitting the slot
+    between the two stores (READY -> RUNNING) had its RUNNING overwritten by the second READY, and the reference
+    consumer stopped with "slot N is RUNNING on the GPU side but the ring shows READY" (once in a CI run of the
+    10,000-request agent test)."""
+    assert stores_of_one_write(nbytes, tmp_path) == 1

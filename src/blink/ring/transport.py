@@ -20,6 +20,8 @@ import stat
 import struct
 from abc import ABC, abstractmethod
 
+import numpy as np
+
 from blink.ring.errors import RingRefused
 
 
@@ -57,15 +59,26 @@ class RemoteMemory(ABC):
         self.close()
 
 
+_WORDS = {4: np.dtype("<u4"), 8: np.dtype("<u8")}
+
+
 class _MappedMemory(RemoteMemory):
     """A region this process can address directly; ``buffer`` is a writable memoryview of it."""
 
     buffer: memoryview
 
     def write(self, offset: int, data) -> None:
+        """An aligned 4- or 8-byte write (a status word, a doorbell) is one store. memcpy is not: glibc's stores 4 to
+        7 bytes as two overlapping words, so a 4-byte word is stored twice, and when the other side rewrites it
+        between the two (the consumer admitting a slot just published: READY -> RUNNING), the second store puts
+        READY back over RUNNING."""
         data = memoryview(data).cast("B")
         self._check_range(offset, len(data))
-        self.buffer[offset:offset + len(data)] = data
+        word = _WORDS.get(len(data))
+        if word is not None and offset % len(data) == 0:
+            np.frombuffer(self.buffer, word, 1, offset)[0] = np.frombuffer(data, word)[0]
+        else:
+            self.buffer[offset:offset + len(data)] = data
 
     def read(self, offset: int, nbytes: int) -> bytes:
         self._check_range(offset, nbytes)
