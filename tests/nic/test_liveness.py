@@ -2,7 +2,7 @@
 in the module docstring, applied to hand-written control-block snapshots and times)."""
 import pytest
 
-from blink.nic.liveness import Liveness
+from blink.nic.liveness import TICK_FLOOR_S, Liveness
 from blink.ring.control import ALIVE_TICK_S, ENGINE_SERVING, ENGINE_STOPPED
 
 
@@ -33,9 +33,19 @@ def test_an_engine_process_that_stops_ticking_is_gone_even_inside_a_step():
     for k in range(1, 9):       # ticking, inside a long step: fine
         assert liveness.problem(snapshot(alive=k, in_step=1, step_limit_s=600), now=k * ALIVE_TICK_S) is None
     assert not liveness.process_gone(now=8 * ALIVE_TICK_S)
-    later = 8 * ALIVE_TICK_S + 4 * ALIVE_TICK_S + 0.01
+    later = 8 * ALIVE_TICK_S + TICK_FLOOR_S + 0.01
     assert "has not ticked" in liveness.problem(snapshot(alive=8, in_step=1, step_limit_s=600), now=later)
     assert liveness.process_gone(now=later)
+
+
+def test_a_tick_seconds_late_on_a_loaded_host_is_not_a_death():
+    """Regression: with a 1 s timeout, an engine process whose ticking thread waited 1-3 s for a core or the GIL
+    (2 cores at load 9-27) was declared gone, and every request in flight failed (the CPU soaks, and
+    tests/test_process.py's long step once)."""
+    liveness = Liveness(timeout_s=1.0)
+    assert liveness.problem(snapshot(alive=1, in_step=1, step_limit_s=600), now=0.0) is None
+    assert liveness.problem(snapshot(alive=1, in_step=2, step_limit_s=600), now=3.0) is None
+    assert liveness.problem(snapshot(alive=2, in_step=3, step_limit_s=600), now=3.1) is None
 
 
 def test_launch_errors_and_a_stopped_engine_are_reported_at_once():

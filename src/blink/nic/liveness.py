@@ -10,7 +10,8 @@ Three signals, each written by the engine side:
   nothing ticks it (an engine inside the agent's own process).
 
 A beat is any change of the pair (``heartbeat``, ``in_step``): an iteration, a layer of a step, a step's end. The
-engine is dead when it reported a launch error, stopped, its process stopped ticking ``alive`` for ``timeout_s``,
+engine is dead when it reported a launch error, stopped, its process stopped ticking ``alive`` for ``timeout_s``
+(at least ``TICK_FLOOR_S``),
 or it has not beaten for ``timeout_s`` outside a step (or for ``step_limit_s`` inside one). A long step that keeps
 moving is therefore never an alarm, however long it takes; a step stuck in one place for ``step_limit_s`` and a
 dead loop still are. The step's end counts as a beat because the heartbeat moves only when the next iteration
@@ -19,7 +20,13 @@ step.
 """
 from __future__ import annotations
 
-from blink.ring.control import ALIVE_TICK_S, ENGINE_STOPPED
+from blink.ring.control import ENGINE_STOPPED
+
+# The process tick comes from a Python thread of the engine's process, which waits for a core and for the GIL the
+# model step shares: on a loaded host it was late by over a second (2 cores at load 9-27), and a 1 s timeout then
+# failed everything in flight. A dead process inside a long step is still found within TICK_FLOOR_S (outside a step
+# the heartbeat finds it within the timeout).
+TICK_FLOOR_S = 5.0
 
 
 class Liveness:
@@ -29,8 +36,7 @@ class Liveness:
     def __init__(self, timeout_s: float):
         if not timeout_s > 0:
             raise ValueError(f"the liveness timeout must be > 0 seconds (got {timeout_s!r})")
-        # The process tick is judged over the timeout too: a few ticks must fit in it.
-        self._tick_timeout_s = max(timeout_s, 4 * ALIVE_TICK_S)
+        self._tick_timeout_s = max(timeout_s, TICK_FLOOR_S)
         self.timeout_s = timeout_s
         self._beat = self._alive = None             # the last (heartbeat, in_step) and alive seen
         self._beat_at = self._alive_at = None
@@ -57,5 +63,6 @@ class Liveness:
         return None
 
     def process_gone(self, now: float) -> bool:
-        """The engine process ticked ``alive`` and then stopped for ``timeout_s``: it exited or was stopped."""
+        """The engine process ticked ``alive`` and then stopped for ``timeout_s`` (at least ``TICK_FLOOR_S``): it
+        exited or was stopped."""
         return bool(self._alive) and now - self._alive_at > self._tick_timeout_s
