@@ -11,6 +11,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+
+import blink.version
 import yaml
 
 from blink.cli import _parser
@@ -157,7 +159,7 @@ def test_the_manifests_run_the_image_the_dockerfile_builds(manifests):
     built = set(re.findall(r"docker build -t (\S+) \.", (ROOT / "docs" / "gpu.md").read_text()
                            + (ROOT / "Dockerfile").read_text() + DEPLOY.read_text()))
     assert built == {container(manifests)["image"]}, built
-    assert container(manifests)["image"].endswith(f"/{project['name']}:{project['version']}")
+    assert container(manifests)["image"].endswith(f"/{project['name']}:{blink.version.__version__}")
 
 
 def test_the_image_serves_blink_on_its_exposed_port_as_a_user_and_checks_its_health():

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from blink.version import __version__
+
 from tests.nic.test_remote_cli import (CLI_ENGINE, accepting, blink, completion_through, free_port, healthy_ring,
                                        wait_for)
 
@@ -56,7 +58,7 @@ def test_the_core_install_is_this_project_without_torch_or_numba(agent_venv):
             "print(m.version('blink-serve'), blink.__file__, data, [n for n in ('torch', 'numba') if u.find_spec(n)])")
     done = run(agent_venv / "python", "-c", code, env=outside_this_tree(), cwd=agent_venv)
     version, where, data, engine_modules = done.stdout.split(maxsplit=3)
-    assert version == PROJECT["version"] and where.startswith(str(agent_venv.parent)), done.stdout
+    assert version == __version__ and where.startswith(str(agent_venv.parent)), done.stdout
     assert data == "True", "the wheel lacks its package data (shim.cu, the full-size shapes)"
     assert engine_modules.strip() == "[]", done.stdout
     run(agent_venv / "blink", "agent", "--help", env=outside_this_tree())

@@ -51,7 +51,8 @@ def test_an_agent_writing_a_running_slot_is_an_illegal_transition(local_ring):
     consumer.step()
     assert consumer.view.status["state"][0] == RUNNING
     consumer.view.status["state"][0] = FREE         # an agent releasing a slot the GPU still owns
-    with pytest.raises(IllegalTransition, match="slot 0 is RUNNING on the GPU side but the ring shows FREE"):
+    held = r"slot 0 is RUNNING on the GPU side \(epoch 1, 1 generated\) but the ring shows FREE epoch 1"
+    with pytest.raises(IllegalTransition, match=held):
         consumer.step()
 
 
