@@ -7,6 +7,11 @@ import os
 import shutil
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+# Two test workers on CI's two cores (pytest -n 2): torch's intra-op threads (one per core by default) in both, and
+# in the engines they start, spin against each other. One thread each (inherited by the processes a test starts):
+# a CPU model step took 2.6x as long with two threads as with one beside another worker.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
