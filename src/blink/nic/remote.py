@@ -24,7 +24,8 @@ from blink.nic.handshake import SETUP_TIMEOUT_S, connect, serve_handshake
 from blink.nic.rdma import RdmaConfig, RdmaMemory
 from blink.nic.segments import DeviceSegment, check_tiling
 
-from blink.nic.wire import IPC, RDMA, TRANSPORTS, CudaRegion, Hello, Offer, RingIdentity, ShmRegion
+from blink.nic.regions import CudaRegion, RingIdentity, ShmRegion
+from blink.nic.wire import IPC, RDMA, TRANSPORTS, Hello, Offer
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.split import SplitMemory, Window
