@@ -1,12 +1,14 @@
 """The setup handshake's messages: what an agent and an engine exchange once, before any request.
 
-Three messages, each a JSON object with ``"blink_handshake": HANDSHAKE_VERSION`` and a ``"type"``:
+Four messages, each a JSON object with ``"blink_handshake": HANDSHAKE_VERSION`` and a ``"type"``:
 
-- ``hello`` (agent -> engine): the transport it wants (``rdma`` or ``ipc``), its ring protocol version, and its QP's
-  ``Endpoint`` (rdma) or its host's boot id (ipc: the engine's memory can be mapped only on the engine's host);
+- ``challenge`` (engine -> agent, first): a fresh nonce the agent's proof must cover (``blink.nic.proof``);
+- ``hello`` (agent -> engine): the transport it wants (``rdma`` or ``ipc``), its ring protocol version, its nonce
+  and its proof of the ring's secret (null: it has none), and its QP's ``Endpoint`` (rdma) or its host's boot id
+  (ipc: the engine's memory can be mapped only on the engine's host);
 - ``offer`` (engine -> agent): the ring's identity (magic, version, geometry, size), the regions that hold its bytes
-  (rdma: remote address + rkey each; ipc: a shared-memory name or a CUDA IPC handle each) and, for rdma, the
-  engine's QP ``Endpoint``;
+  (rdma: remote address + rkey each; ipc: a shared-memory name or a CUDA IPC handle each), the engine's proof of the
+  ring's secret and, for rdma, the engine's QP ``Endpoint``;
 - ``reject`` (either way): why the peer cannot be served, in words.
 
 The values they carry (``RingIdentity``, the regions, ``Endpoint``) are in ``blink.nic.regions``.
@@ -23,11 +25,12 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 from blink.errors import HandshakeError
+from blink.nic.proof import HEX, NONCE_BYTES
 from blink.nic.regions import CudaRegion, Endpoint, RdmaRegion, RingIdentity, ShmRegion, check_int, check_str
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import REGION_ALIGN
 
-HANDSHAKE_VERSION = 2       # 2: ShmRegion.offset
+HANDSHAKE_VERSION = 3       # 2: ShmRegion.offset; 3: Challenge, and the proofs of the ring's secret
 RDMA, IPC = "rdma", "ipc"
 TRANSPORTS = (RDMA, IPC)
 MAX_REGIONS = 16
@@ -41,18 +44,38 @@ def _check_transport(where: str, transport) -> None:
         raise HandshakeError(f"{where} must be one of {TRANSPORTS} (got {transport!r})")
 
 
+def _check_hex(where: str, value) -> None:
+    check_str(where, value, HEX, f"{2 * NONCE_BYTES} lower-case hex digits")
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """The listener's first message on every connection: the nonce this connection's proofs must cover."""
+
+    nonce: str
+
+    def __post_init__(self):
+        _check_hex("Challenge.nonce", self.nonce)
+
+
 @dataclass(frozen=True)
 class Hello:
-    """The agent's request: a transport, its ring protocol version and its QP (rdma) or boot id (ipc)."""
+    """The agent's request: a transport, its ring protocol version, its nonce and proof (None: it knows no
+    secret), and its QP (rdma) or boot id (ipc)."""
 
     transport: str
     ring_version: int
+    nonce: str
+    proof: str | None
     endpoint: Endpoint | None = None
     host: str | None = None
 
     def __post_init__(self):
         _check_transport("Hello.transport", self.transport)
         check_int("Hello.ring_version", self.ring_version, 0, 0xFFFFFFFF)
+        _check_hex("Hello.nonce", self.nonce)
+        if self.proof is not None:
+            _check_hex("Hello.proof", self.proof)
         if self.transport == RDMA and (not isinstance(self.endpoint, Endpoint) or self.host is not None):
             raise HandshakeError("an rdma Hello carries the agent's QP Endpoint and no host")
         if self.transport == IPC:
@@ -64,15 +87,17 @@ class Hello:
 @dataclass(frozen=True)
 class Offer:
     """The engine's answer: the ring, the regions that tile it (in order, each on a ``REGION_ALIGN`` boundary,
-    all of the transport's kinds) and, for rdma, the engine's QP."""
+    all of the transport's kinds), the engine's proof and, for rdma, the engine's QP."""
 
     transport: str
     ring: RingIdentity
     regions: tuple
+    proof: str
     endpoint: Endpoint | None = None
 
     def __post_init__(self):
         _check_transport("Offer.transport", self.transport)
+        _check_hex("Offer.proof", self.proof)
         if not isinstance(self.ring, RingIdentity):
             raise HandshakeError(f"Offer.ring must be a RingIdentity (got {self.ring!r})")
         if (self.transport == RDMA) != isinstance(self.endpoint, Endpoint):
@@ -107,20 +132,20 @@ class Reject:
             raise HandshakeError(f"Reject.reason must be a non-empty string (got {self.reason!r})")
 
 
-MESSAGE_TYPES = {"hello": Hello, "offer": Offer, "reject": Reject}
+MESSAGE_TYPES = {"challenge": Challenge, "hello": Hello, "offer": Offer, "reject": Reject}
 _TYPE_NAMES = {cls: name for name, cls in MESSAGE_TYPES.items()}
 
 
 # -- encoding ---------------------------------------------------------------------------------------------------
 
 def encode(message) -> bytes:
-    """The UTF-8 JSON of a ``Hello``, ``Offer`` or ``Reject``."""
+    """The UTF-8 JSON of a ``Challenge``, ``Hello``, ``Offer`` or ``Reject``."""
     obj = {"blink_handshake": HANDSHAKE_VERSION, "type": _TYPE_NAMES[type(message)], **_to_json(message)}
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def _to_json(value):
-    if isinstance(value, (Hello, Offer, Reject, Endpoint)):
+    if isinstance(value, (*MESSAGE_TYPES.values(), Endpoint)):
         return {f.name: _to_json(getattr(value, f.name)) for f in fields(value)}
     if isinstance(value, RingIdentity):
         return {"magic": value.magic, "version": value.version, "size": value.size,
