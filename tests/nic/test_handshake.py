@@ -14,7 +14,7 @@ import pytest
 
 from blink.errors import HandshakeError, RingRefused
 from blink.nic import handshake, proof
-from blink.nic.handshake import FRAME_MAGIC, MAX_FRAME_BYTES, connect, parse_address, serve_handshake
+from blink.nic.handshake import FRAME_MAGIC, MAX_FRAME_BYTES, connect, content, parse_address, serve_handshake
 from blink.nic.wire import Challenge, Hello, Offer, Reject, decode, encode
 from blink.ring import control
 
@@ -192,17 +192,19 @@ def test_bad_addresses_name_the_option(text):
 
 # -- the proofs of the ring's secret ----------------------------------------------------------------------------
 
-def test_a_proof_is_the_hmac_of_its_label_and_both_nonces_keyed_by_the_secret():
-    challenge, nonce = proof.nonce(), proof.nonce()
-    reference = hmac.new(SECRET.encode(), b"blink handshake agent proof\0" + bytes.fromhex(challenge + nonce),
+def test_a_proof_is_the_hmac_of_its_label_both_nonces_and_the_message_keyed_by_the_secret():
+    challenge, nonce, content = proof.nonce(), proof.nonce(), b'{"type":"hello"}'
+    reference = hmac.new(SECRET.encode(), b"blink handshake agent proof\0" + bytes.fromhex(challenge + nonce) + content,
                          hashlib.sha256).hexdigest()
-    made = proof.prove(SECRET, proof.AGENT, challenge, nonce)
-    assert made == reference and proof.proves(made, SECRET, proof.AGENT, challenge, nonce)
-    others = [proof.prove(SECRET, proof.ENGINE, challenge, nonce), proof.prove("guess", proof.AGENT, challenge, nonce),
-              proof.prove(SECRET, proof.AGENT, proof.nonce(), nonce),
-              proof.prove(SECRET, proof.AGENT, nonce, challenge)]
-    assert len({made, *others}) == 5
-    assert not proof.proves(None, SECRET, proof.AGENT, challenge, nonce)
+    made = proof.prove(SECRET, proof.AGENT, challenge, nonce, content)
+    assert made == reference and proof.proves(made, SECRET, proof.AGENT, challenge, nonce, content)
+    others = [proof.prove(SECRET, proof.ENGINE, challenge, nonce, content),
+              proof.prove("guess", proof.AGENT, challenge, nonce, content),
+              proof.prove(SECRET, proof.AGENT, proof.nonce(), nonce, content),
+              proof.prove(SECRET, proof.AGENT, nonce, challenge, content),
+              proof.prove(SECRET, proof.AGENT, challenge, nonce, content + b" ")]
+    assert len({made, *others}) == 6
+    assert not proof.proves(None, SECRET, proof.AGENT, challenge, nonce, content)
 
 
 def exchange(address, hello: Hello) -> list:
@@ -224,8 +226,8 @@ def test_an_agent_without_the_secret_gets_a_reject_saying_where_it_comes_from_an
             with pytest.raises(HandshakeError, match=f"rejected this agent: this agent showed {shown} of the ring's "
                                                      r"secret: set \$BLINK_RING_SECRET on the agent's side"):
                 connect(server["address"], IPC_HELLO, secret)
-    challenge, reject = exchange(server["address"], IPC_HELLO(proof.nonce(), None if secret is None else
-                                                              proof.prove(secret, proof.AGENT, "00" * 32, "11" * 32)))
+    forged = None if secret is None else proof.prove(secret, proof.AGENT, "00" * 32, "11" * 32, b"")
+    challenge, reject = exchange(server["address"], IPC_HELLO(proof.nonce(), forged))
     assert isinstance(challenge, Challenge) and isinstance(reject, Reject), "a challenge and a reject, nothing else"
     assert "/dev/shm/RING.key" in reject.reason and "--ring-key" in reject.reason
     assert server["hellos"] == [], "the engine's answer (its QP, its regions) was never asked for"
@@ -246,7 +248,7 @@ def test_a_replayed_hello_is_refused(server):
 
     server["answer"] = proven(ipc_offer())
     connect(server["address"], recording, SECRET)
-    challenge, reject = exchange(server["address"], captured[0])
+    challenge, reject = exchange(server["address"], captured[-1])
     assert isinstance(challenge, Challenge) and isinstance(reject, Reject), "a challenge and a reject, nothing else"
     assert "showed a wrong proof" in reject.reason
     assert len(server["hellos"]) == 1 and server["listener"].offers == 1 and server["listener"].refused == 1
@@ -283,7 +285,7 @@ def test_an_offer_whose_proof_is_wrong_is_refused_naming_the_address(server, fak
     """A listener that does not know the secret: a proof made with another, the agent's own proof sent back, and a
     genuine engine's proof recorded from another exchange (another agent nonce) all fail."""
     recorded = connect(server["address"], RDMA_HELLO, SECRET)
-    offers = {"another secret": lambda c, h: proof.prove("a guess", proof.ENGINE, c, h.nonce),
+    offers = {"another secret": lambda c, h: proof.prove("a guess", proof.ENGINE, c, h.nonce, content(recorded)),
               "the agent's own proof": lambda c, h: h.proof,
               "a recorded proof": lambda c, h: recorded.proof}
     for name, forged in offers.items():
@@ -292,8 +294,35 @@ def test_an_offer_whose_proof_is_wrong_is_refused_naming_the_address(server, fak
                                               "knows the ring's secret"):
             connect(fake_listener["address"], RDMA_HELLO, SECRET)
     fake_listener["offer"] = lambda c, h: dataclasses.replace(recorded, proof=proof.prove(SECRET, proof.ENGINE, c,
-                                                                                          h.nonce))
+                                                                                          h.nonce, content(recorded)))
     assert isinstance(connect(fake_listener["address"], RDMA_HELLO, SECRET), Offer), "a proof made with the secret"
+
+
+def test_an_offer_changed_on_its_way_is_refused(server, fake_listener):
+    """Whoever sits between the two sides relays the engine's genuine proof but changes the offer (here the QP the
+    agent would connect to): the proof covers the whole offer, so the agent refuses it."""
+    recorded = connect(server["address"], RDMA_HELLO, SECRET)
+    moved = dataclasses.replace(recorded, endpoint=dataclasses.replace(recorded.endpoint,
+                                                                       qp_num=recorded.endpoint.qp_num + 1))
+    fake_listener["offer"] = lambda c, h: dataclasses.replace(moved, proof=proof.prove(SECRET, proof.ENGINE, c,
+                                                                                       h.nonce, content(recorded)))
+    with pytest.raises(RingRefused, match="did not prove that it knows the ring's secret"):
+        connect(fake_listener["address"], RDMA_HELLO, SECRET)
+
+
+def test_a_hello_changed_on_its_way_gets_a_reject(server):
+    """The agent's proof covers its Hello (its QP, its host): one with another QP and the original proof is
+    refused, and the engine makes no offer."""
+    host, port = parse_address(server["address"])
+    with socket.create_connection((host, port), timeout=5) as sock:
+        challenge = handshake.receive_message(sock).nonce
+        mine = proof.nonce()
+        genuine = RDMA_HELLO(mine, None)
+        signed = proof.prove(SECRET, proof.AGENT, challenge, mine, content(genuine))
+        endpoint = dataclasses.replace(genuine.endpoint, qp_num=genuine.endpoint.qp_num + 1)
+        handshake.send_message(sock, dataclasses.replace(genuine, endpoint=endpoint, proof=signed))
+        assert isinstance(handshake.receive_message(sock), Reject)
+    assert server["hellos"] == [] and server["listener"].offers == 0 and server["listener"].refused == 1
 
 
 def test_peers_of_another_handshake_version_get_a_clear_error(server, monkeypatch):

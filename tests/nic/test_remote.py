@@ -95,7 +95,7 @@ def test_an_agent_without_the_engines_secret_gets_nothing_of_the_ring(transport,
         with pytest.raises(HandshakeError, match=r"rejected this agent: this agent showed (a wrong|no) proof of the "
                                                  r"ring's secret: set \$BLINK_RING_SECRET on the agent's side"):
             attach(listener, transport, fabric, ring_secret)
-        forged = proof.prove("a guess", proof.AGENT, proof.nonce(), NONCE) if ring_secret else None
+        forged = proof.prove("a guess", proof.AGENT, proof.nonce(), NONCE, b"") if ring_secret else None
         sent = exchange(address(listener), Hello("ipc", control.VERSION, NONCE, forged, host=remote.boot_id()))
         assert [type(message) for message in sent] == [Challenge, Reject]
         assert targets == [] and listener.server.offers == 0 and listener.server.refused == 2

@@ -17,9 +17,10 @@ import logging
 import socket
 import struct
 import threading
+from dataclasses import replace
 
 from blink.errors import HandshakeError, RingRefused
-from blink.nic.proof import AGENT, ENGINE, nonce, prove, proves
+from blink.nic.proof import AGENT, BLANK, ENGINE, nonce, prove, proves
 from blink.nic.wire import Challenge, Hello, Offer, Reject, decode, encode
 from blink.ring.secret import ENV
 
@@ -147,8 +148,9 @@ class HandshakeServer:
             hello = receive_message(connection)
             if not isinstance(hello, Hello):
                 raise HandshakeError(f"an agent's first message must be a hello (got a {type(hello).__name__})")
-            if proves(hello.proof, self._secret, AGENT, challenge, hello.nonce):
-                reply = self._answer(hello, prove(self._secret, ENGINE, challenge, hello.nonce))
+            if proves(hello.proof, self._secret, AGENT, challenge, hello.nonce, content(hello)):
+                offer = self._answer(hello, BLANK)
+                reply = replace(offer, proof=prove(self._secret, ENGINE, challenge, hello.nonce, content(offer)))
             else:
                 reply = self._refuse(hello, peer[0])
         except HandshakeError as e:
@@ -219,7 +221,9 @@ def connect(address: str, hello, ring_secret: str | None, *, timeout_s: float = 
         try:
             challenge = _challenge(sock, f"{host}:{port}", timeout_s)
             mine = nonce()
-            request = hello(mine, None if ring_secret is None else prove(ring_secret, AGENT, challenge, mine))
+            request = hello(mine, None)
+            if ring_secret is not None:
+                request = hello(mine, prove(ring_secret, AGENT, challenge, mine, content(request)))
             send_message(sock, request)
             reply = receive_message(sock)
         except OSError as e:
@@ -229,7 +233,7 @@ def connect(address: str, hello, ring_secret: str | None, *, timeout_s: float = 
         raise HandshakeError(f"the engine at {host}:{port} rejected this agent: {reply.reason}")
     if not isinstance(reply, Offer):
         raise HandshakeError(f"the engine at {host}:{port} answered with a {type(reply).__name__}, not an Offer")
-    if ring_secret is None or not proves(reply.proof, ring_secret, ENGINE, challenge, mine):
+    if ring_secret is None or not proves(reply.proof, ring_secret, ENGINE, challenge, mine, content(reply)):
         raise RingRefused(f"the listener at {host}:{port} did not prove that it knows the ring's secret: it is not "
                           f"the engine whose secret this agent was given (${ENV}, or the ring's key file), or the "
                           "two secrets differ; not attached")
@@ -237,6 +241,12 @@ def connect(address: str, hello, ring_secret: str | None, *, timeout_s: float = 
         raise HandshakeError(f"asked the engine at {host}:{port} for {request.transport} but it offered "
                              f"{reply.transport}")
     return reply
+
+
+def content(message) -> bytes:
+    """What a proof covers of ``message`` (a ``Hello`` or an ``Offer``): its encoding with the proof ``BLANK``, so
+    that the proof binds every other field of it."""
+    return encode(replace(message, proof=BLANK))
 
 
 def _challenge(sock: socket.socket, where: str, timeout_s: float) -> str:
