@@ -95,6 +95,13 @@ def test_a_bad_agent_option_is_refused_before_an_engine_starts(option, code, mes
     assert "engine" not in done.stderr and "Traceback" not in done.stderr, "no engine was started"
 
 
+def test_ring_key_goes_with_remote():
+    done = subprocess.run([sys.executable, "-m", "blink.cli", "agent", "--ring", "blink-x", "--ring-key", "blink-x"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "blink agent: --ring-key NAME goes with --remote" in done.stderr
+
+
 def test_a_port_in_use_is_one_line_not_a_traceback():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

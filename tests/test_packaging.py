@@ -82,9 +82,9 @@ def test_an_agent_without_torch_answers_like_one_with_it_on_the_same_remote_engi
     engine = blink("engine", str(model_dir), "--ring", ring, "--listen", listen, *CLI_ENGINE)
     try:
         wait_for(lambda: healthy_ring(ring) and accepting(listen), timeout_s=120)
-        here = completion_through(["--remote", listen, "--transport", "ipc"], model_dir)
-        core_only = completion_through(["--remote", listen, "--transport", "ipc"], model_dir,
-                                       command=(agent_venv / "blink",), env=outside_this_tree())
+        remote = ["--remote", listen, "--transport", "ipc", "--ring-key", ring]
+        here = completion_through(remote, model_dir)
+        core_only = completion_through(remote, model_dir, command=(agent_venv / "blink",), env=outside_this_tree())
         assert core_only == here and here
         engine.send_signal(signal.SIGINT)
         assert engine.wait(60) == 0

@@ -89,6 +89,19 @@ def test_an_engine_with_its_request_side_in_gpu_memory_needs_a_listener():
         serve_ring(EngineConfig(ring_name="blink-test-unused", request_side="device"))
 
 
+def test_the_listener_of_an_engine_whose_ring_has_no_name_needs_the_secret_from_the_environment(monkeypatch):
+    """No key file to take the secret from: refused before the engine starts, rather than a listener nobody can
+    prove anything to."""
+    from blink.config import EngineConfig
+    from blink.process import serve_ring
+    from blink.ring import secret
+
+    monkeypatch.delenv(secret.ENV, raising=False)
+    with pytest.raises(ValueError, match=r"ring has no name .* publishes no key file, so its listener needs "
+                                         r"\$BLINK_RING_SECRET"):
+        serve_ring(EngineConfig(ring_name=None), listen="127.0.0.1:0")
+
+
 MAKE_RING = """
 import sys, time
 from blink.core import create_ring

@@ -77,6 +77,8 @@ def agent(args) -> int:
     or CUDA IPC) and serve HTTP on it."""
     from blink.process import split_cores
 
+    if args.ring_key is not None and args.remote is None:
+        raise ValueError("--ring-key NAME goes with --remote (--ring NAME reads the key file of NAME itself)")
     configs = _agent_configs(args)
     model_dir = _model_dir(args)
     with _agent_ring(args) as memory, split_cores(None, args.cpus, args.reserve_agent_cores) as cores:
@@ -102,8 +104,10 @@ def _agent_ring(args):
 
         return open_ring(args.ring)
     from blink.nic.remote import open_remote
+    from blink.ring import secret
 
-    return open_remote(args.remote, args.transport, device=_rdma_device(args))
+    return open_remote(args.remote, args.transport, ring_secret=secret.given(args.ring_key),
+                       device=_rdma_device(args))
 
 
 def _rdma_device(args):
@@ -232,6 +236,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="the engine's --listen address: attach over --transport")
     agent_cmd.add_argument("--transport", choices=("rdma", "ipc"), default="rdma",
                            help="with --remote: RDMA (a DPU or another host) or CUDA IPC (the same host)")
+    agent_cmd.add_argument("--ring-key", default=None, metavar="NAME",
+                           help="with --remote on the engine's host: prove the secret in the key file of its ring "
+                                "NAME (/dev/shm/NAME.key); $BLINK_RING_SECRET, if set, is taken instead")
     rdma_options(agent_cmd)
     bench_cmd = sub.add_parser("bench", help="benchmarks: serve (online serving, vllm bench serve's metrics), report")
     bench_cmd.set_defaults(run=None)

@@ -40,10 +40,15 @@ def serve_ring(config: EngineConfig, listen: str | None = None, rdma_device=None
     import signal
 
     from blink.core import EngineCore
+    from blink.ring import secret
 
     if config.request_side == "device" and listen is None:
         raise ValueError("an engine whose ring's request side is in GPU memory (--request-side device) needs "
                          "--listen HOST:PORT: agents reach that ring only through the engine's listener")
+    if listen is not None and config.ring_name is None and secret.given(None) is None:
+        raise ValueError(f"an engine whose ring has no name (EngineConfig.ring_name None) publishes no key file, so "
+                         f"its listener needs ${secret.ENV}: set it to a long random secret, the same for the engine "
+                         "and its agents")
     reset_priority()
     # The signal only sets an event: an exception raised asynchronously inside threading's own waits (is_alive,
     # join) can leave a thread's state lock held, and the shutdown's join would then hang forever.
@@ -70,12 +75,15 @@ def serve_ring(config: EngineConfig, listen: str | None = None, rdma_device=None
 
 
 def _agent_listener(core, listen: str | None, rdma_device):
-    """Where remote agents attach to ``core``'s ring (closed before the ring), or nothing."""
+    """Where remote agents attach to ``core``'s ring (closed before the ring), or nothing; they prove they know the
+    ring's secret: the one in its key file, or ``$BLINK_RING_SECRET`` (``serve_ring`` checked there is one)."""
     if listen is None:
         return contextlib.nullcontext()
     from blink.nic.remote import listen_on_ring
+    from blink.ring import secret
 
-    return listen_on_ring(listen, core.segments(), core.geometry, rdma_device=rdma_device)
+    return listen_on_ring(listen, core.segments(), core.geometry, ring_secret=secret.given(core.config.ring_name),
+                          rdma_device=rdma_device)
 
 
 @contextmanager

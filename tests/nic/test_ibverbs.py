@@ -112,11 +112,12 @@ def test_an_agent_attached_over_real_rdma_gets_the_reference_outputs():
     from blink.nic.segments import HostSegment
     from blink.ring.reference import standin_engine
 
-    from .test_remote import GEOMETRY, RDMA, expected_output, serve_requests
+    from .test_remote import GEOMETRY, RDMA, SECRET, expected_output, serve_requests
 
     with standin_engine(GEOMETRY) as (ring, _), \
-            listen_on_ring("127.0.0.1:0", [HostSegment(0, ring)], GEOMETRY, rdma_device=DeviceConfig()) as listener:
-        memory = open_remote("%s:%d" % listener.address, "rdma", rdma=RDMA, device=DeviceConfig())
+            listen_on_ring("127.0.0.1:0", [HostSegment(0, ring)], GEOMETRY, ring_secret=SECRET,
+                           rdma_device=DeviceConfig()) as listener:
+        memory = open_remote("%s:%d" % listener.address, "rdma", ring_secret=SECRET, rdma=RDMA, device=DeviceConfig())
         try:
             results, submitted = serve_requests(memory)
         finally:

@@ -9,14 +9,13 @@ import time
 import pytest
 
 from blink.errors import HandshakeError, RdmaError, RingFull, RingMismatch
-from blink.nic import remote
+from blink.nic import proof, remote
 from blink.nic.agent import Agent
 from blink.nic.rdma import RdmaConfig, RdmaMemory
 from blink.nic.recording import RecordingFabric
 from blink.nic.remote import RingExport, RingListener, listen_on_ring, open_remote
 from blink.nic.segments import DeviceSegment, HostSegment
-
-from blink.nic.wire import CudaRegion, Hello, ShmRegion
+from blink.nic.wire import Challenge, CudaRegion, Hello, Reject, ShmRegion
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout
@@ -25,14 +24,21 @@ from blink.ring.request import SamplingParams
 from blink.ring.split import SplitMemory, Window, request_side_bytes
 from blink.ring.transport import LocalMemory, SharedMemory
 
-from .test_wire import ENDPOINT
+from .test_handshake import exchange
+from .test_wire import ENDPOINT, NONCE, PROOF
 
 GEOMETRY = RingGeometry(n_slots=16, max_prompt_tokens=16, max_output_tokens=24, max_stop_ids=2)
 RDMA = RdmaConfig(send_queue_depth=16, cell_bytes=4096)
+SECRET = "the secret in the engine's key file"
 
 
 def address(listener) -> str:
     return "%s:%d" % listener.address
+
+
+def attach(listener, transport: str, fabric: RecordingFabric, ring_secret: str | None = SECRET):
+    """The ring ``listener`` offers, as an agent that knows ``ring_secret`` opens it over ``transport``."""
+    return open_remote(address(listener), transport, ring_secret=ring_secret, rdma=RDMA, verbs_factory=fabric.initiator)
 
 
 def serve_requests(memory, n=30, timeout_s=60.0):
@@ -60,8 +66,9 @@ def serve_requests(memory, n=30, timeout_s=60.0):
 def test_an_agent_attached_over_the_handshake_gets_the_reference_outputs(transport):
     fabric = RecordingFabric()
     with standin_engine(GEOMETRY) as (ring, _), \
-            listen_on_ring("127.0.0.1:0", [HostSegment(0, ring)], GEOMETRY, target_factory=fabric.target) as listener:
-        memory = open_remote(address(listener), transport, rdma=RDMA, verbs_factory=fabric.initiator)
+            listen_on_ring("127.0.0.1:0", [HostSegment(0, ring)], GEOMETRY, ring_secret=SECRET,
+                           target_factory=fabric.target) as listener:
+        memory = attach(listener, transport, fabric)
         assert isinstance(memory, RdmaMemory if transport == "rdma" else SharedMemory)
         try:
             results, submitted = serve_requests(memory)
@@ -69,6 +76,31 @@ def test_an_agent_attached_over_the_handshake_gets_the_reference_outputs(transpo
             memory.close()
         assert listener.server.offers == 1
     assert {rid: results[rid] for rid in submitted} == {rid: expected_output(*r) for rid, r in submitted.items()}
+
+
+@pytest.mark.parametrize("transport", ["ipc", "rdma"])
+@pytest.mark.parametrize("ring_secret", ["a guess", None], ids=["wrong secret", "no secret"])
+def test_an_agent_without_the_engines_secret_gets_nothing_of_the_ring(transport, ring_secret):
+    """Rejected saying where the secret comes from; the engine opened no RDMA target and sent no region: what it
+    sent such an agent is its challenge and the reject. The agent that knows the secret is served as before."""
+    fabric, targets = RecordingFabric(), []
+
+    def target():
+        targets.append(fabric.target())
+        return targets[-1]
+
+    with standin_engine(GEOMETRY) as (ring, _), \
+            listen_on_ring("127.0.0.1:0", [HostSegment(0, ring)], GEOMETRY, ring_secret=SECRET,
+                           target_factory=target) as listener:
+        with pytest.raises(HandshakeError, match=r"rejected this agent: this agent showed (a wrong|no) proof of the "
+                                                 r"ring's secret: set \$BLINK_RING_SECRET on the agent's side"):
+            attach(listener, transport, fabric, ring_secret)
+        forged = proof.prove("a guess", proof.AGENT, proof.nonce(), NONCE, b"") if ring_secret else None
+        sent = exchange(address(listener), Hello("ipc", control.VERSION, NONCE, forged, host=remote.boot_id()))
+        assert [type(message) for message in sent] == [Challenge, Reject]
+        assert targets == [] and listener.server.offers == 0 and listener.server.refused == 2
+        attach(listener, transport, fabric).close()
+        assert listener.server.offers == 1
 
 
 SPLIT = request_side_bytes(RingLayout(GEOMETRY))
@@ -87,12 +119,13 @@ def test_a_ring_offered_in_two_segments_serves_like_one(transport):
     both reach the ring as one address space and get the reference outputs."""
     fabric = RecordingFabric()
     with standin_engine(GEOMETRY) as (ring, _), \
-            listen_on_ring("127.0.0.1:0", split_segments(ring), GEOMETRY, target_factory=fabric.target) as listener:
+            listen_on_ring("127.0.0.1:0", split_segments(ring), GEOMETRY, ring_secret=SECRET,
+                           target_factory=fabric.target) as listener:
         if transport == "ipc":
-            offer = listener.export.answer(Hello("ipc", control.VERSION, host=remote.boot_id()))
+            offer = listener.export.answer(Hello("ipc", control.VERSION, NONCE, PROOF, host=remote.boot_id()), PROOF)
             assert offer.regions == (ShmRegion(0, SPLIT, ring.name, 0),
                                      ShmRegion(SPLIT, ring.size - SPLIT, ring.name, SPLIT))
-        memory = open_remote(address(listener), transport, rdma=RDMA, verbs_factory=fabric.initiator)
+        memory = attach(listener, transport, fabric)
         try:
             assert isinstance(memory, SplitMemory if transport == "ipc" else RdmaMemory)
             assert len(memory.regions if transport == "rdma" else memory.segments) == 2
@@ -142,13 +175,13 @@ def test_the_gpu_memory_ring_is_offered_by_ipc_handle_and_by_dmabuf_whose_fd_is_
     with standin_engine(GEOMETRY) as (ring, _):
         device, output = device_segment(dmabuf), HostSegment(SPLIT, Window(ring, SPLIT, ring.size - SPLIT))
         target = GpuStandIn(fabric, Window(ring, 0, SPLIT))
-        with RingListener("127.0.0.1:0", RingExport(GEOMETRY, [device, output], target_factory=lambda: target)) \
-                as listener:
-            offer = listener.export.answer(Hello("ipc", control.VERSION, host=remote.boot_id()))
+        with RingListener("127.0.0.1:0", RingExport(GEOMETRY, [device, output], target_factory=lambda: target),
+                          SECRET) as listener:
+            offer = listener.export.answer(Hello("ipc", control.VERSION, NONCE, PROOF, host=remote.boot_id()), PROOF)
             assert offer.regions == (CudaRegion(0, SPLIT, bytes(range(64)), BUS_ID),
                                      ShmRegion(SPLIT, ring.size - SPLIT, ring.name, SPLIT))
             os.fstat(dmabuf)                # an ipc offer leaves it open: an rdma agent may still come
-            memory = open_remote(address(listener), "rdma", rdma=RDMA, verbs_factory=fabric.initiator)
+            memory = attach(listener, "rdma", fabric)
             assert target.registered_fds == [dmabuf]
             with pytest.raises(OSError):
                 os.fstat(dmabuf)            # the MR holds the dma-buf now
@@ -174,9 +207,10 @@ def test_an_export_that_no_rdma_agent_used_closes_its_dmabuf_fd():
 def test_several_rdma_agents_get_a_qp_each_over_one_registration():
     fabric = RecordingFabric()
     with standin_engine(GEOMETRY) as (ring, _), \
-            listen_on_ring("127.0.0.1:0", [HostSegment(0, ring)], GEOMETRY, target_factory=fabric.target) as listener:
-        first = open_remote(address(listener), "rdma", rdma=RDMA, verbs_factory=fabric.initiator)
-        second = open_remote(address(listener), "rdma", rdma=RDMA, verbs_factory=fabric.initiator)
+            listen_on_ring("127.0.0.1:0", [HostSegment(0, ring)], GEOMETRY, ring_secret=SECRET,
+                           target_factory=fabric.target) as listener:
+        first = attach(listener, "rdma", fabric)
+        second = attach(listener, "rdma", fabric)
         assert first.regions == second.regions
         assert first.verbs.remote.qp_num != second.verbs.remote.qp_num
         control.request_shutdown(second)
@@ -186,10 +220,10 @@ def test_several_rdma_agents_get_a_qp_each_over_one_registration():
 
 def test_an_engine_without_rdma_says_so_and_still_serves_ipc():
     with standin_engine(GEOMETRY) as (ring, _), \
-            listen_on_ring("127.0.0.1:0", [HostSegment(0, ring)], GEOMETRY) as listener:
+            listen_on_ring("127.0.0.1:0", [HostSegment(0, ring)], GEOMETRY, ring_secret=SECRET) as listener:
         with pytest.raises(HandshakeError, match="rejected this agent: this engine was started without RDMA"):
-            open_remote(address(listener), "rdma", verbs_factory=RecordingFabric().initiator)
-        open_remote(address(listener), "ipc").close()
+            open_remote(address(listener), "rdma", ring_secret=SECRET, verbs_factory=RecordingFabric().initiator)
+        open_remote(address(listener), "ipc", ring_secret=SECRET).close()
 
 
 def test_an_engine_whose_rdma_device_fails_sends_the_reason():
@@ -197,17 +231,18 @@ def test_an_engine_whose_rdma_device_fails_sends_the_reason():
         raise RdmaError("no RDMA device here (ibv_devices lists none)")
 
     with standin_engine(GEOMETRY) as (ring, _), \
-            listen_on_ring("127.0.0.1:0", [HostSegment(0, ring)], GEOMETRY, target_factory=no_device) as listener:
+            listen_on_ring("127.0.0.1:0", [HostSegment(0, ring)], GEOMETRY, ring_secret=SECRET,
+                           target_factory=no_device) as listener:
         with pytest.raises(HandshakeError, match="cannot serve RDMA: no RDMA device here"):
-            open_remote(address(listener), "rdma", verbs_factory=RecordingFabric().initiator)
+            open_remote(address(listener), "rdma", ring_secret=SECRET, verbs_factory=RecordingFabric().initiator)
 
 
 def test_ipc_from_another_host_is_refused():
     with LocalMemory(RingLayout(GEOMETRY).size) as ring:
         export = RingExport(GEOMETRY, [HostSegment(0, ring)])
-        elsewhere = Hello("ipc", control.VERSION, host="00000000-0000-0000-0000-000000000000")
+        elsewhere = Hello("ipc", control.VERSION, NONCE, PROOF, host="00000000-0000-0000-0000-000000000000")
         with pytest.raises(HandshakeError, match="another host.*use --transport rdma"):
-            export.answer(elsewhere)
+            export.answer(elsewhere, PROOF)
 
 
 def test_a_private_ring_cannot_be_offered_over_ipc():
@@ -216,7 +251,7 @@ def test_a_private_ring_cannot_be_offered_over_ipc():
         layout.initialise(ring)
         export = RingExport(GEOMETRY, [HostSegment(0, ring)])
         with pytest.raises(HandshakeError, match="private memory"):
-            export.answer(Hello("ipc", control.VERSION, host=remote.boot_id()))
+            export.answer(Hello("ipc", control.VERSION, NONCE, PROOF, host=remote.boot_id()), PROOF)
 
 
 def test_an_agent_of_another_ring_protocol_version_is_refused():
@@ -224,7 +259,7 @@ def test_an_agent_of_another_ring_protocol_version_is_refused():
     with LocalMemory(layout.size) as ring:
         export = RingExport(GEOMETRY, [HostSegment(0, ring)], target_factory=RecordingFabric().target)
         with pytest.raises(HandshakeError, match=f"ring protocol version 99, this engine {control.VERSION}"):
-            export.answer(Hello("rdma", 99, endpoint=ENDPOINT))
+            export.answer(Hello("rdma", 99, NONCE, PROOF, endpoint=ENDPOINT), PROOF)
 
 
 def test_an_offer_that_does_not_describe_the_ring_reached_is_caught():
@@ -236,9 +271,9 @@ def test_an_offer_that_does_not_describe_the_ring_reached_is_caught():
     fabric = RecordingFabric()
     with standin_engine(GEOMETRY) as (ring, _):
         export = RingExport(other, [HostSegment(0, ring)], target_factory=fabric.target)
-        with RingListener("127.0.0.1:0", export) as listener:
+        with RingListener("127.0.0.1:0", export, SECRET) as listener:
             with pytest.raises(RingMismatch, match="ring field 'max_stop_ids' is 2 in the region but 3"):
-                open_remote(address(listener), "rdma", rdma=RDMA, verbs_factory=fabric.initiator)
+                attach(listener, "rdma", fabric)
 
 
 def test_the_export_checks_its_segments_and_the_agent_its_transport():
@@ -246,7 +281,7 @@ def test_the_export_checks_its_segments_and_the_agent_its_transport():
         with pytest.raises(ValueError, match="cover \\[0, 4096\\) but the ring is"):
             RingExport(GEOMETRY, [HostSegment(0, small)])
     with pytest.raises(ValueError, match="--transport must be one of \\('rdma', 'ipc'\\)"):
-        open_remote("127.0.0.1:1", "tcp")
+        open_remote("127.0.0.1:1", "tcp", ring_secret=SECRET)
 
 
 def test_without_pyverbs_both_sides_say_what_to_install():
@@ -258,9 +293,9 @@ def test_without_pyverbs_both_sides_say_what_to_install():
     from blink.nic.ibverbs import DeviceConfig, PyverbsTarget
 
     with pytest.raises(RdmaError, match="needs pyverbs.*python3-pyverbs"):
-        open_remote("127.0.0.1:1", "rdma")
+        open_remote("127.0.0.1:1", "rdma", ring_secret=SECRET)
     with LocalMemory(RingLayout(GEOMETRY).size) as ring:
         export = RingExport(GEOMETRY, [HostSegment(0, ring)], target_factory=lambda: PyverbsTarget(DeviceConfig()))
         with pytest.raises(HandshakeError, match="the engine cannot serve RDMA: the RDMA transport needs pyverbs"):
-            export.answer(Hello("rdma", control.VERSION, endpoint=ENDPOINT))
+            export.answer(Hello("rdma", control.VERSION, NONCE, PROOF, endpoint=ENDPOINT), PROOF)
 

@@ -1,8 +1,9 @@
 """``blink engine --listen`` and ``blink agent --remote``: in CPU mode the engine's ring in shared memory, the agent
-attached through the setup handshake over the ipc transport (the foreign writer CPU mode can run), its completion
-equal to the one an agent attached by name gets from the same engine; on the H200 (``@pytest.mark.gpu``) the engine
-keeps the ring's request side in GPU memory (``--request-side device``), the agent writes it through CUDA IPC, and
-its completion equals that of an agent on the same model's host-memory ring."""
+attached through the setup handshake over the ipc transport (the foreign writer CPU mode can run) with the ring's
+secret from its key file or from ``$BLINK_RING_SECRET``, its completion equal to the one an agent attached by name
+gets from the same engine, and an agent without the secret refused in one line; on the H200 (``@pytest.mark.gpu``)
+the engine keeps the ring's request side in GPU memory (``--request-side device``), the agent writes it through CUDA
+IPC, and its completion equals that of an agent on the same model's host-memory ring."""
 import http.client
 import json
 import os
@@ -96,35 +97,45 @@ def healthy_ring(name: str) -> bool:
         return False
 
 
-def test_an_agent_attached_through_the_listener_answers_like_one_attached_by_name():
+def refusal(agent_args: list[str], model_dir, **options) -> str:
+    """What ``blink agent`` with ``agent_args`` says when it may not attach (it must exit 1 without a traceback)."""
+    agent = blink("agent", *agent_args, "--model", str(model_dir), stderr=subprocess.PIPE, text=True, **options)
+    _, stderr = agent.communicate(timeout=60)
+    assert agent.returncode == 1 and "Traceback" not in stderr, stderr
+    return stderr
+
+
+def test_an_agent_attached_through_the_listener_answers_like_one_attached_by_name(tmp_path):
     from blink.models import default_model_path
+    from blink.ring import secret
 
     model_dir = default_model_path()
     ring, listen = f"blink-test-remote-{os.getpid()}", f"127.0.0.1:{free_port()}"
-    engine = blink("engine", str(model_dir), "--ring", ring, "--listen", listen, *CLI_ENGINE)
+    env = {name: value for name, value in os.environ.items() if name != secret.ENV}
+    with open(tmp_path / "engine.log", "w") as log:
+        engine = blink("engine", str(model_dir), "--ring", ring, "--listen", listen, *CLI_ENGINE, env=env, stderr=log)
     try:
         wait_for(lambda: healthy_ring(ring), timeout_s=120)
-        by_name = completion_through(["--ring", ring], model_dir)
-        remote = completion_through(["--remote", listen, "--transport", "ipc"], model_dir)
+        by_name = completion_through(["--ring", ring], model_dir, env=env)
+        remote = completion_through(["--remote", listen, "--transport", "ipc", "--ring-key", ring], model_dir, env=env)
         assert remote == by_name and remote
-        no_rdma = blink("agent", "--remote", listen, "--transport", "rdma", "--model", str(model_dir),
-                        stderr=subprocess.PIPE, text=True)
-        _, stderr = no_rdma.communicate(timeout=60)
-        assert no_rdma.returncode == 1 and "Traceback" not in stderr
+        with open(secret.key_path(ring)) as f:      # as an operator hands it to an agent that cannot see the file
+            out_of_band = {**env, secret.ENV: f.read()}
+        assert completion_through(["--remote", listen, "--transport", "ipc"], model_dir, env=out_of_band) == by_name
+        for ring_secret, shown in ((None, "no proof"), ("a guess", "a wrong proof")):
+            stderr = refusal(["--remote", listen, "--transport", "ipc"], model_dir,
+                             env={**env, secret.ENV: ring_secret} if ring_secret else env)
+            assert f"rejected this agent: this agent showed {shown} of the ring's secret: set $BLINK_RING_SECRET" \
+                in stderr, stderr
+        stderr = refusal(["--remote", listen, "--transport", "rdma"], model_dir, env=env)
         assert "pyverbs" in stderr or "RDMA" in stderr, stderr
         engine.send_signal(signal.SIGINT)
         assert engine.wait(60) == 0
         assert not os.path.exists(f"/dev/shm/{ring}") and not os.path.exists(f"/dev/shm/{ring}.key")
     finally:
         engine.kill()
-
-
-def refusal_by_name(ring: str, model_dir) -> str:
-    """What ``blink agent --ring NAME`` says when it may not attach (it must exit 1 without a traceback)."""
-    agent = blink("agent", "--ring", ring, "--model", str(model_dir), stderr=subprocess.PIPE, text=True)
-    _, stderr = agent.communicate(timeout=60)
-    assert agent.returncode == 1 and "Traceback" not in stderr, stderr
-    return stderr
+    logged = (tmp_path / "engine.log").read_text()
+    assert logged.count("refused agents from 127.0.0.1") == 1 and "no proof" in logged, logged
 
 
 @pytest.mark.gpu
@@ -147,8 +158,9 @@ def test_an_agent_writing_the_gpu_memory_ring_through_cuda_ipc_answers_like_one_
                    *GPU_ENGINE)
     try:
         wait_for(lambda: accepting(listen), timeout_s=300)
-        assert "not the one its engine serves" in refusal_by_name(ring, model_dir)
-        assert completion_through(["--remote", listen, "--transport", "ipc"], model_dir, prompt) == want and want
+        assert "not the one its engine serves" in refusal(["--ring", ring], model_dir)
+        assert completion_through(["--remote", listen, "--transport", "ipc", "--ring-key", ring], model_dir,
+                                  prompt) == want and want
         device.send_signal(signal.SIGINT)
         assert device.wait(60) == 0
         assert not os.path.exists(f"/dev/shm/{ring}")
@@ -179,7 +191,7 @@ for path, data in (({secret.key_path(ring)!r}, b"the fake engine's"),
 """)
     try:
         assert fake.returncode == 0, fake.stderr
-        stderr = refusal_by_name(ring, default_model_path())
+        stderr = refusal(["--ring", ring], default_model_path())
         assert f"/dev/shm/{ring} belongs to uid" in stderr and "run the agent as that user" in stderr, stderr
     finally:
         for path in (f"/dev/shm/{ring}", secret.key_path(ring)):

@@ -4,8 +4,8 @@ import json
 import pytest
 
 from blink.errors import HandshakeError
-from blink.nic.wire import (HANDSHAKE_VERSION, CudaRegion, Endpoint, Hello, Offer, RdmaRegion, Reject, RingIdentity,
-                            ShmRegion, decode, encode)
+from blink.nic.wire import (HANDSHAKE_VERSION, Challenge, CudaRegion, Endpoint, Hello, Offer, RdmaRegion, Reject,
+                            RingIdentity, ShmRegion, decode, encode)
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout
@@ -16,22 +16,24 @@ SPLIT = RingLayout(GEOMETRY).offset("outputs")
 ENDPOINT = Endpoint(qp_num=0x123, psn=0xABCDE, gid="fe80:0000:0000:0000:0000:0000:0000:0001", lid=0, mtu=4096,
                     max_rd_atomic=16)
 BOOT = "262ac6de-464f-40df-9cb7-651759ef462b"
+NONCE, PROOF = "0f" * 32, "a5" * 32        # the wire's forms of a nonce and a proof (blink.nic.proof makes them)
 
 
 def rdma_offer():
     regions = (RdmaRegion(0, SPLIT, addr=0x7F0000000000, rkey=0x1234), RdmaRegion(SPLIT, SIZE - SPLIT, 1 << 40, 7))
-    return Offer("rdma", RingIdentity.of(GEOMETRY), regions, ENDPOINT)
+    return Offer("rdma", RingIdentity.of(GEOMETRY), regions, PROOF, ENDPOINT)
 
 
 def ipc_offer():
     # The output side at its own offset of the engine's shared-memory ring, as a GPU-memory request side leaves it.
     regions = (CudaRegion(0, SPLIT, bytes(range(64)), "0000:1b:00.0"),
                ShmRegion(SPLIT, SIZE - SPLIT, "blink-1", offset=SPLIT))
-    return Offer("ipc", RingIdentity.of(GEOMETRY), regions)
+    return Offer("ipc", RingIdentity.of(GEOMETRY), regions, PROOF)
 
 
-MESSAGES = [Hello("rdma", control.VERSION, endpoint=ENDPOINT), Hello("ipc", control.VERSION, host=BOOT),
-            rdma_offer(), ipc_offer(), Reject("no RDMA here")]
+MESSAGES = [Hello("rdma", control.VERSION, NONCE, PROOF, endpoint=ENDPOINT),
+            Hello("ipc", control.VERSION, NONCE, None, host=BOOT), rdma_offer(), ipc_offer(), Reject("no RDMA here"),
+            Challenge(NONCE)]
 
 
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
@@ -124,6 +126,14 @@ MALFORMED = [
     (MESSAGES[1], setter(["host"], "my-laptop"), "Hello.host must be a boot id"),
     (MESSAGES[1], setter(["ring_version"], "1"), "Hello.ring_version"),
     (MESSAGES[4], setter(["reason"], ""), "Reject.reason must be a non-empty string"),
+    # the nonces and proofs of the ring's secret
+    (MESSAGES[5], setter(["nonce"], "0F" * 32), "Challenge.nonce must be 64 lower-case hex digits"),
+    (MESSAGES[5], setter(["nonce"], "0f" * 16), "Challenge.nonce must be 64 lower-case hex digits"),
+    (MESSAGES[0], deleter(["nonce"]), r"missing \['nonce'\]"),
+    (MESSAGES[0], setter(["proof"], 7), "Hello.proof must be 64 lower-case hex digits"),
+    (MESSAGES[1], deleter(["proof"]), r"missing \['proof'\]"),
+    (rdma_offer(), setter(["proof"], None), "Offer.proof must be 64 lower-case hex digits"),
+    (rdma_offer(), setter(["proof"], "a5" * 33), "Offer.proof must be 64 lower-case hex digits"),
 ]
 
 

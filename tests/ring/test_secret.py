@@ -96,3 +96,22 @@ os.write(fd, b"the other user's")
                 open_ring(name)
     finally:
         secret.remove(name)
+
+
+def test_the_secret_given_to_an_agent_of_the_listener_is_the_variable_else_the_named_rings_key_file(monkeypatch):
+    """``given``: what ``blink agent --remote`` proves (``--ring-key NAME`` or none) and the engine's listener
+    checks (its ring's name, or none for an in-process ring)."""
+    monkeypatch.delenv(secret.ENV, raising=False)
+    assert secret.given(None) is None
+    name = _name()
+    with create_ring(name, GEOMETRY):
+        with open(secret.key_path(name)) as f:
+            assert secret.given(name) == f.read()
+        os.chmod(secret.key_path(name), 0o644)
+        with pytest.raises(RingRefused, match="open to other users"):
+            secret.given(name)
+        monkeypatch.setenv(secret.ENV, "the team's secret")
+        assert secret.given(name) == secret.given(None) == "the team's secret"
+    monkeypatch.delenv(secret.ENV)
+    with pytest.raises(RingRefused, match="no key file"):
+        secret.given(name)          # the ring is gone, and its key file with it

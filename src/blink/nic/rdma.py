@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from blink.errors import RdmaError
 from blink.nic.verbs import READ, WC_SUCCESS, WRITE, Verbs, WorkRequest, describe_status
-from blink.nic.wire import RdmaRegion
+from blink.nic.regions import RdmaRegion
 from blink.ring.transport import RemoteMemory
 
 FENCE_BYTES = 4     # the fence reads the control block's magic word, which nobody writes after creation

@@ -26,7 +26,7 @@ from blink.errors import RdmaError
 from blink.nic.segments import HostSegment
 from blink.nic.verbs import (READ, WC_LOC_PROT_ERR, WC_REM_ACCESS_ERR, WC_RETRY_EXC_ERR, WC_SUCCESS, WC_WR_FLUSH_ERR,
                              Completion, Verbs, VerbsTarget, WorkRequest)
-from blink.nic.wire import Endpoint, RdmaRegion
+from blink.nic.regions import Endpoint, RdmaRegion
 
 MTU = 4096
 MAX_RD_ATOMIC = 16

@@ -1,7 +1,9 @@
 """The ring across a process or machine boundary: the agent's ``open_remote`` (``blink agent --remote HOST:PORT``)
 and the engine's ``RingListener`` (``blink engine --listen HOST:PORT``).
 
-The engine describes where its ring's bytes live (``segments``) and answers each agent's hello once:
+Both sides know the ring's secret (``blink.ring.secret``) and prove it to each other in the handshake
+(``blink.nic.proof``): the engine offers its ring only to an agent that proved it, and the agent takes only an offer
+that proves it. The engine describes where its ring's bytes live (``segments``) and answers each proven hello once:
 
 - ``rdma``: the segments are registered with the engine's RDMA device on the first rdma hello (host memory as a
   plain MR, GPU memory through dma-buf), each agent gets a QP of its own, and the offer carries the addresses,
@@ -24,7 +26,8 @@ from blink.nic.handshake import SETUP_TIMEOUT_S, connect, serve_handshake
 from blink.nic.rdma import RdmaConfig, RdmaMemory
 from blink.nic.segments import DeviceSegment, check_tiling
 
-from blink.nic.wire import IPC, RDMA, TRANSPORTS, CudaRegion, Hello, Offer, RingIdentity, ShmRegion
+from blink.nic.regions import CudaRegion, RingIdentity, ShmRegion
+from blink.nic.wire import IPC, RDMA, TRANSPORTS, Hello, Offer
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.split import SplitMemory, Window
@@ -41,9 +44,11 @@ def boot_id() -> str:
 
 # -- the agent's side -------------------------------------------------------------------------------------------
 
-def open_remote(address: str, transport: str = RDMA, *, rdma: RdmaConfig = RdmaConfig(), device=None,
-                verbs_factory=None, timeout_s: float = SETUP_TIMEOUT_S) -> RemoteMemory:
-    """The ring of the engine listening at ``address`` (``HOST:PORT``), over ``transport``, checked.
+def open_remote(address: str, transport: str = RDMA, *, ring_secret: str | None, rdma: RdmaConfig = RdmaConfig(),
+                device=None, verbs_factory=None, timeout_s: float = SETUP_TIMEOUT_S) -> RemoteMemory:
+    """The ring of the engine listening at ``address`` (``HOST:PORT``), over ``transport``, checked; the engine and
+    this agent prove each other they know ``ring_secret`` (``blink.ring.secret.given``; None: this agent knows none,
+    and the engine rejects it saying where the secret comes from).
 
     rdma: the agent's QP comes from ``verbs_factory(staging_bytes, max_send_wr)``; by default a pyverbs QP on
     ``device`` (an ``ibverbs.DeviceConfig``; None: the only device there is).
@@ -51,9 +56,10 @@ def open_remote(address: str, transport: str = RDMA, *, rdma: RdmaConfig = RdmaC
     if transport not in TRANSPORTS:
         raise ValueError(f"--transport must be one of {TRANSPORTS} (got {transport!r})")
     if transport == RDMA:
-        memory, offer = _open_rdma(address, rdma, device, verbs_factory, timeout_s)
+        memory, offer = _open_rdma(address, ring_secret, rdma, device, verbs_factory, timeout_s)
     else:
-        offer = connect(address, Hello(IPC, control.VERSION, host=boot_id()), timeout_s=timeout_s)
+        offer = connect(address, functools.partial(Hello, IPC, control.VERSION, host=boot_id()), ring_secret,
+                        timeout_s=timeout_s)
         offer.ring.check_served_by_this_blink()
         memory = _open_ipc(offer)
     try:
@@ -66,7 +72,7 @@ def open_remote(address: str, transport: str = RDMA, *, rdma: RdmaConfig = RdmaC
     return memory
 
 
-def _open_rdma(address: str, config: RdmaConfig, device, verbs_factory, timeout_s: float):
+def _open_rdma(address: str, ring_secret: str | None, config: RdmaConfig, device, verbs_factory, timeout_s: float):
     if verbs_factory is None:
         from blink.nic.ibverbs import DeviceConfig, PyverbsVerbs
 
@@ -76,7 +82,8 @@ def _open_rdma(address: str, config: RdmaConfig, device, verbs_factory, timeout_
     except ImportError as e:            # no pyverbs: a one-line error like every other setup failure
         raise RdmaError(str(e)) from None
     try:
-        offer = connect(address, Hello(RDMA, control.VERSION, endpoint=verbs.endpoint), timeout_s=timeout_s)
+        offer = connect(address, functools.partial(Hello, RDMA, control.VERSION, endpoint=verbs.endpoint),
+                        ring_secret, timeout_s=timeout_s)
         offer.ring.check_served_by_this_blink()
         verbs.connect(offer.endpoint)
         return RdmaMemory(verbs, offer.regions, offer.ring.size, config), offer
@@ -147,21 +154,21 @@ class RingExport:
     def transports(self) -> tuple[str, ...]:
         return TRANSPORTS if self._target_factory is not None else (IPC,)
 
-    def answer(self, hello: Hello) -> Offer:
-        """The ``Offer`` for ``hello``; ``HandshakeError`` (sent back as the reject's reason) if it cannot be
-        served."""
+    def answer(self, hello: Hello, proof: str) -> Offer:
+        """The ``Offer`` for ``hello`` (whose proof the handshake checked), carrying ``proof`` (the engine's);
+        ``HandshakeError`` (sent back as the reject's reason) if it cannot be served."""
         if hello.ring_version != control.VERSION:
             raise HandshakeError(f"the agent speaks ring protocol version {hello.ring_version}, this engine "
                                  f"{control.VERSION}: run the agent and the engine from the same blink version")
-        return self._offer_rdma(hello) if hello.transport == RDMA else self._offer_ipc(hello)
+        return self._offer_rdma(hello, proof) if hello.transport == RDMA else self._offer_ipc(hello, proof)
 
-    def _offer_rdma(self, hello: Hello) -> Offer:
+    def _offer_rdma(self, hello: Hello, proof: str) -> Offer:
         if self._target_factory is None:
             raise HandshakeError("this engine was started without RDMA: use --transport ipc on its host, or "
                                  "restart it with an RDMA device")
         if self._target is None:
             self._open_target()
-        return Offer(RDMA, self.ring, self._regions, self._target.accept(hello.endpoint))
+        return Offer(RDMA, self.ring, self._regions, proof, self._target.accept(hello.endpoint))
 
     def _open_target(self) -> None:
         try:
@@ -180,11 +187,11 @@ class RingExport:
         while self._dmabuf_fds:
             os.close(self._dmabuf_fds.pop())
 
-    def _offer_ipc(self, hello: Hello) -> Offer:
+    def _offer_ipc(self, hello: Hello, proof: str) -> Offer:
         if hello.host != boot_id():
             raise HandshakeError("the agent runs on another host than the engine (their boot ids differ), and ipc "
                                  "maps the engine's memory: use --transport rdma")
-        return Offer(IPC, self.ring, tuple(_ipc_region(segment) for segment in self.segments))
+        return Offer(IPC, self.ring, tuple(_ipc_region(segment) for segment in self.segments), proof)
 
     def close(self) -> None:
         self._close_dmabuf_fds()
@@ -207,11 +214,12 @@ def _ipc_region(segment):
 
 class RingListener:
     """The engine's setup-only listener on ``address`` for one ring (a ``RingExport`` behind a
-    ``HandshakeServer``). ``close()`` stops listening and destroys the agents' QPs."""
+    ``HandshakeServer``), for agents that prove they know ``ring_secret``. ``close()`` stops listening and destroys
+    the agents' QPs."""
 
-    def __init__(self, address: str, export: RingExport):
+    def __init__(self, address: str, export: RingExport, ring_secret: str):
         self.export = export
-        self.server = serve_handshake(address, export.answer)
+        self.server = serve_handshake(address, export.answer, ring_secret)
         log.info("listening for agents on %s:%d (%s)", *self.server.address, ", ".join(export.transports))
 
     @property
@@ -229,13 +237,14 @@ class RingListener:
         self.close()
 
 
-def listen_on_ring(address: str, segments, geometry: RingGeometry, *, rdma_device=None,
+def listen_on_ring(address: str, segments, geometry: RingGeometry, *, ring_secret: str, rdma_device=None,
                    target_factory=None) -> RingListener:
     """A ``RingListener`` for the ring of ``geometry`` whose bytes are in ``segments`` (``HostSegment`` /
-    ``DeviceSegment``: the engine's ``EngineCore.segments()``). RDMA is offered through ``target_factory``, or a
-    pyverbs target on ``rdma_device`` (an ``ibverbs.DeviceConfig``) when one is given; with neither, ipc only."""
+    ``DeviceSegment``: the engine's ``EngineCore.segments()``), for agents that prove they know ``ring_secret``.
+    RDMA is offered through ``target_factory``, or a pyverbs target on ``rdma_device`` (an ``ibverbs.DeviceConfig``)
+    when one is given; with neither, ipc only."""
     if target_factory is None and rdma_device is not None:
         from blink.nic.ibverbs import PyverbsTarget
 
         target_factory = functools.partial(PyverbsTarget, rdma_device)
-    return RingListener(address, RingExport(geometry, segments, target_factory=target_factory))
+    return RingListener(address, RingExport(geometry, segments, target_factory=target_factory), ring_secret)

@@ -1,13 +1,17 @@
 """The setup handshake's messages: what an agent and an engine exchange once, before any request.
 
-Three messages, each a JSON object with ``"blink_handshake": HANDSHAKE_VERSION`` and a ``"type"``:
+Four messages, each a JSON object with ``"blink_handshake": HANDSHAKE_VERSION`` and a ``"type"``:
 
-- ``hello`` (agent -> engine): the transport it wants (``rdma`` or ``ipc``), its ring protocol version, and its QP's
-  ``Endpoint`` (rdma) or its host's boot id (ipc: the engine's memory can be mapped only on the engine's host);
+- ``challenge`` (engine -> agent, first): a fresh nonce the agent's proof must cover (``blink.nic.proof``);
+- ``hello`` (agent -> engine): the transport it wants (``rdma`` or ``ipc``), its ring protocol version, its nonce
+  and its proof of the ring's secret (null: it has none), and its QP's ``Endpoint`` (rdma) or its host's boot id
+  (ipc: the engine's memory can be mapped only on the engine's host);
 - ``offer`` (engine -> agent): the ring's identity (magic, version, geometry, size), the regions that hold its bytes
-  (rdma: remote address + rkey each; ipc: a shared-memory name or a CUDA IPC handle each) and, for rdma, the
-  engine's QP ``Endpoint``;
+  (rdma: remote address + rkey each; ipc: a shared-memory name or a CUDA IPC handle each), the engine's proof of the
+  ring's secret and, for rdma, the engine's QP ``Endpoint``;
 - ``reject`` (either way): why the peer cannot be served, in words.
+
+The values they carry (``RingIdentity``, the regions, ``Endpoint``) are in ``blink.nic.regions``.
 
 Why JSON, not a packed struct: the exchange happens once per agent, so size and speed do not matter, while a
 self-describing object lets each rejection name the wrong field, a version add fields, and a capture be read.
@@ -21,148 +25,16 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 from blink.errors import HandshakeError
-from blink.ring import control
+from blink.nic.proof import HEX, NONCE_BYTES
+from blink.nic.regions import CudaRegion, Endpoint, RdmaRegion, RingIdentity, ShmRegion, check_int, check_str
 from blink.ring.geometry import RingGeometry
-from blink.ring.layout import REGION_ALIGN, RingLayout
+from blink.ring.layout import REGION_ALIGN
 
-HANDSHAKE_VERSION = 2       # 2: ShmRegion.offset
+HANDSHAKE_VERSION = 3       # 2: ShmRegion.offset; 3: Challenge, and the proofs of the ring's secret
 RDMA, IPC = "rdma", "ipc"
 TRANSPORTS = (RDMA, IPC)
-MTUS = (256, 512, 1024, 2048, 4096)     # the IB path MTUs (ibv_mtu), in bytes
 MAX_REGIONS = 16
-_GID = re.compile(r"[0-9a-f]{4}(:[0-9a-f]{4}){7}")      # pyverbs' text form of a GID
 _BOOT_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-_SHM_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
-_PCI_BUS_ID = re.compile(r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]")
-CUDA_IPC_HANDLE_BYTES = 64             # sizeof(CUipcMemHandle)
-
-
-def _check_int(where: str, value, lo: int, hi: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        raise HandshakeError(f"{where} must be an int in [{lo}, {hi}] (got {value!r})")
-
-
-def _check_str(where: str, value, pattern: re.Pattern, form: str) -> None:
-    if not isinstance(value, str) or not pattern.fullmatch(value):
-        raise HandshakeError(f"{where} must be {form} (got {value!r})")
-
-
-def _check_fields(obj) -> None:
-    """Validate every int field of a wire dataclass against its ``LIMITS``."""
-    for name, (lo, hi) in obj.LIMITS.items():
-        _check_int(f"{type(obj).__name__}.{name}", getattr(obj, name), lo, hi)
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """An RC queue pair's address: QP number, first packet sequence number, GID and LID of its port, the port's
-    active MTU in bytes, and how many RDMA READs it handles at once (each side uses the smaller of the two)."""
-
-    qp_num: int
-    psn: int
-    gid: str
-    lid: int
-    mtu: int
-    max_rd_atomic: int
-
-    LIMITS = {"qp_num": (2, (1 << 24) - 1), "psn": (0, (1 << 24) - 1), "lid": (0, 0xFFFF), "max_rd_atomic": (1, 255)}
-
-    def __post_init__(self):
-        _check_fields(self)
-        _check_str("Endpoint.gid", self.gid, _GID, "8 groups of 4 lower-case hex digits (0000:...:ffff:c0a8:0101)")
-        if set(self.gid) <= {"0", ":"}:
-            raise HandshakeError("Endpoint.gid is all zeros: the port has no GID at that index (show_gids)")
-        if self.mtu not in MTUS:
-            raise HandshakeError(f"Endpoint.mtu must be one of {MTUS} (got {self.mtu!r})")
-
-
-@dataclass(frozen=True)
-class RingIdentity:
-    """Which ring is offered: its control block's magic and version, its geometry and its size in bytes."""
-
-    magic: int
-    version: int
-    size: int
-    geometry: RingGeometry
-
-    LIMITS = {"magic": (0, 0xFFFFFFFF), "version": (0, 0xFFFFFFFF), "size": (REGION_ALIGN, 1 << 62)}
-
-    def __post_init__(self):
-        _check_fields(self)
-        if not isinstance(self.geometry, RingGeometry):
-            raise HandshakeError(f"RingIdentity.geometry must be a RingGeometry (got {self.geometry!r})")
-        if self.size != RingLayout(self.geometry).size:
-            raise HandshakeError(f"RingIdentity.size is {self.size} but its geometry lays out "
-                                 f"{RingLayout(self.geometry).size} bytes")
-
-    @classmethod
-    def of(cls, geometry: RingGeometry) -> RingIdentity:
-        return cls(control.MAGIC, control.VERSION, RingLayout(geometry).size, geometry)
-
-    def check_served_by_this_blink(self) -> None:
-        """``HandshakeError`` unless this blink's agent can drive the ring (magic and protocol version)."""
-        if self.magic != control.MAGIC:
-            raise HandshakeError(f"the engine offers a region with magic {self.magic:#x}, not a blink ring "
-                                 f"({control.MAGIC:#x})")
-        if self.version != control.VERSION:
-            raise HandshakeError(f"the engine's ring speaks protocol version {self.version}, this agent "
-                                 f"{control.VERSION}: run the agent and the engine from the same blink version")
-
-
-@dataclass(frozen=True)
-class RdmaRegion:
-    """Ring bytes ``[start, start + size)`` are at ``addr`` in the engine's NIC's address space, under ``rkey``."""
-
-    start: int
-    size: int
-    addr: int
-    rkey: int
-
-    LIMITS = {"start": (0, 1 << 62), "size": (1, 1 << 62), "addr": (0, (1 << 64) - 1), "rkey": (0, 0xFFFFFFFF)}
-
-    def __post_init__(self):
-        _check_fields(self)
-        if self.addr + self.size > 1 << 64:
-            raise HandshakeError(f"RdmaRegion [{self.addr:#x}, +{self.size}) runs past the 64-bit address space")
-
-
-@dataclass(frozen=True)
-class ShmRegion:
-    """Ring bytes ``[start, start + size)`` are bytes ``[offset, offset + size)`` of the POSIX shared-memory object
-    ``/dev/shm/<name>`` (same host): the whole ring at offset 0, or the output side of a ring whose request side is
-    in GPU memory, at its own ring offset in the engine's shared-memory ring."""
-
-    start: int
-    size: int
-    name: str
-    offset: int = 0
-
-    LIMITS = {"start": (0, 1 << 62), "size": (1, 1 << 62), "offset": (0, 1 << 62)}
-
-    def __post_init__(self):
-        _check_fields(self)
-        _check_str("ShmRegion.name", self.name, _SHM_NAME, "a shared-memory file name of letters, digits, '._-'")
-
-
-@dataclass(frozen=True)
-class CudaRegion:
-    """Ring bytes ``[start, start + size)`` are a GPU allocation exported with ``cuIpcGetMemHandle`` (``handle``,
-    64 bytes) on the GPU at ``pci_bus_id`` (same host)."""
-
-    start: int
-    size: int
-    handle: bytes
-    pci_bus_id: str
-
-    LIMITS = {"start": (0, 1 << 62), "size": (1, 1 << 62)}
-
-    def __post_init__(self):
-        _check_fields(self)
-        if not isinstance(self.handle, bytes) or len(self.handle) != CUDA_IPC_HANDLE_BYTES:
-            raise HandshakeError(f"CudaRegion.handle must be {CUDA_IPC_HANDLE_BYTES} bytes (got {self.handle!r})")
-        _check_str("CudaRegion.pci_bus_id", self.pci_bus_id, _PCI_BUS_ID, "a PCI bus id like '0000:1b:00.0'")
-
-
 REGION_KINDS = {"rdma": RdmaRegion, "shm": ShmRegion, "cuda": CudaRegion}
 _TRANSPORT_REGIONS = {RDMA: (RdmaRegion,), IPC: (ShmRegion, CudaRegion)}
 
@@ -172,38 +44,60 @@ def _check_transport(where: str, transport) -> None:
         raise HandshakeError(f"{where} must be one of {TRANSPORTS} (got {transport!r})")
 
 
+def _check_hex(where: str, value) -> None:
+    check_str(where, value, HEX, f"{2 * NONCE_BYTES} lower-case hex digits")
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """The listener's first message on every connection: the nonce this connection's proofs must cover."""
+
+    nonce: str
+
+    def __post_init__(self):
+        _check_hex("Challenge.nonce", self.nonce)
+
+
 @dataclass(frozen=True)
 class Hello:
-    """The agent's request: a transport, its ring protocol version and its QP (rdma) or boot id (ipc)."""
+    """The agent's request: a transport, its ring protocol version, its nonce and proof (None: it knows no
+    secret), and its QP (rdma) or boot id (ipc)."""
 
     transport: str
     ring_version: int
+    nonce: str
+    proof: str | None
     endpoint: Endpoint | None = None
     host: str | None = None
 
     def __post_init__(self):
         _check_transport("Hello.transport", self.transport)
-        _check_int("Hello.ring_version", self.ring_version, 0, 0xFFFFFFFF)
+        check_int("Hello.ring_version", self.ring_version, 0, 0xFFFFFFFF)
+        _check_hex("Hello.nonce", self.nonce)
+        if self.proof is not None:
+            _check_hex("Hello.proof", self.proof)
         if self.transport == RDMA and (not isinstance(self.endpoint, Endpoint) or self.host is not None):
             raise HandshakeError("an rdma Hello carries the agent's QP Endpoint and no host")
         if self.transport == IPC:
             if self.endpoint is not None:
                 raise HandshakeError("an ipc Hello carries the agent's host boot id and no Endpoint")
-            _check_str("Hello.host", self.host, _BOOT_ID, "a boot id (/proc/sys/kernel/random/boot_id)")
+            check_str("Hello.host", self.host, _BOOT_ID, "a boot id (/proc/sys/kernel/random/boot_id)")
 
 
 @dataclass(frozen=True)
 class Offer:
     """The engine's answer: the ring, the regions that tile it (in order, each on a ``REGION_ALIGN`` boundary,
-    all of the transport's kinds) and, for rdma, the engine's QP."""
+    all of the transport's kinds), the engine's proof and, for rdma, the engine's QP."""
 
     transport: str
     ring: RingIdentity
     regions: tuple
+    proof: str
     endpoint: Endpoint | None = None
 
     def __post_init__(self):
         _check_transport("Offer.transport", self.transport)
+        _check_hex("Offer.proof", self.proof)
         if not isinstance(self.ring, RingIdentity):
             raise HandshakeError(f"Offer.ring must be a RingIdentity (got {self.ring!r})")
         if (self.transport == RDMA) != isinstance(self.endpoint, Endpoint):
@@ -238,20 +132,20 @@ class Reject:
             raise HandshakeError(f"Reject.reason must be a non-empty string (got {self.reason!r})")
 
 
-MESSAGE_TYPES = {"hello": Hello, "offer": Offer, "reject": Reject}
+MESSAGE_TYPES = {"challenge": Challenge, "hello": Hello, "offer": Offer, "reject": Reject}
 _TYPE_NAMES = {cls: name for name, cls in MESSAGE_TYPES.items()}
 
 
 # -- encoding ---------------------------------------------------------------------------------------------------
 
 def encode(message) -> bytes:
-    """The UTF-8 JSON of a ``Hello``, ``Offer`` or ``Reject``."""
+    """The UTF-8 JSON of a ``Challenge``, ``Hello``, ``Offer`` or ``Reject``."""
     obj = {"blink_handshake": HANDSHAKE_VERSION, "type": _TYPE_NAMES[type(message)], **_to_json(message)}
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def _to_json(value):
-    if isinstance(value, (Hello, Offer, Reject, Endpoint)):
+    if isinstance(value, (*MESSAGE_TYPES.values(), Endpoint)):
         return {f.name: _to_json(getattr(value, f.name)) for f in fields(value)}
     if isinstance(value, RingIdentity):
         return {"magic": value.magic, "version": value.version, "size": value.size,

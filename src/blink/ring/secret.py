@@ -8,6 +8,11 @@ see the engine's ``/dev/shm``, e.g. in another container), else the key file, wh
 user's with mode 0600 (``transport.check_owned``), and attaches only if the digests are equal. Run as the same user
 in two shells, ``blink engine --ring NAME`` and ``blink agent --ring NAME`` need nothing more; another user can
 neither read the key nor make one the agent accepts.
+
+An agent that attaches through the engine's listener (``blink agent --remote``) takes the secret from the same
+places (``given``): ``$BLINK_RING_SECRET``, else the key file of the ring name it is given. The engine's listener
+takes it from where the engine put it: its key file, or ``$BLINK_RING_SECRET``, which an engine whose ring has no
+name must have. The secret itself never crosses the connection: each side proves it (``blink.nic.proof``).
 """
 from __future__ import annotations
 
@@ -68,6 +73,12 @@ def read(name: str) -> str:
     with os.fdopen(fd) as f:
         check_owned(f.fileno(), path)
         return f.read()
+
+
+def given(name: str | None) -> str | None:
+    """The secret of the ring ``name`` as ``read`` finds it, or, without a name, ``$BLINK_RING_SECRET`` if set
+    (None if not)."""
+    return read(name) if name is not None else os.environ.get(ENV) or None
 
 
 def verify(memory, secret: str, name: str) -> None:
