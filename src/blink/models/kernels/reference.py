@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from ..hashing import gumbel_noise, row_key
 from ..e4m3 import dequantize
 from .bias import apply_logit_bias  # noqa: F401  (torch and capturable: the same on every device)
+from .grammar import apply_grammar  # noqa: F401  (likewise)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
