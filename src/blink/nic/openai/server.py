@@ -32,6 +32,7 @@ from blink.nic.agent_loop import AgentLoop, LoopConfig
 from blink.nic.metrics import Metrics
 from blink.nic.defaults import SamplingDefaults
 from blink.nic.drain import ABORT_GRACE_S, Drain, DrainConfig
+from blink.nic.grammars import GrammarCompiler
 from blink.nic.openai.errors import REFUSALS, ApiError, api_error
 from blink.nic.openai.health import LoadCollector, Probes
 from blink.nic.openai.connections import ConnectionGuard, JsonErrors
@@ -57,6 +58,7 @@ class ServerConfig:
     ``drain``: how long a SIGTERM waits for the requests in flight (``blink.nic.drain``).
     ``thread_start``: called first in each thread the server starts (its tokenizer threads), e.g. to give them a
     priority the loop's thread does not pass on (``blink serve``: ``blink.priority.helper_priority``).
+    ``grammar_timeout_s``: the longest one structured output may take to compile (``blink.nic.grammars``).
     /health fails and requests get 503 while the agent's ``Liveness`` says the engine is not serving."""
 
     model_name: str
@@ -66,6 +68,7 @@ class ServerConfig:
     defaults: SamplingDefaults = SamplingDefaults()
     drain: DrainConfig = DrainConfig()
     thread_start: Callable[[], None] | None = None
+    grammar_timeout_s: float = 30.0
 
 
 class OpenAIServer:
@@ -79,7 +82,10 @@ class OpenAIServer:
         self.tokenizer, self.config, self.engine_gone = tokenizer, config, engine_gone
         self.exit_code = 0
         self.stopped = asyncio.Event()
-        self.parser = Parser(tokenizer, config.model_name, agent, config.defaults)
+        g = agent.geometry
+        self.grammars = (GrammarCompiler(tokenizer, g.vocab_size, g.max_grammar_bytes, config.grammar_timeout_s)
+                         if g.max_grammar_bytes else None)
+        self.parser = Parser(tokenizer, config.model_name, agent, config.defaults, self.grammars)
         self.tokenization = Tokenization(self.parser)
         self.metrics = Metrics()
         self.loop = AgentLoop(agent, self.metrics, config.loop)
@@ -171,6 +177,8 @@ class OpenAIServer:
         await asyncio.gather(*tasks, return_exceptions=True)
         for pool in self._tokenizing.values():
             pool.shutdown(wait=False, cancel_futures=True)
+        if self.grammars is not None:
+            self.grammars.close()
 
     def _loop_ended(self, task: asyncio.Task) -> None:
         """The agent loop ends only when the server stops, or when it crashed (it logged why and failed the requests
