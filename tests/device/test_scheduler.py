@@ -349,6 +349,20 @@ def test_a_header_asking_for_more_than_the_ring_holds_finishes_with_error(field,
     assert h.reasons[ok] == "length"
 
 
+@pytest.mark.parametrize("start", [-4, (1 << 20) // 4 - 1, 2**31 - 1])
+def test_a_header_whose_grammar_lies_outside_the_region_finishes_with_error(start):
+    """A start state whose record would not fit the grammars region (a buggy or hostile writer of the ring) is
+    refused at admission; the device never walks outside the region."""
+    h = Harness()
+    rid = h.agent.submit([4, 5], SamplingParams(max_tokens=3, grammar=GRAMMARS[0]))
+    ok = h.agent.submit([4, 5], SamplingParams(max_tokens=3, grammar=GRAMMARS[1]))
+    offset = h.layout.header_at(h.agent._slot_of[rid]) + h.layout.header_dtype.fields["grammar"][1]
+    h.memory.write(offset, np.array([start], "<i4").tobytes())
+    h.run_until_idle()
+    assert (h.reasons[rid], h.outputs.get(rid, [])) == ("error", [])
+    assert h.reasons[ok] == "length"
+
+
 def test_a_request_cancelled_during_chunked_prefill_finishes_with_abort_and_no_tokens():
     """Its previous steps sampled nothing, so nothing but the cancel makes its publication happen."""
     h = Harness()

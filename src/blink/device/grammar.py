@@ -20,7 +20,8 @@ def fits(s, slot):
     if (s.hdr_i32[slot, H32_FLAGS] & FLAG_GRAMMAR) == 0:
         return True
     start = s.hdr_i32[slot, H32_GRAMMAR]
-    return 0 <= start and start + s.cfg[CFG_MASK_WORDS] + RECORD_WORDS <= s.cfg[CFG_GRAMMAR_WORDS]
+    # Subtracted from the region's size, not added to the start: a start near 2**31 must not wrap around.
+    return 0 <= start <= s.cfg[CFG_GRAMMAR_WORDS] - s.cfg[CFG_MASK_WORDS] - RECORD_WORDS
 
 
 @cuda.jit(device=True)
