@@ -10,7 +10,7 @@ together take at most ``max_bytes``; refusals are remembered too, so a schema th
 
 Every refusal is a ``GrammarError`` whose message is a predicate about the structured output ("is not valid JSON
 (...)"), said of the request field that carries it; it says what was wrong and what to do. Thread-safe: compiles run one
-at a time.
+at a time, and a lookup of a compiled grammar never waits for one.
 """
 from __future__ import annotations
 
@@ -116,29 +116,43 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
         self._refused: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._cached_bytes = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()           # the cache and the refusals: held for lookups, never for a compile
+        self._compiling = threading.Lock()      # the worker: one compile at a time
         self._worker = self._conn = None
 
     def compile(self, spec: StructuredOutputs) -> Grammar:
         key = (spec.kind, spec.text)
+        known = self._known(key)
+        if known is not None:
+            return known
+        with self._compiling:
+            known = self._known(key)           # compiled while this thread waited
+            if known is not None:
+                return known
+            try:
+                grammar = self._compile(key, spec.regex())
+            except GrammarError as e:
+                with self._lock:
+                    self._refused[key] = str(e)
+                    while len(self._refused) > REFUSALS_KEPT:
+                        self._refused.popitem(last=False)
+                raise
+        with self._lock:
+            self._cache[key] = grammar
+            self._cached_bytes += grammar.nbytes
+            while self._cached_bytes > self.max_bytes:
+                self._cached_bytes -= self._cache.popitem(last=False)[1].nbytes
+        return grammar
+
+    def _known(self, key: tuple[str, str]) -> Grammar | None:
+        """The cached grammar of ``key``, or None; ``GrammarError`` if it was refused."""
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
             if key in self._refused:
                 raise GrammarError(self._refused[key])
-            try:
-                grammar = self._compile(key, spec.regex())
-            except GrammarError as e:
-                self._refused[key] = str(e)
-                while len(self._refused) > REFUSALS_KEPT:
-                    self._refused.popitem(last=False)
-                raise
-            self._cache[key] = grammar
-            self._cached_bytes += grammar.nbytes
-            while self._cached_bytes > self.max_bytes:
-                self._cached_bytes -= self._cache.popitem(last=False)[1].nbytes
-            return grammar
+        return None
 
     def _compile(self, key: tuple[str, str], regex: str) -> Grammar:
         conn = self._connection()

@@ -37,6 +37,7 @@ from blink.nic.openai.errors import REFUSALS, ApiError, api_error
 from blink.nic.openai.health import LoadCollector, Probes
 from blink.nic.openai.connections import ConnectionGuard, JsonErrors
 from blink.nic.openai.limits import BodyPlaces, HttpLimits, OneLineBadRequests, is_small, read_body
+from blink.nic.openai import structured
 from blink.nic.openai.requests import Job, Parser, json_body
 from blink.nic.openai.responses import Responder
 from blink.nic.openai.tokenization import Tokenization, vllm_json
@@ -256,7 +257,9 @@ class OpenAIServer:
         body = json_body(await read_body(request, self.config.limits, deadline, rate_from))
         if cheap(body):
             return parse(body)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizing[small], parse, body)
+        # A structured output may compile for long (--grammar-timeout): never in the thread small bodies share.
+        pool = self._tokenizing[small and not structured.asks(body)]
+        return await asyncio.get_running_loop().run_in_executor(pool, parse, body)
 
     async def _serve(self, request: web.Request, job: Job, arrival: float) -> web.StreamResponse:
         reqs = []
