@@ -90,6 +90,7 @@ def engine_options(parser, slots: int) -> None:
 
 def http_options(parser) -> None:
     from blink.nic.agent_loop import LoopConfig
+    from blink.nic.grammars import COMPILE_TIMEOUT_S
 
     parser.add_argument("--tokenizer", default=None,
                         help="the tokenizer's model directory or cached model id (default: the model's)")
@@ -123,7 +124,7 @@ def http_options(parser) -> None:
     parser.add_argument("--special-tokens-as-text", action="store_true",
                         help="encode special tokens' text inside chat messages as plain text (default: as the special "
                              "tokens, like transformers and vLLM; see docs/serving.md)")
-    parser.add_argument("--grammar-timeout", type=float, default=30.0,
+    parser.add_argument("--grammar-timeout", type=float, default=COMPILE_TIMEOUT_S,
                         help="seconds one structured output (JSON schema, regex, choices) may take to compile; a "
                              "longer one gets 400")
     parser.add_argument("--liveness-timeout", type=float, default=10.0,

@@ -79,3 +79,17 @@ def test_a_grammar_larger_than_the_table_is_refused_before_it_is_built(tokenizer
         assert small.compile(StructuredOutputs.choice(["ok"])).nbytes <= 64 << 10
     finally:
         small.close()
+
+
+def test_the_python_api_compiles_for_its_engine():
+    from blink import Engine, EngineConfig, SamplingParams, SchedulerConfig
+
+    config = EngineConfig(device="cpu", n_slots=4, max_prompt_tokens=64, max_output_tokens=16,
+                          max_grammar_bytes=4 << 20,
+                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=80),
+                          cpu_kv_cache_gib=0.05, sim_threads=2)
+    with Engine(config) as llm:
+        choices = ["red", "green", "a shade of blue"]
+        grammar = llm.grammar(StructuredOutputs.choice(choices))
+        outs = llm.generate(["Grass is", "The sky is"], SamplingParams(max_tokens=16, temperature=0, grammar=grammar))
+        assert all(out.text in choices and out.finish_reason == "stop" for out in outs)

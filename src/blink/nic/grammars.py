@@ -27,6 +27,7 @@ KINDS = ("json", "regex", "choice", "json_object")
 REFUSALS_KEPT = 256         # refused (kind, text) pairs remembered
 MAX_CHOICES = 1024
 WORKER_START_S = 60.0       # the worker imports numpy and outlines-core and builds the vocabulary
+COMPILE_TIMEOUT_S = 30.0    # the longest one compile may take, by default (blink serve --grammar-timeout)
 
 
 class GrammarError(ValueError):

@@ -32,7 +32,7 @@ from blink.nic.agent_loop import AgentLoop, LoopConfig
 from blink.nic.metrics import Metrics
 from blink.nic.defaults import SamplingDefaults
 from blink.nic.drain import ABORT_GRACE_S, Drain, DrainConfig
-from blink.nic.grammars import GrammarCompiler
+from blink.nic.grammars import COMPILE_TIMEOUT_S, GrammarCompiler
 from blink.nic.openai.errors import REFUSALS, ApiError, api_error
 from blink.nic.openai.health import LoadCollector, Probes
 from blink.nic.openai.connections import ConnectionGuard, JsonErrors
@@ -69,7 +69,7 @@ class ServerConfig:
     defaults: SamplingDefaults = SamplingDefaults()
     drain: DrainConfig = DrainConfig()
     thread_start: Callable[[], None] | None = None
-    grammar_timeout_s: float = 30.0
+    grammar_timeout_s: float = COMPILE_TIMEOUT_S
 
 
 class OpenAIServer:
