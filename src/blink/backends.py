@@ -116,6 +116,8 @@ class CpuBackend:
 
     def __init__(self, model, memory, geometry: RingGeometry, config: EngineConfig, max_model_len: int,
                  eos_token_ids: tuple[int, ...], followers=None):
+        import torch
+
         from blink.device.sim import SimScheduler
         from blink.faults import StepFaults
         from blink.models.history import TokenHistory
@@ -142,6 +144,11 @@ class CpuBackend:
             followers.share(Setup(num_pages, page_size, *astuple(self.step.layout)))
         self._view = RingLayout(geometry).view(memory.buffer)
         self.ring_memory = memory
+        # The step reads the grammars region in place (the agent writes a grammar before the requests that use it).
+        self.grammars = None if self._view.grammars is None else torch.from_numpy(self._view.grammars)
+        if self.grammars is not None and geometry.vocab_size != model.lm_head_weight().shape[0]:
+            raise ValueError(f"the ring's grammars cover {geometry.vocab_size} tokens but the model's logits have "
+                             f"{model.lm_head_weight().shape[0]}: build the ring with the model's vocab_size")
         self.scheduler = SimScheduler(self._view, geometry, self.config, self.step, step_fn=self._run_step,
                                       policy=config.policy_function(), threads=config.sim_threads)
         # Each layer a beat: a long step that progresses is not hung. Removed at close (the model may outlive us).
@@ -169,7 +176,7 @@ class CpuBackend:
         self.faults.before(self._steps)
         if self.followers is not None:
             self.followers.run(self.step, n_tokens)
-        self.model(self.step, self.kv, n_tokens, self.history)
+        self.model(self.step, self.kv, n_tokens, self.history, self.grammars)
 
     def _loop(self) -> None:
         from blink.ring.control import ENGINE_STOPPED
@@ -194,6 +201,7 @@ class CpuBackend:
         for beat in self._beats:
             beat.remove()
         self.scheduler = self._view = self.step = self.kv = self.history = self.model = self.followers = None
+        self.grammars = None
 
 
 class GpuBackend:

@@ -136,7 +136,7 @@ def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cor
     config = ServerConfig(model_name=args.served_model_name or os.path.basename(model_dir), loop=loop,
                           api_key=api_key_from(args.api_key, args.api_key_file),
                           defaults=sampling_defaults(model_dir, args.generation_config), drain=drain,
-                          thread_start=helper_priority)
+                          thread_start=helper_priority, grammar_timeout_s=args.grammar_timeout)
     # Listening while the engine starts: /livez 200, /readyz 503 "starting" (docs/deploy.md).
     server = OpenAIServer(agent, tokenizer, config, engine_gone=engine_watch(agent, engine_process))
     return run(server, args.host, args.port)
@@ -173,7 +173,7 @@ def _engine_config(args, model_dir, **overrides):
                                 buckets=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None)
     same = ("device", "dtype", "policy", "gpu_memory_utilization", "cpu_kv_cache_gib", "max_prompt_tokens",
             "max_output_tokens", "max_logit_bias", "max_top_logprobs", "quantization", "load_format",
-            "tensor_parallel_size")
+            "tensor_parallel_size", "max_grammar_bytes")
     return EngineConfig(model=str(model_dir), scheduler=scheduler, n_slots=args.slots,
                         **{name: getattr(args, name) for name in same}, **overrides)
 

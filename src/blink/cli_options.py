@@ -8,6 +8,8 @@ import argparse
 from blink.priority import PRIORITIES
 
 
+SERVED_GRAMMAR_BYTES = 64 << 20     # a served ring's grammars region: dozens of JSON schemas for a 50k vocabulary
+
 # vLLM's --uvicorn-log-level names -> logging's levels (trace: aiohttp has nothing below debug)
 LOG_LEVELS = {"critical": "CRITICAL", "error": "ERROR", "warning": "WARNING", "info": "INFO", "debug": "DEBUG",
               "trace": "DEBUG"}
@@ -81,10 +83,14 @@ def engine_options(parser, slots: int) -> None:
                         help="longest output a ring slot holds (default: max-model-len - 1)")
     parser.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias, help="logit_bias tokens per request")
     parser.add_argument("--max-top-logprobs", type=int, default=d.max_top_logprobs, help="top_logprobs per token")
+    parser.add_argument("--max-grammar-bytes", type=int, default=SERVED_GRAMMAR_BYTES,
+                        help="ring bytes for the compiled grammars of structured outputs (response_format, "
+                             "structured_outputs); 0: none, such requests get 400 (the CPU engine serves them so far)")
 
 
 def http_options(parser) -> None:
     from blink.nic.agent_loop import LoopConfig
+    from blink.nic.grammars import COMPILE_TIMEOUT_S
 
     parser.add_argument("--tokenizer", default=None,
                         help="the tokenizer's model directory or cached model id (default: the model's)")
@@ -118,6 +124,9 @@ def http_options(parser) -> None:
     parser.add_argument("--special-tokens-as-text", action="store_true",
                         help="encode special tokens' text inside chat messages as plain text (default: as the special "
                              "tokens, like transformers and vLLM; see docs/serving.md)")
+    parser.add_argument("--grammar-timeout", type=float, default=COMPILE_TIMEOUT_S,
+                        help="seconds one structured output (JSON schema, regex, choices) may take to compile; a "
+                             "longer one gets 400")
     parser.add_argument("--liveness-timeout", type=float, default=10.0,
                         help="seconds the engine may show no sign of life (outside a long step) before requests "
                              "get 503")

@@ -53,10 +53,12 @@ class EngineConfig:
     The ring has ``n_slots`` request slots of ``max_prompt_tokens`` prompt and ``max_output_tokens`` output tokens
     (None: ``max_model_len - 1`` each), each request's ``logit_bias`` up to ``max_logit_bias`` tokens and
     ``top_logprobs`` up to ``max_top_logprobs`` per token (0: none; that area costs ``8 × n_slots ×
-    max_output_tokens × max_top_logprobs`` bytes of ring). ``ring_name=None`` keeps it in this process; a name puts
-    it in POSIX shared memory (``/dev/shm/<ring_name>``) for an agent in another process. ``sim_threads`` is the
-    simulated scheduler block size in CPU mode (each is a Python thread: keep it small). ``tensor_parallel_size``
-    splits the model over that many processes (``blink.ranks``; CPU only so far).
+    max_output_tokens × max_top_logprobs`` bytes of ring), and ``max_grammar_bytes`` of ring hold the compiled grammars
+    of structured outputs (``blink.ring.grammar``; 0: none, and requests with a grammar are refused; the CPU engine at
+    tensor parallel size 1 serves them so far, elsewhere the ring is built without them). ``ring_name=None`` keeps it
+    in this process; a name puts it in POSIX shared memory (``/dev/shm/<ring_name>``) for an agent in another
+    process. ``sim_threads`` is the simulated scheduler block size in CPU mode (each is a Python thread: keep it
+    small). ``tensor_parallel_size`` splits the model over that many processes (``blink.ranks``; CPU only so far).
 
     ``request_side="device"`` (GPU only) keeps the ring's request side (control block, status, headers, prompts) in
     GPU memory, where the scheduler's polls are HBM reads and a NIC writes it by GPUDirect RDMA; the output side
@@ -80,6 +82,7 @@ class EngineConfig:
     logprobs: bool = True
     max_logit_bias: int = RingGeometry.max_logit_bias
     max_top_logprobs: int = RingGeometry.max_top_logprobs
+    max_grammar_bytes: int = RingGeometry.max_grammar_bytes
     ring_name: str | None = None
     sim_threads: int = 4
     tensor_parallel_size: int = 1
@@ -100,7 +103,7 @@ class EngineConfig:
         check(self.policy is None or isinstance(self.policy, str) or callable(self.policy), owner, "policy",
               "None, a function or 'module:function'", self.policy)
         RingGeometry.check("n_slots", self.n_slots, owner)
-        for name in ("max_stop_ids", "max_logit_bias", "max_top_logprobs"):
+        for name in ("max_stop_ids", "max_logit_bias", "max_top_logprobs", "max_grammar_bytes"):
             RingGeometry.check(name, getattr(self, name), owner)
         for name in ("max_prompt_tokens", "max_output_tokens"):
             if getattr(self, name) is not None:
@@ -134,8 +137,9 @@ class EngineConfig:
             raise ValueError(f"SchedulerConfig.max_model_len={length} leaves no room to generate: it must be >= 2")
         return length
 
-    def geometry(self, max_model_len: int) -> RingGeometry:
-        """The ring for sequences of ``max_model_len`` positions; ``ValueError`` if a prompt would leave no room."""
+    def geometry(self, max_model_len: int, vocab_size: int = 0) -> RingGeometry:
+        """The ring for sequences of ``max_model_len`` positions; ``ValueError`` if a prompt would leave no room.
+        ``vocab_size``: the model's, where the engine serves grammars (0: the ring gets no grammars region)."""
         prompt = self.max_prompt_tokens or max_model_len - 1
         if prompt >= max_model_len:
             raise ValueError(f"EngineConfig.max_prompt_tokens={prompt} leaves no room to generate in sequences of "
@@ -143,7 +147,8 @@ class EngineConfig:
         caching = self.scheduler.enable_prefix_caching
         return RingGeometry(self.n_slots, prompt, self.max_output_tokens or max_model_len - 1, self.max_stop_ids,
                             self.logprobs, max_model_len, self.scheduler.page_size if caching else 0,
-                            self.max_logit_bias, self.max_top_logprobs)
+                            self.max_logit_bias, self.max_top_logprobs,
+                            self.max_grammar_bytes if vocab_size else 0, vocab_size if self.max_grammar_bytes else 0)
 
     def policy_function(self):
         """The admission policy as a numba device function (``blink.device.policy.fcfs`` when None)."""

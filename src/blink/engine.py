@@ -41,6 +41,7 @@ class _Engine:
         self.config = config
         self.core = EngineCore(config)
         self.agent = Agent(self.core.ring_memory, self.core.geometry)
+        self._grammars = None
 
     @property
     def tokenizer(self):
@@ -75,6 +76,24 @@ class _Engine:
         """The scheduler's counters and gauges from the ring's control block."""
         return self.core.stats()
 
+    def grammar(self, structured_outputs):
+        """``structured_outputs`` (``blink.nic.grammars.StructuredOutputs``) compiled for this engine's model, for
+        ``SamplingParams(grammar=...)``; ``GrammarError`` (a ``ValueError``) saying why it cannot be. The compiler (a
+        worker process) starts at the first call and stops with the engine."""
+        from blink.nic.grammars import COMPILE_TIMEOUT_S, GrammarCompiler
+
+        g = self.agent.geometry
+        if not g.max_grammar_bytes:
+            raise ValueError("this engine's ring has no grammars region: set EngineConfig.max_grammar_bytes (the "
+                             "CPU engine at tensor_parallel_size 1 serves grammars so far)")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, g.vocab_size, g.max_grammar_bytes, COMPILE_TIMEOUT_S)
+        return self._grammars.compile(structured_outputs)
+
+    def _stop_grammars(self) -> None:
+        if self._grammars is not None:
+            self._grammars.close()
+
     def _check_open(self) -> None:
         if self.core.closed:
             raise EngineClosed("the engine is closed: create a new Engine to submit requests")
@@ -91,6 +110,7 @@ class Engine(_Engine):
     def close(self) -> None:
         """Abort what is in flight, stop the loop and release everything (idempotent)."""
         with self._lock:
+            self._stop_grammars()
             self.core.close()
 
     def __enter__(self):
@@ -237,6 +257,7 @@ class AsyncEngine(_Engine):
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        self._stop_grammars()
         await asyncio.to_thread(self.core.close)
 
     async def __aenter__(self):

@@ -11,7 +11,8 @@ import numpy as np
 
 from blink.device import sim  # noqa: F401  (simulator first, and its race-free shared arrays)
 from blink.device.numba_compat import cuda
-from blink.device.state import N_COUNTERS, SchedulerArrays, ring_arrays, state_arrays
+from blink.device.arrays import ring_arrays, state_arrays
+from blink.device.state import N_COUNTERS, SchedulerArrays
 from blink.device.step import StepLayout
 from blink.ring.layout import RingLayout
 

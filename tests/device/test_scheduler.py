@@ -16,22 +16,27 @@ from tests.device.pages import check_pages
 
 from blink.device.config import SchedulerConfig
 from blink.device.sim import SimScheduler
-from blink.device.state import FREE_TOP, H32_N_LOGIT_BIAS, HF_MIN_P, IDLE, N_EVICTABLE, N_RUNNING, STOP
+from blink.device.state import (FREE_TOP, H32_FLAGS, H32_GRAMMAR, H32_N_LOGIT_BIAS, HF_MIN_P, IDLE, N_EVICTABLE,
+                                N_RUNNING, STOP)
 from blink.device.step import StepBuffers, StepLayout
 from blink.errors import RingFull
 from blink.nic.agent import Agent
 from blink.ring.control import ENGINE_STOPPED
 from blink.ring.geometry import RingGeometry
-from blink.ring.layout import RingLayout
+from blink.ring.grammar import next_state
+from blink.ring.layout import FLAG_GRAMMAR, RingLayout
 from blink.ring.reference import expected_output
 from blink.ring.request import SamplingParams
-from blink.ring.standin import standin_continuation, standin_step
+from blink.ring.standin import STANDIN_VOCAB, standin_continuation, standin_step
 from blink.ring.transport import LocalMemory
+from tests.grammars import random_grammar
 
 GEOMETRY = RingGeometry(n_slots=12, max_prompt_tokens=40, max_output_tokens=12, max_stop_ids=2, prefix_page_size=4,
-                        max_logit_bias=3, max_top_logprobs=2)
+                        max_logit_bias=3, max_top_logprobs=2, max_grammar_bytes=1 << 20, vocab_size=STANDIN_VOCAB)
 CONFIG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, page_size=4, num_pages=24, max_model_len=52,
                          buckets=(1, 2, 4, 8, 16), eos_token_ids=(), block_threads=4)
+# Grammars some requests follow: the stand-in model does not obey them, but the scheduler must walk them.
+GRAMMARS = [random_grammar(np.random.default_rng(k), STANDIN_VOCAB, (7, 11), most=200)[0] for k in range(3)]
 
 
 def without_caching(config=CONFIG, geometry=GEOMETRY):
@@ -170,6 +175,11 @@ def check_step_contract(s, config, bucket):
         assert s.min_p[r] == s.hdr_f32[slot, HF_MIN_P] and s.n_logit_bias[r] == n_bias
         assert (s.logit_bias_ids[r, :n_bias] == s.bias_i32[slot, 0:2 * n_bias:2]).all()
         assert (s.logit_bias[r, :n_bias] == s.bias_f32[slot, 1:2 * n_bias:2]).all()
+        # Its grammar state: the header's start state moved by each token generated so far (none: -1).
+        state = int(s.hdr_i32[slot, H32_GRAMMAR]) if s.hdr_i32[slot, H32_FLAGS] & FLAG_GRAMMAR else -1
+        for token in known[int(s.seq_prompt_len[slot]):total] if state >= 0 else ():
+            state = next_state(s.grammars, state, token, STANDIN_VOCAB)
+        assert s.grammar_state[r] == state
         chunks.append(q)
     return {"slots": slots, "chunks": chunks}
 
@@ -193,7 +203,8 @@ def test_random_workloads_match_the_reference(requests, num_pages, threads, use_
                 stop = (standin_continuation(prompt, seed, max_tokens)[max_tokens // 2],) if use_stop else ()
                 params = SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=ignore_eos,
                                         stop_token_ids=stop, min_p=seed % 5 / 4,
-                                        logit_bias={(seed >> 8 * k) % 32000: k - 1.5 for k in range(seed % 4)})
+                                        logit_bias={(seed >> 8 * k) % 32000: k - 1.5 for k in range(seed % 4)},
+                                        grammar=None if ignore_eos else GRAMMARS[seed % 4] if seed % 4 < 3 else None)
                 rid = h.agent.submit(prompt, params)
                 submitted[rid] = (prompt, params, cancel)
             elif arrival + 2 == iteration and cancel:
@@ -333,6 +344,20 @@ def test_a_header_asking_for_more_than_the_ring_holds_finishes_with_error(field,
     slot = h.agent._slot_of[rid]
     dtype = h.layout.header_dtype
     h.memory.write(h.layout.header_at(slot) + dtype.fields[field][1], np.array([value], "<u4").tobytes())
+    h.run_until_idle()
+    assert (h.reasons[rid], h.outputs.get(rid, [])) == ("error", [])
+    assert h.reasons[ok] == "length"
+
+
+@pytest.mark.parametrize("start", [-4, (1 << 20) // 4 - 1, 2**31 - 1])
+def test_a_header_whose_grammar_lies_outside_the_region_finishes_with_error(start):
+    """A start state whose record would not fit the grammars region (a buggy or hostile writer of the ring) is
+    refused at admission; the device never walks outside the region."""
+    h = Harness()
+    rid = h.agent.submit([4, 5], SamplingParams(max_tokens=3, grammar=GRAMMARS[0]))
+    ok = h.agent.submit([4, 5], SamplingParams(max_tokens=3, grammar=GRAMMARS[1]))
+    offset = h.layout.header_at(h.agent._slot_of[rid]) + h.layout.header_dtype.fields["grammar"][1]
+    h.memory.write(offset, np.array([start], "<i4").tobytes())
     h.run_until_idle()
     assert (h.reasons[rid], h.outputs.get(rid, [])) == ("error", [])
     assert h.reasons[ok] == "length"

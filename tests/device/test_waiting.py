@@ -315,7 +315,7 @@ def test_requests_written_by_the_agent():
     from blink.ring.request import SamplingParams
     from blink.ring.transport import LocalMemory
 
-    from blink.device.state import ring_arrays
+    from blink.device.arrays import ring_arrays
 
     layout = RingLayout(GEOMETRY)
     memory = LocalMemory(layout.size)

@@ -20,12 +20,12 @@ CONTROL_SPEC = [("magic", 0, 4), ("version", 4, 4), ("n_slots", 8, 4), ("max_pro
                 ("prefix_page_size", 156, 4), ("prefix_seed", 160, 8), ("prefix_query_tokens", 168, 8),
                 ("prefix_hit_tokens", 176, 8), ("prefix_evictions", 184, 8), ("prefill_tokens", 192, 8),
                 ("cached_pages", 200, 4), ("max_logit_bias", 204, 4), ("max_top_logprobs", 208, 4),
-                ("secret_digest", 216, 8)]
+                ("vocab_size", 212, 4), ("secret_digest", 216, 8), ("max_grammar_bytes", 224, 4)]
 HEADER_SPEC = [("request_id", 0, 8), ("arrival_ns", 8, 8), ("seed", 16, 8), ("prompt_len", 24, 4),
                ("max_tokens", 28, 4), ("temperature", 32, 4), ("top_p", 36, 4), ("top_k", 40, 4), ("flags", 44, 4),
                ("n_stop", 48, 4), ("priority", 52, 4), ("prefix_state", 56, 8), ("presence_penalty", 64, 4),
                ("frequency_penalty", 68, 4), ("repetition_penalty", 72, 4), ("min_p", 76, 4), ("top_logprobs", 80, 4),
-               ("n_logit_bias", 84, 4)]
+               ("n_logit_bias", 84, 4), ("grammar", 88, 4)]
 
 
 @pytest.mark.parametrize("dtype,spec,itemsize", [(CONTROL_DTYPE, CONTROL_SPEC, 256),
@@ -50,7 +50,8 @@ def test_header_size_follows_stop_capacity(max_stop_ids, itemsize):
 @pytest.mark.parametrize("geometry", [RingGeometry(), RingGeometry(n_slots=3, max_prompt_tokens=5, max_output_tokens=7,
                                                                    max_stop_ids=0, logprobs=False, max_logit_bias=0),
                                       RingGeometry(n_slots=5, max_prompt_tokens=70, prefix_page_size=16,
-                                                   max_logit_bias=3, max_top_logprobs=20)])
+                                                   max_logit_bias=3, max_top_logprobs=20, max_grammar_bytes=4098,
+                                                   vocab_size=100)])
 def test_regions_are_page_aligned_disjoint_and_sized(geometry):
     layout = RingLayout(geometry)
     n = geometry.n_slots
@@ -60,6 +61,7 @@ def test_regions_are_page_aligned_disjoint_and_sized(geometry):
                 "prefix_keys": 8 * n * (geometry.max_prompt_tokens // geometry.prefix_page_size
                                         if geometry.prefix_page_size else 0),
                 "logit_bias": 8 * n * geometry.max_logit_bias,
+                "grammars": geometry.max_grammar_bytes // 4 * 4,
                 "outputs": 4 * n * geometry.max_output_tokens,
                 "logprobs": 4 * n * geometry.max_output_tokens if geometry.logprobs else 0,
                 "top_logprobs": 8 * n * geometry.max_output_tokens * geometry.max_top_logprobs}
@@ -76,7 +78,9 @@ def test_regions_are_page_aligned_disjoint_and_sized(geometry):
     assert layout.logit_bias_at(2) == layout.offset("logit_bias") + 16 * geometry.max_logit_bias
     assert layout.top_logprobs_at(1, 2) == (layout.offset("top_logprobs")
                                             + 8 * geometry.max_top_logprobs * (geometry.max_output_tokens + 2))
-    assert list(layout.regions).index("logit_bias") < list(layout.regions).index("outputs")  # the request side
+    assert layout.grammar_at(3) == layout.offset("grammars") + 12
+    for name in ("logit_bias", "grammars"):                                     # the request side
+        assert list(layout.regions).index(name) < list(layout.regions).index("outputs")
 
 
 def _random_value(dtype: np.dtype, rng):
@@ -88,7 +92,7 @@ def _random_value(dtype: np.dtype, rng):
 
 def test_every_field_round_trips_through_the_region_views():
     geometry = RingGeometry(n_slots=5, max_prompt_tokens=7, max_output_tokens=3, max_stop_ids=4, prefix_page_size=3,
-                            max_logit_bias=2, max_top_logprobs=2)
+                            max_logit_bias=2, max_top_logprobs=2, max_grammar_bytes=64, vocab_size=40)
     layout = RingLayout(geometry)
     rng = np.random.default_rng(0)
     buffer = bytearray(layout.size)
@@ -109,6 +113,7 @@ def test_every_field_round_trips_through_the_region_views():
     for pairs in (view.logit_bias, view.top_logprobs):
         pairs["token"] = rng.integers(0, 2**31, pairs.shape)
         pairs["value"] = rng.standard_normal(pairs.shape)
+    view.grammars[:] = rng.integers(-2**31, 2**31, view.grammars.shape)
     # Read back through raw byte offsets, as a transport would.
     for (region, slot, name), value in written.items():
         dtype = {"control": CONTROL_DTYPE, "headers": layout.header_dtype}[region]
@@ -131,6 +136,8 @@ def test_every_field_round_trips_through_the_region_views():
         np.testing.assert_array_equal(lp, view.logprobs[slot])
         bias = np.frombuffer(bytes(buffer[layout.logit_bias_at(slot): layout.logit_bias_at(slot) + 16]), PAIR_DTYPE)
         np.testing.assert_array_equal(bias, view.logit_bias[slot])
+        word = np.frombuffer(bytes(buffer[layout.grammar_at(slot): layout.grammar_at(slot) + 4]), "<i4")
+        assert word[0] == view.grammars[slot]
         for index in range(3):
             at = layout.top_logprobs_at(slot, index)
             np.testing.assert_array_equal(np.frombuffer(bytes(buffer[at: at + 16]), PAIR_DTYPE),
@@ -139,12 +146,12 @@ def test_every_field_round_trips_through_the_region_views():
 
 def test_views_do_not_overlap():
     layout = RingLayout(RingGeometry(n_slots=4, max_prompt_tokens=3, max_output_tokens=2, prefix_page_size=1,
-                                     max_logit_bias=3, max_top_logprobs=2))
+                                     max_logit_bias=3, max_top_logprobs=2, max_grammar_bytes=40, vocab_size=9))
     buffer = bytearray(layout.size)
     view = layout.view(buffer)
     columns = [view.status[name] for name in STATUS_COLUMNS]
     for array in (view.control, *columns, view.headers, view.prompts, view.prefix_keys, view.logit_bias,
-                  view.outputs, view.logprobs, view.top_logprobs):
+                  view.grammars, view.outputs, view.logprobs, view.top_logprobs):
         array.view(np.uint8)[...] = 0xFF
         assert sum(buffer) == 0xFF * array.nbytes
         array.view(np.uint8)[...] = 0

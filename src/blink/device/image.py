@@ -26,8 +26,8 @@ from blink.device.config import IMAGE_ARCH, MAX_BUCKETS, SchedulerConfig
 from blink.device.numba_compat import SIMULATOR, cuda
 from blink.device.policy import fcfs
 from blink.device.scheduler import make_iterate
-from blink.device.state import (DB_CANCELS, DB_SHUTDOWN, DB_SUBMITTED, DB_VALID, STOP, SchedulerArrays, ring_arrays,
-                                state_arrays)
+from blink.device.arrays import ring_arrays, state_arrays
+from blink.device.state import DB_CANCELS, DB_SHUTDOWN, DB_SUBMITTED, DB_VALID, STOP, SchedulerArrays
 from blink.device.step import StepLayout
 from blink.errors import LaunchError
 from blink.paths import cache_dir

@@ -30,8 +30,8 @@ from blink.device.config import SchedulerConfig
 from blink.device.driver import DeviceMemory, check, error_name
 from blink.device.image import LAUNCH_WORDS, STANDIN_BLOCK, STEP_CYCLES, STEPS_TIMED, link_image
 from blink.device.policy import fcfs
-from blink.device.state import (C64_HEARTBEAT, P_FIRST, PROFILE_PHASES, STATS_WORDS, SchedulerArrays, control_gauges,
-                                ring_arrays, state_arrays)
+from blink.device.arrays import control_gauges, ring_arrays, state_arrays
+from blink.device.state import C64_HEARTBEAT, P_FIRST, PROFILE_PHASES, STATS_WORDS, SchedulerArrays
 from blink.device.step import StepLayout
 from blink.errors import LaunchError
 from blink.ring import control

@@ -4,12 +4,13 @@
 PCIe once). ``write_sampling``: into the step row that samples for the request; the ``logit_bias`` pairs only when
 the row held another request (or another admission of it) in the previous step, as the block tables are copied.
 ``store_top_logprobs``: the step's most likely tokens of a row into the ring's ``top_logprobs`` area, as many as
-the request asked for.
+the request asked for. The request's grammar state (``grammar.py``) travels with them.
 """
 from __future__ import annotations
 
 from numba import int64
 
+from blink.device import grammar
 from blink.device.numba_compat import cuda, load_volatile
 from blink.device.state import (CFG_MAX_LOGIT_BIAS, CFG_MAX_TOP_LOGPROBS, H32_N_LOGIT_BIAS, H32_TOP_K,
                                 H32_TOP_LOGPROBS, H64_SEED, HF_MIN_P, HF_PENALTIES, HF_TEMPERATURE, HF_TOP_P)
@@ -18,10 +19,11 @@ from blink.device.step import N_PENALTIES
 
 @cuda.jit(device=True)
 def fits(s, slot):
-    """Whether the header's ``logit_bias`` and ``top_logprobs`` counts fit the ring."""
+    """Whether the header's ``logit_bias`` and ``top_logprobs`` counts and its grammar fit the ring."""
     n_bias = s.hdr_i32[slot, H32_N_LOGIT_BIAS]
     top = s.hdr_i32[slot, H32_TOP_LOGPROBS]
-    return 0 <= n_bias <= s.cfg[CFG_MAX_LOGIT_BIAS] and 0 <= top <= s.cfg[CFG_MAX_TOP_LOGPROBS]
+    return (0 <= n_bias <= s.cfg[CFG_MAX_LOGIT_BIAS] and 0 <= top <= s.cfg[CFG_MAX_TOP_LOGPROBS]
+            and grammar.fits(s, slot))
 
 
 @cuda.jit(device=True)
@@ -34,6 +36,7 @@ def load_sampling(s, slot):
     for k in range(N_PENALTIES):
         s.seq_penalties[slot, k] = s.hdr_f32[slot, HF_PENALTIES + k]
     s.seq_top_logprobs[slot] = s.hdr_i32[slot, H32_TOP_LOGPROBS]
+    s.seq_grammar[slot] = grammar.start_state(s, slot)
     n_bias = s.hdr_i32[slot, H32_N_LOGIT_BIAS]
     s.seq_n_logit_bias[slot] = n_bias
     for k in range(n_bias):
@@ -53,6 +56,7 @@ def write_sampling(s, r, slot, same):
     for k in range(N_PENALTIES):
         s.penalties[r, k] = s.seq_penalties[slot, k]
     s.n_logit_bias[r] = s.seq_n_logit_bias[slot]
+    s.grammar_state[r] = s.seq_grammar[slot]
     if not same:
         for k in range(s.seq_n_logit_bias[slot]):
             s.logit_bias_ids[r, k] = s.seq_bias_ids[slot, k]

@@ -3,8 +3,9 @@
 One iteration (``iterate``), run by one thread block:
 
 1. **consume** the previous step's sampled tokens: token (and logprob) into the ring's output area, fence, then
-   ``n_generated``; stop checks (EOS unless ignore_eos, stop ids -> "stop"; ``max_tokens`` -> "length"); the pages
-   the step filled enter the prefix cache (``prefix.cache_step``);
+   ``n_generated``; the request's grammar state moves on (``grammar.advance``); stop checks (EOS unless ignore_eos,
+   stop ids -> "stop"; ``max_tokens`` -> "length"); the pages the step filled enter the prefix cache
+   (``prefix.cache_step``);
 2. **retire** finished and cancelled sequences: their pages released (``kv.free_sequences``), ``finish_reason``,
    fence, FINISHED;
 3. **collect** new READY requests into the waiting queue (``waiting.py``), only when the agent's ``submitted``
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from numba import int32, int64
 
-from blink.device import batcher, prefix, sampling
+from blink.device import batcher, grammar, prefix, sampling
 from blink.device.block import MAX_THREADS, exclusive_scan
 from blink.device.doorbells import read_doorbells
 from blink.device.kv import free_sequences, free_total
@@ -86,6 +87,7 @@ def consume(s, sh):
             prefix.note_token(s, slot, s.seq_total[slot], token)
             s.seq_total[slot] += 1
             s.seq_last[slot] = token
+            grammar.advance(s, slot, token)
             s.seq_finish[slot] = stop_reason(s, slot, token)
             cuda.atomic.add(sh.counters, K_TOKENS, 1)
     cuda.syncthreads()

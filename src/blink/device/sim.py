@@ -17,12 +17,13 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import numpy as np  # noqa: E402
 
+from blink.device.arrays import control_gauges, ring_arrays, state_arrays  # noqa: E402
 from blink.device.config import SchedulerConfig  # noqa: E402
 from blink.device.numba_compat import SIMULATOR, cuda  # noqa: E402
 from blink.device.policy import fcfs  # noqa: E402
 from blink.device.scheduler import make_iterate  # noqa: E402
 from blink.device.state import (C32_IN_STEP, C32_SHUTDOWN, C64_CANCELS, C64_HEARTBEAT, C64_SUBMITTED,  # noqa: E402
-                                IDLE, STOP, SchedulerArrays, control_gauges, ring_arrays, state_arrays)
+                                IDLE, STOP, SchedulerArrays)
 from blink.device.step import StepBuffers  # noqa: E402
 from blink.ring.geometry import RingGeometry  # noqa: E402
 from blink.ring.layout import RingView  # noqa: E402

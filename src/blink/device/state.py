@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
 
-from blink.device.config import MAX_EOS, MAX_SEQS, SchedulerConfig
-from blink.device.step import N_PENALTIES, StepLayout
+from blink.device.config import MAX_SEQS
+from blink.device.step import N_PENALTIES
 from blink.ring.control import word_index
-from blink.ring.geometry import RingGeometry
-from blink.ring.layout import RingView, header_dtype
+from blink.ring.layout import header_dtype
 
 
 def _names(*names: str) -> range:
@@ -35,9 +33,11 @@ STOP = -2       # shutdown done: do not relaunch
 
 # Scheduler configuration words (s.cfg).
 CFG_NAMES = ("page_size", "token_budget", "max_num_seqs", "n_buckets", "n_eos", "watermark", "max_model_len",
-             "logprobs", "max_stop", "prefix_caching", "max_logit_bias", "max_top_logprobs")
+             "logprobs", "max_stop", "prefix_caching", "max_logit_bias", "max_top_logprobs", "grammar_words",
+             "mask_words")
 CFG_PAGE_SIZE, CFG_TOKEN_BUDGET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_N_EOS, CFG_WATERMARK, CFG_MAX_MODEL_LEN, \
-    CFG_LOGPROBS, CFG_MAX_STOP, CFG_PREFIX_CACHING, CFG_MAX_LOGIT_BIAS, CFG_MAX_TOP_LOGPROBS = _names(*CFG_NAMES)
+    CFG_LOGPROBS, CFG_MAX_STOP, CFG_PREFIX_CACHING, CFG_MAX_LOGIT_BIAS, CFG_MAX_TOP_LOGPROBS, CFG_GRAMMAR_WORDS, \
+    CFG_MASK_WORDS = _names(*CFG_NAMES)
 CFG_WORDS = len(CFG_NAMES)
 
 # Control-block words, as indices into the u32 (C32_*) and u64 (C64_*) views of the block.
@@ -80,8 +80,9 @@ def _header_word(name: str, size: int) -> int:
 H64_REQUEST_ID, H64_ARRIVAL, H64_SEED, H64_PREFIX_STATE = (
     _header_word(n, 8) for n in ("request_id", "arrival_ns", "seed", "prefix_state"))
 H32_PROMPT_LEN, H32_MAX_TOKENS, H32_TOP_K, H32_FLAGS, H32_N_STOP, H32_PRIORITY, H32_STOP_IDS, H32_TOP_LOGPROBS, \
-    H32_N_LOGIT_BIAS = (_header_word(n, 4) for n in ("prompt_len", "max_tokens", "top_k", "flags", "n_stop", "priority",
-                                                     "stop_ids", "top_logprobs", "n_logit_bias"))
+    H32_N_LOGIT_BIAS, H32_GRAMMAR = (_header_word(n, 4) for n in ("prompt_len", "max_tokens", "top_k", "flags",
+                                                                  "n_stop", "priority", "stop_ids", "top_logprobs",
+                                                                  "n_logit_bias", "grammar"))
 HF_TEMPERATURE, HF_TOP_P, HF_MIN_P = (_header_word(n, 4) for n in ("temperature", "top_p", "min_p"))
 # The three penalties are consecutive f32 words of the header, in the order of a row of ``penalties``.
 PENALTY_NAMES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -118,6 +119,7 @@ class SchedulerArrays(NamedTuple):
     bias_f32: object
     top_i32: object         # [n, 2 max_output_tokens max_top_logprobs]  top logprobs of each output position
     top_f32: object
+    grammars: object        # i32 [max_grammar_bytes / 4]  compiled grammars (ring/grammar.py; [1] without the region)
     # Step inputs and outputs (StepBuffers).
     num_seqs: object
     token_ids: object
@@ -137,6 +139,7 @@ class SchedulerArrays(NamedTuple):
     n_logit_bias: object
     logit_bias_ids: object
     logit_bias: object
+    grammar_state: object
     sampled_ids: object
     sampled_logprobs: object
     sampled_top_ids: object
@@ -170,6 +173,7 @@ class SchedulerArrays(NamedTuple):
     seq_n_logit_bias: object  # i32 [n]
     seq_bias_ids: object    # i32 [n, max_logit_bias or 1]  the request's logit_bias, copied at admission
     seq_bias: object        # f32 [n, max_logit_bias or 1]
+    seq_grammar: object     # i32 [n]  the state its grammar is in, a word offset into ``grammars`` (-1: no grammar)
     seq_keys: object        # u64 [n, max_pages_per_seq]  prefix key of each full page (prompt: the ring's)
     seq_hash: object        # u64 [n]  prefix-key chain state after the sequence's last known token
     seq_seen: object        # i32 [n]  a READY slot the scheduler holds: QUEUED or REFUSED (0: none; see below)
@@ -248,97 +252,3 @@ def table_entries(num_pages: int) -> int:
     while buckets * PREFIX_WAYS < 2 * num_pages:
         buckets *= 2
     return buckets * PREFIX_WAYS
-
-
-# -- host side: the arrays of one scheduler ----------------------------------------------------------------------
-
-
-def ring_arrays(view: RingView) -> dict[str, np.ndarray]:
-    """The ring fields of ``SchedulerArrays`` as numpy views of the ring region."""
-    n = view.headers.shape[0]
-    raw_headers = view.headers.view(np.uint8).reshape(n, -1)
-    logprobs = view.logprobs if view.logprobs is not None else np.zeros((n, 1), np.float32)
-    prefix_keys = view.prefix_keys if view.prefix_keys is not None else np.zeros((n, 1), np.uint64)
-    control = view.control.view(np.uint8).reshape(-1)
-    bias, top = (np.zeros((n, 2), np.int32) if pairs is None else pairs.view(np.int32).reshape(n, -1)
-                 for pairs in (view.logit_bias, view.top_logprobs))
-    return dict(ctl32=control.view(np.uint32), ctl64=control.view(np.uint64), state=view.status["state"],
-                epoch=view.status["epoch"], cancel=view.status["cancel"], finish=view.status["finish_reason"],
-                ngen=view.status["n_generated"], hdr_i32=raw_headers.view(np.int32),
-                hdr_f32=raw_headers.view(np.float32), hdr_u64=raw_headers.view(np.uint64), prompts=view.prompts,
-                prefix_keys=prefix_keys, outputs=view.outputs, logprobs=logprobs, bias_i32=bias,
-                bias_f32=bias.view(np.float32), top_i32=top, top_f32=top.view(np.float32))
-
-
-def check_prefix_ring(config: SchedulerConfig, geometry: RingGeometry) -> None:
-    """``ValueError`` unless the ring carries prompt keys exactly when the scheduler caches prefixes, for its pages."""
-    want = config.page_size if config.enable_prefix_caching else 0
-    if geometry.prefix_page_size != want:
-        raise ValueError(
-            f"the ring's prefix_page_size is {geometry.prefix_page_size}, but SchedulerConfig(enable_prefix_caching="
-            f"{config.enable_prefix_caching}, page_size={config.page_size}) needs {want}: build the ring with "
-            f"RingGeometry(prefix_page_size={want}) (0: the agent hashes no prompt), or change the scheduler's")
-
-
-def state_arrays(config: SchedulerConfig, geometry: RingGeometry, step: StepLayout,
-                 prefix_seed: int = 0) -> dict[str, np.ndarray]:
-    """Fresh scheduler state for a ring of ``geometry`` whose keys have ``prefix_seed``: every page free, nothing
-    running, nothing cached."""
-    if step.max_num_seqs < config.max_num_seqs or step.max_num_batched_tokens < config.buckets[-1]:
-        raise ValueError(f"StepLayout {step} is smaller than SchedulerConfig needs (max_num_seqs "
-                         f"{config.max_num_seqs}, largest bucket {config.buckets[-1]})")
-    if step.max_pages_per_seq < config.max_pages_per_seq:
-        raise ValueError(f"StepLayout.max_pages_per_seq {step.max_pages_per_seq} < {config.max_pages_per_seq} "
-                         "(max_model_len / page_size)")
-    for name in ("max_logit_bias", "max_top_logprobs"):
-        if getattr(step, name) < getattr(geometry, name):
-            raise ValueError(f"StepLayout.{name} {getattr(step, name)} < the ring's {getattr(geometry, name)}")
-    check_prefix_ring(config, geometry)
-    cfg = np.zeros(CFG_WORDS, np.int32)
-    cfg[CFG_PAGE_SIZE] = config.page_size
-    cfg[CFG_TOKEN_BUDGET] = config.max_num_batched_tokens
-    cfg[CFG_MAX_NUM_SEQS] = config.max_num_seqs
-    cfg[CFG_N_BUCKETS] = len(config.buckets)
-    cfg[CFG_N_EOS] = len(config.eos_token_ids)
-    cfg[CFG_WATERMARK] = config.watermark_pages
-    cfg[CFG_MAX_MODEL_LEN] = config.max_model_len
-    cfg[CFG_LOGPROBS] = int(geometry.logprobs)
-    cfg[CFG_MAX_STOP] = geometry.max_stop_ids
-    cfg[CFG_PREFIX_CACHING] = int(config.enable_prefix_caching)
-    cfg[CFG_MAX_LOGIT_BIAS] = geometry.max_logit_bias
-    cfg[CFG_MAX_TOP_LOGPROBS] = geometry.max_top_logprobs
-    sched = np.zeros(SCHED_WORDS, np.int32)
-    sched[FREE_TOP] = config.num_pages
-    sched[BUCKET] = IDLE
-    stats = np.zeros(STATS_WORDS, np.int64)
-    stats[C64_PREFIX_SEED] = np.uint64(prefix_seed).view(np.int64)
-    eos = np.zeros(MAX_EOS, np.int32)
-    eos[:len(config.eos_token_ids)] = config.eos_token_ids
-    n, pages, seqs = geometry.n_slots, config.num_pages, config.max_num_seqs
-    i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-    u64 = lambda *shape: np.zeros(shape, np.uint64)  # noqa: E731
-    return dict(
-        sched=sched, stats=stats, cfg=cfg, buckets=np.array(config.buckets, np.int32), eos_ids=eos,
-        free_pages=np.arange(pages, dtype=np.int32), seq_pages=i32(n, config.max_pages_per_seq), seq_npages=i32(n),
-        seq_computed=i32(n), seq_total=i32(n), seq_prompt_len=i32(n), seq_max_tokens=i32(n), seq_flags=i32(n),
-        seq_last=i32(n), seq_version=i32(n), seq_finish=i32(n), seq_top_k=i32(n), seq_n_stop=i32(n),
-        seq_stop=i32(n, max(geometry.max_stop_ids, 1)), seq_temperature=np.zeros(n, np.float32),
-        seq_top_p=np.ones(n, np.float32), seq_seed=np.zeros(n, np.int64),
-        seq_penalties=np.tile(np.float32([0, 0, 1]), (n, 1)), seq_min_p=np.zeros(n, np.float32),
-        seq_top_logprobs=i32(n), seq_n_logit_bias=i32(n), seq_bias_ids=i32(n, max(geometry.max_logit_bias, 1)),
-        seq_bias=np.zeros((n, max(geometry.max_logit_bias, 1)), np.float32), seq_keys=u64(n, config.max_pages_per_seq),
-        seq_hash=u64(n), seq_seen=i32(n), queue_slots=i32(n), queue_keys=np.zeros(n, np.int64),
-        queue_tmp_slots=i32(n), queue_tmp_keys=np.zeros(n, np.int64), running=i32(seqs), consumed=i32(seqs),
-        pending_finished=i32(n), doorbells=np.zeros(len(DOORBELL_NAMES), np.int64),
-        row_slot=np.full(seqs, -1, np.int32), row_version=i32(seqs), row_pages=i32(seqs),
-        page_ref=i32(pages), page_cached=i32(pages), page_key=u64(pages), page_lru=np.full(pages, -1, np.int32),
-        page_scratch=np.full(pages, SCRATCH_CLEAR, np.int32), lru_pages=i32(2 * pages),
-        table_keys=u64(table_entries(pages)), table_pages=np.full(table_entries(pages), -1, np.int32))
-
-
-def control_gauges(ctl32: np.ndarray, config: SchedulerConfig) -> None:
-    """Host, before the first iteration: gauges that never change."""
-    ctl32[C32_KV_TOTAL] = config.num_pages
-    ctl32[C32_KV_FREE] = config.num_pages
-
-

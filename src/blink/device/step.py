@@ -27,6 +27,8 @@ Invariants the batcher guarantees (and the model may rely on):
   row's history, positions ``0 .. seq_lens[i] - 1`` through its block table, those below ``prompt_lens[i]`` being
   prompt tokens. ``logit_bias[i, j]`` is added to the logit of token ``logit_bias_ids[i, j]`` for ``j <
   n_logit_bias[i]`` (entries past it are stale); ``min_p[i]`` (0: off) is the row's min-p filter.
+  ``grammar_state[i]`` (-1: none) is the state of the row's grammar, a word offset into the ring's grammars region
+  (``blink.ring.grammar``): the step allows only that state's tokens, after the penalties.
 
 The step writes ``sampled_ids[i]`` and ``sampled_logprobs[i]`` for every row with ``logits_indices[i] >= 0``, and
 ``sampled_top_ids[i]`` / ``sampled_top_logprobs[i]``: the ``max_top_logprobs`` most likely tokens, most likely first.
@@ -89,6 +91,7 @@ class StepLayout:
             "n_logit_bias": ((s,), i32),
             "logit_bias_ids": ((s, b), i32),
             "logit_bias": ((s, b), f32),
+            "grammar_state": ((s,), i32),
             "sampled_ids": ((s,), i32),
             "sampled_logprobs": ((s,), f32),
             "sampled_top_ids": ((s, k), i32),
@@ -108,6 +111,7 @@ class StepBuffers:
         self.slot_mapping.fill_(-1)
         self.logits_indices.fill_(-1)
         self.top_p.fill_(1.0)
+        self.grammar_state.fill_(-1)
         self.penalties[:, N_PENALTIES - 1] = 1.0      # repetition 1: no penalties until a row is planned
 
     def tensors(self) -> dict:

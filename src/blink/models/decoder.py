@@ -193,13 +193,15 @@ class DecoderLM(nn.Module):
         return torch.zeros(self.kv_cache_shape(num_pages, page_size), device=self.device, dtype=self.dtype)
 
     @torch.inference_mode()
-    def forward(self, buf, kv_cache: torch.Tensor, num_tokens: int,
-                history: TokenHistory | None = None) -> torch.Tensor:
+    def forward(self, buf, kv_cache: torch.Tensor, num_tokens: int, history: TokenHistory | None = None,
+                grammars: torch.Tensor | None = None) -> torch.Tensor:
         """One model step over the first ``num_tokens`` token rows of ``buf`` (a ``StepBuffers``).
 
         Each row's ``logit_bias`` is added to its logits, then, with ``history`` (the token ids of ``kv_cache``'s
         positions), the step records its tokens there and applies each row's penalties (``buf.penalties``) before
-        sampling; without it, penalties are ignored (a model driven outside an engine).
+        sampling; without it, penalties are ignored (a model driven outside an engine). With ``grammars`` (the ring's
+        grammars region, int32) each row with a grammar state (``buf.grammar_state``) then keeps only the logits of
+        the tokens its state allows; without it, grammar states are ignored.
 
         Writes ``buf.sampled_ids`` / ``buf.sampled_logprobs`` / ``buf.sampled_top_ids`` / ``buf.sampled_top_logprobs``
         for rows with ``logits_indices >= 0`` (others keep their values) and returns the logits
@@ -224,6 +226,8 @@ class DecoderLM(nn.Module):
         if history is not None:
             ops.apply_penalties(logits, history.tokens, buf.block_tables[:s], buf.seq_lens[:s], buf.prompt_lens[:s],
                                 buf.penalties[:s], history.counts[:s], history.page_size)
+        if grammars is not None:
+            ops.apply_grammar(logits, grammars, buf.grammar_state[:s])
         out = sample(logits, buf.temperature[:s], buf.top_k[:s], buf.top_p[:s], buf.min_p[:s], buf.seed[:s],
                      buf.seq_lens[:s], ops, buf.sampled_top_ids.shape[1])
         valid = rows >= 0

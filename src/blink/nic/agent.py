@@ -8,6 +8,7 @@ one of its tokens was returned by ``poll()``.
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from blink.errors import EngineUnresponsive, IllegalTransition, RequestError
+from blink.nic.grammar_table import GrammarTable
 from blink.nic.liveness import Liveness
 from blink.nic.slots import SlotTracker
 from blink.ring import control
@@ -75,6 +77,8 @@ class Agent:
         self._delivered = np.zeros(n, np.int64)     # tokens already returned by poll()
         self._wants_logprobs = np.zeros(n, bool)
         self._top_logprobs = np.zeros(n, np.int32)  # top logprobs per token the request asked for
+        self._grammar: list = [None] * n            # the grammar each slot's request follows, placed in the ring
+        self.grammars = GrammarTable(geometry, lambda word, data: memory.write(layout.grammar_at(word), data))
         self._seen_running = np.zeros(n, bool)      # the agent has re-read n_generated since admission
         self._slot_of: dict[int, int] = {}
         self._next_id = 1
@@ -108,15 +112,24 @@ class Agent:
         seed = self._seeds.getrandbits(64) if params.seed is None else params.seed
         page_size = self.geometry.prefix_page_size
         keys, state = prompt_keys(prompt, page_size, self._prefix_seed) if page_size else (None, 0)
-        header = encode_header(self.layout.header_dtype, request_id=request_id, arrival_ns=time.monotonic_ns(),
-                               seed=seed, prompt_len=len(prompt), params=params, priority=priority,
-                               prefix_state=state)
-        slot = self.tracker.claim()
+        grammar = params.grammar
+        # Placed first (the table may have no room now: RingFull); let go of if the request is not published.
+        start = self.grammars.acquire(grammar) if grammar is not None else 0
         try:
-            self._publish(slot, header, prompt, keys, encode_logit_bias(params))
+            header = encode_header(self.layout.header_dtype, request_id=request_id, arrival_ns=time.monotonic_ns(),
+                                   seed=seed, prompt_len=len(prompt), params=params, priority=priority,
+                                   prefix_state=state, grammar=start)
+            slot = self.tracker.claim()
+            try:
+                self._publish(slot, header, prompt, keys, encode_logit_bias(params))
+            except BaseException:
+                self.tracker.release(slot)      # the slot was never published READY: it is still the agent's
+                raise
         except BaseException:
-            self.tracker.release(slot)      # the slot was never published READY: it is still the agent's
+            if grammar is not None:
+                self.grammars.release(grammar)
             raise
+        self._grammar[slot] = grammar
         self._next_id += 1
         self._request_id[slot] = request_id
         self._delivered[slot] = 0
@@ -253,6 +266,8 @@ class Agent:
         for ok, field, message in checks:
             if not ok:
                 raise RequestError(field, message)
+        if params.grammar is not None:
+            self.grammars.check(params.grammar)
         return prompt.astype("<i4")
 
     def _snapshot(self) -> tuple[np.void, np.void]:
@@ -310,16 +325,21 @@ class Agent:
                              (FINISH_NAMES.get(finish_reason) or "error") if finished else None, top)
 
     def _read_top_logprobs(self, slot: int, start: int, end: int) -> list[list[tuple[int, float]]]:
-        """The first ``top_logprobs`` pairs of each output position ``[start, end)`` of ``slot``: one read."""
+        """The first ``top_logprobs`` pairs of each output position ``[start, end)`` of ``slot``: one read. Tokens of
+        probability 0 (a grammar forbids them: logprob -inf) are left out."""
         if end <= start:
             return []
         k = self.geometry.max_top_logprobs
         raw = self.memory.read(self.layout.top_logprobs_at(slot, start), PAIR_DTYPE.itemsize * k * (end - start))
         pairs = np.frombuffer(raw, PAIR_DTYPE).reshape(end - start, k)[:, :self._top_logprobs[slot]]
-        return [list(zip(row["token"].tolist(), row["value"].tolist())) for row in pairs]
+        return [[(t, v) for t, v in zip(row["token"].tolist(), row["value"].tolist()) if v != -math.inf]
+                for row in pairs]
 
     def _release(self, slot: int, request_id: int) -> None:
         check_transition(FINISHED, FREE, AGENT)
+        if self._grammar[slot] is not None:     # FINISHED: the GPU side reads its grammar no more
+            self.grammars.release(self._grammar[slot])
+            self._grammar[slot] = None
         self._write_word("state", slot, FREE)
         self.tracker.release(slot)
         self._request_id[slot] = 0

@@ -14,6 +14,8 @@ import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from blink.nic.token_bytes import vocabulary_bytes
+
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 _REPLACEMENT = "\ufffd"     # what a decoder emits for bytes that are not (yet) a whole UTF-8 character
 _MARK = "\U000f0000"         # a private-use character: where a message's content goes in a rendered template
@@ -73,6 +75,10 @@ class Tokenizer:
 
     def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def vocabulary_bytes(self) -> dict[bytes, list[int]]:
+        """The ids of every non-special token by the bytes it stands for (``blink.nic.token_bytes``)."""
+        return vocabulary_bytes(self._tokenizer)
 
     def token_strs(self, ids) -> list[str]:
         """Each id's token as the vocabulary writes it (byte-level: "Ġ" for a space), as ``transformers``'

@@ -17,7 +17,7 @@ from blink.ring.errors import RingMismatch
 from blink.ring.geometry import RingGeometry
 
 MAGIC = 0x4B4E4C42  # "BLNK" in little-endian bytes
-VERSION = 5
+VERSION = 6
 
 # Control block flags.
 RING_LOGPROBS = 1
@@ -77,12 +77,14 @@ CONTROL_DTYPE = struct([
     ("cached_pages", "<u4", 200),   # GPU gauge: pages in the prefix cache (in use or evictable)
     ("max_logit_bias", "<u4", 204),     # creator: (token, bias) pairs per request (geometry)
     ("max_top_logprobs", "<u4", 208),   # creator: top logprobs per output position (geometry)
+    ("vocab_size", "<u4", 212),     # creator: the tokens the grammars' masks cover (geometry)
     ("secret_digest", "<u8", 216),  # creator: a digest of the secret its agents are given (blink.ring.secret)
+    ("max_grammar_bytes", "<u4", 224),  # creator: the grammars region's size (geometry)
 ], 256)
 
 WORDS = tuple(name for name in CONTROL_DTYPE.names if name != "secret_digest")    # what ``read`` shows
 GEOMETRY_FIELDS = ("n_slots", "max_prompt_tokens", "max_output_tokens", "max_stop_ids", "flags", "max_model_len",
-                   "prefix_page_size", "max_logit_bias", "max_top_logprobs")
+                   "prefix_page_size", "max_logit_bias", "max_top_logprobs", "max_grammar_bytes", "vocab_size")
 STATS_FIELDS = ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted", "kv_pages_total",
                 "kv_pages_free", "running", "waiting", "prefix_query_tokens", "prefix_hit_tokens", "prefix_evictions",
                 "prefill_tokens", "cached_pages")
@@ -107,7 +109,8 @@ def geometry_words(geometry: RingGeometry) -> dict[str, int]:
     return {"n_slots": g.n_slots, "max_prompt_tokens": g.max_prompt_tokens, "max_output_tokens": g.max_output_tokens,
             "max_stop_ids": g.max_stop_ids, "flags": RING_LOGPROBS if g.logprobs else 0,
             "max_model_len": g.max_model_len, "prefix_page_size": g.prefix_page_size,
-            "max_logit_bias": g.max_logit_bias, "max_top_logprobs": g.max_top_logprobs}
+            "max_logit_bias": g.max_logit_bias, "max_top_logprobs": g.max_top_logprobs,
+            "max_grammar_bytes": g.max_grammar_bytes, "vocab_size": g.vocab_size}
 
 
 def fresh(geometry: RingGeometry, secret_digest: int = 0) -> bytes:
@@ -164,7 +167,8 @@ def geometry_of(raw: bytes) -> RingGeometry:
                         max_output_tokens=int(block["max_output_tokens"]), max_stop_ids=int(block["max_stop_ids"]),
                         logprobs=bool(int(block["flags"]) & RING_LOGPROBS),
                         max_model_len=int(block["max_model_len"]), prefix_page_size=int(block["prefix_page_size"]),
-                        max_logit_bias=int(block["max_logit_bias"]), max_top_logprobs=int(block["max_top_logprobs"]))
+                        max_logit_bias=int(block["max_logit_bias"]), max_top_logprobs=int(block["max_top_logprobs"]),
+                        max_grammar_bytes=int(block["max_grammar_bytes"]), vocab_size=int(block["vocab_size"]))
 
 
 def read(memory) -> dict[str, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_TOP_LOGPROBS = 20   # the most top logprobs per token a request may ask for (OpenAI's limit)
+MAX_GRAMMAR_BYTES = 1 << 30     # the grammars region's largest size: its word offsets stay far inside an int32
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,10 @@ class RingGeometry:
     prefix cache; 0: the ring carries no keys. ``max_logit_bias``: the (token, bias) pairs one request's
     ``logit_bias`` may hold (0: none); ``max_top_logprobs``: the most likely tokens (with their logprobs) the GPU
     reports per output position when a request asks for ``top_logprobs`` (0: the ring has no room for them; it
-    costs ``8 × n_slots × max_output_tokens × max_top_logprobs`` bytes).
+    costs ``8 × n_slots × max_output_tokens × max_top_logprobs`` bytes). ``max_grammar_bytes``: the size of the
+    ``grammars`` region, where the agent places the compiled grammars of structured outputs (``blink.ring.grammar``;
+    0: no region, and requests with a grammar are refused); their token masks cover ``vocab_size`` tokens, the
+    model's vocabulary (the width of its logits; 0 only without the region).
 
     ``LIMITS`` bound each size by what its control-block word and the regions' byte offsets can hold; ``check``
     applies them to one value, for configurations that carry a ring size of their own (``EngineConfig``).
@@ -30,10 +34,13 @@ class RingGeometry:
     prefix_page_size: int = 0
     max_logit_bias: int = 300
     max_top_logprobs: int = 0
+    max_grammar_bytes: int = 0
+    vocab_size: int = 0
 
     LIMITS = {"n_slots": (1, 1 << 20), "max_prompt_tokens": (1, 1 << 24), "max_output_tokens": (1, 1 << 24),
               "max_stop_ids": (0, 64), "max_model_len": (2, (1 << 31) - 1), "prefix_page_size": (0, 1 << 16),
-              "max_logit_bias": (0, 1 << 16), "max_top_logprobs": (0, MAX_TOP_LOGPROBS)}
+              "max_logit_bias": (0, 1 << 16), "max_top_logprobs": (0, MAX_TOP_LOGPROBS),
+              "max_grammar_bytes": (0, MAX_GRAMMAR_BYTES), "vocab_size": (0, 1 << 24)}
 
     def __post_init__(self):
         if self.max_model_len is None and isinstance(self.max_prompt_tokens, int) \
@@ -41,6 +48,9 @@ class RingGeometry:
             object.__setattr__(self, "max_model_len", self.max_prompt_tokens + self.max_output_tokens)
         for name in self.LIMITS:
             self.check(name, getattr(self, name), "RingGeometry")
+        if self.max_grammar_bytes and not self.vocab_size:
+            raise ValueError("RingGeometry.vocab_size must be the model's vocabulary size (> 0) when "
+                             f"max_grammar_bytes is {self.max_grammar_bytes}: the grammars' token masks cover it")
         if not isinstance(self.logprobs, bool):
             raise ValueError(f"RingGeometry.logprobs must be a bool (got {self.logprobs!r})")
 

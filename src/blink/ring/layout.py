@@ -12,6 +12,7 @@ Regions, each starting on a 4 KiB boundary::
     prompts   [n_slots, max_prompt_tokens] int32
     prefix_keys [n_slots, geometry.prefix_key_pages] uint64   (only when geometry.prefix_page_size)
     logit_bias [n_slots, max_logit_bias] PAIR_DTYPE (token, bias)
+    grammars  [max_grammar_bytes // 4] int32          compiled grammars (ring/grammar.py; only when max_grammar_bytes)
     outputs   [n_slots, max_output_tokens] int32
     logprobs  [n_slots, max_output_tokens] float32   (only when geometry.logprobs)
     top_logprobs [n_slots, max_output_tokens, max_top_logprobs] PAIR_DTYPE (token, logprob)
@@ -65,6 +66,7 @@ FINISH_NAMES = {FINISH_NONE: None, FINISH_STOP: "stop", FINISH_LENGTH: "length",
 # Request header flags.
 FLAG_IGNORE_EOS = 1
 FLAG_LOGPROBS = 2
+FLAG_GRAMMAR = 4        # the output follows the grammar whose start state is the header's ``grammar``
 
 AGENT, GPU = "agent", "gpu"
 TRANSITIONS = {
@@ -107,7 +109,7 @@ def status_column_stride(n_slots: int) -> int:
     return _round_up(4 * n_slots, 64)
 
 
-HEADER_FIXED_BYTES = 96     # the header's fields before the stop ids (88 used)
+HEADER_FIXED_BYTES = 96     # the header's fields before the stop ids (92 used)
 
 # An element of the logit_bias and top_logprobs regions: a token id and a float32 (its bias, or its logprob). The
 # GPU side reads a slot's pairs as one row of 32-bit words: the token at word 2 k, the number at word 2 k + 1.
@@ -135,6 +137,7 @@ def header_dtype(max_stop_ids: int) -> np.dtype:
         ("min_p", "<f4", 76),
         ("top_logprobs", "<u4", 80),    # top logprobs per output position (0: none)
         ("n_logit_bias", "<u4", 84),    # valid pairs in the slot's logit_bias row
+        ("grammar", "<u4", 88),         # with FLAG_GRAMMAR: the start state, a word offset into the grammars region
     ]
     if max_stop_ids:
         fixed.append(("stop_ids", ("<i4", (max_stop_ids,)), HEADER_FIXED_BYTES))
@@ -158,6 +161,7 @@ class RingView:
     prefix_keys: np.ndarray | None = None  # [n_slots, prefix_key_pages] uint64 (only if geometry.prefix_page_size)
     logit_bias: np.ndarray | None = None   # [n_slots, max_logit_bias] PAIR_DTYPE (only if geometry.max_logit_bias)
     top_logprobs: np.ndarray | None = None  # [n_slots, max_output_tokens, max_top_logprobs] PAIR_DTYPE (or None)
+    grammars: np.ndarray | None = None      # [max_grammar_bytes // 4] int32 (only if geometry.max_grammar_bytes)
 
 
 class RingLayout:
@@ -172,11 +176,13 @@ class RingLayout:
         self.prefix_key_stride = 8 * g.prefix_key_pages
         self.logit_bias_stride = PAIR_DTYPE.itemsize * g.max_logit_bias
         self.top_logprobs_stride = PAIR_DTYPE.itemsize * g.max_output_tokens * g.max_top_logprobs
+        self.grammar_words = g.max_grammar_bytes // 4
         offset = 0
         sizes = [("control", CONTROL_DTYPE.itemsize), ("status", self.status_dtype.itemsize),
                  ("headers", g.n_slots * self.header_dtype.itemsize), ("prompts", g.n_slots * self.prompt_stride),
                  ("prefix_keys", g.n_slots * self.prefix_key_stride),
                  ("logit_bias", g.n_slots * self.logit_bias_stride),
+                 ("grammars", self.grammar_words * 4),
                  ("outputs", g.n_slots * self.output_stride),
                  ("logprobs", g.n_slots * self.output_stride if g.logprobs else 0),
                  ("top_logprobs", g.n_slots * self.top_logprobs_stride)]
@@ -204,6 +210,10 @@ class RingLayout:
 
     def logit_bias_at(self, slot: int) -> int:
         return self.offset("logit_bias") + slot * self.logit_bias_stride
+
+    def grammar_at(self, word: int) -> int:
+        """Word ``word`` of the grammars region."""
+        return self.offset("grammars") + 4 * word
 
     def top_logprobs_at(self, slot: int, index: int = 0) -> int:
         """The first of output position ``index``'s ``max_top_logprobs`` pairs."""
@@ -251,4 +261,5 @@ class RingLayout:
             logit_bias=region("logit_bias", PAIR_DTYPE, (g.n_slots, g.max_logit_bias)) if g.max_logit_bias else None,
             top_logprobs=(region("top_logprobs", PAIR_DTYPE, (g.n_slots, g.max_output_tokens, g.max_top_logprobs))
                           if g.max_top_logprobs else None),
+            grammars=region("grammars", np.dtype("<i4"), (self.grammar_words,)) if self.grammar_words else None,
         )

@@ -6,7 +6,8 @@ produce the same outputs for the same ring contents; only timing may differ. Per
 1. heartbeat += 1; every slot this consumer runs must still be RUNNING with its epoch, else ``IllegalTransition``;
 2. cancels: a READY or RUNNING slot whose ``cancel`` word equals its epoch finishes with reason "abort";
 3. admission: READY slots in arrival order (``arrival_ns``, then slot index) while fewer than ``max_running`` run;
-   a request whose header breaks the geometry (empty or oversize prompt, bad max_tokens) finishes with "error";
+   a request whose header breaks the geometry (empty or oversize prompt, bad max_tokens), or that follows a grammar
+   (the stand-in model serves none), finishes with "error";
 4. generation: each running request gets its next stand-in token (and logprob when asked): token, then
    ``n_generated``; then the stop checks, in this order: an EOS id (unless ignore_eos) or a stop id -> "stop";
    ``n_generated == max_tokens`` -> "length". Stop tokens are part of the output.
@@ -31,8 +32,8 @@ from blink.ring.control import CONTROL_DTYPE, ENGINE_SERVING, ENGINE_STOPPED
 from blink.ring.errors import EngineUnresponsive, IllegalTransition
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_NAMES, FINISH_NONE, FINISH_STOP,
-                               FINISHED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, GPU, READY, RUNNING, STATE_NAMES, RingLayout,
-                               RingView, check_transition)
+                               FINISHED, FLAG_GRAMMAR, FLAG_IGNORE_EOS, FLAG_LOGPROBS, GPU, READY, RUNNING, STATE_NAMES,
+                               RingLayout, RingView, check_transition)
 from blink.ring.standin import STANDIN_VOCAB, standin_continuation, standin_logprob, standin_token
 
 _standin_numbers = itertools.count()
@@ -175,7 +176,7 @@ class ReferenceConsumer:
         g_prompt, g_output = self.view.prompts.shape[1], self.view.outputs.shape[1]
         stop_capacity = header.dtype["stop_ids"].shape[0] if "stop_ids" in header.dtype.names else 0
         return (1 <= int(header["prompt_len"]) <= g_prompt and 1 <= int(header["max_tokens"]) <= g_output
-                and int(header["n_stop"]) <= stop_capacity)
+                and int(header["n_stop"]) <= stop_capacity and not int(header["flags"]) & FLAG_GRAMMAR)
 
     def _reset_outputs(self, slot: int) -> None:
         """The GPU owns the output words from admission on; they still hold the previous occupant's values."""

@@ -16,7 +16,8 @@ import numpy as np
 
 from blink.ring.errors import RequestError
 from blink.ring.geometry import MAX_TOP_LOGPROBS
-from blink.ring.layout import FLAG_IGNORE_EOS, FLAG_LOGPROBS, PAIR_DTYPE
+from blink.ring.grammar import Grammar
+from blink.ring.layout import FLAG_GRAMMAR, FLAG_IGNORE_EOS, FLAG_LOGPROBS, PAIR_DTYPE
 
 U64_MAX = (1 << 64) - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -64,6 +65,10 @@ class SamplingParams:
     ``top_logprobs`` (up to ``MAX_TOP_LOGPROBS``; needs ``logprobs``) reports that many most likely tokens with their
     logprobs at each position, of the same distribution as the sampled token's logprob (after the penalties and
     ``logit_bias``, before temperature and the filters).
+    ``grammar`` (a compiled structured output, ``blink.ring.grammar``; ``blink.nic.grammars`` compiles one) restricts
+    every token to those its automaton allows where the output has got to, after ``logit_bias`` and the penalties
+    (so the logprobs are of the restricted distribution), and allows the end-of-sequence tokens only where the output
+    is complete; it cannot be combined with ``ignore_eos``.
     """
 
     max_tokens: int = 16
@@ -81,6 +86,7 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
     top_logprobs: int = 0
+    grammar: Grammar | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -129,23 +135,29 @@ class SamplingParams:
                f"an int in [0, {MAX_TOP_LOGPROBS}]", self.top_logprobs)
         _check(self.top_logprobs == 0 or self.logprobs, "top_logprobs", "0 unless logprobs is True",
                self.top_logprobs)
+        _check(self.grammar is None or isinstance(self.grammar, Grammar), "grammar",
+               "None or a compiled Grammar (blink.nic.grammars.GrammarCompiler.compile)", self.grammar)
+        _check(self.grammar is None or not self.ignore_eos, "grammar",
+               "None when ignore_eos is True (a grammar ends its output with an end-of-sequence token)", self.grammar)
 
 
 def encode_header(header_dtype: np.dtype, *, request_id: int, arrival_ns: int, seed: int, prompt_len: int,
-                  params: SamplingParams, priority: int, prefix_state: int = 0) -> bytes:
+                  params: SamplingParams, priority: int, prefix_state: int = 0, grammar: int = 0) -> bytes:
     """One request's header, every value checked against its field's type first (``RequestError`` naming it).
 
     ``header_dtype`` is the ring's (``RingLayout.header_dtype``); the caller has checked the geometry's limits.
-    ``prefix_state`` is the prompt's prefix-key chain state (``blink.ring.hashing``).
+    ``prefix_state`` is the prompt's prefix-key chain state (``blink.ring.hashing``); ``grammar`` the word offset
+    of ``params.grammar``'s start state where the agent placed it in the grammars region.
     """
     values = {"request_id": request_id, "arrival_ns": arrival_ns, "seed": seed, "prompt_len": prompt_len,
               "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
               "top_k": params.top_k,
-              "flags": (FLAG_IGNORE_EOS if params.ignore_eos else 0) | (FLAG_LOGPROBS if params.logprobs else 0),
+              "flags": (FLAG_IGNORE_EOS if params.ignore_eos else 0) | (FLAG_LOGPROBS if params.logprobs else 0)
+              | (FLAG_GRAMMAR if params.grammar is not None else 0),
               "n_stop": len(params.stop_token_ids), "priority": priority, "prefix_state": prefix_state,
               "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
               "repetition_penalty": params.repetition_penalty, "min_p": params.min_p,
-              "top_logprobs": params.top_logprobs, "n_logit_bias": len(params.logit_bias or ())}
+              "top_logprobs": params.top_logprobs, "n_logit_bias": len(params.logit_bias or ()), "grammar": grammar}
     fields = [_fits(header_dtype.fields[name][0], name, values[name]) for name in header_dtype.names
               if name != "stop_ids"]
     if "stop_ids" in header_dtype.names:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from ..hashing import gumbel_noise, row_key
 from ..e4m3 import dequantize
 from .bias import apply_logit_bias  # noqa: F401  (torch and capturable: the same on every device)
+from .grammar import apply_grammar_rows as apply_grammar  # noqa: F401  (the rows with a grammar: a host read)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 from blink.errors import RequestError
 from blink.nic.agent import Agent
 from blink.nic.defaults import SamplingDefaults
+from blink.nic.grammars import GrammarCompiler
+from blink.nic.openai import structured
 from blink.nic.openai.errors import ApiError
 from blink.nic.text import Tokenizer, max_tokens_for
 from blink.ring.geometry import MAX_TOP_LOGPROBS
@@ -23,8 +25,7 @@ MAX_STOP_STRINGS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 PENALTY_RULE = f"a number in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}] (0: none)"   # presence and frequency penalties
 # Accepted only at their neutral values: anything else asks for a feature this server does not have.
-UNSUPPORTED = {"echo": (False,), "suffix": ("",), "best_of": (1,), "min_tokens": (0,), "tools": ([],),
-               "response_format": ({"type": "text"},)}
+UNSUPPORTED = {"echo": (False,), "suffix": ("",), "best_of": (1,), "min_tokens": (0,), "tools": ([],)}
 # The server option that sizes what the ring keeps of a request (RingGeometry's field of the same name).
 RING_OPTIONS = {"max_top_logprobs": "--max-top-logprobs", "max_logit_bias": "--max-logit-bias"}
 
@@ -108,11 +109,13 @@ def text_field(value: str, param: str) -> str:
 
 
 class Parser:
-    """Turns request bodies into ``Job``s against one model and one ring's limits."""
+    """Turns request bodies into ``Job``s against one model and one ring's limits; ``grammars`` compiles their
+    structured outputs (None: the ring has no grammars region, and they are refused)."""
 
     def __init__(self, tokenizer: Tokenizer, model_name: str, agent: Agent,
-                 defaults: SamplingDefaults = SamplingDefaults()):
+                 defaults: SamplingDefaults = SamplingDefaults(), grammars: GrammarCompiler | None = None):
         g = agent.geometry
+        self.structured = structured.StructuredParser(grammars)
         self.tokenizer, self.model_name, self.geometry, self.defaults = tokenizer, model_name, g, defaults
         self.context_len = g.max_model_len         # the engine's limit, which the ring's creator wrote
         self.max_prompt = min(g.max_prompt_tokens, self.context_len - 1)
@@ -198,7 +201,7 @@ class Parser:
         sampling = dict(top_k=max(top_k, 0), seed=None if seed is None else seed % 2**64, logprobs=logprobs,
                         top_logprobs=top_logprobs, logit_bias=self._logit_bias(body.get("logit_bias")),
                         min_p=body_field(body, "min_p", (int, float), "a number in [0, 1] (0: none)", 0.0,
-                                     lambda v: 0 <= v <= 1))
+                                     lambda v: 0 <= v <= 1), grammar=self.structured.grammar(body))
         try:
             return self._params(body, room, stop_ids, sampling)
         except RequestError as e:    # a value the parser's type checks let through but the ring cannot store
@@ -253,10 +256,11 @@ class Parser:
 
     def cheap(self, body: dict, chat: bool) -> bool:
         """Whether parsing ``body`` is cheap enough for the event loop: a completion whose prompt is at most
-        ``max_prompt`` token ids (alone or as a one-element batch), which needs no tokenizer. Chat messages and text
-        prompts are tokenized, which takes long for a long prompt."""
+        ``max_prompt`` token ids (alone or as a one-element batch), which needs no tokenizer, and no structured output
+        (which may need compiling). Chat messages and text prompts are tokenized, which takes long for a long
+        prompt."""
         prompt = None if chat else _unbatched(body.get("prompt"))
-        return isinstance(prompt, list) and len(prompt) <= self.max_prompt
+        return isinstance(prompt, list) and len(prompt) <= self.max_prompt and not structured.asks(body)
 
     def _completion_prompt(self, prompt) -> list[int]:
         """A string or a list of token ids, alone or as a one-element batch."""

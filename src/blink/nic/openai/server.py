@@ -31,10 +31,12 @@ from blink.nic.agent_loop import AgentLoop, LoopConfig
 from blink.nic.metrics import Metrics
 from blink.nic.defaults import SamplingDefaults
 from blink.nic.drain import ABORT_GRACE_S, Drain, DrainConfig
+from blink.nic.grammars import COMPILE_TIMEOUT_S, GrammarCompiler
 from blink.nic.openai.errors import REFUSALS, ApiError, api_error
 from blink.nic.openai.health import LoadCollector, Probes
 from blink.nic.openai.connections import ConnectionGuard, JsonErrors
 from blink.nic.openai.limits import BodyPlaces, HttpLimits, OneLineBadRequests, is_small, read_body
+from blink.nic.openai import structured
 from blink.nic.openai.requests import Job, Parser, json_body
 from blink.nic.openai.responses import Responder
 from blink.nic.openai.tokenization import Tokenization, vllm_json
@@ -57,6 +59,7 @@ class ServerConfig:
     ``drain``: how long a SIGTERM waits for the requests in flight (``blink.nic.drain``).
     ``thread_start``: called first in each thread the server starts (its tokenizer threads), e.g. to give them a
     priority the loop's thread does not pass on (``blink serve``: ``blink.priority.helper_priority``).
+    ``grammar_timeout_s``: the longest one structured output may take to compile (``blink.nic.grammars``).
     /health fails and requests get 503 while the agent's ``Liveness`` says the engine is not serving."""
 
     model_name: str
@@ -66,6 +69,7 @@ class ServerConfig:
     defaults: SamplingDefaults = SamplingDefaults()
     drain: DrainConfig = DrainConfig()
     thread_start: Callable[[], None] | None = None
+    grammar_timeout_s: float = COMPILE_TIMEOUT_S
 
 
 class OpenAIServer:
@@ -79,7 +83,10 @@ class OpenAIServer:
         self.tokenizer, self.config, self.engine_gone = tokenizer, config, engine_gone
         self.exit_code = 0
         self.stopped = asyncio.Event()
-        self.parser = Parser(tokenizer, config.model_name, agent, config.defaults)
+        g = agent.geometry
+        self.grammars = (GrammarCompiler(tokenizer, g.vocab_size, g.max_grammar_bytes, config.grammar_timeout_s)
+                         if g.max_grammar_bytes else None)
+        self.parser = Parser(tokenizer, config.model_name, agent, config.defaults, self.grammars)
         self.tokenization = Tokenization(self.parser)
         self.metrics = Metrics()
         self.loop = AgentLoop(agent, self.metrics, config.loop)
@@ -169,6 +176,8 @@ class OpenAIServer:
         await asyncio.gather(*tasks, return_exceptions=True)
         for pool in self._tokenizing.values():
             pool.shutdown(wait=False, cancel_futures=True)
+        if self.grammars is not None:
+            self.grammars.close()
 
     def _loop_ended(self, task: asyncio.Task) -> None:
         """The agent loop ends only when the server stops, or when it crashed (it logged why and failed the requests
@@ -246,7 +255,9 @@ class OpenAIServer:
         body = json_body(await read_body(request, self.config.limits, deadline, rate_from))
         if cheap(body):
             return parse(body)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizing[small], parse, body)
+        # A structured output may compile for long (--grammar-timeout): never in the thread small bodies share.
+        pool = self._tokenizing[small and not structured.asks(body)]
+        return await asyncio.get_running_loop().run_in_executor(pool, parse, body)
 
     async def _serve(self, request: web.Request, job: Job, arrival: float) -> web.StreamResponse:
         reqs = []

@@ -1,0 +1,108 @@
+"""Structured outputs in a request body: OpenAI's ``response_format`` and vLLM's ``structured_outputs``, parsed into a
+``StructuredOutputs`` and compiled into the request's ``Grammar`` (``blink.nic.grammars``).
+
+- ``response_format``: ``{"type": "text"}`` (nothing asked), ``{"type": "json_object"}`` (any JSON object), or
+  ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``;
+- ``structured_outputs``: exactly one of ``{"json": schema}``, ``{"regex": "..."}``, ``{"choice": [...]}``,
+  ``{"json_object": true}``.
+
+A refusal is a 400 naming the field that carries what was refused (``response_format``,
+``structured_outputs.regex``, ...).
+"""
+from __future__ import annotations
+
+from blink.nic.grammars import GrammarCompiler, GrammarError, StructuredOutputs
+from blink.nic.openai.errors import ApiError
+from blink.ring.grammar import Grammar
+from blink.ring.request import shown
+
+FIELDS = ("response_format", "structured_outputs")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+NO_TABLE = ("this server has no grammar table: start it with --max-grammar-bytes N (> 0) on the CPU engine (the GPU "
+            "engine and tensor-parallel engines serve no structured outputs yet)")
+
+
+def asks(body: dict) -> bool:
+    """Whether ``body`` may ask for a structured output (then parsing it may compile: not on the event loop)."""
+    return any(body.get(name) is not None for name in FIELDS)
+
+
+class StructuredParser:
+    """``grammar(body)``: the request's compiled grammar, or None; ``compiler`` is None on a ring without a grammar
+    table, which refuses every structured output."""
+
+    def __init__(self, compiler: GrammarCompiler | None):
+        self.compiler = compiler
+
+    def grammar(self, body: dict) -> Grammar | None:
+        specs = []
+        for name, parse in (("response_format", _response_format), ("structured_outputs", _structured_outputs)):
+            if body.get(name) is not None:
+                param, spec = parse(body[name])
+                if spec is not None:
+                    specs.append((param, spec))
+        if not specs:
+            return None
+        if len(specs) > 1:
+            raise ApiError(400, "'response_format' and 'structured_outputs' both ask for a structured output: give "
+                                "one of them", param="structured_outputs")
+        param, spec = specs[0]
+        if self.compiler is None:
+            raise ApiError(400, f"'{param}' asks for a structured output, but {NO_TABLE}", param=param)
+        try:
+            return self.compiler.compile(spec)
+        except GrammarError as e:
+            raise ApiError(400, f"'{param}' {e}", param=param) from None
+
+
+def _spec(param: str, make, *args) -> tuple[str, StructuredOutputs]:
+    try:
+        return param, make(*args)
+    except GrammarError as e:
+        raise ApiError(400, f"'{param}' {e}", param=param) from None
+
+
+def _response_format(value) -> tuple[str, StructuredOutputs | None]:
+    rule = ('{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., '
+            '"schema": {...}}}')
+    if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMATS:
+        raise ApiError(400, f"'response_format' must be {rule} (got {shown(value)})", param="response_format")
+    if value["type"] == "text":
+        return "response_format", None
+    if value["type"] == "json_object":
+        return "response_format", StructuredOutputs("json_object", "")
+    described = value.get("json_schema")
+    if not isinstance(described, dict) or not isinstance(described.get("schema"), dict):
+        raise ApiError(400, f"'response_format.json_schema' must be an object whose 'schema' is a JSON schema "
+                            f"(got {shown(described)})", param="response_format.json_schema")
+    for name, kind in (("name", str), ("strict", bool), ("description", str)):
+        if described.get(name) is not None and not isinstance(described[name], kind):
+            raise ApiError(400, f"'response_format.json_schema.{name}' must be a {kind.__name__} (got "
+                                f"{shown(described[name])})", param=f"response_format.json_schema.{name}")
+    return _spec("response_format.json_schema.schema", StructuredOutputs.json, described["schema"])
+
+
+def _structured_outputs(value) -> tuple[str, StructuredOutputs | None]:
+    rule = 'an object with one of "json" (a schema), "regex", "choice" (a list of strings) or "json_object": true'
+    if not isinstance(value, dict):
+        raise ApiError(400, f"'structured_outputs' must be {rule} (got {shown(value)})", param="structured_outputs")
+    given = {name: v for name, v in value.items() if v is not None and v is not False}
+    unknown = sorted(set(given) - {"json", "regex", "choice", "json_object"})
+    if unknown:
+        raise ApiError(400, f"'structured_outputs.{unknown[0]}' is not supported by this server: use {rule}",
+                       param=f"structured_outputs.{unknown[0]}")
+    if len(given) != 1:
+        raise ApiError(400, f"'structured_outputs' must be {rule}, exactly one (got {shown(value)})",
+                       param="structured_outputs")
+    (name, v), = given.items()
+    param = f"structured_outputs.{name}"
+    if name == "json":
+        return _spec(param, StructuredOutputs.json, v)
+    if name == "choice":
+        return _spec(param, StructuredOutputs.choice, v)
+    if name == "regex" and isinstance(v, str) and v:
+        return param, StructuredOutputs("regex", v)
+    if name == "json_object" and v is True:
+        return param, StructuredOutputs("json_object", "")
+    rule = "a non-empty string" if name == "regex" else "true"
+    raise ApiError(400, f"'{param}' must be {rule} (got {shown(v)})", param=param)

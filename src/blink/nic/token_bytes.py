@@ -1,0 +1,63 @@
+"""The bytes each token of a vocabulary stands for: what a grammar over the model's tokens is compiled against.
+
+A byte-level vocabulary (GPT-2's scheme: SmolLM2, Llama 3, Qwen) writes each byte as one printable character
+(``bytes_to_unicode``); a SentencePiece one writes a space as "▁" and, with byte fallback, a lone byte as
+``<0xHH>``. Added tokens stand for their text; special tokens for nothing (a grammar never allows them, and the
+end-of-sequence tokens are allowed by the automaton's accepting states, not by their text).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import tokenizers
+
+SENTENCEPIECE_SPACE = "\u2581"
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_decoding() -> dict[str, int]:
+    """GPT-2's map from the printable character standing for a byte back to the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def _is_byte_level(decoder: dict | None) -> bool:
+    if decoder is None:
+        return False
+    if decoder.get("type") == "Sequence":
+        return any(_is_byte_level(d) for d in decoder.get("decoders", ()))
+    return decoder.get("type") == "ByteLevel"
+
+
+def vocabulary_bytes(tokenizer: tokenizers.Tokenizer) -> dict[bytes, list[int]]:
+    """The ids of every non-special token by the bytes it stands for (several ids may stand for the same bytes)."""
+    described = json.loads(tokenizer.to_str())
+    byte_level = _is_byte_level(described.get("decoder"))
+    byte_fallback = bool(described.get("model", {}).get("byte_fallback"))
+    added = tokenizer.get_added_tokens_decoder()
+    decoding = _byte_level_decoding()
+    by_bytes: dict[bytes, list[int]] = {}
+    for token, i in tokenizer.get_vocab(with_added_tokens=True).items():
+        if i in added:
+            if added[i].special:
+                continue
+            raw = added[i].content.encode()
+        elif byte_level:
+            raw = bytes(decoding[c] for c in token) if all(c in decoding for c in token) else token.encode()
+        elif byte_fallback and (match := _BYTE_TOKEN.fullmatch(token)):
+            raw = bytes([int(match.group(1), 16)])
+        else:
+            raw = token.replace(SENTENCEPIECE_SPACE, " ").encode()
+        if raw:
+            by_bytes.setdefault(raw, []).append(i)
+    return by_bytes

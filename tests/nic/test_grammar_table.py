@@ -1,0 +1,58 @@
+"""The agent's placement of grammars in the ring (nic/grammar_table.py): written once while in use, evicted least
+recently used first and only when no request in flight uses them, free runs merged; RingFull while in-use grammars
+leave no room, a RequestError for one that can never fit."""
+import numpy as np
+import pytest
+
+from blink.errors import RequestError, RingFull
+from blink.nic.grammar_table import GrammarTable
+from blink.ring.geometry import RingGeometry
+from blink.ring.grammar import Grammar
+
+
+def grammar(name: str, words: int) -> Grammar:
+    return Grammar(("regex", name), 32, np.arange(words, dtype=np.int32), np.array([0]), 0, 1)
+
+
+def table(words: int):
+    region = np.zeros(words, np.int32)
+    writes = []
+
+    def write(word, data):
+        writes.append(word)
+        region[word:word + len(data) // 4] = np.frombuffer(data, "<i4")
+
+    return GrammarTable(RingGeometry(max_grammar_bytes=4 * words, vocab_size=32), write), region, writes
+
+
+def test_a_grammar_is_written_once_and_shared():
+    t, region, writes = table(100)
+    a = grammar("a", 10)
+    assert t.acquire(a) == 0 and t.acquire(a) == 0 and writes == [0]
+    assert region[:10].tolist() == [0, *range(1, 10)]          # its pointer word shifted by its base (0)
+    t.release(a)
+    t.release(a)
+    assert t.acquire(grammar("b", 20)) == 10
+
+
+def test_eviction_takes_unused_grammars_least_recently_used_first_and_merges_free_runs():
+    t, _, _ = table(60)
+    a, b, c = grammar("a", 20), grammar("b", 20), grammar("c", 20)
+    for g in (a, b, c):
+        t.acquire(g)
+    t.release(a)
+    t.release(c)
+    t.acquire(a)                # a is used again: c is now the least recently used unused one
+    t.release(a)
+    with pytest.raises(RingFull):           # b is in use, a and c free together only 40 words, not contiguous
+        t.acquire(grammar("d", 50))
+    t.release(b)
+    assert t.acquire(grammar("e", 60)) == 0     # every unused grammar evicted, their runs merged into one
+
+
+def test_a_grammar_that_can_never_fit_is_a_request_error():
+    t, _, _ = table(16)
+    with pytest.raises(RequestError, match="more than this ring's grammars region"):
+        t.check(grammar("big", 17))
+    with pytest.raises(RequestError, match="compiled for 64 tokens"):
+        t.check(Grammar(("regex", "v"), 64, np.zeros(4, np.int32), np.array([0]), 0, 1))
