@@ -95,18 +95,22 @@ def hf(model_dir):
 
 
 @contextmanager
-def serving(engine, tokenizer):
-    """The HTTP server on a background event loop, over the ring of ``engine`` (a context giving memory, process)."""
+def serving(engine, tokenizer, config=CONFIG, attach=lambda memory: Agent(memory, GEOMETRY,
+                                                                         liveness_timeout_s=LIVENESS_TIMEOUT_S)):
+    """The HTTP server (``config``) on a background event loop, over the ring of ``engine`` (a context giving
+    memory, process), through the agent ``attach(memory)`` makes."""
     with engine as (memory, process):
-        agent = Agent(memory, GEOMETRY, liveness_timeout_s=LIVENESS_TIMEOUT_S)
+        agent = attach(memory)
         wait_until_serving(agent, process)
-        server = OpenAIServer(agent, tokenizer, CONFIG)
+        server = OpenAIServer(agent, tokenizer, config)
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, daemon=True)
         thread.start()
         listening = asyncio.run_coroutine_threadsafe(start(server, "127.0.0.1", 0), loop).result()
         yield Served(server, agent, process, listening.port, loop)
         asyncio.run_coroutine_threadsafe(listening.cleanup(), loop).result()
+        if server.grammars is not None:
+            server.grammars.close()
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
 

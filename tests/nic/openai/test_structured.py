@@ -3,12 +3,10 @@
 walks each request's grammar state, the SmolLM2 step masks its logits) and back. The reference is the grammar
 itself: every answer must parse as JSON and validate against its schema (``jsonschema``), match its regex, or be one
 of its choices. One engine serves the whole module; requests go concurrently, at temperature 0."""
-import asyncio
 import json
 import os
 import random
 import re
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
@@ -20,10 +18,11 @@ import pytest
 from blink import EngineConfig, SchedulerConfig
 from blink.nic.agent import Agent
 from blink.nic.agent_loop import LoopConfig
-from blink.nic.openai.server import OpenAIServer, ServerConfig, start
+from blink.nic.openai.server import ServerConfig
 from blink.nic.text import Tokenizer
-from blink.process import engine_process, wait_until_serving
+from blink.process import engine_process
 from blink.ring.reference import standin_engine
+from tests.nic.openai.test_server import serving
 
 MODEL = "smollm2-test"
 # Room for every schema of the main test in one batch: its answers take as many steps as the longest one.
@@ -39,21 +38,9 @@ ASK = [{"role": "user", "content": "Give me a JSON object that follows the schem
 @contextmanager
 def http(engine, tokenizer):
     """The HTTP server on a background event loop, over the ring of ``engine``; yields a client factory."""
-    with engine as (memory, process):
-        agent = Agent.attach(memory, liveness_timeout_s=10.0)
-        wait_until_serving(agent, process)
-        server = OpenAIServer(agent, tokenizer, CONFIG)
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, daemon=True)
-        thread.start()
-        listening = asyncio.run_coroutine_threadsafe(start(server, "127.0.0.1", 0), loop).result()
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{listening.port}/v1", api_key="unused", max_retries=0,
+    with serving(engine, tokenizer, CONFIG, lambda memory: Agent.attach(memory, liveness_timeout_s=10.0)) as served:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="unused", max_retries=0,
                             timeout=300)
-        asyncio.run_coroutine_threadsafe(listening.cleanup(), loop).result()
-        if server.grammars is not None:
-            server.grammars.close()
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
 
 
 @pytest.fixture(scope="module")
