@@ -12,6 +12,9 @@ import threading
 import time
 from contextlib import contextmanager
 
+from blink.ring import control
+from blink.ring.secret import SUFFIX
+from blink.ring.transport import SharedMemory
 from tests.nic.openai.test_server import CLI_ENGINE, blink_cli, free_port, wait_for
 from tests.test_faults import engines, rings, serve
 
@@ -23,6 +26,18 @@ def call(port: int, method: str, path: str, body: dict | None = None) -> tuple[i
     connection.request(method, path, json.dumps(body) if body else None, {"Content-Type": "application/json"})
     response = connection.getresponse()
     return response.status, dict(response.getheaders()), response.read().decode()
+
+
+def initialised_ring(pid: int) -> bool:
+    """Whether the engine of ``blink serve`` ``pid`` has written its ring's control block: what serve waits for
+    before it listens (the key file comes first, then the ring, sized, then the block)."""
+    for name in rings(pid) - {name for name in rings(pid) if name.endswith(SUFFIX)}:
+        try:
+            with SharedMemory.open(name) as memory:
+                return control.decode(memory.read(0, control.CONTROL_DTYPE.itemsize))["creator_pid"] != 0
+        except (FileNotFoundError, ValueError):
+            return False
+    return False
 
 
 def in_flight(port: int) -> float:
@@ -140,7 +155,7 @@ def test_while_its_engine_starts_serve_is_live_and_not_ready():
     try:
         wait_for(lambda: engines(process.pid), timeout_s=60)
         (engine,) = engines(process.pid)
-        wait_for(lambda: rings(process.pid), timeout_s=120)
+        wait_for(lambda: initialised_ring(process.pid), timeout_s=120)
         os.kill(engine, signal.SIGSTOP)
         wait_for(lambda: port_open(port), timeout_s=60)
         status, _, body = call(port, "GET", "/livez")

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from blink import Engine, EngineConfig, EngineError, SamplingParams, SchedulerConfig
 from blink.nic.agent import Agent
 from blink.nic.agent_loop import LoopConfig
+from blink.nic.liveness import TICK_FLOOR_S
 from blink.nic.openai.api_key import api_key_from
 from blink.nic.openai.server import OpenAIServer, ServerConfig, start
 from blink.nic.text import Tokenizer
@@ -472,8 +473,9 @@ def test_full_ring_queues_then_refuses_with_retry_after(served, reference, hf):
 
 def test_health_fails_while_the_engine_shows_no_sign_of_life(served):
     assert raw_request(served.port, "/health", b"", "GET")[0] == 200
+    wait_for(lambda: served.on_loop(lambda: served.agent.stats()["alive"]) > 0)     # its process ticks by now
     with served.paused_engine():
-        time.sleep(LIVENESS_TIMEOUT_S + 0.3)
+        time.sleep(max(LIVENESS_TIMEOUT_S, TICK_FLOOR_S) + 0.5)     # the tick is judged over TICK_FLOOR_S at least
         status, headers, body = raw_request(served.port, "/health", b"", "GET")
         message = json.loads(body)["error"]["message"]
         assert status == 503 and "Retry-After" in headers
