@@ -5,7 +5,8 @@
 # isolated and with HOGS CPU+memory hogs; GPU energy per run.
 # Writes $OUT/serving_{blink,vllm,hf}.json (+ .log), $OUT/serving_report.txt and PNGs in $OUT/serving_img/.
 #
-# Environment (defaults): SHAPE=qwen3-8b DEVICE=cuda PROMPTS=256 RATES=16,32,64,inf PEER_PROMPTS=128 PEER_RATES=inf
+# Environment (defaults): SHAPE=qwen3-8b TOKENIZER=words (the shape's: bytes for structured outputs, blink.bench.shapes)
+#   DEVICE=cuda PROMPTS=256 RATES=16,32,64,inf PEER_PROMPTS=128 PEER_RATES=inf
 #   HOGS=4*nproc PEER_TIMEOUT=300 (s; the peer's JSON is rewritten after each run, so a cut-off run keeps the others)
 #   PEER_PROMPTS=0 runs blink alone; PROMPTS=0 leaves blink out (vLLM or the peer alone). PORT=8321 BENCH_ARGS=""
 #   (more `blink bench serve` options for both backends)
@@ -27,7 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
-SHAPE=${SHAPE:-qwen3-8b} DEVICE=${DEVICE:-cuda} PROMPTS=${PROMPTS:-256} RATES=${RATES:-16,32,64,inf}
+SHAPE=${SHAPE:-qwen3-8b} TOKENIZER=${TOKENIZER:-words} DEVICE=${DEVICE:-cuda} PROMPTS=${PROMPTS:-256} RATES=${RATES:-16,32,64,inf}
 PEER_PROMPTS=${PEER_PROMPTS:-128} PEER_RATES=${PEER_RATES:-inf} HOGS=${HOGS:-$((4 * $(nproc)))}
 PEER_TIMEOUT=${PEER_TIMEOUT:-300} PORT=${PORT:-8321} BENCH_ARGS=${BENCH_ARGS:-} SERVE_ARGS=${SERVE_ARGS:-}
 SERVE_CPUS=${SERVE_CPUS:-}
@@ -39,7 +40,10 @@ python -c "import pynvml, matplotlib" 2>/dev/null \
   || python -m pip install -q --no-index --find-links wheels nvidia-ml-py matplotlib \
   || echo "serving: nvidia-ml-py / matplotlib missing and no wheels/ to install them from"
 model=$(mktemp -d)/$SHAPE
-python -m blink.bench.shapes "$model" --shape "$SHAPE" || exit 1
+python -m blink.bench.shapes "$model" --shape "$SHAPE" --tokenizer "$TOKENIZER" || exit 1
+# blink's agent compiles structured outputs with outlines-core, which the GPU image lacks: from wheels/ too.
+python -c "import outlines_core" 2>/dev/null || python -m pip install -q --no-index --find-links wheels outlines-core \
+  || echo "serving: outlines-core missing and no wheels/ to install it from (structured outputs get 400)"
 status=0
 IFS=';' read -ra runs <<< "${RUNS:-:}"
 

@@ -495,6 +495,47 @@ def test_gpu_engine_admits_by_a_policy_given_in_its_config(tmp_path):
     assert asyncio.run(run()) == [2, 5, 9, 17, 30]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_answers_walk_their_grammars_beside_unconstrained_ones(device, tmp_path):
+    """The step masks each row to the tokens of its grammar state and the scheduler moves the state by each token:
+    on random weights over a byte-level vocabulary, every token of a constrained answer is one its state allowed
+    (the Python walk of the ring's format), a finite grammar's answer ends where its automaton accepts, and the
+    unconstrained requests batched with them are left alone (equal to their runs alone)."""
+    pytest.importorskip("outlines_core")
+    from blink.bench.shapes import write_model_dir
+    from blink.nic.grammars import StructuredOutputs
+    from blink.ring.grammar import allowed, next_state
+
+    config = EngineConfig(model=str(write_model_dir(tmp_path / "m", "tiny-qwen3", "bytes")), load_format="dummy",
+                          device=device, n_slots=16, max_prompt_tokens=32, max_output_tokens=40,
+                          max_grammar_bytes=8 << 20, gpu_memory_utilization=0.3, cpu_kv_cache_gib=0.05, sim_threads=2,
+                          scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=80))
+    choices = ["yes", "no", "t300 t301"]
+    specs = [StructuredOutputs.json({"type": "object", "properties": {"n": {"type": "integer"},
+                                                                        "s": {"type": "string"}}}),
+             StructuredOutputs("regex", r"[0-9]{3}-[a-c]{2}"), StructuredOutputs.choice(choices),
+             StructuredOutputs.json({"enum": [1, "two", [3]]}), StructuredOutputs("json_object", "")]
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 500, int(rng.integers(3, 30))).tolist() for _ in range(14)]
+    with Engine(config) as llm:
+        grammars = [llm.grammar(spec) for spec in specs] * 2
+        params = [SamplingParams(max_tokens=40, temperature=0.0 if k < 5 else 1.0, seed=k, grammar=grammar)
+                  for k, grammar in enumerate(grammars)] + [SamplingParams(max_tokens=40, temperature=0)] * 4
+        outs = llm.generate(prompts, params)
+        alone = llm.generate(prompts[len(grammars):], params[len(grammars):])
+    for out, grammar in zip(outs, grammars):
+        region, state = np.frombuffer(grammar.placed(0), "<i4"), grammar.start
+        for token in out.token_ids:
+            assert token in allowed(region, state, grammar.vocab_size)
+            state = next_state(region, state, token, grammar.vocab_size)
+        if out.finish_reason == "stop":
+            assert llm.tokenizer.eos_token_ids[0] in allowed(region, state, grammar.vocab_size)
+    for k in (1, 2, 3, 6, 7, 8):          # finite grammars: they end within max_tokens
+        assert outs[k].finish_reason == "stop"
+    assert {outs[2].text, outs[7].text} <= set(choices) and outs[3].text in ('1', '"two"', "[3]")
+    assert [out.token_ids for out in outs[len(grammars):]] == [out.token_ids for out in alone]
+
+
 # -- stop strings and the asyncio API ----------------------------------------------------------------------------
 
 def test_stop_strings_cut_the_text_and_end_the_request(engine):

@@ -11,6 +11,10 @@
 #                                            (latency) (~9 min: vLLM's second start ~115 s, its colocated runs ~4 min)
 #   bash bench/peers/compare_gpu.sh fp8      the cold cell with both servers at --quantization fp8 (weights quantized
 #                                            per channel at load, activations per token; KV bf16 in both)
+#   bash bench/peers/compare_gpu.sh structured  the cold cell's closed loop of 64 streams twice, plain and with every
+#                                            answer following bench/schemas/record.json (response_format
+#                                            json_schema), over the shape with a byte-level tokenizer, no hogs, EOS
+#                                            honoured in both (a grammar needs it); WARMUPS=8 compile the schema first
 #   bash bench/peers/compare_gpu.sh peer     transformers' continuous batching on PEER_PROMPTS requests (~4 min)
 #   bash bench/peers/compare_gpu.sh report   every cell measured so far in this OUT, side by side, and every run as a
 #                                            Markdown row ($OUT/compare_table.md)
@@ -27,7 +31,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out} PROMPTS=${PROMPTS:-128} RATES=${RATES:-16,64,inf} PEER_PROMPTS=${PEER_PROMPTS:-8}
 VLLM_PROMPTS=${VLLM_PROMPTS:-$PROMPTS} BENCH_ARGS=${BENCH_ARGS:-} BLINK_ARGS=${BLINK_ARGS:-}
-cell=${1:?usage: bash bench/peers/compare_gpu.sh warm|cold|fp8|peer|report}
+cell=${1:?usage: bash bench/peers/compare_gpu.sh warm|cold|fp8|structured|peer|report}
 NO_CACHE=--no-enable-prefix-caching
 COLD_RUNS=${COLD_RUNS:-"sweep:;closed:--sweep inf --max-concurrency 64;batch1:--sweep inf --max-concurrency 1 \
 --num-prompts 16"}
@@ -51,13 +55,16 @@ case "$cell" in
   cold) run cold PEER_PROMPTS=0 SERVE_ARGS="$NO_CACHE $BLINK_ARGS" VLLM_ARGS="$NO_CACHE" RUNS="$COLD_RUNS" ;;
   fp8) run fp8 PEER_PROMPTS=0 SERVE_ARGS="$NO_CACHE --quantization fp8 $BLINK_ARGS" \
     VLLM_ARGS="$NO_CACHE --quantization fp8" RUNS="$COLD_RUNS" ;;
+  structured) run structured PEER_PROMPTS=0 HOGS=0 TOKENIZER=bytes WARMUPS=8 SERVE_ARGS="$NO_CACHE $BLINK_ARGS" \
+    VLLM_ARGS="$NO_CACHE" RUNS="plain:--sweep inf --max-concurrency 64 --no-ignore-eos;json:--sweep inf \
+--max-concurrency 64 --no-ignore-eos --json-schema bench/schemas/record.json" ;;
   peer) run peer PROMPTS=0 VLLM_PROMPTS=0 PEER_PROMPTS="$PEER_PROMPTS" PEER_TIMEOUT=400 ;;
   report)
-    for report in "$OUT"/{warm,cold,fp8,peer}/serving_report*.txt; do
+    for report in "$OUT"/{warm,cold,fp8,structured,peer}/serving_report*.txt; do
       [ -e "$report" ] && echo "== $report" && cat "$report"
     done | tee "$OUT/compare_report.txt"
     # Every run as one Markdown row, as docs/benchmarks/peers.md's tables have them, one table per cell.
-    for name in warm cold fp8 peer; do
+    for name in warm cold fp8 structured peer; do
       results=$(ls "$OUT/$name"/serving_*.json 2>/dev/null)
       [ -n "$results" ] && echo "### $name" && echo && PYTHONPATH=src python -m blink.cli bench report $results \
         --markdown && echo

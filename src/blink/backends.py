@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from dataclasses import astuple
+from functools import partial
 
 from blink.config import EngineConfig
 from blink.device.config import IMAGE_ARCH, IMAGE_CC, SchedulerConfig
@@ -146,9 +147,7 @@ class CpuBackend:
         self.ring_memory = memory
         # The step reads the grammars region in place (the agent writes a grammar before the requests that use it).
         self.grammars = None if self._view.grammars is None else torch.from_numpy(self._view.grammars)
-        if self.grammars is not None and geometry.vocab_size != model.lm_head_weight().shape[0]:
-            raise ValueError(f"the ring's grammars cover {geometry.vocab_size} tokens but the model's logits have "
-                             f"{model.lm_head_weight().shape[0]}: build the ring with the model's vocab_size")
+        _check_grammar_vocab(geometry, model)
         self.scheduler = SimScheduler(self._view, geometry, self.config, self.step, step_fn=self._run_step,
                                       policy=config.policy_function(), threads=config.sim_threads)
         # Each layer a beat: a long step that progresses is not hung. Removed at close (the model may outlive us).
@@ -211,7 +210,6 @@ class GpuBackend:
                  eos_token_ids: tuple[int, ...]):
         import torch
 
-        from blink.device.graphs import capture_steps
         from blink.device.image import link_image
         from blink.device.runtime import GpuScheduler
         from blink.models.history import TokenHistory
@@ -228,22 +226,37 @@ class GpuBackend:
         self.kv = model.allocate_kv_cache(num_pages, page_size)
         self.history = TokenHistory.allocate(num_pages, page_size, counts)
         _log_pool(num_pages, page_size, page_bytes)
-        started = time.monotonic()
-        self.graphs = capture_steps(lambda tokens: self.model(self.step, self.kv, tokens, self.history),
-                                    self.config.buckets)
-        log.info("captured %d step graphs (%d..%d tokens) in %.1f s", len(self.graphs), self.config.buckets[0],
-                 self.config.buckets[-1], time.monotonic() - started)
+        _check_grammar_vocab(geometry, model)
+        self.graphs = None
         started = time.monotonic()
         image = link_image(config.policy_function())
         log.info("compiled and linked the scheduler in %.1f s", time.monotonic() - started)
         addresses = {name: tensor.data_ptr() for name, tensor in self.step.tensors().items()}
         torch.cuda.synchronize()
         self.scheduler = GpuScheduler(memory, geometry, self.config, self.step.layout, addresses,
-                                      step_graph=lambda tokens: self.graphs[tokens].raw_cuda_graph(), image=image,
-                                      device=torch.cuda.current_device(), request_side=config.request_side)
+                                      step_graph=partial(self._step_graph, geometry.max_grammar_bytes > 0),
+                                      image=image, device=torch.cuda.current_device(),
+                                      request_side=config.request_side)
         self.ring_memory = self.scheduler.ring_memory       # the ring as this process reaches it
         self.error: BaseException | None = None
         self.step_limit_s = GPU_STEP_LIMIT_S
+
+    def _step_graph(self, grammars: bool, tokens: int, ring: dict) -> int:
+        """The raw graph of the step for ``tokens``; the first call captures every bucket's (``GpuScheduler`` calls
+        this once the ring is registered, so that the step can read the ring's grammars region where it is)."""
+        import torch
+
+        from blink.device.graphs import capture_steps
+
+        if self.graphs is None:
+            region = _cuda_int32(*ring["grammars"]) if grammars else None
+            started = time.monotonic()
+            self.graphs = capture_steps(lambda t: self.model(self.step, self.kv, t, self.history, region),
+                                        self.config.buckets)
+            torch.cuda.synchronize()
+            log.info("captured %d step graphs (%d..%d tokens) in %.1f s", len(self.graphs), self.config.buckets[0],
+                     self.config.buckets[-1], time.monotonic() - started)
+        return self.graphs[tokens].raw_cuda_graph()
 
     def _pages_that_fit(self, config: EngineConfig, page_bytes: int, counts) -> int:
         """KV pages that fit in ``gpu_memory_utilization`` of the GPU, after one step of the largest bucket.
@@ -291,3 +304,22 @@ class GpuBackend:
                 self.scheduler.close()
             self.scheduler = self.graphs = self.kv = self.history = self.step = self.model = None
             torch.cuda.empty_cache()
+
+
+def _check_grammar_vocab(geometry: RingGeometry, model) -> None:
+    """A ring's grammars must cover the tokens the model's logits have: a mask is one bit per logit."""
+    logits = model.lm_head_weight().shape[0]
+    if geometry.max_grammar_bytes and geometry.vocab_size != logits:
+        raise ValueError(f"the ring's grammars cover {geometry.vocab_size} tokens but the model's logits have "
+                         f"{logits}: build the ring with the model's vocab_size")
+
+
+def _cuda_int32(address: int, shape: tuple):
+    """A torch int32 tensor over ``shape`` words of device memory at ``address`` that torch did not allocate (a view:
+    whoever owns the memory keeps it alive)."""
+    import torch
+
+    class Words:
+        __cuda_array_interface__ = {"shape": tuple(shape), "typestr": "<i4", "data": (address, False), "version": 3}
+
+    return torch.as_tensor(Words(), device="cuda")

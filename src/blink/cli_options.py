@@ -85,7 +85,8 @@ def engine_options(parser, slots: int) -> None:
     parser.add_argument("--max-top-logprobs", type=int, default=d.max_top_logprobs, help="top_logprobs per token")
     parser.add_argument("--max-grammar-bytes", type=int, default=SERVED_GRAMMAR_BYTES,
                         help="ring bytes for the compiled grammars of structured outputs (response_format, "
-                             "structured_outputs); 0: none, such requests get 400 (the CPU engine serves them so far)")
+                             "structured_outputs); 0: none, such requests get 400 (so do they at "
+                             "--tensor-parallel-size > 1 so far)")
 
 
 def http_options(parser) -> None:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -47,17 +48,16 @@ def bench(*args, timeout=300) -> subprocess.CompletedProcess:
                           timeout=timeout, check=False)
 
 
-@pytest.fixture(scope="module")
-def standin_server():
-    """``blink serve --standin`` on a free port; yields its base URL."""
+@contextmanager
+def served(*args):
+    """``blink serve ARGS`` on a free port; yields its base URL once healthy."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--standin", "--port", str(port),
-                               "--slots", "64", "--max-prompt-tokens", "2048", "--max-output-tokens", "2048"])
+    server = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--port", str(port), *args])
     try:
         deadline = time.monotonic() + 120
         while not healthy(port):
-            assert server.poll() is None, "blink serve --standin exited"
-            assert time.monotonic() < deadline, "blink serve --standin did not become healthy"
+            assert server.poll() is None, f"blink serve {' '.join(args)} exited"
+            assert time.monotonic() < deadline, f"blink serve {' '.join(args)} did not become healthy"
             time.sleep(0.1)
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -66,6 +66,36 @@ def standin_server():
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+@pytest.fixture(scope="module")
+def standin_server():
+    """``blink serve --standin`` on a free port; yields its base URL."""
+    with served("--standin", "--slots", "64", "--max-prompt-tokens", "2048", "--max-output-tokens", "2048") as url:
+        yield url
+
+
+def test_every_request_asks_for_the_json_schema_given(tmp_path):
+    """``--json-schema FILE``: every request carries it as ``response_format`` (a random model over a byte-level
+    vocabulary); the run has no failure, and a schema the server cannot compile fails the first request."""
+    pytest.importorskip("outlines_core")
+    model = write_model_dir(tmp_path / "tiny", "tiny-qwen3", "bytes")
+    result_json = tmp_path / "result.json"
+    with served(str(model), "--load-format", "dummy", "--device", "cpu", "--slots", "8", "--max-model-len", "128",
+                "--cpu-kv-cache-gib", "0.05") as url:
+        done = bench("serve", "--base-url", url, "--tokenizer", str(model), "--num-prompts", "6", "--input-len", "8",
+                     "--output-len", "24", "--no-ignore-eos", "--json-schema", "bench/schemas/record.json",
+                     "--result-json", str(result_json))
+        (tmp_path / "bad.json").write_text('{"type": "no such type"}')
+        refused = bench("serve", "--base-url", url, "--tokenizer", str(model), "--num-prompts", "2", "--input-len",
+                        "8", "--output-len", "24", "--no-ignore-eos", "--json-schema", str(tmp_path / "bad.json"))
+    assert done.returncode == 0, done.stderr
+    (run,) = strict_json(result_json)["runs"]
+    assert (run["completed"], run["failed"]) == (6, 0)
+    assert strict_json(result_json)["json_schema"] == "bench/schemas/record.json"
+    # The schema reached the server, which refused it: the benchmark stops at its first failed request.
+    assert refused.returncode != 0 and "the first request failed: HTTP 400" in refused.stderr
+    assert "response_format.json_schema.schema" in refused.stderr
 
 
 def test_sweep_isolated_and_colocated_writes_json_and_plots(standin_server, tmp_path):

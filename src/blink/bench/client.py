@@ -92,9 +92,10 @@ class OpenAIClient:
     """``async with OpenAIClient(base_url) as client: await client.send(request)``. ``model=None`` asks the server
     (the first entry of ``GET /v1/models``, as vLLM does)."""
 
-    def __init__(self, base_url: str, model: str | None = None, ignore_eos: bool = False):
+    def __init__(self, base_url: str, model: str | None = None, ignore_eos: bool = False,
+                 response_format: dict | None = None):
         self.base_url = base_url.rstrip("/")
-        self.model, self.ignore_eos = model, ignore_eos
+        self.model, self.ignore_eos, self.response_format = model, ignore_eos, response_format
         self.session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self):
@@ -122,7 +123,7 @@ class OpenAIClient:
         return models[0]["id"]
 
     def info(self) -> dict:
-        return {"base_url": self.base_url, "model": self.model}
+        return {"base_url": self.base_url, "model": self.model, "response_format": self.response_format}
 
     async def server_counters(self) -> dict[str, float] | None:
         """The ``SERVER_COUNTERS`` on the server's /metrics now; None if it has none of them (or no /metrics)."""
@@ -138,6 +139,8 @@ class OpenAIClient:
                 "stream": True, "stream_options": {"include_usage": True}}
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.response_format is not None:
+            body["response_format"] = self.response_format
         return body
 
     async def send(self, request: SampleRequest) -> RequestOutput:

@@ -75,6 +75,8 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="generate exactly each request's output length (default: on when --output-len fixes it)")
     p.add_argument("--seed", type=int, default=0, help="dataset and arrival times")
+    p.add_argument("--json-schema", default=None, metavar="FILE", help="openai: every request's answer follows the "
+                   "JSON schema in FILE (response_format json_schema; needs --no-ignore-eos)")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO (vLLM: --goodput ttft:MS)")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO (vLLM: --goodput tpot:MS)")
     p.add_argument("--interference", type=int, default=0, metavar="N",
@@ -171,7 +173,10 @@ def make_backend(args, requests):
                       ignore_eos=args.ignore_eos, seed=args.seed)
     from blink.bench.client import OpenAIClient
 
-    return OpenAIClient(args.base_url, args.model, args.ignore_eos)
+    schema = None if args.json_schema is None else json.loads(Path(args.json_schema).read_text())
+    response_format = None if schema is None else {"type": "json_schema",
+                                                   "json_schema": {"name": "answer", "schema": schema}}
+    return OpenAIClient(args.base_url, args.model, args.ignore_eos, response_format)
 
 
 async def benchmark(backend, requests: list, args, save, hog_cpus) -> list[dict]:

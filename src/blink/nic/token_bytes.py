@@ -18,8 +18,8 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 @functools.cache
-def _byte_level_decoding() -> dict[str, int]:
-    """GPT-2's map from the printable character standing for a byte back to the byte."""
+def byte_level_characters() -> dict[int, str]:
+    """GPT-2's printable character standing for each byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars = printable[:]
     extra = 0
@@ -28,7 +28,13 @@ def _byte_level_decoding() -> dict[str, int]:
             printable.append(b)
             chars.append(256 + extra)
             extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+@functools.cache
+def _byte_level_decoding() -> dict[str, int]:
+    """GPT-2's map from the printable character standing for a byte back to the byte."""
+    return {c: b for b, c in byte_level_characters().items()}
 
 
 def _is_byte_level(decoder: dict | None) -> bool:

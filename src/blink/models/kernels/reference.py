@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from ..hashing import gumbel_noise, row_key
 from ..e4m3 import dequantize
 from .bias import apply_logit_bias  # noqa: F401  (torch and capturable: the same on every device)
-from .grammar import apply_grammar_rows as apply_grammar  # noqa: F401  (the rows with a grammar: a host read)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -240,3 +239,22 @@ def apply_penalties(logits: torch.Tensor, page_tokens: torch.Tensor, block_table
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     x = torch.where(count > 0, x - frequency[rows, None] * count - presence[rows, None], x)
     logits[rows] = x.to(logits.dtype)
+
+
+def grammar_allowed(grammars: torch.Tensor, state: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[S, vocab]`` bool: the tokens each row's grammar state allows (every token where ``state < 0``). A state is
+    a word offset into ``grammars`` (int32) where its mask starts: bit ``t % 32`` of word ``t // 32`` allows ``t``."""
+    words = torch.arange((vocab + 31) // 32, device=state.device)
+    masks = grammars[state.clamp(min=0).long()[:, None] + words]                       # [S, W]
+    token = torch.arange(vocab, device=state.device, dtype=torch.int32)
+    return ((masks.index_select(1, (token // 32).long()) >> (token % 32)) & 1).bool() | (state < 0)[:, None]
+
+
+def apply_grammar(logits: torch.Tensor, grammars: torch.Tensor, state: torch.Tensor) -> None:
+    """``kernels.grammar.apply_grammar`` over the rows that have a grammar only, found by a host read (the CPU step's:
+    a step without grammars then costs one comparison, not a pass over every row's logits)."""
+    rows = (state >= 0).nonzero()[:, 0]
+    if len(rows):
+        subset = logits[rows]
+        subset.masked_fill_(~grammar_allowed(grammars, state[rows], logits.shape[1]), float("-inf"))
+        logits[rows] = subset
