@@ -110,10 +110,9 @@ class Tokenizer:
         if self._content_tokenizer is None:
             return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools),
                                add_special_tokens=False)
-        # Render with a marker in place of each content (an assistant's that only calls tools has none), then encode
-        # the template's text and the contents apart.
-        marked = [{**m, "content": f"{_MARK}{i}{_MARK}"} if isinstance(m.get("content"), str) else m
-                  for i, m in enumerate(messages)]
+        # Render with a marker in place of each content, then encode the template's text and the contents apart. An
+        # empty content stays empty: a template may test it ("{% if message.content %}"), and a marker is not empty.
+        marked = [{**m, "content": f"{_MARK}{i}{_MARK}"} if m.get("content") else m for i, m in enumerate(messages)]
         pieces = self.render_chat(marked, add_generation_prompt=add_generation_prompt, tools=tools).split(_MARK)
         ids = []
         for k, piece in enumerate(pieces):

@@ -212,6 +212,26 @@ def test_auto_needs_a_known_call_format_and_a_template_that_shows_the_tools(mode
     assert error.value.param == "tools"
 
 
+def test_required_moves_each_tools_definitions_to_the_root_of_its_schema():
+    """With "required" every tool's schema is one item of an array: the $refs of each still resolve, at the root."""
+    pair = {"type": "object", "properties": {"k": {"type": "string"}}, "required": ["k"]}
+    tools = [{"type": "function", "function": {"name": name, "parameters": {
+        "$defs": {"pair": pair}, "type": "object", "properties": {"p": {"$ref": "#/$defs/pair"}}, "required": ["p"]}}}
+        for name in ("f", "g")]
+    request = ToolFields("hermes", True).request({"tools": tools, "tool_choice": "required",
+                                                  "parallel_tool_calls": False})
+    param, spec = request.forced()
+    schema = json.loads(spec.text)
+    assert param == "tools" and schema["$defs"] == {"pair": pair} and schema["maxItems"] == 1
+    jsonschema.validate([{"name": "g", "parameters": {"p": {"k": "v"}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "g", "parameters": {"p": {"k": 1}}}], schema)
+    tools[1]["function"]["parameters"]["$defs"] = {"pair": {"type": "integer"}}
+    with pytest.raises(ApiError) as error:
+        ToolFields("hermes", True).request({"tools": tools, "tool_choice": "required"}).forced()
+    assert error.value.param == "tools[1].function.parameters"
+
+
 # -- LangChain ---------------------------------------------------------------------------------------------------------
 
 def test_langchain_structured_output_and_bound_tools(client):

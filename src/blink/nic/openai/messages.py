@@ -23,8 +23,8 @@ def text_field(value: str, param: str) -> str:
 
 
 def chat_messages(messages) -> list[dict]:
-    """``messages`` as the chat template takes them: a non-empty list of {"role", "content"} (None only for an
-    assistant's message that calls tools), with "tool_calls", "tool_call_id" and "name" where given."""
+    """``messages`` as the chat template takes them: a non-empty list of {"role", "content"} (null only for an
+    assistant's message that calls tools, given as ""), with "tool_calls", "tool_call_id" and "name" where given."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, f"'messages' must be a non-empty list of messages (got {shown(messages)})",
                        param="messages")
@@ -48,7 +48,7 @@ def _message(message, i: int) -> dict:
                                          and isinstance(p.get("text"), str) for p in content):
         content = "".join(p["text"] for p in content)
     if content is None and calls:
-        shaped["content"] = None
+        shaped["content"] = ""      # templates that write every content (SmolLM2's) fail on None
     elif isinstance(content, str):
         shaped["content"] = text_field(content, f"{param}.content")
     else:

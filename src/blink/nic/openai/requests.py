@@ -286,7 +286,7 @@ class Parser:
                                 f"accepts (at most {self.max_messages} messages fit): send fewer", param="messages",
                            code="context_length_exceeded")
         parsed = chat_messages(messages)
-        self._check_text_bytes(sum(len((m["content"] or "").encode()) for m in parsed), "messages")
+        self._check_text_bytes(sum(len(m["content"].encode()) for m in parsed), "messages")
         return parsed
 
     def _check_text_bytes(self, n: int, param: str) -> None:
