@@ -22,7 +22,7 @@ from blink.nic.openai.errors import ApiError  # noqa: E402
 from blink.nic.text import Tokenizer, chat_template_argument  # noqa: E402
 from blink.process import engine_process  # noqa: E402
 from blink.ring.reference import standin_engine  # noqa: E402
-from tests.nic.openai.test_structured import ENGINE, MODEL, concurrently, http, model_dir  # noqa: E402,F401
+from tests.nic.openai.test_structured import ENGINE, MODEL, concurrently, http  # noqa: E402
 from tests.nic.openai.test_tool_parsers import read  # noqa: E402
 
 TEMPLATE = Path(__file__).parents[3] / "examples" / "tool_chat_template_hermes.jinja"
@@ -42,12 +42,18 @@ TOOLS = [WEATHER, TIME]
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris, and what time is it there?"}]
 # Makes the model write a Hermes call after some text (tool_choice "auto" reads it; "none" leaves it as content).
-WRITES_A_CALL = {"regex": r'Let me check\. <tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}'
-                          r'", "unit": "celsius"\}\}\n</tool_call>'}
+WRITES_A_CALL = {"regex": r'Let me check\. <tool_call>\n\{"name": "get_weather", "arguments": '
+                          r'\{"city": "[A-Z][a-z]{2,8}", "unit": "celsius"\}\}\n</tool_call>'}
 
 
 def named(name: str) -> dict:
     return {"type": "function", "function": {"name": name}}
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from blink.models import default_model_path
+    return default_model_path()
 
 
 @pytest.fixture(scope="module")

@@ -200,7 +200,8 @@ class Parser:
         sampling = dict(top_k=max(top_k, 0), seed=None if seed is None else seed % 2**64, logprobs=logprobs,
                         top_logprobs=top_logprobs, logit_bias=self._logit_bias(body.get("logit_bias")),
                         min_p=body_field(body, "min_p", (int, float), "a number in [0, 1] (0: none)", 0.0,
-                                     lambda v: 0 <= v <= 1), grammar=self.structured.grammar(body, tools and tools.forced()))
+                                     lambda v: 0 <= v <= 1),
+                        grammar=self.structured.grammar(body, tools.forced() if tools else None))
         try:
             return self._params(body, room, stop_ids, sampling)
         except RequestError as e:    # a value the parser's type checks let through but the ring cannot store

@@ -26,7 +26,7 @@ NO_TABLE = ("this server has no grammar table: start it with --max-grammar-bytes
 def asks(body: dict) -> bool:
     """Whether ``body`` may ask for a structured output, or force a tool call through one (then parsing it may
     compile: not on the event loop)."""
-    return any(body.get(name) is not None for name in (*FIELDS, "tool_choice"))
+    return any(body.get(name) is not None for name in FIELDS) or body.get("tool_choice") not in (None, "auto", "none")
 
 
 class StructuredParser:
