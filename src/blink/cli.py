@@ -136,7 +136,8 @@ def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cor
     config = ServerConfig(model_name=args.served_model_name or os.path.basename(model_dir), loop=loop,
                           api_key=api_key_from(args.api_key, args.api_key_file),
                           defaults=sampling_defaults(model_dir, args.generation_config), drain=drain,
-                          thread_start=helper_priority, grammar_timeout_s=args.grammar_timeout)
+                          thread_start=helper_priority, grammar_timeout_s=args.grammar_timeout,
+                          tool_call_parser=args.tool_call_parser)
     # Listening while the engine starts: /livez 200, /readyz 503 "starting" (docs/deploy.md).
     server = OpenAIServer(agent, tokenizer, config, engine_gone=engine_watch(agent, engine_process))
     return run(server, args.host, args.port)

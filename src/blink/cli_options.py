@@ -92,6 +92,7 @@ def engine_options(parser, slots: int) -> None:
 def http_options(parser) -> None:
     from blink.nic.agent_loop import LoopConfig
     from blink.nic.grammars import COMPILE_TIMEOUT_S
+    from blink.nic.openai.tool_parsers import FORMATS
 
     parser.add_argument("--tokenizer", default=None,
                         help="the tokenizer's model directory or cached model id (default: the model's)")
@@ -119,6 +120,13 @@ def http_options(parser) -> None:
     parser.add_argument("--chat-template", default=None,
                         help="a chat template file, or the template itself (default: the model's chat_template.jinja "
                              "or tokenizer_config.json)")
+    parser.add_argument("--tool-call-parser", choices=FORMATS, default=None,
+                        help="the format the model writes tool calls in, read from its answers when a request's "
+                             "tool_choice is auto (default: the one its chat template teaches, if known: <tool_call> "
+                             "tags are hermes, a Llama 3 template llama3_json)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM's command lines: tool_choice auto is served whenever the call format "
+                             "is known (--tool-call-parser)")
     parser.add_argument("--generation-config", default="auto",
                         help="default sampling: auto (the model's generation_config.json), vllm (the OpenAI API's "
                              "defaults) or a directory holding a generation_config.json")

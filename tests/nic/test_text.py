@@ -1,6 +1,7 @@
 """blink.nic.text against transformers' tokenizer of the same model directory (the embedded SmolLM2, byte-level BPE)."""
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -269,3 +270,19 @@ def test_a_chat_template_jinja_file_beside_the_tokenizer_is_used(tmp_path):
         [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "<2>"
     with pytest.raises(FileNotFoundError, match="neither a file nor a Jinja template"):
         chat_template_argument("no-such-file.jinja")
+
+
+def test_the_template_gets_the_tools_and_an_empty_content_stays_empty(model_dir):
+    """The tools reach the template (the Hermes-style one of examples/, which reads them; SmolLM2's own does not), and
+    encoding contents apart (--special-tokens-as-text) gives the same ids where they hold no special token, an
+    assistant's empty content (a message that only calls tools) included."""
+    template = (Path(__file__).parents[2] / "examples" / "tool_chat_template_hermes.jinja").read_text()
+    plain, apart = (Tokenizer(model_dir, chat_template=template, special_tokens_in_content=s) for s in (True, False))
+    assert plain.renders_tools and not Tokenizer(model_dir).renders_tools
+    tools = [{"type": "function", "function": {"name": "now", "description": "The time", "parameters": {}}}]
+    messages = [{"role": "user", "content": "Time?"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "now", "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "noon"}]
+    assert '"name": "now"' in plain.render_chat(messages, tools=tools)
+    assert '"name": "now"' not in plain.render_chat(messages[:1])
+    assert apart.encode_chat(messages, tools=tools) == plain.encode_chat(messages, tools=tools)

@@ -11,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 
 import jinja2
+import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -55,7 +56,12 @@ class Tokenizer:
         self.special_ids = frozenset(i for i, token in added.items() if token.special)
         template = chat_template or _read_text(model_dir / "chat_template.jinja") \
             or _default_template(config.get("chat_template"))
+        self.chat_template: str | None = template       # its source: the tool call format is read from it
         self._template = _compile_template(template) if template else None
+        # Whether the template shows the model the tools a request offers (a template that never reads 'tools'
+        # renders none of them, as transformers' apply_chat_template(tools=...) does then).
+        self.renders_tools = self._template is not None and "tools" in jinja2.meta.find_undeclared_variables(
+            self._template.environment.parse(template))
         self.message_tokens = self._message_tokens()
 
     def _message_tokens(self) -> int:
@@ -85,25 +91,29 @@ class Tokenizer:
         ``convert_ids_to_tokens`` gives them."""
         return [self._tokenizer.id_to_token(i) for i in ids]
 
-    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """The chat template applied to ``messages``. ``ValueError`` if there is no template or it rejects them."""
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The chat template applied to ``messages`` and the function ``tools`` offered (OpenAI's tool objects, as
+        transformers passes them; None: none). ``ValueError`` if there is no template or it rejects them."""
         if self._template is None:
             raise ValueError("this model has no chat template (chat_template.jinja, or 'chat_template' in "
                              "tokenizer_config.json): "
                              "use /v1/completions or pass a template")
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+                                         tools=tools, **self.special_tokens)
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}") from None
 
-    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         if self._content_tokenizer is None:
-            return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt),
+            return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools),
                                add_special_tokens=False)
-        # Render with a marker in place of each content, then encode the template's text and the contents apart.
-        marked = [{**m, "content": f"{_MARK}{i}{_MARK}"} for i, m in enumerate(messages)]
-        pieces = self.render_chat(marked, add_generation_prompt=add_generation_prompt).split(_MARK)
+        # Render with a marker in place of each content, then encode the template's text and the contents apart. An
+        # empty content stays empty: a template may test it ("{% if message.content %}"), and a marker is not empty.
+        marked = [{**m, "content": f"{_MARK}{i}{_MARK}"} if m.get("content") else m for i, m in enumerate(messages)]
+        pieces = self.render_chat(marked, add_generation_prompt=add_generation_prompt, tools=tools).split(_MARK)
         ids = []
         for k, piece in enumerate(pieces):
             if k % 2 == 0:

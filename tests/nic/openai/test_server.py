@@ -609,7 +609,8 @@ BAD = [  # (path, body, status, what the message must mention)
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "'top_logprobs' must be an integer in "
                                                                           "[0, 20]"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 6}, 400, "start it with --max-top-logprobs 6"),
-    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "not supported"),
+    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "'tools[0]' must be"),
+    (COMPLETIONS, {"prompt": "x", "tools": [{"type": "function"}]}, 400, "not supported"),
     (CHAT, {"messages": USER, "model": "nope"}, 404, "GET /v1/models"),
     (CHAT, {"messages": [{"role": "user", "content": "hello " * 300}]}, 400, "shorten it"),
     (CHAT, {"messages": [{"role": "user", "content": ""}] * 60}, 400, "each message takes at least 5"),
@@ -657,7 +658,12 @@ prompts = {COMPLETIONS: {"prompt": st.text(min_size=1, max_size=30) | st.lists(s
                          "logprobs": st.sampled_from([None, 0, 0, 1, 5, 6])},
            CHAT: {"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
                                                               "content": st.text(max_size=30)}), max_size=3),
-                  "logprobs": st.booleans(), "top_logprobs": st.sampled_from([None, 0, 3, 5, 6])}}
+                  "logprobs": st.booleans(), "top_logprobs": st.sampled_from([None, 0, 3, 5, 6]),
+                  # tool calling (tests/nic/openai/test_tools.py): valid tools, and every choice
+                  "tools": st.sampled_from([None, [], [{"type": "function", "function": {"name": "f"}}]]),
+                  "tool_choice": st.sampled_from([None, "none", "auto", "required",
+                                                  {"type": "function", "function": {"name": "f"}}]),
+                  "parallel_tool_calls": st.booleans()}}
 
 
 # Every numeric field at the limits of the types that store it: the ring header's u32 / i32 / u64 / f32, Python's

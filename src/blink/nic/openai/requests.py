@@ -15,6 +15,9 @@ from blink.nic.defaults import SamplingDefaults
 from blink.nic.grammars import GrammarCompiler
 from blink.nic.openai import structured
 from blink.nic.openai.errors import ApiError
+from blink.nic.openai.messages import chat_messages, text_field
+from blink.nic.openai.tool_parsers import detect
+from blink.nic.openai.tools import ToolFields, ToolRequest
 from blink.nic.text import Tokenizer, max_tokens_for
 from blink.ring.geometry import MAX_TOP_LOGPROBS
 from blink.ring.request import BIAS_LIMIT, PENALTY_LIMIT, SamplingParams, shown
@@ -22,10 +25,10 @@ from blink.ring.request import BIAS_LIMIT, PENALTY_LIMIT, SamplingParams, shown
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # the OpenAI API's default for /v1/completions; chat defaults to the room left
 MAX_CHOICES = 16                      # n: choices per request, each its own ring request
 MAX_STOP_STRINGS = 16
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 PENALTY_RULE = f"a number in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}] (0: none)"   # presence and frequency penalties
 # Accepted only at their neutral values: anything else asks for a feature this server does not have.
-UNSUPPORTED = {"echo": (False,), "suffix": ("",), "best_of": (1,), "min_tokens": (0,), "tools": ([],)}
+UNSUPPORTED = {"echo": (False,), "suffix": ("",), "best_of": (1,), "min_tokens": (0,)}
+COMPLETION_UNSUPPORTED = {**UNSUPPORTED, "tools": ([],)}     # chat's tools: blink.nic.openai.tools
 # The server option that sizes what the ring keeps of a request (RingGeometry's field of the same name).
 RING_OPTIONS = {"max_top_logprobs": "--max-top-logprobs", "max_logit_bias": "--max-logit-bias"}
 
@@ -44,6 +47,7 @@ class Job:
     include_usage: bool
     priority: int
     n: int = 1                  # choices: n ring requests, seeds seed, seed + 1, ... when a seed is given
+    tools: ToolRequest | None = None    # chat: the functions offered, how the answer calls them
 
     def choice_params(self) -> list[SamplingParams]:
         """The sampling of each choice: the request's, with consecutive seeds (one random seed each if none)."""
@@ -98,24 +102,18 @@ def refuse_unsupported(body: dict, neutral_values: dict) -> None:
                            param=name)
 
 
-def text_field(value: str, param: str) -> str:
-    """Tokenizers need valid Unicode: JSON can smuggle in unpaired surrogates (\\ud800)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(400, f"'{param}' contains an unpaired UTF-16 surrogate: send valid Unicode text",
-                       param=param) from None
-    return value
-
-
 class Parser:
     """Turns request bodies into ``Job``s against one model and one ring's limits; ``grammars`` compiles their
-    structured outputs (None: the ring has no grammars region, and they are refused)."""
+    structured outputs (None: the ring has no grammars region, and they are refused); ``tool_call_parser`` names the
+    format the model writes tool calls in (``tool_parsers.FORMATS``; None: the one its chat template teaches, if
+    known)."""
 
     def __init__(self, tokenizer: Tokenizer, model_name: str, agent: Agent,
-                 defaults: SamplingDefaults = SamplingDefaults(), grammars: GrammarCompiler | None = None):
+                 defaults: SamplingDefaults = SamplingDefaults(), grammars: GrammarCompiler | None = None,
+                 tool_call_parser: str | None = None):
         g = agent.geometry
         self.structured = structured.StructuredParser(grammars)
+        self.tools = ToolFields(tool_call_parser or detect(tokenizer.chat_template), tokenizer.renders_tools)
         self.tokenizer, self.model_name, self.geometry, self.defaults = tokenizer, model_name, g, defaults
         self.context_len = g.max_model_len         # the engine's limit, which the ring's creator wrote
         self.max_prompt = min(g.max_prompt_tokens, self.context_len - 1)
@@ -138,7 +136,8 @@ class Parser:
 
     def chat(self, body: dict) -> Job:
         messages = self._messages(body.get("messages"))
-        prompt = chat_prompt(self.tokenizer, messages, body)
+        tools = self.tools.request(body)
+        prompt = chat_prompt(self.tokenizer, messages, body, list(tools.tools) if tools else None)
         top = body_field(body, "top_logprobs", (int,), f"an integer in [0, {MAX_TOP_LOGPROBS}] or null", 0,
                          lambda v: 0 <= v <= MAX_TOP_LOGPROBS)
         logprobs = body_field(body, "logprobs", (bool,), "a boolean", False)
@@ -147,7 +146,7 @@ class Parser:
         # The newer name wins where both are given; a null one counts as absent, as everywhere in a body.
         new_name = body.get("max_completion_tokens") is not None
         self._fits_ring("top_logprobs", top, "max_top_logprobs", "top logprobs per token")
-        return self._job(body, prompt, chat=True, logprobs=logprobs, top_logprobs=top,
+        return self._job(body, prompt, chat=True, logprobs=logprobs, top_logprobs=top, tools=tools,
                          max_tokens_field="max_completion_tokens" if new_name else "max_tokens",
                          default_max=self.defaults.max_tokens)
 
@@ -159,9 +158,9 @@ class Parser:
                                 f"with {RING_OPTIONS[geometry_field]} {count} (or more)", param=name)
 
     def _job(self, body: dict, prompt: list[int], *, chat: bool, logprobs: bool, top_logprobs: int,
-             max_tokens_field: str, default_max) -> Job:
+             max_tokens_field: str, default_max, tools: ToolRequest | None = None) -> Job:
         self.check_model(body)
-        refuse_unsupported(body, UNSUPPORTED)
+        refuse_unsupported(body, UNSUPPORTED if chat else COMPLETION_UNSUPPORTED)
         n = body_field(body, "n", (int,), f"an integer in [1, {MAX_CHOICES}]", 1, lambda v: 1 <= v <= MAX_CHOICES)
         if len(prompt) > self.max_prompt:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens but this server accepts at most "
@@ -178,11 +177,11 @@ class Parser:
         include_usage = body_field(options, "include_usage", (bool,), "a boolean", False)
         priority = body_field(body, "priority", (int,), "an integer in [-2**31, 2**31)", 0,
                           lambda v: -2**31 <= v < 2**31)
-        params = self._sampling(body, len(prompt), max_tokens_field, default_max, logprobs, top_logprobs)
-        return Job(chat, prompt, params, self._stop(body), stream, include_usage, priority, n)
+        params = self._sampling(body, len(prompt), max_tokens_field, default_max, logprobs, top_logprobs, tools)
+        return Job(chat, prompt, params, self._stop(body), stream, include_usage, priority, n, tools)
 
     def _sampling(self, body, prompt_len: int, max_tokens_field: str, default_max: int | None,
-                  logprobs: bool, top_logprobs: int) -> SamplingParams:
+                  logprobs: bool, top_logprobs: int, tools: ToolRequest | None) -> SamplingParams:
         requested = body_field(body, max_tokens_field, (int,), "an integer >= 1", None, lambda v: v >= 1)
         try:
             room = max_tokens_for(requested, prompt_len, self.context_len, self.geometry.max_output_tokens,
@@ -201,7 +200,8 @@ class Parser:
         sampling = dict(top_k=max(top_k, 0), seed=None if seed is None else seed % 2**64, logprobs=logprobs,
                         top_logprobs=top_logprobs, logit_bias=self._logit_bias(body.get("logit_bias")),
                         min_p=body_field(body, "min_p", (int, float), "a number in [0, 1] (0: none)", 0.0,
-                                     lambda v: 0 <= v <= 1), grammar=self.structured.grammar(body))
+                                     lambda v: 0 <= v <= 1),
+                        grammar=self.structured.grammar(body, tools.forced() if tools else None))
         try:
             return self._params(body, room, stop_ids, sampling)
         except RequestError as e:    # a value the parser's type checks let through but the ring cannot store
@@ -297,39 +297,15 @@ class Parser:
                            code="context_length_exceeded")
 
 
-def chat_messages(messages) -> list[dict]:
-    """``messages`` as the chat template takes them: a non-empty list of {"role", "content"} with text contents (a
-    list of text parts joined); 400 naming the message otherwise."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, f"'messages' must be a non-empty list of messages (got {shown(messages)})",
-                       param="messages")
-    return [_message(m, i) for i, m in enumerate(messages)]
-
-
-def chat_prompt(tokenizer: Tokenizer, messages: list[dict], body: dict) -> list[int]:
-    """The token ids the model is fed for chat ``messages`` (``chat_messages``): the chat template rendered, with the
-    assistant's generation prompt unless the body's ``add_generation_prompt`` (vLLM's) is false."""
+def chat_prompt(tokenizer: Tokenizer, messages: list[dict], body: dict, tools: list[dict] | None) -> list[int]:
+    """The token ids the model is fed for chat ``messages`` (``chat_messages``) and the ``tools`` offered (None:
+    none): the chat template rendered, with the assistant's generation prompt unless the body's
+    ``add_generation_prompt`` (vLLM's) is false."""
     add_generation_prompt = body_field(body, "add_generation_prompt", (bool,), "a boolean", True)
     try:
-        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None
-
-
-def _message(message, i: int) -> dict:
-    param = f"messages[{i}]"
-    if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
-        raise ApiError(400, f"'{param}' must be an object with a 'role' in {list(CHAT_ROLES)} "
-                            f"(got {shown(message)})", param=param)
-    content = message.get("content")
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise ApiError(400, f"'{param}.content' must be a string or a list of text parts "
-                            f"({{\"type\": \"text\", \"text\": ...}}); only text is supported "
-                            f"(got {shown(content)})", param=f"{param}.content")
-    return {"role": message["role"], "content": text_field(content, f"{param}.content")}
 
 
 def _is_number(value) -> bool:

@@ -1,7 +1,9 @@
 """One request's answer in the OpenAI format: a JSON completion, or an SSE stream of chunks ending in ``[DONE]``.
 
 ``Responder`` turns the ``RequestOutput``s the agent loop delivers for a request into text (``TextStream``: the
-incremental detokenizer, cut before the first stop string) and writes it; a stop string ends the request there.
+incremental detokenizer, cut before the first stop string) and writes it; a stop string ends the request there. A
+chat that offers tools has its text read for calls (``tools.ToolAnswer``): streamed as tool-call deltas, whole as
+the message those deltas add up to.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from blink.nic.openai.errors import REFUSALS, api_error
 from blink.nic.openai.logprobs import chat_logprobs, completion_logprobs
 from blink.nic.openai.requests import Job
 from blink.nic.openai.sse import DONE, ChunkFormat, event
+from blink.nic.openai.tools import ToolAnswer, message
 from blink.nic.text import TextStream, Tokenizer
 
 
@@ -50,12 +53,17 @@ class Responder:
         await response.prepare(request)
         chunks = ChunkFormat(self._head(job, chunk=True), job.chat)
         pending = []
+        answers = [_tool_answer(job) for _ in reqs]
+        held = [[] for _ in reqs]       # tokens whose logprobs wait for a chunk (while text may be a call's)
         try:
             if job.chat:
                 await response.write(chunks.role(len(reqs)))
             remaining = len(reqs)
             async for i, delta, tokens, finish, more in _merged(self._events, reqs, texts):
-                if delta or finish:
+                if answers[i] is not None:
+                    held[i] += tokens
+                    pending += self._tool_chunks(chunks, job, i, answers[i], delta, held[i], finish)
+                elif delta or finish:
                     pending.append(chunks.choice(i, delta, self._logprobs(job, tokens), finish))
                 remaining -= finish is not None
                 if not remaining and job.include_usage:
@@ -112,8 +120,28 @@ class Responder:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
                 "model": self.model_name}
 
+    def _tool_chunks(self, chunks: ChunkFormat, job: Job, i: int, answer: ToolAnswer, text: str, held: list,
+                     finish: str | None) -> list[bytes]:
+        """Choice ``i``'s chunks for its next ``text``: one per delta, the first with the logprobs of the ``held``
+        tokens (then let go), the last with the finish reason."""
+        deltas = answer.deltas(text, final=finish is not None)
+        if finish is not None:
+            deltas, finish = deltas or [{}], answer.finish_reason(finish)
+        out = []
+        for k, delta in enumerate(deltas):
+            out.append(chunks.delta(i, delta, self._logprobs(job, held) if k == 0 else None,
+                                    finish if k == len(deltas) - 1 else None))
+        if deltas:
+            held.clear()
+        return out
+
     def _choice(self, job: Job, index: int, text: str, tokens: list, finish: str | None) -> dict:
-        body = {"message": {"role": "assistant", "content": text}} if job.chat else {"text": text}
+        answer = _tool_answer(job)
+        if answer is not None:
+            body = {"message": message(answer.deltas(text, final=True))}
+            finish = answer.finish_reason(finish)
+        else:
+            body = {"message": {"role": "assistant", "content": text}} if job.chat else {"text": text}
         return {"index": index, **body, "logprobs": self._logprobs(job, tokens), "finish_reason": finish}
 
     def _logprobs(self, job: Job, tokens: list) -> dict | None:
@@ -129,6 +157,12 @@ class Responder:
     def _usage(self, job: Job, texts: list[TextStream]) -> dict:
         n_prompt, n_completion = len(job.prompt), sum(text.n_tokens for text in texts)
         return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+
+
+def _tool_answer(job: Job) -> ToolAnswer | None:
+    """A reader of one choice's tool calls, or None when its text is all content."""
+    parser = job.tools.parser() if job.tools is not None else None
+    return ToolAnswer(parser) if parser is not None else None
 
 
 async def _merged(events, reqs: list[Submission], texts: list[TextStream]):

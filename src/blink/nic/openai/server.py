@@ -60,6 +60,7 @@ class ServerConfig:
     ``thread_start``: called first in each thread the server starts (its tokenizer threads), e.g. to give them a
     priority the loop's thread does not pass on (``blink serve``: ``blink.priority.helper_priority``).
     ``grammar_timeout_s``: the longest one structured output may take to compile (``blink.nic.grammars``).
+    ``tool_call_parser``: the format the model writes tool calls in (``tool_parsers``; None: its chat template's).
     /health fails and requests get 503 while the agent's ``Liveness`` says the engine is not serving."""
 
     model_name: str
@@ -70,6 +71,7 @@ class ServerConfig:
     drain: DrainConfig = DrainConfig()
     thread_start: Callable[[], None] | None = None
     grammar_timeout_s: float = COMPILE_TIMEOUT_S
+    tool_call_parser: str | None = None
 
 
 class OpenAIServer:
@@ -86,7 +88,8 @@ class OpenAIServer:
         g = agent.geometry
         self.grammars = (GrammarCompiler(tokenizer, g.vocab_size, g.max_grammar_bytes, config.grammar_timeout_s)
                          if g.max_grammar_bytes else None)
-        self.parser = Parser(tokenizer, config.model_name, agent, config.defaults, self.grammars)
+        self.parser = Parser(tokenizer, config.model_name, agent, config.defaults, self.grammars,
+                             config.tool_call_parser)
         self.tokenization = Tokenization(self.parser)
         self.metrics = Metrics()
         self.loop = AgentLoop(agent, self.metrics, config.loop)

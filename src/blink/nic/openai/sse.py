@@ -47,5 +47,10 @@ class ChunkFormat:
             return start + _PLAIN_TAIL
         return start + b', "logprobs": ' + _json(logprobs) + b', "finish_reason": ' + _json(finish) + b"}]}\n\n"
 
+    def delta(self, index: int, delta: dict, logprobs: dict | None, finish: str | None) -> bytes:
+        """A chat chunk of any ``delta`` object (a tool call's: ``blink.nic.openai.tools``)."""
+        return (self._choices + b'{"index": %d, "delta": ' % index + _json(delta) + b', "logprobs": ' + _json(logprobs)
+                + b', "finish_reason": ' + _json(finish) + b"}]}\n\n")
+
     def usage(self, usage: dict) -> bytes:
         return self._usage + _json(usage) + b"}\n\n"

@@ -6,8 +6,9 @@
 - ``structured_outputs``: exactly one of ``{"json": schema}``, ``{"regex": "..."}``, ``{"choice": [...]}``,
   ``{"json_object": true}``.
 
-A refusal is a 400 naming the field that carries what was refused (``response_format``,
-``structured_outputs.regex``, ...).
+A ``tool_choice`` that forces a call (``blink.nic.openai.tools``) answers in a grammar too, and then neither may ask
+for one. A refusal is a 400 naming the field that carries what was refused (``response_format``,
+``structured_outputs.regex``, ``tools[0].function.parameters``, ...).
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ NO_TABLE = ("this server has no grammar table: start it with --max-grammar-bytes
 
 
 def asks(body: dict) -> bool:
-    """Whether ``body`` may ask for a structured output (then parsing it may compile: not on the event loop)."""
-    return any(body.get(name) is not None for name in FIELDS)
+    """Whether ``body`` may ask for a structured output, or force a tool call through one (then parsing it may
+    compile: not on the event loop)."""
+    return any(body.get(name) is not None for name in FIELDS) or body.get("tool_choice") not in (None, "auto", "none")
 
 
 class StructuredParser:
@@ -34,21 +36,28 @@ class StructuredParser:
     def __init__(self, compiler: GrammarCompiler | None):
         self.compiler = compiler
 
-    def grammar(self, body: dict) -> Grammar | None:
+    def grammar(self, body: dict, forced: tuple[str, StructuredOutputs] | None = None) -> Grammar | None:
+        """``forced``: the grammar a tool choice forces, with the field that carries it."""
         specs = []
         for name, parse in (("response_format", _response_format), ("structured_outputs", _structured_outputs)):
             if body.get(name) is not None:
                 param, spec = parse(body[name])
                 if spec is not None:
                     specs.append((param, spec))
-        if not specs:
-            return None
         if len(specs) > 1:
             raise ApiError(400, "'response_format' and 'structured_outputs' both ask for a structured output: give "
                                 "one of them", param="structured_outputs")
-        param, spec = specs[0]
+        if forced is not None and specs:
+            raise ApiError(400, f"'tool_choice' {shown(body['tool_choice'])} forces a tool call, whose arguments "
+                                f"follow the tool's schema, and '{specs[0][0].split('.')[0]}' asks for a structured "
+                                "output too: give one of them", param="tool_choice")
+        if forced is None and not specs:
+            return None
+        param, spec = forced or specs[0]
         if self.compiler is None:
-            raise ApiError(400, f"'{param}' asks for a structured output, but {NO_TABLE}", param=param)
+            asked = "'tool_choice' forces a tool call through a grammar" if forced else \
+                f"'{param}' asks for a structured output"
+            raise ApiError(400, f"{asked}, but {NO_TABLE}", param="tool_choice" if forced else param)
         try:
             return self.compiler.compile(spec)
         except GrammarError as e:

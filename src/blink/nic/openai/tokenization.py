@@ -1,6 +1,6 @@
 """vLLM's tokenizer endpoints: ``POST /tokenize`` turns a prompt or chat messages into the token ids the server feeds
 the model for them, ``POST /detokenize`` token ids into text. The bodies are vLLM's: ``TokenizeCompletionRequest``
-{model, prompt, add_special_tokens, return_token_strs} or ``TokenizeChatRequest`` {model, messages,
+{model, prompt, add_special_tokens, return_token_strs} or ``TokenizeChatRequest`` {model, messages, tools,
 add_generation_prompt, return_token_strs, ...} -> ``TokenizeResponse`` {count, max_model_len, tokens, token_strs};
 ``DetokenizeRequest`` {model, tokens} -> ``DetokenizeResponse`` {prompt}; the answers are written as vLLM's server
 writes them (compact UTF-8 JSON, fields in its order).
@@ -14,14 +14,15 @@ import json
 from aiohttp import web
 
 from blink.nic.openai.errors import ApiError
-from blink.nic.openai.requests import (Parser, are_tokens, body_field, chat_messages, chat_prompt, refuse_unsupported,
-                                       text_field)
+from blink.nic.openai.messages import chat_messages, text_field
+from blink.nic.openai.requests import Parser, are_tokens, body_field, chat_prompt, refuse_unsupported
+from blink.nic.openai.tools import tool_list
 from blink.ring.request import shown
 
 # TokenizeChatRequest's fields this server accepts only at their neutral values (its chat completions have none of
 # them: /tokenize answers what /v1/chat/completions would feed the model).
 CHAT_UNSUPPORTED = {"continue_final_message": (False,), "add_special_tokens": (False,), "chat_template": (),
-                    "chat_template_kwargs": ({},), "tools": ([],), "mm_processor_kwargs": ({},),
+                    "chat_template_kwargs": ({},), "mm_processor_kwargs": ({},),
                     "media_io_kwargs": ({},)}
 
 
@@ -37,7 +38,7 @@ class Tokenization:
         self.parser.check_model(body)
         if "messages" in body:
             refuse_unsupported(body, CHAT_UNSUPPORTED)
-            ids = chat_prompt(self.tokenizer, chat_messages(body["messages"]), body)
+            ids = chat_prompt(self.tokenizer, chat_messages(body["messages"]), body, tool_list(body) or None)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
