@@ -95,6 +95,10 @@ def test_chat_template_errors_are_value_errors(model_dir):
     tok = Tokenizer(model_dir, chat_template="{{ raise_exception('roles must alternate') }}")
     with pytest.raises(ValueError, match="roles must alternate"):
         tok.render_chat([{"role": "user", "content": "x"}])
+    # Python errors inside the template's operations on the request's values too (a string plus a number).
+    tok = Tokenizer(model_dir, chat_template="{% for m in messages %}{{ m.content + 1 }}{% endfor %}")
+    with pytest.raises(ValueError, match="the chat template failed on these messages \\(TypeError"):
+        tok.render_chat([{"role": "user", "content": "x"}])
 
 
 @pytest.mark.parametrize("text", TEXTS)

@@ -104,6 +104,10 @@ class Tokenizer:
                                          tools=tools, **self.special_tokens)
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            # What a template does with the request's values (a number added to a string, a missing key) is the
+            # request's problem: a 400, never a 500.
+            raise ValueError(f"the chat template failed on these messages ({type(e).__name__}: {e})") from None
 
     def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> list[int]:
