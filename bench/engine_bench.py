@@ -2,7 +2,7 @@
 
 Method (one run, JSON to ``--json``):
 
-- The engine runs in its own process on a shared-memory ring (``blink.process.engine_process``, as ``blink serve``
+- The engine runs in its own process on a shared-memory ring (``blink.host.process.engine_process``, as ``blink serve``
   runs it); this process is the agent. It keeps ``--requests`` requests in the ring (random prompts of 16 tokens,
   ``ignore_eos``, ``--max-tokens`` each, resubmitted as they finish), so the GPU always decodes that many sequences.
 - ``isolated``: after a warm-up, over a ``--window``-second window: the engine process's CPU time (utime + stime of
@@ -105,7 +105,7 @@ def main() -> int:
     from blink.config import EngineConfig
     from blink.models import ModelConfig
     from blink.nic.agent import Agent
-    from blink.process import engine_process
+    from blink.host.process import engine_process
 
     model, load_format = bench_model(args.model)
     config = EngineConfig(model=str(model), load_format=load_format, device=args.device, n_slots=256,

@@ -210,7 +210,7 @@ def memory_hogs(image: bytes) -> dict:
     """Case 6: admission in both placements before and among memory-copying hogs, and the step times among them."""
     from blink.bench.interference import HOG_KINDS, interference
     from blink.bench.serve import HOG_SETTLE_S
-    from blink.priority import set_priority
+    from blink.host.priority import set_priority
 
     achieved = set_priority("auto", "--agent-priority")
     quiet = [admission_latency(image, 20_000, request_side=side) for side in REQUEST_SIDES]

@@ -42,7 +42,7 @@ from blink.nic.agent import Agent
 from blink.nic.agent_loop import LoopConfig
 from blink.nic.openai.server import OpenAIServer, ServerConfig, start
 from blink.nic.text import TextStream, Tokenizer
-from blink.process import engine_process, wait_until_serving
+from blink.host.process import engine_process, wait_until_serving
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import FREE
 from blink.ring.reference import expected_output, standin_engine

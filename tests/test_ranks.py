@@ -98,7 +98,7 @@ def test_an_engine_in_a_process_of_its_own_starts_its_ranks(model_dir):
     """``blink serve`` runs the engine in a daemonic process, which may not have multiprocessing children: the
     followers are plain subprocesses. Through the ring, the two-rank engine answers as the one-rank one does."""
     from blink.nic.agent import Agent
-    from blink.process import engine_process, wait_until_serving
+    from blink.host.process import engine_process, wait_until_serving
 
     want, _, _ = serve(replace(CONFIG, model=model_dir))
     config = replace(CONFIG, model=model_dir, tensor_parallel_size=2, ring_name=f"blink-test-tp-{uuid.uuid4().hex[:8]}")
@@ -119,7 +119,7 @@ def test_a_killed_engine_leaves_no_rank_behind(model_dir):
     import signal
 
     from blink.nic.agent import Agent
-    from blink.process import engine_process, wait_until_serving
+    from blink.host.process import engine_process, wait_until_serving
 
     config = replace(CONFIG, model=model_dir, tensor_parallel_size=2, ring_name=f"blink-test-tp-{uuid.uuid4().hex[:8]}")
     with engine_process(config) as (memory, process):

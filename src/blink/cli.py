@@ -1,4 +1,4 @@
-"""``blink`` command line: the subcommands and thin commands over ``blink.process`` (engine processes),
+"""``blink`` command line: the subcommands and thin commands over ``blink.host.process`` (engine processes),
 ``blink.engine`` (in-process generation) and ``blink.nic.openai`` (the HTTP agent); the options they share are in
 ``blink.cli_options``."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import uuid
 
 from blink.cli_options import LOG_LEVELS, engine_options, http_options, model_options, rdma_options
-from blink.process import USER_ERRORS
+from blink.host.process import USER_ERRORS
 from blink.ring.split import REQUEST_SIDES
 
 _ring_numbers = itertools.count()
@@ -25,7 +25,7 @@ def ring_demo(args) -> int:
 
 def serve(args) -> int:
     """The engine in another process and the agent's HTTP server in this one, over a shared-memory ring."""
-    from blink.process import engine_process, split_cores
+    from blink.host.process import engine_process, split_cores
     from blink.ring.reference import standin_engine
 
     configs = _agent_configs(args)      # checked before the engine starts
@@ -47,7 +47,7 @@ def serve(args) -> int:
 
 def engine(args) -> int:
     """The engine on a new shared-memory ring until Ctrl-C or SIGTERM; ``blink agent --ring NAME`` serves HTTP on it."""
-    from blink.process import serve_ring
+    from blink.host.process import serve_ring
 
     serve_ring(_engine_config(args, _model_dir(args), ring_name=args.ring,
                               request_side=args.request_side),
@@ -75,7 +75,7 @@ def generate(args) -> int:
 def agent(args) -> int:
     """Attach to the ring of an engine that is already running (by name on this host, or at ``--remote`` over RDMA
     or CUDA IPC) and serve HTTP on it."""
-    from blink.process import split_cores
+    from blink.host.process import split_cores
 
     if args.ring_key is not None and args.remote is None:
         raise ValueError("--ring-key NAME goes with --remote (--ring NAME reads the key file of NAME itself)")
@@ -100,7 +100,7 @@ def _agent_configs(args):
 
 def _agent_ring(args):
     if args.ring is not None:
-        from blink.process import open_ring
+        from blink.host.process import open_ring
 
         return open_ring(args.ring)
     from blink.nic.remote import open_remote
@@ -123,8 +123,8 @@ def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cor
     from blink.nic.defaults import sampling_defaults
     from blink.nic.openai.api_key import api_key_from
     from blink.nic.openai.server import OpenAIServer, ServerConfig, run
-    from blink.priority import helper_priority, pin, set_priority
-    from blink.process import engine_watch
+    from blink.host.priority import helper_priority, pin, set_priority
+    from blink.host.process import engine_watch
 
     set_priority(args.agent_priority)           # before any thread starts: threads inherit it
     if cores:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from blink.priority import PRIORITIES
+from blink.host.priority import PRIORITIES
 
 
 SERVED_GRAMMAR_BYTES = 64 << 20     # a served ring's grammars region: dozens of JSON schemas for a 50k vocabulary
@@ -34,7 +34,7 @@ def model_options(parser, *, positional: bool) -> None:
 
 
 def _cpu_list(text: str) -> list[int]:
-    from blink.cores import parse_cpu_list
+    from blink.host.cores import parse_cpu_list
 
     try:
         return parse_cpu_list(text)

@@ -34,7 +34,7 @@ class _Engine:
     def __init__(self, config: EngineConfig):
         if config.ring_name is not None:
             raise ValueError(f"EngineConfig.ring_name={config.ring_name!r}: an engine on a shared ring is driven by "
-                             "an agent process of its own (blink.process.engine_process, blink serve); leave "
+                             "an agent process of its own (blink.host.process.engine_process, blink serve); leave "
                              "ring_name out to drive the engine from Python")
         from blink.nic.agent import Agent
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from blink.bench.placement import Layout, layout
-from blink.cores import cpu_list
+from blink.host.cores import cpu_list
 
 ALLOWED = tuple(sorted(os.sched_getaffinity(0)))
 

@@ -17,7 +17,7 @@ import pytest
 from blink.bench.client import AGENT_PAUSES, AGENT_RUN_DELAY, AGENT_STEAL
 from blink.bench.datasets import synthetic
 from blink.bench.shapes import write_model_dir
-from blink.cores import cpu_list
+from blink.host.cores import cpu_list
 from blink.nic.text import Tokenizer
 
 

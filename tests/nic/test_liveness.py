@@ -41,7 +41,7 @@ def test_an_engine_process_that_stops_ticking_is_gone_even_inside_a_step():
 def test_a_tick_seconds_late_on_a_loaded_host_is_not_a_death():
     """Regression: with a 1 s timeout, an engine process whose ticking thread waited 1-3 s for a core or the GIL
     (2 cores at load 9-27) was declared gone, and every request in flight failed (the CPU soaks, and
-    tests/test_process.py's long step once)."""
+    tests/host/test_process.py's long step once)."""
     liveness = Liveness(timeout_s=1.0)
     assert liveness.problem(snapshot(alive=1, in_step=1, step_limit_s=600), now=0.0) is None
     assert liveness.problem(snapshot(alive=1, in_step=2, step_limit_s=600), now=3.0) is None

@@ -1,5 +1,5 @@
-"""blink.ring.secret: an agent attaches by name (``blink agent --ring NAME``, ``blink.process.open_ring``) only to a
-ring its engine made with the secret the agent was given: the key file beside the ring (this user's, mode 0600), or
+"""blink.ring.secret: an agent attaches by name (``blink agent --ring NAME``, ``blink.host.process.open_ring``) only to
+a ring its engine made with the secret the agent was given: the key file beside the ring (this user's, mode 0600), or
 ``$BLINK_RING_SECRET``. Issue 38 #2: the ring's owner and mode alone told the agent it was its user's, not its
 engine's."""
 import os
@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from blink.core import create_ring
-from blink.process import open_ring
+from blink.host.process import open_ring
 from blink.ring import control, secret
 from blink.ring.errors import RingRefused
 from blink.ring.geometry import RingGeometry

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from blink.cores import cpu_list
+from blink.host.cores import cpu_list
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ def add_parsers(subparsers) -> None:
 
 
 def _cores(text: str) -> list[int]:
-    from blink.cores import parse_cpu_list
+    from blink.host.cores import parse_cpu_list
 
     try:
         return parse_cpu_list(text)
@@ -250,7 +250,7 @@ def cpu_per_1k_tokens(server_s: float | None, client_s: float, tokens: int) -> d
 
 def serve(args) -> int:
     from blink.bench.placement import layout, pin_client
-    from blink.priority import set_priority
+    from blink.host.priority import set_priority
 
     args.ignore_eos = ignore_eos(args.ignore_eos, args.output_len)
     client_priority = set_priority(args.client_priority, "--client-priority")

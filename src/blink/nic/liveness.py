@@ -6,7 +6,7 @@ Three signals, each written by the engine side:
 - ``in_step``: nonzero while the loop does host work (the CPU backend: a simulated iteration and its model step; a
   2,048-token prefill can take minutes on a loaded host, during which no iteration ends); it moves as that work
   progresses (+1 per model layer) and drops to 0 at its end; ``step_limit_s`` bounds how long it may stand still;
-- ``alive``: +1 every ``ALIVE_TICK_S`` from the engine process itself (``blink.process.serve_ring``); 0 when
+- ``alive``: +1 every ``ALIVE_TICK_S`` from the engine process itself (``blink.host.process.serve_ring``); 0 when
   nothing ticks it (an engine inside the agent's own process).
 
 A beat is any change of the pair (``heartbeat``, ``in_step``): an iteration, a layer of a step, a step's end. The

@@ -18,7 +18,7 @@ from blink.nic.openai.errors import ApiError
 from blink.nic.openai.limits import RATE_GRACE_S, SMALL_BODY_BYTES, BodyPlaces, HttpLimits
 from blink.nic.openai.server import OpenAIServer, ServerConfig, start
 from blink.nic.text import Tokenizer
-from blink.process import wait_until_serving
+from blink.host.process import wait_until_serving
 from blink.ring.geometry import RingGeometry
 from blink.ring.reference import standin_engine
 

@@ -30,7 +30,7 @@ from blink.nic.liveness import TICK_FLOOR_S
 from blink.nic.openai.api_key import api_key_from
 from blink.nic.openai.server import OpenAIServer, ServerConfig, start
 from blink.nic.text import Tokenizer
-from blink.process import engine_process, wait_until_serving
+from blink.host.process import engine_process, wait_until_serving
 from blink.ring.layout import FREE, RUNNING
 from blink.ring.reference import standin_engine
 from tests.processes import children
@@ -800,7 +800,7 @@ def test_blink_serve_runs_the_engine_process_and_ctrl_c_stops_both(model_dir, re
         serve.kill()
 
 
-@pytest.mark.skipif(subprocess.run([sys.executable, "-c", "from blink.priority import set_priority; "
+@pytest.mark.skipif(subprocess.run([sys.executable, "-c", "from blink.host.priority import set_priority; "
                                      "assert set_priority('deadline').startswith('deadline')"]).returncode != 0,
                     reason="needs CAP_SYS_NICE and a host whose scheduling domain this process spans")
 def test_blink_serve_agent_priority_deadline_runs_the_agent_unpinned_in_sched_deadline():
@@ -905,7 +905,7 @@ def test_a_stale_ring_under_the_engines_name_is_never_attached(model_dir, tmp_pa
     """Regression (stale ring attach): a ring a killed server left under a reused name (PID reuse: PID 1 in
     containers) made the new engine fail while the agent attached to the dead ring and served 503 forever. Now
     names carry a random part, and the agent attaches only to a ring whose creator is its own engine process."""
-    from blink.process import attach_ring
+    from blink.host.process import attach_ring
     from blink.ring.geometry import RingGeometry
     from blink.ring.layout import RingLayout
     from blink.ring.transport import SharedMemory

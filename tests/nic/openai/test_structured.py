@@ -20,7 +20,7 @@ from blink.nic.agent import Agent
 from blink.nic.agent_loop import LoopConfig
 from blink.nic.openai.server import ServerConfig
 from blink.nic.text import Tokenizer
-from blink.process import engine_process
+from blink.host.process import engine_process
 from blink.ring.reference import standin_engine
 from tests.nic.openai.test_server import serving
 

@@ -20,7 +20,7 @@ from blink.nic.openai.tool_parsers import Hermes  # noqa: E402
 from blink.nic.openai.tools import ToolFields  # noqa: E402
 from blink.nic.openai.errors import ApiError  # noqa: E402
 from blink.nic.text import Tokenizer, chat_template_argument  # noqa: E402
-from blink.process import engine_process  # noqa: E402
+from blink.host.process import engine_process  # noqa: E402
 from blink.ring.reference import standin_engine  # noqa: E402
 from tests.nic.openai.test_structured import ENGINE, MODEL, concurrently, http  # noqa: E402
 from tests.nic.openai.test_tool_parsers import read  # noqa: E402

@@ -58,7 +58,7 @@ class ServerConfig:
     the sampling of fields a request leaves out.
     ``drain``: how long a SIGTERM waits for the requests in flight (``blink.nic.drain``).
     ``thread_start``: called first in each thread the server starts (its tokenizer threads), e.g. to give them a
-    priority the loop's thread does not pass on (``blink serve``: ``blink.priority.helper_priority``).
+    priority the loop's thread does not pass on (``blink serve``: ``blink.host.priority.helper_priority``).
     ``grammar_timeout_s``: the longest one structured output may take to compile (``blink.nic.grammars``).
     ``tool_call_parser``: the format the model writes tool calls in (``tool_parsers``; None: its chat template's).
     /health fails and requests get 503 while the agent's ``Liveness`` says the engine is not serving."""

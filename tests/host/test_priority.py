@@ -1,4 +1,4 @@
-"""blink.priority: each level where permitted; a refused level carries on at the best permitted one with one line
+"""blink.host.priority: each level where permitted; a refused level carries on at the best permitted one with one line
 (tested by dropping CAP_SYS_NICE); an unknown level is refused by name."""
 import os
 
@@ -18,7 +18,7 @@ def permitted(call: str) -> bool:
 
 def set_priority_in_a_subprocess(level: str, before: str = "", unprivileged: bool = False):
     """``set_priority(level)`` after ``before``; prints what it achieved, then the policy and nice it left."""
-    return run_python(f"import os; {LOGGING}from blink.priority import set_priority; {before}"
+    return run_python(f"import os; {LOGGING}from blink.host.priority import set_priority; {before}"
                       f"print(set_priority({level!r})); print(os.sched_getscheduler(0), "
                       "os.getpriority(os.PRIO_PROCESS, 0))", unprivileged=unprivileged)
 
@@ -70,17 +70,17 @@ def test_a_raised_rlimit_nice_is_used_where_nice_minus_10_is_refused():
 
 
 def test_an_unknown_level_is_a_value_error():
-    done = run_python("from blink.priority import set_priority; set_priority('max', '--client-priority')")
+    done = run_python("from blink.host.priority import set_priority; set_priority('max', '--client-priority')")
     want = "ValueError: --client-priority must be one of auto, normal, high, realtime, deadline (got 'max')"
     assert want in done.stderr
 
 
 DEADLINE_LINE = "deadline (SCHED_DEADLINE 0.5 ms every 1 ms, not pinned)"
 THREADS = ("import threading; from concurrent.futures import ThreadPoolExecutor; "
-           "from blink.priority import helper_priority, is_deadline, reset_priority; "
+           "from blink.host.priority import helper_priority, is_deadline, reset_priority; "
            "state = lambda: (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)); ")
 deadline_permitted = pytest.mark.skipif(
-    not run_python("from blink.priority import set_priority; "
+    not run_python("from blink.host.priority import set_priority; "
                    "assert set_priority('deadline').startswith('deadline')").returncode == 0,
     reason="needs CAP_SYS_NICE and a host whose scheduling domain this process spans")
 
@@ -91,9 +91,9 @@ def test_deadline_runs_the_thread_in_sched_deadline_and_its_threads_in_the_norma
     reclaim), budget, deadline and period; threads it starts are normal (the kernel refuses a deadline thread's clone
     otherwise), at nice 0, or nice -10 through ``helper_priority``; ``reset_priority`` (the engine's entry) takes the
     class away."""
-    done = run_python(f"import os; {LOGGING}from blink.priority import set_priority; {THREADS}"
+    done = run_python(f"import os; {LOGGING}from blink.host.priority import set_priority; {THREADS}"
                       "print(set_priority('deadline')); print(os.sched_getscheduler(0), is_deadline()); "
-                      "import ctypes, platform; from blink.priority import _SCHED_ATTR, _SYSCALLS; "
+                      "import ctypes, platform; from blink.host.priority import _SCHED_ATTR, _SYSCALLS; "
                       "out = ctypes.create_string_buffer(_SCHED_ATTR.size); "
                       "ctypes.CDLL(None).syscall(_SYSCALLS[platform.machine()][1], 0, out, _SCHED_ATTR.size, 0); "
                       "print(*_SCHED_ATTR.unpack(out.raw)[1:3], *_SCHED_ATTR.unpack(out.raw)[5:]); "
@@ -131,12 +131,12 @@ def test_deadline_without_cap_sys_nice_carries_on_at_normal():
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to name one")
 def test_pin_leaves_a_deadline_thread_unpinned_and_warns_about_cores_named_by_the_user():
     core, allowed = min(os.sched_getaffinity(0)), sorted(os.sched_getaffinity(0))
-    pinned = run_python(f"import os; {LOGGING}from blink.priority import pin; pin([{core}], named=True); "
+    pinned = run_python(f"import os; {LOGGING}from blink.host.priority import pin; pin([{core}], named=True); "
                         "print(sorted(os.sched_getaffinity(0)))")
     assert pinned.returncode == 0 and pinned.stdout == f"[{core}]\n" and pinned.stderr == "", pinned.stderr
     for named, warning in ((True, f"blink: --agent-priority deadline runs the agent unpinned: --cpus {core} only "
                                   "keeps the engine off them\n"), (False, "")):
-        done = run_python(f"import os; {LOGGING}from blink.priority import pin, set_priority; "
+        done = run_python(f"import os; {LOGGING}from blink.host.priority import pin, set_priority; "
                           f"set_priority('deadline'); pin([{core}], named={named}); "
                           "print(sorted(os.sched_getaffinity(0)))")
         assert done.returncode == 0 and done.stdout == f"{allowed}\n", done.stderr

@@ -15,7 +15,7 @@ import platform
 import resource
 import struct
 
-from blink.cores import cpu_list
+from blink.host.cores import cpu_list
 
 log = logging.getLogger("blink")
 

@@ -1,5 +1,5 @@
-"""blink.cores: the agent's core is chosen among those the process may use (its cpuset), least busy first, never one
-another blink server claims; claims die with their process; the choice is said in one line."""
+"""blink.host.cores: the agent's core is chosen among those the process may use (its cpuset), least busy first, never
+one another blink server claims; claims die with their process; the choice is said in one line."""
 import logging
 import os
 import re
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from blink.cores import Claims, Placement, busy_fractions, by_idleness, cpu_list, parse_cpu_list, place
+from blink.host.cores import Claims, Placement, busy_fractions, by_idleness, cpu_list, parse_cpu_list, place
 from tests.privileges import run_as, shared_dir, unused_uid
 
 STAT_BEFORE = """cpu  100 0 100 800 0 0 0 0 0 0
@@ -55,7 +55,7 @@ def test_a_core_is_claimed_by_one_process_at_a_time_and_freed_by_close(tmp_path)
 
 
 def test_the_claim_of_a_killed_process_is_gone_with_it(tmp_path):
-    code = (f"from blink.cores import Claims; c = Claims({str(tmp_path)!r}); assert c.claim(5); "
+    code = (f"from blink.host.cores import Claims; c = Claims({str(tmp_path)!r}); assert c.claim(5); "
             "print('claimed', flush=True); import time; time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -102,7 +102,7 @@ def test_the_cpuset_is_honoured_and_one_core_is_shared(tmp_path):
     not pinned; --cpus outside the allowed set is refused in a sentence."""
     core = max(os.sched_getaffinity(0))
     code = (f"import logging, os; logging.basicConfig(level=logging.INFO, format='%(message)s'); "
-            f"os.sched_setaffinity(0, {{{core}}}); from blink.cores import place\n"
+            f"os.sched_setaffinity(0, {{{core}}}); from blink.host.cores import place\n"
             f"with place(claim_dir={str(tmp_path)!r}) as p: print(p.agent, p.engine)\n"
             f"try:\n    with place([{core + 1}], claim_dir={str(tmp_path)!r}): pass\n"
             "except ValueError as e: print(e)\n")

@@ -1,6 +1,6 @@
-"""blink.process: the engine process's own priority, a server's watch on an engine that does not start, and what an
+"""blink.host.process: the engine process's own priority, a server's watch on an engine that does not start, and what an
 engine that keeps its ring's request side in GPU memory needs (the engine process itself runs end to end in
-tests/nic/openai/test_server.py; the priority ladder in tests/test_priority.py)."""
+tests/nic/openai/test_server.py; the priority ladder in tests/host/test_priority.py)."""
 import os
 import time
 
@@ -21,7 +21,7 @@ def test_an_engine_started_by_a_real_time_agent_runs_in_the_normal_class():
     code = ("import os, uuid\n"
             "from blink import EngineConfig, SchedulerConfig\n"
             "from blink.nic.agent import Agent\n"
-            "from blink.process import engine_process, wait_until_serving\n"
+            "from blink.host.process import engine_process, wait_until_serving\n"
             "os.setpriority(os.PRIO_PROCESS, 0, -10)\n"
             "os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(10))\n"
             "config = EngineConfig(device='cpu', n_slots=2, sim_threads=1, cpu_kv_cache_gib=0.05, "
@@ -44,7 +44,7 @@ def test_a_long_cpu_step_is_not_taken_for_a_dead_engine():
 
     from blink import EngineConfig, SamplingParams, SchedulerConfig
     from blink.nic.agent import Agent
-    from blink.process import engine_process, wait_until_serving
+    from blink.host.process import engine_process, wait_until_serving
 
     config = EngineConfig(device="cpu", n_slots=2, sim_threads=2, cpu_kv_cache_gib=0.1,
                           ring_name=f"blink-test-long-{uuid.uuid4().hex[:8]}",
@@ -68,7 +68,7 @@ def test_a_long_cpu_step_is_not_taken_for_a_dead_engine():
 
 def test_a_server_gives_up_on_an_engine_that_does_not_start_serving_in_time(local_ring):
     """``engine_watch``: a server listens while its engine starts, but not forever (``wait_until_serving``'s limit)."""
-    from blink.process import engine_watch
+    from blink.host.process import engine_watch
     from blink.ring import control
     from blink.ring.geometry import RingGeometry
 
@@ -83,7 +83,7 @@ def test_a_server_gives_up_on_an_engine_that_does_not_start_serving_in_time(loca
 
 def test_an_engine_with_its_request_side_in_gpu_memory_needs_a_listener():
     from blink.config import EngineConfig
-    from blink.process import serve_ring
+    from blink.host.process import serve_ring
 
     with pytest.raises(ValueError, match="--request-side device.*needs --listen HOST:PORT"):
         serve_ring(EngineConfig(ring_name="blink-test-unused", request_side="device"))
@@ -93,7 +93,7 @@ def test_the_listener_of_an_engine_whose_ring_has_no_name_needs_the_secret_from_
     """No key file to take the secret from: refused before the engine starts, rather than a listener nobody can
     prove anything to."""
     from blink.config import EngineConfig
-    from blink.process import serve_ring
+    from blink.host.process import serve_ring
     from blink.ring import secret
 
     monkeypatch.delenv(secret.ENV, raising=False)
@@ -120,7 +120,7 @@ def test_the_rings_of_killed_servers_are_swept_and_no_other():
     import sys
     import uuid
 
-    from blink.process import sweep_stale_rings
+    from blink.host.process import sweep_stale_rings
     from blink.ring import secret
     from blink.ring.transport import SharedMemory
 

@@ -1,6 +1,6 @@
 """The engine in a process of its own: spawn it on a shared-memory ring, attach to that ring, stop it; and the split
-of the host's cores between the engine and the agent (``blink.cores`` chooses them, ``blink.priority`` the agent's
-priority).
+of the host's cores between the engine and the agent (``blink.host.cores`` chooses them, ``blink.host.priority`` the
+agent's priority).
 
 ``blink serve`` runs the engine here and the HTTP agent in the calling process; ``blink engine`` runs ``serve_ring``
 alone. The engine process only sleeps while the GPU schedules itself; it stops, removing its ring, on SIGINT or
@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from blink.config import EngineConfig
 from blink.errors import BlinkError, EngineError
 from blink.extras import require_engine
-from blink.priority import reset_priority
+from blink.host.priority import reset_priority
 from blink.ring import control
 
 log = logging.getLogger("blink")
@@ -268,17 +268,17 @@ def engine_watch(agent, process=None, start_timeout_s: float = ATTACH_TIMEOUT_S)
 
 @contextmanager
 def split_cores(process, agent_cores: list[int] | None, reserve: bool = False):
-    """Yields the agent's cores (``blink.cores.place``: ``agent_cores`` if given, else the least busy core this
+    """Yields the agent's cores (``blink.host.cores.place``: ``agent_cores`` if given, else the least busy core this
     process may use that no other blink server claims) and pins the engine ``process`` (if not None) to the others,
     so HTTP and tokenization never compete with the engine; None on an OS without affinity. With ``reserve`` this
     process moves into a cpuset partition of those cores, which no other process on the host may use
-    (``blink.partition``; refused, it says why and goes on without). The agent's claim on its cores, and the
+    (``blink.host.partition``; refused, it says why and goes on without). The agent's claim on its cores, and the
     partition, last until the block is left."""
     if not hasattr(os, "sched_setaffinity"):
         yield None
         return
-    from blink.cores import place
-    from blink.partition import reserved_cores
+    from blink.host.cores import place
+    from blink.host.partition import reserved_cores
 
     with place(agent_cores, with_engine=process is not None) as placement:
         if process is not None and placement.engine:

@@ -4,7 +4,7 @@ A child of the cgroup v2 root whose ``cpuset.cpus.partition`` is ``root`` takes 
 effective set, so no other process on the host — the engine, the neighbours, whatever cgroup they sit in — may run
 on them, while the process moved into it may run nowhere else: the reserved layout of the immunity benchmarks
 (docs/benchmarks/interference.md, "Agent immunity on the H200"), enforced by the kernel and made by the server itself
-for the core ``blink.cores.place`` chose.
+for the core ``blink.host.cores.place`` chose.
 
 It needs root (or a delegated root cgroup) and cgroup v2 mounted at ``/sys/fs/cgroup`` with the cpuset controller;
 inside a container's cgroup namespace the kernel refuses a partition (its root is not a partition root). Refused,
@@ -19,7 +19,7 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-from blink.cores import cpu_list
+from blink.host.cores import cpu_list
 
 log = logging.getLogger("blink")
 CGROUP_ROOT = Path("/sys/fs/cgroup")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from blink.partition import CGROUP_ROOT, PREFIX, reserved_cores, stale_partitions
+from blink.host.partition import CGROUP_ROOT, PREFIX, reserved_cores, stale_partitions
 from tests.privileges import run_python
 
 
@@ -27,7 +27,7 @@ def test_a_host_without_cgroup_v2_is_refused_with_the_reason_and_nothing_changes
 def test_split_cores_does_not_reserve_the_only_core_a_process_may_use():
     core = min(os.sched_getaffinity(0))
     done = run_python("import logging, os; logging.basicConfig(format='blink: %(message)s'); "
-                      f"os.sched_setaffinity(0, {{{core}}}); from blink.process import split_cores\n"
+                      f"os.sched_setaffinity(0, {{{core}}}); from blink.host.process import split_cores\n"
                       "with split_cores(None, None, reserve=True) as cores:\n"
                       "    print(cores, sorted(os.sched_getaffinity(0)))")
     assert done.returncode == 0 and done.stdout == f"[{core}] [{core}]\n", done.stderr
