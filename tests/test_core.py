@@ -1,5 +1,5 @@
 """blink.core: the ring an engine creates, and the placement of its request side. (The engine serves end to end in
-tests/test_engine.py; with its request side in GPU memory, on the H200: tests/nic/test_remote_cli.py.)"""
+tests/test_engine.py; with its request side in GPU memory, on the H200: tests/nic/remote/test_attach_cli.py.)"""
 import pytest
 
 from blink.config import EngineConfig, SchedulerConfig

@@ -15,8 +15,8 @@ import pytest
 
 from blink.version import __version__
 
-from tests.nic.test_remote_cli import (CLI_ENGINE, accepting, blink, completion_through, free_port, healthy_ring,
-                                       wait_for)
+from tests.nic.remote.test_attach_cli import (CLI_ENGINE, accepting, blink, completion_through, free_port, healthy_ring,
+                                              wait_for)
 
 ROOT = Path(__file__).parent.parent
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

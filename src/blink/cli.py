@@ -103,7 +103,7 @@ def _agent_ring(args):
         from blink.host.process import open_ring
 
         return open_ring(args.ring)
-    from blink.nic.remote import open_remote
+    from blink.nic.remote.attach import open_remote
     from blink.ring import secret
 
     return open_remote(args.remote, args.transport, ring_secret=secret.given(args.ring_key),
@@ -111,7 +111,7 @@ def _agent_ring(args):
 
 
 def _rdma_device(args):
-    from blink.nic.ibverbs import DeviceConfig
+    from blink.nic.remote.ibverbs import DeviceConfig
 
     return DeviceConfig(device=args.rdma_device, port=args.rdma_port, gid_index=args.rdma_gid_index)
 

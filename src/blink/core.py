@@ -142,15 +142,15 @@ class EngineCore:
         return control.read(self.ring_memory)
 
     def segments(self) -> list:
-        """Where the ring's bytes are, for the listener that offers them to agents (``blink.nic.remote``): the whole
-        ring in its host mapping, or (``request_side="device"``) the request side's GPU allocation, exported with
-        its CUDA IPC handle and dma-buf fd, and the output side's window of the host mapping. Call it on the thread
-        that started the engine (the export needs its CUDA context)."""
-        from blink.nic.segments import HostSegment
+        """Where the ring's bytes are, for the listener that offers them to agents (``blink.nic.remote.attach``): the
+        whole ring in its host mapping, or (``request_side="device"``) the request side's GPU allocation, exported
+        with its CUDA IPC handle and dma-buf fd, and the output side's window of the host mapping. Call it on the
+        thread that started the engine (the export needs its CUDA context)."""
+        from blink.nic.remote.segments import HostSegment
 
         if self.config.request_side == "host":
             return [HostSegment(0, self.memory)]
-        from blink.nic.ipc import export_device_segment
+        from blink.nic.remote.ipc import export_device_segment
         from blink.ring.split import Window
 
         scheduler = self.backend.scheduler

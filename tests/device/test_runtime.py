@@ -56,7 +56,7 @@ def agent_process(name: str, geometry: RingGeometry, requests, result_path: str,
     with SharedMemory.open(name) as shared:
         memory = shared
         if device_side is not None:
-            from blink.nic.ipc import CudaIpcMemory
+            from blink.nic.remote.ipc import CudaIpcMemory
 
             handle, split, bus_id = device_side
             memory = SplitMemory([(0, CudaIpcMemory(handle, split, bus_id)),

@@ -36,7 +36,7 @@ def serve_ring(config: EngineConfig, listen: str | None = None, rdma_device=None
     agent, draining, still needs its engine; it asks for the shutdown through the ring when the drain ends).
 
     ``listen`` (``HOST:PORT``): also answer agents on other hosts or DPUs that attach over RDMA or CUDA IPC
-    (``blink.nic.remote``: a setup-only listener; ``rdma_device`` an ``ibverbs.DeviceConfig``)."""
+    (``blink.nic.remote.attach``: a setup-only listener; ``rdma_device`` an ``ibverbs.DeviceConfig``)."""
     import signal
 
     from blink.core import EngineCore
@@ -79,7 +79,7 @@ def _agent_listener(core, listen: str | None, rdma_device):
     ring's secret: the one in its key file, or ``$BLINK_RING_SECRET`` (``serve_ring`` checked there is one)."""
     if listen is None:
         return contextlib.nullcontext()
-    from blink.nic.remote import listen_on_ring
+    from blink.nic.remote.attach import listen_on_ring
     from blink.ring import secret
 
     return listen_on_ring(listen, core.segments(), core.geometry, ring_secret=secret.given(core.config.ring_name),

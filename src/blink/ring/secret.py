@@ -12,7 +12,7 @@ neither read the key nor make one the agent accepts.
 An agent that attaches through the engine's listener (``blink agent --remote``) takes the secret from the same
 places (``given``): ``$BLINK_RING_SECRET``, else the key file of the ring name it is given. The engine's listener
 takes it from where the engine put it: its key file, or ``$BLINK_RING_SECRET``, which an engine whose ring has no
-name must have. The secret itself never crosses the connection: each side proves it (``blink.nic.proof``).
+name must have. The secret itself never crosses the connection: each side proves it (``blink.nic.remote.proof``).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import pytest
 def _rdma_missing() -> str | None:
     """Why the RDMA tests cannot run here, or None when they can."""
     try:
-        from blink.nic.ibverbs import require_pyverbs
+        from blink.nic.remote.ibverbs import require_pyverbs
         require_pyverbs()
         from pyverbs.device import get_device_list
         from pyverbs.pyverbs_error import PyverbsError

@@ -1,5 +1,5 @@
-"""What the setup messages carry (``blink.nic.wire``): the ring's identity, the regions that hold its bytes (rdma:
-address + rkey; ipc: a shared-memory object or a CUDA IPC handle) and a queue pair's endpoint.
+"""What the setup messages carry (``blink.nic.remote.wire``): the ring's identity, the regions that hold its bytes
+(rdma: address + rkey; ipc: a shared-memory object or a CUDA IPC handle) and a queue pair's endpoint.
 
 Each is a frozen dataclass checked at construction, so a value decoded from a peer is as valid as one made here:
 ints that are ints (not bools or floats) within their ``LIMITS``, strings in their formats. Failures:

@@ -13,9 +13,9 @@ import threading
 import pytest
 
 from blink.errors import HandshakeError, RingRefused
-from blink.nic import handshake, proof
-from blink.nic.handshake import FRAME_MAGIC, MAX_FRAME_BYTES, connect, content, parse_address, serve_handshake
-from blink.nic.wire import Challenge, Hello, Offer, Reject, decode, encode
+from blink.nic.remote import handshake, proof
+from blink.nic.remote.handshake import FRAME_MAGIC, MAX_FRAME_BYTES, connect, content, parse_address, serve_handshake
+from blink.nic.remote.wire import Challenge, Hello, Offer, Reject, decode, encode
 from blink.ring import control
 
 from .test_wire import BOOT, ENDPOINT, PROOF, ipc_offer, rdma_offer

@@ -6,8 +6,8 @@ import multiprocessing as mp
 import pytest
 
 from blink.errors import CudaIpcError
-from blink.nic.ipc import CudaIpcMemory, export_device_segment
-from blink.nic.wire import CudaRegion
+from blink.nic.remote.ipc import CudaIpcMemory, export_device_segment
+from blink.nic.remote.wire import CudaRegion
 from blink.ring.split import device_allocation_size
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
@@ -28,7 +28,7 @@ def device_ring():
     """A fresh ring allocated with cuMemAlloc in this process (the engine's role), exported."""
     from cuda.bindings import driver
 
-    from blink.nic.ipc import _check
+    from blink.nic.remote.ipc import _check
 
     _check(driver.cuInit(0), "cuInit")
     context = _check(driver.cuDevicePrimaryCtxRetain(_check(driver.cuDeviceGet(0), "cuDeviceGet")), "retain")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 
 from blink.errors import CudaIpcError
-from blink.nic.segments import DeviceSegment
+from blink.nic.remote.segments import DeviceSegment
 from blink.ring.split import device_allocation_size
 from blink.ring.transport import RemoteMemory
 

@@ -34,8 +34,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from blink.errors import RdmaError
-from blink.nic.verbs import READ, WC_SUCCESS, WRITE, Verbs, WorkRequest, describe_status
-from blink.nic.regions import RdmaRegion
+from blink.nic.remote.verbs import READ, WC_SUCCESS, WRITE, Verbs, WorkRequest, describe_status
+from blink.nic.remote.regions import RdmaRegion
 from blink.ring.transport import RemoteMemory
 
 FENCE_BYTES = 4     # the fence reads the control block's magic word, which nobody writes after creation

@@ -2,7 +2,7 @@
 
 Four messages, each a JSON object with ``"blink_handshake": HANDSHAKE_VERSION`` and a ``"type"``:
 
-- ``challenge`` (engine -> agent, first): a fresh nonce the agent's proof must cover (``blink.nic.proof``);
+- ``challenge`` (engine -> agent, first): a fresh nonce the agent's proof must cover (``blink.nic.remote.proof``);
 - ``hello`` (agent -> engine): the transport it wants (``rdma`` or ``ipc``), its ring protocol version, its nonce
   and its proof of the ring's secret (null: it has none), and its QP's ``Endpoint`` (rdma) or its host's boot id
   (ipc: the engine's memory can be mapped only on the engine's host);
@@ -11,7 +11,7 @@ Four messages, each a JSON object with ``"blink_handshake": HANDSHAKE_VERSION`` 
   ring's secret and, for rdma, the engine's QP ``Endpoint``;
 - ``reject`` (either way): why the peer cannot be served, in words.
 
-The values they carry (``RingIdentity``, the regions, ``Endpoint``) are in ``blink.nic.regions``.
+The values they carry (``RingIdentity``, the regions, ``Endpoint``) are in ``blink.nic.remote.regions``.
 
 Why JSON, not a packed struct: the exchange happens once per agent, so size and speed do not matter, while a
 self-describing object lets each rejection name the wrong field, a version add fields, and a capture be read.
@@ -25,8 +25,8 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 from blink.errors import HandshakeError
-from blink.nic.proof import HEX, NONCE_BYTES
-from blink.nic.regions import CudaRegion, Endpoint, RdmaRegion, RingIdentity, ShmRegion, check_int, check_str
+from blink.nic.remote.proof import HEX, NONCE_BYTES
+from blink.nic.remote.regions import CudaRegion, Endpoint, RdmaRegion, RingIdentity, ShmRegion, check_int, check_str
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import REGION_ALIGN
 

@@ -9,13 +9,13 @@ import time
 import pytest
 
 from blink.errors import HandshakeError, RdmaError, RingFull, RingMismatch
-from blink.nic import proof, remote
 from blink.nic.agent import Agent
-from blink.nic.rdma import RdmaConfig, RdmaMemory
-from blink.nic.recording import RecordingFabric
-from blink.nic.remote import RingExport, RingListener, listen_on_ring, open_remote
-from blink.nic.segments import DeviceSegment, HostSegment
-from blink.nic.wire import Challenge, CudaRegion, Hello, Reject, ShmRegion
+from blink.nic.remote import proof
+from blink.nic.remote.attach import RingExport, RingListener, _map_region, boot_id, listen_on_ring, open_remote
+from blink.nic.remote.rdma import RdmaConfig, RdmaMemory
+from blink.nic.remote.recording import RecordingFabric
+from blink.nic.remote.segments import DeviceSegment, HostSegment
+from blink.nic.remote.wire import Challenge, CudaRegion, Hello, Reject, ShmRegion
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout
@@ -96,7 +96,7 @@ def test_an_agent_without_the_engines_secret_gets_nothing_of_the_ring(transport,
                                                  r"ring's secret: set \$BLINK_RING_SECRET on the agent's side"):
             attach(listener, transport, fabric, ring_secret)
         forged = proof.prove("a guess", proof.AGENT, proof.nonce(), NONCE, b"") if ring_secret else None
-        sent = exchange(address(listener), Hello("ipc", control.VERSION, NONCE, forged, host=remote.boot_id()))
+        sent = exchange(address(listener), Hello("ipc", control.VERSION, NONCE, forged, host=boot_id()))
         assert [type(message) for message in sent] == [Challenge, Reject]
         assert targets == [] and listener.server.offers == 0 and listener.server.refused == 2
         attach(listener, transport, fabric).close()
@@ -122,7 +122,7 @@ def test_a_ring_offered_in_two_segments_serves_like_one(transport):
             listen_on_ring("127.0.0.1:0", split_segments(ring), GEOMETRY, ring_secret=SECRET,
                            target_factory=fabric.target) as listener:
         if transport == "ipc":
-            offer = listener.export.answer(Hello("ipc", control.VERSION, NONCE, PROOF, host=remote.boot_id()), PROOF)
+            offer = listener.export.answer(Hello("ipc", control.VERSION, NONCE, PROOF, host=boot_id()), PROOF)
             assert offer.regions == (ShmRegion(0, SPLIT, ring.name, 0),
                                      ShmRegion(SPLIT, ring.size - SPLIT, ring.name, SPLIT))
         memory = attach(listener, transport, fabric)
@@ -139,7 +139,7 @@ def test_an_offer_past_the_end_of_a_shared_memory_object_is_refused():
     with standin_engine(GEOMETRY) as (ring, _):
         region = ShmRegion(SPLIT, ring.size - SPLIT, ring.name, offset=SPLIT + 4096)
         with pytest.raises(RingMismatch, match=f"of /dev/shm/{ring.name}, which holds {ring.size} bytes"):
-            remote._map_region(region)
+            _map_region(region)
 
 
 class GpuStandIn:
@@ -177,7 +177,7 @@ def test_the_gpu_memory_ring_is_offered_by_ipc_handle_and_by_dmabuf_whose_fd_is_
         target = GpuStandIn(fabric, Window(ring, 0, SPLIT))
         with RingListener("127.0.0.1:0", RingExport(GEOMETRY, [device, output], target_factory=lambda: target),
                           SECRET) as listener:
-            offer = listener.export.answer(Hello("ipc", control.VERSION, NONCE, PROOF, host=remote.boot_id()), PROOF)
+            offer = listener.export.answer(Hello("ipc", control.VERSION, NONCE, PROOF, host=boot_id()), PROOF)
             assert offer.regions == (CudaRegion(0, SPLIT, bytes(range(64)), BUS_ID),
                                      ShmRegion(SPLIT, ring.size - SPLIT, ring.name, SPLIT))
             os.fstat(dmabuf)                # an ipc offer leaves it open: an rdma agent may still come
@@ -251,7 +251,7 @@ def test_a_private_ring_cannot_be_offered_over_ipc():
         layout.initialise(ring)
         export = RingExport(GEOMETRY, [HostSegment(0, ring)])
         with pytest.raises(HandshakeError, match="private memory"):
-            export.answer(Hello("ipc", control.VERSION, NONCE, PROOF, host=remote.boot_id()), PROOF)
+            export.answer(Hello("ipc", control.VERSION, NONCE, PROOF, host=boot_id()), PROOF)
 
 
 def test_an_agent_of_another_ring_protocol_version_is_refused():
@@ -290,7 +290,7 @@ def test_without_pyverbs_both_sides_say_what_to_install():
         pytest.skip("pyverbs is installed here")
     except ImportError:
         pass
-    from blink.nic.ibverbs import DeviceConfig, PyverbsTarget
+    from blink.nic.remote.ibverbs import DeviceConfig, PyverbsTarget
 
     with pytest.raises(RdmaError, match="needs pyverbs.*python3-pyverbs"):
         open_remote("127.0.0.1:1", "rdma", ring_secret=SECRET)

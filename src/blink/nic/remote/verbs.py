@@ -21,7 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from blink.nic.regions import Endpoint, RdmaRegion
+from blink.nic.remote.regions import Endpoint, RdmaRegion
 
 # Work request opcodes (ibverbs' IBV_WR_RDMA_WRITE / IBV_WR_RDMA_READ; each implementation maps them).
 WRITE, READ = "RDMA WRITE", "RDMA READ"

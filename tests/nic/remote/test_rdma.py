@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 
 from blink.errors import RdmaError
-from blink.nic.rdma import FENCE_BYTES, RdmaConfig, RdmaMemory
-from blink.nic.recording import RecordingFabric
-from blink.nic.segments import HostSegment
-from blink.nic.verbs import READ, WC_REM_OP_ERR, WC_RETRY_EXC_ERR, WRITE
-from blink.nic.wire import RdmaRegion
+from blink.nic.remote.rdma import FENCE_BYTES, RdmaConfig, RdmaMemory
+from blink.nic.remote.recording import RecordingFabric
+from blink.nic.remote.segments import HostSegment
+from blink.nic.remote.verbs import READ, WC_REM_OP_ERR, WC_RETRY_EXC_ERR, WRITE
+from blink.nic.remote.wire import RdmaRegion
 from blink.ring.transport import LocalMemory
 
 SMALL = RdmaConfig(send_queue_depth=4, cell_bytes=64, completion_timeout_s=0.2)

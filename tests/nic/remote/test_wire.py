@@ -4,8 +4,8 @@ import json
 import pytest
 
 from blink.errors import HandshakeError
-from blink.nic.wire import (HANDSHAKE_VERSION, Challenge, CudaRegion, Endpoint, Hello, Offer, RdmaRegion, Reject,
-                            RingIdentity, ShmRegion, decode, encode)
+from blink.nic.remote.wire import (HANDSHAKE_VERSION, Challenge, CudaRegion, Endpoint, Hello, Offer, RdmaRegion, Reject,
+                                   RingIdentity, ShmRegion, decode, encode)
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout
@@ -16,7 +16,7 @@ SPLIT = RingLayout(GEOMETRY).offset("outputs")
 ENDPOINT = Endpoint(qp_num=0x123, psn=0xABCDE, gid="fe80:0000:0000:0000:0000:0000:0000:0001", lid=0, mtu=4096,
                     max_rd_atomic=16)
 BOOT = "262ac6de-464f-40df-9cb7-651759ef462b"
-NONCE, PROOF = "0f" * 32, "a5" * 32        # the wire's forms of a nonce and a proof (blink.nic.proof makes them)
+NONCE, PROOF = "0f" * 32, "a5" * 32        # the wire's forms of a nonce and a proof (blink.nic.remote.proof makes them)
 
 
 def rdma_offer():

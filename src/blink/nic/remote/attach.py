@@ -2,8 +2,9 @@
 and the engine's ``RingListener`` (``blink engine --listen HOST:PORT``).
 
 Both sides know the ring's secret (``blink.ring.secret``) and prove it to each other in the handshake
-(``blink.nic.proof``): the engine offers its ring only to an agent that proved it, and the agent takes only an offer
-that proves it. The engine describes where its ring's bytes live (``segments``) and answers each proven hello once:
+(``blink.nic.remote.proof``): the engine offers its ring only to an agent that proved it, and the agent takes only an
+offer that proves it. The engine describes where its ring's bytes live (``segments``) and answers each proven hello
+once:
 
 - ``rdma``: the segments are registered with the engine's RDMA device on the first rdma hello (host memory as a
   plain MR, GPU memory through dma-buf), each agent gets a QP of its own, and the offer carries the addresses,
@@ -22,12 +23,12 @@ import os
 from pathlib import Path
 
 from blink.errors import HandshakeError, RdmaError, RingMismatch
-from blink.nic.handshake import SETUP_TIMEOUT_S, connect, serve_handshake
-from blink.nic.rdma import RdmaConfig, RdmaMemory
-from blink.nic.segments import DeviceSegment, check_tiling
+from blink.nic.remote.handshake import SETUP_TIMEOUT_S, connect, serve_handshake
+from blink.nic.remote.rdma import RdmaConfig, RdmaMemory
+from blink.nic.remote.segments import DeviceSegment, check_tiling
 
-from blink.nic.regions import CudaRegion, RingIdentity, ShmRegion
-from blink.nic.wire import IPC, RDMA, TRANSPORTS, Hello, Offer
+from blink.nic.remote.regions import CudaRegion, RingIdentity, ShmRegion
+from blink.nic.remote.wire import IPC, RDMA, TRANSPORTS, Hello, Offer
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.split import SplitMemory, Window
@@ -74,7 +75,7 @@ def open_remote(address: str, transport: str = RDMA, *, ring_secret: str | None,
 
 def _open_rdma(address: str, ring_secret: str | None, config: RdmaConfig, device, verbs_factory, timeout_s: float):
     if verbs_factory is None:
-        from blink.nic.ibverbs import DeviceConfig, PyverbsVerbs
+        from blink.nic.remote.ibverbs import DeviceConfig, PyverbsVerbs
 
         verbs_factory = PyverbsVerbs.factory(device or DeviceConfig())
     try:
@@ -107,7 +108,7 @@ def _open_ipc(offer: Offer) -> RemoteMemory:
 def _map_region(region) -> RemoteMemory:
     if isinstance(region, ShmRegion):
         return _map_shm(region)
-    from blink.nic.ipc import CudaIpcMemory
+    from blink.nic.remote.ipc import CudaIpcMemory
 
     return CudaIpcMemory(region.handle, region.size, region.pci_bus_id)
 
@@ -244,7 +245,7 @@ def listen_on_ring(address: str, segments, geometry: RingGeometry, *, ring_secre
     RDMA is offered through ``target_factory``, or a pyverbs target on ``rdma_device`` (an ``ibverbs.DeviceConfig``)
     when one is given; with neither, ipc only."""
     if target_factory is None and rdma_device is not None:
-        from blink.nic.ibverbs import PyverbsTarget
+        from blink.nic.remote.ibverbs import PyverbsTarget
 
         target_factory = functools.partial(PyverbsTarget, rdma_device)
     return RingListener(address, RingExport(geometry, segments, target_factory=target_factory), ring_secret)

@@ -20,9 +20,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from blink.errors import RdmaError
-from blink.nic.segments import DeviceSegment, HostSegment
-from blink.nic.verbs import READ, WRITE, Completion, Verbs, VerbsTarget, WorkRequest
-from blink.nic.regions import Endpoint, RdmaRegion
+from blink.nic.remote.segments import DeviceSegment, HostSegment
+from blink.nic.remote.verbs import READ, WRITE, Completion, Verbs, VerbsTarget, WorkRequest
+from blink.nic.remote.regions import Endpoint, RdmaRegion
 
 QP_TIMEOUT = 14          # local ACK timeout 4.096 us * 2**14 = 67 ms per try
 QP_RETRY_CNT = 7         # tries before IBV_WC_RETRY_EXC_ERR (~0.5 s)

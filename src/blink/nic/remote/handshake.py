@@ -2,7 +2,7 @@
 
 One exchange per agent connection: the engine opens it with a ``Challenge``, the agent sends a ``Hello`` with its
 proof of the ring's secret, the engine answers with an ``Offer`` carrying its own proof (or a ``Reject`` saying why
-not) and closes the connection; the agent takes the offer only if the engine's proof holds (``blink.nic.proof``).
+not) and closes the connection; the agent takes the offer only if the engine's proof holds (``blink.nic.remote.proof``).
 An agent that proves nothing gets nothing of the ring: the offer is made only after its proof is checked. The
 listener is setup only: its thread blocks in ``accept`` between agents and takes no part in any request, so after
 setup the engine's CPU does nothing for the agent.
@@ -20,8 +20,8 @@ import threading
 from dataclasses import replace
 
 from blink.errors import HandshakeError, RingRefused
-from blink.nic.proof import AGENT, BLANK, ENGINE, nonce, prove, proves
-from blink.nic.wire import Challenge, Hello, Offer, Reject, decode, encode
+from blink.nic.remote.proof import AGENT, BLANK, ENGINE, nonce, prove, proves
+from blink.nic.remote.wire import Challenge, Hello, Offer, Reject, decode, encode
 from blink.ring.secret import ENV
 
 FRAME_MAGIC = b"BLHS"

@@ -2,10 +2,10 @@
 import pytest
 
 from blink.errors import RdmaError
-from blink.nic.recording import RecordingFabric
-from blink.nic.segments import HostSegment
-from blink.nic.verbs import (READ, WC_LOC_PROT_ERR, WC_REM_ACCESS_ERR, WC_RETRY_EXC_ERR, WC_SUCCESS, WC_WR_FLUSH_ERR,
-                             WRITE, Completion, WorkRequest)
+from blink.nic.remote.recording import RecordingFabric
+from blink.nic.remote.segments import HostSegment
+from blink.nic.remote.verbs import (READ, WC_LOC_PROT_ERR, WC_REM_ACCESS_ERR, WC_RETRY_EXC_ERR, WC_SUCCESS,
+                                    WC_WR_FLUSH_ERR, WRITE, Completion, WorkRequest)
 from blink.ring.transport import LocalMemory
 
 
@@ -105,7 +105,7 @@ def test_a_stalled_nic_completes_nothing_and_posting_needs_a_connection(pair):
 
 
 def test_the_target_refuses_device_memory():
-    from blink.nic.segments import DeviceSegment
+    from blink.nic.remote.segments import DeviceSegment
 
     segment = DeviceSegment(0, 4096, 0x7F0000000000, bytes(64), "0000:1b:00.0")
     with pytest.raises(ValueError, match="no GPU memory"):

@@ -4,7 +4,7 @@ the secret and useless to replay.
 The listener opens every connection with a ``Challenge``: a fresh random nonce. The agent's ``Hello`` carries a
 nonce of its own and ``prove(secret, AGENT, challenge, nonce, content)``; the engine's ``Offer`` carries
 ``prove(secret, ENGINE, challenge, nonce, content)``, where ``content`` is the message itself with its proof
-``BLANK`` (``blink.nic.handshake``). Invariants:
+``BLANK`` (``blink.nic.remote.handshake``). Invariants:
 
 - each proof is an HMAC-SHA256 keyed by the secret, over a fixed label and both nonces of this connection: it shows
   the secret was known, and nothing of the secret can be recovered from it but by guessing (so a secret must be

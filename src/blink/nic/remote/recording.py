@@ -23,10 +23,10 @@ import random
 from collections import deque
 
 from blink.errors import RdmaError
-from blink.nic.segments import HostSegment
-from blink.nic.verbs import (READ, WC_LOC_PROT_ERR, WC_REM_ACCESS_ERR, WC_RETRY_EXC_ERR, WC_SUCCESS, WC_WR_FLUSH_ERR,
-                             Completion, Verbs, VerbsTarget, WorkRequest)
-from blink.nic.regions import Endpoint, RdmaRegion
+from blink.nic.remote.segments import HostSegment
+from blink.nic.remote.verbs import (READ, WC_LOC_PROT_ERR, WC_REM_ACCESS_ERR, WC_RETRY_EXC_ERR, WC_SUCCESS,
+                                    WC_WR_FLUSH_ERR, Completion, Verbs, VerbsTarget, WorkRequest)
+from blink.nic.remote.regions import Endpoint, RdmaRegion
 
 MTU = 4096
 MAX_RD_ATOMIC = 16

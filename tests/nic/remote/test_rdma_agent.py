@@ -5,9 +5,9 @@ import pytest
 
 from blink.errors import RingFull
 from blink.nic.agent import Agent
-from blink.nic.rdma import RdmaConfig
-from blink.nic.segments import HostSegment
-from blink.nic.verbs import WRITE
+from blink.nic.remote.rdma import RdmaConfig
+from blink.nic.remote.segments import HostSegment
+from blink.nic.remote.verbs import WRITE
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import READY, RingLayout
@@ -15,7 +15,7 @@ from blink.ring.reference import ReferenceConsumer, expected_output
 from blink.ring.request import SamplingParams
 from blink.ring.transport import LocalMemory
 
-from ..ring.test_split import split_ring
+from ...ring.test_split import split_ring
 from .test_rdma import connect
 
 GEOMETRY = RingGeometry(n_slots=8, max_prompt_tokens=16, max_output_tokens=32, max_stop_ids=2)

@@ -3,8 +3,8 @@ a real device (``@pytest.mark.rdma``: skipped, saying why, where there is none).
 import pytest
 
 from blink.errors import RdmaError
-from blink.nic import verbs
-from blink.nic.ibverbs import DeviceConfig, PyverbsVerbs, require_pyverbs
+from blink.nic.remote import verbs
+from blink.nic.remote.ibverbs import DeviceConfig, PyverbsVerbs, require_pyverbs
 
 
 
@@ -52,9 +52,9 @@ def test_the_connection_attributes_are_built_with_the_real_pyverbs_api():
     pyverbs_or_skip()
     import pyverbs.enums as e
 
-    from blink.nic.ibverbs import QP_RETRY_CNT, QP_TIMEOUT, rts_attributes, send_request
-    from blink.nic.verbs import WRITE, WorkRequest
-    from blink.nic.wire import Endpoint
+    from blink.nic.remote.ibverbs import QP_RETRY_CNT, QP_TIMEOUT, rts_attributes, send_request
+    from blink.nic.remote.verbs import WRITE, WorkRequest
+    from blink.nic.remote.wire import Endpoint
 
     local = Endpoint(qp_num=0x11, psn=5, gid="fe80:0000:0000:0000:0000:0000:0000:0001", lid=0, mtu=4096,
                      max_rd_atomic=16)
@@ -84,9 +84,9 @@ def test_device_config_is_validated(field, value):
 @pytest.mark.rdma
 def test_the_transport_over_a_real_loopback_qp():
     """The agent's QP and the engine's QP on this host's device, connected to each other."""
-    from blink.nic.ibverbs import PyverbsTarget
-    from blink.nic.rdma import RdmaConfig, RdmaMemory
-    from blink.nic.segments import HostSegment
+    from blink.nic.remote.ibverbs import PyverbsTarget
+    from blink.nic.remote.rdma import RdmaConfig, RdmaMemory
+    from blink.nic.remote.segments import HostSegment
     from blink.ring.transport import LocalMemory
 
     config = RdmaConfig(send_queue_depth=8, cell_bytes=4096)
@@ -108,11 +108,11 @@ def test_the_transport_over_a_real_loopback_qp():
 
 @pytest.mark.rdma
 def test_an_agent_attached_over_real_rdma_gets_the_reference_outputs():
-    from blink.nic.remote import listen_on_ring, open_remote
-    from blink.nic.segments import HostSegment
+    from blink.nic.remote.attach import listen_on_ring, open_remote
+    from blink.nic.remote.segments import HostSegment
     from blink.ring.reference import standin_engine
 
-    from .test_remote import GEOMETRY, RDMA, SECRET, expected_output, serve_requests
+    from .test_attach import GEOMETRY, RDMA, SECRET, expected_output, serve_requests
 
     with standin_engine(GEOMETRY) as (ring, _), \
             listen_on_ring("127.0.0.1:0", [HostSegment(0, ring)], GEOMETRY, ring_secret=SECRET,
