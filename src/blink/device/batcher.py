@@ -15,14 +15,12 @@ smallest captured bucket that holds the tokens is chosen.
 """
 from __future__ import annotations
 
-from numba import int64
-
-from blink.device import prefix, sampling, speculation
-from blink.device.block import exclusive_scan, locate
+from blink.device import inputs, prefix, speculation
+from blink.device.block import exclusive_scan
 from blink.device.kv import allocate_pages, free_sequences, free_total
 from blink.device.numba_compat import cuda
 from blink.device.state import (BUCKET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_PAGE_SIZE, CFG_PREFIX_CACHING,
-                                CFG_SPEC_TOKENS, CFG_TOKEN_BUDGET, CFG_WATERMARK, IDLE, K_ADMITTED, K_CHUNKED, K_COPIES,
+                                CFG_SPEC_TOKENS, CFG_TOKEN_BUDGET, CFG_WATERMARK, IDLE, K_ADMITTED, K_CHUNKED,
                                 K_DECODE_PAGES, K_HIT_TOKENS, K_NEED, K_PREEMPTED, K_PREFILLS, K_QUERY_TOKENS,
                                 K_VICTIM, N_QUEUED, N_ROWS, N_RUNNING, QUEUE_HEAD)
 
@@ -204,82 +202,6 @@ def chunks_once(s, sh, n):
 
 
 @cuda.jit(device=True)
-def write_rows(s, sh, n):
-    """Per-row step inputs for sequences with a chunk; ``sh.rank`` = first row index, ``sh.tokens`` = first token
-    row. A sequence has one row for its chunk, or, verifying ``seq_ndraft`` drafts, one row of one token each for its
-    last token and every draft (``speculation.py``), each row sampling the token after its own."""
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    for i in range(tid, n, nt):
-        chunk = sh.chunk[i]
-        if chunk == 0:
-            continue
-        slot = s.running[i]
-        drafts = s.seq_ndraft[slot]
-        query = chunk - drafts                    # tokens per row: the chunk, or 1 while verifying drafts
-        for j in range(drafts + 1):
-            r = sh.rank[i] + j
-            start = sh.tokens[i] + j
-            length = s.seq_computed[slot] + query + j
-            s.query_start_loc[r] = start
-            s.seq_lens[r] = length
-            s.logits_indices[r] = start + query - 1 if length == s.seq_total[slot] + j else -1
-            same = s.row_slot[r] == slot and s.row_version[r] == s.seq_version[slot]
-            sampling.write_sampling(s, r, slot, same)
-            copied = s.row_pages[r] if same else 0
-            sh.keys[r] = copied                       # first block-table entry this row still lacks
-            sh.pages[r] = s.seq_npages[slot] - copied     # entries to copy
-            if sh.pages[r] != 0:
-                cuda.atomic.add(sh.counters, K_COPIES, 1)
-            s.row_slot[r] = slot
-            s.row_version[r] = s.seq_version[slot]
-            s.row_pages[r] = s.seq_npages[slot]
-            s.row_draft[r] = j
-    cuda.syncthreads()
-
-
-@cuda.jit(device=True)
-def write_tables_and_tokens(s, sh, n_rows, n_tokens, all_decode):
-    """Block-table deltas of each row, then token ids, positions and KV slots of every token row.
-
-    In an all-decode step token row t is row t; otherwise its row is found by binary search over the row starts.
-    """
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    page = s.cfg[CFG_PAGE_SIZE]
-    total = exclusive_scan(sh.pages, n_rows, sh.partial) if sh.counters[K_COPIES] != 0 else 0
-    for index in range(tid, total, nt):
-        r = locate(sh.pages, n_rows, index)
-        j = sh.keys[r] + index - sh.pages[r]
-        s.block_tables[r, j] = s.seq_pages[s.row_slot[r], j]
-    for t in range(tid, n_tokens, nt):
-        r = t if all_decode else locate(s.query_start_loc, n_rows, t)
-        slot = s.row_slot[r]
-        q = s.query_start_loc[r + 1] - s.query_start_loc[r]
-        position = s.seq_lens[r] - q + t - s.query_start_loc[r]
-        s.token_ids[t] = speculation.token_at(s, slot, position)
-        s.positions[t] = position
-        s.slot_mapping[t] = int64(s.seq_pages[slot, position // page]) * page + position % page
-    cuda.syncthreads()
-
-
-@cuda.jit(device=True)
-def pad(s, n_rows, n_tokens, bucket_tokens):
-    """Rows and token rows between what was planned and the bucket's size read as empty / padding."""
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    for t in range(n_tokens + tid, bucket_tokens, nt):
-        s.token_ids[t] = 0
-        s.positions[t] = 0
-        s.slot_mapping[t] = -1
-    for r in range(n_rows + tid, min(bucket_tokens, s.logits_indices.shape[0]), nt):
-        s.query_start_loc[r + 1] = n_tokens
-        s.seq_lens[r] = 0
-        s.logits_indices[r] = -1
-    cuda.syncthreads()
-
-
-@cuda.jit(device=True)
 def plan(s, sh):
     """Plan the next step and write its inputs; return the bucket index to launch, or IDLE."""
     tid = cuda.threadIdx.x
@@ -337,13 +259,13 @@ def plan(s, sh):
         bucket = 0
         while s.buckets[bucket] < n_tokens and bucket + 1 < s.cfg[CFG_N_BUCKETS]:
             bucket += 1
-        write_rows(s, sh, n)
+        inputs.write_rows(s, sh, n)
         if tid == 0:
             s.query_start_loc[n_rows] = n_tokens
             s.num_seqs[0] = n_rows
         cuda.syncthreads()
-        write_tables_and_tokens(s, sh, n_rows, n_tokens, all_decode)
-        pad(s, n_rows, n_tokens, s.buckets[bucket])
+        inputs.write_tables_and_tokens(s, sh, n_rows, n_tokens, all_decode)
+        inputs.pad(s, n_rows, n_tokens, s.buckets[bucket])
     if tid == 0:
         s.sched[N_ROWS] = n_rows
         s.sched[BUCKET] = bucket
