@@ -5,7 +5,7 @@ The public API: ``Engine`` and ``AsyncEngine`` serve a model to Python code (``E
 ``StreamDelta`` are what they return; every exception they raise is importable from here (``blink.errors``).
 """
 
-from blink.config import EngineConfig, SamplingParams, SchedulerConfig
+from blink.config import EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
 from blink.engine import AsyncEngine, AsyncRequestStream, Engine, RequestStream
 from blink.errors import (BlinkError, CheckpointError, ConfigError, CudaIpcError, EngineClosed, EngineError,
                           EngineUnavailable, EngineUnresponsive, GGUFError, HandshakeError, IllegalTransition,
@@ -18,4 +18,4 @@ __all__ = ["AsyncEngine", "AsyncRequestStream", "BlinkError", "CheckpointError",
            "Engine", "EngineClosed", "EngineConfig", "EngineError", "EngineUnavailable", "EngineUnresponsive",
            "GGUFError", "GenerationOutput", "HandshakeError", "IllegalTransition", "LaunchError", "MissingExtra",
            "Overloaded", "RdmaError", "RequestError", "RequestStream", "RingFull", "RingMismatch", "RingRefused",
-           "SamplingParams", "SchedulerConfig", "StreamDelta"]
+           "SamplingParams", "SchedulerConfig", "SpeculativeConfig", "StreamDelta"]

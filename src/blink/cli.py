@@ -171,6 +171,7 @@ def _engine_config(args, model_dir, **overrides):
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 page_size=args.block_size, num_pages=args.num_pages,
                                 max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+                                speculative=args.speculative_config,
                                 buckets=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None)
     same = ("device", "dtype", "policy", "gpu_memory_utilization", "cpu_kv_cache_gib", "max_prompt_tokens",
             "max_output_tokens", "max_logit_bias", "max_top_logprobs", "quantization", "load_format",

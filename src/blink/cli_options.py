@@ -44,7 +44,8 @@ def _cpu_list(text: str) -> list[int]:
 
 def engine_options(parser, slots: int) -> None:
     """Model, device, memory, scheduler and ring sizes (``EngineConfig``, ``SchedulerConfig``)."""
-    from blink.config import DEVICES, DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, SchedulerConfig
+    from blink.config import DEVICES, DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, SchedulerConfig, \
+        SpeculativeConfig
     from blink.device.config import MAX_BUCKETS
 
     d, s = EngineConfig(), SchedulerConfig()
@@ -66,6 +67,10 @@ def engine_options(parser, slots: int) -> None:
     parser.add_argument("--block-size", type=int, default=s.page_size, help="tokens per KV page")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=s.enable_prefix_caching, help="reuse the KV pages of shared prompt prefixes")
+    parser.add_argument("--speculative-config", type=SpeculativeConfig.from_json, default=None, metavar="JSON",
+                        help="speculative decoding, vLLM's fields: '{\"method\": \"ngram\", "
+                             "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' "
+                             "(docs/scheduler.md, \"Speculative decoding\"); off by default")
     parser.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                         help="split the model over this many processes (the CPU only, so far)")
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory options)")

@@ -11,7 +11,7 @@ import inspect
 import math
 from dataclasses import dataclass, field
 
-from blink.device.config import MAX_BLOCK_THREADS, SchedulerConfig, check, is_int
+from blink.device.config import MAX_BLOCK_THREADS, SchedulerConfig, SpeculativeConfig, check, is_int
 from blink.ring.geometry import RingGeometry
 from blink.ring.request import SamplingParams
 from blink.ring.split import REQUEST_SIDES
@@ -27,7 +27,7 @@ DEFAULT_MAX_MODEL_LEN = 4096
 MAX_TENSOR_PARALLEL = 64      # processes one engine may split a model over
 
 __all__ = ["DEFAULT_MAX_MODEL_LEN", "DEVICES", "DTYPES", "EngineConfig", "LOAD_FORMATS", "QUANTIZATIONS",
-           "SamplingParams", "SchedulerConfig", "load_policy"]
+           "SamplingParams", "SchedulerConfig", "SpeculativeConfig", "load_policy"]
 
 
 @dataclass(frozen=True)

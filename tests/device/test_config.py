@@ -78,3 +78,19 @@ def test_resolve_fills_in_only_what_was_left_to_the_engine():
     assert (given.num_pages, given.max_model_len) == (40, 256)
     with pytest.raises(ValueError, match="num_pages must be >= watermark_pages"):
         SchedulerConfig().resolve(num_pages=3, max_model_len=128)
+
+
+def test_speculative_config_takes_vllms_fields_and_names_a_bad_one():
+    from blink.device.config import SpeculativeConfig
+
+    given = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert given == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4)
+    for text, match in [('{"method": "eagle"}', "SpeculativeConfig.method must be one of"),
+                        ('{"num_speculative_tokens": 0}', "SpeculativeConfig.num_speculative_tokens must be"),
+                        ('{"prompt_lookup_min": 4, "prompt_lookup_max": 3}', "SpeculativeConfig.prompt_lookup_max"),
+                        ('{"draft_model": "x"}', r"unknown field\(s\) \['draft_model'\]"),
+                        ("[4]", "must be a JSON object"), ("{", "must be a JSON object")]:
+        with pytest.raises(ValueError, match=match):
+            SpeculativeConfig.from_json(text)
+    with pytest.raises(ValueError, match="SchedulerConfig.speculative must be None or a SpeculativeConfig"):
+        SchedulerConfig(speculative={"method": "ngram"})

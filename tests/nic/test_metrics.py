@@ -112,7 +112,9 @@ def test_vllms_metric_names_alias_blinks_labelled_with_the_model_name(local_ring
         assert value("vllm:num_requests_waiting") >= 2
         assert value("vllm:kv_cache_usage_perc") == value("blink_kv_cache_usage_ratio")
         for vllm, blink in [("vllm:prefix_cache_queries_total", "blink_prefix_cache_queries_total"),
-                            ("vllm:prefix_cache_hits_total", "blink_prefix_cache_hits_total")]:
+                            ("vllm:prefix_cache_hits_total", "blink_prefix_cache_hits_total"),
+                            *[(f"vllm:spec_decode_num_{n}_total", f"blink_spec_decode_num_{n}_total")
+                              for n in ("drafts", "draft_tokens", "accepted_tokens")]]:
             assert value(vllm) == value(blink) and got[vllm, ()][1] == "team/model"
         for vllm, blink in [("vllm:time_to_first_token_seconds", "blink_time_to_first_token_seconds"),
                             ("vllm:inter_token_latency_seconds", "blink_inter_token_latency_seconds"),

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from blink.device.config import MAX_EOS, SchedulerConfig
+from blink.device.config import MAX_EOS, MAX_SPECULATIVE_TOKENS, SchedulerConfig
 from blink.device.state import (BUCKET, C32_KV_FREE, C32_KV_TOTAL, C64_PREFIX_SEED, CFG_GRAMMAR_WORDS, CFG_LOGPROBS,
                                 CFG_MASK_WORDS, CFG_MAX_LOGIT_BIAS, CFG_MAX_MODEL_LEN, CFG_MAX_NUM_SEQS, CFG_MAX_STOP,
                                 CFG_MAX_TOP_LOGPROBS, CFG_N_BUCKETS, CFG_N_EOS, CFG_PAGE_SIZE, CFG_PREFIX_CACHING,
-                                CFG_TOKEN_BUDGET, CFG_WATERMARK,
+                                CFG_SPEC_MAX, CFG_SPEC_MIN, CFG_SPEC_TOKENS, CFG_TOKEN_BUDGET, CFG_WATERMARK,
                                 CFG_WORDS, DOORBELL_NAMES, FREE_TOP, IDLE, SCHED_WORDS, SCRATCH_CLEAR, STATS_WORDS,
                                 table_entries)
 from blink.device.step import StepLayout
@@ -75,6 +75,10 @@ def state_arrays(config: SchedulerConfig, geometry: RingGeometry, step: StepLayo
     cfg[CFG_MAX_TOP_LOGPROBS] = geometry.max_top_logprobs
     cfg[CFG_GRAMMAR_WORDS] = geometry.max_grammar_bytes // 4
     cfg[CFG_MASK_WORDS] = mask_words(geometry.vocab_size)
+    if config.speculative is not None:
+        cfg[CFG_SPEC_TOKENS] = config.speculative.num_speculative_tokens
+        cfg[CFG_SPEC_MIN] = config.speculative.prompt_lookup_min
+        cfg[CFG_SPEC_MAX] = config.speculative.prompt_lookup_max
     sched = np.zeros(SCHED_WORDS, np.int32)
     sched[FREE_TOP] = config.num_pages
     sched[BUCKET] = IDLE
@@ -95,11 +99,12 @@ def state_arrays(config: SchedulerConfig, geometry: RingGeometry, step: StepLayo
         seq_penalties=np.tile(np.float32([0, 0, 1]), (n, 1)), seq_min_p=np.zeros(n, np.float32),
         seq_top_logprobs=i32(n), seq_n_logit_bias=i32(n), seq_bias_ids=i32(n, max(geometry.max_logit_bias, 1)),
         seq_bias=np.zeros((n, max(geometry.max_logit_bias, 1)), np.float32),
-        seq_grammar=np.full(n, -1, np.int32), seq_keys=u64(n, config.max_pages_per_seq),
+        seq_grammar=np.full(n, -1, np.int32), seq_draft=i32(n, MAX_SPECULATIVE_TOKENS), seq_ndraft=i32(n),
+        seq_keys=u64(n, config.max_pages_per_seq),
         seq_hash=u64(n), seq_seen=i32(n), queue_slots=i32(n), queue_keys=np.zeros(n, np.int64),
         queue_tmp_slots=i32(n), queue_tmp_keys=np.zeros(n, np.int64), running=i32(seqs), consumed=i32(seqs),
         pending_finished=i32(n), doorbells=np.zeros(len(DOORBELL_NAMES), np.int64),
-        row_slot=np.full(seqs, -1, np.int32), row_version=i32(seqs), row_pages=i32(seqs),
+        row_slot=np.full(seqs, -1, np.int32), row_version=i32(seqs), row_pages=i32(seqs), row_draft=i32(seqs),
         page_ref=i32(pages), page_cached=i32(pages), page_key=u64(pages), page_lru=np.full(pages, -1, np.int32),
         page_scratch=np.full(pages, SCRATCH_CLEAR, np.int32), lru_pages=i32(2 * pages),
         table_keys=u64(table_entries(pages)), table_pages=np.full(table_entries(pages), -1, np.int32))

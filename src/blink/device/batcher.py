@@ -15,14 +15,12 @@ smallest captured bucket that holds the tokens is chosen.
 """
 from __future__ import annotations
 
-from numba import int64
-
-from blink.device import prefix, sampling
-from blink.device.block import exclusive_scan, locate
+from blink.device import inputs, prefix, speculation
+from blink.device.block import exclusive_scan
 from blink.device.kv import allocate_pages, free_sequences, free_total
 from blink.device.numba_compat import cuda
 from blink.device.state import (BUCKET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_PAGE_SIZE, CFG_PREFIX_CACHING,
-                                CFG_TOKEN_BUDGET, CFG_WATERMARK, IDLE, K_ADMITTED, K_CHUNKED, K_COPIES,
+                                CFG_SPEC_TOKENS, CFG_TOKEN_BUDGET, CFG_WATERMARK, IDLE, K_ADMITTED, K_CHUNKED,
                                 K_DECODE_PAGES, K_HIT_TOKENS, K_NEED, K_PREEMPTED, K_PREFILLS, K_QUERY_TOKENS,
                                 K_VICTIM, N_QUEUED, N_ROWS, N_RUNNING, QUEUE_HEAD)
 
@@ -204,88 +202,6 @@ def chunks_once(s, sh, n):
 
 
 @cuda.jit(device=True)
-def token_at(s, slot, position):
-    """Token ``position`` of the request in ``slot``: prompt, the last sampled token, or an earlier output."""
-    prompt_len = s.seq_prompt_len[slot]
-    if position < prompt_len:
-        return s.prompts[slot, position]
-    generated = position - prompt_len
-    if generated == s.seq_total[slot] - prompt_len - 1:
-        return s.seq_last[slot]
-    return s.outputs[slot, generated]
-
-
-@cuda.jit(device=True)
-def write_rows(s, sh, n):
-    """Per-row step inputs for sequences with a chunk; ``sh.rank`` = row index, ``sh.tokens`` = first token row."""
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    for i in range(tid, n, nt):
-        chunk = sh.chunk[i]
-        if chunk == 0:
-            continue
-        slot = s.running[i]
-        r = sh.rank[i]
-        start = sh.tokens[i]
-        length = s.seq_computed[slot] + chunk
-        s.query_start_loc[r] = start
-        s.seq_lens[r] = length
-        s.logits_indices[r] = start + chunk - 1 if length == s.seq_total[slot] else -1
-        same = s.row_slot[r] == slot and s.row_version[r] == s.seq_version[slot]
-        sampling.write_sampling(s, r, slot, same)
-        copied = s.row_pages[r] if same else 0
-        sh.keys[r] = copied                       # first block-table entry this row still lacks
-        sh.pages[r] = s.seq_npages[slot] - copied     # entries to copy
-        if sh.pages[r] != 0:
-            cuda.atomic.add(sh.counters, K_COPIES, 1)
-        s.row_slot[r] = slot
-        s.row_version[r] = s.seq_version[slot]
-        s.row_pages[r] = s.seq_npages[slot]
-    cuda.syncthreads()
-
-
-@cuda.jit(device=True)
-def write_tables_and_tokens(s, sh, n_rows, n_tokens, all_decode):
-    """Block-table deltas of each row, then token ids, positions and KV slots of every token row.
-
-    In an all-decode step token row t is row t; otherwise its row is found by binary search over the row starts.
-    """
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    page = s.cfg[CFG_PAGE_SIZE]
-    total = exclusive_scan(sh.pages, n_rows, sh.partial) if sh.counters[K_COPIES] != 0 else 0
-    for index in range(tid, total, nt):
-        r = locate(sh.pages, n_rows, index)
-        j = sh.keys[r] + index - sh.pages[r]
-        s.block_tables[r, j] = s.seq_pages[s.row_slot[r], j]
-    for t in range(tid, n_tokens, nt):
-        r = t if all_decode else locate(s.query_start_loc, n_rows, t)
-        slot = s.row_slot[r]
-        q = s.query_start_loc[r + 1] - s.query_start_loc[r]
-        position = s.seq_lens[r] - q + t - s.query_start_loc[r]
-        s.token_ids[t] = token_at(s, slot, position)
-        s.positions[t] = position
-        s.slot_mapping[t] = int64(s.seq_pages[slot, position // page]) * page + position % page
-    cuda.syncthreads()
-
-
-@cuda.jit(device=True)
-def pad(s, n_rows, n_tokens, bucket_tokens):
-    """Rows and token rows between what was planned and the bucket's size read as empty / padding."""
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    for t in range(n_tokens + tid, bucket_tokens, nt):
-        s.token_ids[t] = 0
-        s.positions[t] = 0
-        s.slot_mapping[t] = -1
-    for r in range(n_rows + tid, min(bucket_tokens, s.logits_indices.shape[0]), nt):
-        s.query_start_loc[r + 1] = n_tokens
-        s.seq_lens[r] = 0
-        s.logits_indices[r] = -1
-    cuda.syncthreads()
-
-
-@cuda.jit(device=True)
 def plan(s, sh):
     """Plan the next step and write its inputs; return the bucket index to launch, or IDLE."""
     tid = cuda.threadIdx.x
@@ -298,9 +214,14 @@ def plan(s, sh):
         cuda.syncthreads()
         return IDLE
     all_decode = plan_chunks(s, sh, n)
+    speculating = all_decode and s.cfg[CFG_SPEC_TOKENS] > 0
+    if speculating:
+        speculation.propose(s, sh, n)
     page = s.cfg[CFG_PAGE_SIZE]
     for i in range(tid, n, nt):
         slot = s.running[i]
+        if not speculating:
+            s.seq_ndraft[slot] = 0
         sh.slots[i] = slot
         need = max(0, pages_for(s.seq_computed[slot] + sh.chunk[i], page) - s.seq_npages[slot])
         sh.pages[i] = need
@@ -309,8 +230,17 @@ def plan(s, sh):
     cuda.syncthreads()
     if sh.counters[K_NEED] != 0:
         allocate_pages(s, sh, sh.slots, sh.pages, n)
-    # Rows are the sequences with a chunk, in running order: rank = row index, tokens = first token row.
-    if all_decode:
+    # Rows are the sequences with a chunk, in running order: rank = first row index, tokens = first token row.
+    if speculating:                             # one row per token: a sequence's rows start where its tokens do
+        for i in range(tid, n, nt):
+            sh.tokens[i] = sh.chunk[i]
+        cuda.syncthreads()
+        n_tokens = exclusive_scan(sh.tokens, n, sh.partial)
+        n_rows = n_tokens
+        for i in range(tid, n, nt):
+            sh.rank[i] = sh.tokens[i]
+        cuda.syncthreads()
+    elif all_decode:
         for i in range(tid, n, nt):
             sh.rank[i] = i
             sh.tokens[i] = i
@@ -329,13 +259,13 @@ def plan(s, sh):
         bucket = 0
         while s.buckets[bucket] < n_tokens and bucket + 1 < s.cfg[CFG_N_BUCKETS]:
             bucket += 1
-        write_rows(s, sh, n)
+        inputs.write_rows(s, sh, n)
         if tid == 0:
             s.query_start_loc[n_rows] = n_tokens
             s.num_seqs[0] = n_rows
         cuda.syncthreads()
-        write_tables_and_tokens(s, sh, n_rows, n_tokens, all_decode)
-        pad(s, n_rows, n_tokens, s.buckets[bucket])
+        inputs.write_tables_and_tokens(s, sh, n_rows, n_tokens, all_decode)
+        inputs.pad(s, n_rows, n_tokens, s.buckets[bucket])
     if tid == 0:
         s.sched[N_ROWS] = n_rows
         s.sched[BUCKET] = bucket

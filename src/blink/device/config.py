@@ -16,6 +16,8 @@ MAX_EOS = 8             # end-of-sequence ids the device checks per token
 MAX_BUCKETS = 32        # step graphs the launch table holds
 MAX_BLOCK_THREADS = 1024
 MAX_IDLE_SLEEP_NS = 1_000_000
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16     # drafts per sequence and step (the per-slot draft array's width)
 # The compute capability the scheduler image is built for, its only one (a cubin loads on its own major version):
 # the H100, H200 and GH200. docs/gpu.md says what building for another would take.
 IMAGE_CC = (9, 0)
@@ -51,6 +53,51 @@ def graded_buckets(max_num_batched_tokens: int, per_doubling: int = 4) -> tuple[
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's ``--speculative-config`` names. ``method`` "ngram" (prompt lookup): in a step
+    where every running sequence decodes, each one that can proposes up to ``num_speculative_tokens`` drafts, the
+    tokens that followed the latest earlier occurrence of its last ``n`` tokens in its own prompt and output (``n``
+    from ``prompt_lookup_max`` down to ``prompt_lookup_min``); the step scores them all and the sequence keeps the
+    drafts its own sampled tokens confirm, plus one token of its own (docs/scheduler.md, "Speculative decoding")."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+
+    def __post_init__(self):
+        owner = "SpeculativeConfig"
+        check(self.method in SPECULATIVE_METHODS, owner, "method", f"one of {SPECULATIVE_METHODS}", self.method)
+        check(is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+              owner, "num_speculative_tokens", f"an int in [1, {MAX_SPECULATIVE_TOKENS}]",
+              self.num_speculative_tokens)
+        check(is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1, owner, "prompt_lookup_min",
+              "an int >= 1", self.prompt_lookup_min)
+        check(is_int(self.prompt_lookup_max) and self.prompt_lookup_min <= self.prompt_lookup_max <= 64, owner,
+              "prompt_lookup_max", f"an int in [prompt_lookup_min ({self.prompt_lookup_min}), 64]",
+              self.prompt_lookup_max)
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """``--speculative-config '{"method": "ngram", "num_speculative_tokens": 4, ...}'``; ``ValueError`` naming a
+        field this server does not know."""
+        import json
+
+        try:
+            given = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--speculative-config must be a JSON object ({e}): e.g. "
+                             '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+        if not isinstance(given, dict):
+            raise ValueError(f"--speculative-config must be a JSON object (got {given!r})")
+        unknown = set(given) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown field(s) {sorted(unknown)} (this server knows "
+                             f"{[f.name for f in dataclasses.fields(cls)]})")
+        return cls(**given)
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Limits and knobs of the GPU-resident scheduler.
 
@@ -64,6 +111,7 @@ class SchedulerConfig:
     ``enable_prefix_caching`` keeps full KV pages findable by the key of their prefix, so a request that shares a
     prompt prefix with an earlier one skips its prefill (docs/scheduler.md, "Prefix caching"; on by default, as in
     vLLM); its ring must carry the prompts' page keys (``RingGeometry.prefix_page_size == page_size``).
+    ``speculative`` (a ``SpeculativeConfig``; None: off) lets decoding sequences propose and verify drafts.
     """
 
     max_num_seqs: int = 256
@@ -78,6 +126,7 @@ class SchedulerConfig:
     idle_sleep_ns: int = 20_000
     launch_mode: str = "fire_and_forget"
     enable_prefix_caching: bool = True
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         owner = "SchedulerConfig"
@@ -119,6 +168,8 @@ class SchedulerConfig:
         check(self.launch_mode in LAUNCH_MODES, owner, "launch_mode", f"one of {LAUNCH_MODES}", self.launch_mode)
         check(isinstance(self.enable_prefix_caching, bool), owner, "enable_prefix_caching", "a bool",
               self.enable_prefix_caching)
+        check(self.speculative is None or isinstance(self.speculative, SpeculativeConfig), owner, "speculative",
+              "None or a SpeculativeConfig", self.speculative)
 
     @property
     def resolved(self) -> bool:

@@ -22,75 +22,20 @@ from __future__ import annotations
 
 from numba import int32, int64
 
-from blink.device import batcher, grammar, prefix, sampling
+from blink.device import batcher, consume, prefix
 from blink.device.block import MAX_THREADS, exclusive_scan
 from blink.device.doorbells import read_doorbells
 from blink.device.kv import free_sequences, free_total
 from blink.device.numba_compat import clock, cuda, load_volatile
 from blink.device.state import (C32_CACHED_PAGES, C32_ENGINE_STATE, C32_KV_FREE, C32_RUNNING, C32_WAITING,
-                                C64_HEARTBEAT, C64_STEPS, CFG_LOGPROBS, CFG_N_EOS, CFG_PAGE_SIZE, COUNTERS, FOLDED,
-                                K_ADMITTED, K_CANCEL_BELL, K_CANCELLED, K_COMPLETED, K_ENDING, K_FINISHED,
-                                K_PREFILL_TOKENS, K_REFUSED, K_SCAN, K_SHUTDOWN, K_TOKENS, MAX_CANDIDATES, N_CACHED,
+                                C64_HEARTBEAT, C64_STEPS, COUNTERS, FOLDED, K_ADMITTED, K_CANCEL_BELL, K_CANCELLED,
+                                K_ENDING, K_FINISHED, K_REFUSED, K_SCAN, K_SHUTDOWN, MAX_CANDIDATES, N_CACHED,
                                 N_CONSUMED, N_COUNTERS, N_PENDING_FINISHED, N_PUBLISHABLE, N_QUEUED, N_ROWS, N_RUNNING,
                                 P_ADMIT, P_COLLECT, P_CONSUME, P_DOORBELLS, P_PLAN, P_PUBLISH, P_RETIRE, QUEUE_HEAD,
                                 REFUSED, STOP, Scratch)
 from blink.device.waiting import cancel_queued, cancelled, collect, enqueue
 from blink.ring.control import ENGINE_SERVING, ENGINE_STOPPED
-from blink.ring.layout import (FINISH_ABORT, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, FINISHED, FLAG_IGNORE_EOS,
-                               FLAG_LOGPROBS, READY, RUNNING)
-
-
-@cuda.jit(device=True)
-def stop_reason(s, slot, token):
-    """Why the request in ``slot`` ends after emitting ``token`` (its ``n``-th token, already counted)."""
-    if (s.seq_flags[slot] & FLAG_IGNORE_EOS) == 0:
-        for k in range(s.cfg[CFG_N_EOS]):
-            if token == s.eos_ids[k]:
-                return FINISH_STOP
-    for k in range(s.seq_n_stop[slot]):
-        if token == s.seq_stop[slot, k]:
-            return FINISH_STOP
-    if s.seq_total[slot] - s.seq_prompt_len[slot] >= s.seq_max_tokens[slot]:
-        return FINISH_LENGTH
-    return FINISH_NONE
-
-
-@cuda.jit(device=True)
-def consume(s, sh):
-    """Bring the previous step's tokens into the ring's output areas and decide which sequences stop.
-
-    The counts that announce the tokens are published at the end of the iteration (``publish``), after one fence.
-    Leaves each row's slot in ``sh.slots`` and its tokens computed before the step in ``sh.tokens`` (``prefix``).
-    """
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    page = s.cfg[CFG_PAGE_SIZE]
-    for r in range(tid, s.sched[N_ROWS], nt):
-        slot = s.row_slot[r]
-        done = s.seq_computed[slot]
-        computed = done + s.query_start_loc[r + 1] - s.query_start_loc[r]
-        s.seq_computed[slot] = computed
-        sh.slots[r] = slot
-        sh.tokens[r] = done
-        cuda.atomic.add(sh.counters, K_COMPLETED, computed // page - done // page)
-        cuda.atomic.add(sh.counters, K_PREFILL_TOKENS, max(0, min(computed, s.seq_prompt_len[slot]) - done))
-        s.consumed[r] = -1
-        if s.logits_indices[r] >= 0:
-            # Written by the step's kernels on other SMs; a resident scheduler must not read a stale L1 line.
-            token = load_volatile(s.sampled_ids, r)
-            n = s.seq_total[slot] - s.seq_prompt_len[slot]
-            s.outputs[slot, n] = token
-            if s.cfg[CFG_LOGPROBS] != 0 and (s.seq_flags[slot] & FLAG_LOGPROBS) != 0:
-                s.logprobs[slot, n] = load_volatile(s.sampled_logprobs, r)
-                sampling.store_top_logprobs(s, r, slot, n)
-            s.consumed[r] = slot                  # n_generated is published after this iteration's fence
-            prefix.note_token(s, slot, s.seq_total[slot], token)
-            s.seq_total[slot] += 1
-            s.seq_last[slot] = token
-            grammar.advance(s, slot, token)
-            s.seq_finish[slot] = stop_reason(s, slot, token)
-            cuda.atomic.add(sh.counters, K_TOKENS, 1)
-    cuda.syncthreads()
+from blink.ring.layout import FINISH_ABORT, FINISH_NONE, FINISHED, READY, RUNNING
 
 
 @cuda.jit(device=True)
@@ -310,7 +255,7 @@ def make_iterate(policy, arrays=given):
         s = arrays(source)
         if tid == 0:
             s.sched[N_CONSUMED] = s.sched[N_ROWS]
-        consume(s, sh)
+        consume.consume(s, sh)
         prefix.cache_step(s, sh)
         t = lap(s, t, P_CONSUME)
         s = arrays(source)

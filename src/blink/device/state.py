@@ -34,10 +34,10 @@ STOP = -2       # shutdown done: do not relaunch
 # Scheduler configuration words (s.cfg).
 CFG_NAMES = ("page_size", "token_budget", "max_num_seqs", "n_buckets", "n_eos", "watermark", "max_model_len",
              "logprobs", "max_stop", "prefix_caching", "max_logit_bias", "max_top_logprobs", "grammar_words",
-             "mask_words")
+             "mask_words", "spec_tokens", "spec_min", "spec_max")
 CFG_PAGE_SIZE, CFG_TOKEN_BUDGET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_N_EOS, CFG_WATERMARK, CFG_MAX_MODEL_LEN, \
     CFG_LOGPROBS, CFG_MAX_STOP, CFG_PREFIX_CACHING, CFG_MAX_LOGIT_BIAS, CFG_MAX_TOP_LOGPROBS, CFG_GRAMMAR_WORDS, \
-    CFG_MASK_WORDS = _names(*CFG_NAMES)
+    CFG_MASK_WORDS, CFG_SPEC_TOKENS, CFG_SPEC_MIN, CFG_SPEC_MAX = _names(*CFG_NAMES)
 CFG_WORDS = len(CFG_NAMES)
 
 # Control-block words, as indices into the u32 (C32_*) and u64 (C64_*) views of the block.
@@ -48,10 +48,13 @@ C64_HEARTBEAT, C64_STEPS, C64_TOKENS, C64_ADMITTED, C64_FINISHED, C64_CANCELLED,
     word_index(n, 8) for n in ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted"))
 C64_PREFIX_QUERIES, C64_PREFIX_HITS, C64_EVICTIONS, C64_PREFILL_TOKENS = (
     word_index(n, 8) for n in ("prefix_query_tokens", "prefix_hit_tokens", "prefix_evictions", "prefill_tokens"))
+C64_SPEC_DRAFTS, C64_SPEC_DRAFT_TOKENS, C64_SPEC_ACCEPTED = (
+    word_index(n, 8) for n in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"))
 C64_SUBMITTED, C64_CANCELS = word_index("submitted", 8), word_index("cancels", 8)
 C64_PREFIX_SEED = word_index("prefix_seed", 8)      # written by the ring's creator; its device copy is read only
 COUNTERS = (C64_HEARTBEAT, C64_STEPS, C64_TOKENS, C64_ADMITTED, C64_FINISHED, C64_CANCELLED, C64_PREEMPTED,
-            C64_PREFIX_QUERIES, C64_PREFIX_HITS, C64_EVICTIONS, C64_PREFILL_TOKENS)
+            C64_PREFIX_QUERIES, C64_PREFIX_HITS, C64_EVICTIONS, C64_PREFILL_TOKENS, C64_SPEC_DRAFTS,
+            C64_SPEC_DRAFT_TOKENS, C64_SPEC_ACCEPTED)
 
 # s.stats (int64): first the device copies of the control block's u64 words (same indices as C64_*), then the SM
 # cycles spent in each phase of the iteration, summed over iterations (thread 0's clock), then the doorbell counts
@@ -174,6 +177,8 @@ class SchedulerArrays(NamedTuple):
     seq_bias_ids: object    # i32 [n, max_logit_bias or 1]  the request's logit_bias, copied at admission
     seq_bias: object        # f32 [n, max_logit_bias or 1]
     seq_grammar: object     # i32 [n]  the state its grammar is in, a word offset into ``grammars`` (-1: no grammar)
+    seq_draft: object       # i32 [n, MAX_SPECULATIVE_TOKENS]  the drafts planned after its last token (speculation)
+    seq_ndraft: object      # i32 [n]  how many of them the planned step verifies (0: a plain decode or a chunk)
     seq_keys: object        # u64 [n, max_pages_per_seq]  prefix key of each full page (prompt: the ring's)
     seq_hash: object        # u64 [n]  prefix-key chain state after the sequence's last known token
     seq_seen: object        # i32 [n]  a READY slot the scheduler holds: QUEUED or REFUSED (0: none; see below)
@@ -188,6 +193,7 @@ class SchedulerArrays(NamedTuple):
     row_slot: object        # i32 [max_num_seqs]  ring slot of each row of the last planned step
     row_version: object     # i32 [max_num_seqs]  seq_version of that slot when the row was last written
     row_pages: object       # i32 [max_num_seqs]  block-table entries already copied into that row
+    row_draft: object       # i32 [max_num_seqs]  j > 0: the row verifies draft j of its slot (its group's first: 0)
     # Pages and the prefix cache (kv.py, prefix.py).
     page_ref: object        # i32 [num_pages]  block tables that hold the page
     page_cached: object     # i32 [num_pages]  1: the page is in the table under page_key
@@ -230,16 +236,17 @@ QUEUED, REFUSED = 1, 2
 COUNTER_NAMES = ("tokens", "finished", "cancelled", "new", "admitted", "rejected", "preempted", "victim", "shutdown",
                  "scan", "cancel_bell", "ending", "prefills", "decode_pages", "need", "copies", "chunked", "refused",
                  "query_tokens", "hit_tokens", "evicted", "prefill_tokens", "completed", "lru_end", "unevicted",
-                 "inserted")
+                 "inserted", "drafts", "draft_tokens", "accepted")
 K_TOKENS, K_FINISHED, K_CANCELLED, K_NEW, K_ADMITTED, K_REJECTED, K_PREEMPTED, K_VICTIM, K_SHUTDOWN, K_SCAN, \
     K_CANCEL_BELL, K_ENDING, K_PREFILLS, K_DECODE_PAGES, K_NEED, K_COPIES, K_CHUNKED, K_REFUSED, K_QUERY_TOKENS, \
-    K_HIT_TOKENS, K_EVICTED, K_PREFILL_TOKENS, K_COMPLETED, K_LRU_END, K_UNEVICTED, K_INSERTED = \
-    _names(*COUNTER_NAMES)
+    K_HIT_TOKENS, K_EVICTED, K_PREFILL_TOKENS, K_COMPLETED, K_LRU_END, K_UNEVICTED, K_INSERTED, K_DRAFTS, \
+    K_DRAFT_TOKENS, K_ACCEPTED = _names(*COUNTER_NAMES)
 N_COUNTERS = len(COUNTER_NAMES)
 # (device counter, iteration counter) pairs that publish_stats folds together.
 FOLDED = ((C64_TOKENS, K_TOKENS), (C64_FINISHED, K_FINISHED), (C64_CANCELLED, K_CANCELLED),
           (C64_ADMITTED, K_ADMITTED), (C64_PREEMPTED, K_PREEMPTED), (C64_PREFIX_QUERIES, K_QUERY_TOKENS),
-          (C64_PREFIX_HITS, K_HIT_TOKENS), (C64_EVICTIONS, K_EVICTED), (C64_PREFILL_TOKENS, K_PREFILL_TOKENS))
+          (C64_PREFIX_HITS, K_HIT_TOKENS), (C64_EVICTIONS, K_EVICTED), (C64_PREFILL_TOKENS, K_PREFILL_TOKENS),
+          (C64_SPEC_DRAFTS, K_DRAFTS), (C64_SPEC_DRAFT_TOKENS, K_DRAFT_TOKENS), (C64_SPEC_ACCEPTED, K_ACCEPTED))
 
 # The prefix cache's hash table: buckets of PREFIX_WAYS ways, at least twice as many entries as pages.
 PREFIX_WAYS = 16

@@ -139,7 +139,13 @@ class _RingCollector:
                     "blink_prefix_cache_hits": ("Prompt tokens found in the prefix cache", s["prefix_hit_tokens"]),
                     "blink_prefix_cache_evictions": ("Cached KV pages evicted for reuse", s["prefix_evictions"]),
                     "blink_prefill_tokens": ("Prompt tokens the model computed (cache hits excluded)",
-                                             s["prefill_tokens"])}
+                                             s["prefill_tokens"]),
+                    "blink_spec_decode_num_drafts": ("Sequence steps that verified speculative drafts",
+                                                     s["spec_drafts"]),
+                    "blink_spec_decode_num_draft_tokens": ("Speculative draft tokens verified",
+                                                           s["spec_draft_tokens"]),
+                    "blink_spec_decode_num_accepted_tokens": ("Speculative draft tokens accepted",
+                                                              s["spec_accepted_tokens"])}
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
         yield from self._vllm(s, gauges, counters)
@@ -154,7 +160,10 @@ class _RingCollector:
                  gauges["blink_kv_cache_usage_ratio"][1])]:
             yield self._labelled(GaugeMetricFamily(name, doc, labels=["model_name"]), value)
         for name, blink_name in [("vllm:prefix_cache_queries", "blink_prefix_cache_queries"),
-                                 ("vllm:prefix_cache_hits", "blink_prefix_cache_hits")]:
+                                 ("vllm:prefix_cache_hits", "blink_prefix_cache_hits"),
+                                 ("vllm:spec_decode_num_drafts", "blink_spec_decode_num_drafts"),
+                                 ("vllm:spec_decode_num_draft_tokens", "blink_spec_decode_num_draft_tokens"),
+                                 ("vllm:spec_decode_num_accepted_tokens", "blink_spec_decode_num_accepted_tokens")]:
             doc, value = counters[blink_name]
             yield self._labelled(CounterMetricFamily(name, doc, labels=["model_name"]), value)
 

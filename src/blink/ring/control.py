@@ -17,7 +17,7 @@ from blink.ring.errors import RingMismatch
 from blink.ring.geometry import RingGeometry
 
 MAGIC = 0x4B4E4C42  # "BLNK" in little-endian bytes
-VERSION = 6
+VERSION = 7
 
 # Control block flags.
 RING_LOGPROBS = 1
@@ -80,6 +80,9 @@ CONTROL_DTYPE = struct([
     ("vocab_size", "<u4", 212),     # creator: the tokens the grammars' masks cover (geometry)
     ("secret_digest", "<u8", 216),  # creator: a digest of the secret its agents are given (blink.ring.secret)
     ("max_grammar_bytes", "<u4", 224),  # creator: the grammars region's size (geometry)
+    ("spec_drafts", "<u8", 232),    # GPU: sequence-steps that verified drafts (speculative decoding)
+    ("spec_draft_tokens", "<u8", 240),  # GPU: draft tokens verified
+    ("spec_accepted_tokens", "<u8", 248),   # GPU: of those, drafts the sequence's own tokens confirmed
 ], 256)
 
 WORDS = tuple(name for name in CONTROL_DTYPE.names if name != "secret_digest")    # what ``read`` shows
@@ -87,7 +90,7 @@ GEOMETRY_FIELDS = ("n_slots", "max_prompt_tokens", "max_output_tokens", "max_sto
                    "prefix_page_size", "max_logit_bias", "max_top_logprobs", "max_grammar_bytes", "vocab_size")
 STATS_FIELDS = ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted", "kv_pages_total",
                 "kv_pages_free", "running", "waiting", "prefix_query_tokens", "prefix_hit_tokens", "prefix_evictions",
-                "prefill_tokens", "cached_pages")
+                "prefill_tokens", "cached_pages", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
 
 
 def offset_of(name: str) -> int:

@@ -504,7 +504,9 @@ def test_metrics_report_ring_counters_and_latencies(served):
                        ("blink_prefix_cache_hits_total{}", "prefix_hit_tokens"),
                        ("blink_prefix_cache_evictions_total{}", "prefix_evictions"),
                        ("blink_prefill_tokens_total{}", "prefill_tokens"),
-                       ("blink_prefix_cache_pages{}", "cached_pages")]:
+                       ("blink_prefix_cache_pages{}", "cached_pages"),
+                       ("blink_spec_decode_num_draft_tokens_total{}", "spec_draft_tokens"),
+                       ("blink_spec_decode_num_accepted_tokens_total{}", "spec_accepted_tokens")]:
         assert samples[name] == stats[word], name
     assert stats["prefix_query_tokens"] > 0 and 0 <= samples["blink_prefix_cache_hit_rate{}"] <= 1
 

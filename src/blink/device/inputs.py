@@ -1,0 +1,87 @@
+"""The step's inputs written from a plan (device functions, whole block): ``batcher.plan`` decides each running
+sequence's chunk and drafts; these write ``step.py``'s buffers for it, row by row (``write_rows``), then block-table
+deltas, token ids, positions and KV slots (``write_tables_and_tokens``), and padding up to the bucket (``pad``)."""
+from __future__ import annotations
+
+from numba import int64
+
+from blink.device import sampling, speculation
+from blink.device.block import exclusive_scan, locate
+from blink.device.numba_compat import cuda
+from blink.device.state import CFG_PAGE_SIZE, K_COPIES
+
+
+@cuda.jit(device=True)
+def write_rows(s, sh, n):
+    """Per-row step inputs for sequences with a chunk; ``sh.rank`` = first row index, ``sh.tokens`` = first token
+    row. A sequence has one row for its chunk, or, verifying ``seq_ndraft`` drafts, one row of one token each for its
+    last token and every draft (``speculation.py``), each row sampling the token after its own."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for i in range(tid, n, nt):
+        chunk = sh.chunk[i]
+        if chunk == 0:
+            continue
+        slot = s.running[i]
+        drafts = s.seq_ndraft[slot]
+        query = chunk - drafts                    # tokens per row: the chunk, or 1 while verifying drafts
+        for j in range(drafts + 1):
+            r = sh.rank[i] + j
+            start = sh.tokens[i] + j
+            length = s.seq_computed[slot] + query + j
+            s.query_start_loc[r] = start
+            s.seq_lens[r] = length
+            s.logits_indices[r] = start + query - 1 if length == s.seq_total[slot] + j else -1
+            same = s.row_slot[r] == slot and s.row_version[r] == s.seq_version[slot]
+            sampling.write_sampling(s, r, slot, same)
+            copied = s.row_pages[r] if same else 0
+            sh.keys[r] = copied                       # first block-table entry this row still lacks
+            sh.pages[r] = s.seq_npages[slot] - copied     # entries to copy
+            if sh.pages[r] != 0:
+                cuda.atomic.add(sh.counters, K_COPIES, 1)
+            s.row_slot[r] = slot
+            s.row_version[r] = s.seq_version[slot]
+            s.row_pages[r] = s.seq_npages[slot]
+            s.row_draft[r] = j
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def write_tables_and_tokens(s, sh, n_rows, n_tokens, all_decode):
+    """Block-table deltas of each row, then token ids, positions and KV slots of every token row.
+
+    In an all-decode step token row t is row t; otherwise its row is found by binary search over the row starts.
+    """
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    page = s.cfg[CFG_PAGE_SIZE]
+    total = exclusive_scan(sh.pages, n_rows, sh.partial) if sh.counters[K_COPIES] != 0 else 0
+    for index in range(tid, total, nt):
+        r = locate(sh.pages, n_rows, index)
+        j = sh.keys[r] + index - sh.pages[r]
+        s.block_tables[r, j] = s.seq_pages[s.row_slot[r], j]
+    for t in range(tid, n_tokens, nt):
+        r = t if all_decode else locate(s.query_start_loc, n_rows, t)
+        slot = s.row_slot[r]
+        q = s.query_start_loc[r + 1] - s.query_start_loc[r]
+        position = s.seq_lens[r] - q + t - s.query_start_loc[r]
+        s.token_ids[t] = speculation.token_at(s, slot, position)
+        s.positions[t] = position
+        s.slot_mapping[t] = int64(s.seq_pages[slot, position // page]) * page + position % page
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def pad(s, n_rows, n_tokens, bucket_tokens):
+    """Rows and token rows between what was planned and the bucket's size read as empty / padding."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for t in range(n_tokens + tid, bucket_tokens, nt):
+        s.token_ids[t] = 0
+        s.positions[t] = 0
+        s.slot_mapping[t] = -1
+    for r in range(n_rows + tid, min(bucket_tokens, s.logits_indices.shape[0]), nt):
+        s.query_start_loc[r + 1] = n_tokens
+        s.seq_lens[r] = 0
+        s.logits_indices[r] = -1
+    cuda.syncthreads()
