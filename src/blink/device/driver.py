@@ -41,7 +41,7 @@ class DeviceMemory(RemoteMemory):
     Writes are synchronous copies from pinned memory (a copy from pageable memory may return before its DMA lands,
     which would break the in-order promise); reads copy back. Any thread may call it: each access makes the
     allocation's context current and holds a lock over the one staging buffer. Agents in other processes use
-    ``blink.nic.ipc``.
+    ``blink.nic.remote.ipc``.
     """
 
     def __init__(self, address: int, size: int):
