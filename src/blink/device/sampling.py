@@ -69,5 +69,6 @@ def store_top_logprobs(s, r, slot, n):
     Written by the step's kernels on other SMs: volatile loads, as the sampled token's."""
     base = 2 * n * s.cfg[CFG_MAX_TOP_LOGPROBS]
     for j in range(s.seq_top_logprobs[slot]):
-        s.top_i32[slot, base + 2 * j] = load_volatile(s.sampled_top_ids, (r, j))
-        s.top_f32[slot, base + 2 * j + 1] = load_volatile(s.sampled_top_logprobs, (r, j))
+        at = (int64(r), int64(j))               # a volatile load takes an index tuple of one integer type
+        s.top_i32[slot, base + 2 * j] = load_volatile(s.sampled_top_ids, at)
+        s.top_f32[slot, base + 2 * j + 1] = load_volatile(s.sampled_top_logprobs, at)
