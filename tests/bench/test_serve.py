@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from blink.bench.client import AGENT_PAUSES, AGENT_RUN_DELAY, AGENT_STEAL
+from blink.bench.client import AGENT_PAUSES, AGENT_RUN_DELAY, AGENT_STEAL, SPEC_DECODE
 from blink.bench.datasets import synthetic
 from blink.bench.shapes import write_model_dir
 from blink.host.cores import cpu_list
@@ -73,6 +73,23 @@ def standin_server():
     """``blink serve --standin`` on a free port; yields its base URL."""
     with served("--standin", "--slots", "64", "--max-prompt-tokens", "2048", "--max-output-tokens", "2048") as url:
         yield url
+
+
+def test_a_run_reports_the_drafts_a_speculating_server_accepted(tmp_path):
+    """``blink serve --speculative-config``: a run records the drafts verified and accepted (vLLM's counter names,
+    which blink exports too) and the report says how many were accepted. Random weights at temperature 0 repeat
+    themselves, so prompt lookup finds drafts."""
+    model = write_model_dir(tmp_path / "tiny", "tiny-qwen3")
+    result_json = tmp_path / "result.json"
+    with served(str(model), "--load-format", "dummy", "--device", "cpu", "--slots", "8", "--max-model-len", "128",
+                "--cpu-kv-cache-gib", "0.05", "--speculative-config", '{"num_speculative_tokens": 3}') as url:
+        done = bench("serve", "--base-url", url, "--tokenizer", str(model), "--num-prompts", "4", "--input-len", "8",
+                     "--output-len", "48", "--ignore-eos", "--max-concurrency", "1", "--result-json", str(result_json))
+    assert done.returncode == 0, done.stderr
+    (run,) = strict_json(result_json)["runs"]
+    drafts, accepted = (run["server"][name] for name in SPEC_DECODE)
+    assert 0 < accepted <= drafts and run["total_output_tokens"] == 4 * 48
+    assert f"speculation: {accepted:.0f} of {drafts:.0f} draft tokens accepted" in done.stdout
 
 
 def test_every_request_asks_for_the_json_schema_given(tmp_path):

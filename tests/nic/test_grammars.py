@@ -93,3 +93,18 @@ def test_the_python_api_compiles_for_its_engine():
         grammar = llm.grammar(StructuredOutputs.choice(choices))
         outs = llm.generate(["Grass is", "The sky is"], SamplingParams(max_tokens=16, temperature=0, grammar=grammar))
         assert all(out.text in choices and out.finish_reason == "stop" for out in outs)
+
+
+def test_a_model_without_an_end_of_sequence_token_refuses_grammars_and_serves_the_rest(tmp_path):
+    """No grammar could end (the shapes' word tokenizer has no EOS): each structured output is refused saying so,
+    and the compiler (so the server holding it) starts all the same."""
+    from blink.bench.shapes import write_model_dir
+
+    words = Tokenizer(write_model_dir(tmp_path / "tiny", "tiny-qwen3"))
+    assert not words.eos_token_ids
+    compiler = GrammarCompiler(words, words.vocab_size, 1 << 20, 30.0)
+    try:
+        with pytest.raises(GrammarError, match="this model has no end-of-sequence token, so no grammar could end"):
+            compiler.compile(StructuredOutputs.choice(["t1", "t2"]))
+    finally:
+        compiler.close()

@@ -35,10 +35,12 @@ AGENT_PAUSES = ("blink_agent_stalls_total", "blink_agent_stall_seconds_total",
 AGENT_RUN_DELAY = "blink_agent_run_delay_seconds_total"
 # ... and how long a hypervisor ran something else on the cores that thread may use (steal).
 AGENT_STEAL = "blink_agent_cores_steal_seconds_total"
+# Speculative decoding's drafts verified and accepted, under vLLM's names (blink exports them too).
+SPEC_DECODE = ("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total")
 # The server's counters a run records, as their change over the run (blink's /metrics; another server has fewer).
 SERVER_COUNTERS = ("blink_prefix_cache_queries_total", "blink_prefix_cache_hits_total",
                    "blink_prefix_cache_evictions_total", CPU_COUNTER, *SERVER_TTFT, *SERVER_HTTP_TTFT,
-                   *BLINK_STEP_TOKENS, *VLLM_STEP_TOKENS, *AGENT_PAUSES, AGENT_RUN_DELAY, AGENT_STEAL)
+                   *BLINK_STEP_TOKENS, *VLLM_STEP_TOKENS, *AGENT_PAUSES, AGENT_RUN_DELAY, AGENT_STEAL, *SPEC_DECODE)
 # Seconds an idle connection is kept for reuse: less than any server's own keep-alive (blink's keepalive_timeout_s,
 # uvicorn's 5 s under vLLM): reusing a connection the server is closing fails the request with ServerDisconnectedError.
 KEEPALIVE_S = 2.0
@@ -73,6 +75,21 @@ def tokens_per_step(server: dict | None) -> float | None:
         return sum(tokens) / steps
     count, total = (server.get(name) for name in VLLM_STEP_TOKENS)
     return total / count if count and total is not None else None
+
+
+def server_notes(server: dict | None) -> str | None:
+    """What the server says about a run beyond its latencies (``server``: the counters' changes), in words: blink's
+    agent pausing, speculative decoding's acceptance; None where it tells neither."""
+    notes = [note for note in (agent_pauses(server), speculation(server)) if note]
+    return "; ".join(notes) or None
+
+
+def speculation(server: dict | None) -> str | None:
+    """Draft tokens verified and accepted over a run, None where the server verified none."""
+    drafts, accepted = ((server or {}).get(name) for name in SPEC_DECODE)
+    if not drafts or accepted is None:
+        return None
+    return f"speculation: {accepted:.0f} of {drafts:.0f} draft tokens accepted ({accepted / drafts:.0%})"
 
 
 def agent_pauses(server: dict | None) -> str | None:

@@ -290,7 +290,7 @@ def host() -> dict:
 
 def summary(runs: list[dict]) -> str:
     """One line per run, then colocated / isolated ratios per label and rate, then each series' saturation."""
-    from blink.bench.client import agent_pauses
+    from blink.bench.client import server_notes
     from blink.bench.plots import colocation_pairs, series
     from blink.bench.tables import number
 
@@ -306,7 +306,7 @@ def summary(runs: list[dict]) -> str:
                      f"{number(run.get('server_cpu_ms_per_1k_tokens'), '.1f'):>21} "
                      f"{number(run['energy']['joules_per_output_token'], '.4f'):>10}")
     for run in runs:
-        pauses = agent_pauses(run.get("server"))
+        pauses = server_notes(run.get("server"))
         if pauses:
             lines.append(f"{run['label']} {run['condition']} @ {run['request_rate']}: {pauses}")
     for iso, col in colocation_pairs(runs):

@@ -110,9 +110,6 @@ class GrammarCompiler:
     and the cache together, ``timeout_s`` one compile."""
 
     def __init__(self, tokenizer, vocab_size: int, max_bytes: int, timeout_s: float):
-        if not tokenizer.eos_token_ids:
-            raise ValueError("the model has no end-of-sequence token, so no grammar could end: it cannot serve "
-                             "structured outputs")
         self.tokenizer, self.vocab_size, self.max_bytes, self.timeout_s = tokenizer, vocab_size, max_bytes, timeout_s
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
         self._refused: OrderedDict[tuple[str, str], str] = OrderedDict()
@@ -122,6 +119,9 @@ class GrammarCompiler:
         self._worker = self._conn = None
 
     def compile(self, spec: StructuredOutputs) -> Grammar:
+        if not self.tokenizer.eos_token_ids:        # a server of such a model still serves everything else
+            raise GrammarError("asks for a structured output, but this model has no end-of-sequence token, so no "
+                               "grammar could end (give its tokenizer an eos_token)")
         key = (spec.kind, spec.text)
         known = self._known(key)
         if known is not None:
