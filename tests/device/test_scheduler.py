@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tests.device.pages import check_pages
 
-from blink.device.config import SchedulerConfig
+from blink.device.config import SchedulerConfig, SpeculativeConfig
 from blink.device.sim import SimScheduler
 from blink.device.state import (FREE_TOP, H32_FLAGS, H32_GRAMMAR, H32_N_LOGIT_BIAS, HF_MIN_P, IDLE, N_EVICTABLE,
                                 N_RUNNING, STOP)
@@ -50,12 +50,13 @@ def free_pages(s) -> int:
 
 
 def tokens_of(s, slot) -> list[int]:
-    """Every token the request in ``slot`` has: its prompt, its outputs, the last sampled one from device memory."""
+    """Every token the request in ``slot`` has: its prompt, its outputs, the last sampled one from device memory,
+    then the drafts the planned step verifies after it (speculative decoding; none otherwise)."""
     prompt_len, total = int(s.seq_prompt_len[slot]), int(s.seq_total[slot])
     known = list(s.prompts[slot, :prompt_len]) + list(s.outputs[slot, :total - prompt_len])
     if total > prompt_len:
         known[total - 1] = int(s.seq_last[slot])
-    return [int(t) for t in known]
+    return [int(t) for t in known + list(s.seq_draft[slot, :s.seq_ndraft[slot]])]
 
 
 class KVContents:
@@ -83,7 +84,7 @@ class Harness:
     """A ring in local memory, an Agent, and the simulated scheduler; checks every step it plans and the pages
     after every iteration."""
 
-    def __init__(self, config=CONFIG, geometry=GEOMETRY, threads=4, policy=None):
+    def __init__(self, config=CONFIG, geometry=GEOMETRY, threads=4, policy=None, vocab_size=STANDIN_VOCAB):
         self.layout = RingLayout(geometry)
         self.memory = LocalMemory(self.layout.size)
         self.memory.write(0, self.layout.control_bytes())
@@ -99,6 +100,7 @@ class Harness:
         self.top: dict[int, list] = {}
         self.reasons: dict[int, str] = {}
         self.steps: list[dict] = []
+        self.vocab_size = vocab_size
 
     def iterate(self) -> int:
         outcome = self.scheduler.iteration()
@@ -118,7 +120,7 @@ class Harness:
 
     def run_step(self, arrays, bucket_tokens):
         self.kv.step(arrays, self.config.page_size)
-        standin_step(arrays, bucket_tokens)
+        standin_step(arrays, bucket_tokens, self.vocab_size)
         standin_top(arrays)
 
     def run_until_idle(self, limit=400):
@@ -151,12 +153,16 @@ def check_step_contract(s, config, bucket):
     assert (s.slot_mapping[n_tokens:tokens_in_bucket] == -1).all()
     page = config.page_size
     slots = s.row_slot[:n_rows].tolist()
-    assert len(set(slots)) == n_rows, "a sequence appears in two rows"
+    drafts = s.row_draft[:n_rows].tolist()      # j > 0: the row verifies draft j of the slot of the row before
+    assert len({slot for slot, j in zip(slots, drafts) if j == 0}) == drafts.count(0), "a sequence in two groups"
     chunks = []
     for r, slot in enumerate(slots):
         q = int(qsl[r + 1] - qsl[r])
         length = int(s.seq_lens[r])
-        total = int(s.seq_total[slot])
+        j = drafts[r]
+        assert j == 0 or (slots[r - 1] == slot and drafts[r - 1] == j - 1 and q == 1), "a draft row out of place"
+        assert j <= int(s.seq_ndraft[slot])
+        total = int(s.seq_total[slot]) + j
         assert length <= total
         known = tokens_of(s, slot)
         for k in range(q):
@@ -194,13 +200,54 @@ request = st.tuples(st.lists(st.integers(0, 31999), min_size=1, max_size=40), st
 def test_random_workloads_match_the_reference(requests, num_pages, threads, use_stop):
     """Staggered arrivals, chunked prefill (16-token budget), preemption (tight page pools), cancellations."""
     config = SchedulerConfig(**{**CONFIG.__dict__, "num_pages": num_pages, "eos_token_ids": (7, 11)})
-    h = Harness(config, threads=threads)
+    run_workload(Harness(config, threads=threads), requests, use_stop)
+
+
+# Tokens of a small vocabulary repeat, in prompts and in the stand-in's outputs: prompt lookup finds drafts, and the
+# stand-in (a hash of the previous token and the position) confirms about one in SMALL_VOCAB.
+SMALL_VOCAB = 6
+repeating = st.tuples(st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=1, max_size=40), st.integers(1, 12),
+                      st.integers(0, 2**64 - 1), st.booleans(), st.integers(0, 6), st.booleans())
+SPECULATIVE = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
+
+
+@settings(max_examples=8, deadline=None)
+@given(requests=st.lists(repeating, min_size=1, max_size=6), num_pages=st.sampled_from([13, 18, 40]),
+       threads=st.sampled_from([1, 4]), use_stop=st.booleans())
+def test_random_workloads_with_speculation_match_the_reference(requests, num_pages, threads, use_stop):
+    """The same, drafts proposed and verified: the outputs are the reference's (the stand-in decides every token, so
+    a wrong draft kept would show), every draft row keeps step.py's contract, and the KV model sees no rejected
+    draft's K/V read."""
+    config = SchedulerConfig(**{**CONFIG.__dict__, "num_pages": num_pages, "eos_token_ids": (7, 11),
+                                "speculative": SPECULATIVE})
+    stats = run_workload(Harness(config, threads=threads, vocab_size=SMALL_VOCAB), requests, use_stop, SMALL_VOCAB)
+    assert stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"] <= 3 * stats["spec_drafts"]
+
+
+def test_speculation_accepts_drafts_the_model_confirms():
+    """One copy-prone request alone: drafts are verified and some accepted, in fewer steps than tokens."""
+    config = SchedulerConfig(**{**CONFIG.__dict__, "speculative": SPECULATIVE})
+    h = Harness(config, vocab_size=2)
+    rid = h.agent.submit([0, 1] * 6, SamplingParams(max_tokens=12, seed=5, ignore_eos=True))
+    h.run_until_idle()
+    assert (h.outputs[rid], h.reasons[rid]) == expected_output([0, 1] * 6, SamplingParams(
+        max_tokens=12, seed=5, ignore_eos=True), vocab_size=2)
+    stats = h.agent.stats()
+    assert stats["spec_accepted_tokens"] > 0 and stats["steps"] < 1 + 12
+
+
+def run_workload(h, requests, use_stop, vocab_size=STANDIN_VOCAB) -> dict:
+    """Submit ``requests`` (prompt, max_tokens, seed, ignore_eos, arrival iteration, cancel) to ``h`` as they
+    arrive, cancel some two iterations later, run until idle; every output must be the reference's. Returns the
+    ring's stats."""
+    config = h.config
     submitted, cancelled = {}, set()
     schedule = sorted(enumerate(requests), key=lambda item: item[1][4])
     for iteration in range(400):
         for index, (prompt, max_tokens, seed, ignore_eos, arrival, cancel) in schedule:
             if arrival == iteration:
-                stop = (standin_continuation(prompt, seed, max_tokens)[max_tokens // 2],) if use_stop else ()
+                stop = (standin_continuation(prompt, seed, max_tokens, vocab_size)[max_tokens // 2],) if use_stop \
+                    else ()
                 params = SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=ignore_eos,
                                         stop_token_ids=stop, min_p=seed % 5 / 4,
                                         logit_bias={(seed >> 8 * k) % 32000: k - 1.5 for k in range(seed % 4)},
@@ -214,8 +261,9 @@ def test_random_workloads_match_the_reference(requests, num_pages, threads, use_
         if h.iterate() == IDLE and not h.agent.in_flight and iteration > 8:
             break
     assert len(h.reasons) == len(requests)
+    num_pages = config.num_pages
     for rid, (prompt, params, _) in submitted.items():
-        tokens, reason = expected_output(prompt, params, config.eos_token_ids)
+        tokens, reason = expected_output(prompt, params, config.eos_token_ids, vocab_size)
         if rid in cancelled and h.reasons[rid] == "abort":
             assert h.outputs.get(rid, []) == tokens[:len(h.outputs.get(rid, []))]
         else:
@@ -226,6 +274,7 @@ def test_random_workloads_match_the_reference(requests, num_pages, threads, use_
     assert stats["admitted"] + stats["cancelled"] >= len(requests) == stats["finished"]
     assert stats["tokens"] == sum(len(v) for v in h.outputs.values())
     assert stats["kv_pages_free"] == num_pages and stats["running"] == 0
+    return stats
 
 
 def test_a_long_prompt_is_prefilled_in_budget_sized_chunks_and_sampled_once():

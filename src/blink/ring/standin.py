@@ -34,7 +34,7 @@ def standin_continuation(prompt: list[int], seed: int, n: int, vocab_size: int =
     return tokens[len(prompt):]
 
 
-def standin_step(step, bucket_tokens: int) -> None:
+def standin_step(step, bucket_tokens: int, vocab_size: int = STANDIN_VOCAB) -> None:
     """The stand-in model step on the CPU, over numpy views of the step buffers (``step.py``'s contract).
 
     Every row that samples gets the stand-in token after its last query token, whatever else is in the batch.
@@ -45,5 +45,5 @@ def standin_step(step, bucket_tokens: int) -> None:
         if t < 0:
             continue
         prev, position, seed = int(step.token_ids[t]), int(step.positions[t]) + 1, int(step.seed[r]) & MASK64
-        step.sampled_ids[r] = standin_token(prev, position, seed)
+        step.sampled_ids[r] = standin_token(prev, position, seed, vocab_size)
         step.sampled_logprobs[r] = standin_logprob(prev, position, seed)
