@@ -11,12 +11,13 @@
 #                                                $PEERS/vllm_server.pid)
 #   bash bench/peers/vllm_gpu.sh stop            stop that server (SIGINT, then SIGKILL after 30 s)
 # Environment (defaults): PEERS=$HOME/blink-peers PORT=8400 MAX_MODEL_LEN=4096 MAX_NUM_SEQS=256
-#   GPU_MEMORY_UTILIZATION=0.9 VLLM_ARGS="" (more `vllm serve` options, e.g. --no-enable-prefix-caching) and LOG
+#   GPU_MEMORY_UTILIZATION=0.9 API_SERVERS=4 (vLLM's front-end processes, --api-server-count: its best setting on
+#   the H200, issue 43; 1 for its default) VLLM_ARGS="" (more `vllm serve` options, e.g. --no-enable-prefix-caching) and LOG
 #   ($PEERS/vllm_server.log). The shape directories' word-level tokenizer makes vLLM see text prompts as empty:
 #   `blink bench serve` sends token ids, which vLLM takes as they are.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PEERS=${PEERS:-$HOME/blink-peers} PORT=${PORT:-8400} MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}
+PEERS=${PEERS:-$HOME/blink-peers} PORT=${PORT:-8400} MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096} API_SERVERS=${API_SERVERS:-4}
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-256} GPU_MEMORY_UTILIZATION=${GPU_MEMORY_UTILIZATION:-0.9} VLLM_ARGS=${VLLM_ARGS:-}
 LOG=${LOG:-$PEERS/vllm_server.log}
 MANIFEST=bench/peers/vllm-0.26.0-wheels.txt
@@ -53,8 +54,10 @@ install() {
 serve() {
   local model=${1:?usage: vllm_gpu.sh serve MODEL_DIR}
   # VLLM_USE_FLASHINFER_SAMPLER=0: FlashInfer's sampler would compile its kernels with nvcc at first use.
-  PYTHONPATH=$PEERS/site VLLM_USE_FLASHINFER_SAMPLER=0 nohup python -m vllm.entrypoints.openai.api_server \
-    --model "$model" --load-format dummy --port "$PORT" --max-model-len "$MAX_MODEL_LEN" \
+  # `vllm serve` (its CLI module: --target installs no console script), which honours --api-server-count; the
+  # api_server module ignores it and runs one front end, vLLM's CPU bottleneck on small models.
+  PYTHONPATH=$PEERS/site VLLM_USE_FLASHINFER_SAMPLER=0 nohup python -m vllm.entrypoints.cli.main serve "$model" \
+    --api-server-count "$API_SERVERS" --load-format dummy --port "$PORT" --max-model-len "$MAX_MODEL_LEN" \
     --max-num-seqs "$MAX_NUM_SEQS" --gpu-memory-utilization "$GPU_MEMORY_UTILIZATION" $VLLM_ARGS > "$LOG" 2>&1 &
   local pid=$!
   echo "$pid" > "$PEERS/vllm_server.pid"
