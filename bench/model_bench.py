@@ -56,8 +56,9 @@ MODELS = {name: shape_config(name) for name in SHAPES}
 MODELS["qwen3-8b"] = BENCH_SHAPES["qwen3-8b"]
 PAGE = 16
 LAYOUT = StepLayout(max_num_batched_tokens=2048, max_num_seqs=256, max_pages_per_seq=8192 // PAGE)
-# The decode steps of the full table: (batch, context, bucket), each batch in a graph of its own size.
-GRID = [(batch, ctx, batch) for ctx in (1024, 8192) for batch in (1, 16, 64, 256)]
+# The decode steps of the full table: (batch, context, bucket), each batch in a graph of its own size; ctx 256 is what
+# serving's short chats see, where a small model's step is furthest above its floor.
+GRID = [(batch, ctx, batch) for ctx in (256, 1024, 8192) for batch in (1, 16, 64, 256)]
 
 
 def expert_bytes(model) -> int:

@@ -15,9 +15,10 @@ from blink.models.shapes import SHAPES, shape_config, shape_dir
 # 0.22 in logprob). A wrong kernel moves logits by whole units, not steps.
 BF16_LOGPROB = 0.3
 
-# Parameters of the published bf16 checkpoints (Meta-Llama-3-8B, phi-4, Qwen3-32B, Qwen3-30B-A3B)
+# Parameters of the published bf16 checkpoints (Meta-Llama-3-8B, phi-4, Qwen3-32B, Qwen3-30B-A3B, Llama-3.2-1B;
+# Qwen3-0.6B's card: 0.6B, 0.44B without the embedding, which its output layer shares)
 PARAMETERS = {"llama-3-8b": 8_030_261_248, "phi-4": 14_659_507_200, "qwen3-32b": 32_762_123_264,
-              "qwen3-30b-a3b": 30_532_122_624}
+              "qwen3-30b-a3b": 30_532_122_624, "llama-3.2-1b": 1_235_814_400, "qwen3-0.6b": 596_049_920}
 
 
 @pytest.mark.parametrize("name", SHAPES)

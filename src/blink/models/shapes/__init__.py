@@ -1,4 +1,5 @@
-"""The paper's four models at full size, as their HF ``config.json`` alone: ``shapes/<name>/config.json``.
+"""The paper's four models at full size, and the two small ones users pick most (Qwen3-0.6B, Llama-3.2-1B), as
+their HF ``config.json`` alone: ``shapes/<name>/config.json``.
 
 Each directory is a model directory without weights, so it serves random-weight runs as is (``random_model``,
 ``EngineConfig(model=str(shape_dir(name)), load_format="dummy")``) and sizes memory plans (``blink.models.memory``).
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from ..config import ModelConfig
 
-SHAPES = ("llama-3-8b", "phi-4", "qwen3-32b", "qwen3-30b-a3b")
+SHAPES = ("llama-3-8b", "phi-4", "qwen3-32b", "qwen3-30b-a3b", "qwen3-0.6b", "llama-3.2-1b")
 
 
 def shape_dir(name: str) -> Path:
