@@ -1,13 +1,14 @@
 """Speculative decoding end to end on the CPU engine (the simulated scheduler proposes and confirms n-gram drafts,
 the SmolLM2 step verifies them): every answer equals the same request's answer without speculation, token for token
-and logprob for logprob, greedy and seeded, through max_tokens, stop ids, several choices of a prompt, preemption in
-a small KV pool and a batch of prompts that repeat their text; the engine's counters show drafts were verified and
+and logprob for logprob, greedy and seeded, through max_tokens, stop ids, penalties, grammars, preemption in a small
+KV pool and a batch of prompts that repeat their text; the engine's counters show drafts were verified and
 accepted (so the equality is not one of two plain runs)."""
 from dataclasses import replace
 
 import pytest
 
 from blink import Engine, EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
+from blink.nic.grammars import StructuredOutputs
 
 PASSAGE = ("The quick brown fox jumps over the lazy dog. The dog sleeps under the old oak tree, and the fox runs "
            "back into the forest before the sun goes down.")
@@ -28,15 +29,27 @@ CASES = {
     "penalised": [SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.3, presence_penalty=0.5,
                                  frequency_penalty=0.2)] * 8,
     "seeded": [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=k, logprobs=True) for k in range(8)],
+    "grammar": [SamplingParams(max_tokens=40, temperature=0)] * 4,     # each with one of GRAMMARS, compiled per engine
     "greedy": [SamplingParams(max_tokens=40, temperature=0, logprobs=True)] * 8,
 }
+# Structured answers that copy their prompt: drafts the grammar lets through, each draft row masked by its own state.
+NAMES = "Alice Baker, Bob Carter, Carol Dunn, Alice Baker, Bob Carter"
+GRAMMAR_PROMPT = f"Write these names as a JSON object {{\"names\": [...]}}: {NAMES}.\nJSON: "
+GRAMMARS = [StructuredOutputs.json({"type": "object", "properties": {"names": {"type": "array", "items": {
+    "type": "string", "maxLength": 16}}}, "required": ["names"]}), StructuredOutputs.choice(NAMES.split(", ")[:3])]
 
 
 def run(config):
     """Every case's requests in one batch (``generate``: as many in the ring at once as it holds)."""
-    params = [p for case in CASES.values() for p in case]
-    with Engine(config) as engine:
-        outs = engine.generate([PROMPTS[k % len(PROMPTS)] for k in range(len(params))], params)
+    with Engine(replace(config, max_grammar_bytes=16 << 20)) as engine:
+        compiled = [engine.grammar(spec) for spec in GRAMMARS]
+        prompts, params = [], []
+        for name, case in CASES.items():
+            for k, p in enumerate(case):
+                grammar = name == "grammar"
+                prompts.append(GRAMMAR_PROMPT if grammar else PROMPTS[k % len(PROMPTS)])
+                params.append(replace(p, grammar=compiled[k % len(compiled)]) if grammar else p)
+        outs = engine.generate(prompts, params)
         stats = engine.stats()
     cut = iter(outs)
     return {name: [next(cut) for _ in case] for name, case in CASES.items()}, stats
@@ -54,6 +67,9 @@ def test_speculation_changes_how_many_tokens_a_step_makes_never_which(runs, case
     assert [o.finish_reason for o in outs[case]] == [o.finish_reason for o in want[case]]
     for out, plain_out in zip(outs[case], want[case]):  # batched otherwise: float32 sums in another order
         assert out.logprobs == pytest.approx(plain_out.logprobs, abs=1e-4)
+    if case == "grammar":                       # and they follow their grammars
+        assert [out.text for out in outs[case][1::2]] == [out.text for out in want[case][1::2]]
+        assert all(out.text in NAMES.split(", ") for out in outs[case][1::2])
 
 
 def test_drafts_were_verified_and_accepted(runs):

@@ -50,6 +50,38 @@ def next_state(grammars, state, token, mask_words):
 
 
 @cuda.jit(device=True)
+def allows(grammars, state, token):
+    """Whether grammar state ``state`` allows ``token`` (its mask's bit)."""
+    return ((grammars[state + token // 32] >> (token % 32)) & 1) != 0
+
+
+@cuda.jit(device=True)
+def after_drafts(s, slot, count):
+    """The state of ``slot``'s grammar after its first ``count`` drafts (-1: it has no grammar)."""
+    state = s.seq_grammar[slot]
+    if state >= 0:
+        for j in range(count):
+            state = next_state(s.grammars, state, s.seq_draft[slot, j], s.cfg[CFG_MASK_WORDS])
+    return state
+
+
+@cuda.jit(device=True)
+def allowed_drafts(s, slot, count):
+    """How many of ``slot``'s first ``count`` drafts its grammar lets through one after another (all: no grammar);
+    a draft it forbids would be rejected anyway, and the row after it would read a state the grammar never
+    reaches."""
+    state = s.seq_grammar[slot]
+    if state < 0:
+        return count
+    for j in range(count):
+        token = s.seq_draft[slot, j]
+        if not allows(s.grammars, state, token):
+            return j
+        state = next_state(s.grammars, state, token, s.cfg[CFG_MASK_WORDS])
+    return count
+
+
+@cuda.jit(device=True)
 def advance(s, slot, token):
     """The request in ``slot`` emitted ``token``: its grammar (if any) moves on."""
     state = s.seq_grammar[slot]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from numba import int64
 
-from blink.device import sampling, speculation
+from blink.device import grammar, sampling, speculation
 from blink.device.block import exclusive_scan, locate
 from blink.device.numba_compat import cuda
 from blink.device.state import CFG_PAGE_SIZE, K_COPIES
@@ -34,6 +34,8 @@ def write_rows(s, sh, n):
             s.logits_indices[r] = start + query - 1 if length == s.seq_total[slot] + j else -1
             same = s.row_slot[r] == slot and s.row_version[r] == s.seq_version[slot]
             sampling.write_sampling(s, r, slot, same)
+            if j > 0:
+                s.grammar_state[r] = grammar.after_drafts(s, slot, j)
             copied = s.row_pages[r] if same else 0
             sh.keys[r] = copied                       # first block-table entry this row still lacks
             sh.pages[r] = s.seq_npages[slot] - copied     # entries to copy

@@ -12,12 +12,13 @@ kept is the one plain decoding would have sampled, greedy or seeded, so speculat
 makes and never which.
 
 Drafts are planned only where they fit: one row per draft within the step's ``max_num_seqs`` rows, their pages
-within the free ones, ``max_tokens`` and ``max_model_len``; a sequence with a grammar gets none (its mask would have
-to follow the drafts). The KV of a rejected draft's position is left behind and rewritten by the next step before it
-is read.
+within the free ones, ``max_tokens`` and ``max_model_len``. A sequence with a grammar keeps the drafts its grammar
+lets through, and row ``j`` masks with the state after drafts ``1..j`` (``grammar.after_drafts``). The KV of a
+rejected draft's position is left behind and rewritten by the next step before it is read.
 """
 from __future__ import annotations
 
+from blink.device import grammar
 from blink.device.block import exclusive_scan
 from blink.device.kv import free_total
 from blink.device.numba_compat import cuda
@@ -62,12 +63,12 @@ def lookup(s, slot, most):
 def wanted(s, slot):
     """How many drafts the sequence in ``slot``, about to decode, may verify in the next step (before the step's
     limits are counted)."""
-    if s.cfg[CFG_SPEC_TOKENS] == 0 or s.seq_grammar[slot] >= 0:
+    if s.cfg[CFG_SPEC_TOKENS] == 0:
         return 0
     generated = s.seq_total[slot] - s.seq_prompt_len[slot]
     most = min(s.cfg[CFG_SPEC_TOKENS], s.seq_max_tokens[slot] - generated - 1,
                s.cfg[CFG_MAX_MODEL_LEN] - s.seq_total[slot])
-    return lookup(s, slot, most) if most > 0 else 0
+    return grammar.allowed_drafts(s, slot, lookup(s, slot, most)) if most > 0 else 0
 
 
 @cuda.jit(device=True)
