@@ -20,7 +20,8 @@ CONTROL_SPEC = [("magic", 0, 4), ("version", 4, 4), ("n_slots", 8, 4), ("max_pro
                 ("prefix_page_size", 156, 4), ("prefix_seed", 160, 8), ("prefix_query_tokens", 168, 8),
                 ("prefix_hit_tokens", 176, 8), ("prefix_evictions", 184, 8), ("prefill_tokens", 192, 8),
                 ("cached_pages", 200, 4), ("max_logit_bias", 204, 4), ("max_top_logprobs", 208, 4),
-                ("vocab_size", 212, 4), ("secret_digest", 216, 8), ("max_grammar_bytes", 224, 4)]
+                ("vocab_size", 212, 4), ("secret_digest", 216, 8), ("max_grammar_bytes", 224, 4),
+                ("spec_drafts", 232, 8), ("spec_draft_tokens", 240, 8), ("spec_accepted_tokens", 248, 8)]
 HEADER_SPEC = [("request_id", 0, 8), ("arrival_ns", 8, 8), ("seed", 16, 8), ("prompt_len", 24, 4),
                ("max_tokens", 28, 4), ("temperature", 32, 4), ("top_p", 36, 4), ("top_k", 40, 4), ("flags", 44, 4),
                ("n_stop", 48, 4), ("priority", 52, 4), ("prefix_state", 56, 8), ("presence_penalty", 64, 4),
