@@ -5,6 +5,7 @@ tokens, for the largest n in [min, max] that has one, cut to the drafts asked fo
 from typing import NamedTuple
 
 import numpy as np
+from numba import int64
 
 from blink.device import sim  # noqa: F401  (turns the simulator on before numba is imported)
 from blink.device.config import MAX_SPECULATIVE_TOKENS
@@ -27,11 +28,17 @@ class Sequences(NamedTuple):
 
 @cuda.jit
 def lookup_kernel(s, most, counts):
-    slot = cuda.threadIdx.x
-    counts[slot] = lookup(s, slot, most[slot])
+    """One block looks every slot up in turn, as ``propose`` does."""
+    best = cuda.shared.array(1, int64)
+    for slot in range(counts.shape[0]):
+        count = lookup(s, best, slot, most[slot])
+        if cuda.threadIdx.x == 0:
+            counts[slot] = count
 
 
 def reference(tokens: list[int], most: int, low: int, high: int) -> list[int]:
+    if most == 0:
+        return []
     for n in range(high, low - 1, -1):
         suffix = tokens[len(tokens) - n:]
         for start in range(len(tokens) - n - 1, -1, -1):
@@ -65,9 +72,9 @@ def test_the_device_drafts_what_prompt_lookup_finds():
             s.prompts[slot, :prompt_len] = tokens[:prompt_len]
             s.outputs[slot, :len(tokens) - prompt_len - 1] = tokens[prompt_len:-1]
             s.seq_prompt_len[slot], s.seq_total[slot], s.seq_last[slot] = prompt_len, len(tokens), tokens[-1]
-        most = rng.integers(1, MAX_SPECULATIVE_TOKENS + 1, slots).astype(np.int32)
+        most = rng.integers(0, MAX_SPECULATIVE_TOKENS + 1, slots).astype(np.int32)
         counts = np.zeros(slots, np.int32)
-        lookup_kernel[1, slots](s, most, counts)
+        lookup_kernel[1, int(rng.choice([1, 3, 8]))](s, most, counts)
         for slot, tokens in enumerate(sequences):
             want = reference(tokens, int(most[slot]), low, high)
             assert s.seq_draft[slot, :counts[slot]].tolist() == want, (tokens, low, high, int(most[slot]))

@@ -18,6 +18,8 @@ rejected draft's position is left behind and rewritten by the next step before i
 """
 from __future__ import annotations
 
+from numba import int32, int64
+
 from blink.device import grammar
 from blink.device.block import exclusive_scan
 from blink.device.kv import free_total
@@ -42,47 +44,66 @@ def token_at(s, slot, position):
 
 
 @cuda.jit(device=True)
-def lookup(s, slot, most):
-    """Write into ``seq_draft[slot]`` the at most ``most`` tokens that followed the latest earlier occurrence of the
-    sequence's last ``n`` tokens, for the largest ``n`` that has one; return how many (0: none)."""
+def lookup(s, best, slot, most):
+    """All threads: write into ``seq_draft[slot]`` the at most ``most`` tokens that followed the latest earlier
+    occurrence of the sequence's last ``n`` tokens, for the largest ``n`` that has one; return how many (0: none).
+
+    Each thread takes candidate end positions ``e`` (an occurrence ends before the sequence's last token) and counts
+    how many tokens ending at ``e`` equal the sequence's last ones, up to ``CFG_SPEC_MAX``; the block keeps the
+    largest count, then the latest ``e``, as one key in ``best[0]`` (shared, one int64: count above, position below).
+    """
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
     total = s.seq_total[slot]
-    for n in range(s.cfg[CFG_SPEC_MAX], s.cfg[CFG_SPEC_MIN] - 1, -1):
-        for start in range(total - n - 1, -1, -1):      # latest first; a match ends before the suffix's end
-            k = 0
-            while k < n and token_at(s, slot, start + k) == token_at(s, slot, total - n + k):
-                k += 1
-            if k == n:
-                count = min(most, total - (start + n))
-                for j in range(count):
-                    s.seq_draft[slot, j] = token_at(s, slot, start + n + j)
-                return count
-    return 0
+    longest, shortest = s.cfg[CFG_SPEC_MAX], s.cfg[CFG_SPEC_MIN]
+    if tid == 0:
+        best[0] = -1
+    cuda.syncthreads()
+    for end in range(tid, total - 1 if most > 0 else 0, nt):
+        k = 0
+        while k < longest and k <= end and token_at(s, slot, end - k) == token_at(s, slot, total - 1 - k):
+            k += 1
+        if k >= shortest:
+            cuda.atomic.max(best, 0, (int64(k) << 32) | end)
+    cuda.syncthreads()
+    key = best[0]
+    count = 0
+    if key >= 0:
+        end = int32(key & 0xFFFFFFFF)
+        count = min(most, total - 1 - end)
+        for j in range(tid, count, nt):
+            s.seq_draft[slot, j] = token_at(s, slot, end + 1 + j)
+    cuda.syncthreads()
+    return count
 
 
 @cuda.jit(device=True)
-def wanted(s, slot):
-    """How many drafts the sequence in ``slot``, about to decode, may verify in the next step (before the step's
-    limits are counted)."""
-    if s.cfg[CFG_SPEC_TOKENS] == 0:
-        return 0
+def budget(s, slot):
+    """How many drafts the sequence in ``slot``, about to decode, may verify in the next step: the configured
+    number, within its ``max_tokens`` and ``max_model_len`` (the step's rows and pages are counted after)."""
     generated = s.seq_total[slot] - s.seq_prompt_len[slot]
-    most = min(s.cfg[CFG_SPEC_TOKENS], s.seq_max_tokens[slot] - generated - 1,
-               s.cfg[CFG_MAX_MODEL_LEN] - s.seq_total[slot])
-    return grammar.allowed_drafts(s, slot, lookup(s, slot, most)) if most > 0 else 0
+    return max(0, min(s.cfg[CFG_SPEC_TOKENS], s.seq_max_tokens[slot] - generated - 1,
+                      s.cfg[CFG_MAX_MODEL_LEN] - s.seq_total[slot]))
 
 
 @cuda.jit(device=True)
 def propose(s, sh, n):
     """All-decode steps: each running sequence ``i`` gets ``sh.chunk[i] = 1 + drafts`` tokens (``seq_ndraft``), the
-    drafts cut in running order to the rows and pages left. Scratch: ``sh.tokens``, ``sh.pages``, ``sh.rank``."""
+    drafts cut in running order to the rows and pages left. Sequences are looked up one after another, each by the
+    whole block. Scratch: ``sh.keys[0]`` (the lookup's), ``sh.tokens``, ``sh.pages``, ``sh.rank``."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     page = s.cfg[CFG_PAGE_SIZE]
+    for i in range(n):
+        slot = s.running[i]
+        count = lookup(s, sh.keys, slot, budget(s, slot))
+        if tid == 0:
+            sh.rank[i] = grammar.allowed_drafts(s, slot, count)
+    cuda.syncthreads()
     for i in range(tid, n, nt):
         slot = s.running[i]
-        k = wanted(s, slot)
+        k = sh.rank[i]
         decoded = s.seq_computed[slot] + 1
-        sh.rank[i] = k
         sh.tokens[i] = k
         sh.pages[i] = (decoded + k + page - 1) // page - (decoded + page - 1) // page
     cuda.syncthreads()
