@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from blink.config import EngineConfig
-from blink.device.config import SchedulerConfig
+from blink.device.config import SchedulerConfig, SpeculativeConfig
 from blink.faults import SLOW_STEPS
 from blink.nic.agent import Agent
 from blink.nic.agent_loop import LoopConfig
@@ -57,11 +57,13 @@ WEIGHTS = (35, 25, 10, 10, 10, 5, 5)
 @dataclass(frozen=True)
 class CpuEngine:
     """The real CPU engine: every ``slow_every``-th model step sleeps ``slow_s`` (0: none), and the agent declares
-    an engine dead after ``liveness_timeout_s`` without a beat."""
+    an engine dead after ``liveness_timeout_s`` without a beat; ``speculative``: its scheduler proposes and verifies
+    n-gram drafts (``SpeculativeConfig``'s defaults)."""
 
     slow_every: int = 25
     slow_s: float = 1.5
     liveness_timeout_s: float = 1.0
+    speculative: bool = False
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Soak:
     outcomes: Counter = field(default_factory=Counter)     # (kind, outcome) -> count
     wrong: list = field(default_factory=list)              # the first few wrong answers
     invariants: dict = field(default_factory=dict)
+    speculation: dict = field(default_factory=dict)       # the ring's draft counters at the end
 
     def check(self) -> None:
         bad = {name: value for name, value in self.invariants.items() if value is not True}
@@ -114,9 +117,9 @@ def cpu_engine(engine: CpuEngine):
     config = EngineConfig(device="cpu", ring_name=f"blink-soak-{os.getpid()}-{uuid.uuid4().hex[:8]}",
                           n_slots=g.n_slots, max_prompt_tokens=g.max_prompt_tokens,
                           max_output_tokens=g.max_output_tokens, max_stop_ids=g.max_stop_ids, sim_threads=2,
-                          cpu_kv_cache_gib=0.1, scheduler=SchedulerConfig(max_num_seqs=g.n_slots,
-                                                                          max_num_batched_tokens=256,
-                                                                          max_model_len=g.max_model_len))
+                          cpu_kv_cache_gib=0.1, scheduler=SchedulerConfig(
+                              max_num_seqs=g.n_slots, max_num_batched_tokens=256, max_model_len=g.max_model_len,
+                              speculative=SpeculativeConfig() if engine.speculative else None))
     with ExitStack() as stack:
         with environment(SLOW_STEPS, f"{engine.slow_every}:{engine.slow_s}"):
             memory, process = stack.enter_context(engine_process(config))      # spawned here
@@ -264,6 +267,7 @@ def invariants(server: OpenAIServer, loop, soak: Soak) -> dict:
         time.sleep(0.05)
     stats = agent.stats()
     soak.steps = stats["steps"]
+    soak.speculation = {name: int(stats[name]) for name in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")}
     states = on_loop(lambda: agent._snapshot()[1]["state"].copy())
     finished = sum(server.metrics.requests.labels(finish_reason=r)._value.get()
                    for r in ("stop", "length", "abort", "error"))
@@ -309,13 +313,15 @@ def main() -> int:
     parser.add_argument("--slow-s", type=float, default=defaults.slow_s, help="CPU engine: how long, in seconds")
     parser.add_argument("--liveness-timeout", type=float, default=defaults.liveness_timeout_s,
                         help="CPU engine: the agent's liveness timeout, in seconds")
+    parser.add_argument("--speculative", action="store_true", help="CPU engine: speculative decoding on")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    engine = (CpuEngine(args.slow_every, args.slow_s, args.liveness_timeout) if args.engine == "cpu" else None)
+    engine = (CpuEngine(args.slow_every, args.slow_s, args.liveness_timeout, args.speculative)
+              if args.engine == "cpu" else None)
     soak = run(args.requests, args.concurrency, args.seed, engine)
     outcomes = {f"{kind} {outcome}": n for (kind, outcome), n in sorted(soak.outcomes.items())}
     print(f"{soak.requests} requests in {soak.seconds:.1f} s ({soak.requests / soak.seconds:.0f} req/s), "
-          f"concurrency {args.concurrency}, {soak.steps} model steps")
+          f"concurrency {args.concurrency}, {soak.steps} model steps, speculation {soak.speculation}")
     for name, n in outcomes.items():
         print(f"  {name:<24} {n:8d}")
     for name, ok in soak.invariants.items():
@@ -324,7 +330,8 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"requests": soak.requests, "seconds": soak.seconds, "concurrency": args.concurrency,
                        "seed": args.seed, "engine": args.engine, "cpu_engine": engine and engine.__dict__,
-                       "steps": soak.steps, "outcomes": outcomes, "invariants": soak.invariants,
+                       "steps": soak.steps, "speculation": soak.speculation, "outcomes": outcomes,
+                       "invariants": soak.invariants,
                        "wrong": [repr(w) for w in soak.wrong]}, f, indent=1)
     soak.check()
     return 0
