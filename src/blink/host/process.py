@@ -141,7 +141,7 @@ def sweep_stale_rings() -> None:
     ``blink serve`` names them (``blink-PID-...``), this user's, initialised, and held by no engine (no lock on their
     ``CREATOR_BYTE``: the lock goes with its process however it ends, in whatever pid namespace it ran)."""
     from blink.ring import secret
-    from blink.ring.transport import CREATOR_BYTE, SharedMemory, check_owned, lock_byte
+    from blink.ring.transport import CREATOR_BYTE, SharedMemory, check_owned, lock_bytes
 
     for entry in os.scandir(SharedMemory.SHM_DIR):
         if not entry.name.startswith("blink-") or entry.name.endswith(secret.SUFFIX):
@@ -153,7 +153,7 @@ def sweep_stale_rings() -> None:
         try:
             check_owned(fd, entry.path)
             identity = (control.MAGIC | control.VERSION << 32).to_bytes(8, "little")
-            if os.pread(fd, 8, 0) != identity or not lock_byte(fd, CREATOR_BYTE):
+            if os.pread(fd, 8, 0) != identity or not lock_bytes(fd, CREATOR_BYTE):
                 continue            # not a ring of this blink (whose engines hold the lock), not made yet, or live
             os.unlink(entry.path)
             secret.remove(entry.name)
