@@ -62,14 +62,15 @@ def _serve_agents(args, configs, memory, engine_process, cores) -> int:
     from functools import partial
 
     from blink.host.agents import supervise
+    from blink.nic.metrics import shared_metrics
     from blink.nic.openai.ports import reserve_port
     from blink.ring import control
 
-    with reserve_port(args.host, args.port) as held:
+    with reserve_port(args.host, args.port) as held, shared_metrics() as exited:
         on_port = argparse.Namespace(**{**vars(args), "port": held.getsockname()[1]})     # port 0: the one chosen
         target = partial(_agent_process, on_port, configs, memory.name, control.read(memory)["prefix_seed"],
                          engine_process.pid, cores)
-        return supervise(target, args.agent_processes, engine_process)
+        return supervise(target, args.agent_processes, engine_process, exited)
 
 
 def _agent_process(args, configs, ring: str, prefix_seed: int, engine_pid: int, cores, share, listening) -> int:

@@ -180,6 +180,7 @@ class AgentLoop:
             self._wakeup.clear()
         if time.monotonic() - self._sampled_at > self.HEARTBEAT_SAMPLE_S:
             self._sample()
+            self.metrics.tick()
         self._time_poll()
         try:
             outputs = self.agent.poll()

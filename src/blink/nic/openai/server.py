@@ -33,7 +33,7 @@ from blink.nic.defaults import SamplingDefaults
 from blink.nic.drain import ABORT_GRACE_S, Drain, DrainConfig
 from blink.nic.grammars import COMPILE_TIMEOUT_S, GrammarCompiler
 from blink.nic.openai.errors import REFUSALS, ApiError, api_error
-from blink.nic.openai.health import LoadCollector, Probes
+from blink.nic.openai.health import LoadGauges, Probes
 from blink.nic.openai.connections import ConnectionGuard, JsonErrors
 from blink.nic.openai.ports import cannot_listen
 from blink.nic.openai.limits import BodyPlaces, HttpLimits, OneLineBadRequests, is_small, read_body
@@ -98,7 +98,7 @@ class OpenAIServer:
         self.metrics.watch(self.loop, config.model_name)
         self.drain = Drain(self.loop, config.drain)
         self.probes = Probes(self.loop, self.drain)
-        self.metrics.registry.register(LoadCollector(self.probes))
+        LoadGauges(self.probes, self.metrics)
         self.guard, self.places = ConnectionGuard(config.limits), BodyPlaces(config.limits)
         # Two tokenizer threads, one for small bodies and one for large ones (``limits.is_small``): a small chat
         # never waits behind the tokenizing of large prompts (16 of them made small chats wait 21 s in one queue).
