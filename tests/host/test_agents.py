@@ -25,6 +25,7 @@ from blink.ring.layout import FREE, RingLayout
 from blink.ring.secret import SUFFIX
 from blink.ring.transport import SharedMemory
 from tests.nic.openai.test_server import CLI_ENGINE, _healthy, engine_processes, free_port, wait_for
+from tests.test_faults import _zombie as zombie
 from tests.test_faults import rings
 from tests.test_lifecycle import Requests, call, complete, in_flight
 from tests.test_lifecycle import _resume as resume
@@ -89,10 +90,8 @@ class Server:
             resume(engine)
 
 
-@contextmanager
-def serving(log: Path, *options, agents: int = 2):
-    """``blink serve OPTIONS --agent-processes AGENTS`` once every agent process listens; stopped after (SIGTERM:
-    exit 0), leaving no process and no ring behind."""
+def start(log: Path, *options, agents: int = 2) -> Server:
+    """``blink serve OPTIONS --agent-processes AGENTS``, once every agent process listens."""
     port = free_port()
     with open(log, "w") as stderr:
         process = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--port", str(port),
@@ -102,6 +101,18 @@ def serving(log: Path, *options, agents: int = 2):
         wait_for(lambda: process.poll() is not None or server.listening() >= agents and _healthy(port),
                  timeout_s=180)
         assert process.poll() is None, log.read_text()
+    except BaseException:
+        process.kill()
+        raise
+    return server
+
+
+@contextmanager
+def serving(log: Path, *options, agents: int = 2):
+    """``start``, then stopped (SIGTERM: exit 0), leaving no process and no ring behind."""
+    server = start(log, *options, agents=agents)
+    process = server.process
+    try:
         spawned = set(engine_processes(process.pid))
         yield server
         process.send_signal(signal.SIGTERM)
@@ -338,3 +349,15 @@ def test_the_cpu_engine_behind_two_processes_answers_as_behind_one(tmp_path):
 
             got = asyncio.run(stream_all(pair, requests, until=both_ranges_fill))
     assert got == want and all(n > 0 for _, _, n in got)
+
+
+def test_a_killed_serve_takes_its_agent_processes_engine_and_ring_with_it(tmp_path):
+    """kill -9 of ``serve`` itself: its engine and its agent processes get the parent-death signal and stop, and the
+    engine removes its ring (the CPU engine makes it)."""
+    server = start(tmp_path / "serve.log", *CLI_ENGINE, *PATIENT)
+    spawned = engine_processes(server.process.pid)
+    assert len(spawned) == 3, "the engine and two agent processes"
+    server.process.kill()
+    server.process.wait(10)
+    wait_for(lambda: all(not os.path.exists(f"/proc/{pid}") or zombie(pid) for pid in spawned), timeout_s=60)
+    wait_for(lambda: not rings(server.process.pid), timeout_s=10)

@@ -58,6 +58,8 @@ def supervise(target, agents: int, engine, exited=lambda pid: None) -> int:
         process.start()
         tell.close()
         running[share.index] = _Running(share, process, listening)
+        if signals["count"]:            # a signal came while it was being started: it stops too
+            _signal(process.pid, signal.SIGTERM)
         log.info("agent process %d of %d: pid %d%s", share.index, agents, process.pid,
                  f" (restart {share.restarts})" if share.restarts else "")
 
