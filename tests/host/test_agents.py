@@ -361,3 +361,16 @@ def test_a_killed_serve_takes_its_agent_processes_engine_and_ring_with_it(tmp_pa
     server.process.wait(10)
     wait_for(lambda: all(not os.path.exists(f"/proc/{pid}") or zombie(pid) for pid in spawned), timeout_s=60)
     wait_for(lambda: not rings(server.process.pid), timeout_s=10)
+
+
+def test_an_agent_process_that_cannot_start_stops_the_server_with_exit_code_1(tmp_path):
+    """Here the API key file is missing, which each agent process reads as it starts: rather than be started again
+    for ever, the server stops, saying why in one line, exit code 1, nothing left behind."""
+    serve = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--port", str(free_port()), *STANDIN,
+                              "--agent-processes", "2", "--api-key-file", str(tmp_path / "missing")],
+                             stderr=subprocess.PIPE, text=True)
+    _, stderr = serve.communicate(timeout=180)
+    assert serve.returncode == 1 and "Traceback" not in stderr, stderr
+    assert re.search(r"blink serve: agent process \d: --api-key-file \S+: cannot read the key", stderr)
+    assert re.search(r"agent process \d of 2 exited \(code 1\) before it listened: stopping the server", stderr)
+    assert "starting it again" not in stderr and not rings(serve.pid)

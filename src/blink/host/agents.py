@@ -90,10 +90,12 @@ def _gone(agent: _Running, running: dict, engine, stopping: int, start, exited, 
     agent.process.join()
     del running[agent.share.index]
     exited(agent.process.pid)
+    listened = agent.listened or (agent.listening.poll() and _heard(agent.listening))
+    agent.listening.close()
     share, exitcode = agent.share, agent.process.exitcode
     if stopping or not engine.is_alive():
         return 0
-    if not agent.listened:
+    if not listened:
         log.error("agent process %d of %d exited (code %s) before it listened: stopping the server", share.index,
                   share.agents, exitcode)
         stop_all(None, None)

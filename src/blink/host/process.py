@@ -271,11 +271,10 @@ def engine_watch(agent, process=None, start_timeout_s: float = ATTACH_TIMEOUT_S)
 def split_cores(process, agent_cores: list[int] | None, reserve: bool = False, agents: int = 1):
     """Yields the agent's cores (``blink.host.cores.place``: ``agent_cores`` if given, else the least busy core this
     process may use that no other blink server claims, one per agent process up to ``agents``) and pins the engine
-    ``process`` (if not None) to the others,
-    so HTTP and tokenization never compete with the engine; None on an OS without affinity. With ``reserve`` this
-    process moves into a cpuset partition of those cores, which no other process on the host may use
-    (``blink.host.partition``; refused, it says why and goes on without). The agent's claim on its cores, and the
-    partition, last until the block is left."""
+    ``process`` (if not None) to the others, so HTTP and tokenization never compete with the engine; None on an OS
+    without affinity. With ``reserve`` this process moves into a cpuset partition of those cores, which no other
+    process on the host may use (``blink.host.partition``; refused, it says why and goes on without). The agent's
+    claim on its cores, and the partition, last until the block is left."""
     if not hasattr(os, "sched_setaffinity"):
         yield None
         return

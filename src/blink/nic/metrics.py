@@ -38,12 +38,15 @@ def shared_metrics():
     """The metrics of the agent processes started inside this block summed over them (``SHARED_DIR``, a fresh
     directory, removed after); yields ``exited(pid)``, to call once an agent process has exited (its live gauges
     go with it; its counters stay in the sums)."""
-    path = tempfile.mkdtemp(prefix="blink-metrics-")
+    path, before = tempfile.mkdtemp(prefix="blink-metrics-"), os.environ.get(SHARED_DIR)
     os.environ[SHARED_DIR] = path
     try:
         yield lambda pid: mark_process_dead(pid, path)
     finally:
-        del os.environ[SHARED_DIR]
+        if before is None:
+            del os.environ[SHARED_DIR]
+        else:
+            os.environ[SHARED_DIR] = before
         shutil.rmtree(path, ignore_errors=True)
 
 

@@ -16,9 +16,10 @@ def reserve_port(host: str, port: int) -> socket.socket:
     which SO_REUSEPORT would let them share with it) and chosen if ``port`` is 0; the socket returned holds it,
     bound with SO_REUSEPORT but not listening (it takes no connection), while the agent processes come and go."""
     try:
-        with socket.create_server((host, port)) as probe:
-            host, port = probe.getsockname()[:2]
-        held = socket.socket(probe.family, socket.SOCK_STREAM)
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        with socket.create_server((host, port), family=family) as probe:
+            port = probe.getsockname()[1]
+        held = socket.socket(family, socket.SOCK_STREAM)
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         held.bind((host, port))
     except OSError as e:
