@@ -2,9 +2,10 @@
 counters, the agent's doorbells. The one place that encodes, decodes and checks it.
 
 Writers: the creator (identity, geometry and the prefix-key seed, once), the host or the agent (``shutdown``, the
-doorbells: by every agent of the ring, each value new, ``blink.ring.shares``), the GPU side (everything else). ``fresh`` builds the block of a new ring, ``verify`` checks an existing
-one against a geometry, ``geometry_of`` reads the geometry an existing ring was created with, ``read`` decodes the
-words of a live ring, ``request_shutdown`` writes the shutdown word.
+doorbells: by every agent of the ring, each value new, ``blink.ring.shares``), the GPU side (everything else).
+``fresh`` builds the block of a new ring, ``verify`` checks an existing one against a geometry, ``geometry_of``
+reads the geometry an existing ring was created with, ``read`` decodes the words of a live ring,
+``request_shutdown`` writes the shutdown word.
 """
 from __future__ import annotations
 
