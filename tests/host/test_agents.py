@@ -213,7 +213,7 @@ def test_metrics_sum_the_processes_and_report_the_engine_once(pair):
     before = pair.metrics()
     requests = [{"prompt": [3, 4, 5, i], "max_tokens": 6, "seed": i} for i in range(12)]
     asyncio.run(stream_all(pair, requests))
-    wait_for(lambda: pair.metrics()["blink_http_requests_in_flight"] == 0)
+    wait_for(lambda: pair.metrics()["blink_http_requests_in_flight"] == 0, timeout_s=60)
     after = pair.metrics()
     with pair.ring() as ring:
         tokens = int(ring.control["tokens"][0])
@@ -246,7 +246,7 @@ def test_client_disconnects_cancel_their_requests_in_every_process(pair):
                              % (KEY.encode(), len(body), body))
                 socks.append(sock)
             wait_for(lambda: (metrics := pair.metrics())["blink_http_requests_in_flight"] == 16
-                     and metrics["blink_requests_queued"] + (state != FREE).sum() == 16)
+                     and metrics["blink_requests_queued"] + (state != FREE).sum() == 16, timeout_s=60)
             in_ring = (state != FREE).nonzero()[0]
             assert {slot < 4 for slot in in_ring} == {True, False}, "both processes took requests"
             for sock in socks:
@@ -254,7 +254,7 @@ def test_client_disconnects_cancel_their_requests_in_every_process(pair):
             wait_for(lambda: (cancel[in_ring] == epoch[in_ring]).all(), timeout_s=30)
         wait_for(lambda: (state == FREE).all(), timeout_s=30)
         assert int(ring.control["cancelled"][0]) == cancelled + len(in_ring)
-    wait_for(lambda: pair.metrics()["blink_http_requests_in_flight"] == 0)
+    wait_for(lambda: pair.metrics()["blink_http_requests_in_flight"] == 0, timeout_s=60)
     after = pair.metrics()
     aborted = 'blink_requests_finished_total{finish_reason="abort"}'
     assert after[aborted] - before.get(aborted, 0) == 16 and after["blink_requests_queued"] == 0
@@ -278,7 +278,7 @@ def test_sigterm_drains_every_process_then_the_engine_stops(tmp_path):
             requests = Requests(server.port, 6)
             server.process.send_signal(signal.SIGTERM)
             wait_for(lambda: all(json.loads(call(server.port, "GET", "/readyz")[2])["status"] == "draining"
-                                 for _ in range(16)))       # fresh connections: both processes
+                                 for _ in range(16)), timeout_s=60)      # fresh connections: both processes
             status, headers, body = call(server.port, "POST", "/v1/completions", {"prompt": [1], "max_tokens": 1})
             assert status == 503 and "draining" in body and in_flight(server.port) == 6
             assert server.process.poll() is None, "serve stopped before its requests finished"
@@ -309,7 +309,7 @@ def test_a_killed_agent_process_is_started_again_its_slots_come_back_and_the_oth
             clients = [threading.Thread(target=stream, args=(server.port, ends)) for _ in range(16)]
             for client in clients:
                 client.start()
-            wait_for(lambda: in_flight(server.port) == 16)
+            wait_for(lambda: in_flight(server.port) == 16, timeout_s=60)
             left = 4 + (status["state"][4:] != FREE).nonzero()[0]
             assert left.size and (status["state"][:4] != FREE).any(), "both processes hold requests"
             os.kill(dead, signal.SIGKILL)
