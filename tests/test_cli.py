@@ -87,6 +87,9 @@ def test_cuda_graph_sizes_are_the_schedulers_buckets():
     (["--drain-timeout", "-1"], 1, "the drain timeout must be a finite number of seconds >= 0 (got -1.0)"),
     (["--standin-step-ms", "-1"], 1, "the stand-in's step time must be in [0, 1] seconds (got -0.001)"),
     (["--cpus", "0-999999999"], 2, "core numbers are below 8192 (got '0-999999999')"),
+    (["--agent-processes", "0"], 1, "--agent-processes must be 1 or more (got 0)"),
+    (["--agent-processes", "300"], 1, "300 agents need a ring of at least 300 slots (it has 256): give it more "
+                                      "(--slots) or run fewer agent processes (--agent-processes)"),
 ])
 def test_a_bad_agent_option_is_refused_before_an_engine_starts(option, code, message):
     done = subprocess.run([sys.executable, "-m", "blink.cli", "serve", "--standin", *option],
@@ -102,13 +105,16 @@ def test_ring_key_goes_with_remote():
     assert "blink agent: --ring-key NAME goes with --remote" in done.stderr
 
 
-def test_a_port_in_use_is_one_line_not_a_traceback():
+@pytest.mark.parametrize("agents", ["1", "2"])
+def test_a_port_in_use_is_one_line_not_a_traceback(agents):
+    """Also for several agent processes, which would share a port with another server (SO_REUSEPORT) if asked."""
     with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "blink.cli", "serve", "--standin", "--port", str(port)],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run([sys.executable, "-m", "blink.cli", "serve", "--standin", "--port", str(port),
+                               "--agent-processes", agents], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert f"blink serve: cannot listen on 127.0.0.1:{port}: " in done.stderr
 

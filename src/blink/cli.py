@@ -15,6 +15,7 @@ from blink.host.process import USER_ERRORS
 from blink.ring.split import REQUEST_SIDES
 
 _ring_numbers = itertools.count()
+log = logging.getLogger("blink")
 
 
 def ring_demo(args) -> int:
@@ -24,11 +25,19 @@ def ring_demo(args) -> int:
 
 
 def serve(args) -> int:
-    """The engine in another process and the agent's HTTP server in this one, over a shared-memory ring."""
+    """The engine in another process and the agent's HTTP server in this one, over a shared-memory ring; or, with
+    ``--agent-processes N`` > 1, in N processes that this one supervises (``blink.host.agents``)."""
     from blink.host.process import engine_process, split_cores
     from blink.ring.reference import standin_engine
+    from blink.ring.shares import Share
 
     configs = _agent_configs(args)      # checked before the engine starts
+    agents = args.agent_processes
+    if not agents >= 1:
+        raise ValueError(f"--agent-processes must be 1 or more (got {agents})")
+    Share(0, agents).slots(args.slots)
+    log.info("%d agent process%s (--agent-processes%s)", agents, "es" if agents > 1 else "",
+             " 1, the default" if agents == 1 else "")
     model_dir = _model_dir(args)
     tokenizer = _tokenizer(args, model_dir)
     if args.standin:
@@ -41,8 +50,38 @@ def serve(args) -> int:
                                 step_s=args.standin_step_ms / 1e3)
     else:
         engine = engine_process(_engine_config(args, model_dir, ring_name=_ring_name()))
-    with engine as (memory, process), split_cores(process, args.cpus, args.reserve_agent_cores) as cores:
-        return _serve_http(args, configs, memory, tokenizer, model_dir, process, cores)
+    with engine as (memory, process), split_cores(process, args.cpus, args.reserve_agent_cores, agents) as cores:
+        if agents == 1:
+            return _serve_http(args, configs, memory, tokenizer, model_dir, process, cores)
+        return _serve_agents(args, configs, memory, process, cores)
+
+
+def _serve_agents(args, configs, memory, engine_process, cores) -> int:
+    """``--agent-processes N`` > 1: N agent processes serve ``memory``'s ring on one port (``blink.host.agents``),
+    agent process ``i`` on agent core ``i`` (modulo their number)."""
+    from functools import partial
+
+    from blink.host.agents import supervise
+    from blink.nic.metrics import shared_metrics
+    from blink.nic.openai.ports import reserve_port
+    from blink.ring import control
+
+    with reserve_port(args.host, args.port) as held, shared_metrics() as exited:
+        on_port = argparse.Namespace(**{**vars(args), "port": held.getsockname()[1]})     # port 0: the one chosen
+        target = partial(_agent_process, on_port, configs, memory.name, control.read(memory)["prefix_seed"],
+                         engine_process.pid, cores)
+        return supervise(target, args.agent_processes, engine_process, exited)
+
+
+def _agent_process(args, configs, ring: str, prefix_seed: int, engine_pid: int, cores, share, listening) -> int:
+    """One of ``blink serve``'s agent processes: its ``share`` of the ring ``ring`` (the server's, ``prefix_seed``
+    says) over HTTP until it drains or the engine process ``engine_pid`` is gone."""
+    from blink.host.agents import Sibling, reopen_ring
+
+    model_dir = _model_dir(args)
+    with reopen_ring(ring, prefix_seed) as memory:
+        return _serve_http(args, configs, memory, _tokenizer(args, model_dir), model_dir, Sibling(engine_pid),
+                           cores and [cores[share.index % len(cores)]], share, listening)
 
 
 def engine(args) -> int:
@@ -116,31 +155,44 @@ def _rdma_device(args):
     return DeviceConfig(device=args.rdma_device, port=args.rdma_port, gid_index=args.rdma_gid_index)
 
 
-def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cores) -> int:
-    """The HTTP agent on ``memory``'s ring until Ctrl-C / SIGTERM (exit 0) or until its engine is gone (exit 1: the
-    engine is not restarted here; a supervisor restarts the whole server)."""
+def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cores, share=None,
+                listening=lambda: None) -> int:
+    """The HTTP agent on ``memory``'s ring, or its ``share`` of it beside other agent processes, until Ctrl-C /
+    SIGTERM (exit 0) or until its engine is gone (exit 1: the engine is not restarted here; a supervisor restarts the
+    whole server). What the server may hold at once is split among the agent processes (``Share.cap``)."""
+    from dataclasses import replace
+
     from blink.nic.agent import Agent
     from blink.nic.defaults import sampling_defaults
     from blink.nic.openai.api_key import api_key_from
+    from blink.nic.openai.limits import HttpLimits
     from blink.nic.openai.server import OpenAIServer, ServerConfig, run
     from blink.host.priority import helper_priority, pin, set_priority
     from blink.host.process import engine_watch
+    from blink.ring.shares import Share
+
+    share = share or Share()
 
     set_priority(args.agent_priority)           # before any thread starts: threads inherit it
     if cores:
         pin(cores, named=bool(args.cpus))       # keep the agent off the engine's cores
     for server_log in ("aiohttp", "blink.server"):
         logging.getLogger(server_log).setLevel(LOG_LEVELS[args.uvicorn_log_level])
-    agent = Agent.attach(memory, liveness_timeout_s=args.liveness_timeout, seed=args.seed)
+    # Each agent process draws the seeds of unseeded requests from its own start (--seed N: N × agents + index).
+    seed = None if args.seed is None else args.seed * share.agents + share.index
+    agent = Agent.attach(memory, share, liveness_timeout_s=args.liveness_timeout, seed=seed)
+    if share.agents > 1:
+        log.info("slots %d-%d of the ring's %d", agent.slots.start, agent.slots.stop - 1, agent.geometry.n_slots)
     loop, drain = configs
-    config = ServerConfig(model_name=args.served_model_name or os.path.basename(model_dir), loop=loop,
-                          api_key=api_key_from(args.api_key, args.api_key_file),
+    config = ServerConfig(model_name=args.served_model_name or os.path.basename(model_dir),
+                          loop=replace(loop, max_queued=share.cap(loop.max_queued)),
+                          limits=HttpLimits().per_process(share), api_key=api_key_from(args.api_key, args.api_key_file),
                           defaults=sampling_defaults(model_dir, args.generation_config), drain=drain,
                           thread_start=helper_priority, grammar_timeout_s=args.grammar_timeout,
                           tool_call_parser=args.tool_call_parser)
     # Listening while the engine starts: /livez 200, /readyz 503 "starting" (docs/deploy.md).
     server = OpenAIServer(agent, tokenizer, config, engine_gone=engine_watch(agent, engine_process))
-    return run(server, args.host, args.port)
+    return run(server, args.host, args.port, reuse_port=share.agents > 1, listening=listening)
 
 
 def _tokenizer(args, model_dir):
@@ -203,6 +255,9 @@ def _parser() -> argparse.ArgumentParser:
     model_options(serve_cmd, positional=True)
     http_options(serve_cmd)
     engine_options(serve_cmd, slots=256)
+    serve_cmd.add_argument("--agent-processes", type=int, default=1, metavar="N",
+                           help="agent processes serving the ring together on one port, each its own share of the "
+                                "ring's slots (the kernel spreads the connections; docs/serving.md)")
     serve_cmd.add_argument("--standin", action="store_true",
                            help="run the reference consumer with the stand-in model as the engine")
     serve_cmd.add_argument("--standin-step-ms", type=float, default=0.0,

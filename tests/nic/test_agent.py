@@ -6,9 +6,10 @@ import pytest
 from blink.errors import EngineUnresponsive, IllegalTransition, RingFull, RingMismatch
 from blink.nic.agent import Agent
 from blink.ring.geometry import RingGeometry
-from blink.ring.layout import FREE, RingLayout
+from blink.ring.layout import FINISHED, FREE, READY, RUNNING, RingLayout
 from blink.ring.reference import expected_output, standin_engine
 from blink.ring.request import SamplingParams
+from blink.ring.shares import Share
 from blink.ring.standin import standin_continuation, standin_logprob, standin_token
 from blink.ring.transport import LocalMemory
 
@@ -318,3 +319,67 @@ def test_a_ring_with_prefix_keys_gets_each_prompts_page_keys_and_chain_state(loc
     assert consumer.view.prefix_keys[0, :2].tolist() == keys and consumer.view.headers["prefix_state"][0] == state
     agent.submit([1, 2], SamplingParams(max_tokens=1))       # no full page: only the state
     assert consumer.view.headers["prefix_state"][1] == reference_keys([1, 2], 3, seed)[1]
+
+
+# -- several agents on one ring (blink.ring.shares) ------------------------------------------------------------------
+
+def test_agents_of_one_ring_fill_only_their_own_slots_and_get_their_own_answers(local_ring):
+    geometry = RingGeometry(n_slots=5, max_prompt_tokens=8, max_output_tokens=16, max_stop_ids=2)
+    memory, _, consumer = local_ring(geometry)
+    agents = [Agent(memory, geometry, share=Share(i, 2)) for i in range(2)]
+    sent = []
+    for k, agent in enumerate(agents):
+        while agent.tracker.n_free:
+            params = SamplingParams(max_tokens=3 + k, seed=len(sent))
+            sent.append((k, agent.submit([k, len(sent)], params), [k, len(sent)], params))
+        with pytest.raises(RingFull):
+            agent.submit([1], SamplingParams(max_tokens=1))
+    state = consumer.view.status["state"]
+    assert [k for k, *_ in sent] == [0, 0, 1, 1, 1] and (state != FREE).all()
+    assert {agents[k]._slot_of[rid] for k, rid, *_ in sent if k == 0} == {0, 1}
+    results = [{}, {}]
+    for _ in range(20):
+        consumer.step()
+        for k, agent in enumerate(agents):
+            for out in agent.poll():
+                tokens, _ = results[k].get(out.request_id, ([], None))
+                results[k][out.request_id] = (tokens + out.new_tokens, out.finish_reason)
+    for k, rid, prompt, params in sent:
+        assert results[k][rid] == expected_output(prompt, params)
+    assert all(agent.tracker.n_free == len(agent.slots) for agent in agents) and (state == FREE).all()
+
+
+def test_an_agent_finishes_what_a_dead_agent_of_its_slots_left_and_no_other_agents_requests():
+    """The dead agent's slots: FINISHED (freed at once), RUNNING and READY (cancelled, freed once the engine
+    finished them, their tokens dropped); until then no grammar is placed. The other agent's request runs on."""
+    from blink.ring.grammar import Grammar
+    from blink.ring.reference import ReferenceConsumer
+
+    geometry = RingGeometry(n_slots=6, max_prompt_tokens=8, max_output_tokens=16, max_stop_ids=2,
+                            max_grammar_bytes=256, vocab_size=32)
+    layout = RingLayout(geometry)
+    memory = LocalMemory(layout.size)
+    layout.initialise(memory)
+    consumer = ReferenceConsumer(layout.view(memory.buffer), max_running=2)
+    other = Agent.attach(memory, Share(0, 2))
+    kept = other.submit([4], SamplingParams(max_tokens=8, seed=4))
+    dead = Agent.attach(memory, Share(1, 2))
+    dead.submit([1], SamplingParams(max_tokens=1, seed=1))                 # finished before it died
+    consumer.step()
+    dead.submit([2], SamplingParams(max_tokens=16, seed=2, ignore_eos=True))   # running (the other's runs too)
+    dead.submit([3], SamplingParams(max_tokens=16, seed=3, ignore_eos=True))   # waiting for a running place
+    consumer.step()
+    state = consumer.view.status["state"]
+    assert [int(s) for s in state[3:]] == [FINISHED, RUNNING, READY], "slots 3-5 are the dead agent's"
+    cancelled = other.stats()["cancelled"]
+    successor = Agent.attach(memory, Share(1, 2, restarts=1))              # the dead agent is gone
+    assert state[3] == FREE and successor.in_flight == 2 and successor.tracker.n_free == 1
+    with pytest.raises(RingFull, match="a grammar waits"):
+        successor.submit([1], SamplingParams(max_tokens=1, grammar=Grammar(("regex", "g"), 32, np.zeros(8, np.int32),
+                                                                           np.array([0]), 0, 1)))
+    results = drain(successor, consumer)
+    assert sorted(reason for _, _, reason in results.values()) == ["abort", "abort"]
+    assert (state[3:] == FREE).all() and successor.tracker.n_free == 3 and not successor._taken_over
+    assert other.stats()["cancelled"] == cancelled + 2
+    tokens, _, reason = drain(other, consumer)[kept]
+    assert (tokens, reason) == expected_output([4], SamplingParams(max_tokens=8, seed=4))

@@ -14,7 +14,7 @@ def grammar(name: str, words: int) -> Grammar:
     return Grammar(("regex", name), 32, np.arange(words, dtype=np.int32), np.array([0]), 0, 1)
 
 
-def table(words: int):
+def table(words: int, part: range | None = None):
     region = np.zeros(words, np.int32)
     writes = []
 
@@ -22,7 +22,7 @@ def table(words: int):
         writes.append(word)
         region[word:word + len(data) // 4] = np.frombuffer(data, "<i4")
 
-    return GrammarTable(RingGeometry(max_grammar_bytes=4 * words, vocab_size=32), write), region, writes
+    return GrammarTable(RingGeometry(max_grammar_bytes=4 * words, vocab_size=32), write, part), region, writes
 
 
 def test_a_grammar_is_written_once_and_shared():
@@ -56,3 +56,16 @@ def test_a_grammar_that_can_never_fit_is_a_request_error():
         t.check(grammar("big", 17))
     with pytest.raises(RequestError, match="compiled for 64 tokens"):
         t.check(Grammar(("regex", "v"), 64, np.zeros(4, np.int32), np.array([0]), 0, 1))
+
+
+def test_an_agents_part_of_the_region_is_all_it_writes():
+    """Where several agents serve one ring each places grammars in its own part of the region only."""
+    t, region, writes = table(100, range(40, 70))
+    a, b = grammar("a", 20), grammar("b", 10)
+    assert t.acquire(a) == 40 and t.acquire(b) == 60 and writes == [40, 60]
+    assert not region[:40].any() and not region[70:].any()
+    with pytest.raises(RingFull):
+        t.acquire(grammar("c", 1))
+    with pytest.raises(RequestError, match="more than this agent's 120-byte part of this ring's grammars region of "
+                                           "400"):
+        t.check(grammar("big", 31))

@@ -9,26 +9,30 @@ from blink.nic.slots import SlotTracker
 from blink.ring.layout import FINISHED, FREE, READY, RUNNING
 
 
-def reference_scan(free: set[int], hint: int, n: int) -> int:
-    """First free slot at or after ``hint``, circularly."""
-    return min(free, key=lambda s: (s - hint) % n)
+def reference_scan(free: set[int], hint: int, first: int, n: int) -> int:
+    """First free slot at or after ``first + hint``, circularly over ``[first, first + n)``."""
+    return min(free, key=lambda s: (s - first - hint) % n)
 
 
 class TrackerVersusRing(RuleBasedStateMachine):
     """Random interleavings of the agent's and the GPU's transitions on a simulated ring.
 
-    The ring may start with slots another writer left in use. The model keeps its own idea of the tracker's cache
-    (free slots) and hint, and checks that every claim returns exactly the slot the hinted circular scan must find.
+    The ring may start with slots another writer left in use. The tracker hands out a range of the ring's slots
+    (its agent's share; the whole ring, or a part while other agents change the other slots). The model keeps its
+    own idea of the tracker's cache (free slots) and hint, and checks that every claim returns exactly the slot the
+    hinted circular scan over the range must find.
     """
 
     @initialize(n=st.integers(1, 24), data=st.data())
     def setup(self, n, data):
-        self.n = n
+        first = data.draw(st.integers(0, n - 1))
+        self.mine = range(first, data.draw(st.integers(first + 1, n)))
+        self.n, self.first = len(self.mine), first
         self.ring = np.array(data.draw(st.lists(st.sampled_from([FREE, FREE, FREE, RUNNING, FINISHED]),
                                                 min_size=n, max_size=n)), dtype=np.uint32)
-        self.tracker = SlotTracker(n)
+        self.tracker = SlotTracker(n, self.mine)
         self.tracker.refresh(self.ring)
-        self.free = {s for s in range(n) if self.ring[s] == FREE}
+        self.free = {s for s in self.mine if self.ring[s] == FREE}
         self.hint = 0
         self.held: dict[int, int] = {}          # slot -> request number
         self.submitted = 0
@@ -42,13 +46,13 @@ class TrackerVersusRing(RuleBasedStateMachine):
             with pytest.raises(RingFull):
                 self.tracker.claim()
             return
-        want = reference_scan(self.free, self.hint, self.n)
+        want = reference_scan(self.free, self.hint, self.first, self.n)
         slot = self.tracker.claim()
-        assert slot == want
+        assert slot == want and slot in self.mine
         assert self.ring[slot] == FREE and slot not in self.held, "handed out a slot that is in use"
-        self.expected_probes += (slot - self.hint) % self.n
+        self.expected_probes += (slot - self.first - self.hint) % self.n
         self.claims += 1
-        self.hint = (slot + 1) % self.n
+        self.hint = (slot - self.first + 1) % self.n
         self.free.discard(slot)
         self.ring[slot] = READY
         self.held[slot] = self.submitted
@@ -76,17 +80,23 @@ class TrackerVersusRing(RuleBasedStateMachine):
         self.released.append(self.held.pop(slot))
         self.free.add(slot)
 
+    @precondition(lambda self: len(self.mine) < len(self.ring))
+    @rule(data=st.data())
+    def another_agent_moves_one_of_its_slots(self, data):
+        slot = data.draw(st.sampled_from([s for s in range(len(self.ring)) if s not in self.mine]))
+        self.ring[slot] = data.draw(st.sampled_from([FREE, READY, RUNNING, FINISHED]))
+
     @rule()
     def refresh(self):
         self.tracker.refresh(self.ring)
-        self.free = {s for s in range(self.n) if self.ring[s] == FREE and s not in self.held}
+        self.free = {s for s in self.mine if self.ring[s] == FREE and s not in self.held}
 
     @invariant()
     def cache_matches_model(self):
         if not hasattr(self, "tracker"):
             return
         assert self.tracker.n_free == len(self.free)
-        assert all(self.tracker.is_held(s) == (s in self.held) for s in range(self.n))
+        assert all(self.tracker.is_held(s) == (s in self.held) for s in self.mine)
         assert self.tracker.probes == self.expected_probes
 
     @invariant()
@@ -104,7 +114,7 @@ class TrackerVersusRing(RuleBasedStateMachine):
             self.ring[slot] = FREE
             self.tracker.release(slot)
         self.tracker.refresh(self.ring)
-        assert self.tracker.n_free == int(np.count_nonzero(self.ring == FREE))
+        assert self.tracker.n_free == int(np.count_nonzero(self.ring[self.mine.start:self.mine.stop] == FREE))
 
 
 TestTrackerVersusRing = TrackerVersusRing.TestCase
@@ -143,3 +153,24 @@ def test_refresh_never_frees_a_held_slot_and_checks_shape():
         tracker.claim()
     with pytest.raises(ValueError, match="3 state words"):
         tracker.refresh(np.zeros(4, np.uint32))
+
+
+def test_a_slot_outside_the_trackers_range_is_neither_held_nor_released():
+    tracker = SlotTracker(6, range(2, 4))
+    assert [tracker.claim(), tracker.claim()] == [2, 3]
+    for call in (tracker.release, tracker.hold, tracker.is_held):
+        with pytest.raises(ValueError, match="not among this tracker's slots 2-3"):
+            call(4)
+    with pytest.raises(ValueError, match="a non-empty range of consecutive slots of the ring's 6"):
+        SlotTracker(6, range(4, 7))
+
+
+def test_a_held_slot_the_ring_shows_in_use_is_released_like_a_claimed_one():
+    tracker = SlotTracker(4, range(2, 4))
+    tracker.refresh(np.array([FREE, FREE, RUNNING, FREE], np.uint32))
+    tracker.hold(2)
+    assert tracker.is_held(2) and tracker.n_free == 1
+    with pytest.raises(ValueError, match="held by this tracker already"):
+        tracker.hold(2)
+    tracker.release(2)
+    assert tracker.n_free == 2

@@ -13,6 +13,7 @@ from blink.nic.agent import Agent
 from blink.ring.errors import RingRefused
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout
+from blink.ring.shares import Share
 from blink.ring.transport import LocalMemory, SharedMemory
 from tests.privileges import run_as, second_user_reason, unused_uid
 
@@ -203,19 +204,39 @@ def test_one_agent_per_ring():
         layout.initialise(ring)
         first = SharedMemory.open(name)
         Agent.attach(first)
-        with SharedMemory.open(name) as second, pytest.raises(RingRefused, match="another agent is attached"):
+        with SharedMemory.open(name) as second, pytest.raises(RingRefused, match="agent is attached"):
             Agent.attach(second)
         first.close()
         holder = subprocess.Popen([sys.executable, "-c", HOLD_AGENT, name], stdout=subprocess.PIPE, text=True)
         try:
             assert holder.stdout.readline() == "attached\n"
-            with SharedMemory.open(name) as second, pytest.raises(RingRefused, match="another agent is attached"):
+            with SharedMemory.open(name) as second, pytest.raises(RingRefused, match="agent is attached"):
                 Agent.attach(second)
         finally:
             holder.kill()
             holder.wait()
         with SharedMemory.open(name) as second:
             assert Agent.attach(second).in_flight == 0, "the killed agent's claim went with it"
+
+
+def test_one_agent_per_slot():
+    """Agents of one ring's disjoint shares attach side by side; one whose slots overlap a live agent's is refused,
+    whatever the split (a lone agent over them all included), and welcome once that agent is gone."""
+    layout = RingLayout(RingGeometry(n_slots=5, max_prompt_tokens=8, max_output_tokens=8))
+    name = _shm_name()
+    with SharedMemory.create(name, layout.size) as ring:
+        layout.initialise(ring)
+        first, second = SharedMemory.open(name), SharedMemory.open(name)
+        Agent.attach(first, Share(0, 2))
+        Agent.attach(second, Share(1, 2))
+        for share, slots in [(Share(), "0-4"), (Share(1, 2), "2-4"), (Share(2, 3), "3-4"), (Share(0, 5), "0")]:
+            with SharedMemory.open(name) as third, pytest.raises(RingRefused, match=f"agent is attached to slots? "
+                                                                                      f"{slots} of the ring"):
+                Agent.attach(third, share)
+        second.close()
+        with SharedMemory.open(name) as third:
+            assert Agent.attach(third, Share(1, 2, restarts=1)).slots == range(2, 5)
+        first.close()
 
 
 def stores_of_one_write(nbytes: int, tmp_path) -> int:

@@ -235,9 +235,10 @@ def _open_claim_file(directory: int, name: str) -> int:
 
 @contextmanager
 def place(requested: list[int] | None = None, *, with_engine: bool = True, claim_dir: str = CLAIM_DIR,
-          sample_s: float = SAMPLE_S):
-    """Choose and claim the agent's cores (``requested``, e.g. ``--cpus``, or the least busy allowed core no other
-    blink server claims); yields the ``Placement``, logged in one line, and releases the claim on exit.
+          sample_s: float = SAMPLE_S, count: int = 1):
+    """Choose and claim the agent's cores (``requested``, e.g. ``--cpus``, or the ``count`` least busy allowed cores
+    no other blink server claims, one per agent process, leaving at least one to the engine); yields the
+    ``Placement``, logged in one line, and releases the claim on exit.
 
     ``ValueError`` if ``requested`` names a core this process may not use. On one allowed core the agent and the
     engine share it. Where every allowed core is claimed, the least busy is shared, and the line says with whom.
@@ -255,7 +256,7 @@ def place(requested: list[int] | None = None, *, with_engine: bool = True, claim
         elif len(allowed) == 1:
             agent, how = allowed, "the only core this process may use"
         else:
-            agent, how = _least_busy(allowed, claims, sample_s)
+            agent, how = _least_busy(allowed, claims, sample_s, max(1, min(count, len(allowed) - with_engine)))
         others = {core: pid for core in allowed if (pid := claims.holder(core)) is not None}
         rest = [core for core in allowed if core not in agent]
         engine = () if not with_engine or len(allowed) == 1 else tuple(
@@ -267,11 +268,15 @@ def place(requested: list[int] | None = None, *, with_engine: bool = True, claim
         claims.close()
 
 
-def _least_busy(allowed: tuple[int, ...], claims: Claims, sample_s: float) -> tuple[tuple[int], str]:
+def _least_busy(allowed: tuple[int, ...], claims: Claims, sample_s: float, count: int) -> tuple[tuple[int], str]:
     busy = sample_busy(sample_s)
     order = by_idleness(allowed, busy)
     share = f"of cores {cpu_list(allowed)} this process may use, over {sample_s:.1f} s"
+    taken = []
     for core in order:
-        if claims.claim(core):
-            return (core,), f"the least busy unclaimed {share}: {busy.get(core, 1.0):.0%} busy"
+        if len(taken) < count and claims.claim(core):
+            taken.append(core)
+    if taken:
+        how = ", ".join(f"{busy.get(core, 1.0):.0%}" for core in taken)
+        return tuple(sorted(taken)), f"the least busy unclaimed {share}: {how} busy"
     return (order[0],), f"every core is claimed by another blink server: sharing the least busy {share}"

@@ -141,7 +141,7 @@ def sweep_stale_rings() -> None:
     ``blink serve`` names them (``blink-PID-...``), this user's, initialised, and held by no engine (no lock on their
     ``CREATOR_BYTE``: the lock goes with its process however it ends, in whatever pid namespace it ran)."""
     from blink.ring import secret
-    from blink.ring.transport import CREATOR_BYTE, SharedMemory, check_owned, lock_byte
+    from blink.ring.transport import CREATOR_BYTE, SharedMemory, check_owned, lock_bytes
 
     for entry in os.scandir(SharedMemory.SHM_DIR):
         if not entry.name.startswith("blink-") or entry.name.endswith(secret.SUFFIX):
@@ -153,7 +153,7 @@ def sweep_stale_rings() -> None:
         try:
             check_owned(fd, entry.path)
             identity = (control.MAGIC | control.VERSION << 32).to_bytes(8, "little")
-            if os.pread(fd, 8, 0) != identity or not lock_byte(fd, CREATOR_BYTE):
+            if os.pread(fd, 8, 0) != identity or not lock_bytes(fd, CREATOR_BYTE):
                 continue            # not a ring of this blink (whose engines hold the lock), not made yet, or live
             os.unlink(entry.path)
             secret.remove(entry.name)
@@ -167,7 +167,7 @@ def sweep_stale_rings() -> None:
 def _engine_entry(config: EngineConfig, parent: int) -> None:
     """``engine_process``'s target: the engine until shutdown, a start-up error reported in one line."""
     logging.basicConfig(level=logging.INFO, format="blink: %(message)s")
-    _stop_with_parent(parent)
+    stop_with_parent(parent)
     try:
         serve_ring(config, stop_on_sigint=False)
     except USER_ERRORS as e:
@@ -175,7 +175,7 @@ def _engine_entry(config: EngineConfig, parent: int) -> None:
         sys.exit(1)
 
 
-def _stop_with_parent(parent: int) -> None:
+def stop_with_parent(parent: int) -> None:
     """SIGTERM this process when its parent dies (Linux), so a killed ``blink serve`` leaves no engine behind;
     ``serve_ring`` turns SIGTERM into a clean stop that removes the ring."""
     import ctypes
@@ -243,7 +243,8 @@ def engine_gone(agent, process=None) -> str | None:
     it) exited, or it stopped, or its process stopped ticking (``blink.nic.liveness``)."""
     if process is not None and not process.is_alive():
         process.join(0)                     # reap it: no zombie is left while the agent shuts down
-        return f"the engine process exited (code {process.exitcode})"
+        code = "" if process.exitcode is None else f" (code {process.exitcode})"     # None: not this one's child
+        return f"the engine process exited{code}"
     stats = agent.stats()
     if stats["engine_state"] == control.ENGINE_STOPPED:
         return "the engine has stopped"
@@ -267,20 +268,20 @@ def engine_watch(agent, process=None, start_timeout_s: float = ATTACH_TIMEOUT_S)
 
 
 @contextmanager
-def split_cores(process, agent_cores: list[int] | None, reserve: bool = False):
+def split_cores(process, agent_cores: list[int] | None, reserve: bool = False, agents: int = 1):
     """Yields the agent's cores (``blink.host.cores.place``: ``agent_cores`` if given, else the least busy core this
-    process may use that no other blink server claims) and pins the engine ``process`` (if not None) to the others,
-    so HTTP and tokenization never compete with the engine; None on an OS without affinity. With ``reserve`` this
-    process moves into a cpuset partition of those cores, which no other process on the host may use
-    (``blink.host.partition``; refused, it says why and goes on without). The agent's claim on its cores, and the
-    partition, last until the block is left."""
+    process may use that no other blink server claims, one per agent process up to ``agents``) and pins the engine
+    ``process`` (if not None) to the others, so HTTP and tokenization never compete with the engine; None on an OS
+    without affinity. With ``reserve`` this process moves into a cpuset partition of those cores, which no other
+    process on the host may use (``blink.host.partition``; refused, it says why and goes on without). The agent's
+    claim on its cores, and the partition, last until the block is left."""
     if not hasattr(os, "sched_setaffinity"):
         yield None
         return
     from blink.host.cores import place
     from blink.host.partition import reserved_cores
 
-    with place(agent_cores, with_engine=process is not None) as placement:
+    with place(agent_cores, with_engine=process is not None, count=agents) as placement:
         if process is not None and placement.engine:
             try:
                 os.sched_setaffinity(process.pid, placement.engine)

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blink.errors import EngineUnresponsive, IllegalTransition, RequestError
+from blink.errors import EngineUnresponsive, IllegalTransition, RingFull
 from blink.nic.grammar_table import GrammarTable
 from blink.nic.liveness import Liveness
+from blink.nic.request_checks import checked_prompt
 from blink.nic.slots import SlotTracker
 from blink.ring import control
 from blink.ring.control import CONTROL_DTYPE, ENGINE_STOPPED
@@ -26,6 +27,7 @@ from blink.ring.hashing import prompt_keys
 from blink.ring.layout import (AGENT, FINISH_NAMES, FINISHED, FREE, PAIR_DTYPE, READY, RUNNING, RingLayout,
                                check_transition)
 from blink.ring.request import SamplingParams, encode_header, encode_logit_bias
+from blink.ring.shares import Share
 from blink.ring.transport import RemoteMemory
 
 _U32 = np.dtype("<u4")
@@ -45,7 +47,8 @@ class RequestOutput:
 
 
 class Agent:
-    """Drives one ring. Not thread-safe: one agent (one thread) per ring.
+    """Drives one ring, or its ``share`` of one (``blink.ring.shares``: its slots, its part of the grammars region,
+    its doorbell values) where several agents serve it. Not thread-safe: one agent (one thread) per share.
 
     ``liveness_timeout_s``: how long the engine may show no sign of life (``blink.nic.liveness``) while requests are
     in flight before ``poll()`` raises ``EngineUnresponsive`` instead of waiting forever.
@@ -55,22 +58,27 @@ class Agent:
     """
 
     def __init__(self, memory: RemoteMemory, geometry: RingGeometry, *, liveness_timeout_s: float = 10.0,
-                 seed: int | None = None):
+                 seed: int | None = None, share: Share = Share()):
         self.memory = memory
         self.layout = layout = RingLayout(geometry)
         if memory.size < layout.size:
             raise ValueError(f"the ring region is {memory.size} bytes but RingGeometry {geometry} needs {layout.size}")
         layout.verify(memory.read(0, CONTROL_DTYPE.itemsize))
-        self.geometry = geometry
+        self.geometry, self.share = geometry, share
         self.liveness_timeout_s = liveness_timeout_s
         n = geometry.n_slots
+        self.slots = share.slots(n)
         # The status region starts after the control block; reading [0, status end) gets both in one read.
         self._status_offset = layout.offset("status")
         self._snapshot_bytes = self._status_offset + layout.status_dtype.itemsize
-        self._last_status: bytes | None = None      # the status words as the last full poll read them
+        # Where this agent's slots' words lie in that read, per column: a poll that finds them as the last one did
+        # has nothing to do (other agents' slots are theirs).
+        self._mine = [(at := layout.status_at(column, self.slots.start), at + 4 * len(self.slots))
+                      for column in layout.status_dtype.names]
+        self._last_status: list[bytes] | None = None  # this agent's status words as the last full poll read them
         self._unfinished = 0                        # requests in flight the GPU side has not finished, then
         block, status = self._snapshot()
-        self.tracker = SlotTracker(n)
+        self.tracker = SlotTracker(n, self.slots)
         self.tracker.refresh(status["state"])
         self._epoch = status["epoch"].copy()
         self._request_id = np.zeros(n, np.uint64)   # 0 = slot not in flight for this agent
@@ -78,24 +86,58 @@ class Agent:
         self._wants_logprobs = np.zeros(n, bool)
         self._top_logprobs = np.zeros(n, np.int32)  # top logprobs per token the request asked for
         self._grammar: list = [None] * n            # the grammar each slot's request follows, placed in the ring
-        self.grammars = GrammarTable(geometry, lambda word, data: memory.write(layout.grammar_at(word), data))
+        self.grammars = GrammarTable(geometry, lambda word, data: memory.write(layout.grammar_at(word), data),
+                                     share.words(layout.grammar_words))
         self._seen_running = np.zeros(n, bool)      # the agent has re-read n_generated since admission
         self._slot_of: dict[int, int] = {}
+        self._taken_over: set[int] = set()          # requests a gone agent of this range left, being cancelled
         self._next_id = 1
         self.liveness = Liveness(liveness_timeout_s)
         self._seeds = random.Random(seed)
         self._waiting_since: float | None = None    # when requests last started waiting on an idle ring
-        self._submitted = int(block["submitted"])       # doorbells continue from an earlier agent's counts
-        self._cancels = int(block["cancels"])
+        # Doorbell writes continue from an earlier agent's values, each one new (blink.ring.shares).
+        self._submitted = share.first_count(int(block["submitted"]))
+        self._cancels = share.first_count(int(block["cancels"]))
         self._prefix_seed = int(block["prefix_seed"])   # the ring creator's: keys must match the GPU's
 
     @classmethod
-    def attach(cls, memory: RemoteMemory, **options) -> Agent:
-        """An agent on an existing ring, with the geometry its creator wrote into the control block; the ring's only
-        agent until ``memory`` is closed (``RingRefused`` if another agent is attached: two would take each other's
-        slots and answer with each other's tokens)."""
-        memory.claim_agent()
-        return cls(memory, control.geometry_of(memory.read(0, control.CONTROL_DTYPE.itemsize)), **options)
+    def attach(cls, memory: RemoteMemory, share: Share = Share(), **options) -> Agent:
+        """An agent on ``share`` of an existing ring, with the geometry its creator wrote into the control block;
+        the only agent of its slots until ``memory`` is closed (``RingRefused`` if another agent holds any: two
+        would take each other's slots and answer with each other's tokens). What an agent of those slots that is
+        gone left in the ring, it finishes (``take_over``)."""
+        geometry = control.geometry_of(memory.read(0, control.CONTROL_DTYPE.itemsize))
+        memory.claim_agent(share.slots(geometry.n_slots))
+        agent = cls(memory, geometry, share=share, **options)
+        agent.take_over()
+        return agent
+
+    def take_over(self) -> None:
+        """Finish what an agent of these slots left in the ring when it died: a FINISHED slot is freed, a READY or
+        RUNNING one cancelled and freed once finished (its tokens go nowhere; no grammar is placed meanwhile: theirs
+        may still be read). Only for an agent that holds its slots (``attach``): others' requests are not its own."""
+        state = self._snapshot()[1]["state"]
+        for slot in self.slots:
+            if state[slot] == FINISHED:
+                check_transition(FINISHED, FREE, AGENT)
+                self._write_word("state", slot, FREE)
+            elif state[slot] in (READY, RUNNING):
+                request_id = self._next_id
+                self._next_id += 1
+                self.tracker.hold(slot)
+                self._track(slot, request_id, SamplingParams(), None)
+                self._taken_over.add(request_id)
+                self.cancel(request_id)
+        self.tracker.refresh(self._snapshot()[1]["state"])
+
+    def others_busy(self) -> bool:
+        """Whether another agent of this ring has a request in it (a slot outside this one's is not FREE): one read
+        of the state column; no read for the ring's only agent."""
+        if self.share.agents == 1:
+            return False
+        raw = self.memory.read(self.layout.status_at("state", 0), 4 * self.geometry.n_slots)
+        busy = np.frombuffer(raw, _U32) != FREE
+        return int(busy.sum()) > int(busy[self.slots.start:self.slots.stop].sum())
 
     @property
     def in_flight(self) -> int:
@@ -107,12 +149,15 @@ class Agent:
 
         ``priority`` is passed to the GPU's admission policy (the default policy, FCFS, ignores it).
         """
-        prompt = self._validate(prompt_tokens, params)
+        prompt = checked_prompt(self.geometry, self.grammars, prompt_tokens, params)
         request_id = self._next_id
         seed = self._seeds.getrandbits(64) if params.seed is None else params.seed
         page_size = self.geometry.prefix_page_size
         keys, state = prompt_keys(prompt, page_size, self._prefix_seed) if page_size else (None, 0)
         grammar = params.grammar
+        if grammar is not None and self._taken_over:
+            raise RingFull("the requests a gone agent of these slots left are being finished: a grammar waits for "
+                           "them (theirs may still be read)")
         # Placed first (the table may have no room now: RingFull); let go of if the request is not published.
         start = self.grammars.acquire(grammar) if grammar is not None else 0
         try:
@@ -129,15 +174,19 @@ class Agent:
             if grammar is not None:
                 self.grammars.release(grammar)
             raise
-        self._grammar[slot] = grammar
         self._next_id += 1
+        self._track(slot, request_id, params, grammar)
+        return request_id
+
+    def _track(self, slot: int, request_id: int, params: SamplingParams, grammar) -> None:
+        """``slot`` holds ``request_id`` (asking for ``params``' outputs), in flight from now on."""
+        self._grammar[slot] = grammar
         self._request_id[slot] = request_id
         self._delivered[slot] = 0
         self._seen_running[slot] = False
         self._wants_logprobs[slot] = params.logprobs
         self._top_logprobs[slot] = params.top_logprobs
         self._slot_of[request_id] = slot
-        return request_id
 
     def _publish(self, slot: int, header: bytes, prompt: np.ndarray, keys: np.ndarray | None, bias: bytes) -> None:
         """Payload first, then the new epoch, then READY, then the doorbell (docs/architecture.md)."""
@@ -154,20 +203,22 @@ class Agent:
         check_transition(FREE, READY, AGENT)
         self._write_word("state", slot, READY)
         self._submitted += 1
-        self._ring_doorbell("submitted", self._submitted)
+        self._ring_doorbell("submitted", self.share.doorbell(self._submitted))
 
     def poll(self) -> list[RequestOutput]:
         """One bulk read of the control block and status words; return the progress of every request that moved.
 
         Between two engine steps most polls find nothing: when every status word reads as the previous poll read
         it (no GPU write, no agent write since), nothing can have moved, and the poll ends after the liveness check
-        (a read and a compare, not the scan of every slot)."""
+        (a read and a compare, not the scan of every slot). Only this agent's slots count: the others are another
+        agent's."""
         raw = self.memory.read(0, self._snapshot_bytes)
         block = control.decode(raw)
-        if raw[self._status_offset:] == self._last_status:
+        mine = [raw[start:end] for start, end in self._mine]
+        if mine == self._last_status:
             self._check_liveness(block, self._unfinished)
             return []
-        self._last_status = bytes(raw[self._status_offset:])
+        self._last_status = mine
         status = np.frombuffer(raw, self.layout.status_dtype, count=1, offset=self._status_offset)[0]
         state = status["state"]
         active = self._request_id != 0
@@ -207,7 +258,7 @@ class Agent:
             return False
         self._write_word("cancel", slot, int(self._epoch[slot]))
         self._cancels += 1
-        self._ring_doorbell("cancels", self._cancels)
+        self._ring_doorbell("cancels", self.share.doorbell(self._cancels))
         return True
 
     def request_shutdown(self) -> None:
@@ -222,53 +273,9 @@ class Agent:
 
     def validate(self, prompt_tokens, params: SamplingParams = SamplingParams(), priority: int = 0) -> None:
         """Every check ``submit`` makes before it claims a slot: ``RequestError`` naming the field, or None."""
-        prompt = self._validate(prompt_tokens, params)
+        prompt = checked_prompt(self.geometry, self.grammars, prompt_tokens, params)
         encode_header(self.layout.header_dtype, request_id=self._next_id, arrival_ns=0, seed=params.seed or 0,
                       prompt_len=len(prompt), params=params, priority=priority)
-
-    def _validate(self, prompt_tokens, params: SamplingParams) -> np.ndarray:
-        """The prompt as the ring stores it; ``RequestError`` naming the field that breaks this ring's limits."""
-        g = self.geometry
-        if not isinstance(params, SamplingParams):
-            raise RequestError("params", f"params must be a SamplingParams (got {type(params).__name__})")
-        try:
-            prompt = np.asarray(prompt_tokens)
-        except Exception as e:
-            raise RequestError("prompt_tokens", f"prompt_tokens must be a sequence of token ids ({e})") from None
-        if prompt.ndim != 1 or prompt.size == 0 or not (np.issubdtype(prompt.dtype, np.integer)):
-            raise RequestError("prompt_tokens", "prompt_tokens must be a non-empty 1-D sequence of int token ids "
-                                                f"(got shape {prompt.shape}, dtype {prompt.dtype})")
-        checks = [
-            (prompt.size <= g.max_prompt_tokens, "prompt_tokens",
-             f"prompt_tokens has {prompt.size} tokens; this ring's slots hold at most {g.max_prompt_tokens} "
-             "(RingGeometry.max_prompt_tokens)"),
-            (prompt.min() >= 0 and prompt.max() < 2**31, "prompt_tokens", "prompt_tokens must be token ids in "
-                                                                           "[0, 2**31)"),
-            (params.max_tokens <= g.max_output_tokens, "max_tokens",
-             f"max_tokens={params.max_tokens} is above this ring's output capacity {g.max_output_tokens} "
-             "(RingGeometry.max_output_tokens)"),
-            (len(params.stop_token_ids) <= g.max_stop_ids, "stop_token_ids",
-             f"stop_token_ids has {len(params.stop_token_ids)} ids; at most {g.max_stop_ids} fit "
-             "(RingGeometry.max_stop_ids)"),
-            (not params.logprobs or g.logprobs, "logprobs",
-             "logprobs=True needs a ring built with RingGeometry(logprobs=True)"),
-            (params.top_logprobs <= g.max_top_logprobs, "top_logprobs",
-             f"top_logprobs={params.top_logprobs} is above the {g.max_top_logprobs} this ring has room for "
-             "(RingGeometry.max_top_logprobs)"),
-            (len(params.logit_bias or ()) <= g.max_logit_bias, "logit_bias",
-             f"logit_bias has {len(params.logit_bias or ())} tokens; at most {g.max_logit_bias} fit "
-             "(RingGeometry.max_logit_bias)"),
-            (prompt.size + params.max_tokens <= g.max_model_len, "max_tokens",
-             f"the prompt has {prompt.size} tokens and max_tokens={params.max_tokens}, together "
-             f"{prompt.size + params.max_tokens} positions, but the engine's max_model_len is {g.max_model_len}: "
-             "lower max_tokens or shorten the prompt"),
-        ]
-        for ok, field, message in checks:
-            if not ok:
-                raise RequestError(field, message)
-        if params.grammar is not None:
-            self.grammars.check(params.grammar)
-        return prompt.astype("<i4")
 
     def _snapshot(self) -> tuple[np.void, np.void]:
         raw = self.memory.read(0, self._snapshot_bytes)
@@ -282,10 +289,6 @@ class Agent:
 
     def _write_word(self, column: str, slot: int, value: int) -> None:
         self.memory.write(self.layout.status_at(column, slot), np.array([value], _U32).tobytes())
-
-    def health(self) -> str | None:
-        """Why the engine counts as dead now (one read of the control block), or None (``Liveness``)."""
-        return self.liveness.problem(control.read(self.memory), time.monotonic())
 
     def _check_liveness(self, block: np.void, unfinished: int) -> None:
         """Raise if the GPU side reported a launch error, or if requests have waited ``liveness_timeout_s`` on an
@@ -344,3 +347,4 @@ class Agent:
         self.tracker.release(slot)
         self._request_id[slot] = 0
         del self._slot_of[request_id]
+        self._taken_over.discard(request_id)

@@ -81,7 +81,7 @@ class AgentLoop:
         self.waiting: deque[Submission] = deque()       # the ring was full: FIFO, at most config.max_queued
         self._active: dict[int, Submission] = {}        # request id -> request whose outputs someone awaits
         self._wakeup = asyncio.Event()
-        self.invariants = IdleInvariants(agent.geometry.n_slots)
+        self.invariants = IdleInvariants(agent.tracker.n_slots, counted=agent.share.agents == 1)
         self._problem: str | None = None
         self._sampled_at = 0.0
         self._crashed: str | None = None
@@ -147,7 +147,7 @@ class AgentLoop:
             self._problem = STARTING
         else:
             self._problem = self.agent.liveness.problem(stats, self._sampled_at)
-        if self._problem or self.agent.in_flight or self.waiting:
+        if self._problem or self.agent.in_flight or self.waiting or self.agent.others_busy():
             self.invariants.busy()
             return
         for violation in self.invariants.check(stats, self.agent.tracker.n_free):
@@ -180,6 +180,7 @@ class AgentLoop:
             self._wakeup.clear()
         if time.monotonic() - self._sampled_at > self.HEARTBEAT_SAMPLE_S:
             self._sample()
+            self.metrics.tick()
         self._time_poll()
         try:
             outputs = self.agent.poll()

@@ -4,7 +4,8 @@ A grammar is written once and stays while any request uses it, and after, until 
 form an LRU, and placing a new one evicts the least recently used grammars no request in flight uses until a free
 run of words holds it (first fit; neighbouring free runs merge). The GPU side reads a grammar only for requests in
 flight, so a grammar no request uses may be overwritten. Invariants: placed grammars and free runs tile the region
-without overlap; a grammar with users is never evicted.
+without overlap (the table's words: the whole region, or one agent's part of it); a grammar with users is never
+evicted.
 """
 from __future__ import annotations
 
@@ -25,13 +26,16 @@ class Placement:
 
 
 class GrammarTable:
-    """Places grammars in the grammars region of a ring of ``geometry`` through ``write(word, data)``."""
+    """Places grammars in the words ``words`` (default: all) of the grammars region of a ring of ``geometry``
+    through ``write(word, data)``: the agent's part of it when several agents serve one ring
+    (``blink.ring.shares``); it never writes outside it."""
 
-    def __init__(self, geometry: RingGeometry, write):
+    def __init__(self, geometry: RingGeometry, write, words: range | None = None):
         self.geometry, self._write = geometry, write
-        words = geometry.max_grammar_bytes // 4
+        self.words = range(geometry.max_grammar_bytes // 4) if words is None else words
         self._placed: OrderedDict[tuple[str, str], Placement] = OrderedDict()
-        self._free: list[tuple[int, int]] = [(0, words)] if words else []     # (first word, words), by first word
+        # (first word, words), by first word
+        self._free: list[tuple[int, int]] = [(self.words.start, len(self.words))] if self.words else []
 
     def check(self, grammar: Grammar) -> None:
         """``RequestError`` naming ``grammar`` unless the region could ever hold it, for this ring's model."""
@@ -43,9 +47,12 @@ class GrammarTable:
         if grammar.vocab_size != g.vocab_size:
             raise RequestError("grammar", f"the grammar was compiled for {grammar.vocab_size} tokens, but this ring's "
                                           f"model has {g.vocab_size} (RingGeometry.vocab_size)")
-        if grammar.nbytes > g.max_grammar_bytes:
-            raise RequestError("grammar", f"the grammar takes {grammar.nbytes} bytes, more than this ring's grammars "
-                                          f"region of {g.max_grammar_bytes} (RingGeometry.max_grammar_bytes)")
+        room = 4 * len(self.words)
+        if grammar.nbytes > room:
+            part = "" if room == g.max_grammar_bytes else f"this agent's {room}-byte part of "
+            raise RequestError("grammar", f"the grammar takes {grammar.nbytes} bytes, more than {part}this ring's "
+                                          f"grammars region of {g.max_grammar_bytes} (RingGeometry.max_grammar_bytes"
+                                          f"{'' if not part else ', split among the agent processes'})")
 
     def acquire(self, grammar: Grammar) -> int:
         """Place ``grammar`` (if it is not placed yet) for one more request; return its start state's word offset.

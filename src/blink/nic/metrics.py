@@ -1,30 +1,71 @@
 """The agent's Prometheus ``Metrics``: its own timings and counters (latencies, its stalls and GC passes), the ring's
-control block read at scrape time, and the agent process's and its event loop thread's CPU (``process_*``,
-``blink_agent_run_delay_seconds``, and its cores' steal time under a hypervisor). Nothing here is on the per-token
-path but ``Metrics.tokens`` and ``poll_gap``; everything else is read when /metrics is scraped."""
+control block read at scrape time (``blink.nic.engine_metrics``), and the agent process's and its event loop
+thread's CPU (``process_*``, ``blink_agent_run_delay_seconds``, and its cores' steal time under a hypervisor). Nothing
+here is on the per-token path but ``Metrics.tokens`` and ``poll_gap``.
+
+Values that live in the process (its wait queue, its requests in flight, its loop thread's waits for a core) are
+published into gauges and counters (``publish``) before each scrape. Where several agent processes serve one ring
+(``blink serve --agent-processes``, ``shared_metrics``) each keeps its metrics in files under
+``$PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess mode, chosen as it is imported), publishes them every
+``AgentLoop`` sample too (0.1 s: another process's are that old at most), and a scrape, whichever process it
+reaches, reports them summed over the processes (``MultiProcessCollector``; a gauge as its ``multiprocess_mode``
+says, of the live processes), and the ring's words, which all of them read alike, once.
+"""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
+from contextlib import contextmanager
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+from blink.nic.engine_metrics import engine_families
 
 # Two ring polls this far apart while requests are in flight held their tokens back by most of a decode step (5-20 ms
 # on 8B models): a stall of the agent, which every stream in flight feels at once.
 STALL_S = 5e-3
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, STALL_S, 0.01, 0.02, 0.05, 0.1, 0.5)
+SHARED_DIR = "PROMETHEUS_MULTIPROC_DIR"     # prometheus_client's: where processes keep the metrics they share
+
+
+@contextmanager
+def shared_metrics():
+    """The metrics of the agent processes started inside this block summed over them (``SHARED_DIR``, a fresh
+    directory, removed after); yields ``exited(pid)``, to call once an agent process has exited (its live gauges
+    go with it; its counters stay in the sums)."""
+    path, before = tempfile.mkdtemp(prefix="blink-metrics-"), os.environ.get(SHARED_DIR)
+    os.environ[SHARED_DIR] = path
+    try:
+        yield lambda pid: mark_process_dead(pid, path)
+    finally:
+        if before is None:
+            del os.environ[SHARED_DIR]
+        else:
+            os.environ[SHARED_DIR] = before
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class Metrics:
     """Prometheus metrics: the agent's own timings and counters, the ring's control block read at scrape time, and
-    the agent process's CPU time and memory (``process_*``: what ``blink bench serve`` meters per 1,000 tokens)."""
+    the agent process's CPU time and memory (``process_*``: what ``blink bench serve`` meters per 1,000 tokens; where
+    processes share their metrics, only ``process_cpu_seconds_total``, summed)."""
 
     def __init__(self):
-        self.registry = CollectorRegistry()
-        r = self.registry
-        ProcessCollector(registry=r)
+        self.shared = os.environ.get(SHARED_DIR)     # the directory several agent processes keep their metrics in
+        self._own = r = CollectorRegistry()         # this process's metrics (in files under that directory)
+        self._publishers = []
+        self.registry = CollectorRegistry()         # what /metrics shows
+        if self.shared:
+            cpu = Counter("process_cpu_seconds", "Total user and system CPU time of the agent processes in seconds",
+                          registry=r)
+            self.publishing(_growth(cpu, lambda: sum(os.times()[:2])))
+        else:
+            ProcessCollector(registry=self.registry)
         self.ttft = Histogram("blink_time_to_first_token_seconds", "From submission to the first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("blink_inter_token_latency_seconds", "Between consecutive tokens of a request",
@@ -56,15 +97,38 @@ class Metrics:
                                             "invariants); each is logged once", registry=r)
         self.requests = Counter("blink_requests_finished", "Requests ended, by finish reason", ["finish_reason"],
                                 registry=r)
+        self.queued = self.gauge("blink_requests_queued", "Requests waiting in the agent for a free ring slot")
+
+    def gauge(self, name: str, doc: str, mode: str = "livesum") -> Gauge:
+        """A gauge of this process's, which ``publish`` sets; ``mode``: how the processes' values make one where
+        several share their metrics (prometheus_client's ``multiprocess_mode``: livesum, livemax)."""
+        return Gauge(name, doc, registry=self._own, multiprocess_mode=mode)
+
+    def publishing(self, publish) -> None:
+        """``publish()`` sets gauges and counters of this process's from what it keeps (see ``publish``)."""
+        self._publishers.append(publish)
+
+    def publish(self) -> None:
+        """Bring the values this process keeps into its metrics: before a scrape, and at each ``tick``."""
+        for publish in self._publishers:
+            publish()
+
+    def tick(self) -> None:
+        """The agent loop's sample (every 0.1 s): where processes share their metrics, publish (a scrape that
+        another process answers reads them from the files)."""
+        if self.shared:
+            self.publish()
 
     def watch(self, loop, model_name: str) -> None:
-        """Read ``loop`` (an ``AgentLoop``) at every scrape: the ring's words, its queue, its thread; and name what
-        vLLM also measures by vLLM's names too, labelled ``model_name`` (``_RingCollector``, ``_HistogramAliases``)."""
-        self.registry.register(_RingCollector(loop, model_name))
-        self.registry.register(_LoopThreadCollector(loop))
-        self.registry.register(_HistogramAliases({"vllm:time_to_first_token_seconds": self.ttft,
-                                                  "vllm:inter_token_latency_seconds": self.itl,
-                                                  "vllm:e2e_request_latency_seconds": self.e2e}, model_name))
+        """Read ``loop`` (an ``AgentLoop``): its queue and its thread, published; the ring's words at every scrape;
+        and name what vLLM also measures by vLLM's names too, labelled ``model_name`` (``_Exposition``)."""
+        self.publishing(lambda: self.queued.set(len(loop.waiting)))
+        self.publishing(_LoopThread(loop, self._own).publish)
+        self.registry.register(_Exposition(self, loop, model_name))
+
+    def own_families(self):
+        """This process's metrics; where processes share them, every agent process's, summed."""
+        return MultiProcessCollector(None, self.shared).collect() if self.shared else self._own.collect()
 
     def tokens(self, req, n: int) -> None:
         if not n:
@@ -99,128 +163,96 @@ class Metrics:
         self.requests.labels(finish_reason=reason).inc()
 
     def render(self) -> bytes:
+        self.publish()
         return generate_latest(self.registry)
 
 
-def pending(loop, stats: dict) -> int:
-    """Requests taken and not yet running, what a load balancer counts as waiting (vLLM's num_requests_waiting):
-    those in the ring not yet admitted (``stats``: the agent's ``stats()``) and those queued in ``loop``."""
-    return stats["waiting"] + len(loop.waiting)
+# The agent's latency histograms again under vLLM's names, labelled with the served model's name.
+VLLM_ALIASES = {"blink_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+                "blink_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+                "blink_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds"}
 
 
-class _RingCollector:
-    """Gauges and counters the GPU side keeps in the ring's control block, plus the agent's wait queue; and, from the
-    same read, those vLLM exports too under vLLM's names and ``model_name`` label, which its Grafana dashboards and
-    the Kubernetes Gateway API inference extension's endpoint picker read."""
+class _Exposition:
+    """What /metrics shows of the agent: its own metrics (every agent process's, summed, where they share them),
+    the latency histograms again under vLLM's names (``VLLM_ALIASES``, copied at scrape time: a token costs one
+    observation, not two), and the engine's words in the ring (``engine_families``), once."""
 
-    def __init__(self, loop, model_name: str):
-        self.loop, self.model_name = loop, model_name
-
-    def collect(self):
-        s = self.loop.agent.stats()
-        gauges = {"blink_requests_running": ("Requests the engine is running", s["running"]),
-                  "blink_requests_waiting": ("Requests in the ring not yet admitted", s["waiting"]),
-                  "blink_requests_queued": ("Requests waiting in the agent for a free ring slot",
-                                            len(self.loop.waiting)),
-                  "blink_kv_cache_usage_ratio": ("Fraction of KV-cache pages in use",
-                                                 1 - s["kv_pages_free"] / s["kv_pages_total"]
-                                                 if s["kv_pages_total"] else 0.0),
-                  "blink_prefix_cache_pages": ("KV pages in the prefix cache, in use or evictable", s["cached_pages"]),
-                  "blink_prefix_cache_hit_rate": ("Prompt tokens found in the prefix cache per prompt token looked up",
-                                                  s["prefix_hit_tokens"] / s["prefix_query_tokens"]
-                                                  if s["prefix_query_tokens"] else 0.0)}
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=value)
-        counters = {"blink_generation_tokens": ("Tokens generated by the engine", s["tokens"]),
-                    "blink_preemptions": ("Recompute preemptions", s["preempted"]),
-                    "blink_engine_steps": ("Model steps launched", s["steps"]),
-                    "blink_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
-                                                   s["prefix_query_tokens"]),
-                    "blink_prefix_cache_hits": ("Prompt tokens found in the prefix cache", s["prefix_hit_tokens"]),
-                    "blink_prefix_cache_evictions": ("Cached KV pages evicted for reuse", s["prefix_evictions"]),
-                    "blink_prefill_tokens": ("Prompt tokens the model computed (cache hits excluded)",
-                                             s["prefill_tokens"]),
-                    "blink_spec_decode_num_drafts": ("Sequence steps that verified speculative drafts",
-                                                     s["spec_drafts"]),
-                    "blink_spec_decode_num_draft_tokens": ("Speculative draft tokens verified",
-                                                           s["spec_draft_tokens"]),
-                    "blink_spec_decode_num_accepted_tokens": ("Speculative draft tokens accepted",
-                                                              s["spec_accepted_tokens"])}
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=value)
-        yield from self._vllm(s, gauges, counters)
-
-    def _vllm(self, s, gauges, counters):
-        waiting = pending(self.loop, s)
-        for name, doc, value in [
-                ("vllm:num_requests_running", "Requests the engine is running", gauges["blink_requests_running"][1]),
-                ("vllm:num_requests_waiting", "Requests not yet running: in the ring not yet admitted, or waiting in "
-                                              "the agent for a free ring slot", waiting),
-                ("vllm:kv_cache_usage_perc", "Fraction of KV-cache pages in use (1: all)",
-                 gauges["blink_kv_cache_usage_ratio"][1])]:
-            yield self._labelled(GaugeMetricFamily(name, doc, labels=["model_name"]), value)
-        for name, blink_name in [("vllm:prefix_cache_queries", "blink_prefix_cache_queries"),
-                                 ("vllm:prefix_cache_hits", "blink_prefix_cache_hits"),
-                                 ("vllm:spec_decode_num_drafts", "blink_spec_decode_num_drafts"),
-                                 ("vllm:spec_decode_num_draft_tokens", "blink_spec_decode_num_draft_tokens"),
-                                 ("vllm:spec_decode_num_accepted_tokens", "blink_spec_decode_num_accepted_tokens")]:
-            doc, value = counters[blink_name]
-            yield self._labelled(CounterMetricFamily(name, doc, labels=["model_name"]), value)
-
-    def _labelled(self, family, value):
-        family.add_metric([self.model_name], value)
-        return family
-
-
-class _HistogramAliases:
-    """The agent's latency histograms again under vLLM's names (``vllm name -> Histogram``), labelled
-    ``model_name``: copied at scrape time, so a token costs one observation, not two."""
-
-    def __init__(self, histograms: dict, model_name: str):
-        self.histograms, self.model_name = histograms, model_name
+    def __init__(self, metrics: Metrics, loop, model_name: str):
+        self.metrics, self.loop, self.model_name = metrics, loop, model_name
 
     def collect(self):
-        for name, histogram in self.histograms.items():
-            for family in histogram.collect():
-                alias = Metric(name, family.documentation, family.type)
-                for sample in family.samples:
-                    alias.add_sample(name + sample.name[len(family.name):],
-                                     {**sample.labels, "model_name": self.model_name}, sample.value, sample.timestamp)
-                yield alias
+        queued = 0.0
+        for family in self.metrics.own_families():
+            yield family
+            if family.name == "blink_requests_queued":
+                queued = sum(sample.value for sample in family.samples)
+            alias = VLLM_ALIASES.get(family.name)
+            if alias is not None:
+                yield self._alias(alias, family)
+        agent = self.loop.agent
+        yield from engine_families(agent.stats(), queued, agent.geometry.n_slots, self.model_name)
+
+    def _alias(self, name: str, family: Metric) -> Metric:
+        alias = Metric(name, family.documentation, family.type)
+        for sample in family.samples:
+            alias.add_sample(name + sample.name[len(family.name):], {**sample.labels, "model_name": self.model_name},
+                             sample.value, sample.timestamp)
+        return alias
 
 
-class _LoopThreadCollector:
+def _growth(counter: Counter, read):
+    """A publisher that adds to ``counter`` what ``read()`` (a total that only grows, or None while unknown) grew by
+    since the last call: the counter then equals the total, and sums over processes where they share metrics."""
+    last = [0.0]
+
+    def publish() -> None:
+        now = read()
+        if now is not None:
+            counter.inc(max(now - last[0], 0.0))
+            last[0] = now
+    return publish
+
+
+class _LoopThread:
     """How long the event loop's thread has waited for a core: runnable, not running (Linux's schedstat for the
-    thread, its second field; absent where the kernel keeps none). The stalls' off-CPU time also holds the loop's own
-    sleeps; this is only the waits a busy core imposed."""
+    thread, its second field; 0 where the kernel keeps none). The stalls' off-CPU time also holds the loop's own
+    sleeps; this is only the waits a busy core imposed. And the steal time of the cores it may use, each counted
+    while it may use it (``_steal_seconds``)."""
 
-    def __init__(self, loop):
+    def __init__(self, loop, registry: CollectorRegistry):
         self.loop = loop
+        self.run_delay = _growth(Counter("blink_agent_run_delay_seconds", "Time the agent's event loop thread was "
+                                         "runnable but waiting for a core", registry=registry), self._waited_s)
+        self.steal = Counter("blink_agent_cores_steal_seconds", "Time a hypervisor ran something else on the cores "
+                             "the agent's event loop thread may use (/proc/stat's steal, summed)", registry=registry)
+        self._stolen: dict[int, float] = {}         # core -> its steal seconds at the last publish
 
-    def collect(self):
+    def publish(self) -> None:
+        self.run_delay()
+        try:
+            cores = os.sched_getaffinity(self.loop.thread_id)
+        except (OSError, TypeError):        # the loop has not started
+            return
+        stolen = _steal_seconds()
+        self.steal.inc(sum(max(stolen[core] - self._stolen.get(core, 0.0), 0.0) for core in cores if core in stolen))
+        self._stolen = stolen
+
+    def _waited_s(self) -> float | None:
         try:
             with open(f"/proc/{os.getpid()}/task/{self.loop.thread_id}/schedstat") as f:
-                waited_ns = int(f.read().split()[1])
-            cores = os.sched_getaffinity(self.loop.thread_id)
+                return int(f.read().split()[1]) / 1e9
         except (OSError, ValueError, IndexError):      # not Linux, no schedstat, or the loop has not started
-            return
-        yield CounterMetricFamily("blink_agent_run_delay_seconds", "Time the agent's event loop thread was runnable "
-                                  "but waiting for a core", value=waited_ns / 1e9)
-        steal_s = _steal_seconds(cores)
-        if steal_s is not None:
-            yield CounterMetricFamily("blink_agent_cores_steal_seconds", "Time a hypervisor ran something else on "
-                                      "the cores the agent's event loop thread may use (/proc/stat's steal, summed)",
-                                      value=steal_s)
+            return None
 
 
-def _steal_seconds(cores) -> float | None:
-    """The steal time of ``cores`` (the 8th value of their ``cpuN`` lines in /proc/stat, in clock ticks): time their
-    virtual CPUs were runnable but the host ran something else (a guest kernel without steal accounting counts it
-    as the running thread's CPU time). None where there is no /proc/stat."""
+def _steal_seconds() -> dict[int, float]:
+    """Each core's steal time (the 8th value of its ``cpuN`` line in /proc/stat, in clock ticks): time its virtual
+    CPU was runnable but the host ran something else (a guest kernel without steal accounting counts it as the
+    running thread's CPU time). Empty where there is no /proc/stat."""
     try:
         with open("/proc/stat") as f:
             lines = [line.split() for line in f if line.startswith("cpu") and line[3:4].isdigit()]
     except OSError:
-        return None
-    ticks = sum(int(row[8]) for row in lines if int(row[0][3:]) in cores and len(row) > 8)
-    return ticks / os.sysconf("SC_CLK_TCK")
+        return {}
+    return {int(row[0][3:]): int(row[8]) / os.sysconf("SC_CLK_TCK") for row in lines if len(row) > 8}

@@ -2,9 +2,10 @@
 counters, the agent's doorbells. The one place that encodes, decodes and checks it.
 
 Writers: the creator (identity, geometry and the prefix-key seed, once), the host or the agent (``shutdown``, the
-doorbells), the GPU side (everything else). ``fresh`` builds the block of a new ring, ``verify`` checks an existing
-one against a geometry, ``geometry_of`` reads the geometry an existing ring was created with, ``read`` decodes the
-words of a live ring, ``request_shutdown`` writes the shutdown word.
+doorbells: by every agent of the ring, each value new, ``blink.ring.shares``), the GPU side (everything else).
+``fresh`` builds the block of a new ring, ``verify`` checks an existing one against a geometry, ``geometry_of``
+reads the geometry an existing ring was created with, ``read`` decodes the words of a live ring,
+``request_shutdown`` writes the shutdown word.
 """
 from __future__ import annotations
 
@@ -61,8 +62,11 @@ CONTROL_DTYPE = struct([
     ("kv_pages_free", "<u4", 100),
     ("running", "<u4", 104),
     ("waiting", "<u4", 108),
-    ("submitted", "<u8", 112),      # agent doorbell: requests published READY so far
-    ("cancels", "<u8", 120),        # agent doorbell: cancel words written so far
+    # The agents' doorbells, each written after the words it announces. The GPU acts when one differs from the value
+    # it last acted on, so every value written is new: one agent writes its count of writes (requests published
+    # READY, cancel words written); agent i of N writes count * N + i (blink.ring.shares: the contract).
+    ("submitted", "<u8", 112),      # agent doorbell: READY states published
+    ("cancels", "<u8", 120),        # agent doorbell: cancel words written
     ("max_model_len", "<u4", 128),  # creator: the engine's limit on prompt + output positions of one sequence
     ("in_step", "<u4", 132),        # engine: 1 while the loop does host work (the CPU backend's iteration + step)
     ("step_limit_s", "<u4", 136),   # engine: the longest a step may take on this backend before it counts as hung

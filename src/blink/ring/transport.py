@@ -44,9 +44,10 @@ class RemoteMemory(ABC):
     def close(self) -> None:
         """Release this side's mapping."""
 
-    def claim_agent(self) -> None:
-        """Make this the only agent on the region until ``close``; ``RingRefused`` if another agent has it. Only
-        shared memory, which any process of the user may open by name, needs it: elsewhere it does nothing."""
+    def claim_agent(self, slots: range) -> None:
+        """Make this the only agent on ``slots`` of the region until ``close``; ``RingRefused`` if another agent has
+        any of them (``blink.ring.shares``: each agent owns a range). Only shared memory, which any process of the
+        user may open by name, needs it: elsewhere it does nothing."""
 
     def _check_range(self, offset: int, nbytes: int) -> None:
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
@@ -131,13 +132,15 @@ def _room_error(directory: str, size: int) -> ValueError:
 
 # Bytes of a ring's file that its users lock (Linux open-file-description locks: per open file, released when it is
 # closed, by whatever process, in whatever namespace): the creator holds CREATOR_BYTE while the ring is served, so a
-# ring nobody holds it on is one a killed engine left behind; the agent holds AGENT_BYTE, one agent per ring.
+# ring nobody holds it on is one a killed engine left behind; an agent holds byte AGENT_BYTE + s for each slot s of
+# its range, one agent per slot (the locks are advisory: the bytes themselves are the control block's, untouched).
 CREATOR_BYTE, AGENT_BYTE = 0, 1
 
 
-def lock_byte(fd: int, byte: int) -> bool:
-    """Write-lock ``byte`` of ``fd``'s file for this open file description: False if another one holds it."""
-    request = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0)     # struct flock, l_pid 0
+def lock_bytes(fd: int, first: int, count: int = 1) -> bool:
+    """Write-lock bytes ``[first, first + count)`` of ``fd``'s file for this open file description: False if
+    another one holds any of them."""
+    request = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, first, count, 0)     # struct flock, l_pid 0
     try:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, request)
     except OSError as e:
@@ -207,7 +210,7 @@ class SharedMemory(_MappedMemory):
                                   "engine uses it, or a killed one left it behind; pick another name, or remove "
                                   "the file if no engine runs on it") from None
         try:
-            lock_byte(fd, CREATOR_BYTE)             # a file made just now: nobody else can hold it
+            lock_bytes(fd, CREATOR_BYTE)            # a file made just now: nobody else can hold it
             try:
                 os.posix_fallocate(fd, 0, size)     # every page now: a write can never find /dev/shm full
             except OSError as e:
@@ -249,10 +252,11 @@ class SharedMemory(_MappedMemory):
         """The creator also removes ``path`` (a file that lives as long as the ring) when it closes."""
         self._companions.append(path)
 
-    def claim_agent(self) -> None:
-        if not lock_byte(self._fd, AGENT_BYTE):
-            raise RingRefused(f"another agent is attached to the ring {self.path} already: one agent per ring (two "
-                              "would take each other's slots); stop it first, or start another engine")
+    def claim_agent(self, slots: range) -> None:
+        if not lock_bytes(self._fd, AGENT_BYTE + slots.start, len(slots)):
+            which = f"slot {slots.start}" if len(slots) == 1 else f"slots {slots.start}-{slots.stop - 1}"
+            raise RingRefused(f"another agent is attached to {which} of the ring {self.path} already: one agent per "
+                              "slot (two would take each other's slots); stop it first, or start another engine")
 
     def close(self) -> None:
         self._unmap()

@@ -1,5 +1,5 @@
 """What an orchestrator and a router read from a replica: liveness (``GET /livez``), readiness (``GET /readyz``) and
-the load gauges of ``/metrics`` (``LoadCollector``). docs/deploy.md documents them for users; the semantics:
+the load gauges of ``/metrics`` (``LoadGauges``). docs/deploy.md documents them for users; the semantics:
 
 - **live** unless the agent's loop crashed or the engine is dead by ``blink.nic.liveness`` (a launch error, stopped,
   its process stopped ticking, or its heartbeat stood still for ``--liveness-timeout`` outside a model step, for the
@@ -16,11 +16,10 @@ Neither probe sends ``Retry-After`` or an OpenAI error body: they are for machin
 from __future__ import annotations
 
 from aiohttp import web
-from prometheus_client.core import GaugeMetricFamily
 
 from blink.nic.agent_loop import STARTING, AgentLoop
 from blink.nic.drain import Drain
-from blink.nic.metrics import pending
+from blink.nic.metrics import Metrics
 
 
 class Probes:
@@ -70,30 +69,28 @@ class Probes:
         return [web.get("/livez", self.live), web.get("/readyz", self.ready)]
 
 
-class LoadCollector:
-    """The gauges a least-load or KV-aware router picks a replica by, read at scrape time (the agent's own state and
-    the ring's control block); ``blink_requests_running`` / ``_waiting`` / ``_queued`` and
-    ``blink_kv_cache_usage_ratio`` come from ``blink.nic.agent_loop``'s collector."""
+class LoadGauges:
+    """The gauges a least-load or KV-aware router picks a replica by that this process keeps (its requests, its
+    slots, its readiness), published into ``metrics`` (``Metrics.publish``: summed over the agent processes where
+    several serve); the ring's, ``blink_requests_pending``, ``blink_kv_cache_*`` and ``blink_ring_slots`` among them,
+    come from ``blink.nic.engine_metrics``, and ``blink_requests_queued`` from ``blink.nic.metrics``."""
 
-    def __init__(self, probes: Probes):
+    GAUGES = [  # name, help, how the processes' values make one
+        ("blink_requests_max_queued", "Requests that may wait in the agent for a ring slot (--max-queued)", "livesum"),
+        ("blink_http_requests_in_flight", "Generation requests taken and not yet answered (what a drain waits for)",
+         "livesum"),
+        ("blink_ring_free_slots", "Ring request slots free for a new request", "livesum"),
+        ("blink_ready", "Agent processes whose /readyz answers 200 (one process: 1 while it does, else 0)", "livesum"),
+        ("blink_draining", "1 from the first SIGTERM / SIGINT on, else 0", "livemax")]
+
+    def __init__(self, probes: Probes, metrics: Metrics):
         self.probes = probes
+        self.gauges = [metrics.gauge(name, doc, mode) for name, doc, mode in self.GAUGES]
+        metrics.publishing(self.publish)
 
-    def collect(self):
+    def publish(self) -> None:
         loop, drain = self.probes.loop, self.probes.drain
-        stats, tracker = loop.agent.stats(), loop.agent.tracker
-        gauges = {
-            "blink_requests_pending": ("Requests taken and not yet running: waiting in the ring plus queued in the "
-                                       "agent (vLLM's num_requests_waiting)", pending(loop, stats)),
-            "blink_requests_max_queued": ("Requests that may wait in the agent for a ring slot (--max-queued)",
-                                          loop.config.max_queued),
-            "blink_http_requests_in_flight": ("Generation requests taken and not yet answered (what a drain waits "
-                                              "for)", drain.in_flight),
-            "blink_ring_free_slots": ("Ring request slots free for a new request", tracker.n_free),
-            "blink_ring_slots": ("Ring request slots in all", tracker.n_slots),
-            "blink_kv_cache_free_pages": ("KV-cache pages free", stats["kv_pages_free"]),
-            "blink_kv_cache_pages": ("KV-cache pages in all", stats["kv_pages_total"]),
-            "blink_ready": ("1 while /readyz answers 200, else 0", int(self.probes.not_ready() is None)),
-            "blink_draining": ("1 from the first SIGTERM / SIGINT on, else 0", int(drain.draining)),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=value)
+        values = (loop.config.max_queued, drain.in_flight, loop.agent.tracker.n_free,
+                  int(self.probes.not_ready() is None), int(drain.draining))
+        for gauge, value in zip(self.gauges, values, strict=True):
+            gauge.set(value)

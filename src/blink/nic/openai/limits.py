@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiohttp import http_exceptions, web
 from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 
 from blink.nic.openai.errors import ApiError
+from blink.ring.shares import Share
 
 # aiohttp's read buffer per connection (web_protocol's read_bufsize): what a body can hold of the server before its
 # handler reads it, place or not.
@@ -44,6 +45,13 @@ class HttpLimits:
     max_pending_bodies: int = 64
     max_connections: int = 4096
     keepalive_timeout_s: float = 15.0
+
+    def per_process(self, share: Share) -> HttpLimits:
+        """One agent process's limits where ``share.agents`` processes serve (``blink serve --agent-processes``):
+        what the whole server may hold at once (bodies being received, connections) is split among them
+        (``Share.cap``: rounded up); what one request may take (its time, its bytes) stays as it is."""
+        return replace(self, max_pending_bodies=share.cap(self.max_pending_bodies),
+                       max_connections=share.cap(self.max_connections))
 
     def __post_init__(self):
         for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):

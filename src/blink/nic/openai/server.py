@@ -33,8 +33,9 @@ from blink.nic.defaults import SamplingDefaults
 from blink.nic.drain import ABORT_GRACE_S, Drain, DrainConfig
 from blink.nic.grammars import COMPILE_TIMEOUT_S, GrammarCompiler
 from blink.nic.openai.errors import REFUSALS, ApiError, api_error
-from blink.nic.openai.health import LoadCollector, Probes
+from blink.nic.openai.health import LoadGauges, Probes
 from blink.nic.openai.connections import ConnectionGuard, JsonErrors
+from blink.nic.openai.ports import cannot_listen
 from blink.nic.openai.limits import BodyPlaces, HttpLimits, OneLineBadRequests, is_small, read_body
 from blink.nic.openai import structured
 from blink.nic.openai.requests import Job, Parser, json_body
@@ -97,7 +98,7 @@ class OpenAIServer:
         self.metrics.watch(self.loop, config.model_name)
         self.drain = Drain(self.loop, config.drain)
         self.probes = Probes(self.loop, self.drain)
-        self.metrics.registry.register(LoadCollector(self.probes))
+        LoadGauges(self.probes, self.metrics)
         self.guard, self.places = ConnectionGuard(config.limits), BodyPlaces(config.limits)
         # Two tokenizer threads, one for small bodies and one for large ones (``limits.is_small``): a small chat
         # never waits behind the tokenizing of large prompts (16 of them made small chats wait 21 s in one queue).
@@ -290,8 +291,9 @@ class Listening:
         await self.runner.cleanup()
 
 
-async def start(server: OpenAIServer, host: str, port: int) -> Listening:
-    """Serve ``server`` on ``host:port`` (0: any free port) in the running loop, every connection guarded."""
+async def start(server: OpenAIServer, host: str, port: int, reuse_port: bool = False) -> Listening:
+    """Serve ``server`` on ``host:port`` (0: any free port) in the running loop, every connection guarded;
+    ``reuse_port``: beside a server's other agent processes (SO_REUSEPORT: the kernel spreads the connections)."""
     loop = asyncio.get_running_loop()
     # A refused body's rest is read and dropped for LINGER_S (aiohttp's default: 10 s), so that its client reads the
     # answer rather than a reset, and the connection is closed then.
@@ -304,18 +306,18 @@ async def start(server: OpenAIServer, host: str, port: int) -> Listening:
         return server.guard.protocol(JsonErrors(runner.server, loop=loop, **handling))
 
     try:
-        listener = await loop.create_server(protocol, host, port)
-    except OSError as e:        # a port in use, an address this host does not have: the operator's to change
+        listener = await loop.create_server(protocol, host, port, reuse_port=reuse_port)
+    except OSError as e:
         await runner.cleanup()
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}: choose another --host or --port") \
-            from None
+        raise cannot_listen(host, port, e) from None
     return Listening(runner, listener)
 
 
-def run(server: OpenAIServer, host: str, port: int) -> int:
+def run(server: OpenAIServer, host: str, port: int, reuse_port: bool = False, listening=lambda: None) -> int:
     """Serve until SIGINT/SIGTERM (Ctrl-C) and a drain (``blink.nic.drain``: a second signal stops at once), or until
     the engine is gone; the process's exit code (0, or 1 when the engine is gone). The process's start-up heap is
-    frozen first (``freeze_startup_heap``): ``run`` owns the process it serves in."""
+    frozen first (``freeze_startup_heap``): ``run`` owns the process it serves in. ``reuse_port``: see ``start``;
+    ``listening()`` is called once the server listens."""
     import signal
 
     freeze_startup_heap()
@@ -327,12 +329,13 @@ def run(server: OpenAIServer, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, server.drain.signal, server.stopped.set)
-        listening = await start(server, host, port)
-        log.info("serving %s on http://%s:%d", server.config.model_name, host, listening.port)
+        listener = await start(server, host, port, reuse_port)
+        log.info("serving %s on http://%s:%d", server.config.model_name, host, listener.port)
+        listening()
         try:
             await server.stopped.wait()
         finally:
-            await listening.cleanup()
+            await listener.cleanup()
         return server.exit_code
 
     return asyncio.run(serve())
