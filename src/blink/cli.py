@@ -12,6 +12,7 @@ import uuid
 
 from blink.cli_options import LOG_LEVELS, engine_options, http_options, model_options, rdma_options
 from blink.host.process import USER_ERRORS
+from blink.ring.shares import Share
 from blink.ring.split import REQUEST_SIDES
 
 _ring_numbers = itertools.count()
@@ -29,7 +30,6 @@ def serve(args) -> int:
     ``--agent-processes N`` > 1, in N processes that this one supervises (``blink.host.agents``)."""
     from blink.host.process import engine_process, split_cores
     from blink.ring.reference import standin_engine
-    from blink.ring.shares import Share
 
     configs = _agent_configs(args)      # checked before the engine starts
     agents = args.agent_processes
@@ -155,7 +155,7 @@ def _rdma_device(args):
     return DeviceConfig(device=args.rdma_device, port=args.rdma_port, gid_index=args.rdma_gid_index)
 
 
-def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cores, share=None,
+def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cores, share=Share(),
                 listening=lambda: None) -> int:
     """The HTTP agent on ``memory``'s ring, or its ``share`` of it beside other agent processes, until Ctrl-C /
     SIGTERM (exit 0) or until its engine is gone (exit 1: the engine is not restarted here; a supervisor restarts the
@@ -169,9 +169,6 @@ def _serve_http(args, configs, memory, tokenizer, model_dir, engine_process, cor
     from blink.nic.openai.server import OpenAIServer, ServerConfig, run
     from blink.host.priority import helper_priority, pin, set_priority
     from blink.host.process import engine_watch
-    from blink.ring.shares import Share
-
-    share = share or Share()
 
     set_priority(args.agent_priority)           # before any thread starts: threads inherit it
     if cores:

@@ -4,6 +4,7 @@ here: each agent process's slots are the range it locks in the ring's file (``/p
 slots and counters say what the processes did. Pausing the engine process (SIGSTOP) holds requests in the ring for as
 long as a test needs, with no timing assumed."""
 import asyncio
+import glob
 import http.client
 import json
 import os
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -361,6 +363,13 @@ def test_a_killed_serve_takes_its_agent_processes_engine_and_ring_with_it(tmp_pa
     server.process.wait(10)
     wait_for(lambda: all(not os.path.exists(f"/proc/{pid}") or zombie(pid) for pid in spawned), timeout_s=60)
     wait_for(lambda: not rings(server.process.pid), timeout_s=10)
+    # Its metrics directory is left behind, and the next server's removes it.
+    from blink.nic.metrics import shared_metrics
+
+    left = glob.glob(os.path.join(tempfile.gettempdir(), f"blink-metrics-{server.process.pid}-*"))
+    assert len(left) == 1
+    with shared_metrics():
+        assert not os.path.exists(left[0])
 
 
 def test_an_agent_process_that_cannot_start_stops_the_server_with_exit_code_1(tmp_path):

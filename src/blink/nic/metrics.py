@@ -36,9 +36,11 @@ SHARED_DIR = "PROMETHEUS_MULTIPROC_DIR"     # prometheus_client's: where process
 @contextmanager
 def shared_metrics():
     """The metrics of the agent processes started inside this block summed over them (``SHARED_DIR``, a fresh
-    directory, removed after); yields ``exited(pid)``, to call once an agent process has exited (its live gauges
-    go with it; its counters stay in the sums)."""
-    path, before = tempfile.mkdtemp(prefix="blink-metrics-"), os.environ.get(SHARED_DIR)
+    directory, removed after, and those that killed servers of this user left removed first); yields
+    ``exited(pid)``, to call once an agent process has exited (its live gauges go with it; its counters stay in the
+    sums)."""
+    _sweep_shared_dirs()
+    path, before = tempfile.mkdtemp(prefix=f"blink-metrics-{os.getpid()}-"), os.environ.get(SHARED_DIR)
     os.environ[SHARED_DIR] = path
     try:
         yield lambda pid: mark_process_dead(pid, path)
@@ -48,6 +50,26 @@ def shared_metrics():
         else:
             os.environ[SHARED_DIR] = before
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _sweep_shared_dirs() -> None:
+    """Remove the metrics directories of servers of this user that are gone (``blink-metrics-PID-...``, PID not
+    running): a server killed with SIGKILL leaves its own behind."""
+    for entry in os.scandir(tempfile.gettempdir()):
+        pid = entry.name.removeprefix("blink-metrics-").split("-")[0]
+        if entry.name.startswith("blink-metrics-") and pid.isdigit() and entry.is_dir(follow_symlinks=False) \
+                and entry.stat(follow_symlinks=False).st_uid == os.geteuid() and not _running(int(pid)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass                # another user's process
+    return True
 
 
 class Metrics:
