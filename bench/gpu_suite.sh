@@ -18,7 +18,7 @@
 # Parts write into a scratch folder that is bundled into $OUT/suite.tgz after every part (one file holds them all;
 # a run cut short keeps the parts it finished); $OUT also gets gpu.txt and suite_times.txt.
 # Run from the repository root of a copied tree: PYTHONPATH=src, the GPU machine's own torch/numba/cuda-python;
-# carry wheels/ (ignored by git) with the outlines-core cp312 wheel (`pip download --only-binary=:all:
+# copy wheels/ (ignored by git) over with the outlines-core cp312 wheel (`pip download --only-binary=:all:
 # --python-version 3.12 --platform manylinux2014_x86_64 -d wheels outlines-core==0.2.14`) for the grammar parts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,7 +57,7 @@ for part in "${parts[@]}"; do
         *) keep=(cat) ;;
       esac
       mapfile -t files < <(bash bench/gpu_test_files.sh | "${keep[@]}")
-      # The grammar tests compile with outlines-core, which the image lacks: from a carried wheels/ (else they skip).
+      # The grammar tests compile with outlines-core, which the image lacks: from a copied wheels/ (else they skip).
       python -c "import outlines_core" 2>/dev/null || python -m pip install -q --no-index --find-links wheels \
         outlines-core || echo "tests: no outlines-core and no wheels/ to install it from: the grammar tests skip"
       log=gpu_tests${part#tests}

