@@ -87,13 +87,20 @@ def budget(s, slot):
 
 
 @cuda.jit(device=True)
+def draft_pages(s, slot, k):
+    """Pages ``k`` drafts take beyond the ones the sequence in ``slot`` needs to decode its next token."""
+    page = s.cfg[CFG_PAGE_SIZE]
+    decoded = s.seq_computed[slot] + 1
+    return (decoded + k + page - 1) // page - (decoded + page - 1) // page
+
+
+@cuda.jit(device=True)
 def propose(s, sh, n):
     """All-decode steps: each running sequence ``i`` gets ``sh.chunk[i] = 1 + drafts`` tokens (``seq_ndraft``), the
     drafts cut in running order to the rows and pages left. Sequences are looked up one after another, each by the
     whole block. Scratch: ``sh.keys[0]`` (the lookup's), ``sh.tokens``, ``sh.pages``, ``sh.rank``."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    page = s.cfg[CFG_PAGE_SIZE]
     for i in range(n):
         slot = s.running[i]
         count = lookup(s, sh.keys, slot, budget(s, slot))
@@ -102,10 +109,8 @@ def propose(s, sh, n):
     cuda.syncthreads()
     for i in range(tid, n, nt):
         slot = s.running[i]
-        k = sh.rank[i]
-        decoded = s.seq_computed[slot] + 1
-        sh.tokens[i] = k
-        sh.pages[i] = (decoded + k + page - 1) // page - (decoded + page - 1) // page
+        sh.tokens[i] = sh.rank[i]
+        sh.pages[i] = draft_pages(s, slot, sh.rank[i])
     cuda.syncthreads()
     exclusive_scan(sh.tokens, n, sh.partial)
     exclusive_scan(sh.pages, n, sh.partial)
@@ -114,9 +119,7 @@ def propose(s, sh, n):
     for i in range(tid, n, nt):
         slot = s.running[i]
         k = sh.rank[i]
-        decoded = s.seq_computed[slot] + 1
-        extra = (decoded + k + page - 1) // page - (decoded + page - 1) // page
-        if sh.tokens[i] + k > rows_left or sh.pages[i] + extra > pages_left:
+        if sh.tokens[i] + k > rows_left or sh.pages[i] + draft_pages(s, slot, k) > pages_left:
             k = 0
         s.seq_ndraft[slot] = k
         sh.chunk[i] = 1 + k
