@@ -60,6 +60,8 @@ class Load:
                 payload = response.read()
                 end = ("error" if response.status != 200 or b'"error"' in payload
                        else "done" if payload.endswith(b"data: [DONE]\n\n") else "cut")
+            except http.client.IncompleteRead:
+                end = "cut"             # the response ended inside a chunk
             except OSError:
                 end = "refused"         # the server is gone: a new request cannot connect
             self.ends.append((end, time.monotonic() - start))
