@@ -1,6 +1,7 @@
 """``blink generate``: one prompt through an in-process engine, against transformers' greedy continuation. (``blink
 serve``, ``blink engine`` and ``blink agent`` run end to end in tests/nic/openai/test_server.py.)"""
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -117,6 +118,23 @@ def test_a_port_in_use_is_one_line_not_a_traceback(agents):
                                "--agent-processes", agents], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert f"blink serve: cannot listen on 127.0.0.1:{port}: " in done.stderr
+
+
+def test_serve_chooses_its_agent_processes_from_its_cores_and_says_so():
+    """Without --agent-processes the count comes from the cores serve may use (here under a one-core affinity too),
+    logged before anything starts."""
+    from blink.host.agents import default_agent_processes
+
+    for cores in (sorted(os.sched_getaffinity(0)), sorted(os.sched_getaffinity(0))[:1]):
+        with socket.socket() as taken:      # serve stops once it finds its port taken
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            done = subprocess.run(["taskset", "-c", ",".join(map(str, cores)), sys.executable, "-m", "blink.cli",
+                                   "serve", "--standin", "--slots", "4", "--port", str(taken.getsockname()[1])],
+                                  capture_output=True, text=True, timeout=120)
+        agents = default_agent_processes(len(cores), 4)
+        assert (f"{agents} agent process{'es' if agents > 1 else ''}: one per 8 of the {len(cores)} cores this process "
+                "may use (--agent-processes N to choose)") in done.stderr, done.stderr
 
 
 def cached_copy(cache, model_id, revision, files):

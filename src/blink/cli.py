@@ -11,6 +11,7 @@ import sys
 import uuid
 
 from blink.cli_options import LOG_LEVELS, engine_options, http_options, model_options, rdma_options
+from blink.host.agents import CORES_PER_AGENT_PROCESS, default_agent_processes
 from blink.host.process import USER_ERRORS
 from blink.ring.shares import Share
 from blink.ring.split import REQUEST_SIDES
@@ -32,12 +33,8 @@ def serve(args) -> int:
     from blink.ring.reference import standin_engine
 
     configs = _agent_configs(args)      # checked before the engine starts
-    agents = args.agent_processes
-    if not agents >= 1:
-        raise ValueError(f"--agent-processes must be 1 or more (got {agents})")
+    agents = _agent_processes(args)
     Share(0, agents).slots(args.slots)
-    log.info("%d agent process%s (--agent-processes%s)", agents, "es" if agents > 1 else "",
-             " 1, the default" if agents == 1 else "")
     model_dir = _model_dir(args)
     tokenizer = _tokenizer(args, model_dir)
     if args.standin:
@@ -53,10 +50,25 @@ def serve(args) -> int:
     with engine as (memory, process), split_cores(process, args.cpus, args.reserve_agent_cores, agents) as cores:
         if agents == 1:
             return _serve_http(args, configs, memory, tokenizer, model_dir, process, cores)
-        return _serve_agents(args, configs, memory, process, cores)
+        return _serve_agents(args, configs, memory, process, cores, agents)
 
 
-def _serve_agents(args, configs, memory, engine_process, cores) -> int:
+def _agent_processes(args) -> int:
+    """``--agent-processes``, or its default from the cores this process may use (logged either way)."""
+    if args.agent_processes is not None:
+        if not args.agent_processes >= 1:
+            raise ValueError(f"--agent-processes must be 1 or more (got {args.agent_processes})")
+        log.info("%d agent process%s (--agent-processes)", args.agent_processes,
+                 "es" if args.agent_processes > 1 else "")
+        return args.agent_processes
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    agents = default_agent_processes(cores, args.slots)
+    log.info("%d agent process%s: one per %d of the %d cores this process may use (--agent-processes N to choose)",
+             agents, "es" if agents > 1 else "", CORES_PER_AGENT_PROCESS, cores)
+    return agents
+
+
+def _serve_agents(args, configs, memory, engine_process, cores, agents) -> int:
     """``--agent-processes N`` > 1: N agent processes serve ``memory``'s ring on one port (``blink.host.agents``),
     agent process ``i`` on agent core ``i`` (modulo their number)."""
     from functools import partial
@@ -70,7 +82,7 @@ def _serve_agents(args, configs, memory, engine_process, cores) -> int:
         on_port = argparse.Namespace(**{**vars(args), "port": held.getsockname()[1]})     # port 0: the one chosen
         target = partial(_agent_process, on_port, configs, memory.name, control.read(memory)["prefix_seed"],
                          engine_process.pid, cores)
-        return supervise(target, args.agent_processes, engine_process, exited)
+        return supervise(target, agents, engine_process, exited)
 
 
 def _agent_process(args, configs, ring: str, prefix_seed: int, engine_pid: int, cores, share, listening) -> int:
@@ -252,9 +264,10 @@ def _parser() -> argparse.ArgumentParser:
     model_options(serve_cmd, positional=True)
     http_options(serve_cmd)
     engine_options(serve_cmd, slots=256)
-    serve_cmd.add_argument("--agent-processes", type=int, default=1, metavar="N",
+    serve_cmd.add_argument("--agent-processes", type=int, default=None, metavar="N",
                            help="agent processes serving the ring together on one port, each its own share of the "
-                                "ring's slots (the kernel spreads the connections; docs/serving.md)")
+                                "ring's slots (the kernel spreads the connections; docs/serving.md); default: one "
+                                f"per {CORES_PER_AGENT_PROCESS} cores this process may use, at least 1")
     serve_cmd.add_argument("--standin", action="store_true",
                            help="run the reference consumer with the stand-in model as the engine")
     serve_cmd.add_argument("--standin-step-ms", type=float, default=0.0,

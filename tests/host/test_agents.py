@@ -383,3 +383,11 @@ def test_an_agent_process_that_cannot_start_stops_the_server_with_exit_code_1(tm
     assert re.search(r"blink serve: agent process \d: --api-key-file \S+: cannot read the key", stderr)
     assert re.search(r"agent process \d of 2 exited \(code 1\) before it listened: stopping the server", stderr)
     assert "starting it again" not in stderr and not rings(serve.pid)
+
+
+@pytest.mark.parametrize("cores,slots,agents", [(1, 256, 1), (2, 256, 1), (15, 256, 1), (16, 256, 2), (64, 256, 8),
+                                               (256, 256, 8), (64, 3, 3)])
+def test_the_default_is_one_agent_process_per_eight_cores_within_the_slots(cores, slots, agents):
+    from blink.host.agents import default_agent_processes
+
+    assert default_agent_processes(cores, slots) == agents

@@ -31,6 +31,16 @@ from blink.ring import control
 from blink.ring.shares import Share
 
 log = logging.getLogger("blink")
+CORES_PER_AGENT_PROCESS = 8     # the default: one agent process per this many cores serve may use (the rest: engine)
+MAX_DEFAULT_AGENT_PROCESSES = 8
+
+
+def default_agent_processes(cores: int, n_slots: int) -> int:
+    """``blink serve``'s number of agent processes when ``--agent-processes`` is not given: one per
+    ``CORES_PER_AGENT_PROCESS`` of the ``cores`` it may use, at least 1, at most ``MAX_DEFAULT_AGENT_PROCESSES`` and
+    ``n_slots`` (every process needs a slot). A small host keeps one process: on two cores a second one beside the
+    engine served fewer tokens than one alone (docs/serving.md)."""
+    return max(1, min(cores // CORES_PER_AGENT_PROCESS, MAX_DEFAULT_AGENT_PROCESSES, n_slots))
 
 
 @dataclass
