@@ -236,6 +236,20 @@ def test_speculation_accepts_drafts_the_model_confirms():
     assert stats["spec_accepted_tokens"] > 0 and stats["steps"] < 1 + 12
 
 
+def test_drafts_that_do_not_all_fit_the_rows_left_are_cut_not_dropped():
+    """Two rows a step, one decoding sequence whose every token occurs in its prompt (so each lookup finds drafts,
+    often three): every step after the prefill that may draft verifies the one draft that fits."""
+    config = SchedulerConfig(**{**CONFIG.__dict__, "max_num_seqs": 2, "speculative": SPECULATIVE})
+    h = Harness(config, vocab_size=SMALL_VOCAB)
+    params = SamplingParams(max_tokens=12, seed=5, ignore_eos=True)
+    prompt = list(range(SMALL_VOCAB)) * 2
+    rid = h.agent.submit(prompt, params)
+    h.run_until_idle()
+    assert (h.outputs[rid], h.reasons[rid]) == expected_output(prompt, params, vocab_size=SMALL_VOCAB)
+    stats = h.agent.stats()
+    assert stats["spec_draft_tokens"] == stats["spec_drafts"] >= stats["steps"] - 2, stats   # the prefill, the last
+
+
 def run_workload(h, requests, use_stop, vocab_size=STANDIN_VOCAB) -> dict:
     """Submit ``requests`` (prompt, max_tokens, seed, ignore_eos, arrival iteration, cancel) to ``h`` as they
     arrive, cancel some two iterations later, run until idle; every output must be the reference's. Returns the

@@ -117,10 +117,12 @@ def propose(s, sh, n):
     rows_left = s.cfg[CFG_MAX_NUM_SEQS] - n
     pages_left = free_total(s) - sh.counters[K_DECODE_PAGES]
     for i in range(tid, n, nt):
+        # The rows and pages the sequences before this one asked for are taken, whether or not they got them all;
+        # this one keeps the first of its drafts that fit in what is left.
         slot = s.running[i]
-        k = sh.rank[i]
-        if sh.tokens[i] + k > rows_left or sh.pages[i] + draft_pages(s, slot, k) > pages_left:
-            k = 0
+        k = min(sh.rank[i], max(0, rows_left - sh.tokens[i]))
+        while k > 0 and sh.pages[i] + draft_pages(s, slot, k) > pages_left:
+            k -= 1
         s.seq_ndraft[slot] = k
         sh.chunk[i] = 1 + k
         if k > 0:
