@@ -16,8 +16,7 @@ from tests.device.pages import check_pages
 
 from blink.device.config import SchedulerConfig, SpeculativeConfig
 from blink.device.sim import SimScheduler
-from blink.device.state import (FREE_TOP, H32_FLAGS, H32_GRAMMAR, H32_N_LOGIT_BIAS, HF_MIN_P, IDLE, N_EVICTABLE,
-                                N_RUNNING, STOP)
+from blink.device.state import H32_FLAGS, H32_GRAMMAR, H32_N_LOGIT_BIAS, HF_MIN_P, IDLE, PUBLISHED_COUNTERS, STOP
 from blink.device.step import StepBuffers, StepLayout
 from blink.errors import RingFull
 from blink.nic.agent import Agent
@@ -46,7 +45,7 @@ def without_caching(config=CONFIG, geometry=GEOMETRY):
 
 
 def free_pages(s) -> int:
-    return int(s.sched[FREE_TOP] + s.sched[N_EVICTABLE])
+    return int(s.sched[0].free_top + s.sched[0].evictable)
 
 
 def tokens_of(s, slot) -> list[int]:
@@ -104,10 +103,10 @@ class Harness:
 
     def iterate(self) -> int:
         outcome = self.scheduler.iteration()
-        running = int(self.scheduler.arrays.sched[N_RUNNING])
+        running = int(self.scheduler.arrays.sched[0].running)
         assert outcome != IDLE or running == 0, f"no step planned while {running} sequences run: no progress"
         s = self.scheduler.arrays
-        check_pages(s, s.running[:s.sched[N_RUNNING]].tolist())
+        check_pages(s, s.running[:s.sched[0].running].tolist())
         if outcome >= 0:
             self.steps.append(check_step_contract(s, self.config, outcome))
         for out in self.agent.poll():
@@ -269,11 +268,14 @@ def run_workload(h, requests, use_stop, vocab_size=STANDIN_VOCAB) -> dict:
         else:
             assert (h.outputs.get(rid, []), h.reasons[rid]) == (tokens, reason)
     s = h.scheduler.arrays
-    assert free_pages(s) == num_pages and int(s.sched[N_RUNNING]) == 0
+    assert free_pages(s) == num_pages and int(s.sched[0].running) == 0
     stats = h.agent.stats()
     assert stats["admitted"] + stats["cancelled"] >= len(requests) == stats["finished"]
     assert stats["tokens"] == sum(len(v) for v in h.outputs.values())
     assert stats["kv_pages_free"] == num_pages and stats["running"] == 0
+    # publish_stats stores every device counter into the ring's field of the same name
+    assert {name: stats[name] for name in PUBLISHED_COUNTERS} == {
+        name: int(s.stats[0][name]) for name in PUBLISHED_COUNTERS}
     return stats
 
 
@@ -430,7 +432,7 @@ def test_prefills_that_hold_every_page_are_unblocked_by_preemption():
     h.agent.submit(list(range(40)), SamplingParams(max_tokens=12, seed=1))
     h.agent.submit(list(range(1, 41)), SamplingParams(max_tokens=12, seed=2))
     h.iterate()                                  # both admitted (10 + 10 pages of 24); the first one's first chunk
-    s.sched[FREE_TOP] -= int(s.sched[FREE_TOP])  # pages vanish under them (as if other sequences had taken them)
+    s.sched[0].free_top -= int(s.sched[0].free_top)  # pages vanish under them (as if other sequences had taken them)
     outcome = h.scheduler.iteration()
     assert outcome >= 0 and h.agent.stats()["preempted"] >= 1
 

@@ -9,7 +9,7 @@ keep it, and every request in the ring, each choice of an ``n > 1`` request too,
 from __future__ import annotations
 
 from blink.device.numba_compat import cuda
-from blink.device.state import CFG_GRAMMAR_WORDS, CFG_MASK_WORDS, H32_FLAGS, H32_GRAMMAR
+from blink.device.state import H32_FLAGS, H32_GRAMMAR
 from blink.ring.grammar import RECORD_WORDS
 from blink.ring.layout import FLAG_GRAMMAR
 
@@ -21,7 +21,7 @@ def fits(s, slot):
         return True
     start = s.hdr_i32[slot, H32_GRAMMAR]
     # Subtracted from the region's size, not added to the start: a start near 2**31 must not wrap around.
-    return 0 <= start <= s.cfg[CFG_GRAMMAR_WORDS] - s.cfg[CFG_MASK_WORDS] - RECORD_WORDS
+    return 0 <= start <= s.cfg[0].grammar_words - s.cfg[0].mask_words - RECORD_WORDS
 
 
 @cuda.jit(device=True)
@@ -61,7 +61,7 @@ def after_drafts(s, slot, count):
     state = s.seq_grammar[slot]
     if state >= 0:
         for j in range(count):
-            state = next_state(s.grammars, state, s.seq_draft[slot, j], s.cfg[CFG_MASK_WORDS])
+            state = next_state(s.grammars, state, s.seq_draft[slot, j], s.cfg[0].mask_words)
     return state
 
 
@@ -77,7 +77,7 @@ def allowed_drafts(s, slot, count):
         token = s.seq_draft[slot, j]
         if not allows(s.grammars, state, token):
             return j
-        state = next_state(s.grammars, state, token, s.cfg[CFG_MASK_WORDS])
+        state = next_state(s.grammars, state, token, s.cfg[0].mask_words)
     return count
 
 
@@ -86,4 +86,4 @@ def advance(s, slot, token):
     """The request in ``slot`` emitted ``token``: its grammar (if any) moves on."""
     state = s.seq_grammar[slot]
     if state >= 0:
-        s.seq_grammar[slot] = next_state(s.grammars, state, token, s.cfg[CFG_MASK_WORDS])
+        s.seq_grammar[slot] = next_state(s.grammars, state, token, s.cfg[0].mask_words)

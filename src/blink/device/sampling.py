@@ -12,8 +12,8 @@ from numba import int64
 
 from blink.device import grammar
 from blink.device.numba_compat import cuda, load_volatile
-from blink.device.state import (CFG_MAX_LOGIT_BIAS, CFG_MAX_TOP_LOGPROBS, H32_N_LOGIT_BIAS, H32_TOP_K,
-                                H32_TOP_LOGPROBS, H64_SEED, HF_MIN_P, HF_PENALTIES, HF_TEMPERATURE, HF_TOP_P)
+from blink.device.state import (H32_N_LOGIT_BIAS, H32_TOP_K, H32_TOP_LOGPROBS, H64_SEED, HF_MIN_P, HF_PENALTIES,
+                                HF_TEMPERATURE, HF_TOP_P)
 from blink.device.step import N_PENALTIES
 
 
@@ -22,7 +22,7 @@ def fits(s, slot):
     """Whether the header's ``logit_bias`` and ``top_logprobs`` counts and its grammar fit the ring."""
     n_bias = s.hdr_i32[slot, H32_N_LOGIT_BIAS]
     top = s.hdr_i32[slot, H32_TOP_LOGPROBS]
-    return (0 <= n_bias <= s.cfg[CFG_MAX_LOGIT_BIAS] and 0 <= top <= s.cfg[CFG_MAX_TOP_LOGPROBS]
+    return (0 <= n_bias <= s.cfg[0].max_logit_bias and 0 <= top <= s.cfg[0].max_top_logprobs
             and grammar.fits(s, slot))
 
 
@@ -67,7 +67,7 @@ def write_sampling(s, r, slot, same):
 def store_top_logprobs(s, r, slot, n):
     """Row ``r``'s top tokens as output position ``n`` of ``slot`` (nothing unless the request asked for them).
     Written by the step's kernels on other SMs: volatile loads, as the sampled token's."""
-    base = 2 * n * s.cfg[CFG_MAX_TOP_LOGPROBS]
+    base = 2 * n * s.cfg[0].max_top_logprobs
     for j in range(s.seq_top_logprobs[slot]):
         at = (int64(r), int64(j))               # a volatile load takes an index tuple of one integer type
         s.top_i32[slot, base + 2 * j] = load_volatile(s.sampled_top_ids, at)
