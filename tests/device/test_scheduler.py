@@ -16,14 +16,14 @@ from tests.device.pages import check_pages
 
 from blink.device.config import SchedulerConfig, SpeculativeConfig
 from blink.device.sim import SimScheduler
-from blink.device.state import H32_FLAGS, H32_GRAMMAR, H32_N_LOGIT_BIAS, HF_MIN_P, IDLE, PUBLISHED_COUNTERS, STOP
+from blink.device.state import IDLE, PUBLISHED_COUNTERS, STOP
 from blink.device.step import StepBuffers, StepLayout
 from blink.errors import RingFull
 from blink.nic.agent import Agent
 from blink.ring.control import ENGINE_STOPPED
 from blink.ring.geometry import RingGeometry
 from blink.ring.grammar import next_state
-from blink.ring.layout import FLAG_GRAMMAR, RingLayout
+from blink.ring.layout import FLAG_GRAMMAR, HEADER_DTYPE, RingLayout
 from blink.ring.reference import expected_output
 from blink.ring.request import SamplingParams
 from blink.ring.standin import STANDIN_VOCAB, standin_continuation, standin_step
@@ -176,12 +176,13 @@ def check_step_contract(s, config, bucket):
         assert s.logits_indices[r] == (int(qsl[r + 1]) - 1 if length == total else -1)
         assert s.seed[r] == s.seq_seed[slot] and s.temperature[r] == s.seq_temperature[slot]
         # The request's min_p and logit_bias, as the agent wrote them into the ring, whoever held the row before.
-        n_bias = int(s.hdr_i32[slot, H32_N_LOGIT_BIAS])
-        assert s.min_p[r] == s.hdr_f32[slot, HF_MIN_P] and s.n_logit_bias[r] == n_bias
+        header = s.headers[slot]
+        n_bias = int(header.n_logit_bias)
+        assert s.min_p[r] == header.min_p and s.n_logit_bias[r] == n_bias
         assert (s.logit_bias_ids[r, :n_bias] == s.bias_i32[slot, 0:2 * n_bias:2]).all()
         assert (s.logit_bias[r, :n_bias] == s.bias_f32[slot, 1:2 * n_bias:2]).all()
         # Its grammar state: the header's start state moved by each token generated so far (none: -1).
-        state = int(s.hdr_i32[slot, H32_GRAMMAR]) if s.hdr_i32[slot, H32_FLAGS] & FLAG_GRAMMAR else -1
+        state = int(header.grammar) if header.request_flags & FLAG_GRAMMAR else -1
         for token in known[int(s.seq_prompt_len[slot]):total] if state >= 0 else ():
             state = next_state(s.grammars, state, token, STANDIN_VOCAB)
         assert s.grammar_state[r] == state
@@ -393,8 +394,7 @@ def test_a_header_asking_for_more_than_the_ring_holds_finishes_with_error(field,
     rid = h.agent.submit([4, 5], SamplingParams(max_tokens=3, logprobs=True))
     ok = h.agent.submit([4, 5], SamplingParams(max_tokens=3))
     slot = h.agent._slot_of[rid]
-    dtype = h.layout.header_dtype
-    h.memory.write(h.layout.header_at(slot) + dtype.fields[field][1], np.array([value], "<u4").tobytes())
+    h.memory.write(h.layout.header_at(slot) + HEADER_DTYPE.fields[field][1], np.array([value], "<u4").tobytes())
     h.run_until_idle()
     assert (h.reasons[rid], h.outputs.get(rid, [])) == ("error", [])
     assert h.reasons[ok] == "length"
@@ -407,7 +407,7 @@ def test_a_header_whose_grammar_lies_outside_the_region_finishes_with_error(star
     h = Harness()
     rid = h.agent.submit([4, 5], SamplingParams(max_tokens=3, grammar=GRAMMARS[0]))
     ok = h.agent.submit([4, 5], SamplingParams(max_tokens=3, grammar=GRAMMARS[1]))
-    offset = h.layout.header_at(h.agent._slot_of[rid]) + h.layout.header_dtype.fields["grammar"][1]
+    offset = h.layout.header_at(h.agent._slot_of[rid]) + HEADER_DTYPE.fields["grammar"][1]
     h.memory.write(offset, np.array([start], "<i4").tobytes())
     h.run_until_idle()
     assert (h.reasons[rid], h.outputs.get(rid, [])) == ("error", [])

@@ -88,9 +88,9 @@ class Ring:
         top_k, temperature, top_p, flags, seed = extra
         for name, value in dict(prompt_len=prompt_len, max_tokens=max_tokens, n_stop=n_stop, arrival_ns=arrival_ns,
                                 priority=priority, request_id=request_id, top_k=top_k, temperature=temperature,
-                                top_p=top_p, flags=flags, seed=seed).items():
+                                top_p=top_p, request_flags=flags, seed=seed).items():
             h[name][slot] = value
-        h["stop_ids"][slot] = [100 + slot, 200 + slot][:GEOMETRY.max_stop_ids]
+        view.stop_token_ids[slot] = [100 + slot, 200 + slot][:GEOMETRY.max_stop_ids]
         for k, name in enumerate(PENALTY_NAMES):            # distinct per slot and field
             h[name][slot] = 0.125 * (slot + 1) + k
         view.prompts[slot] = np.arange(view.prompts.shape[1]) + 10 * slot
@@ -134,10 +134,11 @@ class Ring:
             assert (s.seq_prompt_len[slot], s.seq_max_tokens[slot], s.seq_n_stop[slot]) == \
                 (request.prompt_len, request.max_tokens, request.n_stop)
             assert (s.seq_top_k[slot], s.seq_flags[slot], s.seq_seed[slot]) == \
-                (h["top_k"], h["flags"], np.uint64(h["seed"]).astype(np.int64))
+                (h["top_k"], h["request_flags"], np.uint64(h["seed"]).astype(np.int64))
             assert (s.seq_temperature[slot], s.seq_top_p[slot]) == (h["temperature"], h["top_p"])
             assert s.seq_penalties[slot].tolist() == [h[name] for name in PENALTY_NAMES]
-            assert s.seq_stop[slot, :request.n_stop].tolist() == h["stop_ids"][:request.n_stop].tolist()
+            stops = self.view.stop_token_ids[slot, :request.n_stop]
+            assert s.seq_stop[slot, :request.n_stop].tolist() == stops.tolist()
         c = self.counters
         assert (c[COUNT.new], c[COUNT.refused], c[COUNT.finished], c[COUNT.cancelled], c[COUNT.rejected]) == \
             (counts["new"], counts["refused"], counts["refused"], counts["cancelled"], counts["rejected"])
@@ -356,7 +357,7 @@ def test_a_policy_may_return_the_largest_int64_key():
 
 def test_a_burst_larger_than_one_scan_is_queued_over_two_scans():
     """More READY requests than MAX_CANDIDATES: a scan queues MAX_CANDIDATES of them (which ones is not specified),
-    asks for another scan (``stats.seen_submitted = -1``), and the next scan queues the rest. Refusals are not capped."""
+    asks for another scan (``seen_submitted = -1``), and the next scan queues the rest. Refusals are not capped."""
     n = MAX_CANDIDATES + 40                         # 11 of them refused: 1053 servable
     geometry = RingGeometry(n_slots=n, max_prompt_tokens=6, max_output_tokens=5, max_stop_ids=2, logprobs=False)
     ring = Ring(threads=4, geometry=geometry)

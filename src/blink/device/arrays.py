@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from blink.device.config import MAX_EOS, MAX_SPECULATIVE_TOKENS, SchedulerConfig
-from blink.device.state import (CFG_DTYPE, CONTROL_RECORD, DOORBELLS_DTYPE, IDLE, SCHED_DTYPE, SCRATCH_CLEAR,
-                                STATS_DTYPE, table_entries)
+from blink.device.state import (CFG_DTYPE, CONTROL_RECORD, DOORBELLS_DTYPE, HEADER_RECORD, IDLE, SCHED_DTYPE,
+                                SCRATCH_CLEAR, STATS_DTYPE, table_entries)
 from blink.device.step import StepLayout
 from blink.ring.geometry import RingGeometry
 from blink.ring.grammar import mask_words
@@ -17,16 +17,15 @@ from blink.ring.layout import RingView
 def ring_arrays(view: RingView) -> dict[str, np.ndarray]:
     """The ring fields of ``SchedulerArrays`` as numpy views of the ring region."""
     n = view.headers.shape[0]
-    raw_headers = view.headers.view(np.uint8).reshape(n, -1)
     logprobs = view.logprobs if view.logprobs is not None else np.zeros((n, 1), np.float32)
     prefix_keys = view.prefix_keys if view.prefix_keys is not None else np.zeros((n, 1), np.uint64)
+    stops = view.stop_token_ids if view.stop_token_ids is not None else np.zeros((n, 1), np.int32)
     bias, top = (np.zeros((n, 2), np.int32) if pairs is None else pairs.view(np.int32).reshape(n, -1)
                  for pairs in (view.logit_bias, view.top_logprobs))
     return dict(control=view.control.view(CONTROL_RECORD), state=view.status["state"],
                 epoch=view.status["epoch"], cancel=view.status["cancel"], finish=view.status["finish_reason"],
-                ngen=view.status["n_generated"], hdr_i32=raw_headers.view(np.int32),
-                hdr_f32=raw_headers.view(np.float32), hdr_u64=raw_headers.view(np.uint64), prompts=view.prompts,
-                prefix_keys=prefix_keys, outputs=view.outputs, logprobs=logprobs, bias_i32=bias,
+                ngen=view.status["n_generated"], headers=view.headers.view(HEADER_RECORD), stop_token_ids=stops,
+                prompts=view.prompts, prefix_keys=prefix_keys, outputs=view.outputs, logprobs=logprobs, bias_i32=bias,
                 bias_f32=bias.view(np.float32), top_i32=top, top_f32=top.view(np.float32),
                 grammars=view.grammars if view.grammars is not None else np.zeros(1, np.int32))
 
@@ -71,7 +70,8 @@ def state_arrays(config: SchedulerConfig, geometry: RingGeometry, step: StepLayo
     u64 = lambda *shape: np.zeros(shape, np.uint64)  # noqa: E731
     return dict(
         sched=filled(SCHED_DTYPE, free_top=config.num_pages, bucket=IDLE),
-        stats=filled(STATS_DTYPE, prefix_seed=prefix_seed), cfg=cfg, buckets=np.array(config.buckets, np.int32), eos_ids=eos,
+        stats=filled(STATS_DTYPE, prefix_seed=prefix_seed), cfg=cfg, buckets=np.array(config.buckets, np.int32),
+        eos_ids=eos,
         free_pages=np.arange(pages, dtype=np.int32), seq_pages=i32(n, config.max_pages_per_seq), seq_npages=i32(n),
         seq_computed=i32(n), seq_total=i32(n), seq_prompt_len=i32(n), seq_max_tokens=i32(n), seq_flags=i32(n),
         seq_last=i32(n), seq_version=i32(n), seq_finish=i32(n), seq_top_k=i32(n), seq_n_stop=i32(n),

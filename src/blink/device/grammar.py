@@ -8,8 +8,9 @@ keep it, and every request in the ring, each choice of an ``n > 1`` request too,
 """
 from __future__ import annotations
 
+from numba import int32
+
 from blink.device.numba_compat import cuda
-from blink.device.state import H32_FLAGS, H32_GRAMMAR
 from blink.ring.grammar import RECORD_WORDS
 from blink.ring.layout import FLAG_GRAMMAR
 
@@ -17,9 +18,9 @@ from blink.ring.layout import FLAG_GRAMMAR
 @cuda.jit(device=True)
 def fits(s, slot):
     """Whether the header's start state (if it has a grammar) is a state record inside the grammars region."""
-    if (s.hdr_i32[slot, H32_FLAGS] & FLAG_GRAMMAR) == 0:
+    if (s.headers[slot].request_flags & FLAG_GRAMMAR) == 0:
         return True
-    start = s.hdr_i32[slot, H32_GRAMMAR]
+    start = int32(s.headers[slot].grammar)
     # Subtracted from the region's size, not added to the start: a start near 2**31 must not wrap around.
     return 0 <= start <= s.cfg[0].grammar_words - s.cfg[0].mask_words - RECORD_WORDS
 
@@ -27,7 +28,8 @@ def fits(s, slot):
 @cuda.jit(device=True)
 def start_state(s, slot):
     """The state a newly admitted request starts in (-1: it has no grammar)."""
-    return s.hdr_i32[slot, H32_GRAMMAR] if (s.hdr_i32[slot, H32_FLAGS] & FLAG_GRAMMAR) != 0 else -1
+    header = s.headers[slot]
+    return int32(header.grammar) if (header.request_flags & FLAG_GRAMMAR) != 0 else int32(-1)
 
 
 @cuda.jit(device=True)

@@ -13,7 +13,7 @@ import numpy as np
 from blink.device.config import MAX_SEQS
 from blink.device.step import N_PENALTIES
 from blink.ring.control import CONTROL_DTYPE
-from blink.ring.layout import header_dtype
+from blink.ring.layout import HEADER_DTYPE
 
 
 def record(dtype) -> np.dtype:
@@ -28,9 +28,9 @@ def _record(dtype: str, *names: str) -> np.dtype:
 
 
 def indices(names: type) -> tuple:
-    """An instance of NamedTuple class ``names`` whose fields hold their own positions: array indices by name for the arrays
-    that must stay arrays (``cuda.atomic`` takes an array and an index); numba folds them as constants, where an
-    ``IntEnum`` member is no array index to it."""
+    """An instance of NamedTuple class ``names`` whose fields hold their own positions: array indices by name, for
+    the arrays that must stay arrays (``cuda.atomic`` takes an array and an index). numba folds them as constants;
+    an ``IntEnum`` member is no array index to it."""
     return names(*range(len(names._fields)))
 
 
@@ -82,25 +82,15 @@ assert all(CONTROL_DTYPE.fields[name][0] == np.dtype("<u8") for name in PUBLISHE
 DOORBELLS_DTYPE = _record("<i8", "valid", "shutdown", "submitted", "cancels")
 
 
-def _header_word(name: str, size: int) -> int:
-    offset = header_dtype(1).fields[name][1]    # the fixed part of the header does not depend on the geometry
-    assert offset % size == 0
-    return offset // size
-
-
-# Header words, as indices into the i32 / f32 (H32_*, HF_*) and u64 (H64_*) views of a header.
-H64_REQUEST_ID, H64_ARRIVAL, H64_SEED, H64_PREFIX_STATE = (
-    _header_word(n, 8) for n in ("request_id", "arrival_ns", "seed", "prefix_state"))
-H32_PROMPT_LEN, H32_MAX_TOKENS, H32_TOP_K, H32_FLAGS, H32_N_STOP, H32_PRIORITY, H32_STOP_IDS, H32_TOP_LOGPROBS, \
-    H32_N_LOGIT_BIAS, H32_GRAMMAR = (_header_word(n, 4) for n in ("prompt_len", "max_tokens", "top_k", "flags",
-                                                                  "n_stop", "priority", "stop_ids", "top_logprobs",
-                                                                  "n_logit_bias", "grammar"))
-HF_TEMPERATURE, HF_TOP_P, HF_MIN_P = (_header_word(n, 4) for n in ("temperature", "top_p", "min_p"))
-# The three penalties are consecutive f32 words of the header, in the order of a row of ``penalties``.
+# The ring's request headers as device code sees them: HEADER_DTYPE's fields (s.headers[slot].temperature).
+HEADER_RECORD = record(HEADER_DTYPE)
+# Plain numpy reads a record's attribute before its field of the same name (``record.flags`` is numpy's): the
+# records device code reads by attribute have no such field (the control block's geometry ``flags`` it never reads).
+assert not any(set(dtype.names) & set(dir(np.record)) for dtype in (SCHED_DTYPE, CFG_DTYPE, STATS_DTYPE,
+                                                                    DOORBELLS_DTYPE, HEADER_RECORD))
+# The penalties of a row of ``penalties`` (step.py) and of ``seq_penalties``, in order.
 PENALTY_NAMES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
-HF_PENALTIES = _header_word(PENALTY_NAMES[0], 4)
 assert len(PENALTY_NAMES) == N_PENALTIES
-assert [_header_word(n, 4) for n in PENALTY_NAMES] == [HF_PENALTIES + k for k in range(N_PENALTIES)]
 
 # Shared-memory scratch sizes (compile-time constants).
 MAX_CANDIDATES = 1024
@@ -117,9 +107,8 @@ class SchedulerArrays(NamedTuple):
     cancel: object
     finish: object
     ngen: object
-    hdr_i32: object         # i32 [n, H/4] request headers
-    hdr_f32: object         # f32 [n, H/4]
-    hdr_u64: object         # u64 [n, H/8]
+    headers: object         # HEADER_RECORD [n]  request headers
+    stop_token_ids: object  # i32 [n, max_stop_ids] (or [n, 1] when the ring has no such region)
     prompts: object         # i32 [n, max_prompt_tokens]
     prefix_keys: object     # u64 [n, prefix_key_pages] keys of each prompt's full pages (or [n, 1] without keys)
     outputs: object         # i32 [n, max_output_tokens]

@@ -13,14 +13,12 @@ burst of more than that many requests is merged in several rounds (older ones ma
 """
 from __future__ import annotations
 
-from numba import int64, uint32
+from numba import int32, int64, uint32
 
 from blink.device import sampling
 from blink.device.block import next_power_of_two, sort_pairs
 from blink.device.numba_compat import cuda, load_volatile
-from blink.device.state import (COUNT, H32_FLAGS, H32_MAX_TOKENS, H32_N_STOP, H32_PRIORITY, H32_PROMPT_LEN,
-                                H32_STOP_IDS, H64_ARRIVAL, H64_PREFIX_STATE, H64_REQUEST_ID, MAX_CANDIDATES, QUEUED,
-                                REFUSED)
+from blink.device.state import COUNT, MAX_CANDIDATES, QUEUED, REFUSED
 from blink.ring.layout import FINISH_ABORT, FINISH_ERROR, READY
 
 SCAN_UNROLL = 8     # state words each thread has in flight at once: the column is read across PCIe
@@ -35,9 +33,10 @@ def cancelled(s, slot):
 @cuda.jit(device=True)
 def servable(s, slot):
     """Whether the header of ``slot`` describes a request this scheduler can ever run."""
-    prompt_len = s.hdr_i32[slot, H32_PROMPT_LEN]
-    max_tokens = s.hdr_i32[slot, H32_MAX_TOKENS]
-    n_stop = s.hdr_i32[slot, H32_N_STOP]
+    header = s.headers[slot]
+    prompt_len = int32(header.prompt_len)       # as int32, the type the scheduler keeps them in
+    max_tokens = int32(header.max_tokens)
+    n_stop = int32(header.n_stop)
     return (1 <= prompt_len <= s.prompts.shape[1] and 1 <= max_tokens <= s.outputs.shape[1]
             and 0 <= n_stop <= s.cfg[0].max_stop and prompt_len + max_tokens <= s.cfg[0].max_model_len
             and sampling.fits(s, slot))
@@ -46,14 +45,15 @@ def servable(s, slot):
 @cuda.jit(device=True)
 def load_header(s, slot):
     """Copy what the scheduler needs of the request's header into device memory (read across PCIe once)."""
-    s.seq_prompt_len[slot] = s.hdr_i32[slot, H32_PROMPT_LEN]
-    s.seq_max_tokens[slot] = s.hdr_i32[slot, H32_MAX_TOKENS]
-    s.seq_flags[slot] = s.hdr_i32[slot, H32_FLAGS]
-    s.seq_n_stop[slot] = s.hdr_i32[slot, H32_N_STOP]
-    for k in range(s.hdr_i32[slot, H32_N_STOP]):
-        s.seq_stop[slot, k] = s.hdr_i32[slot, H32_STOP_IDS + k]
+    header = s.headers[slot]
+    s.seq_prompt_len[slot] = header.prompt_len
+    s.seq_max_tokens[slot] = header.max_tokens
+    s.seq_flags[slot] = header.request_flags
+    s.seq_n_stop[slot] = header.n_stop
+    for k in range(s.seq_n_stop[slot]):
+        s.seq_stop[slot, k] = s.stop_token_ids[slot, k]
     sampling.load_sampling(s, slot)
-    s.seq_hash[slot] = s.hdr_u64[slot, H64_PREFIX_STATE]      # the prompt's prefix-key chain state (prefix.py)
+    s.seq_hash[slot] = header.prefix_state      # the prompt's prefix-key chain state (prefix.py)
 
 
 @cuda.jit(device=True)
@@ -90,9 +90,9 @@ def take_new(s, sh, slot, policy):
     load_header(s, slot)
     s.seq_seen[slot] = QUEUED
     sh.slots[k] = slot
-    sh.keys[k] = policy(int64(s.hdr_u64[slot, H64_ARRIVAL]), s.hdr_i32[slot, H32_PROMPT_LEN],
-                        s.hdr_i32[slot, H32_MAX_TOKENS], s.hdr_i32[slot, H32_PRIORITY],
-                        int64(s.hdr_u64[slot, H64_REQUEST_ID]))
+    header = s.headers[slot]
+    sh.keys[k] = policy(int64(header.arrival_ns), int32(header.prompt_len), int32(header.max_tokens),
+                        header.priority, int64(header.request_id))
 
 
 @cuda.jit(device=True)

@@ -18,7 +18,7 @@ from blink.ring.errors import RingMismatch
 from blink.ring.geometry import RingGeometry
 
 MAGIC = 0x4B4E4C42  # "BLNK" in little-endian bytes
-VERSION = 7
+VERSION = 8
 
 # Control block flags.
 RING_LOGPROBS = 1
