@@ -69,6 +69,7 @@ else:
                                 f"={'l' if field.bitwidth == 64 else 'r'},l")
             return builder.call(load, [pointer])
         return field(record, name), codegen
+
     clock = cuda.declare_device("blink_clock", "int64()")   # clock64(), defined in launch.py's shim
 
     @cuda.jit(device=True)
