@@ -6,13 +6,13 @@ from collections import Counter
 
 import numpy as np
 
-from blink.device.state import (FREE_TOP, LRU_COUNT, LRU_HEAD, N_CACHED, N_EVICTABLE, PREFIX_WAYS, SCRATCH_CLEAR)
+from blink.device.state import PREFIX_WAYS, SCRATCH_CLEAR
 
 
 def live_lru(s) -> list[int]:
     """Evictable pages in LRU order (oldest first): the ring's live entries from its head."""
     capacity = len(s.lru_pages)
-    positions = [(int(s.sched[LRU_HEAD]) + k) % capacity for k in range(int(s.sched[LRU_COUNT]))]
+    positions = [(int(s.sched[0].lru_head) + k) % capacity for k in range(int(s.sched[0].lru_count))]
     return [int(s.lru_pages[p]) for p in positions if s.page_lru[s.lru_pages[p]] == p]
 
 
@@ -41,13 +41,13 @@ def check_pages(s, running) -> None:
     assert all(s.seq_npages[slot] == 0 for slot in range(len(s.seq_npages)) if slot not in set(running)), \
         "a slot that does not run holds pages"
     assert {p: int(s.page_ref[p]) for p in range(num_pages) if s.page_ref[p]} == dict(held), "page_ref"
-    free = s.free_pages[:s.sched[FREE_TOP]].tolist()
+    free = s.free_pages[:s.sched[0].free_top].tolist()
     evictable = live_lru(s)
-    assert len(evictable) == s.sched[N_EVICTABLE]
+    assert len(evictable) == s.sched[0].evictable
     assert sorted(free + evictable + list(held)) == list(range(num_pages)), "a page lost, or in two states"
     assert not any(s.page_cached[p] for p in free), "a cached page on the free stack"
     assert all(s.page_cached[p] for p in evictable), "an uncached page in the LRU"
     cached = {int(p): int(s.page_key[p]) for p in np.flatnonzero(s.page_cached)}
-    assert {page: key for key, page in table_contents(s).items()} == cached and len(cached) == s.sched[N_CACHED]
+    assert {page: key for key, page in table_contents(s).items()} == cached and len(cached) == s.sched[0].cached
     assert all(s.page_lru[p] == -1 for p in free + list(held)), "a page that is not evictable has a live LRU entry"
     assert (s.page_scratch == SCRATCH_CLEAR).all(), "page_scratch not cleared after a pass"

@@ -26,8 +26,7 @@ from blink.device.config import SchedulerConfig
 from blink.device.mirror import KVMirror
 from blink.device.numba_compat import cuda
 from blink.device.scheduler import scratch
-from blink.device.state import (FREE_TOP, IDLE, K_ADMITTED, K_PREEMPTED, N_COUNTERS, N_QUEUED, N_ROWS, N_RUNNING,
-                                QUEUE_HEAD, QUEUED)
+from blink.device.state import COUNT, IDLE, N_COUNTERS, QUEUED
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import READY, RUNNING
 
@@ -101,9 +100,9 @@ class Batch:
         self.load_pages()
         fill_step_buffers(s, block_tables=True)     # row_slot is -1: every row's block table is copied whole
         s.running[:len(running)] = self.ref.running
-        s.sched[N_RUNNING] = len(running)
+        s.sched[0].running = len(running)
         s.queue_slots[head:head + len(queue)] = self.ref.queue
-        s.sched[QUEUE_HEAD], s.sched[N_QUEUED] = head, len(queue)
+        s.sched[0].queue_head, s.sched[0].queued = head, len(queue)
         self.counters = np.zeros(N_COUNTERS, np.int32)
         self.result = np.zeros(1, np.int32)
 
@@ -112,7 +111,7 @@ class Batch:
         s, kv = self.s, self.ref.kv
         s.free_pages[:] = -5
         s.free_pages[:len(kv.free)] = kv.free
-        s.sched[FREE_TOP] = len(kv.free)
+        s.sched[0].free_top = len(kv.free)
         s.page_ref[:] = kv.ref
         for slot in self.ref.seqs:
             table = kv.tables.get(slot, [])
@@ -124,35 +123,35 @@ class Batch:
         s, r = self.s, self.ref
         versions = s.seq_version.copy()
         states = self.view.status["state"].copy()
-        head = int(s.sched[QUEUE_HEAD])
+        head = int(s.sched[0].queue_head)
         fill_step_buffers(s)
         launch(batcher_kernel, self.threads, s, np.array(phases, np.int32), self.counters, self.result)
         admitted = r.admit() if phases[0] else []
         step = r.plan() if phases[1] else None
         # Admission.
-        assert self.counters[K_ADMITTED] == len(admitted)
-        assert s.running[:s.sched[N_RUNNING]].tolist() == r.running
-        assert (s.sched[QUEUE_HEAD], s.sched[N_QUEUED]) == (head + len(admitted), len(r.queue))
-        assert s.queue_slots[s.sched[QUEUE_HEAD]:s.sched[QUEUE_HEAD] + len(r.queue)].tolist() == r.queue
+        assert self.counters[COUNT.admitted] == len(admitted)
+        assert s.running[:s.sched[0].running].tolist() == r.running
+        assert (s.sched[0].queue_head, s.sched[0].queued) == (head + len(admitted), len(r.queue))
+        assert s.queue_slots[s.sched[0].queue_head:s.sched[0].queue_head + len(r.queue)].tolist() == r.queue
         for slot in admitted:
             assert (s.seq_seen[slot], s.ngen[slot], s.finish[slot]) == (0, 0, 0)
         assert (self.view.status["state"] == states).all(), "admission publishes nothing (publish does)"
         # Preemption, pages, computed tokens.
-        assert self.counters[K_PREEMPTED] == len(r.preempted)
+        assert self.counters[COUNT.preempted] == len(r.preempted)
         bumped = (s.seq_version - versions).tolist()
         assert bumped == [int(slot in admitted) + r.preempted.count(slot) for slot in range(len(bumped))]
-        assert s.free_pages[:s.sched[FREE_TOP]].tolist() == r.kv.free
+        assert s.free_pages[:s.sched[0].free_top].tolist() == r.kv.free
         for slot in r.running:
             seq = r.seqs[slot]
             assert (s.seq_total[slot], s.seq_computed[slot]) == (seq.total, seq.computed), slot
             assert s.seq_pages[slot, :s.seq_npages[slot]].tolist() == r.pages(slot), slot
         # The step.
         if step is None:
-            assert self.result[0] == IDLE and s.sched[N_ROWS] == 0
+            assert self.result[0] == IDLE and s.sched[0].rows == 0
             return admitted, None
         assert self.result[0] == step.bucket
         n_rows, n_tokens = len(step.rows), len(step.positions)
-        assert (s.num_seqs[0], s.sched[N_ROWS]) == (n_rows, n_rows)
+        assert (s.num_seqs[0], s.sched[0].rows) == (n_rows, n_rows)
         assert s.row_slot[:n_rows].tolist() == [slot for slot, _, _ in step.rows]
         starts = np.cumsum([0] + [chunk for _, _, chunk in step.rows]).tolist()
         assert s.query_start_loc[:n_rows + 1].tolist() == starts

@@ -23,8 +23,7 @@ from blink.device.mirror import KVMirror
 from blink.device.numba_compat import cuda
 from blink.device.prefix import cache_completed, match, note_token, take_hits
 from blink.device.scheduler import scratch
-from blink.device.state import (C64_PREFIX_SEED, FREE_TOP, K_EVICTED, LRU_COUNT, MAX_CANDIDATES, N_COUNTERS,
-                                PREFIX_WAYS)
+from blink.device.state import COUNT, MAX_CANDIDATES, N_COUNTERS, PREFIX_WAYS
 from blink.ring.geometry import RingGeometry
 from blink.ring.hashing import reference_keys
 
@@ -83,7 +82,7 @@ class Pool:
 
     def __init__(self, threads, config=CONFIG, geometry=GEOMETRY):
         self.view, self.s = scheduler_arrays(geometry, config)
-        self.s.stats[C64_PREFIX_SEED] = np.uint64(SEED).view(np.int64)
+        self.s.stats[0].prefix_seed = SEED
         self.threads, self.mirror, self.page = threads, KVMirror(config.num_pages), config.page_size
         self.tokens, self.prompt, self.computed = {}, {}, {}
 
@@ -121,7 +120,7 @@ class Pool:
         launch(allocate_kernel, self.threads, s, slots, i32(need), i32([len(chunks)]), counters)
         evicted_before = m.evicted
         m.allocate([slot for slot, _ in chunks], need)
-        assert counters[K_EVICTED] == m.evicted - evicted_before
+        assert counters[COUNT.prefix_evictions] == m.evicted - evicted_before
         done = [self.computed[slot] for slot, _ in chunks]
         items = []
         for slot, k in chunks:
@@ -144,7 +143,7 @@ class Pool:
 
     def compare(self):
         s, m = self.s, self.mirror
-        assert s.free_pages[:s.sched[FREE_TOP]].tolist() == m.free
+        assert s.free_pages[:s.sched[0].free_top].tolist() == m.free
         assert live_lru(s) == m.lru
         assert s.page_ref.tolist() == m.ref
         assert table_contents(s) == m.table
@@ -211,7 +210,7 @@ def test_pages_and_prefix_cache_match_the_mirror(ops, threads):
     if pool.tokens:
         pool.free(sorted(pool.tokens), preempt=False)
         pool.compare()
-    assert not pool.s.page_ref.any() and len(live_lru(pool.s)) + int(pool.s.sched[FREE_TOP]) == NUM_PAGES
+    assert not pool.s.page_ref.any() and len(live_lru(pool.s)) + int(pool.s.sched[0].free_top) == NUM_PAGES
 
 
 # -- named cases ----------------------------------------------------------------------------------------------------
@@ -246,7 +245,7 @@ def test_stale_lru_entries_are_compacted_away_in_order():
     for cycle in range(8):
         serve(pool, 1 + cycle % 2, BASES[0])
         pool.free([1 + cycle % 2], preempt=False)
-        counts.append(int(pool.s.sched[LRU_COUNT]))
+        counts.append(int(pool.s.sched[0].lru_count))
     assert max(counts) <= 2 * NUM_PAGES and any(b < a for a, b in zip(counts, counts[1:])), counts
     pool.compare()
 
@@ -283,7 +282,7 @@ def test_a_full_bucket_refuses_the_insert_and_the_page_stays_uncached():
     check_pages(pool.s, [0, 1])
     pool.free([0, 1], preempt=False)
     check_pages(pool.s, [])
-    assert len(live_lru(pool.s)) == PREFIX_WAYS and int(pool.s.sched[FREE_TOP]) == 26 - PREFIX_WAYS
+    assert len(live_lru(pool.s)) == PREFIX_WAYS and int(pool.s.sched[0].free_top) == 26 - PREFIX_WAYS
 
 
 @cuda.jit

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from tests.device.test_scheduler import CONFIG, Harness, free_pages, without_caching
 
 from blink.device.config import SchedulerConfig
-from blink.device.state import N_CACHED
 from blink.ring.reference import expected_output
 from blink.ring.request import SamplingParams
 from blink.ring.standin import standin_continuation
@@ -66,7 +65,7 @@ def test_shared_prefix_workloads_match_the_reference(requests, num_pages, thread
     check_outputs(h, run(h, schedule), config.eos_token_ids)
     stats = h.agent.stats()
     assert stats["prefix_hit_tokens"] <= stats["prefix_query_tokens"]
-    assert stats["cached_pages"] == int(h.scheduler.arrays.sched[N_CACHED]) <= num_pages
+    assert stats["cached_pages"] == int(h.scheduler.arrays.sched[0].cached) <= num_pages
     if not caching:
         assert stats["prefix_query_tokens"] == stats["cached_pages"] == 0
 

@@ -16,15 +16,14 @@ from tests.device.pages import check_pages
 
 from blink.device.config import SchedulerConfig, SpeculativeConfig
 from blink.device.sim import SimScheduler
-from blink.device.state import (FREE_TOP, H32_FLAGS, H32_GRAMMAR, H32_N_LOGIT_BIAS, HF_MIN_P, IDLE, N_EVICTABLE,
-                                N_RUNNING, STOP)
+from blink.device.state import IDLE, PUBLISHED_COUNTERS, STOP
 from blink.device.step import StepBuffers, StepLayout
 from blink.errors import RingFull
 from blink.nic.agent import Agent
 from blink.ring.control import ENGINE_STOPPED
 from blink.ring.geometry import RingGeometry
 from blink.ring.grammar import next_state
-from blink.ring.layout import FLAG_GRAMMAR, RingLayout
+from blink.ring.layout import FLAG_GRAMMAR, HEADER_DTYPE, RingLayout
 from blink.ring.reference import expected_output
 from blink.ring.request import SamplingParams
 from blink.ring.standin import STANDIN_VOCAB, standin_continuation, standin_step
@@ -46,7 +45,7 @@ def without_caching(config=CONFIG, geometry=GEOMETRY):
 
 
 def free_pages(s) -> int:
-    return int(s.sched[FREE_TOP] + s.sched[N_EVICTABLE])
+    return int(s.sched[0].free_top + s.sched[0].evictable)
 
 
 def tokens_of(s, slot) -> list[int]:
@@ -104,10 +103,10 @@ class Harness:
 
     def iterate(self) -> int:
         outcome = self.scheduler.iteration()
-        running = int(self.scheduler.arrays.sched[N_RUNNING])
+        running = int(self.scheduler.arrays.sched[0].running)
         assert outcome != IDLE or running == 0, f"no step planned while {running} sequences run: no progress"
         s = self.scheduler.arrays
-        check_pages(s, s.running[:s.sched[N_RUNNING]].tolist())
+        check_pages(s, s.running[:s.sched[0].running].tolist())
         if outcome >= 0:
             self.steps.append(check_step_contract(s, self.config, outcome))
         for out in self.agent.poll():
@@ -177,12 +176,13 @@ def check_step_contract(s, config, bucket):
         assert s.logits_indices[r] == (int(qsl[r + 1]) - 1 if length == total else -1)
         assert s.seed[r] == s.seq_seed[slot] and s.temperature[r] == s.seq_temperature[slot]
         # The request's min_p and logit_bias, as the agent wrote them into the ring, whoever held the row before.
-        n_bias = int(s.hdr_i32[slot, H32_N_LOGIT_BIAS])
-        assert s.min_p[r] == s.hdr_f32[slot, HF_MIN_P] and s.n_logit_bias[r] == n_bias
+        header = s.headers[slot]
+        n_bias = int(header.n_logit_bias)
+        assert s.min_p[r] == header.min_p and s.n_logit_bias[r] == n_bias
         assert (s.logit_bias_ids[r, :n_bias] == s.bias_i32[slot, 0:2 * n_bias:2]).all()
         assert (s.logit_bias[r, :n_bias] == s.bias_f32[slot, 1:2 * n_bias:2]).all()
         # Its grammar state: the header's start state moved by each token generated so far (none: -1).
-        state = int(s.hdr_i32[slot, H32_GRAMMAR]) if s.hdr_i32[slot, H32_FLAGS] & FLAG_GRAMMAR else -1
+        state = int(header.grammar) if header.request_flags & FLAG_GRAMMAR else -1
         for token in known[int(s.seq_prompt_len[slot]):total] if state >= 0 else ():
             state = next_state(s.grammars, state, token, STANDIN_VOCAB)
         assert s.grammar_state[r] == state
@@ -283,11 +283,14 @@ def run_workload(h, requests, use_stop, vocab_size=STANDIN_VOCAB) -> dict:
         else:
             assert (h.outputs.get(rid, []), h.reasons[rid]) == (tokens, reason)
     s = h.scheduler.arrays
-    assert free_pages(s) == num_pages and int(s.sched[N_RUNNING]) == 0
+    assert free_pages(s) == num_pages and int(s.sched[0].running) == 0
     stats = h.agent.stats()
     assert stats["admitted"] + stats["cancelled"] >= len(requests) == stats["finished"]
     assert stats["tokens"] == sum(len(v) for v in h.outputs.values())
     assert stats["kv_pages_free"] == num_pages and stats["running"] == 0
+    # publish_stats stores every device counter into the ring's field of the same name
+    assert {name: stats[name] for name in PUBLISHED_COUNTERS} == {
+        name: int(s.stats[0][name]) for name in PUBLISHED_COUNTERS}
     return stats
 
 
@@ -405,8 +408,7 @@ def test_a_header_asking_for_more_than_the_ring_holds_finishes_with_error(field,
     rid = h.agent.submit([4, 5], SamplingParams(max_tokens=3, logprobs=True))
     ok = h.agent.submit([4, 5], SamplingParams(max_tokens=3))
     slot = h.agent._slot_of[rid]
-    dtype = h.layout.header_dtype
-    h.memory.write(h.layout.header_at(slot) + dtype.fields[field][1], np.array([value], "<u4").tobytes())
+    h.memory.write(h.layout.header_at(slot) + HEADER_DTYPE.fields[field][1], np.array([value], "<u4").tobytes())
     h.run_until_idle()
     assert (h.reasons[rid], h.outputs.get(rid, [])) == ("error", [])
     assert h.reasons[ok] == "length"
@@ -419,7 +421,7 @@ def test_a_header_whose_grammar_lies_outside_the_region_finishes_with_error(star
     h = Harness()
     rid = h.agent.submit([4, 5], SamplingParams(max_tokens=3, grammar=GRAMMARS[0]))
     ok = h.agent.submit([4, 5], SamplingParams(max_tokens=3, grammar=GRAMMARS[1]))
-    offset = h.layout.header_at(h.agent._slot_of[rid]) + h.layout.header_dtype.fields["grammar"][1]
+    offset = h.layout.header_at(h.agent._slot_of[rid]) + HEADER_DTYPE.fields["grammar"][1]
     h.memory.write(offset, np.array([start], "<i4").tobytes())
     h.run_until_idle()
     assert (h.reasons[rid], h.outputs.get(rid, [])) == ("error", [])
@@ -444,7 +446,7 @@ def test_prefills_that_hold_every_page_are_unblocked_by_preemption():
     h.agent.submit(list(range(40)), SamplingParams(max_tokens=12, seed=1))
     h.agent.submit(list(range(1, 41)), SamplingParams(max_tokens=12, seed=2))
     h.iterate()                                  # both admitted (10 + 10 pages of 24); the first one's first chunk
-    s.sched[FREE_TOP] -= int(s.sched[FREE_TOP])  # pages vanish under them (as if other sequences had taken them)
+    s.sched[0].free_top -= int(s.sched[0].free_top)  # pages vanish under them (as if other sequences had taken them)
     outcome = h.scheduler.iteration()
     assert outcome >= 0 and h.agent.stats()["preempted"] >= 1
 

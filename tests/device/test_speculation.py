@@ -8,10 +8,11 @@ import numpy as np
 from numba import int64
 
 from blink.device import sim  # noqa: F401  (turns the simulator on before numba is imported)
+from blink.device.arrays import filled
 from blink.device.config import MAX_SPECULATIVE_TOKENS
 from blink.device.numba_compat import cuda
 from blink.device.speculation import lookup
-from blink.device.state import CFG_SPEC_MAX, CFG_SPEC_MIN, CFG_WORDS
+from blink.device.state import CFG_DTYPE
 
 
 class Sequences(NamedTuple):
@@ -53,8 +54,7 @@ def test_the_device_drafts_what_prompt_lookup_finds():
     for _ in range(25):
         low = int(rng.integers(1, 4))
         high = low + int(rng.integers(0, 4))
-        cfg = np.zeros(CFG_WORDS, np.int32)
-        cfg[CFG_SPEC_MIN], cfg[CFG_SPEC_MAX] = low, high
+        cfg = filled(CFG_DTYPE, spec_min=low, spec_max=high)
         # Small vocabularies and a repeated phrase: matches of every length, and sometimes none.
         sequences = []
         for _ in range(slots):

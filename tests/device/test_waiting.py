@@ -23,8 +23,7 @@ from blink.device.config import SchedulerConfig
 from blink.device.numba_compat import cuda
 from blink.device.scheduler import scratch
 from blink.device.policy import by_priority, fcfs
-from blink.device.state import (K_CANCELLED, K_FINISHED, K_NEW, K_REFUSED, K_REJECTED, MAX_CANDIDATES, N_COUNTERS,
-                                N_PENDING_FINISHED, N_QUEUED, PENALTY_NAMES, QUEUE_HEAD, S_SEEN_SUBMITTED)
+from blink.device.state import COUNT, MAX_CANDIDATES, N_COUNTERS, PENALTY_NAMES
 from blink.device.waiting import cancel_queued, collect, enqueue
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import FREE, READY, RUNNING
@@ -59,7 +58,7 @@ def waiting_kernel(policy):
             if phases[1] != 0:
                 enqueue(s, sh, collect(s, sh, policy))
             if cuda.threadIdx.x == 0:
-                s.sched[N_PENDING_FINISHED] += sh.counters[K_REFUSED]
+                s.sched[0].pending_finished += sh.counters[COUNT.refused]
             save_counters(sh, counters)
 
         _kernels[policy] = kernel
@@ -89,9 +88,9 @@ class Ring:
         top_k, temperature, top_p, flags, seed = extra
         for name, value in dict(prompt_len=prompt_len, max_tokens=max_tokens, n_stop=n_stop, arrival_ns=arrival_ns,
                                 priority=priority, request_id=request_id, top_k=top_k, temperature=temperature,
-                                top_p=top_p, flags=flags, seed=seed).items():
+                                top_p=top_p, request_flags=flags, seed=seed).items():
             h[name][slot] = value
-        h["stop_ids"][slot] = [100 + slot, 200 + slot][:GEOMETRY.max_stop_ids]
+        view.stop_token_ids[slot] = [100 + slot, 200 + slot][:GEOMETRY.max_stop_ids]
         for k, name in enumerate(PENALTY_NAMES):            # distinct per slot and field
             h[name][slot] = 0.125 * (slot + 1) + k
         view.prompts[slot] = np.arange(view.prompts.shape[1]) + 10 * slot
@@ -106,7 +105,7 @@ class Ring:
 
     def iterate(self, cancels: bool, scan: bool):
         """One iteration's waiting-queue phases on the device and in the reference; compare everything."""
-        before = int(self.s.sched[N_PENDING_FINISHED])
+        before = int(self.s.sched[0].pending_finished)
         launch(self.kernel, self.threads, self.s, np.array([int(cancels), int(scan)], np.int32), self.counters)
         ring = ref.read_ring(self.view)
         counts = dict(new=0, refused=0, cancelled=0, rejected=0)
@@ -119,12 +118,12 @@ class Ring:
 
     def check(self, counts):
         s, r = self.s, self.reference
-        head, count = int(s.sched[QUEUE_HEAD]), int(s.sched[N_QUEUED])
+        head, count = int(s.sched[0].queue_head), int(s.sched[0].queued)
         assert 0 <= head and head + count <= len(s.queue_slots)
         queue = list(zip(s.queue_keys[head:head + count].tolist(), s.queue_slots[head:head + count].tolist()))
         assert queue == r.queue
         assert s.seq_seen.tolist() == [r.seen.get(slot, 0) for slot in range(len(s.seq_seen))]
-        pending = s.pending_finished[:s.sched[N_PENDING_FINISHED]].tolist()
+        pending = s.pending_finished[:s.sched[0].pending_finished].tolist()
         assert sorted(pending) == sorted(r.pending), "refused slots (each exactly once)"
         for slot, reason in r.pending.items():
             assert (s.finish[slot], s.ngen[slot]) == (reason, 0)
@@ -135,12 +134,13 @@ class Ring:
             assert (s.seq_prompt_len[slot], s.seq_max_tokens[slot], s.seq_n_stop[slot]) == \
                 (request.prompt_len, request.max_tokens, request.n_stop)
             assert (s.seq_top_k[slot], s.seq_flags[slot], s.seq_seed[slot]) == \
-                (h["top_k"], h["flags"], np.uint64(h["seed"]).astype(np.int64))
+                (h["top_k"], h["request_flags"], np.uint64(h["seed"]).astype(np.int64))
             assert (s.seq_temperature[slot], s.seq_top_p[slot]) == (h["temperature"], h["top_p"])
             assert s.seq_penalties[slot].tolist() == [h[name] for name in PENALTY_NAMES]
-            assert s.seq_stop[slot, :request.n_stop].tolist() == h["stop_ids"][:request.n_stop].tolist()
+            stops = self.view.stop_token_ids[slot, :request.n_stop]
+            assert s.seq_stop[slot, :request.n_stop].tolist() == stops.tolist()
         c = self.counters
-        assert (c[K_NEW], c[K_REFUSED], c[K_FINISHED], c[K_CANCELLED], c[K_REJECTED]) == \
+        assert (c[COUNT.new], c[COUNT.refused], c[COUNT.finished], c[COUNT.cancelled], c[COUNT.rejected]) == \
             (counts["new"], counts["refused"], counts["refused"], counts["cancelled"], counts["rejected"])
 
     # What the rest of the scheduler (admit, publish) and the agent do between iterations.
@@ -148,13 +148,13 @@ class Ring:
     def admit(self, k):
         """Admission takes the first ``k`` queued requests (start_sequence clears the mark; publish: RUNNING)."""
         s = self.s
-        head, count = int(s.sched[QUEUE_HEAD]), int(s.sched[N_QUEUED])
+        head, count = int(s.sched[0].queue_head), int(s.sched[0].queued)
         k = min(k, count)
         taken = s.queue_slots[head:head + k].tolist()
         for slot in taken:
             s.seq_seen[slot] = 0
             self.view.status["state"][slot] = RUNNING
-        s.sched[QUEUE_HEAD], s.sched[N_QUEUED] = head + k, count - k
+        s.sched[0].queue_head, s.sched[0].queued = head + k, count - k
         assert self.reference.pop(k) == taken
         self.running += taken
 
@@ -162,13 +162,13 @@ class Ring:
         """FINISHED for the first ``publishable`` refused slots (an iteration after their refusal); the agent frees
         them at once. Returns the refused slots still pending."""
         s = self.s
-        pending = s.pending_finished[:s.sched[N_PENDING_FINISHED]].tolist()
+        pending = s.pending_finished[:s.sched[0].pending_finished].tolist()
         published, waiting = pending[:publishable], pending[publishable:]
         for slot in published:
             s.seq_seen[slot] = 0
             self.view.status["state"][slot] = FREE
         s.pending_finished[:len(waiting)] = waiting
-        s.sched[N_PENDING_FINISHED] = len(waiting)
+        s.sched[0].pending_finished = len(waiting)
         self.reference.publish(published)
 
     def finish_running(self):
@@ -357,7 +357,7 @@ def test_a_policy_may_return_the_largest_int64_key():
 
 def test_a_burst_larger_than_one_scan_is_queued_over_two_scans():
     """More READY requests than MAX_CANDIDATES: a scan queues MAX_CANDIDATES of them (which ones is not specified),
-    asks for another scan (``S_SEEN_SUBMITTED = -1``), and the next scan queues the rest. Refusals are not capped."""
+    asks for another scan (``seen_submitted = -1``), and the next scan queues the rest. Refusals are not capped."""
     n = MAX_CANDIDATES + 40                         # 11 of them refused: 1053 servable
     geometry = RingGeometry(n_slots=n, max_prompt_tokens=6, max_output_tokens=5, max_stop_ids=2, logprobs=False)
     ring = Ring(threads=4, geometry=geometry)
@@ -366,15 +366,15 @@ def test_a_burst_larger_than_one_scan_is_queued_over_two_scans():
         ring.submit(slot, prompt_len=0 if slot in refused else 2, arrival_ns=(slot * 7919) % 64)
     launch(ring.kernel, ring.threads, ring.s, np.array([0, 1], np.int32), ring.counters)
     s = ring.s
-    queued = s.queue_slots[:s.sched[N_QUEUED]].tolist()
-    assert len(queued) == MAX_CANDIDATES and s.stats[S_SEEN_SUBMITTED] == -1
+    queued = s.queue_slots[:s.sched[0].queued].tolist()
+    assert len(queued) == MAX_CANDIDATES and s.stats[0].seen_submitted == -1
     keys = s.queue_keys[:len(queued)].tolist()
     assert list(zip(keys, queued)) == sorted(zip(keys, queued))
     assert keys == [(slot * 7919) % 64 for slot in queued]
     assert sorted(np.flatnonzero(s.seq_seen == ref.QUEUED).tolist()) == sorted(queued)
     assert set(np.flatnonzero(s.seq_seen == ref.REFUSED).tolist()) == refused
-    assert sorted(s.pending_finished[:s.sched[N_PENDING_FINISHED]].tolist()) == sorted(refused)
+    assert sorted(s.pending_finished[:s.sched[0].pending_finished].tolist()) == sorted(refused)
     ring.reference.scan(ref.read_ring(ring.view))   # the reference: one scan of everything
     launch(ring.kernel, ring.threads, ring.s, np.array([0, 1], np.int32), ring.counters)
-    queue = list(zip(s.queue_keys[:s.sched[N_QUEUED]].tolist(), s.queue_slots[:s.sched[N_QUEUED]].tolist()))
+    queue = list(zip(s.queue_keys[:s.sched[0].queued].tolist(), s.queue_slots[:s.sched[0].queued].tolist()))
     assert queue == ring.reference.queue and len(queue) == n - len(refused)

@@ -6,8 +6,8 @@ import pytest
 from blink.errors import IllegalTransition
 from blink.ring.control import CONTROL_DTYPE
 from blink.ring.geometry import RingGeometry
-from blink.ring.layout import (AGENT, FINISHED, FREE, GPU, PAIR_DTYPE, READY, RUNNING, STATUS_COLUMNS, RingLayout,
-                               check_transition, header_dtype)
+from blink.ring.layout import (AGENT, FINISHED, FREE, GPU, HEADER_DTYPE, PAIR_DTYPE, READY, RUNNING, STATUS_COLUMNS,
+                               RingLayout, check_transition)
 
 # The contract, written out by hand: (field, byte offset, byte size). A change here is a protocol change.
 CONTROL_SPEC = [("magic", 0, 4), ("version", 4, 4), ("n_slots", 8, 4), ("max_prompt_tokens", 12, 4),
@@ -23,14 +23,13 @@ CONTROL_SPEC = [("magic", 0, 4), ("version", 4, 4), ("n_slots", 8, 4), ("max_pro
                 ("vocab_size", 212, 4), ("secret_digest", 216, 8), ("max_grammar_bytes", 224, 4),
                 ("spec_drafts", 232, 8), ("spec_draft_tokens", 240, 8), ("spec_accepted_tokens", 248, 8)]
 HEADER_SPEC = [("request_id", 0, 8), ("arrival_ns", 8, 8), ("seed", 16, 8), ("prompt_len", 24, 4),
-               ("max_tokens", 28, 4), ("temperature", 32, 4), ("top_p", 36, 4), ("top_k", 40, 4), ("flags", 44, 4),
-               ("n_stop", 48, 4), ("priority", 52, 4), ("prefix_state", 56, 8), ("presence_penalty", 64, 4),
-               ("frequency_penalty", 68, 4), ("repetition_penalty", 72, 4), ("min_p", 76, 4), ("top_logprobs", 80, 4),
-               ("n_logit_bias", 84, 4), ("grammar", 88, 4)]
+               ("max_tokens", 28, 4), ("temperature", 32, 4), ("top_p", 36, 4), ("top_k", 40, 4),
+               ("request_flags", 44, 4), ("n_stop", 48, 4), ("priority", 52, 4), ("prefix_state", 56, 8),
+               ("presence_penalty", 64, 4), ("frequency_penalty", 68, 4), ("repetition_penalty", 72, 4),
+               ("min_p", 76, 4), ("top_logprobs", 80, 4), ("n_logit_bias", 84, 4), ("grammar", 88, 4)]
 
 
-@pytest.mark.parametrize("dtype,spec,itemsize", [(CONTROL_DTYPE, CONTROL_SPEC, 256),
-                                                 (header_dtype(8), HEADER_SPEC + [("stop_ids", 96, 32)], 128)])
+@pytest.mark.parametrize("dtype,spec,itemsize", [(CONTROL_DTYPE, CONTROL_SPEC, 256), (HEADER_DTYPE, HEADER_SPEC, 96)])
 def test_struct_offsets_sizes_and_natural_alignment(dtype, spec, itemsize):
     assert dtype.itemsize == itemsize
     assert list(dtype.names) == [name for name, _, _ in spec]
@@ -43,11 +42,6 @@ def test_struct_offsets_sizes_and_natural_alignment(dtype, spec, itemsize):
     assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:])), "fields overlap"
 
 
-@pytest.mark.parametrize("max_stop_ids,itemsize", [(0, 96), (1, 112), (4, 112), (5, 128), (64, 352)])
-def test_header_size_follows_stop_capacity(max_stop_ids, itemsize):
-    assert header_dtype(max_stop_ids).itemsize == itemsize
-
-
 @pytest.mark.parametrize("geometry", [RingGeometry(), RingGeometry(n_slots=3, max_prompt_tokens=5, max_output_tokens=7,
                                                                    max_stop_ids=0, logprobs=False, max_logit_bias=0),
                                       RingGeometry(n_slots=5, max_prompt_tokens=70, prefix_page_size=16,
@@ -57,8 +51,8 @@ def test_regions_are_page_aligned_disjoint_and_sized(geometry):
     layout = RingLayout(geometry)
     n = geometry.n_slots
     column = (4 * n + 63) // 64 * 64
-    expected = {"control": 256, "status": 5 * column, "headers": n * layout.header_dtype.itemsize,
-                "prompts": 4 * n * geometry.max_prompt_tokens,
+    expected = {"control": 256, "status": 5 * column, "headers": 96 * n,
+                "stop_token_ids": 4 * n * geometry.max_stop_ids, "prompts": 4 * n * geometry.max_prompt_tokens,
                 "prefix_keys": 8 * n * (geometry.max_prompt_tokens // geometry.prefix_page_size
                                         if geometry.prefix_page_size else 0),
                 "logit_bias": 8 * n * geometry.max_logit_bias,
@@ -108,6 +102,7 @@ def test_every_field_round_trips_through_the_region_views():
     for name in STATUS_COLUMNS:
         view.status[name][:] = rng.integers(0, 2**32, 5, dtype=np.uint32)
     view.prompts[:] = rng.integers(0, 2**31, view.prompts.shape)
+    view.stop_token_ids[:] = rng.integers(0, 2**31, view.stop_token_ids.shape)
     view.prefix_keys[:] = rng.integers(0, 2**64, view.prefix_keys.shape, dtype=np.uint64, endpoint=False)
     view.outputs[:] = rng.integers(0, 2**31, view.outputs.shape)
     view.logprobs[:] = rng.standard_normal(view.logprobs.shape)
@@ -117,7 +112,7 @@ def test_every_field_round_trips_through_the_region_views():
     view.grammars[:] = rng.integers(-2**31, 2**31, view.grammars.shape)
     # Read back through raw byte offsets, as a transport would.
     for (region, slot, name), value in written.items():
-        dtype = {"control": CONTROL_DTYPE, "headers": layout.header_dtype}[region]
+        dtype = {"control": CONTROL_DTYPE, "headers": HEADER_DTYPE}[region]
         base = {"control": 0, "headers": layout.header_at(slot)}[region]
         field, offset = dtype.fields[name][:2]
         got = np.frombuffer(bytes(buffer[base + offset: base + offset + field.itemsize]), field.base)
@@ -129,6 +124,8 @@ def test_every_field_round_trips_through_the_region_views():
     for slot in range(5):
         prompt = np.frombuffer(bytes(buffer[layout.prompt_at(slot): layout.prompt_at(slot) + 28]), "<i4")
         np.testing.assert_array_equal(prompt, view.prompts[slot])
+        at = layout.stop_token_ids_at(slot)
+        np.testing.assert_array_equal(np.frombuffer(bytes(buffer[at: at + 16]), "<i4"), view.stop_token_ids[slot])
         keys = np.frombuffer(bytes(buffer[layout.prefix_keys_at(slot): layout.prefix_keys_at(slot) + 16]), "<u8")
         np.testing.assert_array_equal(keys, view.prefix_keys[slot])        # 7 // 3: two full pages
         out = np.frombuffer(bytes(buffer[layout.output_at(slot): layout.output_at(slot, 3)]), "<i4")
@@ -151,8 +148,8 @@ def test_views_do_not_overlap():
     buffer = bytearray(layout.size)
     view = layout.view(buffer)
     columns = [view.status[name] for name in STATUS_COLUMNS]
-    for array in (view.control, *columns, view.headers, view.prompts, view.prefix_keys, view.logit_bias,
-                  view.grammars, view.outputs, view.logprobs, view.top_logprobs):
+    for array in (view.control, *columns, view.headers, view.stop_token_ids, view.prompts, view.prefix_keys,
+                  view.logit_bias, view.grammars, view.outputs, view.logprobs, view.top_logprobs):
         array.view(np.uint8)[...] = 0xFF
         assert sum(buffer) == 0xFF * array.nbytes
         array.view(np.uint8)[...] = 0

@@ -5,10 +5,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blink.ring.layout import FLAG_IGNORE_EOS, FLAG_LOGPROBS, PAIR_DTYPE, header_dtype
-from blink.ring.request import GREEDY_BELOW, SamplingParams, encode_header, encode_logit_bias
+from blink.ring.layout import FLAG_IGNORE_EOS, FLAG_LOGPROBS, HEADER_DTYPE, PAIR_DTYPE, TOKEN_DTYPE
+from blink.ring.request import (GREEDY_BELOW, SamplingParams, encode_header, encode_logit_bias,
+                                encode_stop_token_ids)
 
-HEADER = header_dtype(4)
+HEADER = HEADER_DTYPE
 FIELDS = dict(request_id=7, arrival_ns=123, seed=2**64 - 1, prompt_len=5, priority=-3)
 
 
@@ -60,7 +61,7 @@ def test_a_stop_string_alone_is_a_one_element_tuple():
                         repetition_penalty=st.floats(1e-6, 3.4e38), min_p=st.floats(0, 1),
                         logit_bias=st.dictionaries(st.integers(0, 2**31 - 1), st.floats(-100, 100), max_size=5)))
 def test_every_valid_request_encodes_to_exactly_its_values(params):
-    header = np.frombuffer(encode_header(HEADER, params=params, **FIELDS), HEADER)[0]
+    header = np.frombuffer(encode_header(params=params, **FIELDS), HEADER)[0]
     for name, value in FIELDS.items():
         assert int(header[name]) == value
     assert int(header["max_tokens"]) == params.max_tokens and int(header["top_k"]) == params.top_k
@@ -72,14 +73,14 @@ def test_every_valid_request_encodes_to_exactly_its_values(params):
     assert pairs["token"].tolist() == list(params.logit_bias)
     assert pairs["value"].tolist() == [float(np.float32(b)) for b in params.logit_bias.values()]
     assert int(header["n_stop"]) == len(params.stop_token_ids)
-    assert header["stop_ids"][:len(params.stop_token_ids)].tolist() == list(params.stop_token_ids)
+    assert np.frombuffer(encode_stop_token_ids(params), TOKEN_DTYPE).tolist() == list(params.stop_token_ids)
     flags = (FLAG_IGNORE_EOS if params.ignore_eos else 0) | (FLAG_LOGPROBS if params.logprobs else 0)
-    assert int(header["flags"]) == flags
+    assert int(header["request_flags"]) == flags
 
 
 def test_the_bytes_no_field_owns_are_zero():
     """The header goes into shared memory: its padding must not carry whatever the allocation held before."""
-    raw = encode_header(HEADER, params=SamplingParams(max_tokens=2**31 - 1, temperature=3.0, top_k=2**31 - 1,
+    raw = encode_header(params=SamplingParams(max_tokens=2**31 - 1, temperature=3.0, top_k=2**31 - 1,
                                                       stop_token_ids=(2**31 - 1,), presence_penalty=-2.0,
                                                       repetition_penalty=3.4e38), **FIELDS)
     owned = np.zeros(HEADER.itemsize, bool)
@@ -97,7 +98,7 @@ def test_a_value_outside_its_header_field_is_refused_by_name(field, value):
     dtype = HEADER.fields[field][0]
     with pytest.raises(ValueError, match=f"request field '{field}' must be an int in "
                                          rf"\[{np.iinfo(dtype).min}, {np.iinfo(dtype).max}\]"):
-        encode_header(HEADER, params=SamplingParams(), **fields)
+        encode_header(params=SamplingParams(), **fields)
 
 
 def test_penalties_are_neutral_by_default_and_say_when_they_are_not():
@@ -110,7 +111,7 @@ def test_top_logprobs_need_logprobs_and_are_encoded():
     """OpenAI's rule: top_logprobs only with logprobs (the error names top_logprobs)."""
     with pytest.raises(ValueError, match="SamplingParams.top_logprobs must be 0 unless logprobs is True"):
         SamplingParams(top_logprobs=2)
-    header = np.frombuffer(encode_header(HEADER, params=SamplingParams(logprobs=True, top_logprobs=20), **FIELDS),
+    header = np.frombuffer(encode_header(params=SamplingParams(logprobs=True, top_logprobs=20), **FIELDS),
                            HEADER)[0]
-    assert int(header["top_logprobs"]) == 20 and int(header["flags"]) == FLAG_LOGPROBS
+    assert int(header["top_logprobs"]) == 20 and int(header["request_flags"]) == FLAG_LOGPROBS
     assert encode_logit_bias(SamplingParams()) == b""

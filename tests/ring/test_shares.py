@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blink.device.state import IDLE, S_SEEN_SUBMITTED
+from blink.device.state import IDLE
 from blink.nic.agent import Agent
 from blink.ring import control
 from blink.ring.shares import RESTART_STRIDE, Share
@@ -87,7 +87,7 @@ def submissions_seen(shares) -> tuple[int, bool]:
         answers[k, agents[k].submit([1, 2, 3 + turn], SamplingParams(max_tokens=2, ignore_eos=True))] = (0, None)
         clashes += control.read(memory)["submitted"] in acted
         scheduler.iteration()
-        acted.add(int(scheduler.arrays.stats[S_SEEN_SUBMITTED]))
+        acted.add(int(scheduler.arrays.stats[0].seen_submitted))
         poll()
     for _ in range(40):
         if scheduler.iteration() == IDLE and not any(agent.in_flight for agent in agents):

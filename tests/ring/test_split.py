@@ -9,7 +9,7 @@ from blink.errors import RingFull
 from blink.nic.agent import Agent
 from blink.ring.control import CONTROL_DTYPE
 from blink.ring.geometry import RingGeometry
-from blink.ring.layout import RingLayout, RingView
+from blink.ring.layout import HEADER_DTYPE, TOKEN_DTYPE, RingLayout, RingView
 from blink.ring.reference import ReferenceConsumer, expected_output
 from blink.ring.request import SamplingParams
 from blink.ring.split import SplitMemory, Window
@@ -33,7 +33,8 @@ def split_ring(layout: RingLayout):
 
     view = RingView(control=region("control", CONTROL_DTYPE, (1,)),
                     status=region("status", layout.status_dtype, (1,))[0],
-                    headers=region("headers", layout.header_dtype, (g.n_slots,)),
+                    headers=region("headers", HEADER_DTYPE, (g.n_slots,)),
+                    stop_token_ids=region("stop_token_ids", TOKEN_DTYPE, (g.n_slots, g.max_stop_ids)),
                     prompts=region("prompts", np.dtype("<i4"), (g.n_slots, g.max_prompt_tokens)),
                     outputs=region("outputs", np.dtype("<i4"), (g.n_slots, g.max_output_tokens)),
                     logprobs=region("logprobs", np.dtype("<f4"), (g.n_slots, g.max_output_tokens)))

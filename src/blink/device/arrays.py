@@ -6,12 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from blink.device.config import MAX_EOS, MAX_SPECULATIVE_TOKENS, SchedulerConfig
-from blink.device.state import (BUCKET, C32_KV_FREE, C32_KV_TOTAL, C64_PREFIX_SEED, CFG_GRAMMAR_WORDS, CFG_LOGPROBS,
-                                CFG_MASK_WORDS, CFG_MAX_LOGIT_BIAS, CFG_MAX_MODEL_LEN, CFG_MAX_NUM_SEQS, CFG_MAX_STOP,
-                                CFG_MAX_TOP_LOGPROBS, CFG_N_BUCKETS, CFG_N_EOS, CFG_PAGE_SIZE, CFG_PREFIX_CACHING,
-                                CFG_SPEC_MAX, CFG_SPEC_MIN, CFG_SPEC_TOKENS, CFG_TOKEN_BUDGET, CFG_WATERMARK,
-                                CFG_WORDS, DOORBELL_NAMES, FREE_TOP, IDLE, SCHED_WORDS, SCRATCH_CLEAR, STATS_WORDS,
-                                table_entries)
+from blink.device.state import (CFG_DTYPE, CONTROL_RECORD, DOORBELLS_DTYPE, HEADER_RECORD, IDLE, SCHED_DTYPE,
+                                SCRATCH_CLEAR, STATS_DTYPE, table_entries)
 from blink.device.step import StepLayout
 from blink.ring.geometry import RingGeometry
 from blink.ring.grammar import mask_words
@@ -21,17 +17,15 @@ from blink.ring.layout import RingView
 def ring_arrays(view: RingView) -> dict[str, np.ndarray]:
     """The ring fields of ``SchedulerArrays`` as numpy views of the ring region."""
     n = view.headers.shape[0]
-    raw_headers = view.headers.view(np.uint8).reshape(n, -1)
     logprobs = view.logprobs if view.logprobs is not None else np.zeros((n, 1), np.float32)
     prefix_keys = view.prefix_keys if view.prefix_keys is not None else np.zeros((n, 1), np.uint64)
-    control = view.control.view(np.uint8).reshape(-1)
+    stops = view.stop_token_ids if view.stop_token_ids is not None else np.zeros((n, 1), np.int32)
     bias, top = (np.zeros((n, 2), np.int32) if pairs is None else pairs.view(np.int32).reshape(n, -1)
                  for pairs in (view.logit_bias, view.top_logprobs))
-    return dict(ctl32=control.view(np.uint32), ctl64=control.view(np.uint64), state=view.status["state"],
+    return dict(control=view.control.view(CONTROL_RECORD), state=view.status["state"],
                 epoch=view.status["epoch"], cancel=view.status["cancel"], finish=view.status["finish_reason"],
-                ngen=view.status["n_generated"], hdr_i32=raw_headers.view(np.int32),
-                hdr_f32=raw_headers.view(np.float32), hdr_u64=raw_headers.view(np.uint64), prompts=view.prompts,
-                prefix_keys=prefix_keys, outputs=view.outputs, logprobs=logprobs, bias_i32=bias,
+                ngen=view.status["n_generated"], headers=view.headers.view(HEADER_RECORD), stop_token_ids=stops,
+                prompts=view.prompts, prefix_keys=prefix_keys, outputs=view.outputs, logprobs=logprobs, bias_i32=bias,
                 bias_f32=bias.view(np.float32), top_i32=top, top_f32=top.view(np.float32),
                 grammars=view.grammars if view.grammars is not None else np.zeros(1, np.int32))
 
@@ -60,37 +54,24 @@ def state_arrays(config: SchedulerConfig, geometry: RingGeometry, step: StepLayo
         if getattr(step, name) < getattr(geometry, name):
             raise ValueError(f"StepLayout.{name} {getattr(step, name)} < the ring's {getattr(geometry, name)}")
     check_prefix_ring(config, geometry)
-    cfg = np.zeros(CFG_WORDS, np.int32)
-    cfg[CFG_PAGE_SIZE] = config.page_size
-    cfg[CFG_TOKEN_BUDGET] = config.max_num_batched_tokens
-    cfg[CFG_MAX_NUM_SEQS] = config.max_num_seqs
-    cfg[CFG_N_BUCKETS] = len(config.buckets)
-    cfg[CFG_N_EOS] = len(config.eos_token_ids)
-    cfg[CFG_WATERMARK] = config.watermark_pages
-    cfg[CFG_MAX_MODEL_LEN] = config.max_model_len
-    cfg[CFG_LOGPROBS] = int(geometry.logprobs)
-    cfg[CFG_MAX_STOP] = geometry.max_stop_ids
-    cfg[CFG_PREFIX_CACHING] = int(config.enable_prefix_caching)
-    cfg[CFG_MAX_LOGIT_BIAS] = geometry.max_logit_bias
-    cfg[CFG_MAX_TOP_LOGPROBS] = geometry.max_top_logprobs
-    cfg[CFG_GRAMMAR_WORDS] = geometry.max_grammar_bytes // 4
-    cfg[CFG_MASK_WORDS] = mask_words(geometry.vocab_size)
-    if config.speculative is not None:
-        cfg[CFG_SPEC_TOKENS] = config.speculative.num_speculative_tokens
-        cfg[CFG_SPEC_MIN] = config.speculative.prompt_lookup_min
-        cfg[CFG_SPEC_MAX] = config.speculative.prompt_lookup_max
-    sched = np.zeros(SCHED_WORDS, np.int32)
-    sched[FREE_TOP] = config.num_pages
-    sched[BUCKET] = IDLE
-    stats = np.zeros(STATS_WORDS, np.int64)
-    stats[C64_PREFIX_SEED] = np.uint64(prefix_seed).view(np.int64)
+    spec = config.speculative
+    cfg = filled(CFG_DTYPE, page_size=config.page_size, token_budget=config.max_num_batched_tokens,
+                 max_num_seqs=config.max_num_seqs, n_buckets=len(config.buckets), n_eos=len(config.eos_token_ids),
+                 watermark=config.watermark_pages, max_model_len=config.max_model_len, logprobs=int(geometry.logprobs),
+                 max_stop=geometry.max_stop_ids, prefix_caching=int(config.enable_prefix_caching),
+                 max_logit_bias=geometry.max_logit_bias, max_top_logprobs=geometry.max_top_logprobs,
+                 grammar_words=geometry.max_grammar_bytes // 4, mask_words=mask_words(geometry.vocab_size),
+                 **({} if spec is None else dict(spec_tokens=spec.num_speculative_tokens,
+                                                 spec_min=spec.prompt_lookup_min, spec_max=spec.prompt_lookup_max)))
     eos = np.zeros(MAX_EOS, np.int32)
     eos[:len(config.eos_token_ids)] = config.eos_token_ids
     n, pages, seqs = geometry.n_slots, config.num_pages, config.max_num_seqs
     i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     u64 = lambda *shape: np.zeros(shape, np.uint64)  # noqa: E731
     return dict(
-        sched=sched, stats=stats, cfg=cfg, buckets=np.array(config.buckets, np.int32), eos_ids=eos,
+        sched=filled(SCHED_DTYPE, free_top=config.num_pages, bucket=IDLE),
+        stats=filled(STATS_DTYPE, prefix_seed=prefix_seed), cfg=cfg, buckets=np.array(config.buckets, np.int32),
+        eos_ids=eos,
         free_pages=np.arange(pages, dtype=np.int32), seq_pages=i32(n, config.max_pages_per_seq), seq_npages=i32(n),
         seq_computed=i32(n), seq_total=i32(n), seq_prompt_len=i32(n), seq_max_tokens=i32(n), seq_flags=i32(n),
         seq_last=i32(n), seq_version=i32(n), seq_finish=i32(n), seq_top_k=i32(n), seq_n_stop=i32(n),
@@ -103,16 +84,22 @@ def state_arrays(config: SchedulerConfig, geometry: RingGeometry, step: StepLayo
         seq_keys=u64(n, config.max_pages_per_seq),
         seq_hash=u64(n), seq_seen=i32(n), queue_slots=i32(n), queue_keys=np.zeros(n, np.int64),
         queue_tmp_slots=i32(n), queue_tmp_keys=np.zeros(n, np.int64), running=i32(seqs), consumed=i32(seqs),
-        pending_finished=i32(n), doorbells=np.zeros(len(DOORBELL_NAMES), np.int64),
+        pending_finished=i32(n), doorbells=np.zeros(1, DOORBELLS_DTYPE),
         row_slot=np.full(seqs, -1, np.int32), row_version=i32(seqs), row_pages=i32(seqs), row_draft=i32(seqs),
         page_ref=i32(pages), page_cached=i32(pages), page_key=u64(pages), page_lru=np.full(pages, -1, np.int32),
         page_scratch=np.full(pages, SCRATCH_CLEAR, np.int32), lru_pages=i32(2 * pages),
         table_keys=u64(table_entries(pages)), table_pages=np.full(table_entries(pages), -1, np.int32))
 
 
-def control_gauges(ctl32: np.ndarray, config: SchedulerConfig) -> None:
-    """Host, before the first iteration: gauges that never change."""
-    ctl32[C32_KV_TOTAL] = config.num_pages
-    ctl32[C32_KV_FREE] = config.num_pages
+def filled(dtype: np.dtype, **fields) -> np.ndarray:
+    """A one-element array of record ``dtype``: ``fields`` by name, every other field 0."""
+    array = np.zeros(1, dtype)
+    for name, value in fields.items():
+        array[0][name] = value
+    return array
 
 
+def control_gauges(control: np.ndarray, config: SchedulerConfig) -> None:
+    """Host, before the first iteration: gauges that never change (``control``: the ring's control block)."""
+    control["kv_pages_total"] = config.num_pages
+    control["kv_pages_free"] = config.num_pages

@@ -19,10 +19,7 @@ from blink.device import inputs, prefix, speculation
 from blink.device.block import exclusive_scan
 from blink.device.kv import allocate_pages, free_sequences, free_total
 from blink.device.numba_compat import cuda
-from blink.device.state import (BUCKET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_PAGE_SIZE, CFG_PREFIX_CACHING,
-                                CFG_SPEC_TOKENS, CFG_TOKEN_BUDGET, CFG_WATERMARK, IDLE, K_ADMITTED, K_CHUNKED,
-                                K_DECODE_PAGES, K_HIT_TOKENS, K_NEED, K_PREEMPTED, K_PREFILLS, K_QUERY_TOKENS,
-                                K_VICTIM, N_QUEUED, N_ROWS, N_RUNNING, QUEUE_HEAD)
+from blink.device.state import COUNT, IDLE
 
 
 @cuda.jit(device=True)
@@ -38,7 +35,7 @@ def start_sequence(s, slot, index, hits):
     Its output words are zeroed now; ``scheduler.publish`` stores RUNNING after the iteration's fence.
     """
     s.seq_total[slot] = s.seq_prompt_len[slot]
-    s.seq_computed[slot] = hits * s.cfg[CFG_PAGE_SIZE]
+    s.seq_computed[slot] = hits * s.cfg[0].page_size
     s.seq_npages[slot] = hits
     s.seq_finish[slot] = 0
     s.seq_version[slot] += 1
@@ -52,7 +49,7 @@ def start_sequence(s, slot, index, hits):
 def admission_cost(s, sh, j):
     """Free pages the j-th request of the window takes: its prompt's, less its cached ones, plus those of them
     that were evictable."""
-    return pages_for(s.seq_prompt_len[sh.slots[j]], s.cfg[CFG_PAGE_SIZE]) - sh.tokens[j] + sh.rank[j]
+    return pages_for(s.seq_prompt_len[sh.slots[j]], s.cfg[0].page_size) - sh.tokens[j] + sh.rank[j]
 
 
 @cuda.jit(device=True)
@@ -62,13 +59,13 @@ def admit(s, sh):
     computed), so the window is at most the free pages."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    running = s.sched[N_RUNNING]
-    free = free_total(s) - s.cfg[CFG_WATERMARK]
-    window = min(s.sched[N_QUEUED], s.cfg[CFG_MAX_NUM_SEQS] - running, free)
+    running = s.sched[0].running
+    free = free_total(s) - s.cfg[0].watermark
+    window = min(s.sched[0].queued, s.cfg[0].max_num_seqs - running, free)
     if window <= 0:
         return
-    head = s.sched[QUEUE_HEAD]
-    caching = s.cfg[CFG_PREFIX_CACHING] != 0
+    head = s.sched[0].queue_head
+    caching = s.cfg[0].prefix_caching != 0
     for j in range(tid, window, nt):            # slots: the window; tokens, rank: cached and evictable pages
         sh.slots[j] = s.queue_slots[head + j]
         sh.tokens[j] = 0
@@ -84,20 +81,20 @@ def admit(s, sh):
         slot = sh.slots[j]
         if sh.pages[j] + admission_cost(s, sh, j) <= free:
             start_sequence(s, slot, running + j, sh.tokens[j])
-            cuda.atomic.add(sh.counters, K_ADMITTED, 1)
+            cuda.atomic.add(sh.counters, COUNT.admitted, 1)
             if caching:
-                cuda.atomic.add(sh.counters, K_QUERY_TOKENS, s.seq_prompt_len[slot])
-                cuda.atomic.add(sh.counters, K_HIT_TOKENS, s.seq_computed[slot])
+                cuda.atomic.add(sh.counters, COUNT.prefix_query_tokens, s.seq_prompt_len[slot])
+                cuda.atomic.add(sh.counters, COUNT.prefix_hit_tokens, s.seq_computed[slot])
         else:
             sh.tokens[j] = 0                    # not admitted: holds nothing
     cuda.syncthreads()
     if caching:
         prefix.take_hits(s, sh, window)
     if tid == 0:
-        admitted = sh.counters[K_ADMITTED]
-        s.sched[N_RUNNING] = running + admitted
-        s.sched[QUEUE_HEAD] = head + admitted
-        s.sched[N_QUEUED] -= admitted
+        admitted = sh.counters[COUNT.admitted]
+        s.sched[0].running = running + admitted
+        s.sched[0].queue_head = head + admitted
+        s.sched[0].queued -= admitted
     cuda.syncthreads()
 
 
@@ -106,21 +103,21 @@ def preempt_newest(s, sh):
     """Free the pages of the most recently admitted sequence that holds any; it will re-prefill. False if none."""
     tid = cuda.threadIdx.x
     if tid == 0:
-        sh.counters[K_VICTIM] = -1
-        for i in range(s.sched[N_RUNNING] - 1, -1, -1):
+        sh.counters[COUNT.victim] = -1
+        for i in range(s.sched[0].running - 1, -1, -1):
             if s.seq_npages[s.running[i]] > 0:
-                sh.counters[K_VICTIM] = s.running[i]
+                sh.counters[COUNT.victim] = s.running[i]
                 sh.slots[0] = s.running[i]
                 break
     cuda.syncthreads()
-    victim = sh.counters[K_VICTIM]
+    victim = sh.counters[COUNT.victim]
     if victim < 0:
         return False
     free_sequences(s, sh, sh.slots, 1)
     if tid == 0:
         s.seq_computed[victim] = 0
         s.seq_version[victim] += 1
-        sh.counters[K_PREEMPTED] += 1
+        sh.counters[COUNT.preempted] += 1
     cuda.syncthreads()
     return True
 
@@ -136,39 +133,39 @@ def plan_chunks(s, sh, n):
         all_decode = chunks_once(s, sh, n)
         # Progress: a step with running sequences but no token (prefills holding every page, no decode to force a
         # preemption) would never end; preempt the newest holder and plan again.
-        if all_decode or sh.counters[K_CHUNKED] != 0 or not preempt_newest(s, sh):
+        if all_decode or sh.counters[COUNT.chunked] != 0 or not preempt_newest(s, sh):
             return all_decode
 
 
 @cuda.jit(device=True)
 def chunks_once(s, sh, n):
-    """One planning pass (see ``plan_chunks``); counts the sequences that got a chunk in ``K_CHUNKED``."""
+    """One planning pass (see ``plan_chunks``); counts the sequences that got a chunk in ``COUNT.chunked``."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    page = s.cfg[CFG_PAGE_SIZE]
+    page = s.cfg[0].page_size
     while True:
         if tid == 0:
-            sh.counters[K_PREFILLS] = 0
-            sh.counters[K_CHUNKED] = 0
-            sh.counters[K_DECODE_PAGES] = 0
+            sh.counters[COUNT.prefills] = 0
+            sh.counters[COUNT.chunked] = 0
+            sh.counters[COUNT.decode_pages] = 0
         cuda.syncthreads()
         for i in range(tid, n, nt):
             slot = s.running[i]
             computed = s.seq_computed[slot]
             if s.seq_total[slot] - computed == 1:
                 sh.chunk[i] = 1
-                cuda.atomic.add(sh.counters, K_DECODE_PAGES, pages_for(computed + 1, page) - s.seq_npages[slot])
+                cuda.atomic.add(sh.counters, COUNT.decode_pages, pages_for(computed + 1, page) - s.seq_npages[slot])
             else:
                 sh.chunk[i] = 0
-                cuda.atomic.add(sh.counters, K_PREFILLS, 1)
+                cuda.atomic.add(sh.counters, COUNT.prefills, 1)
         cuda.syncthreads()
-        decode_pages = sh.counters[K_DECODE_PAGES]
+        decode_pages = sh.counters[COUNT.decode_pages]
         if decode_pages <= free_total(s) or not preempt_newest(s, sh):
             break
-    n_prefill = sh.counters[K_PREFILLS]
+    n_prefill = sh.counters[COUNT.prefills]
     if n_prefill == 0:
         return True
-    tokens_left = s.cfg[CFG_TOKEN_BUDGET] - (n - n_prefill)
+    tokens_left = s.cfg[0].token_budget - (n - n_prefill)
     pages_left = free_total(s) - decode_pages
     # Prefill chunks in running order: tokens = tokens wanted by earlier prefills; pages = their pages.
     for i in range(tid, n, nt):
@@ -196,7 +193,7 @@ def chunks_once(s, sh, n):
             fits = (s.seq_npages[slot] + mine) * page - computed
             sh.chunk[i] = max(0, min(sh.chunk[i], fits))
         if sh.chunk[i] > 0:
-            cuda.atomic.add(sh.counters, K_CHUNKED, 1)
+            cuda.atomic.add(sh.counters, COUNT.chunked, 1)
     cuda.syncthreads()
     return False
 
@@ -206,18 +203,18 @@ def plan(s, sh):
     """Plan the next step and write its inputs; return the bucket index to launch, or IDLE."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    n = s.sched[N_RUNNING]
+    n = s.sched[0].running
     if n == 0:
         if tid == 0:
-            s.sched[N_ROWS] = 0
-            s.sched[BUCKET] = IDLE
+            s.sched[0].rows = 0
+            s.sched[0].bucket = IDLE
         cuda.syncthreads()
         return IDLE
     all_decode = plan_chunks(s, sh, n)
-    speculating = all_decode and s.cfg[CFG_SPEC_TOKENS] > 0
+    speculating = all_decode and s.cfg[0].spec_tokens > 0
     if speculating:
         speculation.propose(s, sh, n)
-    page = s.cfg[CFG_PAGE_SIZE]
+    page = s.cfg[0].page_size
     for i in range(tid, n, nt):
         slot = s.running[i]
         if not speculating:
@@ -226,9 +223,9 @@ def plan(s, sh):
         need = max(0, pages_for(s.seq_computed[slot] + sh.chunk[i], page) - s.seq_npages[slot])
         sh.pages[i] = need
         if need != 0:
-            cuda.atomic.add(sh.counters, K_NEED, need)
+            cuda.atomic.add(sh.counters, COUNT.need, need)
     cuda.syncthreads()
-    if sh.counters[K_NEED] != 0:
+    if sh.counters[COUNT.need] != 0:
         allocate_pages(s, sh, sh.slots, sh.pages, n)
     # Rows are the sequences with a chunk, in running order: rank = first row index, tokens = first token row.
     if speculating:                             # one row per token: a sequence's rows start where its tokens do
@@ -257,7 +254,7 @@ def plan(s, sh):
     bucket = IDLE
     if n_tokens > 0:
         bucket = 0
-        while s.buckets[bucket] < n_tokens and bucket + 1 < s.cfg[CFG_N_BUCKETS]:
+        while s.buckets[bucket] < n_tokens and bucket + 1 < s.cfg[0].n_buckets:
             bucket += 1
         inputs.write_rows(s, sh, n)
         if tid == 0:
@@ -267,7 +264,7 @@ def plan(s, sh):
         inputs.write_tables_and_tokens(s, sh, n_rows, n_tokens, all_decode)
         inputs.pad(s, n_rows, n_tokens, s.buckets[bucket])
     if tid == 0:
-        s.sched[N_ROWS] = n_rows
-        s.sched[BUCKET] = bucket
+        s.sched[0].rows = n_rows
+        s.sched[0].bucket = bucket
     cuda.syncthreads()
     return bucket

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from blink.device import grammar, prefix, sampling
 from blink.device.numba_compat import cuda, load_volatile
-from blink.device.state import (CFG_LOGPROBS, CFG_N_EOS, CFG_PAGE_SIZE, K_ACCEPTED, K_COMPLETED, K_PREFILL_TOKENS,
-                                K_TOKENS, N_ROWS)
+from blink.device.state import COUNT
 from blink.ring.layout import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, FLAG_IGNORE_EOS, FLAG_LOGPROBS
 
 
@@ -14,7 +13,7 @@ from blink.ring.layout import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, FLAG_IGNO
 def stop_reason(s, slot, token):
     """Why the request in ``slot`` ends after emitting ``token`` (its ``n``-th token, already counted)."""
     if (s.seq_flags[slot] & FLAG_IGNORE_EOS) == 0:
-        for k in range(s.cfg[CFG_N_EOS]):
+        for k in range(s.cfg[0].n_eos):
             if token == s.eos_ids[k]:
                 return FINISH_STOP
     for k in range(s.seq_n_stop[slot]):
@@ -31,7 +30,7 @@ def emit(s, r, slot, token):
     logprobs too), its prefix key, grammar state and stop check. Returns whether it stops there."""
     n = s.seq_total[slot] - s.seq_prompt_len[slot]
     s.outputs[slot, n] = token
-    if s.cfg[CFG_LOGPROBS] != 0 and (s.seq_flags[slot] & FLAG_LOGPROBS) != 0:
+    if s.cfg[0].logprobs != 0 and (s.seq_flags[slot] & FLAG_LOGPROBS) != 0:
         s.logprobs[slot, n] = load_volatile(s.sampled_logprobs, r)
         sampling.store_top_logprobs(s, r, slot, n)
     prefix.note_token(s, slot, s.seq_total[slot], token)
@@ -53,8 +52,8 @@ def consume(s, sh):
     """
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    page = s.cfg[CFG_PAGE_SIZE]
-    for r in range(tid, s.sched[N_ROWS], nt):
+    page = s.cfg[0].page_size
+    for r in range(tid, s.sched[0].rows, nt):
         s.consumed[r] = -1
         if s.row_draft[r] != 0:
             continue
@@ -67,17 +66,17 @@ def consume(s, sh):
             for j in range(drafts + 1):
                 # Written by the step's kernels on other SMs; a resident scheduler must not read a stale L1 line.
                 token = load_volatile(s.sampled_ids, r + j)
-                cuda.atomic.add(sh.counters, K_TOKENS, 1)
+                cuda.atomic.add(sh.counters, COUNT.tokens, 1)
                 if emit(s, r + j, slot, token) or j == drafts or token != s.seq_draft[slot, j]:
                     break
                 computed += 1                     # row j + 1 read this token as its draft: its K/V stand
-                cuda.atomic.add(sh.counters, K_ACCEPTED, 1)
+                cuda.atomic.add(sh.counters, COUNT.spec_accepted_tokens, 1)
             for j in range(1, drafts + 1):        # the group's other rows complete no page of their own
                 sh.slots[r + j] = slot
                 sh.tokens[r + j] = computed
         s.seq_computed[slot] = computed
         sh.slots[r] = slot
         sh.tokens[r] = done
-        cuda.atomic.add(sh.counters, K_COMPLETED, computed // page - done // page)
-        cuda.atomic.add(sh.counters, K_PREFILL_TOKENS, max(0, min(computed, s.seq_prompt_len[slot]) - done))
+        cuda.atomic.add(sh.counters, COUNT.completed, computed // page - done // page)
+        cuda.atomic.add(sh.counters, COUNT.prefill_tokens, max(0, min(computed, s.seq_prompt_len[slot]) - done))
     cuda.syncthreads()

@@ -8,8 +8,9 @@ keep it, and every request in the ring, each choice of an ``n > 1`` request too,
 """
 from __future__ import annotations
 
+from numba import int32
+
 from blink.device.numba_compat import cuda
-from blink.device.state import CFG_GRAMMAR_WORDS, CFG_MASK_WORDS, H32_FLAGS, H32_GRAMMAR
 from blink.ring.grammar import RECORD_WORDS
 from blink.ring.layout import FLAG_GRAMMAR
 
@@ -17,17 +18,18 @@ from blink.ring.layout import FLAG_GRAMMAR
 @cuda.jit(device=True)
 def fits(s, slot):
     """Whether the header's start state (if it has a grammar) is a state record inside the grammars region."""
-    if (s.hdr_i32[slot, H32_FLAGS] & FLAG_GRAMMAR) == 0:
+    if (s.headers[slot].request_flags & FLAG_GRAMMAR) == 0:
         return True
-    start = s.hdr_i32[slot, H32_GRAMMAR]
+    start = int32(s.headers[slot].grammar)
     # Subtracted from the region's size, not added to the start: a start near 2**31 must not wrap around.
-    return 0 <= start <= s.cfg[CFG_GRAMMAR_WORDS] - s.cfg[CFG_MASK_WORDS] - RECORD_WORDS
+    return 0 <= start <= s.cfg[0].grammar_words - s.cfg[0].mask_words - RECORD_WORDS
 
 
 @cuda.jit(device=True)
 def start_state(s, slot):
     """The state a newly admitted request starts in (-1: it has no grammar)."""
-    return s.hdr_i32[slot, H32_GRAMMAR] if (s.hdr_i32[slot, H32_FLAGS] & FLAG_GRAMMAR) != 0 else -1
+    header = s.headers[slot]
+    return int32(header.grammar) if (header.request_flags & FLAG_GRAMMAR) != 0 else int32(-1)
 
 
 @cuda.jit(device=True)
@@ -61,7 +63,7 @@ def after_drafts(s, slot, count):
     state = s.seq_grammar[slot]
     if state >= 0:
         for j in range(count):
-            state = next_state(s.grammars, state, s.seq_draft[slot, j], s.cfg[CFG_MASK_WORDS])
+            state = next_state(s.grammars, state, s.seq_draft[slot, j], s.cfg[0].mask_words)
     return state
 
 
@@ -77,7 +79,7 @@ def allowed_drafts(s, slot, count):
         token = s.seq_draft[slot, j]
         if not allows(s.grammars, state, token):
             return j
-        state = next_state(s.grammars, state, token, s.cfg[CFG_MASK_WORDS])
+        state = next_state(s.grammars, state, token, s.cfg[0].mask_words)
     return count
 
 
@@ -86,4 +88,4 @@ def advance(s, slot, token):
     """The request in ``slot`` emitted ``token``: its grammar (if any) moves on."""
     state = s.seq_grammar[slot]
     if state >= 0:
-        s.seq_grammar[slot] = next_state(s.grammars, state, token, s.cfg[CFG_MASK_WORDS])
+        s.seq_grammar[slot] = next_state(s.grammars, state, token, s.cfg[0].mask_words)

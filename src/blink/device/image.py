@@ -27,7 +27,7 @@ from blink.device.numba_compat import SIMULATOR, cuda
 from blink.device.policy import fcfs
 from blink.device.scheduler import make_iterate
 from blink.device.arrays import ring_arrays, state_arrays
-from blink.device.state import DB_CANCELS, DB_SHUTDOWN, DB_SUBMITTED, DB_VALID, STOP, SchedulerArrays
+from blink.device.state import DOORBELLS_DTYPE, STOP, SchedulerArrays
 from blink.device.step import StepLayout
 from blink.errors import LaunchError
 from blink.paths import cache_dir
@@ -48,7 +48,8 @@ SHIM_DEFINES = {
     "STEPS_TIMED": STEPS_TIMED, "STOP": STOP, "SHUTDOWN_WORD": word_index("shutdown", 4),
     # u32 indices of the two u64 doorbells (the shim reads them through the control block's u32 view)
     "SUBMITTED_WORD": offset_of("submitted") // 4, "CANCELS_WORD": offset_of("cancels") // 4,
-    "DB_VALID": DB_VALID, "DB_SHUTDOWN": DB_SHUTDOWN, "DB_SUBMITTED": DB_SUBMITTED, "DB_CANCELS": DB_CANCELS,
+    # indices of the doorbell record's fields, to the shim a ``long long`` array (DB_VALID, DB_SHUTDOWN, ...)
+    **{f"DB_{name.upper()}": DOORBELLS_DTYPE.fields[name][1] // 8 for name in DOORBELLS_DTYPE.names},
     "LAUNCH_RETRIES": LAUNCH_RETRIES, "LAUNCH_RETRY_NS": LAUNCH_RETRY_NS, "DONE_POLL_NS": DONE_POLL_NS,
 }
 # Sources the cached image depends on besides numba, the CUDA toolchain and the policy.
@@ -80,12 +81,17 @@ def _entry_function(policy):
         return types.voidptr(types.int64), codegen
 
     fields = []
+    namespace = dict(carray=carray, voidptr=voidptr, np=np, SchedulerArrays=SchedulerArrays)
     for k, (name, dtype, ndim) in enumerate(array_spec()):
         dims = "".join(f"table[{3 * k + 1 + d}], " for d in range(ndim))
-        fields.append(f"carray(voidptr(table[{3 * k}]), ({dims}), np.{dtype.name}),  # {name}")
+        if dtype.names is None:
+            element = f"np.{dtype.name}"
+        else:                                   # a record: its dtype, a global of the source, by the field's name
+            element = f"{name}_record"
+            namespace[element] = dtype
+        fields.append(f"carray(voidptr(table[{3 * k}]), ({dims}), {element}),  # {name}")
     source = ("def from_table(table):\n    return SchedulerArrays(\n        "
               + "\n        ".join(fields) + "\n    )\n")
-    namespace = dict(carray=carray, voidptr=voidptr, np=np, SchedulerArrays=SchedulerArrays)
     exec(compile(source, "<from_table>", "exec"), namespace)
     iterate = make_iterate(policy, cuda.jit(device=True)(namespace["from_table"]))
 

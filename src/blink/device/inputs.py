@@ -8,7 +8,7 @@ from numba import int64
 from blink.device import grammar, sampling, speculation
 from blink.device.block import exclusive_scan, locate
 from blink.device.numba_compat import cuda
-from blink.device.state import CFG_PAGE_SIZE, K_COPIES
+from blink.device.state import COUNT
 
 
 @cuda.jit(device=True)
@@ -40,7 +40,7 @@ def write_rows(s, sh, n):
             sh.keys[r] = copied                       # first block-table entry this row still lacks
             sh.pages[r] = s.seq_npages[slot] - copied     # entries to copy
             if sh.pages[r] != 0:
-                cuda.atomic.add(sh.counters, K_COPIES, 1)
+                cuda.atomic.add(sh.counters, COUNT.copies, 1)
             s.row_slot[r] = slot
             s.row_version[r] = s.seq_version[slot]
             s.row_pages[r] = s.seq_npages[slot]
@@ -56,8 +56,8 @@ def write_tables_and_tokens(s, sh, n_rows, n_tokens, all_decode):
     """
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    page = s.cfg[CFG_PAGE_SIZE]
-    total = exclusive_scan(sh.pages, n_rows, sh.partial) if sh.counters[K_COPIES] != 0 else 0
+    page = s.cfg[0].page_size
+    total = exclusive_scan(sh.pages, n_rows, sh.partial) if sh.counters[COUNT.copies] != 0 else 0
     for index in range(tid, total, nt):
         r = locate(sh.pages, n_rows, index)
         j = sh.keys[r] + index - sh.pages[r]

@@ -5,11 +5,11 @@ hands out page ids. ``seq_pages[slot, 0:seq_npages[slot]]`` is the block table o
 Every page is in exactly one of three states:
 
 - **held**: ``page_ref[p]`` block tables hold it (more than one only for a cached prefix page, which nobody writes);
-- **free**: on the free stack ``free_pages[0:FREE_TOP]``, uncached;
+- **free**: on the free stack ``free_pages[0:free_top]``, uncached;
 - **evictable**: cached (in the hash table, ``table.py``) and held by nobody; its live entry in the LRU ring is
-  ``lru_pages[page_lru[p]]``. Allocation may take ``FREE_TOP + N_EVICTABLE`` pages (``free_total``).
+  ``lru_pages[page_lru[p]]``. Allocation may take ``free_top + evictable`` pages (``free_total``; both in ``s.sched[0]``).
 
-The LRU ring ``lru_pages`` (2 x num_pages entries) lists released cached pages oldest first, from ``LRU_HEAD``. An
+The LRU ring ``lru_pages`` (2 x num_pages entries) lists released cached pages oldest first, from ``lru_head``. An
 entry is live iff ``page_lru[its page] == its index``: a page taken back by a prefix hit (``hold``) or evicted leaves
 a stale entry, skipped when the head passes it and dropped by ``compact_lru`` when the ring would overflow.
 
@@ -27,24 +27,23 @@ from __future__ import annotations
 
 from blink.device.block import exclusive_scan, locate
 from blink.device.numba_compat import cuda
-from blink.device.state import (FREE_TOP, K_EVICTED, K_LRU_END, K_UNEVICTED, LRU_COUNT, LRU_HEAD, MAX_CANDIDATES,
-                                N_CACHED, N_EVICTABLE, SCRATCH_CLEAR)
+from blink.device.state import COUNT, MAX_CANDIDATES, SCRATCH_CLEAR
 from blink.device.table import forget
 
 
 @cuda.jit(device=True)
 def free_total(s):
     """Pages an allocation may take: the free stack and the evictable cached pages."""
-    return s.sched[FREE_TOP] + s.sched[N_EVICTABLE]
+    return s.sched[0].free_top + s.sched[0].evictable
 
 
 @cuda.jit(device=True)
 def hold(s, sh, page):
     """One more block table holds ``page``; an evictable page leaves the LRU (its entry goes stale). The caller
-    subtracts ``K_UNEVICTED`` from ``N_EVICTABLE`` after a barrier."""
+    subtracts ``COUNT.unevicted`` from ``evictable`` after a barrier."""
     if cuda.atomic.add(s.page_ref, page, 1) == 0:
         s.page_lru[page] = -1
-        cuda.atomic.add(sh.counters, K_UNEVICTED, 1)
+        cuda.atomic.add(sh.counters, COUNT.unevicted, 1)
 
 
 @cuda.jit(device=True)
@@ -70,7 +69,7 @@ def free_sequences(s, sh, slots, n):
         sh.pages[i] = s.seq_npages[slots[i]]
     cuda.syncthreads()
     total = exclusive_scan(sh.pages, n, sh.partial)
-    if s.sched[LRU_COUNT] + total > s.lru_pages.shape[0]:
+    if s.sched[0].lru_count + total > s.lru_pages.shape[0]:
         compact_lru(s, sh)
     for index in range(tid, total, nt):
         page = page_of(s, slots, sh.pages, n, index)
@@ -107,9 +106,9 @@ def release(s, sh, slots, n, first, count):
     cuda.syncthreads()
     n_free = exclusive_scan(sh.rank, count, sh.partial)
     n_cached = exclusive_scan(sh.tokens, count, sh.partial)
-    top = s.sched[FREE_TOP]
+    top = s.sched[0].free_top
     capacity = s.lru_pages.shape[0]
-    tail = s.sched[LRU_HEAD] + s.sched[LRU_COUNT]
+    tail = s.sched[0].lru_head + s.sched[0].lru_count
     for k in range(tid, count, nt):
         page = page_of(s, slots, sh.pages, n, first + k)
         if released(s, page, first + k):
@@ -121,22 +120,22 @@ def release(s, sh, slots, n, first, count):
                 s.free_pages[top + sh.rank[k]] = page
     cuda.syncthreads()
     if tid == 0:
-        s.sched[FREE_TOP] = top + n_free
-        s.sched[LRU_COUNT] += n_cached
-        s.sched[N_EVICTABLE] += n_cached
+        s.sched[0].free_top = top + n_free
+        s.sched[0].lru_count += n_cached
+        s.sched[0].evictable += n_cached
     cuda.syncthreads()
 
 
 @cuda.jit(device=True)
 def compact_lru(s, sh):
-    """Drop the LRU ring's stale entries, keeping the live ones in order from ``LRU_HEAD``. In place, a window of
+    """Drop the LRU ring's stale entries, keeping the live ones in order from ``lru_head``. In place, a window of
     MAX_CANDIDATES entries at a time: a live entry only moves towards the head, into entries already read.
     Scratch: ``sh.tokens`` (live flags), ``sh.rank`` (their ranks), ``sh.chunk`` (the window's pages)."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     capacity = s.lru_pages.shape[0]
-    head = s.sched[LRU_HEAD]
-    count = s.sched[LRU_COUNT]
+    head = s.sched[0].lru_head
+    count = s.sched[0].lru_count
     kept = 0
     for first in range(0, count, MAX_CANDIDATES):
         window = min(MAX_CANDIDATES, count - first)
@@ -156,21 +155,21 @@ def compact_lru(s, sh):
         cuda.syncthreads()
         kept += live
     if tid == 0:
-        s.sched[LRU_COUNT] = kept
+        s.sched[0].lru_count = kept
     cuda.syncthreads()
 
 
 @cuda.jit(device=True)
 def evict(s, sh, count):
-    """Move the ``count`` (<= N_EVICTABLE) least recently released evictable pages out of the prefix cache onto the
+    """Move the ``count`` (<= evictable) least recently released evictable pages out of the prefix cache onto the
     free stack, in LRU order. Scratch: ``sh.tokens`` (live flags of a window of the ring), ``sh.rank`` (their
     ranks)."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     capacity = s.lru_pages.shape[0]
-    while count > 0 and s.sched[LRU_COUNT] > 0:
-        head = s.sched[LRU_HEAD]
-        window = min(s.sched[LRU_COUNT], MAX_CANDIDATES)
+    while count > 0 and s.sched[0].lru_count > 0:
+        head = s.sched[0].lru_head
+        window = min(s.sched[0].lru_count, MAX_CANDIDATES)
         for k in range(tid, window, nt):
             position = (head + k) % capacity
             sh.tokens[k] = 1 if s.page_lru[s.lru_pages[position]] == position else 0
@@ -178,7 +177,7 @@ def evict(s, sh, count):
         cuda.syncthreads()
         live = exclusive_scan(sh.rank, window, sh.partial)
         taken = min(live, count)
-        top = s.sched[FREE_TOP]
+        top = s.sched[0].free_top
         for k in range(tid, window, nt):
             if sh.tokens[k] != 0 and sh.rank[k] < taken:
                 page = s.lru_pages[(head + k) % capacity]
@@ -186,16 +185,16 @@ def evict(s, sh, count):
                 s.page_lru[page] = -1
                 s.free_pages[top + sh.rank[k]] = page
                 if sh.rank[k] == taken - 1:
-                    sh.counters[K_LRU_END] = k + 1      # entries up to the last page taken are used up
+                    sh.counters[COUNT.lru_end] = k + 1      # entries up to the last page taken are used up
         cuda.syncthreads()
         if tid == 0:
-            used = window if taken == live else sh.counters[K_LRU_END]
-            s.sched[LRU_HEAD] = (head + used) % capacity
-            s.sched[LRU_COUNT] -= used
-            s.sched[FREE_TOP] = top + taken
-            s.sched[N_EVICTABLE] -= taken
-            s.sched[N_CACHED] -= taken
-            sh.counters[K_EVICTED] += taken
+            used = window if taken == live else sh.counters[COUNT.lru_end]
+            s.sched[0].lru_head = (head + used) % capacity
+            s.sched[0].lru_count -= used
+            s.sched[0].free_top = top + taken
+            s.sched[0].evictable -= taken
+            s.sched[0].cached -= taken
+            sh.counters[COUNT.prefix_evictions] += taken
         cuda.syncthreads()
         count -= taken
 
@@ -207,9 +206,9 @@ def allocate_pages(s, sh, slots, need, n):
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     total = exclusive_scan(need, n, sh.partial)
-    if total > s.sched[FREE_TOP]:
-        evict(s, sh, total - s.sched[FREE_TOP])
-    top = s.sched[FREE_TOP]
+    if total > s.sched[0].free_top:
+        evict(s, sh, total - s.sched[0].free_top)
+    top = s.sched[0].free_top
     for index in range(tid, total, nt):
         i = locate(need, n, index)
         slot = slots[i]
@@ -221,5 +220,5 @@ def allocate_pages(s, sh, slots, need, n):
         end = need[i + 1] if i + 1 < n else total
         s.seq_npages[slots[i]] += end - need[i]
     if tid == 0:
-        s.sched[FREE_TOP] = top - total
+        s.sched[0].free_top = top - total
     cuda.syncthreads()

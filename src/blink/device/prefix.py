@@ -22,8 +22,7 @@ from numba import uint64
 from blink.device.block import exclusive_scan, locate
 from blink.device.kv import hold
 from blink.device.numba_compat import add64, cuda, load_volatile, mul64
-from blink.device.state import (C64_PREFIX_SEED, CFG_PAGE_SIZE, CFG_PREFIX_CACHING, K_COMPLETED, K_INSERTED,
-                                K_UNEVICTED, N_CACHED, N_EVICTABLE, N_ROWS)
+from blink.device.state import COUNT
 from blink.device.table import claim_way, find, mark_new, settle
 from blink.ring.hashing import MIX_A, MIX_B, POSITION_MIX, TOKEN_MIX
 
@@ -41,11 +40,11 @@ def extend(state, token, position, seed):
 def note_token(s, slot, position, token):
     """``token`` was sampled at ``position`` of ``slot``'s sequence: extend its chain state; the state after a
     page's last token is that page's key."""
-    if s.cfg[CFG_PREFIX_CACHING] == 0:
+    if s.cfg[0].prefix_caching == 0:
         return
-    state = extend(s.seq_hash[slot], token, position, uint64(s.stats[C64_PREFIX_SEED]))
+    state = extend(s.seq_hash[slot], token, position, uint64(s.stats[0].prefix_seed))
     s.seq_hash[slot] = state
-    page = s.cfg[CFG_PAGE_SIZE]
+    page = s.cfg[0].page_size
     if (position + 1) % page == 0:
         s.seq_keys[slot, position // page] = state
 
@@ -57,7 +56,7 @@ def match(s, sh, n):
     evictable (taking them shrinks the free pages). Scratch: ``sh.pages``."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    page = s.cfg[CFG_PAGE_SIZE]
+    page = s.cfg[0].page_size
     for i in range(tid, n, nt):
         prompt_len = s.seq_prompt_len[sh.slots[i]]
         sh.pages[i] = prompt_len // page
@@ -100,8 +99,8 @@ def take_hits(s, sh, n):
         hold(s, sh, s.seq_pages[sh.slots[i], index - sh.pages[i]])
     cuda.syncthreads()
     if tid == 0:
-        s.sched[N_EVICTABLE] -= sh.counters[K_UNEVICTED]
-        sh.counters[K_UNEVICTED] = 0
+        s.sched[0].evictable -= sh.counters[COUNT.unevicted]
+        sh.counters[COUNT.unevicted] = 0
     cuda.syncthreads()
 
 
@@ -109,7 +108,7 @@ def take_hits(s, sh, n):
 def completed_page(s, sh, slots, done, n, index):
     """(slot, page index) of flat item ``index`` over the pages that ``slots[i]`` filled since ``done[i]`` tokens."""
     i = locate(sh.pages, n, index)
-    return slots[i], done[i] // s.cfg[CFG_PAGE_SIZE] + index - sh.pages[i]
+    return slots[i], done[i] // s.cfg[0].page_size + index - sh.pages[i]
 
 
 @cuda.jit(device=True)
@@ -118,7 +117,7 @@ def cache_completed(s, sh, slots, done, n):
     rounds of ``table.py``'s insert). Scratch: ``sh.pages``."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    page = s.cfg[CFG_PAGE_SIZE]
+    page = s.cfg[0].page_size
     for i in range(tid, n, nt):
         sh.pages[i] = s.seq_computed[slots[i]] // page - done[i] // page
     cuda.syncthreads()
@@ -134,11 +133,11 @@ def cache_completed(s, sh, slots, done, n):
     for index in range(tid, total, nt):
         slot, j = completed_page(s, sh, slots, done, n, index)
         if settle(s, s.seq_pages[slot, j]):
-            cuda.atomic.add(sh.counters, K_INSERTED, 1)
+            cuda.atomic.add(sh.counters, COUNT.inserted, 1)
     cuda.syncthreads()
     if tid == 0:
-        s.sched[N_CACHED] += sh.counters[K_INSERTED]
-        sh.counters[K_INSERTED] = 0
+        s.sched[0].cached += sh.counters[COUNT.inserted]
+        sh.counters[COUNT.inserted] = 0
     cuda.syncthreads()
 
 
@@ -146,5 +145,5 @@ def cache_completed(s, sh, slots, done, n):
 def cache_step(s, sh):
     """After ``consume``, which left each row's slot in ``sh.slots`` and its tokens computed before the step in
     ``sh.tokens``: the pages the step filled become findable."""
-    if s.cfg[CFG_PREFIX_CACHING] != 0 and sh.counters[K_COMPLETED] != 0:
-        cache_completed(s, sh, sh.slots, sh.tokens, s.sched[N_ROWS])
+    if s.cfg[0].prefix_caching != 0 and sh.counters[COUNT.completed] != 0:
+        cache_completed(s, sh, sh.slots, sh.tokens, s.sched[0].rows)

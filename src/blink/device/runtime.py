@@ -32,7 +32,7 @@ from blink.device.driver import DeviceMemory, check, error_name
 from blink.device.image import LAUNCH_WORDS, STANDIN_BLOCK, STEP_CYCLES, STEPS_TIMED, link_image
 from blink.device.policy import fcfs
 from blink.device.arrays import control_gauges, ring_arrays, state_arrays
-from blink.device.state import C64_HEARTBEAT, P_FIRST, PROFILE_PHASES, STATS_WORDS, SchedulerArrays
+from blink.device.state import PHASE, PROFILE_PHASES, STATS_DTYPE, SchedulerArrays
 from blink.device.step import StepLayout
 from blink.errors import LaunchError
 from blink.ring import control
@@ -88,7 +88,7 @@ class GpuScheduler:
         self.module = check(driver.cuModuleLoadData(image if image is not None else link_image(policy)))
         self._ring_host, self._ring_device = self._register_ring(memory)
         view = self.layout.view(memory.buffer)
-        control_gauges(view.control.view(np.uint32), config)
+        control_gauges(view.control, config)
         self._place_request_side(memory)
         host_state = state_arrays(config, geometry, step_layout, int(view.control["prefix_seed"][0]))
         self.state = {name: self._to_device(array) for name, array in host_state.items()}
@@ -148,14 +148,15 @@ class GpuScheduler:
         """Microseconds per iteration in each phase (SM clock, thread 0), and per fire-and-forget step launch."""
         from cuda.bindings import driver
 
-        stats = np.zeros(STATS_WORDS, np.int64)
+        stats = np.zeros(1, STATS_DTYPE)
         check(driver.cuMemcpyDtoH(stats, self.state["stats"][0], stats.nbytes))
+        stats = stats[0]
         words = np.zeros(LAUNCH_WORDS, np.uint64)
         check(driver.cuMemcpyDtoH(words, self.launch[0], words.nbytes))
         khz = check(driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE,
                                                 check(driver.cuDeviceGet(self.device))))
-        iterations = max(int(stats[C64_HEARTBEAT]), 1)
-        result = {phase: stats[P_FIRST + k] / iterations / khz * 1e3 for k, phase in enumerate(PROFILE_PHASES)}
+        iterations = max(int(stats.heartbeat), 1)
+        result = {phase: stats.profile[k] / iterations / khz * 1e3 for phase, k in zip(PROFILE_PHASES, PHASE)}
         result["step_launch_to_done"] = float(words[STEP_CYCLES]) / max(int(words[STEPS_TIMED]), 1) / khz * 1e3
         return result
 

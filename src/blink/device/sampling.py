@@ -8,36 +8,36 @@ the request asked for. The request's grammar state (``grammar.py``) travels with
 """
 from __future__ import annotations
 
-from numba import int64
+from numba import int32, int64
 
 from blink.device import grammar
 from blink.device.numba_compat import cuda, load_volatile
-from blink.device.state import (CFG_MAX_LOGIT_BIAS, CFG_MAX_TOP_LOGPROBS, H32_N_LOGIT_BIAS, H32_TOP_K,
-                                H32_TOP_LOGPROBS, H64_SEED, HF_MIN_P, HF_PENALTIES, HF_TEMPERATURE, HF_TOP_P)
 from blink.device.step import N_PENALTIES
 
 
 @cuda.jit(device=True)
 def fits(s, slot):
     """Whether the header's ``logit_bias`` and ``top_logprobs`` counts and its grammar fit the ring."""
-    n_bias = s.hdr_i32[slot, H32_N_LOGIT_BIAS]
-    top = s.hdr_i32[slot, H32_TOP_LOGPROBS]
-    return (0 <= n_bias <= s.cfg[CFG_MAX_LOGIT_BIAS] and 0 <= top <= s.cfg[CFG_MAX_TOP_LOGPROBS]
+    n_bias = int32(s.headers[slot].n_logit_bias)
+    top = int32(s.headers[slot].top_logprobs)
+    return (0 <= n_bias <= s.cfg[0].max_logit_bias and 0 <= top <= s.cfg[0].max_top_logprobs
             and grammar.fits(s, slot))
 
 
 @cuda.jit(device=True)
 def load_sampling(s, slot):
-    s.seq_top_k[slot] = s.hdr_i32[slot, H32_TOP_K]
-    s.seq_temperature[slot] = s.hdr_f32[slot, HF_TEMPERATURE]
-    s.seq_top_p[slot] = s.hdr_f32[slot, HF_TOP_P]
-    s.seq_min_p[slot] = s.hdr_f32[slot, HF_MIN_P]
-    s.seq_seed[slot] = int64(s.hdr_u64[slot, H64_SEED])
-    for k in range(N_PENALTIES):
-        s.seq_penalties[slot, k] = s.hdr_f32[slot, HF_PENALTIES + k]
-    s.seq_top_logprobs[slot] = s.hdr_i32[slot, H32_TOP_LOGPROBS]
+    header = s.headers[slot]
+    s.seq_top_k[slot] = header.top_k
+    s.seq_temperature[slot] = header.temperature
+    s.seq_top_p[slot] = header.top_p
+    s.seq_min_p[slot] = header.min_p
+    s.seq_seed[slot] = int64(header.seed)
+    s.seq_penalties[slot, 0] = header.presence_penalty      # a row of penalties is in PENALTY_NAMES' order
+    s.seq_penalties[slot, 1] = header.frequency_penalty
+    s.seq_penalties[slot, 2] = header.repetition_penalty
+    s.seq_top_logprobs[slot] = header.top_logprobs
     s.seq_grammar[slot] = grammar.start_state(s, slot)
-    n_bias = s.hdr_i32[slot, H32_N_LOGIT_BIAS]
+    n_bias = int32(header.n_logit_bias)
     s.seq_n_logit_bias[slot] = n_bias
     for k in range(n_bias):
         s.seq_bias_ids[slot, k] = s.bias_i32[slot, 2 * k]
@@ -67,7 +67,7 @@ def write_sampling(s, r, slot, same):
 def store_top_logprobs(s, r, slot, n):
     """Row ``r``'s top tokens as output position ``n`` of ``slot`` (nothing unless the request asked for them).
     Written by the step's kernels on other SMs: volatile loads, as the sampled token's."""
-    base = 2 * n * s.cfg[CFG_MAX_TOP_LOGPROBS]
+    base = 2 * n * s.cfg[0].max_top_logprobs
     for j in range(s.seq_top_logprobs[slot]):
         at = (int64(r), int64(j))               # a volatile load takes an index tuple of one integer type
         s.top_i32[slot, base + 2 * j] = load_volatile(s.sampled_top_ids, at)

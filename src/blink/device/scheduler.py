@@ -27,12 +27,7 @@ from blink.device.block import MAX_THREADS, exclusive_scan
 from blink.device.doorbells import read_doorbells
 from blink.device.kv import free_sequences, free_total
 from blink.device.numba_compat import clock, cuda, load_volatile
-from blink.device.state import (C32_CACHED_PAGES, C32_ENGINE_STATE, C32_KV_FREE, C32_RUNNING, C32_WAITING,
-                                C64_HEARTBEAT, C64_STEPS, COUNTERS, FOLDED, K_ADMITTED, K_CANCEL_BELL, K_CANCELLED,
-                                K_ENDING, K_FINISHED, K_REFUSED, K_SCAN, K_SHUTDOWN, MAX_CANDIDATES, N_CACHED,
-                                N_CONSUMED, N_COUNTERS, N_PENDING_FINISHED, N_PUBLISHABLE, N_QUEUED, N_ROWS, N_RUNNING,
-                                P_ADMIT, P_COLLECT, P_CONSUME, P_DOORBELLS, P_PLAN, P_PUBLISH, P_RETIRE, QUEUE_HEAD,
-                                REFUSED, STOP, Scratch)
+from blink.device.state import COUNT, MAX_CANDIDATES, N_COUNTERS, PHASE, REFUSED, STOP, Scratch
 from blink.device.waiting import cancel_queued, cancelled, collect, enqueue
 from blink.ring.control import ENGINE_SERVING, ENGINE_STOPPED
 from blink.ring.layout import FINISH_ABORT, FINISH_NONE, FINISHED, READY, RUNNING
@@ -43,20 +38,20 @@ def retire(s, sh):
     """Finish sequences that stopped or were cancelled; free their pages; compact the running list in order."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    n = s.sched[N_RUNNING]
-    pending = s.sched[N_PENDING_FINISHED]    # read before a barrier: thread 0 rewrites it at the end
+    n = s.sched[0].running
+    pending = s.sched[0].pending_finished    # read before a barrier: thread 0 rewrites it at the end
     # rank[i]: finishing flag -> finishing sequences before i (a kept sequence moves to i - rank[i]).
     for i in range(tid, n, nt):
         slot = s.running[i]
         reason = s.seq_finish[slot]
-        if reason == FINISH_NONE and sh.counters[K_CANCEL_BELL] != 0 and cancelled(s, slot):
+        if reason == FINISH_NONE and sh.counters[COUNT.cancel_bell] != 0 and cancelled(s, slot):
             reason = FINISH_ABORT
             s.seq_finish[slot] = reason
         sh.rank[i] = 1 if reason != FINISH_NONE else 0
         if reason != FINISH_NONE:
-            cuda.atomic.add(sh.counters, K_ENDING, 1)
+            cuda.atomic.add(sh.counters, COUNT.ending, 1)
     cuda.syncthreads()
-    if sh.counters[K_ENDING] == 0:           # the common case: one barrier, no scans
+    if sh.counters[COUNT.ending] == 0:           # the common case: one barrier, no scans
         return
     n_finishing = exclusive_scan(sh.rank, n, sh.partial)
     n_kept = n - n_finishing
@@ -74,14 +69,14 @@ def retire(s, sh):
         s.seq_finish[slot] = FINISH_NONE
         s.finish[slot] = reason                   # FINISHED follows in the next iteration's publish
         s.pending_finished[pending + i] = slot
-        cuda.atomic.add(sh.counters, K_FINISHED, 1)
+        cuda.atomic.add(sh.counters, COUNT.finished, 1)
         if reason == FINISH_ABORT:
-            cuda.atomic.add(sh.counters, K_CANCELLED, 1)
+            cuda.atomic.add(sh.counters, COUNT.cancelled, 1)
     for i in range(tid, n_kept, nt):
         s.running[i] = sh.kept[i]
     if tid == 0:
-        s.sched[N_RUNNING] = n_kept
-        s.sched[N_PENDING_FINISHED] = pending + n_finishing
+        s.sched[0].running = n_kept
+        s.sched[0].pending_finished = pending + n_finishing
     cuda.syncthreads()
 
 
@@ -96,34 +91,34 @@ def publish(s, sh, first_admitted):
     """
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    if s.sched[N_CONSUMED] == 0 and sh.counters[K_ADMITTED] == 0 and s.sched[N_PENDING_FINISHED] == 0:
+    if s.sched[0].consumed == 0 and sh.counters[COUNT.admitted] == 0 and s.sched[0].pending_finished == 0:
         # Nothing to announce: skip the fence, which costs a PCIe round trip (~2.4 us on the H200) even when idle.
         return
     cuda.threadfence_system()
     cuda.syncthreads()
-    for r in range(tid, s.sched[N_CONSUMED], nt):
+    for r in range(tid, s.sched[0].consumed, nt):
         slot = s.consumed[r]
         if slot >= 0:
             s.ngen[slot] = s.seq_total[slot] - s.seq_prompt_len[slot]
-    for i in range(first_admitted + tid, first_admitted + sh.counters[K_ADMITTED], nt):
+    for i in range(first_admitted + tid, first_admitted + sh.counters[COUNT.admitted], nt):
         s.state[s.running[i]] = RUNNING
-    published = s.sched[N_PUBLISHABLE]
+    published = s.sched[0].publishable
     for i in range(tid, published, nt):
         slot = s.pending_finished[i]
         s.seq_seen[slot] = 0                # a refused slot leaves READY now: scans may take its next request
         s.state[slot] = FINISHED
     cuda.syncthreads()
     # Requests finished this iteration move to the front; they are published next time.
-    waiting = s.sched[N_PENDING_FINISHED] - published
+    waiting = s.sched[0].pending_finished - published
     for i in range(tid, waiting, nt):
         sh.slots[i] = s.pending_finished[published + i]
     cuda.syncthreads()
     for i in range(tid, waiting, nt):
         s.pending_finished[i] = sh.slots[i]
     if tid == 0:
-        s.sched[N_PENDING_FINISHED] = waiting
-        s.sched[N_PUBLISHABLE] = waiting
-        s.sched[N_CONSUMED] = 0
+        s.sched[0].pending_finished = waiting
+        s.sched[0].publishable = waiting
+        s.sched[0].consumed = 0
     cuda.syncthreads()
 
 
@@ -137,8 +132,8 @@ def shut_down(s, sh):
     """
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    n = s.sched[N_RUNNING]
-    pending = s.sched[N_PENDING_FINISHED]
+    n = s.sched[0].running
+    pending = s.sched[0].pending_finished
     for i in range(tid, n, nt):
         sh.slots[i] = s.running[i]
     cuda.syncthreads()
@@ -148,59 +143,85 @@ def shut_down(s, sh):
         s.seq_finish[slot] = FINISH_NONE
         s.finish[slot] = FINISH_ABORT
         s.queue_tmp_slots[i] = slot
-        cuda.atomic.add(sh.counters, K_FINISHED, 1)
-        cuda.atomic.add(sh.counters, K_CANCELLED, 1)
+        cuda.atomic.add(sh.counters, COUNT.finished, 1)
+        cuda.atomic.add(sh.counters, COUNT.cancelled, 1)
     for i in range(tid, pending, nt):
         s.queue_tmp_slots[n + i] = s.pending_finished[i]
     for slot in range(tid, s.state.shape[0], nt):
         if load_volatile(s.state, slot) == READY and s.seq_seen[slot] != REFUSED:   # refused: in pending already
             s.ngen[slot] = 0
             s.finish[slot] = FINISH_ABORT
-            s.queue_tmp_slots[n + pending + cuda.atomic.add(sh.counters, K_REFUSED, 1)] = slot
-            cuda.atomic.add(sh.counters, K_FINISHED, 1)
-            cuda.atomic.add(sh.counters, K_CANCELLED, 1)
+            s.queue_tmp_slots[n + pending + cuda.atomic.add(sh.counters, COUNT.refused, 1)] = slot
+            cuda.atomic.add(sh.counters, COUNT.finished, 1)
+            cuda.atomic.add(sh.counters, COUNT.cancelled, 1)
     cuda.syncthreads()
     if tid == 0:
         publish_stats(s, sh, False)
     cuda.threadfence_system()
     cuda.syncthreads()
-    for i in range(tid, n + pending + sh.counters[K_REFUSED], nt):
+    for i in range(tid, n + pending + sh.counters[COUNT.refused], nt):
         slot = s.queue_tmp_slots[i]
         s.seq_seen[slot] = 0
         s.state[slot] = FINISHED
     cuda.syncthreads()
     if tid == 0:
-        s.sched[N_RUNNING] = 0
-        s.sched[N_ROWS] = 0
-        s.sched[N_QUEUED] = 0
-        s.sched[QUEUE_HEAD] = 0
-        s.sched[N_PENDING_FINISHED] = 0
-        s.sched[N_PUBLISHABLE] = 0
+        s.sched[0].running = 0
+        s.sched[0].rows = 0
+        s.sched[0].queued = 0
+        s.sched[0].queue_head = 0
+        s.sched[0].pending_finished = 0
+        s.sched[0].publishable = 0
         cuda.threadfence_system()
-        s.ctl32[C32_ENGINE_STATE] = ENGINE_STOPPED
+        s.control[0].engine_state = ENGINE_STOPPED
 
 
 @cuda.jit(device=True)
 def lap(s, start, phase):
-    """Thread 0: add the cycles since ``start`` to the profile word ``phase`` (P_*); return the new start."""
+    """Thread 0: add the cycles since ``start`` to the profile of ``phase`` (PHASE); return the new start."""
     now = clock()
     if cuda.threadIdx.x == 0:
-        s.stats[phase] += now - start
+        s.stats[0].profile[phase] += now - start
     return now
 
 
 @cuda.jit(device=True)
 def publish_stats(s, sh, launched):
-    """Thread 0: fold this iteration's counts into the device counters and store them into the control block."""
-    s.stats[C64_STEPS] += 1 if launched else 0
-    for stat, counter in FOLDED:
-        s.stats[stat] += sh.counters[counter]
-    for k in COUNTERS:
-        s.ctl64[k] = s.stats[k]
-    s.ctl32[C32_KV_FREE] = free_total(s)
-    s.ctl32[C32_RUNNING] = s.sched[N_RUNNING]
-    s.ctl32[C32_WAITING] = s.sched[N_QUEUED]
-    s.ctl32[C32_CACHED_PAGES] = s.sched[N_CACHED]
+    """Thread 0: fold this iteration's counts into the device counters of the same name and store every counter
+    (``PUBLISHED_COUNTERS``) and gauge into the control block."""
+    stats = s.stats[0]
+    counts = sh.counters
+    control = s.control[0]
+    stats.steps += 1 if launched else 0
+    stats.tokens += counts[COUNT.tokens]
+    stats.finished += counts[COUNT.finished]
+    stats.cancelled += counts[COUNT.cancelled]
+    stats.admitted += counts[COUNT.admitted]
+    stats.preempted += counts[COUNT.preempted]
+    stats.prefix_query_tokens += counts[COUNT.prefix_query_tokens]
+    stats.prefix_hit_tokens += counts[COUNT.prefix_hit_tokens]
+    stats.prefix_evictions += counts[COUNT.prefix_evictions]
+    stats.prefill_tokens += counts[COUNT.prefill_tokens]
+    stats.spec_drafts += counts[COUNT.spec_drafts]
+    stats.spec_draft_tokens += counts[COUNT.spec_draft_tokens]
+    stats.spec_accepted_tokens += counts[COUNT.spec_accepted_tokens]
+    control.heartbeat = stats.heartbeat
+    control.steps = stats.steps
+    control.tokens = stats.tokens
+    control.admitted = stats.admitted
+    control.finished = stats.finished
+    control.cancelled = stats.cancelled
+    control.preempted = stats.preempted
+    control.prefix_query_tokens = stats.prefix_query_tokens
+    control.prefix_hit_tokens = stats.prefix_hit_tokens
+    control.prefix_evictions = stats.prefix_evictions
+    control.prefill_tokens = stats.prefill_tokens
+    control.spec_drafts = stats.spec_drafts
+    control.spec_draft_tokens = stats.spec_draft_tokens
+    control.spec_accepted_tokens = stats.spec_accepted_tokens
+    control.kv_pages_free = free_total(s)
+    control.running = s.sched[0].running
+    control.waiting = s.sched[0].queued
+    control.cached_pages = s.sched[0].cached
 
 
 @cuda.jit(device=True)
@@ -244,45 +265,45 @@ def make_iterate(policy, arrays=given):
         t = clock()
         s = arrays(source)
         if tid == 0:
-            s.stats[C64_HEARTBEAT] += 1
-            s.ctl64[C64_HEARTBEAT] = s.stats[C64_HEARTBEAT]
-            s.ctl32[C32_ENGINE_STATE] = ENGINE_SERVING
+            s.stats[0].heartbeat += 1
+            s.control[0].heartbeat = s.stats[0].heartbeat
+            s.control[0].engine_state = ENGINE_SERVING
         read_doorbells(s, sh)
-        if sh.counters[K_SHUTDOWN] != 0:
+        if sh.counters[COUNT.shutdown] != 0:
             shut_down(s, sh)
             return STOP
-        t = lap(s, t, P_DOORBELLS)
+        t = lap(s, t, PHASE.doorbells)
         s = arrays(source)
         if tid == 0:
-            s.sched[N_CONSUMED] = s.sched[N_ROWS]
+            s.sched[0].consumed = s.sched[0].rows
         consume.consume(s, sh)
         prefix.cache_step(s, sh)
-        t = lap(s, t, P_CONSUME)
+        t = lap(s, t, PHASE.consume)
         s = arrays(source)
         retire(s, sh)
-        t = lap(s, t, P_RETIRE)
+        t = lap(s, t, PHASE.retire)
         s = arrays(source)
-        if sh.counters[K_CANCEL_BELL] != 0:
+        if sh.counters[COUNT.cancel_bell] != 0:
             cancel_queued(s, sh)
-        if sh.counters[K_SCAN] != 0:
+        if sh.counters[COUNT.scan] != 0:
             enqueue(s, sh, collect(s, sh, policy))
         if tid == 0:                            # refused READY requests are published like finished ones
-            s.sched[N_PENDING_FINISHED] += sh.counters[K_REFUSED]
+            s.sched[0].pending_finished += sh.counters[COUNT.refused]
         cuda.syncthreads()
-        t = lap(s, t, P_COLLECT)
+        t = lap(s, t, PHASE.collect)
         s = arrays(source)
-        first_admitted = s.sched[N_RUNNING]
+        first_admitted = s.sched[0].running
         batcher.admit(s, sh)
-        t = lap(s, t, P_ADMIT)
+        t = lap(s, t, PHASE.admit)
         s = arrays(source)
         bucket = batcher.plan(s, sh)
-        t = lap(s, t, P_PLAN)
+        t = lap(s, t, PHASE.plan)
         s = arrays(source)
         publish(s, sh, first_admitted)
         if tid == 0:
             publish_stats(s, sh, bucket >= 0)
         cuda.syncthreads()
-        lap(s, t, P_PUBLISH)
+        lap(s, t, PHASE.publish)
         return bucket
 
     return iterate

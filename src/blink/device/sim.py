@@ -22,8 +22,7 @@ from blink.device.config import SchedulerConfig  # noqa: E402
 from blink.device.numba_compat import SIMULATOR, cuda  # noqa: E402
 from blink.device.policy import fcfs  # noqa: E402
 from blink.device.scheduler import make_iterate  # noqa: E402
-from blink.device.state import (C32_IN_STEP, C32_SHUTDOWN, C64_CANCELS, C64_HEARTBEAT, C64_SUBMITTED,  # noqa: E402
-                                IDLE, STOP, SchedulerArrays)
+from blink.device.state import IDLE, STOP, SchedulerArrays  # noqa: E402
 from blink.device.step import StepBuffers  # noqa: E402
 from blink.ring.geometry import RingGeometry  # noqa: E402
 from blink.ring.layout import RingView  # noqa: E402
@@ -108,7 +107,7 @@ class SimScheduler:
         self.arrays = SchedulerArrays(**ring_arrays(view), **step_arrays,
                                       **state_arrays(config, geometry, step.layout,
                                                      int(view.control["prefix_seed"][0])))
-        control_gauges(self.arrays.ctl32, config)
+        control_gauges(self.arrays.control, config)
         self.config = config
         self.step_fn = step_fn
         self.threads = threads
@@ -120,7 +119,7 @@ class SimScheduler:
         # Host work (a simulated iteration, a model step on torch CPU) can outlast the agent's liveness timeout on a
         # loaded machine: ``in_step`` says the loop is inside it (nonzero), moves while it progresses (``progress``),
         # and its return to 0 at the end is itself a beat (blink.nic.liveness).
-        self.arrays.ctl32[C32_IN_STEP] = 1
+        self.arrays.control[0].in_step = 1
         try:
             with _LAUNCH_LOCK, _fast_thread_switching():
                 self._kernel[1, self.threads](self.arrays, self._result)
@@ -128,13 +127,13 @@ class SimScheduler:
             if outcome >= 0:
                 self.step_fn(self.arrays, self.config.buckets[outcome])
         finally:
-            self.arrays.ctl32[C32_IN_STEP] = 0
+            self.arrays.control[0].in_step = 0
         return outcome
 
     def progress(self) -> None:
         """The step made progress (the CPU backend calls it after each model layer): ``in_step`` moves, so a step
         that takes longer than the backend's step limit but keeps moving is not taken for a hung one."""
-        self.arrays.ctl32[C32_IN_STEP] += 1
+        self.arrays.control[0].in_step += 1
 
     def run(self, idle_sleep_s: tuple[float, float] = (1e-3, 50e-3)) -> None:
         """Iterate until shutdown is requested and everything in flight was aborted.
@@ -163,10 +162,10 @@ class SimScheduler:
 
     def _doorbells(self) -> tuple[int, int, int]:
         a = self.arrays
-        return int(a.ctl32[C32_SHUTDOWN]), int(a.ctl64[C64_SUBMITTED]), int(a.ctl64[C64_CANCELS])
+        return int(a.control[0].shutdown), int(a.control[0].submitted), int(a.control[0].cancels)
 
     def _idle_beat(self) -> None:
         """What an iteration of a quiescent scheduler changes: its heartbeat (the device copy and the ring's)."""
-        stats = self.arrays.stats
-        stats[C64_HEARTBEAT] += 1
-        self.arrays.ctl64[C64_HEARTBEAT] = stats[C64_HEARTBEAT]
+        stats = self.arrays.stats[0]
+        stats.heartbeat += 1
+        self.arrays.control[0].heartbeat = stats.heartbeat

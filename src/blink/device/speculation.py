@@ -1,8 +1,8 @@
 """Speculative decoding on the scheduler's side (device functions): n-gram drafts, proposed and confirmed.
 
 In a step where every running sequence decodes, ``propose`` gives each sequence that can have them up to
-``CFG_SPEC_TOKENS`` drafts: the tokens that followed the latest earlier occurrence of its last ``n`` tokens in its own
-prompt and output, ``n`` from ``CFG_SPEC_MAX`` down to ``CFG_SPEC_MIN`` (prompt lookup). A sequence with ``k`` drafts
+``cfg.spec_tokens`` drafts: the tokens that followed the latest earlier occurrence of its last ``n`` tokens in its own
+prompt and output, ``n`` from ``cfg.spec_max`` down to ``cfg.spec_min`` (prompt lookup). A sequence with ``k`` drafts
 gets ``k + 1`` rows of one token each, its last token and then its drafts (``token_at`` reads a draft as the token
 after the last one), each row sampling the token after its own: row ``j``'s context is the sequence plus drafts
 ``1..j``, its ``seq_lens`` (so its random stream) is what plain decoding would have there, and the penalties read
@@ -24,8 +24,7 @@ from blink.device import grammar
 from blink.device.block import exclusive_scan
 from blink.device.kv import free_total
 from blink.device.numba_compat import cuda
-from blink.device.state import (CFG_MAX_MODEL_LEN, CFG_MAX_NUM_SEQS, CFG_PAGE_SIZE, CFG_SPEC_MAX, CFG_SPEC_MIN,
-                                CFG_SPEC_TOKENS, K_DECODE_PAGES, K_DRAFT_TOKENS, K_DRAFTS)
+from blink.device.state import COUNT
 
 
 @cuda.jit(device=True)
@@ -49,13 +48,13 @@ def lookup(s, best, slot, most):
     occurrence of the sequence's last ``n`` tokens, for the largest ``n`` that has one; return how many (0: none).
 
     Each thread takes candidate end positions ``e`` (an occurrence ends before the sequence's last token) and counts
-    how many tokens ending at ``e`` equal the sequence's last ones, up to ``CFG_SPEC_MAX``; the block keeps the
+    how many tokens ending at ``e`` equal the sequence's last ones, up to ``cfg.spec_max``; the block keeps the
     largest count, then the latest ``e``, as one key in ``best[0]`` (shared, one int64: count above, position below).
     """
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     total = s.seq_total[slot]
-    longest, shortest = s.cfg[CFG_SPEC_MAX], s.cfg[CFG_SPEC_MIN]
+    longest, shortest = s.cfg[0].spec_max, s.cfg[0].spec_min
     if tid == 0:
         best[0] = -1
     cuda.syncthreads()
@@ -82,14 +81,14 @@ def budget(s, slot):
     """How many drafts the sequence in ``slot``, about to decode, may verify in the next step: the configured
     number, within its ``max_tokens`` and ``max_model_len`` (the step's rows and pages are counted after)."""
     generated = s.seq_total[slot] - s.seq_prompt_len[slot]
-    return max(0, min(s.cfg[CFG_SPEC_TOKENS], s.seq_max_tokens[slot] - generated - 1,
-                      s.cfg[CFG_MAX_MODEL_LEN] - s.seq_total[slot]))
+    return max(0, min(s.cfg[0].spec_tokens, s.seq_max_tokens[slot] - generated - 1,
+                      s.cfg[0].max_model_len - s.seq_total[slot]))
 
 
 @cuda.jit(device=True)
 def draft_pages(s, slot, k):
     """Pages ``k`` drafts take beyond the ones the sequence in ``slot`` needs to decode its next token."""
-    page = s.cfg[CFG_PAGE_SIZE]
+    page = s.cfg[0].page_size
     decoded = s.seq_computed[slot] + 1
     return (decoded + k + page - 1) // page - (decoded + page - 1) // page
 
@@ -114,8 +113,8 @@ def propose(s, sh, n):
     cuda.syncthreads()
     exclusive_scan(sh.tokens, n, sh.partial)
     exclusive_scan(sh.pages, n, sh.partial)
-    rows_left = s.cfg[CFG_MAX_NUM_SEQS] - n
-    pages_left = free_total(s) - sh.counters[K_DECODE_PAGES]
+    rows_left = s.cfg[0].max_num_seqs - n
+    pages_left = free_total(s) - sh.counters[COUNT.decode_pages]
     for i in range(tid, n, nt):
         # The rows and pages the sequences before this one asked for are taken, whether or not they got them all;
         # this one keeps the first of its drafts that fit in what is left.
@@ -126,6 +125,6 @@ def propose(s, sh, n):
         s.seq_ndraft[slot] = k
         sh.chunk[i] = 1 + k
         if k > 0:
-            cuda.atomic.add(sh.counters, K_DRAFTS, 1)
-            cuda.atomic.add(sh.counters, K_DRAFT_TOKENS, k)
+            cuda.atomic.add(sh.counters, COUNT.spec_drafts, 1)
+            cuda.atomic.add(sh.counters, COUNT.spec_draft_tokens, k)
     cuda.syncthreads()

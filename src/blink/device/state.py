@@ -1,4 +1,4 @@
-"""The scheduler's memory: every array one iteration touches and the word indices into them.
+"""The scheduler's memory: every array one iteration touches, and the records and index names it is read by.
 
 ``SchedulerArrays`` groups the ring (views of the region the agent writes), the step buffers (``step.py``) and the
 scheduler's own state in device memory. The same tuple is built from numpy arrays for the CPU simulator and from
@@ -8,90 +8,89 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 
 from blink.device.config import MAX_SEQS
 from blink.device.step import N_PENALTIES
-from blink.ring.control import word_index
-from blink.ring.layout import header_dtype
+from blink.ring.control import CONTROL_DTYPE
+from blink.ring.layout import HEADER_DTYPE
 
 
-def _names(*names: str) -> range:
-    """Consecutive word indices 0, 1, ... for ``names`` (the names document what each index holds)."""
-    return range(len(names))
+def record(dtype) -> np.dtype:
+    """``dtype`` as numpy's record type: an element reads its fields as attributes (``sched[0].running``) in plain
+    numpy too, as device code does (the CUDA simulator runs it on plain arrays)."""
+    return np.dtype((np.record, dtype))
 
 
-# Scheduler scalars (s.sched, int32). The prefix cache's (kv.py, prefix.py): evictable = cached pages no sequence
-# holds (free pages = the free stack + these), cached = pages in the table, lru_head / lru_count = the LRU ring.
-SCHED_NAMES = ("running", "free_top", "rows", "bucket", "queued", "queue_head", "consumed", "pending_finished",
-               "publishable", "evictable", "cached", "lru_head", "lru_count")
-N_RUNNING, FREE_TOP, N_ROWS, BUCKET, N_QUEUED, QUEUE_HEAD, N_CONSUMED, N_PENDING_FINISHED, N_PUBLISHABLE, \
-    N_EVICTABLE, N_CACHED, LRU_HEAD, LRU_COUNT = _names(*SCHED_NAMES)
-SCHED_WORDS = len(SCHED_NAMES)
+def _record(dtype: str, *names: str) -> np.dtype:
+    """An aligned record of ``names``, each a ``dtype`` (aligned: numba loads and stores each field as one word)."""
+    return record(np.dtype([(name, dtype) for name in names], align=True))
+
+
+def indices(names: type) -> tuple:
+    """An instance of NamedTuple class ``names`` whose fields hold their own positions: array indices by name, for
+    the arrays that must stay arrays (``cuda.atomic`` takes an array and an index). numba folds them as constants;
+    an ``IntEnum`` member is no array index to it."""
+    return names(*range(len(names._fields)))
+
+
+# Scheduler scalars (s.sched[0]). The prefix cache's (kv.py, prefix.py): evictable = cached pages no sequence holds
+# (free pages = the free stack + these), cached = pages in the table, lru_head / lru_count = the LRU ring.
+SCHED_DTYPE = _record("<i4", "running", "free_top", "rows", "bucket", "queued", "queue_head", "consumed",
+                      "pending_finished", "publishable", "evictable", "cached", "lru_head", "lru_count")
 
 IDLE = -1       # nothing to run: back off, then iterate again
 STOP = -2       # shutdown done: do not relaunch
 
-# Scheduler configuration words (s.cfg).
-CFG_NAMES = ("page_size", "token_budget", "max_num_seqs", "n_buckets", "n_eos", "watermark", "max_model_len",
-             "logprobs", "max_stop", "prefix_caching", "max_logit_bias", "max_top_logprobs", "grammar_words",
-             "mask_words", "spec_tokens", "spec_min", "spec_max")
-CFG_PAGE_SIZE, CFG_TOKEN_BUDGET, CFG_MAX_NUM_SEQS, CFG_N_BUCKETS, CFG_N_EOS, CFG_WATERMARK, CFG_MAX_MODEL_LEN, \
-    CFG_LOGPROBS, CFG_MAX_STOP, CFG_PREFIX_CACHING, CFG_MAX_LOGIT_BIAS, CFG_MAX_TOP_LOGPROBS, CFG_GRAMMAR_WORDS, \
-    CFG_MASK_WORDS, CFG_SPEC_TOKENS, CFG_SPEC_MIN, CFG_SPEC_MAX = _names(*CFG_NAMES)
-CFG_WORDS = len(CFG_NAMES)
+# Scheduler configuration (s.cfg[0]).
+CFG_DTYPE = _record("<i4", "page_size", "token_budget", "max_num_seqs", "n_buckets", "n_eos", "watermark",
+                    "max_model_len", "logprobs", "max_stop", "prefix_caching", "max_logit_bias", "max_top_logprobs",
+                    "grammar_words", "mask_words", "spec_tokens", "spec_min", "spec_max")
 
-# Control-block words, as indices into the u32 (C32_*) and u64 (C64_*) views of the block.
-C32_SHUTDOWN, C32_ENGINE_STATE, C32_IN_STEP = (word_index(n, 4) for n in ("shutdown", "engine_state", "in_step"))
-C32_KV_TOTAL, C32_KV_FREE, C32_RUNNING, C32_WAITING, C32_CACHED_PAGES = (
-    word_index(n, 4) for n in ("kv_pages_total", "kv_pages_free", "running", "waiting", "cached_pages"))
-C64_HEARTBEAT, C64_STEPS, C64_TOKENS, C64_ADMITTED, C64_FINISHED, C64_CANCELLED, C64_PREEMPTED = (
-    word_index(n, 8) for n in ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted"))
-C64_PREFIX_QUERIES, C64_PREFIX_HITS, C64_EVICTIONS, C64_PREFILL_TOKENS = (
-    word_index(n, 8) for n in ("prefix_query_tokens", "prefix_hit_tokens", "prefix_evictions", "prefill_tokens"))
-C64_SPEC_DRAFTS, C64_SPEC_DRAFT_TOKENS, C64_SPEC_ACCEPTED = (
-    word_index(n, 8) for n in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"))
-C64_SUBMITTED, C64_CANCELS = word_index("submitted", 8), word_index("cancels", 8)
-C64_PREFIX_SEED = word_index("prefix_seed", 8)      # written by the ring's creator; its device copy is read only
-COUNTERS = (C64_HEARTBEAT, C64_STEPS, C64_TOKENS, C64_ADMITTED, C64_FINISHED, C64_CANCELLED, C64_PREEMPTED,
-            C64_PREFIX_QUERIES, C64_PREFIX_HITS, C64_EVICTIONS, C64_PREFILL_TOKENS, C64_SPEC_DRAFTS,
-            C64_SPEC_DRAFT_TOKENS, C64_SPEC_ACCEPTED)
+# The ring's control block as device code sees it: CONTROL_DTYPE's fields (s.control[0].kv_pages_free).
+CONTROL_RECORD = record(CONTROL_DTYPE)
 
-# s.stats (int64): first the device copies of the control block's u64 words (same indices as C64_*), then the SM
-# cycles spent in each phase of the iteration, summed over iterations (thread 0's clock), then the doorbell counts
-# the scheduler has acted on.
-PROFILE_PHASES = ("doorbells", "consume", "retire", "collect", "admit", "plan", "publish")
-P_FIRST = max(*COUNTERS, C64_SUBMITTED, C64_CANCELS, C64_PREFIX_SEED) + 1
-P_DOORBELLS, P_CONSUME, P_RETIRE, P_COLLECT, P_ADMIT, P_PLAN, P_PUBLISH = (P_FIRST + k for k in
-                                                                           _names(*PROFILE_PHASES))
-S_SEEN_SUBMITTED = P_FIRST + len(PROFILE_PHASES)
-S_SEEN_CANCELS = S_SEEN_SUBMITTED + 1
-STATS_WORDS = S_SEEN_CANCELS + 1
 
-# s.doorbells (int64): the words the resident loop read across PCIe while the last step ran (shim.cu), for the next
+class Phases(NamedTuple):
+    """The phases of an iteration, as indices into ``s.stats[0].profile``."""
+
+    doorbells: int
+    consume: int
+    retire: int
+    collect: int
+    admit: int
+    plan: int
+    publish: int
+
+
+PHASE = indices(Phases)
+PROFILE_PHASES = Phases._fields
+
+# s.stats[0]: the device copies of the control block's counters (named as there; publish_stats stores them into the
+# ring), the prefix-key seed, the SM cycles spent in each phase of the iteration summed over iterations (thread 0's
+# clock), and the doorbell values the scheduler has acted on.
+PUBLISHED_COUNTERS = ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted",
+                      "prefix_query_tokens", "prefix_hit_tokens", "prefix_evictions", "prefill_tokens", "spec_drafts",
+                      "spec_draft_tokens", "spec_accepted_tokens")
+STATS_DTYPE = record(np.dtype([*((name, "<i8") for name in PUBLISHED_COUNTERS), ("prefix_seed", "<u8"),
+                               ("profile", "<i8", (len(PHASE),)), ("seen_submitted", "<i8"),
+                               ("seen_cancels", "<i8")], align=True))
+assert all(CONTROL_DTYPE.fields[name][0] == np.dtype("<u8") for name in PUBLISHED_COUNTERS)
+
+# s.doorbells[0]: the words the resident loop read across PCIe while the last step ran (shim.cu), for the next
 # iteration; ``valid`` says they are fresh.
-DOORBELL_NAMES = ("valid", "shutdown", "submitted", "cancels")
-DB_VALID, DB_SHUTDOWN, DB_SUBMITTED, DB_CANCELS = _names(*DOORBELL_NAMES)
+DOORBELLS_DTYPE = _record("<i8", "valid", "shutdown", "submitted", "cancels")
 
 
-def _header_word(name: str, size: int) -> int:
-    offset = header_dtype(1).fields[name][1]    # the fixed part of the header does not depend on the geometry
-    assert offset % size == 0
-    return offset // size
-
-
-# Header words, as indices into the i32 / f32 (H32_*, HF_*) and u64 (H64_*) views of a header.
-H64_REQUEST_ID, H64_ARRIVAL, H64_SEED, H64_PREFIX_STATE = (
-    _header_word(n, 8) for n in ("request_id", "arrival_ns", "seed", "prefix_state"))
-H32_PROMPT_LEN, H32_MAX_TOKENS, H32_TOP_K, H32_FLAGS, H32_N_STOP, H32_PRIORITY, H32_STOP_IDS, H32_TOP_LOGPROBS, \
-    H32_N_LOGIT_BIAS, H32_GRAMMAR = (_header_word(n, 4) for n in ("prompt_len", "max_tokens", "top_k", "flags",
-                                                                  "n_stop", "priority", "stop_ids", "top_logprobs",
-                                                                  "n_logit_bias", "grammar"))
-HF_TEMPERATURE, HF_TOP_P, HF_MIN_P = (_header_word(n, 4) for n in ("temperature", "top_p", "min_p"))
-# The three penalties are consecutive f32 words of the header, in the order of a row of ``penalties``.
+# The ring's request headers as device code sees them: HEADER_DTYPE's fields (s.headers[slot].temperature).
+HEADER_RECORD = record(HEADER_DTYPE)
+# Plain numpy reads a record's attribute before its field of the same name (``record.flags`` is numpy's): the
+# records device code reads by attribute have no such field (the control block's geometry ``flags`` it never reads).
+assert not any(set(dtype.names) & set(dir(np.record)) for dtype in (SCHED_DTYPE, CFG_DTYPE, STATS_DTYPE,
+                                                                    DOORBELLS_DTYPE, HEADER_RECORD))
+# The penalties of a row of ``penalties`` (step.py) and of ``seq_penalties``, in order.
 PENALTY_NAMES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
-HF_PENALTIES = _header_word(PENALTY_NAMES[0], 4)
 assert len(PENALTY_NAMES) == N_PENALTIES
-assert [_header_word(n, 4) for n in PENALTY_NAMES] == [HF_PENALTIES + k for k in range(N_PENALTIES)]
 
 # Shared-memory scratch sizes (compile-time constants).
 MAX_CANDIDATES = 1024
@@ -102,16 +101,14 @@ class SchedulerArrays(NamedTuple):
     """Every array one iteration touches. Field order is the order of the device address table (launch.py)."""
 
     # The ring (views of the region the agent writes).
-    ctl32: object           # u32 [64]    control block
-    ctl64: object           # u64 [32]    control block
+    control: object         # CONTROL_RECORD [1]  the control block
     state: object           # u32 [n]     status columns
     epoch: object
     cancel: object
     finish: object
     ngen: object
-    hdr_i32: object         # i32 [n, H/4] request headers
-    hdr_f32: object         # f32 [n, H/4]
-    hdr_u64: object         # u64 [n, H/8]
+    headers: object         # HEADER_RECORD [n]  request headers
+    stop_token_ids: object  # i32 [n, max_stop_ids] (or [n, 1] when the ring has no such region)
     prompts: object         # i32 [n, max_prompt_tokens]
     prefix_keys: object     # u64 [n, prefix_key_pages] keys of each prompt's full pages (or [n, 1] without keys)
     outputs: object         # i32 [n, max_output_tokens]
@@ -148,9 +145,9 @@ class SchedulerArrays(NamedTuple):
     sampled_top_ids: object
     sampled_top_logprobs: object
     # Scheduler state (device memory only).
-    sched: object           # i32 [SCHED_WORDS]  N_RUNNING, FREE_TOP, N_ROWS, BUCKET, N_QUEUED, QUEUE_HEAD
-    stats: object           # i64 [STATS_WORDS]  device copies of the control block's u64 counters, doorbells seen
-    cfg: object             # i32 [CFG_WORDS]
+    sched: object           # SCHED_DTYPE [1]  the scheduler's scalars
+    stats: object           # STATS_DTYPE [1]  device copies of the control block's counters, profile, doorbells seen
+    cfg: object             # CFG_DTYPE [1]
     buckets: object         # i32 [n_buckets]
     eos_ids: object         # i32 [MAX_EOS]
     free_pages: object      # i32 [num_pages]   free stack
@@ -189,7 +186,7 @@ class SchedulerArrays(NamedTuple):
     running: object         # i32 [max_num_seqs]  ring slots, in admission order
     consumed: object        # i32 [max_num_seqs]  slot whose token row r of the last step delivered (-1: none)
     pending_finished: object  # i32 [n]  finished slots whose FINISHED state is not yet published (each at most once)
-    doorbells: object       # i64 [DOORBELL_NAMES]  prefetched by the resident loop (DB_*)
+    doorbells: object       # DOORBELLS_DTYPE [1]  prefetched by the resident loop
     row_slot: object        # i32 [max_num_seqs]  ring slot of each row of the last planned step
     row_version: object     # i32 [max_num_seqs]  seq_version of that slot when the row was last written
     row_pages: object       # i32 [max_num_seqs]  block-table entries already copied into that row
@@ -214,7 +211,7 @@ class Scratch(NamedTuple):
     page counts per item, scanned into offsets (pages to free, to allocate, to copy into a row's block table);
     ``tokens``: token counts per running sequence, scanned into offsets (tokens wanted before it, its first token
     row); ``chunk``: the tokens each running sequence gets in the planned step; ``kept``: the running list being
-    compacted; ``partial``: per-warp partial sums of the block scans; ``counters``: the iteration's K_* counters.
+    compacted; ``partial``: per-warp partial sums of the block scans; ``counters``: the iteration's counters (COUNT).
     """
 
     slots: object       # i32 [MAX_CANDIDATES]
@@ -225,28 +222,51 @@ class Scratch(NamedTuple):
     chunk: object
     kept: object
     partial: object     # i32 [MAX_THREADS]
-    counters: object    # i32 [N_COUNTERS]
+    counters: object    # i32 [N_COUNTERS]  indexed by COUNT
 
 
 # seq_seen values. QUEUED: the slot waits in the queue. REFUSED: finished while READY (cancelled or unservable),
 # its FINISHED state not yet published; the slot stays READY in the ring until then and no scan may take it again.
 QUEUED, REFUSED = 1, 2
 
-# Scratch counters (sh.counters), zeroed at the start of each iteration.
-COUNTER_NAMES = ("tokens", "finished", "cancelled", "new", "admitted", "rejected", "preempted", "victim", "shutdown",
-                 "scan", "cancel_bell", "ending", "prefills", "decode_pages", "need", "copies", "chunked", "refused",
-                 "query_tokens", "hit_tokens", "evicted", "prefill_tokens", "completed", "lru_end", "unevicted",
-                 "inserted", "drafts", "draft_tokens", "accepted")
-K_TOKENS, K_FINISHED, K_CANCELLED, K_NEW, K_ADMITTED, K_REJECTED, K_PREEMPTED, K_VICTIM, K_SHUTDOWN, K_SCAN, \
-    K_CANCEL_BELL, K_ENDING, K_PREFILLS, K_DECODE_PAGES, K_NEED, K_COPIES, K_CHUNKED, K_REFUSED, K_QUERY_TOKENS, \
-    K_HIT_TOKENS, K_EVICTED, K_PREFILL_TOKENS, K_COMPLETED, K_LRU_END, K_UNEVICTED, K_INSERTED, K_DRAFTS, \
-    K_DRAFT_TOKENS, K_ACCEPTED = _names(*COUNTER_NAMES)
-N_COUNTERS = len(COUNTER_NAMES)
-# (device counter, iteration counter) pairs that publish_stats folds together.
-FOLDED = ((C64_TOKENS, K_TOKENS), (C64_FINISHED, K_FINISHED), (C64_CANCELLED, K_CANCELLED),
-          (C64_ADMITTED, K_ADMITTED), (C64_PREEMPTED, K_PREEMPTED), (C64_PREFIX_QUERIES, K_QUERY_TOKENS),
-          (C64_PREFIX_HITS, K_HIT_TOKENS), (C64_EVICTIONS, K_EVICTED), (C64_PREFILL_TOKENS, K_PREFILL_TOKENS),
-          (C64_SPEC_DRAFTS, K_DRAFTS), (C64_SPEC_DRAFT_TOKENS, K_DRAFT_TOKENS), (C64_SPEC_ACCEPTED, K_ACCEPTED))
+
+class Counts(NamedTuple):
+    """The iteration's counters (``sh.counters[COUNT.tokens]``), zeroed at its start; ``publish_stats`` folds some
+    into the device counters of the same name (``s.stats[0]``)."""
+
+    tokens: int
+    finished: int
+    cancelled: int
+    new: int
+    admitted: int
+    rejected: int
+    preempted: int
+    victim: int
+    shutdown: int
+    scan: int
+    cancel_bell: int
+    ending: int
+    prefills: int
+    decode_pages: int
+    need: int
+    copies: int
+    chunked: int
+    refused: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    prefix_evictions: int
+    prefill_tokens: int
+    completed: int
+    lru_end: int
+    unevicted: int
+    inserted: int
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+
+
+COUNT = indices(Counts)
+N_COUNTERS = len(COUNT)
 
 # The prefix cache's hash table: buckets of PREFIX_WAYS ways, at least twice as many entries as pages.
 PREFIX_WAYS = 16

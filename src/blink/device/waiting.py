@@ -4,7 +4,7 @@ Requests enter the queue when the agent's ``submitted`` doorbell moves: ``collec
 READY slots not yet queued, finishes cancelled ones ("abort") and unservable ones ("error") on the spot, copies the
 header of the others into device memory and keys them with the admission policy; ``enqueue`` sorts the new keys and
 merges them into the queue. Admission (``batcher.admit``) pops a prefix from the head, so a backlog costs nothing per
-iteration. Entries live at ``queue_slots/queue_keys[head : head + count]`` (``QUEUE_HEAD``, ``N_QUEUED``);
+iteration. Entries live at ``queue_slots/queue_keys[head : head + count]`` (``sched.queue_head``, ``sched.queued``);
 ``seq_seen[slot]`` marks queued slots (QUEUED) and refused ones whose FINISHED is not yet published (REFUSED), so a
 rescan never takes a slot twice.
 
@@ -13,15 +13,12 @@ burst of more than that many requests is merged in several rounds (older ones ma
 """
 from __future__ import annotations
 
-from numba import int64, uint32
+from numba import int32, int64, uint32
 
 from blink.device import sampling
 from blink.device.block import next_power_of_two, sort_pairs
 from blink.device.numba_compat import cuda, load_volatile
-from blink.device.state import (CFG_MAX_MODEL_LEN, CFG_MAX_STOP, H32_FLAGS, H32_MAX_TOKENS, H32_N_STOP, H32_PRIORITY,
-                                H32_PROMPT_LEN, H32_STOP_IDS, H64_ARRIVAL, H64_PREFIX_STATE, H64_REQUEST_ID,
-                                K_CANCELLED, K_FINISHED, K_NEW, K_REFUSED, K_REJECTED, MAX_CANDIDATES,
-                                N_PENDING_FINISHED, N_QUEUED, QUEUE_HEAD, QUEUED, REFUSED, S_SEEN_SUBMITTED)
+from blink.device.state import COUNT, MAX_CANDIDATES, QUEUED, REFUSED
 from blink.ring.layout import FINISH_ABORT, FINISH_ERROR, READY
 
 SCAN_UNROLL = 8     # state words each thread has in flight at once: the column is read across PCIe
@@ -36,25 +33,27 @@ def cancelled(s, slot):
 @cuda.jit(device=True)
 def servable(s, slot):
     """Whether the header of ``slot`` describes a request this scheduler can ever run."""
-    prompt_len = s.hdr_i32[slot, H32_PROMPT_LEN]
-    max_tokens = s.hdr_i32[slot, H32_MAX_TOKENS]
-    n_stop = s.hdr_i32[slot, H32_N_STOP]
+    header = s.headers[slot]
+    prompt_len = int32(header.prompt_len)       # as int32, the type the scheduler keeps them in
+    max_tokens = int32(header.max_tokens)
+    n_stop = int32(header.n_stop)
     return (1 <= prompt_len <= s.prompts.shape[1] and 1 <= max_tokens <= s.outputs.shape[1]
-            and 0 <= n_stop <= s.cfg[CFG_MAX_STOP] and prompt_len + max_tokens <= s.cfg[CFG_MAX_MODEL_LEN]
+            and 0 <= n_stop <= s.cfg[0].max_stop and prompt_len + max_tokens <= s.cfg[0].max_model_len
             and sampling.fits(s, slot))
 
 
 @cuda.jit(device=True)
 def load_header(s, slot):
     """Copy what the scheduler needs of the request's header into device memory (read across PCIe once)."""
-    s.seq_prompt_len[slot] = s.hdr_i32[slot, H32_PROMPT_LEN]
-    s.seq_max_tokens[slot] = s.hdr_i32[slot, H32_MAX_TOKENS]
-    s.seq_flags[slot] = s.hdr_i32[slot, H32_FLAGS]
-    s.seq_n_stop[slot] = s.hdr_i32[slot, H32_N_STOP]
-    for k in range(s.hdr_i32[slot, H32_N_STOP]):
-        s.seq_stop[slot, k] = s.hdr_i32[slot, H32_STOP_IDS + k]
+    header = s.headers[slot]
+    s.seq_prompt_len[slot] = header.prompt_len
+    s.seq_max_tokens[slot] = header.max_tokens
+    s.seq_flags[slot] = header.request_flags
+    s.seq_n_stop[slot] = header.n_stop
+    for k in range(s.seq_n_stop[slot]):
+        s.seq_stop[slot, k] = s.stop_token_ids[slot, k]
     sampling.load_sampling(s, slot)
-    s.seq_hash[slot] = s.hdr_u64[slot, H64_PREFIX_STATE]      # the prompt's prefix-key chain state (prefix.py)
+    s.seq_hash[slot] = header.prefix_state      # the prompt's prefix-key chain state (prefix.py)
 
 
 @cuda.jit(device=True)
@@ -67,12 +66,12 @@ def refuse(s, sh, slot, reason):
     s.seq_seen[slot] = REFUSED
     s.ngen[slot] = 0
     s.finish[slot] = reason
-    s.pending_finished[s.sched[N_PENDING_FINISHED] + cuda.atomic.add(sh.counters, K_REFUSED, 1)] = slot
-    cuda.atomic.add(sh.counters, K_FINISHED, 1)
+    s.pending_finished[s.sched[0].pending_finished + cuda.atomic.add(sh.counters, COUNT.refused, 1)] = slot
+    cuda.atomic.add(sh.counters, COUNT.finished, 1)
     if reason == FINISH_ABORT:
-        cuda.atomic.add(sh.counters, K_CANCELLED, 1)
+        cuda.atomic.add(sh.counters, COUNT.cancelled, 1)
     else:
-        cuda.atomic.add(sh.counters, K_REJECTED, 1)
+        cuda.atomic.add(sh.counters, COUNT.rejected, 1)
 
 
 @cuda.jit(device=True)
@@ -84,16 +83,16 @@ def take_new(s, sh, slot, policy):
     if not servable(s, slot):
         refuse(s, sh, slot, FINISH_ERROR)
         return
-    k = cuda.atomic.add(sh.counters, K_NEW, 1)
+    k = cuda.atomic.add(sh.counters, COUNT.new, 1)
     if k >= MAX_CANDIDATES:
-        s.stats[S_SEEN_SUBMITTED] = -1          # more than fit: scan again next iteration
+        s.stats[0].seen_submitted = -1          # more than fit: scan again next iteration
         return
     load_header(s, slot)
     s.seq_seen[slot] = QUEUED
     sh.slots[k] = slot
-    sh.keys[k] = policy(int64(s.hdr_u64[slot, H64_ARRIVAL]), s.hdr_i32[slot, H32_PROMPT_LEN],
-                        s.hdr_i32[slot, H32_MAX_TOKENS], s.hdr_i32[slot, H32_PRIORITY],
-                        int64(s.hdr_u64[slot, H64_REQUEST_ID]))
+    header = s.headers[slot]
+    sh.keys[k] = policy(int64(header.arrival_ns), int32(header.prompt_len), int32(header.max_tokens),
+                        header.priority, int64(header.request_id))
 
 
 @cuda.jit(device=True)
@@ -112,7 +111,7 @@ def collect(s, sh, policy):
             if slot < n and states[k] == READY and s.seq_seen[slot] == 0:
                 take_new(s, sh, slot, policy)
     cuda.syncthreads()
-    return min(sh.counters[K_NEW], MAX_CANDIDATES)
+    return min(sh.counters[COUNT.new], MAX_CANDIDATES)
 
 
 @cuda.jit(device=True)
@@ -142,8 +141,8 @@ def enqueue(s, sh, n_new):
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     sort_pairs(sh.keys, sh.slots, n_new, next_power_of_two(n_new))
-    head = s.sched[QUEUE_HEAD]
-    count = s.sched[N_QUEUED]
+    head = s.sched[0].queue_head
+    count = s.sched[0].queued
     for j in range(tid, n_new, nt):
         position = j + rank_in(s.queue_keys, s.queue_slots, head, count, sh.keys[j], sh.slots[j])
         s.queue_tmp_keys[position] = sh.keys[j]
@@ -160,8 +159,8 @@ def enqueue(s, sh, n_new):
         s.queue_slots[i] = s.queue_tmp_slots[i]
     cuda.syncthreads()
     if tid == 0:
-        s.sched[QUEUE_HEAD] = 0
-        s.sched[N_QUEUED] = count + n_new
+        s.sched[0].queue_head = 0
+        s.sched[0].queued = count + n_new
     cuda.syncthreads()
 
 
@@ -170,8 +169,8 @@ def cancel_queued(s, sh):
     """After a cancel doorbell: finish queued requests whose cancel word matches, and close the gaps."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    head = s.sched[QUEUE_HEAD]
-    count = s.sched[N_QUEUED]
+    head = s.sched[0].queue_head
+    count = s.sched[0].queued
     for i in range(tid, count, nt):
         slot = s.queue_slots[head + i]
         if cancelled(s, slot):
@@ -186,15 +185,15 @@ def cancel_queued(s, sh):
                 s.queue_tmp_slots[kept] = slot
                 s.queue_tmp_keys[kept] = s.queue_keys[head + i]
                 kept += 1
-        sh.counters[K_NEW] = kept
+        sh.counters[COUNT.new] = kept
     cuda.syncthreads()
-    kept = sh.counters[K_NEW]
+    kept = sh.counters[COUNT.new]
     for i in range(tid, kept, nt):
         s.queue_slots[i] = s.queue_tmp_slots[i]
         s.queue_keys[i] = s.queue_tmp_keys[i]
     cuda.syncthreads()
     if tid == 0:
-        s.sched[QUEUE_HEAD] = 0
-        s.sched[N_QUEUED] = kept
-        sh.counters[K_NEW] = 0
+        s.sched[0].queue_head = 0
+        s.sched[0].queued = kept
+        sh.counters[COUNT.new] = 0
     cuda.syncthreads()

@@ -26,7 +26,7 @@ from blink.ring.geometry import RingGeometry
 from blink.ring.hashing import prompt_keys
 from blink.ring.layout import (AGENT, FINISH_NAMES, FINISHED, FREE, PAIR_DTYPE, READY, RUNNING, RingLayout,
                                check_transition)
-from blink.ring.request import SamplingParams, encode_header, encode_logit_bias
+from blink.ring.request import SamplingParams, encode_header, encode_logit_bias, encode_stop_token_ids
 from blink.ring.shares import Share
 from blink.ring.transport import RemoteMemory
 
@@ -161,12 +161,12 @@ class Agent:
         # Placed first (the table may have no room now: RingFull); let go of if the request is not published.
         start = self.grammars.acquire(grammar) if grammar is not None else 0
         try:
-            header = encode_header(self.layout.header_dtype, request_id=request_id, arrival_ns=time.monotonic_ns(),
-                                   seed=seed, prompt_len=len(prompt), params=params, priority=priority,
-                                   prefix_state=state, grammar=start)
+            header = encode_header(request_id=request_id, arrival_ns=time.monotonic_ns(), seed=seed,
+                                   prompt_len=len(prompt), params=params, priority=priority, prefix_state=state,
+                                   grammar=start)
             slot = self.tracker.claim()
             try:
-                self._publish(slot, header, prompt, keys, encode_logit_bias(params))
+                self._publish(slot, header, encode_stop_token_ids(params), prompt, keys, encode_logit_bias(params))
             except BaseException:
                 self.tracker.release(slot)      # the slot was never published READY: it is still the agent's
                 raise
@@ -188,16 +188,16 @@ class Agent:
         self._top_logprobs[slot] = params.top_logprobs
         self._slot_of[request_id] = slot
 
-    def _publish(self, slot: int, header: bytes, prompt: np.ndarray, keys: np.ndarray | None, bias: bytes) -> None:
+    def _publish(self, slot: int, header: bytes, stops: bytes, prompt: np.ndarray, keys: np.ndarray | None,
+                 bias: bytes) -> None:
         """Payload first, then the new epoch, then READY, then the doorbell (docs/architecture.md)."""
         epoch = int(self._epoch[slot]) % 0xFFFFFFFF + 1      # never 0: cancel == 0 means "no cancel"
         layout = self.layout
-        self.memory.write(layout.header_at(slot), header)
-        self.memory.write(layout.prompt_at(slot), prompt.tobytes())
-        if bias:
-            self.memory.write(layout.logit_bias_at(slot), bias)
-        if keys is not None and keys.size:
-            self.memory.write(layout.prefix_keys_at(slot), keys.astype("<u8").tobytes())
+        for offset, payload in ((layout.header_at(slot), header), (layout.stop_token_ids_at(slot), stops),
+                                (layout.prompt_at(slot), prompt.tobytes()), (layout.logit_bias_at(slot), bias),
+                                (layout.prefix_keys_at(slot), b"" if keys is None else keys.astype("<u8").tobytes())):
+            if payload:     # a request without stop ids, logit_bias or prefix keys has none of them to write
+                self.memory.write(offset, payload)
         self._write_word("epoch", slot, epoch)
         self._epoch[slot] = epoch
         check_transition(FREE, READY, AGENT)
@@ -274,8 +274,8 @@ class Agent:
     def validate(self, prompt_tokens, params: SamplingParams = SamplingParams(), priority: int = 0) -> None:
         """Every check ``submit`` makes before it claims a slot: ``RequestError`` naming the field, or None."""
         prompt = checked_prompt(self.geometry, self.grammars, prompt_tokens, params)
-        encode_header(self.layout.header_dtype, request_id=self._next_id, arrival_ns=0, seed=params.seed or 0,
-                      prompt_len=len(prompt), params=params, priority=priority)
+        encode_header(request_id=self._next_id, arrival_ns=0, seed=params.seed or 0, prompt_len=len(prompt),
+                      params=params, priority=priority)
 
     def _snapshot(self) -> tuple[np.void, np.void]:
         raw = self.memory.read(0, self._snapshot_bytes)

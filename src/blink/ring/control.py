@@ -18,7 +18,7 @@ from blink.ring.errors import RingMismatch
 from blink.ring.geometry import RingGeometry
 
 MAGIC = 0x4B4E4C42  # "BLNK" in little-endian bytes
-VERSION = 7
+VERSION = 8
 
 # Control block flags.
 RING_LOGPROBS = 1
@@ -33,11 +33,13 @@ ALIVE_TICK_S = 0.25
 
 
 def struct(fields: list[tuple[str, object, int]], itemsize: int) -> np.dtype:
-    """A little-endian structured dtype with the byte offsets spelled out: the offsets ARE the contract."""
+    """A little-endian structured dtype with the byte offsets spelled out: the offsets ARE the contract. Every field
+    lies on its own alignment (numpy checks), and the dtype says so: numba's record type then loads and stores each
+    field as one word (the GPU scheduler reads the control block and the headers as records)."""
     names = [f[0] for f in fields]
     formats = [f[1] for f in fields]
     offsets = [f[2] for f in fields]
-    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": itemsize})
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": itemsize, "aligned": True})
 
 
 CONTROL_DTYPE = struct([

@@ -8,7 +8,8 @@ Regions, each starting on a 4 KiB boundary::
 
     control   CONTROL_DTYPE (256 B)           magic, version, geometry, shutdown, heartbeat, stats
     status    5 columns of u32 [n_slots]      state, epoch, cancel, finish_reason, n_generated
-    headers   [n_slots] header_dtype          request id, sampling params, stop ids, arrival time
+    headers   [n_slots] HEADER_DTYPE (96 B)   request id, arrival time, sampling params (named as SamplingParams')
+    stop_token_ids [n_slots, max_stop_ids] int32     (only when max_stop_ids)
     prompts   [n_slots, max_prompt_tokens] int32
     prefix_keys [n_slots, geometry.prefix_key_pages] uint64   (only when geometry.prefix_page_size)
     logit_bias [n_slots, max_logit_bias] PAIR_DTYPE (token, bias)
@@ -35,9 +36,9 @@ Doorbells: after publishing READY the agent bumps ``submitted``, after writing a
 the state column or the cancel words only when one moved, so an iteration with nothing new reads three words across
 PCIe instead of every slot.
 
-Ordering: a writer publishes the payload before the word that announces it (agent: header, prompt, prefix keys and
-epoch, then ``state = READY``, then ``submitted``; GPU: zero ``n_generated`` and ``finish_reason``, fence,
-``state = RUNNING``; tokens, fence, then ``n_generated``; ``finish_reason``, fence, then ``state = FINISHED``). A
+Ordering: a writer publishes the payload before the word that announces it (agent: header, stop token ids, prompt,
+prefix keys and epoch, then ``state = READY``, then ``submitted``; GPU: zero ``n_generated`` and ``finish_reason``,
+fence, ``state = RUNNING``; tokens, fence, then ``n_generated``; ``finish_reason``, fence, then ``state = FINISHED``). A
 reader loads the announcing word first, then the payload. The agent ignores ``n_generated`` and ``finish_reason`` of
 a READY slot: they still hold the previous request's values until the GPU admits it.
 """
@@ -109,39 +110,37 @@ def status_column_stride(n_slots: int) -> int:
     return _round_up(4 * n_slots, 64)
 
 
-HEADER_FIXED_BYTES = 96     # the header's fields before the stop ids (92 used)
+TOKEN_DTYPE = np.dtype("<i4")   # a token id, as the prompts, stop_token_ids and outputs regions store it
 
 # An element of the logit_bias and top_logprobs regions: a token id and a float32 (its bias, or its logprob). The
 # GPU side reads a slot's pairs as one row of 32-bit words: the token at word 2 k, the number at word 2 k + 1.
 PAIR_DTYPE = struct([("token", "<i4", 0), ("value", "<f4", 4)], 8)
 
-
-def header_dtype(max_stop_ids: int) -> np.dtype:
-    """Request header: 96 fixed bytes, then the stop ids, padded to 16 bytes."""
-    fixed = [
-        ("request_id", "<u8", 0),
-        ("arrival_ns", "<u8", 8),
-        ("seed", "<u8", 16),
-        ("prompt_len", "<u4", 24),
-        ("max_tokens", "<u4", 28),
-        ("temperature", "<f4", 32),
-        ("top_p", "<f4", 36),
-        ("top_k", "<i4", 40),
-        ("flags", "<u4", 44),
-        ("n_stop", "<u4", 48),
-        ("priority", "<i4", 52),
-        ("prefix_state", "<u8", 56),    # the prompt's prefix-key chain state (ring/hashing.py), 0 without keys
-        ("presence_penalty", "<f4", 64),
-        ("frequency_penalty", "<f4", 68),
-        ("repetition_penalty", "<f4", 72),
-        ("min_p", "<f4", 76),
-        ("top_logprobs", "<u4", 80),    # top logprobs per output position (0: none)
-        ("n_logit_bias", "<u4", 84),    # valid pairs in the slot's logit_bias row
-        ("grammar", "<u4", 88),         # with FLAG_GRAMMAR: the start state, a word offset into the grammars region
-    ]
-    if max_stop_ids:
-        fixed.append(("stop_ids", ("<i4", (max_stop_ids,)), HEADER_FIXED_BYTES))
-    return struct(fixed, _round_up(HEADER_FIXED_BYTES + 4 * max_stop_ids, 16))
+# A request's header, the one schema of what a request asks for: the agent encodes it by these names
+# (``blink.ring.request``), the GPU scheduler reads it by them (``s.headers[slot].temperature``). A field that is a
+# ``SamplingParams`` field has its name. Its stop token ids are a region of their own (``stop_token_ids``), so the
+# header's size does not depend on the geometry.
+HEADER_DTYPE = struct([
+    ("request_id", "<u8", 0),
+    ("arrival_ns", "<u8", 8),
+    ("seed", "<u8", 16),            # the request's seed, or the one the agent picked for it
+    ("prompt_len", "<u4", 24),
+    ("max_tokens", "<u4", 28),
+    ("temperature", "<f4", 32),
+    ("top_p", "<f4", 36),
+    ("top_k", "<i4", 40),
+    ("request_flags", "<u4", 44),   # FLAG_* ("flags" would read as numpy's own attribute of a record)
+    ("n_stop", "<u4", 48),          # valid ids in the slot's stop_token_ids row
+    ("priority", "<i4", 52),
+    ("prefix_state", "<u8", 56),    # the prompt's prefix-key chain state (ring/hashing.py), 0 without keys
+    ("presence_penalty", "<f4", 64),
+    ("frequency_penalty", "<f4", 68),
+    ("repetition_penalty", "<f4", 72),
+    ("min_p", "<f4", 76),
+    ("top_logprobs", "<u4", 80),    # top logprobs per output position (0: none)
+    ("n_logit_bias", "<u4", 84),    # valid pairs in the slot's logit_bias row
+    ("grammar", "<u4", 88),         # with FLAG_GRAMMAR: the start state, a word offset into the grammars region
+], 96)
 
 
 def _round_up(n: int, align: int) -> int:
@@ -154,7 +153,7 @@ class RingView:
 
     control: np.ndarray        # shape (1,), CONTROL_DTYPE
     status: np.void            # status_dtype(n_slots) record: status["state"] is the state column
-    headers: np.ndarray        # [n_slots], header_dtype
+    headers: np.ndarray        # [n_slots], HEADER_DTYPE
     prompts: np.ndarray        # [n_slots, max_prompt_tokens] int32
     outputs: np.ndarray        # [n_slots, max_output_tokens] int32
     logprobs: np.ndarray | None  # [n_slots, max_output_tokens] float32
@@ -162,6 +161,7 @@ class RingView:
     logit_bias: np.ndarray | None = None   # [n_slots, max_logit_bias] PAIR_DTYPE (only if geometry.max_logit_bias)
     top_logprobs: np.ndarray | None = None  # [n_slots, max_output_tokens, max_top_logprobs] PAIR_DTYPE (or None)
     grammars: np.ndarray | None = None      # [max_grammar_bytes // 4] int32 (only if geometry.max_grammar_bytes)
+    stop_token_ids: np.ndarray | None = None  # [n_slots, max_stop_ids] int32 (only if geometry.max_stop_ids)
 
 
 class RingLayout:
@@ -169,9 +169,9 @@ class RingLayout:
 
     def __init__(self, geometry: RingGeometry):
         g = self.geometry = geometry
-        self.header_dtype = header_dtype(g.max_stop_ids)
         self.status_dtype = status_dtype(g.n_slots)
         self.prompt_stride = 4 * g.max_prompt_tokens
+        self.stop_stride = TOKEN_DTYPE.itemsize * g.max_stop_ids
         self.output_stride = 4 * g.max_output_tokens
         self.prefix_key_stride = 8 * g.prefix_key_pages
         self.logit_bias_stride = PAIR_DTYPE.itemsize * g.max_logit_bias
@@ -179,7 +179,8 @@ class RingLayout:
         self.grammar_words = g.max_grammar_bytes // 4
         offset = 0
         sizes = [("control", CONTROL_DTYPE.itemsize), ("status", self.status_dtype.itemsize),
-                 ("headers", g.n_slots * self.header_dtype.itemsize), ("prompts", g.n_slots * self.prompt_stride),
+                 ("headers", g.n_slots * HEADER_DTYPE.itemsize), ("stop_token_ids", g.n_slots * self.stop_stride),
+                 ("prompts", g.n_slots * self.prompt_stride),
                  ("prefix_keys", g.n_slots * self.prefix_key_stride),
                  ("logit_bias", g.n_slots * self.logit_bias_stride),
                  ("grammars", self.grammar_words * 4),
@@ -200,7 +201,10 @@ class RingLayout:
         return self.offset("status") + self.status_dtype.fields[column][1] + 4 * slot
 
     def header_at(self, slot: int) -> int:
-        return self.offset("headers") + slot * self.header_dtype.itemsize
+        return self.offset("headers") + slot * HEADER_DTYPE.itemsize
+
+    def stop_token_ids_at(self, slot: int) -> int:
+        return self.offset("stop_token_ids") + slot * self.stop_stride
 
     def prompt_at(self, slot: int) -> int:
         return self.offset("prompts") + slot * self.prompt_stride
@@ -252,9 +256,9 @@ class RingLayout:
         return RingView(
             control=region("control", CONTROL_DTYPE, (1,)),
             status=region("status", self.status_dtype, (1,))[0],
-            headers=region("headers", self.header_dtype, (g.n_slots,)),
-            prompts=region("prompts", np.dtype("<i4"), (g.n_slots, g.max_prompt_tokens)),
-            outputs=region("outputs", np.dtype("<i4"), (g.n_slots, g.max_output_tokens)),
+            headers=region("headers", HEADER_DTYPE, (g.n_slots,)),
+            prompts=region("prompts", TOKEN_DTYPE, (g.n_slots, g.max_prompt_tokens)),
+            outputs=region("outputs", TOKEN_DTYPE, (g.n_slots, g.max_output_tokens)),
             logprobs=region("logprobs", np.dtype("<f4"), (g.n_slots, g.max_output_tokens)) if g.logprobs else None,
             prefix_keys=(region("prefix_keys", np.dtype("<u8"), (g.n_slots, g.prefix_key_pages))
                          if g.prefix_page_size else None),
@@ -262,4 +266,6 @@ class RingLayout:
             top_logprobs=(region("top_logprobs", PAIR_DTYPE, (g.n_slots, g.max_output_tokens, g.max_top_logprobs))
                           if g.max_top_logprobs else None),
             grammars=region("grammars", np.dtype("<i4"), (self.grammar_words,)) if self.grammar_words else None,
+            stop_token_ids=(region("stop_token_ids", TOKEN_DTYPE, (g.n_slots, g.max_stop_ids))
+                            if g.max_stop_ids else None),
         )

@@ -41,12 +41,12 @@ STANDIN_START_S = 120.0     # a spawned Python importing numpy and blink.ring: s
 log = logging.getLogger("blink")
 
 
-def stop_reason(token: int, n_generated: int, header: np.void, eos_token_ids: frozenset[int]) -> int:
-    """Why a request ends after emitting ``token`` as its ``n_generated``-th token (``FINISH_NONE``: it goes on)."""
-    if token in eos_token_ids and not int(header["flags"]) & FLAG_IGNORE_EOS:
+def stop_reason(token: int, n_generated: int, header, stop_token_ids, eos_token_ids: frozenset[int]) -> int:
+    """Why a request ends after emitting ``token`` as its ``n_generated``-th token (``FINISH_NONE``: it goes on);
+    ``header`` has the fields of ``HEADER_DTYPE`` that decide it, ``stop_token_ids`` the request's row of them."""
+    if token in eos_token_ids and not int(header["request_flags"]) & FLAG_IGNORE_EOS:
         return FINISH_STOP
-    n_stop = int(header["n_stop"])
-    if n_stop and token in header["stop_ids"][:n_stop]:
+    if token in stop_token_ids[:int(header["n_stop"])]:
         return FINISH_STOP
     if n_generated >= int(header["max_tokens"]):
         return FINISH_LENGTH
@@ -56,11 +56,11 @@ def stop_reason(token: int, n_generated: int, header: np.void, eos_token_ids: fr
 def expected_output(prompt: list[int], params, eos_token_ids=(), vocab_size: int = STANDIN_VOCAB,
                     ) -> tuple[list[int], str]:
     """What this consumer answers to one request (``SamplingParams`` with a seed): tokens and finish reason."""
-    header = {"flags": FLAG_IGNORE_EOS if params.ignore_eos else 0, "n_stop": len(params.stop_token_ids),
-              "stop_ids": list(params.stop_token_ids), "max_tokens": params.max_tokens}
+    header = {"request_flags": FLAG_IGNORE_EOS if params.ignore_eos else 0, "n_stop": len(params.stop_token_ids),
+              "max_tokens": params.max_tokens}
     tokens = standin_continuation(prompt, params.seed, params.max_tokens, vocab_size)
     for n, token in enumerate(tokens, 1):
-        reason = stop_reason(token, n, header, frozenset(eos_token_ids))
+        reason = stop_reason(token, n, header, list(params.stop_token_ids), frozenset(eos_token_ids))
         if reason != FINISH_NONE:
             return tokens[:n], FINISH_NAMES[reason]
     raise AssertionError("unreachable: max_tokens always ends a request")
@@ -162,10 +162,10 @@ class ReferenceConsumer:
             position, seed = prompt_len + n, int(header["seed"])
             token = standin_token(prev, position, seed, self.vocab_size)
             view.outputs[slot, n] = token
-            if int(header["flags"]) & FLAG_LOGPROBS and view.logprobs is not None:
+            if int(header["request_flags"]) & FLAG_LOGPROBS and view.logprobs is not None:
                 view.logprobs[slot, n] = standin_logprob(prev, position, seed)
             view.status["n_generated"][slot] = n + 1          # after the token: the agent reads the count first
-            reason = stop_reason(token, n + 1, header, self.eos_token_ids)
+            reason = stop_reason(token, n + 1, header, self._stop_token_ids(slot), self.eos_token_ids)
             if reason != FINISH_NONE:
                 self._finish(slot, reason)
         return len(running)
@@ -174,9 +174,13 @@ class ReferenceConsumer:
 
     def _servable(self, header: np.void) -> bool:
         g_prompt, g_output = self.view.prompts.shape[1], self.view.outputs.shape[1]
-        stop_capacity = header.dtype["stop_ids"].shape[0] if "stop_ids" in header.dtype.names else 0
+        stop_capacity = 0 if self.view.stop_token_ids is None else self.view.stop_token_ids.shape[1]
         return (1 <= int(header["prompt_len"]) <= g_prompt and 1 <= int(header["max_tokens"]) <= g_output
-                and int(header["n_stop"]) <= stop_capacity and not int(header["flags"]) & FLAG_GRAMMAR)
+                and int(header["n_stop"]) <= stop_capacity and not int(header["request_flags"]) & FLAG_GRAMMAR)
+
+    def _stop_token_ids(self, slot: int):
+        """The slot's row of stop token ids (empty in a ring without them)."""
+        return () if self.view.stop_token_ids is None else self.view.stop_token_ids[slot]
 
     def _reset_outputs(self, slot: int) -> None:
         """The GPU owns the output words from admission on; they still hold the previous occupant's values."""

@@ -8,6 +8,7 @@ number of stop ids) are checked by the agent against that ring.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import numpy as np
 from blink.ring.errors import RequestError
 from blink.ring.geometry import MAX_TOP_LOGPROBS
 from blink.ring.grammar import Grammar
-from blink.ring.layout import FLAG_GRAMMAR, FLAG_IGNORE_EOS, FLAG_LOGPROBS, PAIR_DTYPE
+from blink.ring.layout import FLAG_GRAMMAR, FLAG_IGNORE_EOS, FLAG_LOGPROBS, HEADER_DTYPE, PAIR_DTYPE, TOKEN_DTYPE
 
 U64_MAX = (1 << 64) - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -141,34 +142,36 @@ class SamplingParams:
                "None when ignore_eos is True (a grammar ends its output with an end-of-sequence token)", self.grammar)
 
 
-def encode_header(header_dtype: np.dtype, *, request_id: int, arrival_ns: int, seed: int, prompt_len: int,
-                  params: SamplingParams, priority: int, prefix_state: int = 0, grammar: int = 0) -> bytes:
-    """One request's header, every value checked against its field's type first (``RequestError`` naming it).
+_PARAMS = frozenset(field.name for field in dataclasses.fields(SamplingParams))
 
-    ``header_dtype`` is the ring's (``RingLayout.header_dtype``); the caller has checked the geometry's limits.
-    ``prefix_state`` is the prompt's prefix-key chain state (``blink.ring.hashing``); ``grammar`` the word offset
-    of ``params.grammar``'s start state where the agent placed it in the grammars region.
+
+def encode_header(*, request_id: int, arrival_ns: int, seed: int, prompt_len: int, params: SamplingParams,
+                  priority: int, prefix_state: int = 0, grammar: int = 0) -> bytes:
+    """One request's header (``HEADER_DTYPE``), every value checked against its field's type first (``RequestError``
+    naming it); the caller has checked the geometry's limits.
+
+    A field named as a ``SamplingParams`` field takes ``params``' value; ``seed`` is the request's or the one the
+    agent picked. ``prefix_state`` is the prompt's prefix-key chain state (``blink.ring.hashing``); ``grammar`` the
+    word offset of ``params.grammar``'s start state where the agent placed it in the grammars region.
     """
-    values = {"request_id": request_id, "arrival_ns": arrival_ns, "seed": seed, "prompt_len": prompt_len,
-              "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
-              "top_k": params.top_k,
-              "flags": (FLAG_IGNORE_EOS if params.ignore_eos else 0) | (FLAG_LOGPROBS if params.logprobs else 0)
-              | (FLAG_GRAMMAR if params.grammar is not None else 0),
-              "n_stop": len(params.stop_token_ids), "priority": priority, "prefix_state": prefix_state,
-              "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
-              "repetition_penalty": params.repetition_penalty, "min_p": params.min_p,
-              "top_logprobs": params.top_logprobs, "n_logit_bias": len(params.logit_bias or ()), "grammar": grammar}
-    fields = [_fits(header_dtype.fields[name][0], name, values[name]) for name in header_dtype.names
-              if name != "stop_ids"]
-    if "stop_ids" in header_dtype.names:
-        stop_type = header_dtype.fields["stop_ids"][0]
-        stops = [_fits(stop_type.base, "stop_token_ids", t) for t in params.stop_token_ids]
-        fields.append(stops + [0] * (stop_type.shape[0] - len(stops)))
+    values = {name: getattr(params, name) for name in HEADER_DTYPE.names if name in _PARAMS}
+    flags = ((FLAG_IGNORE_EOS if params.ignore_eos else 0) | (FLAG_LOGPROBS if params.logprobs else 0)
+             | (FLAG_GRAMMAR if params.grammar is not None else 0))
+    values.update(request_id=request_id, arrival_ns=arrival_ns, seed=seed, prompt_len=prompt_len, priority=priority,
+                  request_flags=flags, n_stop=len(params.stop_token_ids), prefix_state=prefix_state,
+                  n_logit_bias=len(params.logit_bias or ()), grammar=grammar)
     # Zeroed (its padding too: these bytes go into shared memory), then every field from one tuple: a field-by-field
     # fill cost ~1 us a field.
-    header = np.zeros(1, header_dtype)
-    header[0] = tuple(fields)
+    header = np.zeros(1, HEADER_DTYPE)
+    header[0] = tuple(_fits(HEADER_DTYPE.fields[name][0], name, values[name]) for name in HEADER_DTYPE.names)
     return header.tobytes()
+
+
+def encode_stop_token_ids(params: SamplingParams) -> bytes:
+    """The request's ``stop_token_ids`` as the ring's row of them stores it (the agent has checked that they fit
+    the row); empty without any."""
+    return np.array([_fits(TOKEN_DTYPE, "stop_token_ids", t) for t in params.stop_token_ids],
+                    TOKEN_DTYPE).tobytes()
 
 
 def encode_logit_bias(params: SamplingParams) -> bytes:

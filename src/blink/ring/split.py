@@ -28,8 +28,8 @@ def device_allocation_size(size: int) -> int:
 
 
 def request_side_bytes(layout) -> int:
-    """Where a ring's request side ends and its output side begins (``RingLayout``): control, status, headers,
-    prompts and prefix keys are read by the scheduler; outputs and logprobs by the agent."""
+    """Where a ring's request side ends and its output side begins (``RingLayout``): control, status, headers, stop
+    token ids, prompts and prefix keys are read by the scheduler; outputs and logprobs by the agent."""
     return layout.offset("outputs")
 
 

@@ -10,7 +10,7 @@ from blink.nic.remote.segments import HostSegment
 from blink.nic.remote.verbs import WRITE
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
-from blink.ring.layout import READY, RingLayout
+from blink.ring.layout import HEADER_DTYPE, READY, RingLayout
 from blink.ring.reference import ReferenceConsumer, expected_output
 from blink.ring.request import SamplingParams
 from blink.ring.transport import LocalMemory
@@ -49,7 +49,7 @@ def test_a_submit_posts_header_prompt_epoch_then_the_state_word_then_the_doorbel
     agent.submit([1, 2, 3], SamplingParams(max_tokens=4, seed=1))
     writes = [(ring_offset(r, regions), r.length) for r in verbs.posted[first:] if r.opcode == WRITE]
     slot = 0
-    assert writes == [(LAYOUT.header_at(slot), LAYOUT.header_dtype.itemsize), (LAYOUT.prompt_at(slot), 12),
+    assert writes == [(LAYOUT.header_at(slot), HEADER_DTYPE.itemsize), (LAYOUT.prompt_at(slot), 12),
                       (LAYOUT.status_at("epoch", slot), 4), (LAYOUT.status_at("state", slot), 4),
                       (control.offset_of("submitted"), 8)]
     memory.fence()
