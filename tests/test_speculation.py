@@ -44,6 +44,8 @@ CASES = {
     # Stop strings end a request on the host side, wherever inside a step's several tokens they match.
     "stop strings": [SamplingParams(max_tokens=40, temperature=0, stop=stop) for stop in
                      (("fox",), ("lazy dog. The",), ("return",), ("8,", "11"), ("Paris",))],
+    # Each request's own cap on its drafts (0: none).
+    "capped": [SamplingParams(max_tokens=30, temperature=0, num_speculative_tokens=k % 3) for k in range(5)],
     # One OpenAI request's n choices: the server's fan-out of one request into ring requests.
     "choices": Job(chat=False, prompt=[], params=SamplingParams(max_tokens=30, temperature=0.7, seed=11, stop=("oak",)),
                    stop=(), stream=False, include_usage=False, priority=0, n=3).choice_params(),
@@ -94,6 +96,10 @@ def test_drafts_were_verified_and_accepted(runs):
     assert 0 < speculative["spec_accepted_tokens"] <= speculative["spec_draft_tokens"]
     assert speculative["spec_drafts"] <= speculative["spec_draft_tokens"] <= 4 * speculative["spec_drafts"]
     assert speculative["tokens"] == plain["tokens"] and speculative["steps"] < plain["steps"]
+    kept = speculative["spec_accepted_per_pos"]     # a step that kept draft j + 1 kept draft j; 4 drafts at most
+    assert sum(kept) == speculative["spec_accepted_tokens"] and list(kept) == sorted(kept, reverse=True)
+    assert kept[0] <= speculative["spec_drafts"] and not any(kept[4:]) and not any(plain["spec_accepted_per_pos"])
+    assert (plain["num_speculative_tokens"], speculative["num_speculative_tokens"]) == (0, 4)
 
 
 # -- the sampled distribution ----------------------------------------------------------------------------------------

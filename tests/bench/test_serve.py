@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from blink.bench.client import AGENT_PAUSES, AGENT_RUN_DELAY, AGENT_STEAL, SPEC_DECODE
+from blink.bench.client import AGENT_PAUSES, AGENT_RUN_DELAY, AGENT_STEAL, SPEC_DECODE, SPEC_PER_POS
 from blink.bench.datasets import synthetic
 from blink.bench.shapes import write_model_dir
 from blink.host.cores import cpu_list
@@ -87,9 +87,14 @@ def test_a_run_reports_the_drafts_a_speculating_server_accepted(tmp_path):
                      "--output-len", "48", "--ignore-eos", "--max-concurrency", "1", "--result-json", str(result_json))
     assert done.returncode == 0, done.stderr
     (run,) = strict_json(result_json)["runs"]
-    drafts, accepted = (run["server"][name] for name in SPEC_DECODE)
-    assert 0 < accepted <= drafts and run["total_output_tokens"] == 4 * 48
+    steps, drafts, accepted = (run["server"][name] for name in SPEC_DECODE)
+    assert 0 < accepted <= drafts <= 3 * steps and run["total_output_tokens"] == 4 * 48
+    # Per draft position (3 of them): a step that kept draft j + 1 kept draft j.
+    kept = [run["server"][f"{SPEC_PER_POS}[{j}]"] for j in range(3)]
+    assert sum(kept) == accepted and kept == sorted(kept, reverse=True) and kept[0] <= steps
     assert f"speculation: {accepted:.0f} of {drafts:.0f} draft tokens accepted" in done.stdout
+    assert f"mean acceptance length {1 + accepted / steps:.2f}, draft 1, 2, ... kept in {kept[0] / steps:.0%}, " \
+        in done.stdout
 
 
 def test_every_request_asks_for_the_json_schema_given(tmp_path):

@@ -222,6 +222,9 @@ def test_random_workloads_with_speculation_match_the_reference(requests, num_pag
                                 "speculative": SPECULATIVE})
     stats = run_workload(Harness(config, threads=threads, vocab_size=SMALL_VOCAB), requests, use_stop, SMALL_VOCAB)
     assert stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"] <= 3 * stats["spec_drafts"]
+    kept = stats["spec_accepted_per_pos"]       # a step that kept draft j + 1 kept draft j
+    assert sum(kept) == stats["spec_accepted_tokens"] and list(kept) == sorted(kept, reverse=True)
+    assert kept[0] <= stats["spec_drafts"] and not any(kept[3:]), "3 drafts at most"
 
 
 def test_speculation_accepts_drafts_the_model_confirms():
@@ -248,6 +251,25 @@ def test_drafts_that_do_not_all_fit_the_rows_left_are_cut_not_dropped():
     assert (h.outputs[rid], h.reasons[rid]) == expected_output(prompt, params, vocab_size=SMALL_VOCAB)
     stats = h.agent.stats()
     assert stats["spec_draft_tokens"] == stats["spec_drafts"] >= stats["steps"] - 2, stats   # the prefill, the last
+
+
+@pytest.mark.parametrize("cap", [0, 1, None])
+def test_a_request_caps_or_refuses_its_own_drafts(cap):
+    """``num_speculative_tokens`` per request: 0 verifies no draft, 1 one per step, None the server's three; the
+    tokens are the reference's every time. Every token of the output occurs in the prompt: every lookup finds some."""
+    config = SchedulerConfig(**{**CONFIG.__dict__, "speculative": SPECULATIVE})
+    h = Harness(config, vocab_size=SMALL_VOCAB)
+    params = SamplingParams(max_tokens=12, seed=5, ignore_eos=True, num_speculative_tokens=cap)
+    prompt = list(range(SMALL_VOCAB)) * 2
+    rid = h.agent.submit(prompt, params)
+    h.run_until_idle()
+    assert (h.outputs[rid], h.reasons[rid]) == expected_output(prompt, params, vocab_size=SMALL_VOCAB)
+    stats = h.agent.stats()
+    most = SPECULATIVE.num_speculative_tokens if cap is None else cap
+    assert stats["spec_drafts"] <= stats["spec_draft_tokens"] <= most * stats["spec_drafts"]
+    assert (stats["spec_drafts"] > 0) == (cap != 0), stats
+    if cap is None:
+        assert stats["spec_draft_tokens"] > stats["spec_drafts"], "some steps verified more than one draft"
 
 
 def run_workload(h, requests, use_stop, vocab_size=STANDIN_VOCAB) -> dict:

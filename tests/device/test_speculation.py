@@ -9,7 +9,7 @@ from numba import int64
 
 from blink.device import sim  # noqa: F401  (turns the simulator on before numba is imported)
 from blink.device.arrays import filled
-from blink.device.config import MAX_SPECULATIVE_TOKENS
+from blink.ring.geometry import MAX_SPECULATIVE_TOKENS
 from blink.device.numba_compat import cuda
 from blink.device.speculation import lookup
 from blink.device.state import CFG_DTYPE

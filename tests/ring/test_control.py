@@ -22,7 +22,7 @@ def test_verify_accepts_its_own_control_block_and_names_mismatched_fields():
     with pytest.raises(RingMismatch, match="'max_stop_ids'"):
         layout.verify(RingLayout(RingGeometry(n_slots=16, max_stop_ids=2)).control_bytes())
     with pytest.raises(RingMismatch, match="'magic'"):
-        layout.verify(bytes(256))
+        layout.verify(bytes(CONTROL_DTYPE.itemsize))
     wrong_version = np.frombuffer(layout.control_bytes(), CONTROL_DTYPE).copy()
     wrong_version["version"] = control.VERSION + 1
     with pytest.raises(RingMismatch, match="'version'"):
@@ -37,7 +37,7 @@ def test_verify_accepts_its_own_control_block_and_names_mismatched_fields():
 def test_the_geometry_read_back_from_a_ring_is_the_one_it_was_created_with(geometry):
     assert control.geometry_of(control.fresh(geometry)) == geometry
     with pytest.raises(RingMismatch, match="'magic'"):
-        control.geometry_of(bytes(256))
+        control.geometry_of(bytes(CONTROL_DTYPE.itemsize))
 
 
 def test_read_decodes_every_word_and_request_shutdown_sets_only_the_shutdown_word():

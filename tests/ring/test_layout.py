@@ -21,15 +21,17 @@ CONTROL_SPEC = [("magic", 0, 4), ("version", 4, 4), ("n_slots", 8, 4), ("max_pro
                 ("prefix_hit_tokens", 176, 8), ("prefix_evictions", 184, 8), ("prefill_tokens", 192, 8),
                 ("cached_pages", 200, 4), ("max_logit_bias", 204, 4), ("max_top_logprobs", 208, 4),
                 ("vocab_size", 212, 4), ("secret_digest", 216, 8), ("max_grammar_bytes", 224, 4),
-                ("spec_drafts", 232, 8), ("spec_draft_tokens", 240, 8), ("spec_accepted_tokens", 248, 8)]
+                ("num_speculative_tokens", 228, 4), ("spec_drafts", 232, 8), ("spec_draft_tokens", 240, 8),
+                ("spec_accepted_tokens", 248, 8), ("spec_accepted_per_pos", 256, 8 * 16)]
 HEADER_SPEC = [("request_id", 0, 8), ("arrival_ns", 8, 8), ("seed", 16, 8), ("prompt_len", 24, 4),
                ("max_tokens", 28, 4), ("temperature", 32, 4), ("top_p", 36, 4), ("top_k", 40, 4),
                ("request_flags", 44, 4), ("n_stop", 48, 4), ("priority", 52, 4), ("prefix_state", 56, 8),
                ("presence_penalty", 64, 4), ("frequency_penalty", 68, 4), ("repetition_penalty", 72, 4),
-               ("min_p", 76, 4), ("top_logprobs", 80, 4), ("n_logit_bias", 84, 4), ("grammar", 88, 4)]
+               ("min_p", 76, 4), ("top_logprobs", 80, 4), ("n_logit_bias", 84, 4), ("grammar", 88, 4),
+               ("num_speculative_tokens", 92, 4)]
 
 
-@pytest.mark.parametrize("dtype,spec,itemsize", [(CONTROL_DTYPE, CONTROL_SPEC, 256), (HEADER_DTYPE, HEADER_SPEC, 96)])
+@pytest.mark.parametrize("dtype,spec,itemsize", [(CONTROL_DTYPE, CONTROL_SPEC, 384), (HEADER_DTYPE, HEADER_SPEC, 96)])
 def test_struct_offsets_sizes_and_natural_alignment(dtype, spec, itemsize):
     assert dtype.itemsize == itemsize
     assert list(dtype.names) == [name for name, _, _ in spec]
@@ -51,7 +53,7 @@ def test_regions_are_page_aligned_disjoint_and_sized(geometry):
     layout = RingLayout(geometry)
     n = geometry.n_slots
     column = (4 * n + 63) // 64 * 64
-    expected = {"control": 256, "status": 5 * column, "headers": 96 * n,
+    expected = {"control": 384, "status": 5 * column, "headers": 96 * n,
                 "stop_token_ids": 4 * n * geometry.max_stop_ids, "prompts": 4 * n * geometry.max_prompt_tokens,
                 "prefix_keys": 8 * n * (geometry.max_prompt_tokens // geometry.prefix_page_size
                                         if geometry.prefix_page_size else 0),

@@ -7,6 +7,7 @@ a server that sends no usage is counted one token per chunk) and, with ``ignore_
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import aiohttp
@@ -35,12 +36,17 @@ AGENT_PAUSES = ("blink_agent_stalls_total", "blink_agent_stall_seconds_total",
 AGENT_RUN_DELAY = "blink_agent_run_delay_seconds_total"
 # ... and how long a hypervisor ran something else on the cores that thread may use (steal).
 AGENT_STEAL = "blink_agent_cores_steal_seconds_total"
-# Speculative decoding's drafts verified and accepted, under vLLM's names (blink exports them too).
-SPEC_DECODE = ("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total")
+# Speculative decoding's drafts verified and accepted, under vLLM's names (blink exports them too): sequence steps
+# that verified drafts, draft tokens, accepted ones; and the accepted ones by draft position (its ``position`` label:
+# recorded as ``NAME[position]``).
+SPEC_DECODE = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+               "vllm:spec_decode_num_accepted_tokens_total")
+SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 # The server's counters a run records, as their change over the run (blink's /metrics; another server has fewer).
 SERVER_COUNTERS = ("blink_prefix_cache_queries_total", "blink_prefix_cache_hits_total",
                    "blink_prefix_cache_evictions_total", CPU_COUNTER, *SERVER_TTFT, *SERVER_HTTP_TTFT,
-                   *BLINK_STEP_TOKENS, *VLLM_STEP_TOKENS, *AGENT_PAUSES, AGENT_RUN_DELAY, AGENT_STEAL, *SPEC_DECODE)
+                   *BLINK_STEP_TOKENS, *VLLM_STEP_TOKENS, *AGENT_PAUSES, AGENT_RUN_DELAY, AGENT_STEAL, *SPEC_DECODE,
+                   SPEC_PER_POS)
 # Seconds an idle connection is kept for reuse: less than any server's own keep-alive (blink's keepalive_timeout_s,
 # uvicorn's 5 s under vLLM): reusing a connection the server is closing fails the request with ServerDisconnectedError.
 KEEPALIVE_S = 2.0
@@ -48,15 +54,19 @@ KEEPALIVE_S = 2.0
 
 def parse_counters(text: str) -> dict[str, float]:
     """The ``SERVER_COUNTERS`` in a Prometheus text exposition, each summed over its label sets (vLLM labels its
-    metrics with the model's name: ``vllm:iteration_tokens_total_sum{model_name="m"} 8.0``)."""
+    metrics with the model's name: ``vllm:iteration_tokens_total_sum{model_name="m"} 8.0``), but ``SPEC_PER_POS``'s
+    kept apart by position (``NAME[0]``, ``NAME[1]``, ...)."""
     values: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("#"):
             continue
         series, _, value = line.rpartition(" ")
         name = series.split("{", 1)[0]
-        if name in SERVER_COUNTERS:
-            values[name] = values.get(name, 0.0) + float(value)
+        if name == SPEC_PER_POS:
+            name += "[{}]".format(re.search(r'position="(\d+)"', series).group(1))
+        elif name not in SERVER_COUNTERS:
+            continue
+        values[name] = values.get(name, 0.0) + float(value)
     return values
 
 
@@ -85,11 +95,21 @@ def server_notes(server: dict | None) -> str | None:
 
 
 def speculation(server: dict | None) -> str | None:
-    """Draft tokens verified and accepted over a run, None where the server verified none."""
-    drafts, accepted = ((server or {}).get(name) for name in SPEC_DECODE)
+    """Draft tokens verified and accepted over a run, the mean tokens a verifying step made per sequence (vLLM's
+    mean acceptance length: 1 + accepted / steps) and, where the server tells it, the share of those steps that
+    kept each draft position; None where the server verified none."""
+    server = server or {}
+    steps, drafts, accepted = (server.get(name) for name in SPEC_DECODE)
     if not drafts or accepted is None:
         return None
-    return f"speculation: {accepted:.0f} of {drafts:.0f} draft tokens accepted ({accepted / drafts:.0%})"
+    note = f"speculation: {accepted:.0f} of {drafts:.0f} draft tokens accepted ({accepted / drafts:.0%})"
+    if steps:
+        note += f", mean acceptance length {1 + accepted / steps:.2f}"
+        kept = [server[key] for key in sorted((k for k in server if k.startswith(SPEC_PER_POS + "[")),
+                                              key=lambda k: int(k[len(SPEC_PER_POS) + 1:-1]))]
+        if kept:
+            note += ", draft 1, 2, ... kept in " + ", ".join(f"{count / steps:.0%}" for count in kept)
+    return note
 
 
 def agent_pauses(server: dict | None) -> str | None:

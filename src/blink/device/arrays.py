@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from blink.device.config import MAX_EOS, MAX_SPECULATIVE_TOKENS, SchedulerConfig
+from blink.device.config import MAX_EOS, SchedulerConfig
 from blink.device.state import (CFG_DTYPE, CONTROL_RECORD, DOORBELLS_DTYPE, HEADER_RECORD, IDLE, SCHED_DTYPE,
                                 SCRATCH_CLEAR, STATS_DTYPE, table_entries)
 from blink.device.step import StepLayout
-from blink.ring.geometry import RingGeometry
+from blink.ring.geometry import MAX_SPECULATIVE_TOKENS, RingGeometry
 from blink.ring.grammar import mask_words
 from blink.ring.layout import RingView
 
@@ -80,7 +80,8 @@ def state_arrays(config: SchedulerConfig, geometry: RingGeometry, step: StepLayo
         seq_penalties=np.tile(np.float32([0, 0, 1]), (n, 1)), seq_min_p=np.zeros(n, np.float32),
         seq_top_logprobs=i32(n), seq_n_logit_bias=i32(n), seq_bias_ids=i32(n, max(geometry.max_logit_bias, 1)),
         seq_bias=np.zeros((n, max(geometry.max_logit_bias, 1)), np.float32),
-        seq_grammar=np.full(n, -1, np.int32), seq_draft=i32(n, MAX_SPECULATIVE_TOKENS), seq_ndraft=i32(n),
+        seq_grammar=np.full(n, -1, np.int32), seq_num_speculative_tokens=i32(n),
+        seq_draft=i32(n, MAX_SPECULATIVE_TOKENS), seq_ndraft=i32(n),
         seq_keys=u64(n, config.max_pages_per_seq),
         seq_hash=u64(n), seq_seen=i32(n), queue_slots=i32(n), queue_keys=np.zeros(n, np.int64),
         queue_tmp_slots=i32(n), queue_tmp_keys=np.zeros(n, np.int64), running=i32(seqs), consumed=i32(seqs),
@@ -103,3 +104,4 @@ def control_gauges(control: np.ndarray, config: SchedulerConfig) -> None:
     """Host, before the first iteration: gauges that never change (``control``: the ring's control block)."""
     control["kv_pages_total"] = config.num_pages
     control["kv_pages_free"] = config.num_pages
+    control["num_speculative_tokens"] = config.speculative.num_speculative_tokens if config.speculative else 0

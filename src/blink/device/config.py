@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from blink.ring.geometry import MAX_SPECULATIVE_TOKENS
+
 LAUNCH_MODES = ("fire_and_forget", "tail")
 MAX_SEQS = 512          # the scheduler's shared-memory arrays are sized for this many running sequences
 MAX_EOS = 8             # end-of-sequence ids the device checks per token
@@ -17,7 +19,6 @@ MAX_BUCKETS = 32        # step graphs the launch table holds
 MAX_BLOCK_THREADS = 1024
 MAX_IDLE_SLEEP_NS = 1_000_000
 SPECULATIVE_METHODS = ("ngram",)
-MAX_SPECULATIVE_TOKENS = 16     # drafts per sequence and step (the per-slot draft array's width)
 # The compute capability the scheduler image is built for, its only one (a cubin loads on its own major version):
 # the H100, H200 and GH200. docs/gpu.md says what building for another would take.
 IMAGE_CC = (9, 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from blink.device import grammar, prefix, sampling
 from blink.device.numba_compat import cuda, load_volatile
-from blink.device.state import COUNT
+from blink.device.state import COUNT, SPEC_ACCEPTED_PER_POS
 from blink.ring.layout import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, FLAG_IGNORE_EOS, FLAG_LOGPROBS
 
 
@@ -71,6 +71,7 @@ def consume(s, sh):
                     break
                 computed += 1                     # row j + 1 read this token as its draft: its K/V stand
                 cuda.atomic.add(sh.counters, COUNT.spec_accepted_tokens, 1)
+                cuda.atomic.add(sh.counters, SPEC_ACCEPTED_PER_POS + j, 1)
             for j in range(1, drafts + 1):        # the group's other rows complete no page of their own
                 sh.slots[r + j] = slot
                 sh.tokens[r + j] = computed

@@ -7,7 +7,8 @@ Every page is in exactly one of three states:
 - **held**: ``page_ref[p]`` block tables hold it (more than one only for a cached prefix page, which nobody writes);
 - **free**: on the free stack ``free_pages[0:free_top]``, uncached;
 - **evictable**: cached (in the hash table, ``table.py``) and held by nobody; its live entry in the LRU ring is
-  ``lru_pages[page_lru[p]]``. Allocation may take ``free_top + evictable`` pages (``free_total``; both in ``s.sched[0]``).
+  ``lru_pages[page_lru[p]]``. Allocation may take ``free_top + evictable`` pages (``free_total``; both in
+  ``s.sched[0]``).
 
 The LRU ring ``lru_pages`` (2 x num_pages entries) lists released cached pages oldest first, from ``lru_head``. An
 entry is live iff ``page_lru[its page] == its index``: a page taken back by a prefix hit (``hold``) or evicted leaves

@@ -27,9 +27,11 @@ from blink.device.block import MAX_THREADS, exclusive_scan
 from blink.device.doorbells import read_doorbells
 from blink.device.kv import free_sequences, free_total
 from blink.device.numba_compat import clock, cuda, load_volatile
-from blink.device.state import COUNT, MAX_CANDIDATES, N_COUNTERS, PHASE, REFUSED, STOP, Scratch
+from blink.device.state import (COUNT, MAX_CANDIDATES, N_COUNTERS, PHASE, REFUSED, SPEC_ACCEPTED_PER_POS, STOP,
+                                Scratch)
 from blink.device.waiting import cancel_queued, cancelled, collect, enqueue
 from blink.ring.control import ENGINE_SERVING, ENGINE_STOPPED
+from blink.ring.geometry import MAX_SPECULATIVE_TOKENS
 from blink.ring.layout import FINISH_ABORT, FINISH_NONE, FINISHED, READY, RUNNING
 
 
@@ -218,6 +220,9 @@ def publish_stats(s, sh, launched):
     control.spec_drafts = stats.spec_drafts
     control.spec_draft_tokens = stats.spec_draft_tokens
     control.spec_accepted_tokens = stats.spec_accepted_tokens
+    for j in range(MAX_SPECULATIVE_TOKENS):
+        stats.spec_accepted_per_pos[j] += counts[SPEC_ACCEPTED_PER_POS + j]
+        control.spec_accepted_per_pos[j] = stats.spec_accepted_per_pos[j]
     control.kv_pages_free = free_total(s)
     control.running = s.sched[0].running
     control.waiting = s.sched[0].queued

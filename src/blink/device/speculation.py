@@ -79,9 +79,10 @@ def lookup(s, best, slot, most):
 @cuda.jit(device=True)
 def budget(s, slot):
     """How many drafts the sequence in ``slot``, about to decode, may verify in the next step: the configured
-    number, within its ``max_tokens`` and ``max_model_len`` (the step's rows and pages are counted after)."""
+    number and the request's own cap, within its ``max_tokens`` and ``max_model_len`` (the step's rows and pages are
+    counted after)."""
     generated = s.seq_total[slot] - s.seq_prompt_len[slot]
-    return max(0, min(s.cfg[0].spec_tokens, s.seq_max_tokens[slot] - generated - 1,
+    return max(0, min(s.cfg[0].spec_tokens, s.seq_num_speculative_tokens[slot], s.seq_max_tokens[slot] - generated - 1,
                       s.cfg[0].max_model_len - s.seq_total[slot]))
 
 

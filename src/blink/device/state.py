@@ -13,6 +13,7 @@ import numpy as np
 from blink.device.config import MAX_SEQS
 from blink.device.step import N_PENALTIES
 from blink.ring.control import CONTROL_DTYPE
+from blink.ring.geometry import MAX_SPECULATIVE_TOKENS
 from blink.ring.layout import HEADER_DTYPE
 
 
@@ -73,7 +74,8 @@ PUBLISHED_COUNTERS = ("heartbeat", "steps", "tokens", "admitted", "finished", "c
                       "prefix_query_tokens", "prefix_hit_tokens", "prefix_evictions", "prefill_tokens", "spec_drafts",
                       "spec_draft_tokens", "spec_accepted_tokens")
 STATS_DTYPE = record(np.dtype([*((name, "<i8") for name in PUBLISHED_COUNTERS), ("prefix_seed", "<u8"),
-                               ("profile", "<i8", (len(PHASE),)), ("seen_submitted", "<i8"),
+                               ("profile", "<i8", (len(PHASE),)),
+                               ("spec_accepted_per_pos", "<i8", (MAX_SPECULATIVE_TOKENS,)), ("seen_submitted", "<i8"),
                                ("seen_cancels", "<i8")], align=True))
 assert all(CONTROL_DTYPE.fields[name][0] == np.dtype("<u8") for name in PUBLISHED_COUNTERS)
 
@@ -174,6 +176,7 @@ class SchedulerArrays(NamedTuple):
     seq_bias_ids: object    # i32 [n, max_logit_bias or 1]  the request's logit_bias, copied at admission
     seq_bias: object        # f32 [n, max_logit_bias or 1]
     seq_grammar: object     # i32 [n]  the state its grammar is in, a word offset into ``grammars`` (-1: no grammar)
+    seq_num_speculative_tokens: object  # i32 [n]  the request's cap on its drafts per step (its header's)
     seq_draft: object       # i32 [n, MAX_SPECULATIVE_TOKENS]  the drafts planned after its last token (speculation)
     seq_ndraft: object      # i32 [n]  how many of them the planned step verifies (0: a plain decode or a chunk)
     seq_keys: object        # u64 [n, max_pages_per_seq]  prefix key of each full page (prompt: the ring's)
@@ -266,7 +269,10 @@ class Counts(NamedTuple):
 
 
 COUNT = indices(Counts)
-N_COUNTERS = len(COUNT)
+# After the named counters, one per draft position: sh.counters[SPEC_ACCEPTED_PER_POS + j] counts the drafts accepted
+# at position j (publish_stats folds them into stats and the control block's ``spec_accepted_per_pos``).
+SPEC_ACCEPTED_PER_POS = len(COUNT)
+N_COUNTERS = SPEC_ACCEPTED_PER_POS + MAX_SPECULATIVE_TOKENS
 
 # The prefix cache's hash table: buckets of PREFIX_WAYS ways, at least twice as many entries as pages.
 PREFIX_WAYS = 16

@@ -49,6 +49,7 @@ def load_header(s, slot):
     s.seq_prompt_len[slot] = header.prompt_len
     s.seq_max_tokens[slot] = header.max_tokens
     s.seq_flags[slot] = header.request_flags
+    s.seq_num_speculative_tokens[slot] = header.num_speculative_tokens
     s.seq_n_stop[slot] = header.n_stop
     for k in range(s.seq_n_stop[slot]):
         s.seq_stop[slot, k] = s.stop_token_ids[slot, k]

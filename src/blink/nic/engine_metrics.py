@@ -8,6 +8,11 @@ from __future__ import annotations
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
+ACCEPTED_PER_POS = "blink_spec_decode_num_accepted_tokens_per_pos"
+ACCEPTED_PER_POS_DOC = ("Speculative draft tokens accepted at each draft position of a step (0: its first draft): "
+                        "over the drafts verified, the share of steps that kept that many drafts or more")
+
+
 def engine_families(s: dict, queued: float, n_slots: int, model_name: str):
     """The metric families of the control-block words ``s`` (the agent's ``stats()``) of a ring of ``n_slots``, with
     ``queued`` the requests waiting in the agents for a free slot (all the agent processes')."""
@@ -41,6 +46,7 @@ def engine_families(s: dict, queued: float, n_slots: int, model_name: str):
                                                           s["spec_accepted_tokens"])}
     for name, (doc, value) in counters.items():
         yield CounterMetricFamily(name, doc, value=value)
+    yield _per_position(CounterMetricFamily(ACCEPTED_PER_POS, ACCEPTED_PER_POS_DOC, labels=["position"]), s, [])
     for name, doc, value in [
             ("vllm:num_requests_running", "Requests the engine is running", s["running"]),
             ("vllm:num_requests_waiting", "Requests not yet running: in the ring not yet admitted, or waiting in the "
@@ -55,6 +61,15 @@ def engine_families(s: dict, queued: float, n_slots: int, model_name: str):
                              ("vllm:spec_decode_num_accepted_tokens", "blink_spec_decode_num_accepted_tokens")]:
         doc, value = counters[blink_name]
         yield _labelled(CounterMetricFamily(name, doc, labels=["model_name"]), model_name, value)
+    yield _per_position(CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", ACCEPTED_PER_POS_DOC,
+                                            labels=["model_name", "position"]), s, [model_name])
+
+
+def _per_position(family, s: dict, labels: list[str]):
+    """``family`` with one sample per draft position the engine verifies (none where it does not speculate)."""
+    for position in range(s["num_speculative_tokens"]):
+        family.add_metric([*labels, str(position)], s["spec_accepted_per_pos"][position])
+    return family
 
 
 def _labelled(family, model_name: str, value):

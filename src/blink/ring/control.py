@@ -1,4 +1,4 @@
-"""The ring's control block (256 B at offset 0): identity, geometry, the shutdown word, the GPU side's state and
+"""The ring's control block (384 B at offset 0): identity, geometry, the shutdown word, the GPU side's state and
 counters, the agent's doorbells. The one place that encodes, decodes and checks it.
 
 Writers: the creator (identity, geometry and the prefix-key seed, once), the host or the agent (``shutdown``, the
@@ -15,7 +15,7 @@ import secrets
 import numpy as np
 
 from blink.ring.errors import RingMismatch
-from blink.ring.geometry import RingGeometry
+from blink.ring.geometry import MAX_SPECULATIVE_TOKENS, RingGeometry
 
 MAGIC = 0x4B4E4C42  # "BLNK" in little-endian bytes
 VERSION = 8
@@ -86,17 +86,17 @@ CONTROL_DTYPE = struct([
     ("vocab_size", "<u4", 212),     # creator: the tokens the grammars' masks cover (geometry)
     ("secret_digest", "<u8", 216),  # creator: a digest of the secret its agents are given (blink.ring.secret)
     ("max_grammar_bytes", "<u4", 224),  # creator: the grammars region's size (geometry)
+    ("num_speculative_tokens", "<u4", 228),     # engine: drafts per sequence and step it verifies (0: none)
     ("spec_drafts", "<u8", 232),    # GPU: sequence-steps that verified drafts (speculative decoding)
     ("spec_draft_tokens", "<u8", 240),  # GPU: draft tokens verified
     ("spec_accepted_tokens", "<u8", 248),   # GPU: of those, drafts the sequence's own tokens confirmed
-], 256)
+    # GPU: of those, the ones at each draft position (the first draft of a step at 0): vLLM's per-position counter
+    ("spec_accepted_per_pos", ("<u8", (MAX_SPECULATIVE_TOKENS,)), 256),
+], 384)
 
 WORDS = tuple(name for name in CONTROL_DTYPE.names if name != "secret_digest")    # what ``read`` shows
 GEOMETRY_FIELDS = ("n_slots", "max_prompt_tokens", "max_output_tokens", "max_stop_ids", "flags", "max_model_len",
                    "prefix_page_size", "max_logit_bias", "max_top_logprobs", "max_grammar_bytes", "vocab_size")
-STATS_FIELDS = ("heartbeat", "steps", "tokens", "admitted", "finished", "cancelled", "preempted", "kv_pages_total",
-                "kv_pages_free", "running", "waiting", "prefix_query_tokens", "prefix_hit_tokens", "prefix_evictions",
-                "prefill_tokens", "cached_pages", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
 
 
 def offset_of(name: str) -> int:
@@ -180,11 +180,11 @@ def geometry_of(raw: bytes) -> RingGeometry:
                         max_grammar_bytes=int(block["max_grammar_bytes"]), vocab_size=int(block["vocab_size"]))
 
 
-def read(memory) -> dict[str, int]:
-    """Every control-block word of the ring in ``memory`` (a ``RemoteMemory``), by name, in one read; not the secret's
-    digest (``WORDS``): the stats go to logs and /metrics."""
+def read(memory) -> dict[str, int | tuple[int, ...]]:
+    """Every control-block word of the ring in ``memory`` (a ``RemoteMemory``), by name, in one read (an array field
+    as a tuple); not the secret's digest (``WORDS``): the stats go to logs and /metrics."""
     block = decode(memory.read(0, CONTROL_DTYPE.itemsize))
-    return {name: int(block[name]) for name in WORDS}
+    return {name: tuple(map(int, block[name])) if np.ndim(block[name]) else int(block[name]) for name in WORDS}
 
 
 def write(memory, name: str, value: int) -> None:

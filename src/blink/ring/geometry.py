@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_TOP_LOGPROBS = 20   # the most top logprobs per token a request may ask for (OpenAI's limit)
+MAX_SPECULATIVE_TOKENS = 16     # drafts per sequence and step: a request's and a server's most
 MAX_GRAMMAR_BYTES = 1 << 30     # the grammars region's largest size: its word offsets stay far inside an int32
 
 

@@ -6,7 +6,7 @@ existing region was written for the same geometry and names the first field that
 
 Regions, each starting on a 4 KiB boundary::
 
-    control   CONTROL_DTYPE (256 B)           magic, version, geometry, shutdown, heartbeat, stats
+    control   CONTROL_DTYPE (384 B)           magic, version, geometry, shutdown, heartbeat, stats
     status    5 columns of u32 [n_slots]      state, epoch, cancel, finish_reason, n_generated
     headers   [n_slots] HEADER_DTYPE (96 B)   request id, arrival time, sampling params (named as SamplingParams')
     stop_token_ids [n_slots, max_stop_ids] int32     (only when max_stop_ids)
@@ -140,6 +140,7 @@ HEADER_DTYPE = struct([
     ("top_logprobs", "<u4", 80),    # top logprobs per output position (0: none)
     ("n_logit_bias", "<u4", 84),    # valid pairs in the slot's logit_bias row
     ("grammar", "<u4", 88),         # with FLAG_GRAMMAR: the start state, a word offset into the grammars region
+    ("num_speculative_tokens", "<u4", 92),  # the request's cap on drafts per step (MAX_SPECULATIVE_TOKENS: none)
 ], 96)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from blink.ring.errors import RequestError
-from blink.ring.geometry import MAX_TOP_LOGPROBS
+from blink.ring.geometry import MAX_SPECULATIVE_TOKENS, MAX_TOP_LOGPROBS
 from blink.ring.grammar import Grammar
 from blink.ring.layout import FLAG_GRAMMAR, FLAG_IGNORE_EOS, FLAG_LOGPROBS, HEADER_DTYPE, PAIR_DTYPE, TOKEN_DTYPE
 
@@ -70,6 +70,9 @@ class SamplingParams:
     every token to those its automaton allows where the output has got to, after ``logit_bias`` and the penalties
     (so the logprobs are of the restricted distribution), and allows the end-of-sequence tokens only where the output
     is complete; it cannot be combined with ``ignore_eos``.
+    ``num_speculative_tokens`` caps the drafts the engine verifies for this request per step, where the engine
+    speculates (``SpeculativeConfig``): None leaves the engine's number, 0 opts the request out. The tokens are the
+    same either way; only how many a step makes changes.
     """
 
     max_tokens: int = 16
@@ -88,6 +91,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     top_logprobs: int = 0
     grammar: Grammar | None = None
+    num_speculative_tokens: int | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -138,6 +142,10 @@ class SamplingParams:
                self.top_logprobs)
         _check(self.grammar is None or isinstance(self.grammar, Grammar), "grammar",
                "None or a compiled Grammar (blink.nic.grammars.GrammarCompiler.compile)", self.grammar)
+        _check(self.num_speculative_tokens is None or (_is_int(self.num_speculative_tokens)
+                                                        and 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS),
+               "num_speculative_tokens", f"None or an int in [0, {MAX_SPECULATIVE_TOKENS}] (0: no drafts)",
+               self.num_speculative_tokens)
         _check(self.grammar is None or not self.ignore_eos, "grammar",
                "None when ignore_eos is True (a grammar ends its output with an end-of-sequence token)", self.grammar)
 
@@ -157,6 +165,8 @@ def encode_header(*, request_id: int, arrival_ns: int, seed: int, prompt_len: in
     values = {name: getattr(params, name) for name in HEADER_DTYPE.names if name in _PARAMS}
     flags = ((FLAG_IGNORE_EOS if params.ignore_eos else 0) | (FLAG_LOGPROBS if params.logprobs else 0)
              | (FLAG_GRAMMAR if params.grammar is not None else 0))
+    if params.num_speculative_tokens is None:       # the engine's number: the most any engine verifies
+        values["num_speculative_tokens"] = MAX_SPECULATIVE_TOKENS
     values.update(request_id=request_id, arrival_ns=arrival_ns, seed=seed, prompt_len=prompt_len, priority=priority,
                   request_flags=flags, n_stop=len(params.stop_token_ids), prefix_state=prefix_state,
                   n_logit_bias=len(params.logit_bias or ()), grammar=grammar)

@@ -600,6 +600,10 @@ BAD = [  # (path, body, status, what the message must mention)
     (COMPLETIONS, {"prompt": "x", "min_p": 1.5}, 400, "'min_p' must be a number in [0, 1]"),
     (COMPLETIONS, {"prompt": "x", "min_p": -0.1}, 400, "'min_p' must be a number in [0, 1]"),
     (CHAT, {"messages": USER, "min_p": "0.1"}, 400, "'min_p' must be a number"),
+    (COMPLETIONS, {"prompt": "x", "num_speculative_tokens": 17}, 400, "'num_speculative_tokens' must be an integer in "
+                                                                      "[0, 16] (0: no drafts for this request)"),
+    (CHAT, {"messages": USER, "num_speculative_tokens": -1}, 400, "'num_speculative_tokens' must be an integer"),
+    (CHAT, {"messages": USER, "num_speculative_tokens": 2.0}, 400, "'num_speculative_tokens' must be an integer"),
     (COMPLETIONS, {"prompt": "x", "temperature": 10**400}, 400, "'temperature' must be"),   # beyond any float
     (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "only for streamed answers"),
     (CHAT, {"messages": []}, 400, "non-empty list"),
@@ -654,6 +658,7 @@ good_values = {
     "stop_token_ids": st.lists(st.integers(-1, 49152), max_size=5), "priority": st.integers(-5, 5),
     "presence_penalty": st.floats(-2.5, 2.5), "frequency_penalty": st.floats(-2.5, 2.5),
     "repetition_penalty": st.floats(-0.5, 3), "min_p": st.floats(-0.5, 1.5),
+    "num_speculative_tokens": st.integers(-1, 17),
     "logit_bias": st.dictionaries(st.integers(-1, 49152).map(str), st.floats(-110, 110), max_size=5),
 }
 prompts = {COMPLETIONS: {"prompt": st.text(min_size=1, max_size=30) | st.lists(st.integers(0, 49151), max_size=8),
@@ -675,7 +680,7 @@ TYPE_LIMITS = [0, 1, -1, 2**31 - 1, 2**31, -2**31, -2**31 - 1, 2**32 - 1, 2**32,
                0.0, -0.0, 1e-45, 1e-39, 1e-5, 0.5, 3.4e38, 3.5e38, 1e308, -1e308, 1.7976931348623157e308]
 NUMERIC_FIELDS = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "priority", "n",
                   "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "best_of",
-                  "min_p"]
+                  "min_p", "num_speculative_tokens"]
 
 
 @st.composite

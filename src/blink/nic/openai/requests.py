@@ -19,7 +19,7 @@ from blink.nic.openai.messages import chat_messages, text_field
 from blink.nic.openai.tool_parsers import detect
 from blink.nic.openai.tools import ToolFields, ToolRequest
 from blink.nic.text import Tokenizer, max_tokens_for
-from blink.ring.geometry import MAX_TOP_LOGPROBS
+from blink.ring.geometry import MAX_SPECULATIVE_TOKENS, MAX_TOP_LOGPROBS
 from blink.ring.request import BIAS_LIMIT, PENALTY_LIMIT, SamplingParams, shown
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # the OpenAI API's default for /v1/completions; chat defaults to the room left
@@ -201,7 +201,11 @@ class Parser:
                         top_logprobs=top_logprobs, logit_bias=self._logit_bias(body.get("logit_bias")),
                         min_p=body_field(body, "min_p", (int, float), "a number in [0, 1] (0: none)", 0.0,
                                      lambda v: 0 <= v <= 1),
-                        grammar=self.structured.grammar(body, tools.forced() if tools else None))
+                        grammar=self.structured.grammar(body, tools.forced() if tools else None),
+                        num_speculative_tokens=body_field(
+                            body, "num_speculative_tokens", (int,),
+                            f"an integer in [0, {MAX_SPECULATIVE_TOKENS}] (0: no drafts for this request)", None,
+                            lambda v: 0 <= v <= MAX_SPECULATIVE_TOKENS))
         try:
             return self._params(body, room, stop_ids, sampling)
         except RequestError as e:    # a value the parser's type checks let through but the ring cannot store
