@@ -1,5 +1,5 @@
 """CUDA graphs of the GPU loop: model steps captured with torch, wrapped with the "done" kernel, instantiated for
-device launch, and their handles laid out in the launch table the shim reads (``image.LAUNCH_WORDS``).
+device launch, and their handles laid out in the launch table the shim reads (``image.LAUNCH_DTYPE``).
 
 A step graph reads only the step buffers (``step.py``), so one capture per token bucket serves every step of that
 size. Every bucket's graph is instantiated twice: the resident loop fires one while the other may still be retiring
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from blink.device.driver import check
-from blink.device.image import LAUNCH_WORDS, MAX_BUCKETS
+from blink.device.image import LAUNCH_DTYPE
 
 
 def capture_steps(run_step, buckets: tuple[int, ...]) -> dict:
@@ -64,11 +64,11 @@ def instantiate(graph, stream, copies: int = 2) -> list:
 
 def launch_table(buckets: tuple[int, ...], step_graph, done_graph, stream) -> tuple[np.ndarray, list]:
     """Per bucket: [the step's graph (``step_graph(tokens)``, a raw ``cudaGraph_t``)] -> [``done_graph``],
-    instantiated twice. Returns the launch table's words (handles of both copies of each bucket; counters zero)
-    and the instantiations, which must outlive every launch."""
+    instantiated twice. Returns the launch table (a ``LAUNCH_DTYPE`` record: the handles of both copies of each
+    bucket, counters zero) and the instantiations, which must outlive every launch."""
     from cuda.bindings import driver
 
-    words = np.zeros(LAUNCH_WORDS, np.uint64)
+    table = np.zeros(1, LAUNCH_DTYPE)
     execs = []
     for b, tokens in enumerate(buckets):
         parent = check(driver.cuGraphCreate(0))
@@ -76,6 +76,6 @@ def launch_table(buckets: tuple[int, ...], step_graph, done_graph, stream) -> tu
         step_node = check(driver.cuGraphAddChildGraphNode(parent, None, 0, step))
         check(driver.cuGraphAddChildGraphNode(parent, [step_node], 1, done_graph))
         first, second = instantiate(parent, stream)
-        words[b], words[MAX_BUCKETS + b] = int(first), int(second)
+        table["graphs"][0, :, b] = int(first), int(second)
         execs += [first, second]
-    return words, execs
+    return table, execs

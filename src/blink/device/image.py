@@ -4,12 +4,14 @@
    ``int blink_iterate(long long *table)`` to LTO-IR. ``table`` holds ``(address, dim0, dim1)`` for each field of
    ``SchedulerArrays``; the entry rebuilds the arrays from it. The entry's source is generated from the field list,
    so the order the host fills the table in and the order the device reads it cannot drift apart.
-2. NVRTC compiles ``shim.cu`` (the device loop, the "done" kernel, the stand-in step) to LTO-IR, with every constant
-   it shares with Python passed as ``-D`` (``SHIM_DEFINES``).
+2. NVRTC compiles ``shim.cu`` (the device loop, the "done" kernel, the stand-in step) to LTO-IR, after C
+   declarations of the records it reads (``SHIM_STRUCTS``: the control block, the doorbells, the launch table,
+   written from their dtypes by ``cstruct.py``), with every constant it shares with Python passed as ``-D``
+   (``SHIM_DEFINES``).
 3. nvJitLink links both with ``libcudadevrt`` into an sm_90 cubin, cached by a hash of everything it is built from.
 
-The launch table (``LAUNCH_WORDS`` u64 words in device memory) is the shim's other input: two instantiations of
-each bucket's step graph, then the done counter, the parity of the next instantiation, and the step profile.
+The launch table (``LAUNCH_DTYPE``, in device memory) is the shim's other input: two instantiations of each
+bucket's step graph, the done counter, the parity of the next instantiation, and the step profile.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from blink.device.config import IMAGE_ARCH, MAX_BUCKETS, SchedulerConfig
+from blink.device.cstruct import c_struct
 from blink.device.numba_compat import SIMULATOR, cuda
 from blink.device.policy import fcfs
 from blink.device.scheduler import make_iterate
@@ -31,27 +34,25 @@ from blink.device.state import DOORBELLS_DTYPE, STOP, SchedulerArrays
 from blink.device.step import StepLayout
 from blink.errors import LaunchError
 from blink.paths import cache_dir
-from blink.ring.control import offset_of, word_index
+from blink.ring.control import CONTROL_DTYPE
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout
 
 SHIM_PATH = Path(__file__).with_name("shim.cu")
 WINDOW = 120                        # fire-and-forget launches per graph execution (a CUDA limit)
-LAUNCH_WORDS = 2 * MAX_BUCKETS + 4  # step graphs (two copies), done counter, parity, step profile
-DONE, PARITY, STEP_CYCLES, STEPS_TIMED = (2 * MAX_BUCKETS + k for k in range(4))
+# The launch table (device memory): two instantiations of each bucket's step graph (a graph cannot be relaunched
+# before its last launch retired: the resident loop alternates them), the counter each step's last kernel bumps, the
+# parity of the next instantiation, and the step profile (cycles from launch to done, the steps timed).
+LAUNCH_DTYPE = np.dtype([("graphs", "<u8", (2, MAX_BUCKETS)), ("done", "<u8"), ("parity", "<u8"),
+                         ("step_cycles", "<u8"), ("steps_timed", "<u8")], align=True)
 LAUNCH_RETRIES = 10_000             # a graph that just signalled may not have retired yet: retry this often
 LAUNCH_RETRY_NS = 100               # ... this long apart
 DONE_POLL_NS = 32                   # the resident loop's sleep between looks at the done counter
 STANDIN_BLOCK = 128                 # threads per block of the stand-in step
-SHIM_DEFINES = {
-    "MAX_BUCKETS": MAX_BUCKETS, "WINDOW": WINDOW, "DONE": DONE, "PARITY": PARITY, "STEP_CYCLES": STEP_CYCLES,
-    "STEPS_TIMED": STEPS_TIMED, "STOP": STOP, "SHUTDOWN_WORD": word_index("shutdown", 4),
-    # u32 indices of the two u64 doorbells (the shim reads them through the control block's u32 view)
-    "SUBMITTED_WORD": offset_of("submitted") // 4, "CANCELS_WORD": offset_of("cancels") // 4,
-    # indices of the doorbell record's fields, to the shim a ``long long`` array (DB_VALID, DB_SHUTDOWN, ...)
-    **{f"DB_{name.upper()}": DOORBELLS_DTYPE.fields[name][1] // 8 for name in DOORBELLS_DTYPE.names},
-    "LAUNCH_RETRIES": LAUNCH_RETRIES, "LAUNCH_RETRY_NS": LAUNCH_RETRY_NS, "DONE_POLL_NS": DONE_POLL_NS,
-}
+SHIM_DEFINES = {"WINDOW": WINDOW, "STOP": STOP, "LAUNCH_RETRIES": LAUNCH_RETRIES, "LAUNCH_RETRY_NS": LAUNCH_RETRY_NS,
+                "DONE_POLL_NS": DONE_POLL_NS}
+# The memory the shim reads and writes, declared in C from the dtypes the Python side uses (cstruct.py).
+SHIM_STRUCTS = {"BlinkControl": CONTROL_DTYPE, "BlinkDoorbells": DOORBELLS_DTYPE, "BlinkLaunch": LAUNCH_DTYPE}
 # Sources the cached image depends on besides numba, the CUDA toolchain and the policy.
 _IMAGE_SOURCES = ("device/*.py", "device/shim.cu", "ring/control.py", "ring/layout.py", "ring/hashing.py")
 
@@ -129,10 +130,11 @@ def compile_policy(policy=fcfs, cc=(9, 0)) -> bytes:
 
 
 def compile_shim(arch: str = IMAGE_ARCH) -> bytes:
-    """LTO-IR of ``shim.cu`` (NVRTC), with ``SHIM_DEFINES``."""
+    """LTO-IR of ``shim.cu`` (NVRTC), after the declarations of ``SHIM_STRUCTS``, with ``SHIM_DEFINES``."""
     from cuda.bindings import nvrtc
 
-    program = _nvrtc(nvrtc.nvrtcCreateProgram(SHIM_PATH.read_bytes(), SHIM_PATH.name.encode(), 0, [], []))
+    source = "".join(c_struct(name, dtype) for name, dtype in SHIM_STRUCTS.items()) + SHIM_PATH.read_text()
+    program = _nvrtc(nvrtc.nvrtcCreateProgram(source.encode(), SHIM_PATH.name.encode(), 0, [], []))
     options = [f"-arch={arch}".encode(), b"-rdc=true", b"-dlto", b"-default-device",
                *(f"-D{name}={value}".encode() for name, value in SHIM_DEFINES.items())]
     result = nvrtc.nvrtcCompileProgram(program, len(options), options)[0]

@@ -29,7 +29,7 @@ import numpy as np
 from blink.device import graphs
 from blink.device.config import SchedulerConfig
 from blink.device.driver import DeviceMemory, check, error_name
-from blink.device.image import LAUNCH_WORDS, STANDIN_BLOCK, STEP_CYCLES, STEPS_TIMED, link_image
+from blink.device.image import LAUNCH_DTYPE, STANDIN_BLOCK, link_image
 from blink.device.policy import fcfs
 from blink.device.arrays import control_gauges, ring_arrays, state_arrays
 from blink.device.state import PHASE, PROFILE_PHASES, STATS_DTYPE, SchedulerArrays
@@ -96,14 +96,14 @@ class GpuScheduler:
         step = {name: (step_addresses[name], shape) for name, (shape, _) in step_layout.fields().items()}
         self.step_addresses = step_addresses
         self.table = self._to_device(self._address_table({**ring, **step, **self.state}))
-        self.launch = self._to_device(np.zeros(LAUNCH_WORDS, np.uint64))
+        self.launch = self._to_device(np.zeros(1, LAUNCH_DTYPE))
         self.launch_error = self._ring_address(view.control["launch_error"])
         self._control_address = self._ring_address(view.control)
         done = graphs.captured(self.stream, lambda: self._launch("blink_done", 1, 1,
                                                                  [(self.launch[0], ctypes.c_void_p)]))
-        words, self.step_graphs = graphs.launch_table(config.buckets, partial(step_graph or self._standin_graph,
+        table, self.step_graphs = graphs.launch_table(config.buckets, partial(step_graph or self._standin_graph,
                                                                               ring=ring), done, self.stream)
-        check(driver.cuMemcpyHtoD(self.launch[0], words, words.nbytes))
+        check(driver.cuMemcpyHtoD(self.launch[0], table, table.nbytes))
         self.scheduler_graph = self._build_scheduler_graph()
 
     # -- public -----------------------------------------------------------------------------------------------
@@ -151,13 +151,14 @@ class GpuScheduler:
         stats = np.zeros(1, STATS_DTYPE)
         check(driver.cuMemcpyDtoH(stats, self.state["stats"][0], stats.nbytes))
         stats = stats[0]
-        words = np.zeros(LAUNCH_WORDS, np.uint64)
-        check(driver.cuMemcpyDtoH(words, self.launch[0], words.nbytes))
+        launch = np.zeros(1, LAUNCH_DTYPE)
+        check(driver.cuMemcpyDtoH(launch, self.launch[0], launch.nbytes))
         khz = check(driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE,
                                                 check(driver.cuDeviceGet(self.device))))
         iterations = max(int(stats.heartbeat), 1)
         result = {phase: stats.profile[k] / iterations / khz * 1e3 for phase, k in zip(PROFILE_PHASES, PHASE)}
-        result["step_launch_to_done"] = float(words[STEP_CYCLES]) / max(int(words[STEPS_TIMED]), 1) / khz * 1e3
+        result["step_launch_to_done"] = (float(launch["step_cycles"][0]) / max(int(launch["steps_timed"][0]), 1)
+                                         / khz * 1e3)
         return result
 
     def close(self) -> None:

@@ -1,13 +1,13 @@
 // The scheduler's device loop: graph launches, sleeps, the "done" kernel and the stand-in step, in CUDA C++.
 //
-// NVRTC compiles this file with -D definitions of every constant below (blink/device/image.py: SHIM_DEFINES), taken
-// from the Python modules that own them, so the two sides cannot disagree. The iteration itself is numba code
+// NVRTC compiles this file after C declarations of the records it reads (BlinkControl: the ring's control block;
+// BlinkDoorbells; BlinkLaunch: the launch table), written from the numpy dtypes the Python side uses
+// (blink/device/image.py: SHIM_STRUCTS), and with -D definitions of every constant below (SHIM_DEFINES), taken from
+// the Python modules that own them, so the two sides cannot disagree. The iteration itself is numba code
 // (blink_iterate), linked in by nvJitLink.
-#if !defined(MAX_BUCKETS) || !defined(WINDOW) || !defined(DONE) || !defined(PARITY) || !defined(STEP_CYCLES) ||     \
-    !defined(STEPS_TIMED) || !defined(STOP) || !defined(SHUTDOWN_WORD) || !defined(SUBMITTED_WORD) ||             \
-    !defined(CANCELS_WORD) || !defined(DB_VALID) || !defined(DB_SHUTDOWN) || !defined(DB_SUBMITTED) ||            \
-    !defined(DB_CANCELS) || !defined(LAUNCH_RETRIES) || !defined(LAUNCH_RETRY_NS) || !defined(DONE_POLL_NS)
-#error "compile shim.cu through blink.device.image.compile_shim: it defines the constants"
+#if !defined(WINDOW) || !defined(STOP) || !defined(LAUNCH_RETRIES) || !defined(LAUNCH_RETRY_NS) ||                  \
+    !defined(DONE_POLL_NS)
+#error "compile shim.cu through blink.device.image.compile_shim: it declares the records and defines the constants"
 #endif
 
 extern "C" __device__ int blink_iterate(long long *table);
@@ -41,12 +41,12 @@ __device__ int blink_step(long long *table) {
 }
 
 // Launch mode "tail": one iteration per execution, then the step graph and this graph again, as tail launches.
-extern "C" __global__ void blink_scheduler_tail(long long *table, unsigned long long *launch, int *launch_error,
-                                                int idle_ns, const unsigned int *control, long long *doorbells) {
+extern "C" __global__ void blink_scheduler_tail(long long *table, BlinkLaunch *launch, int *launch_error,
+                                                int idle_ns, const BlinkControl *control, BlinkDoorbells *doorbells) {
   int outcome = blink_step(table);
   if (threadIdx.x != 0 || outcome == STOP) return;
   if (outcome >= 0) {
-    if (!blink_launch((cudaGraphExec_t)launch[outcome], cudaStreamGraphTailLaunch, launch_error)) return;
+    if (!blink_launch((cudaGraphExec_t)launch->graphs[0][outcome], cudaStreamGraphTailLaunch, launch_error)) return;
   } else if (idle_ns > 0) {
     __nanosleep(idle_ns);
   }
@@ -55,25 +55,26 @@ extern "C" __global__ void blink_scheduler_tail(long long *table, unsigned long 
 
 // Thread 0 of the resident loop, while the step runs: read the agent's words across PCIe, then wait for the step's
 // "done" kernel; the next iteration takes the words from `doorbells`. Returns the cycles from launch to done.
-__device__ void blink_wait_for_step(const unsigned int *control, long long *doorbells,
+__device__ void blink_wait_for_step(const BlinkControl *control, BlinkDoorbells *doorbells,
                                     volatile unsigned long long *done, unsigned long long before) {
-  const volatile unsigned int *words = control;
-  unsigned int shutdown = words[SHUTDOWN_WORD];
-  unsigned long long submitted = *(const volatile unsigned long long *)(words + SUBMITTED_WORD);
-  unsigned long long cancels = *(const volatile unsigned long long *)(words + CANCELS_WORD);
+  const volatile BlinkControl *ring = control;     // written by the agent across PCIe: every read goes there
+  unsigned int shutdown = ring->shutdown;
+  unsigned long long submitted = ring->submitted;
+  unsigned long long cancels = ring->cancels;
   while (*done == before) __nanosleep(DONE_POLL_NS);
-  doorbells[DB_SHUTDOWN] = shutdown;
-  doorbells[DB_SUBMITTED] = (long long)submitted;
-  doorbells[DB_CANCELS] = (long long)cancels;
-  doorbells[DB_VALID] = 1;
+  doorbells->shutdown = shutdown;
+  doorbells->submitted = (long long)submitted;
+  doorbells->cancels = (long long)cancels;
+  doorbells->valid = 1;
   __threadfence();
 }
 
 // Launch mode "fire_and_forget": stay resident for up to WINDOW steps (a CUDA limit on fire-and-forget launches
 // per graph execution): iterate, fire the step graph (two instantiations alternate: a graph cannot be relaunched
 // before its previous launch retires), wait for its done kernel, repeat; then tail-relaunch this graph.
-extern "C" __global__ void blink_scheduler_window(long long *table, unsigned long long *launch, int *launch_error,
-                                                  int idle_ns, const unsigned int *control, long long *doorbells) {
+extern "C" __global__ void blink_scheduler_window(long long *table, BlinkLaunch *launch, int *launch_error,
+                                                  int idle_ns, const BlinkControl *control,
+                                                  BlinkDoorbells *doorbells) {
   __shared__ int go;
   for (int k = 0; k < WINDOW; k++) {
     int outcome = blink_step(table);
@@ -81,15 +82,15 @@ extern "C" __global__ void blink_scheduler_window(long long *table, unsigned lon
     if (threadIdx.x == 0) {
       go = outcome;
       if (outcome >= 0) {
-        volatile unsigned long long *done = launch + DONE;
-        unsigned long long before = *done, parity = launch[PARITY];
-        launch[PARITY] = parity ^ 1ULL;
-        cudaGraphExec_t step = (cudaGraphExec_t)launch[parity * MAX_BUCKETS + outcome];
+        volatile unsigned long long *done = &launch->done;
+        unsigned long long before = *done, parity = launch->parity;
+        launch->parity = parity ^ 1ULL;
+        cudaGraphExec_t step = (cudaGraphExec_t)launch->graphs[parity][outcome];
         long long start = clock64();
         if (blink_launch(step, cudaStreamGraphFireAndForget, launch_error)) {
           blink_wait_for_step(control, doorbells, done, before);
-          launch[STEP_CYCLES] += clock64() - start;    // launch + step + wake-up, for the profile
-          launch[STEPS_TIMED] += 1;
+          launch->step_cycles += clock64() - start;    // launch + step + wake-up, for the profile
+          launch->steps_timed += 1;
         } else {
           go = STOP;
         }
@@ -106,9 +107,9 @@ extern "C" __global__ void blink_scheduler_window(long long *table, unsigned lon
 }
 
 // The last kernel of every step graph: tells a resident scheduler that the step's results are in memory.
-extern "C" __global__ void blink_done(unsigned long long *launch) {
+extern "C" __global__ void blink_done(BlinkLaunch *launch) {
   __threadfence();
-  atomicAdd(launch + DONE, 1ULL);
+  atomicAdd(&launch->done, 1ULL);
 }
 
 // The stand-in model step (blink/ring/standin.py: the same splitmix64 hash), one thread per sequence row.
