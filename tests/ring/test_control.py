@@ -52,12 +52,3 @@ def test_read_decodes_every_word_and_request_shutdown_sets_only_the_shutdown_wor
         after = memory.read(0, CONTROL_DTYPE.itemsize)
         changed = [i for i in range(len(before)) if before[i] != after[i]]
         assert changed == [control.offset_of("shutdown")] and control.read(memory)["shutdown"] == 1
-
-
-def test_word_indices_address_their_field_in_the_u32_and_u64_views():
-    block = np.zeros(1, CONTROL_DTYPE)
-    block["heartbeat"], block["shutdown"] = 2**40 + 5, 9
-    assert block.view(np.uint8).view(np.uint64)[control.word_index("heartbeat", 8)] == 2**40 + 5
-    assert block.view(np.uint8).view(np.uint32)[control.word_index("shutdown", 4)] == 9
-    with pytest.raises(ValueError, match="not a 8-byte word"):
-        control.word_index("shutdown", 8)

@@ -104,14 +104,6 @@ def offset_of(name: str) -> int:
     return CONTROL_DTYPE.fields[name][1]
 
 
-def word_index(name: str, size: int) -> int:
-    """Index of a field in the block viewed as ``size``-byte words (4: u32, 8: u64), for device code."""
-    offset = offset_of(name)
-    if offset % size or CONTROL_DTYPE.fields[name][0].itemsize != size:
-        raise ValueError(f"control field {name!r} is not a {size}-byte word")
-    return offset // size
-
-
 def geometry_words(geometry: RingGeometry) -> dict[str, int]:
     """The control-block words that record ``geometry``."""
     g = geometry
