@@ -154,6 +154,13 @@ def check_step_contract(s, config, bucket):
     slots = s.row_slot[:n_rows].tolist()
     drafts = s.row_draft[:n_rows].tolist()      # j > 0: the row verifies draft j of the slot of the row before
     assert len({slot for slot, j in zip(slots, drafts) if j == 0}) == drafts.count(0), "a sequence in two groups"
+    # Attention's view: each group (a row and the draft rows after it) one chunk in its first row, the others empty.
+    aqsl, alens = s.attn_query_start_loc, s.attn_seq_lens
+    assert (aqsl[n_rows:rows_in_bucket + 1] == n_tokens).all() and (alens[n_rows:rows_in_bucket] == 0).all()
+    for first in (r for r in range(n_rows) if drafts[r] == 0):
+        end = next((r for r in range(first + 1, n_rows) if drafts[r] == 0), n_rows)
+        assert aqsl[first] == qsl[first] and alens[first] == s.seq_lens[end - 1]
+        assert (aqsl[first + 1:end] == qsl[end]).all() and (alens[first + 1:end] == 0).all()
     chunks = []
     for r, slot in enumerate(slots):
         q = int(qsl[r + 1] - qsl[r])

@@ -259,6 +259,7 @@ def plan(s, sh):
         inputs.write_rows(s, sh, n)
         if tid == 0:
             s.query_start_loc[n_rows] = n_tokens
+            s.attn_query_start_loc[n_rows] = n_tokens
             s.num_seqs[0] = n_rows
         cuda.syncthreads()
         inputs.write_tables_and_tokens(s, sh, n_rows, n_tokens, all_decode)

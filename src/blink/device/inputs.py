@@ -31,6 +31,9 @@ def write_rows(s, sh, n):
             length = s.seq_computed[slot] + query + j
             s.query_start_loc[r] = start
             s.seq_lens[r] = length
+            # Attention's view: the sequence's rows as one chunk in the first, the others empty (step.py).
+            s.attn_query_start_loc[r] = start if j == 0 else sh.tokens[i] + chunk
+            s.attn_seq_lens[r] = length + drafts if j == 0 else 0
             s.logits_indices[r] = start + query - 1 if length == s.seq_total[slot] + j else -1
             same = s.row_slot[r] == slot and s.row_version[r] == s.seq_version[slot]
             sampling.write_sampling(s, r, slot, same)
@@ -84,6 +87,8 @@ def pad(s, n_rows, n_tokens, bucket_tokens):
         s.slot_mapping[t] = -1
     for r in range(n_rows + tid, min(bucket_tokens, s.logits_indices.shape[0]), nt):
         s.query_start_loc[r + 1] = n_tokens
+        s.attn_query_start_loc[r + 1] = n_tokens
         s.seq_lens[r] = 0
+        s.attn_seq_lens[r] = 0
         s.logits_indices[r] = -1
     cuda.syncthreads()

@@ -129,6 +129,8 @@ class SchedulerArrays(NamedTuple):
     slot_mapping: object
     query_start_loc: object
     seq_lens: object
+    attn_query_start_loc: object
+    attn_seq_lens: object
     block_tables: object
     logits_indices: object
     temperature: object

@@ -18,6 +18,12 @@ Invariants the batcher guarantees (and the model may rely on):
   ``t``'s new K/V go in the pool ``[layers, 2, pages, page_size, kv_heads, head_dim]``. Rows may share pages (a
   cached prefix): a shared page is full and computed before the step, and no token of the step writes into a page
   that another row's block table holds or that the step reads.
+- Attention reads its own view of the rows, ``attn_query_start_loc`` and ``attn_seq_lens``, equal to
+  ``query_start_loc`` and ``seq_lens`` but where rows ``i .. i + k`` are one sequence's last token and its ``k``
+  speculative drafts, one token each (``device/speculation.py``): there row ``i`` attends as one chunk of all ``k + 1``
+  tokens (``attn_seq_lens[i] = seq_lens[i + k]``) and rows ``i + 1 .. i + k`` are empty (their start is the chunk's
+  end, their length 0). Each token sees the same keys either way (its own position and before); as a chunk the
+  sequence's K/V are read once instead of ``k + 1`` times.
 - ``logits_indices[i]`` is the token row whose logits sequence ``i`` samples from (its last query token), or -1 when
   the row samples nothing this step (an empty row, or a prefill chunk that does not reach the end of the prompt).
 - Sampling parameters are per sequence row. ``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1``
@@ -79,6 +85,8 @@ class StepLayout:
             "slot_mapping": ((t,), i64),
             "query_start_loc": ((s + 1,), i32),
             "seq_lens": ((s,), i32),
+            "attn_query_start_loc": ((s + 1,), i32),
+            "attn_seq_lens": ((s,), i32),
             "block_tables": ((s, p), i32),
             "logits_indices": ((s,), i32),
             "temperature": ((s,), f32),

@@ -77,6 +77,7 @@ def fill_step(buf, chunks: Sequence[SeqChunk], page_size: int) -> int:
             host[name][i] = getattr(c, name)
     host["query_start_loc"][1:] = torch.cumsum(
         torch.tensor([len(c.tokens) for c in chunks] + [0] * (layout.max_num_seqs - len(chunks))), 0)
+    host["attn_query_start_loc"], host["attn_seq_lens"] = host["query_start_loc"], host["seq_lens"]   # no drafts
     for name, value in host.items():
         if name not in ("sampled_ids", "sampled_logprobs"):
             getattr(buf, name).copy_(value)

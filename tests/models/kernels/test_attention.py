@@ -103,3 +103,37 @@ def test_a_bucket_past_the_launch_grid_is_refused_with_what_to_do():
         attention_plan(buf, 65536, 16, 1, 16, PAGE, torch.bfloat16, num_splits=1, tiles=Tiles(16))
     plan = attention_plan(buf, 65536, 16, 1, 16, PAGE, torch.bfloat16, num_splits=1, tiles=Tiles(64))
     assert (plan.block_q, plan.num_blocks) == (4, 65536 // 4 + 256)
+
+
+def test_a_sequence_verifying_drafts_attends_as_one_chunk(backend):
+    """Rows ``i .. i + k`` holding one sequence's last token and ``k`` drafts, one token each, give the same output
+    through attention's view (one chunk in row ``i``, the others empty: ``step.py``) as each row attending alone."""
+    device, dtype, tol = backend
+    heads, kv_heads, dim = 8, 2, 64
+    rng = random.Random(5)
+    free = list(range(64))
+    rng.shuffle(free)
+    groups = [(300, 4), (17, 1), (64, 3), (5, 2)]     # (context before the last token, rows: last token + drafts)
+    chunks, spans = [], []
+    for context, rows in groups:
+        pages = [free.pop() for _ in range(-(-(context + rows) // PAGE))]
+        spans.append((len(chunks), len(chunks) + rows))
+        chunks += [SeqChunk([1], context + j, pages) for j in range(rows)]
+    buf = StepBuffers(StepLayout(256, 256, 32), device)
+    n = fill_step(buf, chunks, PAGE)
+    q = torch.randn(n, heads, dim, device=device, dtype=dtype)
+    cache = torch.randn(2, 64, PAGE, kv_heads, dim, device=device, dtype=dtype)
+    from blink.models.kernels.attention import attention, attention_plan
+
+    alone = reference.attention(q, cache, reference.attention_plan(buf, n, heads, kv_heads, dim, PAGE), dim ** -0.5)
+    for first, end in spans:         # as the scheduler writes the view (device/inputs.py)
+        buf.attn_seq_lens[first] = buf.seq_lens[end - 1]
+        buf.attn_query_start_loc[first + 1:end] = buf.query_start_loc[end]
+        buf.attn_seq_lens[first + 1:end] = 0
+    buf.seq_lens.zero_()             # the rows' own view is not attention's: it must not be read
+    for splits in (1, 4):
+        out = attention(q, cache, attention_plan(buf, n, heads, kv_heads, dim, PAGE, dtype, num_splits=splits),
+                        dim ** -0.5)
+        assert rel_err(out, alone) < tol, splits
+    grouped = reference.attention(q, cache, reference.attention_plan(buf, n, heads, kv_heads, dim, PAGE), dim ** -0.5)
+    assert rel_err(grouped, alone) < 1e-6

@@ -3,8 +3,10 @@
 One launch serves the whole packed batch, so its grid depends only on the bucket: program ``(kv_head, b, split)``
 takes query block ``b`` (``BLOCK_Q`` query tokens of one sequence, times the ``GROUP`` query heads sharing
 ``kv_head``: GQA loads each K/V tile once for the whole group), finds its sequence by binary search over
-``query_start_loc`` (sequence ``i`` owns blocks ``qsl[i] // BLOCK_Q + i ..``, so ``T // BLOCK_Q + S`` blocks always
-suffice and surplus programs exit at once; a sequence's blocks are numbered last first), and attends causally over
+``attn_query_start_loc`` (attention's view of the rows, ``step.py``: a sequence verifying drafts is one chunk, its
+other rows empty; sequence ``i`` owns blocks ``qsl[i] // BLOCK_Q + i ..``, an empty one a block that exits, so
+``T // BLOCK_Q + S`` blocks always suffice and surplus programs exit at once; a sequence's blocks are numbered last
+first), and attends causally over
 split ``split`` of the keys its block can see (cached prefix plus this step's tokens, read through the block table).
 With one split it writes the output; with several (decode-heavy buckets: long contexts and few sequences would
 leave most SMs idle) each split writes a partial output and its log-sum-exp, and ``_combine_kernel`` merges them.
@@ -239,13 +241,14 @@ def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scal
     block_d = triton.next_power_of_2(dim)
     pdl = pdl_args(q.device)
     _attention_kernel[grid](
-        q, kv_layer, plan.out, plan.part_o, plan.part_lse, buf.query_start_loc, buf.seq_lens, buf.block_tables,
+        q, kv_layer, plan.out, plan.part_o, plan.part_lse, buf.attn_query_start_loc, buf.attn_seq_lens,
+        buf.block_tables,
         buf.num_seqs, q.stride(0), q.stride(1), buf.block_tables.stride(0), kv_layer[0].numel(), scale,
         sliding_window, heads, kv_heads, dim, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
         BLOCK_Q=plan.block_q, BLOCK_N=plan.tiles.block_n, BLOCK_D=block_d, PAGE_SIZE=page_size,
         NUM_SPLITS=plan.num_splits, HAS_WINDOW=sliding_window > 0, num_warps=plan.tiles.num_warps,
         num_stages=plan.tiles.num_stages, **pdl)
     if plan.num_splits > 1:
-        _combine_kernel[(t, heads)](plan.out, plan.part_o, plan.part_lse, buf.query_start_loc, buf.num_seqs, heads,
-                                    dim, NUM_SPLITS=plan.num_splits, BLOCK_D=block_d, **pdl)
+        _combine_kernel[(t, heads)](plan.out, plan.part_o, plan.part_lse, buf.attn_query_start_loc, buf.num_seqs,
+                                    heads, dim, NUM_SPLITS=plan.num_splits, BLOCK_D=block_d, **pdl)
     return plan.out

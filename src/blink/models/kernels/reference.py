@@ -127,10 +127,11 @@ def attention_plan(buf, num_tokens: int, num_heads: int, num_kv_heads: int, head
                    dtype: torch.dtype | None = None) -> AttentionPlan:
     """Same signature as the Triton plan; the reference takes heads and dtype from ``q`` instead."""
     n = int(buf.num_seqs[0])
-    starts = buf.query_start_loc[:n + 1].tolist()
-    lens = buf.seq_lens[:n].tolist()
+    starts = buf.attn_query_start_loc[:n + 1].tolist()
+    lens = buf.attn_seq_lens[:n].tolist()
     seqs = tuple((starts[i], starts[i + 1] - starts[i], lens[i],
-                  tuple(buf.block_tables[i, :-(-lens[i] // page_size)].tolist())) for i in range(n))
+                  tuple(buf.block_tables[i, :-(-lens[i] // page_size)].tolist())) for i in range(n)
+                 if starts[i + 1] > starts[i])     # a draft row's tokens are in its sequence's first row (step.py)
     return AttentionPlan(seqs, num_tokens)
 
 
