@@ -18,7 +18,8 @@ Every sequence gets its own pages, scattered over a pool of ``--kv-gib`` GiB at 
 efficiency rather than the other kernels and their launches (for the MoE kernel: ``bench/moe_bench.py``). Each model
 also prints its memory plan against what it allocated.
 
-Run: ``PYTHONPATH=src python3 -m bench.model_bench [--models llama-3-8b ...] [--profile 1,1024 prefill] [--out F]``
+Run: ``PYTHONPATH=src python3 -m bench.model_bench [--models llama-3-8b ...] [--profile 1,1024 prefill] [--drafts K]
+[--out F]``
 (writes ``$OUT/model_bench.json`` when ``$OUT`` is set). ``--profile B,CTX`` runs only the decode step at batch B and
 context CTX (``prefill``: the prefill step), timed and then broken down per kernel: GPU time per step and the time
 no kernel runs. Profiles run in a process of their own because graph replays after a CUPTI profile in the same process
@@ -46,7 +47,7 @@ from bench.gpu_timing import copy_bandwidth, events_median_ms, kernel_profile, m
 from blink.bench.shapes import SHAPES as BENCH_SHAPES
 from blink.device.step import StepBuffers, StepLayout
 from blink.models import ModelConfig, plan_memory, random_model
-from blink.models.batch import SeqChunk, fill_step
+from blink.models.batch import SeqChunk, chunk_drafts, fill_step
 from blink.models.decoder import SparseMoE
 from blink.models.memory import GIB, weight_bytes
 from blink.models.quantization import QUANTIZATIONS, Fp8Config, requested
@@ -56,6 +57,9 @@ MODELS = {name: shape_config(name) for name in SHAPES}
 MODELS["qwen3-8b"] = BENCH_SHAPES["qwen3-8b"]
 PAGE = 16
 LAYOUT = StepLayout(max_num_batched_tokens=2048, max_num_seqs=256, max_pages_per_seq=8192 // PAGE)
+# The steps verifying drafts (--drafts): 64 sequences verifying 4 each take 320 rows. Their own buffers, so that the
+# other steps keep LAYOUT's (a 2048-token prefill samples max_num_seqs rows).
+DRAFTS_LAYOUT = replace(LAYOUT, max_num_seqs=512)
 # The decode steps of the full table: (batch, context, bucket), each batch in a graph of its own size; ctx 256 is what
 # serving's short chats see, where a small model's step is furthest above its floor.
 GRID = [(batch, ctx, batch) for ctx in (256, 1024, 8192) for batch in (1, 16, 64, 256)]
@@ -126,16 +130,20 @@ def capture(model, buf, kv, tokens: int):
     return graph
 
 
-def decode_chunks(batch: int, ctx: int, num_pages: int, seed: int) -> list[SeqChunk]:
-    """``batch`` sequences decoding their token at position ``ctx - 1``, on distinct pages scattered over the pool."""
-    per_seq = -(-ctx // PAGE)
+def decode_chunks(batch: int, ctx: int, num_pages: int, seed: int,
+                  drafts: int = 0) -> tuple[list[SeqChunk], list[tuple[int, int]]]:
+    """``batch`` sequences decoding their token at position ``ctx - 1``, on distinct pages scattered over the pool,
+    each verifying ``drafts`` speculative drafts after it (one row a token, as the scheduler plans them); and the
+    rows of each sequence, ``(first, end)``, for ``chunk_drafts``."""
+    per_seq = -(-(ctx + drafts) // PAGE)
     g = torch.Generator().manual_seed(seed)
     scattered = torch.randperm(num_pages, generator=g)[:batch * per_seq].view(batch, per_seq).tolist()
-    chunks = []
+    chunks, groups = [], []
     for i, pages in enumerate(scattered):
-        chunks.append(SeqChunk([int(torch.randint(0, 1000, (1,), generator=g))], ctx - 1, pages,
-                               temperature=0.8, top_p=0.95, seed=i))
-    return chunks
+        groups.append((len(chunks), len(chunks) + 1 + drafts))
+        chunks += [SeqChunk([int(torch.randint(0, 1000, (1,), generator=g))], ctx - 1 + j, pages, temperature=0.8,
+                            top_p=0.95, seed=i) for j in range(1 + drafts)]
+    return chunks, groups
 
 
 def gemm_weights(model) -> list[torch.Tensor]:
@@ -180,10 +188,11 @@ def add_power(row: dict, graph, label: str, tokens: int) -> None:
 
 
 def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib: float, reps: int,
-                profile: set, power: bool = False) -> list[dict]:
+                profile: set, power: bool = False, drafts: int = 0) -> list[dict]:
     """Every step of the table, or (``profile`` not empty) only the profiled ones; with ``power``, each decode step's
     and each weight-GEMMs-only graph's board power replayed back to back from the host (no scheduler) and its joules
-    per step and per token."""
+    per step and per token; with ``drafts``, each decode step also with every sequence verifying that many
+    speculative drafts."""
     t0 = time.time()
     plan = plan_memory(config, torch.cuda.mem_get_info()[1], PAGE, 0.9, LAYOUT.max_num_batched_tokens,
                        LAYOUT.max_num_seqs)
@@ -194,6 +203,7 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
     print(f"{name}: allocated {(torch.cuda.memory_allocated() - before) / GIB:.2f} GiB for the model (plan: "
           f"{plan.weight_bytes / GIB:.2f} GiB of weights)", flush=True)
     buf = StepBuffers(LAYOUT, "cuda")
+    drafts_buf = StepBuffers(DRAFTS_LAYOUT, "cuda") if drafts else None
     num_pages = min(int(kv_gib * GIB // plan.kv_page_bytes), plan.num_pages)
     kv = model.allocate_kv_cache(num_pages, PAGE)
     kv.normal_()
@@ -201,19 +211,23 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
           flush=True)
     rows = []
     cells = sorted((c for c in profile if c != "prefill"), key=lambda c: (c[1], c[0], c[2])) if profile else GRID
-    for batch, ctx, bucket in cells:
-        label = f"decode B={batch:4d} ctx={ctx:5d}" + (f" in the {bucket}-token graph" if bucket != batch else "")
-        if batch * -(-ctx // PAGE) > num_pages:
-            print(f"  {label}: skipped, its KV does not fit the pool", flush=True)
+    for batch, ctx, bucket, k in ((*c, k) for c in cells for k in sorted({0, drafts})):
+        label = (f"decode B={batch:4d} ctx={ctx:5d}" + (f" in the {bucket}-token graph" if bucket != batch else "")
+                 + (f" verifying {k} drafts each" if k else ""))
+        step, bucket = (drafts_buf if k else buf), max(bucket, batch * (1 + k))
+        if batch * -(-(ctx + k) // PAGE) > num_pages or batch * (1 + k) > step.layout.max_num_seqs:
+            print(f"  {label}: skipped, its KV does not fit the pool or its rows the step", flush=True)
             continue
-        fill_step(buf, decode_chunks(batch, ctx, num_pages, seed=batch), PAGE)
-        graph = capture(model, buf, kv, bucket)
+        chunks, groups = decode_chunks(batch, ctx, num_pages, seed=batch, drafts=k)
+        fill_step(step, chunks, PAGE)
+        chunk_drafts(step, groups)
+        graph = capture(model, step, kv, bucket)
         ms = events_median_ms(graph.replay, reps)
         kv_bytes = batch * ctx * config.num_layers * 2 * config.kv_size * 2
         floor = (read_weight_bytes(model, batch) + kv_bytes) / bw * 1e3
         attn_flops = config.num_layers * config.num_heads * config.head_dim * 4 * batch * ctx
         roof = roofline_ms(model, batch, batch, kv_bytes, attn_flops, bw, flops)
-        rows.append(dict(model=name, kind="decode", batch=batch, context=ctx, bucket=bucket, step_ms=ms,
+        rows.append(dict(model=name, kind="decode", batch=batch, context=ctx, bucket=bucket, drafts=k, step_ms=ms,
                          floor_ms=floor, ratio=ms / floor, roofline_ms=roof, tokens_per_s=batch / ms * 1e3))
         print(f"  {label}: {ms:7.3f} ms  floor {floor:7.3f} ms  x{ms / floor:.2f}  roofline {roof:7.3f} ms  "
               f"x{ms / roof:.2f}", flush=True)
@@ -297,6 +311,9 @@ def main():
                         help="FP8 projections (per-row scales unless --weight-block-size)")
     parser.add_argument("--weight-block-size", type=int, nargs=2, default=None, metavar=("ROWS", "COLS"),
                         help="with --quantization fp8: block scales, e.g. 128 128")
+    parser.add_argument("--drafts", type=int, default=0, metavar="K",
+                        help="each decode step also with every sequence verifying K speculative drafts (its token "
+                             "and the drafts one row each, attention reading them as one chunk, as served)")
     parser.add_argument("--power", action="store_true", help="also each step's board power (NVML), replayed "
                         "back to back for 3 s: the kernels' watts without the scheduler or serving")
     args = parser.parse_args()
@@ -317,7 +334,7 @@ def main():
         if args.weight_block_size:
             config = replace(config, quantization=Fp8Config(tuple(args.weight_block_size)))
         label = f"{name}-fp8" if args.quantization else name
-        rows += bench_model(label, config, bw, flops, args.kv_gib, args.reps, profile, args.power)
+        rows += bench_model(label, config, bw, flops, args.kv_gib, args.reps, profile, args.power, args.drafts)
         with open(args.out, "w") as f:  # after every model: a run cut short keeps what it measured
             json.dump(result, f, indent=2)
     print(f"\n{'model':17} {'kind':7} {'B':>4} {'ctx':>5} {'step ms':>9} {'floor ms':>9} {'ratio':>6} {'roof ms':>9} "

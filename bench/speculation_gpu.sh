@@ -14,8 +14,8 @@
 #   OUTPUT_LEN=128 PROMPTS=24 (of each set) DEVICE=cuda PORT=8331. CPU dry run: `bash bench/speculation_gpu.sh split;
 #   MODELS=/tmp/m bash bench/speculation_gpu.sh stage out/smollm2; MODELS=/tmp/m DEVICE=cpu PROMPTS=2 OUTPUT_LEN=8
 #   bash bench/speculation_gpu.sh run`. The verification step's own cost (issue 42: k = 4 at B = 1, 16, 64 against a plain
-#   decode at the same B, Qwen3-8B shape) is a decode step of B x 5 one-token rows:
-#   python -m bench.model_bench --models qwen3-8b --profile 1,1024 5,1024 16,1024 80,1024 64,1024 320,1024
+#   decode at the same B, Qwen3-8B shape), each step with and without every sequence verifying 4 drafts:
+#   python -m bench.model_bench --models qwen3-8b --profile 1,1024 16,1024 64,1024 --drafts 4
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from blink.device.step import StepBuffers, StepLayout
-from blink.models.batch import SeqChunk, fill_step
+from blink.models.batch import SeqChunk, chunk_drafts, fill_step
 from blink.models.kernels import reference
 from tests.models.kernels.conftest import rel_err
 
@@ -126,10 +126,9 @@ def test_a_sequence_verifying_drafts_attends_as_one_chunk(backend):
     from blink.models.kernels.attention import attention, attention_plan
 
     alone = reference.attention(q, cache, reference.attention_plan(buf, n, heads, kv_heads, dim, PAGE), dim ** -0.5)
-    for first, end in spans:         # as the scheduler writes the view (device/inputs.py)
-        buf.attn_seq_lens[first] = buf.seq_lens[end - 1]
-        buf.attn_query_start_loc[first + 1:end] = buf.query_start_loc[end]
-        buf.attn_seq_lens[first + 1:end] = 0
+    chunk_drafts(buf, spans)
+    assert [int(buf.attn_seq_lens[first]) for first, _ in spans] == [context + rows for context, rows in groups]
+    assert all(buf.attn_seq_lens[first + 1:end].sum() == 0 for first, end in spans)
     buf.seq_lens.zero_()             # the rows' own view is not attention's: it must not be read
     for splits in (1, 4):
         out = attention(q, cache, attention_plan(buf, n, heads, kv_heads, dim, PAGE, dtype, num_splits=splits),
