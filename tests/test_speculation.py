@@ -33,7 +33,7 @@ SPECULATIVE = replace(PLAIN, scheduler=replace(PLAIN.scheduler, speculative=Spec
     num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)))
 
 
-# In this order: the last requests (copies, greedy) decode alone at the end, in steps without a prefill.
+# In this order: the last requests (copies, greedy) decode alone at the end; earlier ones draft beside prefills.
 CASES = {
     "limits": [SamplingParams(max_tokens=k + 1, temperature=0, stop_token_ids=(13, 29)) for k in range(8)],
     "penalised": [SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.3, presence_penalty=0.5,

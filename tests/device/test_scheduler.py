@@ -279,6 +279,27 @@ def test_a_request_caps_or_refuses_its_own_drafts(cap):
         assert stats["spec_draft_tokens"] > stats["spec_drafts"], "some steps verified more than one draft"
 
 
+def test_a_decode_drafts_in_a_step_that_also_prefills():
+    """A copy-prone request decoding while another's 40-token prompt is prefilled in chunks: the steps that carry a
+    prefill chunk also verify the decode's drafts, and both outputs are the reference's."""
+    config = SchedulerConfig(**{**CONFIG.__dict__, "num_pages": 40, "speculative": SPECULATIVE})
+    h = Harness(config, vocab_size=SMALL_VOCAB)
+    copying = SamplingParams(max_tokens=12, seed=5, ignore_eos=True)
+    first = h.agent.submit(list(range(SMALL_VOCAB)) * 2, copying)
+    while not h.outputs.get(first):
+        h.iterate()
+    long_prompt = [(7 * k) % SMALL_VOCAB for k in range(40)]
+    second = h.agent.submit(long_prompt, SamplingParams(max_tokens=4, seed=6, ignore_eos=True))
+    h.run_until_idle()
+    assert (h.outputs[first], h.reasons[first]) == expected_output(list(range(SMALL_VOCAB)) * 2, copying,
+                                                                  vocab_size=SMALL_VOCAB)
+    assert (h.outputs[second], h.reasons[second]) == expected_output(
+        long_prompt, SamplingParams(max_tokens=4, seed=6, ignore_eos=True), vocab_size=SMALL_VOCAB)
+    mixed = [step for step in h.steps if max(step["chunks"]) > 1
+             and any(a == b for a, b in zip(step["slots"], step["slots"][1:]))]   # a chunk, and a draft row
+    assert mixed, [(step["slots"], step["chunks"]) for step in h.steps]
+
+
 def run_workload(h, requests, use_stop, vocab_size=STANDIN_VOCAB) -> dict:
     """Submit ``requests`` (prompt, max_tokens, seed, ignore_eos, arrival iteration, cancel) to ``h`` as they
     arrive, cancel some two iterations later, run until idle; every output must be the reference's. Returns the

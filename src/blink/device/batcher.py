@@ -159,14 +159,15 @@ def chunks_once(s, sh, n):
                 sh.chunk[i] = 0
                 cuda.atomic.add(sh.counters, COUNT.prefills, 1)
         cuda.syncthreads()
-        decode_pages = sh.counters[COUNT.decode_pages]
-        if decode_pages <= free_total(s) or not preempt_newest(s, sh):
+        if sh.counters[COUNT.decode_pages] <= free_total(s) or not preempt_newest(s, sh):
             break
+    if s.cfg[0].spec_tokens > 0:
+        speculation.propose(s, sh, n)       # the decodes' drafts, before the prefill chunks share what is left
     n_prefill = sh.counters[COUNT.prefills]
     if n_prefill == 0:
         return True
-    tokens_left = s.cfg[0].token_budget - (n - n_prefill)
-    pages_left = free_total(s) - decode_pages
+    tokens_left = s.cfg[0].token_budget - (n - n_prefill) - sh.counters[COUNT.spec_draft_tokens]
+    pages_left = free_total(s) - sh.counters[COUNT.decode_pages]
     # Prefill chunks in running order: tokens = tokens wanted by earlier prefills; pages = their pages.
     for i in range(tid, n, nt):
         slot = s.running[i]
@@ -211,14 +212,10 @@ def plan(s, sh):
         cuda.syncthreads()
         return IDLE
     all_decode = plan_chunks(s, sh, n)
-    speculating = all_decode and s.cfg[0].spec_tokens > 0
-    if speculating:
-        speculation.propose(s, sh, n)
+    drafting = sh.counters[COUNT.spec_drafts] != 0
     page = s.cfg[0].page_size
     for i in range(tid, n, nt):
         slot = s.running[i]
-        if not speculating:
-            s.seq_ndraft[slot] = 0
         sh.slots[i] = slot
         need = max(0, pages_for(s.seq_computed[slot] + sh.chunk[i], page) - s.seq_npages[slot])
         sh.pages[i] = need
@@ -227,17 +224,9 @@ def plan(s, sh):
     cuda.syncthreads()
     if sh.counters[COUNT.need] != 0:
         allocate_pages(s, sh, sh.slots, sh.pages, n)
-    # Rows are the sequences with a chunk, in running order: rank = first row index, tokens = first token row.
-    if speculating:                             # one row per token: a sequence's rows start where its tokens do
-        for i in range(tid, n, nt):
-            sh.tokens[i] = sh.chunk[i]
-        cuda.syncthreads()
-        n_tokens = exclusive_scan(sh.tokens, n, sh.partial)
-        n_rows = n_tokens
-        for i in range(tid, n, nt):
-            sh.rank[i] = sh.tokens[i]
-        cuda.syncthreads()
-    elif all_decode:
+    # Rows are the sequences with a chunk, in running order: rank = first row index, tokens = first token row; a
+    # sequence verifying k drafts takes k + 1 rows of one token each.
+    if all_decode and not drafting:
         for i in range(tid, n, nt):
             sh.rank[i] = i
             sh.tokens[i] = i
@@ -246,7 +235,7 @@ def plan(s, sh):
         n_tokens = n
     else:
         for i in range(tid, n, nt):
-            sh.rank[i] = 1 if sh.chunk[i] > 0 else 0
+            sh.rank[i] = 1 + s.seq_ndraft[s.running[i]] if sh.chunk[i] > 0 else 0
             sh.tokens[i] = sh.chunk[i]
         cuda.syncthreads()
         n_rows = exclusive_scan(sh.rank, n, sh.partial)

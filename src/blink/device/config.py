@@ -55,8 +55,8 @@ def graded_buckets(max_num_batched_tokens: int, per_doubling: int = 4) -> tuple[
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding, with vLLM's ``--speculative-config`` names. ``method`` "ngram" (prompt lookup): in a step
-    where every running sequence decodes, each one that can proposes up to ``num_speculative_tokens`` drafts, the
+    """Speculative decoding, with vLLM's ``--speculative-config`` names. ``method`` "ngram" (prompt lookup): in every
+    step, each decoding sequence that can proposes up to ``num_speculative_tokens`` drafts, the
     tokens that followed the latest earlier occurrence of its last ``n`` tokens in its own prompt and output (``n``
     from ``prompt_lookup_max`` down to ``prompt_lookup_min``); the step scores them all and the sequence keeps the
     drafts its own sampled tokens confirm, plus one token of its own (docs/scheduler.md, "Speculative decoding")."""

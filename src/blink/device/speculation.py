@@ -1,8 +1,8 @@
 """Speculative decoding on the scheduler's side (device functions): n-gram drafts, proposed and confirmed.
 
-In a step where every running sequence decodes, ``propose`` gives each sequence that can have them up to
-``cfg.spec_tokens`` drafts: the tokens that followed the latest earlier occurrence of its last ``n`` tokens in its own
-prompt and output, ``n`` from ``cfg.spec_max`` down to ``cfg.spec_min`` (prompt lookup). A sequence with ``k`` drafts
+Once a step's decodes are planned (before its prefill chunks), ``propose`` gives each decoding sequence that can have
+them up to ``cfg.spec_tokens`` drafts: the tokens that followed the latest earlier occurrence of its last ``n`` tokens
+in its own prompt and output, ``n`` from ``cfg.spec_max`` down to ``cfg.spec_min`` (prompt lookup). A sequence with ``k`` drafts
 gets ``k + 1`` rows of one token each, its last token and then its drafts (``token_at`` reads a draft as the token
 after the last one), each row sampling the token after its own: row ``j``'s context is the sequence plus drafts
 ``1..j``, its ``seq_lens`` (so its random stream) is what plain decoding would have there, and the penalties read
@@ -96,14 +96,15 @@ def draft_pages(s, slot, k):
 
 @cuda.jit(device=True)
 def propose(s, sh, n):
-    """All-decode steps: each running sequence ``i`` gets ``sh.chunk[i] = 1 + drafts`` tokens (``seq_ndraft``), the
-    drafts cut in running order to the rows and pages left. Sequences are looked up one after another, each by the
-    whole block. Scratch: ``sh.keys[0]`` (the lookup's), ``sh.tokens``, ``sh.pages``, ``sh.rank``."""
+    """Each decoding sequence ``i`` (``sh.chunk[i] == 1``, its decode planned) gets ``sh.chunk[i] = 1 + drafts``
+    tokens (``seq_ndraft``; 0 for the others), the drafts cut in running order to the rows and pages left (their pages
+    added to ``COUNT.decode_pages``, before any prefill chunk is planned). Sequences are looked up one after another,
+    each by the whole block. Scratch: ``sh.keys[0]`` (the lookup's), ``sh.tokens``, ``sh.pages``, ``sh.rank``."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     for i in range(n):
         slot = s.running[i]
-        count = lookup(s, sh.keys, slot, budget(s, slot))
+        count = lookup(s, sh.keys, slot, budget(s, slot) if sh.chunk[i] == 1 else 0)
         if tid == 0:
             sh.rank[i] = grammar.allowed_drafts(s, slot, count)
     cuda.syncthreads()
@@ -114,8 +115,9 @@ def propose(s, sh, n):
     cuda.syncthreads()
     exclusive_scan(sh.tokens, n, sh.partial)
     exclusive_scan(sh.pages, n, sh.partial)
-    rows_left = s.cfg[0].max_num_seqs - n
+    rows_left = s.cfg[0].max_num_seqs - n      # every running sequence may take a row
     pages_left = free_total(s) - sh.counters[COUNT.decode_pages]
+    cuda.syncthreads()                          # every thread has read the decodes' pages: drafts' come next
     for i in range(tid, n, nt):
         # The rows and pages the sequences before this one asked for are taken, whether or not they got them all;
         # this one keeps the first of its drafts that fit in what is left.
@@ -124,8 +126,9 @@ def propose(s, sh, n):
         while k > 0 and sh.pages[i] + draft_pages(s, slot, k) > pages_left:
             k -= 1
         s.seq_ndraft[slot] = k
-        sh.chunk[i] = 1 + k
         if k > 0:
+            sh.chunk[i] = 1 + k
+            cuda.atomic.add(sh.counters, COUNT.decode_pages, draft_pages(s, slot, k))
             cuda.atomic.add(sh.counters, COUNT.spec_drafts, 1)
             cuda.atomic.add(sh.counters, COUNT.spec_draft_tokens, k)
     cuda.syncthreads()
