@@ -123,7 +123,7 @@ def test_a_port_in_use_is_one_line_not_a_traceback(agents):
 def test_serve_chooses_its_agent_processes_from_its_cores_and_says_so():
     """Without --agent-processes the count comes from the cores serve may use (here under a one-core affinity too),
     logged before anything starts."""
-    from blink.host.agents import default_agent_processes
+    from blink.host.agents import CORES_PER_AGENT_PROCESS, default_agent_processes
 
     for cores in (sorted(os.sched_getaffinity(0)), sorted(os.sched_getaffinity(0))[:1]):
         with socket.socket() as taken:      # serve stops once it finds its port taken
@@ -133,8 +133,8 @@ def test_serve_chooses_its_agent_processes_from_its_cores_and_says_so():
                                    "serve", "--standin", "--slots", "4", "--port", str(taken.getsockname()[1])],
                                   capture_output=True, text=True, timeout=120)
         agents = default_agent_processes(len(cores), 4)
-        assert (f"{agents} agent process{'es' if agents > 1 else ''}: one per 8 of the {len(cores)} cores this process "
-                "may use (--agent-processes N to choose)") in done.stderr, done.stderr
+        assert (f"{agents} agent process{'es' if agents > 1 else ''}: one per {CORES_PER_AGENT_PROCESS} of the "
+                f"{len(cores)} cores this process may use (--agent-processes N to choose)") in done.stderr, done.stderr
 
 
 def cached_copy(cache, model_id, revision, files):

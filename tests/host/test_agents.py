@@ -254,6 +254,9 @@ def test_client_disconnects_cancel_their_requests_in_every_process(pair):
             for sock in socks:
                 sock.close()
             wait_for(lambda: (cancel[in_ring] == epoch[in_ring]).all(), timeout_s=30)
+            # Each process drops its queued requests once it has seen their clients go; on a busy box that can come
+            # after the in-ring cancels, and a slot freed before it would take a queued request (then cancelled).
+            wait_for(lambda: pair.metrics()["blink_requests_queued"] == 0, timeout_s=30)
         wait_for(lambda: (state == FREE).all(), timeout_s=30)
         assert int(ring.control["cancelled"][0]) == cancelled + len(in_ring)
     wait_for(lambda: pair.metrics()["blink_http_requests_in_flight"] == 0, timeout_s=60)

@@ -105,8 +105,9 @@ def speculation(server: dict | None) -> str | None:
     note = f"speculation: {accepted:.0f} of {drafts:.0f} draft tokens accepted ({accepted / drafts:.0%})"
     if steps:
         note += f", mean acceptance length {1 + accepted / steps:.2f}"
-        kept = [server[key] for key in sorted((k for k in server if k.startswith(SPEC_PER_POS + "[")),
-                                              key=lambda k: int(k[len(SPEC_PER_POS) + 1:-1]))]
+        kept = []
+        while f"{SPEC_PER_POS}[{len(kept)}]" in server:
+            kept.append(server[f"{SPEC_PER_POS}[{len(kept)}]"])
         if kept:
             note += ", draft 1, 2, ... kept in " + ", ".join(f"{count / steps:.0%}" for count in kept)
     return note
