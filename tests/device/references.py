@@ -251,7 +251,7 @@ class Batcher:
         page = self.page_size
         while True:
             decodes = [slot for slot in self.running if self._remaining(slot) == 1]
-            decode_pages = sum(pages_for(self.seqs[slot].computed + 1, page) - len(self.pages(slot))
+            decode_pages = sum(max(0, pages_for(self.seqs[slot].computed + 1, page) - len(self.pages(slot)))
                                for slot in decodes)
             if decode_pages <= self.kv.free_total or not self._preempt_newest():
                 break

@@ -334,6 +334,27 @@ def test_a_prefill_cut_to_one_token_by_the_pages():
     assert step.rows == [(0, 3, 1), (1, 9, 1)] and not batch.ref.preempted
 
 
+def test_pages_a_decode_holds_beyond_its_next_token_are_not_lent_to_a_prefill():
+    """A decode that holds pages past its next token (speculation's rejected drafts leave them) needs no new page;
+    its spare page is not free: the prefill beside it gets the 4 free pages (8 tokens), not 5. Counting the spare
+    page as negative need let the prefill take a fifth page off the top of an empty free stack."""
+    batch = Batch(config(num_pages=8, budget=12, buckets=(4, 8, 16)), running=[(0, 4, 1, 4), (1, 12, 0, 0)])
+    batch.ref.kv.allocate([0], [2])             # positions 4..7: one page for the decode, one spare
+    batch.load_pages()
+    _, step = batch.iterate()
+    assert step.rows == [(0, 4, 1), (1, 0, 8)] and not batch.ref.preempted and not batch.ref.kv.free
+
+
+def test_a_decodes_spare_page_does_not_stand_in_for_another_decodes_new_page():
+    """No free page; slot 0's decode holds a spare one (as above), slot 1's decode needs a new one: slot 1 is
+    preempted, as without the spare page, rather than taking a page off the top of an empty free stack."""
+    batch = Batch(config(num_pages=8), running=[(0, 4, 1, 4), (1, 8, 1, 8)])
+    batch.ref.kv.allocate([0], [2])
+    batch.load_pages()
+    _, step = batch.iterate()
+    assert batch.ref.preempted == [1] and step.rows == [(0, 4, 1), (1, 0, 7)]
+
+
 def test_a_long_prefill_is_chunked_over_steps_and_samples_once():
     batch = Batch(config(budget=4, buckets=(1, 2, 4)), queue=[(3, 11)])
     chunks = []

@@ -280,13 +280,15 @@ def test_a_request_caps_or_refuses_its_own_drafts(cap):
 
 
 def test_a_decode_drafts_in_a_step_that_also_prefills():
-    """A copy-prone request decoding while another's 40-token prompt is prefilled in chunks: the steps that carry a
-    prefill chunk also verify the decode's drafts, and both outputs are the reference's."""
-    config = SchedulerConfig(**{**CONFIG.__dict__, "num_pages": 40, "speculative": SPECULATIVE})
+    """A copy-prone request decoding while another's 40-token prompt is prefilled in chunks, in the smallest pool
+    the config allows: the steps that carry a prefill chunk also verify the decode's drafts, and both outputs are the
+    reference's. The pool runs out (a preemption) while the decode holds pages its rejected drafts were written to:
+    check_pages and the pool model see every page held once (test_batcher.py pins the count of such pages)."""
+    config = SchedulerConfig(**{**CONFIG.__dict__, "num_pages": 13, "speculative": SPECULATIVE})
     h = Harness(config, vocab_size=SMALL_VOCAB)
     copying = SamplingParams(max_tokens=12, seed=5, ignore_eos=True)
     first = h.agent.submit(list(range(SMALL_VOCAB)) * 2, copying)
-    while not h.outputs.get(first):
+    for _ in range(4):                          # the prefill, then decodes that draft
         h.iterate()
     long_prompt = [(7 * k) % SMALL_VOCAB for k in range(40)]
     second = h.agent.submit(long_prompt, SamplingParams(max_tokens=4, seed=6, ignore_eos=True))
@@ -298,6 +300,7 @@ def test_a_decode_drafts_in_a_step_that_also_prefills():
     mixed = [step for step in h.steps if max(step["chunks"]) > 1
              and any(a == b for a, b in zip(step["slots"], step["slots"][1:]))]   # a chunk, and a draft row
     assert mixed, [(step["slots"], step["chunks"]) for step in h.steps]
+    assert h.agent.stats()["preempted"] > 0
 
 
 def run_workload(h, requests, use_stop, vocab_size=STANDIN_VOCAB) -> dict:

@@ -17,14 +17,9 @@ from __future__ import annotations
 
 from blink.device import inputs, prefix, speculation
 from blink.device.block import exclusive_scan
-from blink.device.kv import allocate_pages, free_sequences, free_total
+from blink.device.kv import allocate_pages, free_sequences, free_total, pages_for, pages_short
 from blink.device.numba_compat import cuda
 from blink.device.state import COUNT, IDLE
-
-
-@cuda.jit(device=True)
-def pages_for(tokens, page_size):
-    return (tokens + page_size - 1) // page_size
 
 
 @cuda.jit(device=True)
@@ -154,7 +149,7 @@ def chunks_once(s, sh, n):
             computed = s.seq_computed[slot]
             if s.seq_total[slot] - computed == 1:
                 sh.chunk[i] = 1
-                cuda.atomic.add(sh.counters, COUNT.decode_pages, pages_for(computed + 1, page) - s.seq_npages[slot])
+                cuda.atomic.add(sh.counters, COUNT.decode_pages, pages_short(s, slot, computed + 1))
             else:
                 sh.chunk[i] = 0
                 cuda.atomic.add(sh.counters, COUNT.prefills, 1)
@@ -182,7 +177,7 @@ def chunks_once(s, sh, n):
         sh.pages[i] = 0
         if remaining != 1:
             chunk = min(max(tokens_left - sh.tokens[i], 0), remaining)
-            sh.pages[i] = pages_for(computed + chunk, page) - s.seq_npages[slot]
+            sh.pages[i] = pages_short(s, slot, computed + chunk)
             sh.chunk[i] = chunk
     cuda.syncthreads()
     exclusive_scan(sh.pages, n, sh.partial)
@@ -213,11 +208,10 @@ def plan(s, sh):
         return IDLE
     all_decode = plan_chunks(s, sh, n)
     drafting = sh.counters[COUNT.spec_drafts] != 0
-    page = s.cfg[0].page_size
     for i in range(tid, n, nt):
         slot = s.running[i]
         sh.slots[i] = slot
-        need = max(0, pages_for(s.seq_computed[slot] + sh.chunk[i], page) - s.seq_npages[slot])
+        need = pages_short(s, slot, s.seq_computed[slot] + sh.chunk[i])
         sh.pages[i] = need
         if need != 0:
             cuda.atomic.add(sh.counters, COUNT.need, need)

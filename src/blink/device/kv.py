@@ -39,6 +39,19 @@ def free_total(s):
 
 
 @cuda.jit(device=True)
+def pages_for(tokens, page_size):
+    return (tokens + page_size - 1) // page_size
+
+
+@cuda.jit(device=True)
+def pages_short(s, slot, tokens):
+    """Pages the block table of ``slot`` lacks for the K/V of the sequence's first ``tokens`` tokens; never negative:
+    a sequence may hold pages past them (a decode, those its rejected drafts were written to), and those are not
+    free for anyone else."""
+    return max(0, pages_for(tokens, s.cfg[0].page_size) - s.seq_npages[slot])
+
+
+@cuda.jit(device=True)
 def hold(s, sh, page):
     """One more block table holds ``page``; an evictable page leaves the LRU (its entry goes stale). The caller
     subtracts ``COUNT.unevicted`` from ``evictable`` after a barrier."""

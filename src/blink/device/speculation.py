@@ -22,7 +22,7 @@ from numba import int32, int64
 
 from blink.device import grammar
 from blink.device.block import exclusive_scan
-from blink.device.kv import free_total
+from blink.device.kv import free_total, pages_short
 from blink.device.numba_compat import cuda
 from blink.device.state import COUNT
 
@@ -88,10 +88,10 @@ def budget(s, slot):
 
 @cuda.jit(device=True)
 def draft_pages(s, slot, k):
-    """Pages ``k`` drafts take beyond the ones the sequence in ``slot`` needs to decode its next token."""
-    page = s.cfg[0].page_size
+    """Pages ``k`` drafts take beyond the ones the sequence in ``slot`` needs to decode its next token (none where it
+    still holds the pages earlier drafts took)."""
     decoded = s.seq_computed[slot] + 1
-    return (decoded + k + page - 1) // page - (decoded + page - 1) // page
+    return pages_short(s, slot, decoded + k) - pages_short(s, slot, decoded)
 
 
 @cuda.jit(device=True)
