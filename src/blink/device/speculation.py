@@ -1,20 +1,21 @@
 """Speculative decoding on the scheduler's side (device functions): n-gram drafts, proposed and confirmed.
 
 Once a step's decodes are planned (before its prefill chunks), ``propose`` gives each decoding sequence that can have
-them up to ``cfg.spec_tokens`` drafts: the tokens that followed the latest earlier occurrence of its last ``n`` tokens
-in its own prompt and output, ``n`` from ``cfg.spec_max`` down to ``cfg.spec_min`` (prompt lookup). A sequence with ``k`` drafts
-gets ``k + 1`` rows of one token each, its last token and then its drafts (``token_at`` reads a draft as the token
-after the last one), each row sampling the token after its own: row ``j``'s context is the sequence plus drafts
-``1..j``, its ``seq_lens`` (so its random stream) is what plain decoding would have there, and the penalties read
-the drafts from the step's own token history. ``confirm`` then keeps the drafts that the sequence's own sampled
-tokens equal, one after another, and the first token that differs (or the token after the last draft): every token
-kept is the one plain decoding would have sampled, greedy or seeded, so speculation changes how many tokens a step
-makes and never which.
+them up to ``cfg.spec_tokens`` drafts: the tokens that followed the latest earlier occurrence of its last ``n``
+tokens in its own prompt and output, ``n`` from ``cfg.spec_max`` down to ``cfg.spec_min`` (prompt lookup). A sequence
+with ``k`` drafts gets ``k + 1`` rows of one token each, its last token and then its drafts (``token_at`` reads a
+draft as the token after the last one), each row sampling the token after its own: row ``j``'s context is the
+sequence plus drafts ``1..j``, its ``seq_lens`` (so its random stream) is what plain decoding would have there, and
+the penalties read the drafts from the step's own token history. ``confirm`` then keeps the drafts that the
+sequence's own sampled tokens equal, one after another, and the first token that differs (or the token after the last
+draft): every token kept is the one plain decoding would have sampled, greedy or seeded, so speculation changes how
+many tokens a step makes and never which.
 
 Drafts are planned only where they fit: one row per draft within the step's ``max_num_seqs`` rows, their pages
 within the free ones, ``max_tokens`` and ``max_model_len``. A sequence with a grammar keeps the drafts its grammar
 lets through, and row ``j`` masks with the state after drafts ``1..j`` (``grammar.after_drafts``). The KV of a
-rejected draft's position is left behind and rewritten by the next step before it is read.
+rejected draft's position is left behind and rewritten by the next step before it is read; a page the drafts took
+stays the sequence's (``kv.pages_short`` counts it held, not free) until its later tokens fill it.
 """
 from __future__ import annotations
 
