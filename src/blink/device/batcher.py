@@ -8,10 +8,12 @@ it takes from the evictable ones (they stop being free).
 
 ``plan``: every running sequence wants ``total - computed`` tokens (1 for a decode). Decodes come first and always
 get their page: while they do not fit, the most recently admitted sequence that holds pages is preempted by
-recompute (pages freed, ``computed = 0``; it re-prefills prompt + generated tokens later). Prefill chunks then take
-the rest of the token budget in running order (chunked prefill), each cut to the pages still free. Rows of the step
-are the sequences with a chunk, in running order; the step's inputs are written per ``step.py``'s contract and the
-smallest captured bucket that holds the tokens is chosen.
+recompute (pages freed, ``computed = 0``; it re-prefills prompt + generated tokens later). A sequence needs only the
+pages it lacks (``kv.pages_short``): one that holds pages past its next token (rejected drafts took them) needs none
+and lends none. With speculative decoding the decodes' drafts come next (``speculation.propose``). Prefill chunks
+then take the rest of the token budget in running order (chunked prefill), each cut to the pages still free. Rows of
+the step are the sequences with a chunk, in running order; the step's inputs are written per ``step.py``'s contract
+and the smallest captured bucket that holds the tokens is chosen.
 """
 from __future__ import annotations
 
