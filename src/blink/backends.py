@@ -145,11 +145,12 @@ class CpuBackend:
             followers.share(Setup(num_pages, page_size, *astuple(self.step.layout)))
         self._view = RingLayout(geometry).view(memory.buffer)
         self.ring_memory = memory
-        # The step reads the grammars region in place (the agent writes a grammar before the requests that use it).
-        self.grammars = None if self._view.grammars is None else torch.from_numpy(self._view.grammars)
         _check_grammar_vocab(geometry, model)
         self.scheduler = SimScheduler(self._view, geometry, self.config, self.step, step_fn=self._run_step,
                                       policy=config.policy_function(), threads=config.sim_threads)
+        # The step masks with the scheduler's mirror of the grammars region (device/grammar.py).
+        self.grammars = (None if self._view.grammars is None
+                         else torch.from_numpy(self.scheduler.arrays.grammar_mirror))
         # Each layer a beat: a long step that progresses is not hung. Removed at close (the model may outlive us).
         self._beats = [layer.register_forward_hook(lambda *_: self.scheduler.progress())
                        for layer in model.model.layers]
@@ -241,15 +242,15 @@ class GpuBackend:
         self.error: BaseException | None = None
         self.step_limit_s = GPU_STEP_LIMIT_S
 
-    def _step_graph(self, grammars: bool, tokens: int, ring: dict) -> int:
+    def _step_graph(self, grammars: bool, tokens: int, arrays: dict) -> int:
         """The raw graph of the step for ``tokens``; the first call captures every bucket's (``GpuScheduler`` calls
-        this once the ring is registered, so that the step can read the ring's grammars region where it is)."""
+        this once its state is in device memory, so that the step can read the scheduler's grammar mirror)."""
         import torch
 
         from blink.device.graphs import capture_steps
 
         if self.graphs is None:
-            region = _cuda_int32(*ring["grammars"]) if grammars else None
+            region = _cuda_int32(*arrays["grammar_mirror"]) if grammars else None
             started = time.monotonic()
             self.graphs = capture_steps(lambda t: self.model(self.step, self.kv, t, self.history, region),
                                         self.config.buckets)
