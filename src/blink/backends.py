@@ -221,7 +221,8 @@ class GpuBackend:
         # Allocated before the pool is sized, so that it counts as taken.
         counts = TokenHistory.scratch(self.step.layout.max_num_seqs, model.lm_head_weight().shape[0], "cuda")
         page_bytes = pool_page_bytes(model, page_size)
-        num_pages = config.scheduler.num_pages or self._pages_that_fit(config, page_bytes, counts)
+        num_pages = config.scheduler.num_pages or self._pages_that_fit(config, page_bytes, counts,
+                                                                       geometry.max_grammar_bytes)
         self.config = scheduler_config(config, max_model_len, num_pages, eos_token_ids,
                                        _budget(config, "gpu_memory_utilization"))
         self.kv = model.allocate_kv_cache(num_pages, page_size)
@@ -259,8 +260,9 @@ class GpuBackend:
                      self.config.buckets[-1], time.monotonic() - started)
         return self.graphs[tokens].raw_cuda_graph()
 
-    def _pages_that_fit(self, config: EngineConfig, page_bytes: int, counts) -> int:
-        """KV pages that fit in ``gpu_memory_utilization`` of the GPU, after one step of the largest bucket.
+    def _pages_that_fit(self, config: EngineConfig, page_bytes: int, counts, mirror_bytes: int) -> int:
+        """KV pages that fit in ``gpu_memory_utilization`` of the GPU, after one step of the largest bucket and the
+        scheduler's grammar mirror (``mirror_bytes``, the ring's grammars region: allocated with its state, later).
 
         Weights, step buffers and the penalties' scratch ``counts`` are already allocated; the largest step's
         activations are measured by running it once (on padding only, with a one-page pool), since its captured graph
@@ -280,7 +282,7 @@ class GpuBackend:
         activations = torch.cuda.max_memory_allocated() - before
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        budget = config.gpu_memory_utilization * total - (total - free) - activations
+        budget = config.gpu_memory_utilization * total - (total - free) - activations - mirror_bytes
         return max(int(budget // page_bytes), 0)
 
     def start(self) -> None:
