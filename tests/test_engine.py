@@ -504,7 +504,7 @@ def test_answers_walk_their_grammars_beside_unconstrained_ones(device, tmp_path)
     pytest.importorskip("outlines_core")
     from blink.bench.shapes import write_model_dir
     from blink.nic.grammars import StructuredOutputs
-    from blink.ring.grammar import allowed, next_state
+    from blink.ring.grammar import allowed, next_state, start_state
 
     config = EngineConfig(model=str(write_model_dir(tmp_path / "m", "tiny-qwen3", "bytes")), load_format="dummy",
                           device=device, n_slots=16, max_prompt_tokens=32, max_output_tokens=40,
@@ -524,7 +524,8 @@ def test_answers_walk_their_grammars_beside_unconstrained_ones(device, tmp_path)
         outs = llm.generate(prompts, params)
         alone = llm.generate(prompts[len(grammars):], params[len(grammars):])
     for out, grammar in zip(outs, grammars):
-        region, state = np.frombuffer(grammar.placed(0), "<i4"), grammar.start
+        region = np.frombuffer(grammar.placed(0, 1), "<i4")
+        state = start_state(region, 0)
         for token in out.token_ids:
             assert token in allowed(region, state, grammar.vocab_size)
             state = next_state(region, state, token, grammar.vocab_size)

@@ -145,11 +145,12 @@ class CpuBackend:
             followers.share(Setup(num_pages, page_size, *astuple(self.step.layout)))
         self._view = RingLayout(geometry).view(memory.buffer)
         self.ring_memory = memory
-        # The step reads the grammars region in place (the agent writes a grammar before the requests that use it).
-        self.grammars = None if self._view.grammars is None else torch.from_numpy(self._view.grammars)
         _check_grammar_vocab(geometry, model)
         self.scheduler = SimScheduler(self._view, geometry, self.config, self.step, step_fn=self._run_step,
                                       policy=config.policy_function(), threads=config.sim_threads)
+        # The step masks with the scheduler's mirror of the grammars region (device/grammar.py).
+        self.grammars = (None if self._view.grammars is None
+                         else torch.from_numpy(self.scheduler.arrays.grammar_mirror))
         # Each layer a beat: a long step that progresses is not hung. Removed at close (the model may outlive us).
         self._beats = [layer.register_forward_hook(lambda *_: self.scheduler.progress())
                        for layer in model.model.layers]
@@ -220,7 +221,8 @@ class GpuBackend:
         # Allocated before the pool is sized, so that it counts as taken.
         counts = TokenHistory.scratch(self.step.layout.max_num_seqs, model.lm_head_weight().shape[0], "cuda")
         page_bytes = pool_page_bytes(model, page_size)
-        num_pages = config.scheduler.num_pages or self._pages_that_fit(config, page_bytes, counts)
+        num_pages = config.scheduler.num_pages or self._pages_that_fit(config, page_bytes, counts,
+                                                                       geometry.max_grammar_bytes)
         self.config = scheduler_config(config, max_model_len, num_pages, eos_token_ids,
                                        _budget(config, "gpu_memory_utilization"))
         self.kv = model.allocate_kv_cache(num_pages, page_size)
@@ -241,15 +243,15 @@ class GpuBackend:
         self.error: BaseException | None = None
         self.step_limit_s = GPU_STEP_LIMIT_S
 
-    def _step_graph(self, grammars: bool, tokens: int, ring: dict) -> int:
+    def _step_graph(self, grammars: bool, tokens: int, arrays: dict) -> int:
         """The raw graph of the step for ``tokens``; the first call captures every bucket's (``GpuScheduler`` calls
-        this once the ring is registered, so that the step can read the ring's grammars region where it is)."""
+        this once its state is in device memory, so that the step can read the scheduler's grammar mirror)."""
         import torch
 
         from blink.device.graphs import capture_steps
 
         if self.graphs is None:
-            region = _cuda_int32(*ring["grammars"]) if grammars else None
+            region = _cuda_int32(*arrays["grammar_mirror"]) if grammars else None
             started = time.monotonic()
             self.graphs = capture_steps(lambda t: self.model(self.step, self.kv, t, self.history, region),
                                         self.config.buckets)
@@ -258,8 +260,9 @@ class GpuBackend:
                      self.config.buckets[-1], time.monotonic() - started)
         return self.graphs[tokens].raw_cuda_graph()
 
-    def _pages_that_fit(self, config: EngineConfig, page_bytes: int, counts) -> int:
-        """KV pages that fit in ``gpu_memory_utilization`` of the GPU, after one step of the largest bucket.
+    def _pages_that_fit(self, config: EngineConfig, page_bytes: int, counts, mirror_bytes: int) -> int:
+        """KV pages that fit in ``gpu_memory_utilization`` of the GPU, after one step of the largest bucket and the
+        scheduler's grammar mirror (``mirror_bytes``, the ring's grammars region: allocated with its state, later).
 
         Weights, step buffers and the penalties' scratch ``counts`` are already allocated; the largest step's
         activations are measured by running it once (on padding only, with a one-page pool), since its captured graph
@@ -279,7 +282,7 @@ class GpuBackend:
         activations = torch.cuda.max_memory_allocated() - before
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        budget = config.gpu_memory_utilization * total - (total - free) - activations
+        budget = config.gpu_memory_utilization * total - (total - free) - activations - mirror_bytes
         return max(int(budget // page_bytes), 0)
 
     def start(self) -> None:

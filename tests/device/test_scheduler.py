@@ -22,7 +22,7 @@ from blink.errors import RingFull
 from blink.nic.agent import Agent
 from blink.ring.control import ENGINE_STOPPED
 from blink.ring.geometry import RingGeometry
-from blink.ring.grammar import next_state
+from blink.ring.grammar import PLACEMENT_WORDS, next_state, start_state
 from blink.ring.layout import FLAG_GRAMMAR, HEADER_DTYPE, RingLayout
 from blink.ring.reference import expected_output
 from blink.ring.request import SamplingParams
@@ -188,11 +188,15 @@ def check_step_contract(s, config, bucket):
         assert s.min_p[r] == header.min_p and s.n_logit_bias[r] == n_bias
         assert (s.logit_bias_ids[r, :n_bias] == s.bias_i32[slot, 0:2 * n_bias:2]).all()
         assert (s.logit_bias[r, :n_bias] == s.bias_f32[slot, 1:2 * n_bias:2]).all()
-        # Its grammar state: the header's start state moved by each token generated so far (none: -1).
-        state = int(header.grammar) if header.request_flags & FLAG_GRAMMAR else -1
+        # Its grammar state: its placement's start state moved by each token generated so far (none: -1), walked
+        # in the ring; the step reads the mirror, which holds the placement as the ring does.
+        state = start_state(s.grammars, int(header.grammar)) if header.request_flags & FLAG_GRAMMAR else -1
         for token in known[int(s.seq_prompt_len[slot]):total] if state >= 0 else ():
             state = next_state(s.grammars, state, token, STANDIN_VOCAB)
         assert s.grammar_state[r] == state
+        if state >= 0:
+            placement = slice(int(header.grammar), int(header.grammar) + int(s.grammars[int(header.grammar)]))
+            assert (s.grammar_mirror[placement] == s.grammars[placement]).all()
         chunks.append(q)
     return {"slots": slots, "chunks": chunks}
 
@@ -479,6 +483,56 @@ def test_a_header_whose_grammar_lies_outside_the_region_finishes_with_error(star
     h.run_until_idle()
     assert (h.reasons[rid], h.outputs.get(rid, [])) == ("error", [])
     assert h.reasons[ok] == "length"
+
+
+@pytest.mark.parametrize("word, value", [(0, 0), (0, 1 << 30), (3, -1), (3, 0), (3, 1 << 20)])
+def test_a_placement_whose_header_does_not_fit_it_finishes_with_error(word, value):
+    """A placement whose size leaves the region or whose start state is not a record inside it (written by a buggy
+    or hostile writer of the ring) is refused at admission; the device never copies or walks outside it."""
+    h = Harness()
+    rid = h.agent.submit([4, 5], SamplingParams(max_tokens=3, grammar=GRAMMARS[0]))
+    ok = h.agent.submit([4, 5], SamplingParams(max_tokens=3, grammar=GRAMMARS[1]))
+    s = h.scheduler.arrays
+    s.grammars[int(s.headers[h.agent._slot_of[rid]].grammar) + word] = value
+    h.run_until_idle()
+    assert (h.reasons[rid], h.outputs.get(rid, [])) == ("error", [])
+    assert h.reasons[ok] == "length"
+
+
+def test_the_scheduler_follows_its_mirror_of_a_placement_not_the_ring():
+    """Once a request is collected its grammar is read from device memory only: the ring's copy overwritten after
+    (which the agent never does while a request follows it) changes no state the scheduler plans."""
+    h = Harness()
+    rid = h.agent.submit([4, 5], SamplingParams(max_tokens=6, grammar=GRAMMARS[0]))
+    h.iterate()                                 # collected (mirrored), admitted, its prompt planned
+    s = h.scheduler.arrays
+    base = int(s.headers[h.agent._slot_of[rid]].grammar)
+    original, start = s.grammars.copy(), start_state(s.grammars, base)
+    assert s.grammar_state[0] == start
+    s.grammars[base + PLACEMENT_WORDS:base + int(s.grammars[base])] = -1     # every record word, not the header
+    states = []
+    while h.scheduler.iteration() >= 0:
+        states.append(int(s.grammar_state[0]))
+    tokens = [token for out in h.agent.poll() for token in out.new_tokens]
+    want, state = [], start
+    for token in tokens[:len(states)]:
+        state = next_state(original, state, token, STANDIN_VOCAB)
+        want.append(state)
+    assert len(tokens) == 6 and states == want
+
+
+def test_a_grammar_placed_where_another_was_is_mirrored_again():
+    """A ring whose grammars region holds one grammar at a time: each request's grammar is placed at word 0 over the
+    one before (under a new id), and every step's rows follow the placement their request names (the step contract
+    compares the mirror with the ring)."""
+    room = max(g.nbytes for g in GRAMMARS)
+    h = Harness(geometry=RingGeometry(**{**GEOMETRY.__dict__, "max_grammar_bytes": room}))
+    for k in (0, 1, 0, 2):
+        rid = h.agent.submit([4, 5], SamplingParams(max_tokens=3, grammar=GRAMMARS[k]))
+        assert h.scheduler.arrays.headers[h.agent._slot_of[rid]].grammar == 0
+        h.run_until_idle()
+        assert h.reasons[rid] == "length"
+    assert len(h.steps) >= 4 * 3
 
 
 def test_a_request_cancelled_during_chunked_prefill_finishes_with_abort_and_no_tokens():

@@ -7,11 +7,16 @@ import pytest
 from blink.errors import RequestError, RingFull
 from blink.nic.grammar_table import GrammarTable
 from blink.ring.geometry import RingGeometry
-from blink.ring.grammar import Grammar
+from blink.ring.grammar import PLACEMENT_WORDS, Grammar
 
 
 def grammar(name: str, words: int) -> Grammar:
-    return Grammar(("regex", name), 32, np.arange(words, dtype=np.int32), np.array([0]), 0, 1)
+    """A grammar whose placement takes ``words`` words (its header included)."""
+    return Grammar(("regex", name), 32, np.arange(words - PLACEMENT_WORDS, dtype=np.int32), np.array([0]), 0, 1)
+
+
+def placement_id(region: np.ndarray, base: int) -> int:
+    return int(region[base + 2].view(np.uint32)) << 32 | int(region[base + 1].view(np.uint32))
 
 
 def table(words: int, part: range | None = None):
@@ -29,10 +34,27 @@ def test_a_grammar_is_written_once_and_shared():
     t, region, writes = table(100)
     a = grammar("a", 10)
     assert t.acquire(a) == 0 and t.acquire(a) == 0 and writes == [0]
-    assert region[:10].tolist() == [0, *range(1, 10)]          # its pointer word shifted by its base (0)
+    records = region[PLACEMENT_WORDS:10].tolist()
+    assert region[0] == 10 and records == [PLACEMENT_WORDS, *range(1, 10 - PLACEMENT_WORDS)]   # pointer word shifted
     t.release(a)
     t.release(a)
     assert t.acquire(grammar("b", 20)) == 10
+
+
+def test_every_placement_has_an_id_of_its_own_even_at_a_word_used_before():
+    """The GPU keeps its copy of a placement while the id at its first word matches: a grammar placed again where
+    another was (by this table or a table before it over the same words) must carry another id."""
+    ids = []
+    for _ in range(2):                          # two tables (agents) over one region, one after the other
+        t, region, _ = table(20)
+        for name in ("a", "b", "a"):
+            g = grammar(name, 20)
+            assert t.acquire(g) == 0
+            ids.append(placement_id(region, 0))
+            t.release(g)
+            t.acquire(grammar("evicts " + name, 20))    # evicts g, so the next acquire places a grammar again
+            t.release(grammar("evicts " + name, 20))
+    assert len(set(ids)) == len(ids) and 0 not in ids
 
 
 def test_eviction_takes_unused_grammars_least_recently_used_first_and_merges_free_runs():

@@ -11,7 +11,7 @@ import pytest
 from blink.models import default_model_path
 from blink.nic.grammars import GrammarCompiler, GrammarError, StructuredOutputs
 from blink.nic.text import Tokenizer
-from blink.ring.grammar import allowed, next_state
+from blink.ring.grammar import allowed, next_state, start_state
 from tests.nic.openai.test_structured import HAND_WRITTEN, generated_schemas
 
 
@@ -29,9 +29,9 @@ def compiler(tokenizer):
 
 def walk(grammar, tokenizer, rng, limit=400) -> str:
     """A random text the grammar allows: random allowed tokens until an end-of-sequence token is drawn."""
-    region = np.frombuffer(grammar.placed(0), "<i4")
+    region = np.frombuffer(grammar.placed(0, 1), "<i4")
     vocab, eos = grammar.vocab_size, set(tokenizer.eos_token_ids)
-    state, tokens = grammar.start, []
+    state, tokens = start_state(region, 0), []
     for _ in range(limit):
         choices = allowed(region, state, vocab)
         ends = [t for t in choices if t in eos]

@@ -3,7 +3,7 @@ automaton it was built from, wherever it is placed."""
 import numpy as np
 import pytest
 
-from blink.ring.grammar import RECORD_WORDS, allowed, build, mask_words, next_state
+from blink.ring.grammar import PLACEMENT_WORDS, RECORD_WORDS, allowed, build, mask_words, next_state, start_state
 from tests.grammars import random_grammar
 
 
@@ -14,8 +14,8 @@ def test_a_placed_grammar_walks_like_its_automaton():
         eos = (int(rng.integers(vocab)),)
         grammar, initial, transitions, accepting = random_grammar(rng, vocab, eos)
         base = int(rng.integers(0, 50))
-        region = np.concatenate([np.full(base, -7, np.int32), np.frombuffer(grammar.placed(base), "<i4")])
-        state, node = base + grammar.start, initial
+        region = np.concatenate([np.full(base, -7, np.int32), np.frombuffer(grammar.placed(base, 1), "<i4")])
+        state, node = start_state(region, base), initial
         for _ in range(20):
             want = sorted(t for t in transitions.get(node, {}) if t not in eos)
             want = sorted(want + list(eos)) if node in accepting else want
@@ -37,8 +37,23 @@ def test_a_state_record_is_its_mask_then_its_default_pairs_and_their_count():
     second = 5 + 2                              # the first record: mask, default, one pair (9 -> state 8)
     assert words[3] == 0 and words[4] == 1 and (words[5], words[6]) == (9, second)
     assert words[second] == 0b110 and words[second + 3] == second and words[second + 4] == 0   # EOS only, no pairs
-    placed = np.frombuffer(grammar.placed(100), "<i4")
-    assert placed[3] == 100 and placed[6] == 100 + second and placed[second + 3] == 100 + second
+    placed = np.frombuffer(grammar.placed(100, 1), "<i4")[PLACEMENT_WORDS:]
+    first = 100 + PLACEMENT_WORDS               # the records follow the placement's header
+    assert placed[3] == first and placed[6] == first + second and placed[second + 3] == first + second
+
+
+def test_a_placement_starts_with_its_size_id_and_start_state():
+    grammar = build(("regex", "x"), 70, 5, {5: {3: 5, 66: 5, 9: 8}}, {8}, (1, 2))
+    placement_id = (7 << 40) | 0xFFFFFFFF         # both halves of the id matter, the low one with its top bit set
+    placed = np.frombuffer(grammar.placed(100, placement_id), "<u4")
+    assert len(placed) == grammar.placed_words == PLACEMENT_WORDS + len(grammar.words)
+    assert grammar.nbytes == 4 * len(placed)
+    assert placed[0] == len(placed) and (int(placed[2]) << 32 | int(placed[1])) == placement_id
+    region = np.concatenate([np.zeros(100, np.int32), placed.view(np.int32)])
+    assert start_state(region, 100) == 100 + PLACEMENT_WORDS + grammar.start
+    for bad in (0, 1 << 64):
+        with pytest.raises(ValueError, match="placement id"):
+            grammar.placed(100, bad)
 
 
 def test_a_ring_with_grammars_needs_the_vocabulary():

@@ -89,7 +89,8 @@ def state_arrays(config: SchedulerConfig, geometry: RingGeometry, step: StepLayo
         row_slot=np.full(seqs, -1, np.int32), row_version=i32(seqs), row_pages=i32(seqs), row_draft=i32(seqs),
         page_ref=i32(pages), page_cached=i32(pages), page_key=u64(pages), page_lru=np.full(pages, -1, np.int32),
         page_scratch=np.full(pages, SCRATCH_CLEAR, np.int32), lru_pages=i32(2 * pages),
-        table_keys=u64(table_entries(pages)), table_pages=np.full(table_entries(pages), -1, np.int32))
+        table_keys=u64(table_entries(pages)), table_pages=np.full(table_entries(pages), -1, np.int32),
+        grammar_mirror=i32(max(geometry.max_grammar_bytes // 4, 1)))
 
 
 def filled(dtype: np.dtype, **fields) -> np.ndarray:

@@ -48,11 +48,11 @@ class GpuScheduler:
     ``memory`` is a page-aligned mapping (``LocalMemory`` or ``SharedMemory``) of an initialised ring; it is
     registered with the GPU for the scheduler's lifetime. ``step_addresses`` maps every ``StepLayout`` field to the
     device address of its buffer (e.g. ``tensor.data_ptr()`` of a CUDA ``StepBuffers``). ``step_graph(bucket_tokens,
-    ring)`` returns the raw ``cudaGraph_t`` (as an int) of one step for that bucket, reading the step buffers, e.g.
+    arrays)`` returns the raw ``cudaGraph_t`` (as an int) of one step for that bucket, reading the step buffers, e.g.
     ``torch.cuda.CUDAGraph(keep_graph=True).raw_cuda_graph()`` (keep the torch graph alive); by default, the stand-in
     step. Each is wrapped with the "done" kernel and instantiated twice for device launch (``graphs``). It is called
-    once the ring is registered: ``ring`` maps each ring array of ``ring_arrays`` to its ``(device address, shape)``,
-    for a step that reads the ring in place (the grammars region).
+    once the ring is registered: ``arrays`` maps each ring array of ``ring_arrays`` and each array of the scheduler's
+    state to its ``(device address, shape)``, for a step that reads one (the grammar mirror).
     """
 
     def __init__(self, memory, geometry: RingGeometry, config: SchedulerConfig, step_layout: StepLayout,
@@ -102,7 +102,8 @@ class GpuScheduler:
         done = graphs.captured(self.stream, lambda: self._launch("blink_done", 1, 1,
                                                                  [(self.launch[0], ctypes.c_void_p)]))
         table, self.step_graphs = graphs.launch_table(config.buckets, partial(step_graph or self._standin_graph,
-                                                                              ring=ring), done, self.stream)
+                                                                              arrays={**ring, **self.state}),
+                                                            done, self.stream)
         check(driver.cuMemcpyHtoD(self.launch[0], table, table.nbytes))
         self.scheduler_graph = self._build_scheduler_graph()
 
@@ -240,7 +241,7 @@ class GpuScheduler:
         types = tuple(kind for _, kind in args)
         check(driver.cuLaunchKernel(function, grid, 1, 1, block, 1, 1, 0, self.stream, (values, types), 0))
 
-    def _standin_graph(self, bucket_tokens: int, ring: dict) -> int:     # the stand-in reads no ring array
+    def _standin_graph(self, bucket_tokens: int, arrays: dict) -> int:     # the stand-in reads none of them
         rows = self.step_layout.sample_rows(bucket_tokens)
         a = self.step_addresses
         args = [(a["logits_indices"], ctypes.c_void_p), (a["token_ids"], ctypes.c_void_p),

@@ -177,7 +177,7 @@ class SchedulerArrays(NamedTuple):
     seq_n_logit_bias: object  # i32 [n]
     seq_bias_ids: object    # i32 [n, max_logit_bias or 1]  the request's logit_bias, copied at admission
     seq_bias: object        # f32 [n, max_logit_bias or 1]
-    seq_grammar: object     # i32 [n]  the state its grammar is in, a word offset into ``grammars`` (-1: no grammar)
+    seq_grammar: object     # i32 [n]  the state its grammar is in, a word offset into ``grammar_mirror`` (-1: none)
     seq_num_speculative_tokens: object  # i32 [n]  the request's cap on its drafts per step (its header's)
     seq_draft: object       # i32 [n, MAX_SPECULATIVE_TOKENS]  the drafts planned after its last token (speculation)
     seq_ndraft: object      # i32 [n]  how many of them the planned step verifies (0: a plain decode or a chunk)
@@ -205,6 +205,8 @@ class SchedulerArrays(NamedTuple):
     lru_pages: object       # i32 [2 num_pages]  ring of freed cached pages, oldest first (entries may be stale)
     table_keys: object      # u64 [table entries]  the hash table: PREFIX_WAYS ways per bucket
     table_pages: object     # i32 [table entries]  -1: empty way
+    # Grammars (grammar.py).
+    grammar_mirror: object  # i32 [like grammars]  the placements requests in flight follow, at the ring's offsets
 
 
 class Scratch(NamedTuple):
@@ -268,6 +270,7 @@ class Counts(NamedTuple):
     spec_drafts: int
     spec_draft_tokens: int
     spec_accepted_tokens: int
+    grammars: int
 
 
 COUNT = indices(Counts)

@@ -2,7 +2,8 @@
 
 Requests enter the queue when the agent's ``submitted`` doorbell moves: ``collect`` scans the ring's state column for
 READY slots not yet queued, finishes cancelled ones ("abort") and unservable ones ("error") on the spot, copies the
-header of the others into device memory and keys them with the admission policy; ``enqueue`` sorts the new keys and
+header of the others into device memory (and the grammar placements they follow that device memory lacks:
+``grammar.mirror``) and keys them with the admission policy; ``enqueue`` sorts the new keys and
 merges them into the queue. Admission (``batcher.admit``) pops a prefix from the head, so a backlog costs nothing per
 iteration. Entries live at ``queue_slots/queue_keys[head : head + count]`` (``sched.queue_head``, ``sched.queued``);
 ``seq_seen[slot]`` marks queued slots (QUEUED) and refused ones whose FINISHED is not yet published (REFUSED), so a
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from numba import int32, int64, uint32
 
-from blink.device import sampling
+from blink.device import grammar, sampling
 from blink.device.block import next_power_of_two, sort_pairs
 from blink.device.numba_compat import cuda, load_volatile
 from blink.device.state import COUNT, MAX_CANDIDATES, QUEUED, REFUSED
@@ -112,7 +113,9 @@ def collect(s, sh, policy):
             if slot < n and states[k] == READY and s.seq_seen[slot] == 0:
                 take_new(s, sh, slot, policy)
     cuda.syncthreads()
-    return min(sh.counters[COUNT.new], MAX_CANDIDATES)
+    n_new = min(sh.counters[COUNT.new], MAX_CANDIDATES)
+    grammar.mirror(s, sh, n_new)
+    return n_new
 
 
 @cuda.jit(device=True)

@@ -159,11 +159,11 @@ class Agent:
             raise RingFull("the requests a gone agent of these slots left are being finished: a grammar waits for "
                            "them (theirs may still be read)")
         # Placed first (the table may have no room now: RingFull); let go of if the request is not published.
-        start = self.grammars.acquire(grammar) if grammar is not None else 0
+        placement = self.grammars.acquire(grammar) if grammar is not None else 0
         try:
             header = encode_header(request_id=request_id, arrival_ns=time.monotonic_ns(), seed=seed,
                                    prompt_len=len(prompt), params=params, priority=priority, prefix_state=state,
-                                   grammar=start)
+                                   grammar=placement)
             slot = self.tracker.claim()
             try:
                 self._publish(slot, header, encode_stop_token_ids(params), prompt, keys, encode_logit_bias(params))

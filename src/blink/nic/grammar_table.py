@@ -10,6 +10,8 @@ evicted.
 from __future__ import annotations
 
 import bisect
+import itertools
+import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -36,14 +38,16 @@ class GrammarTable:
         self._placed: OrderedDict[tuple[str, str], Placement] = OrderedDict()
         # (first word, words), by first word
         self._free: list[tuple[int, int]] = [(self.words.start, len(self.words))] if self.words else []
+        # Placement ids from a random start: the GPU's mirror of the region keeps a placement while its id matches,
+        # so no id may repeat at a word, not even one an earlier agent of the same part of the region placed there.
+        self._ids = itertools.count(secrets.randbits(62) + 1)
 
     def check(self, grammar: Grammar) -> None:
         """``RequestError`` naming ``grammar`` unless the region could ever hold it, for this ring's model."""
         g = self.geometry
         if not g.max_grammar_bytes:
             raise RequestError("grammar", "a grammar needs a ring with a grammars region (RingGeometry."
-                                          "max_grammar_bytes > 0; the GPU engine and tensor-parallel engines have none "
-                                          "yet)")
+                                          "max_grammar_bytes > 0; tensor-parallel engines have none yet)")
         if grammar.vocab_size != g.vocab_size:
             raise RequestError("grammar", f"the grammar was compiled for {grammar.vocab_size} tokens, but this ring's "
                                           f"model has {g.vocab_size} (RingGeometry.vocab_size)")
@@ -55,22 +59,23 @@ class GrammarTable:
                                           f"{'' if not part else ', split among the agent processes'})")
 
     def acquire(self, grammar: Grammar) -> int:
-        """Place ``grammar`` (if it is not placed yet) for one more request; return its start state's word offset.
-        ``RingFull`` when grammars that requests in flight use leave no room for it now."""
+        """Place ``grammar`` (if it is not placed yet) for one more request; return its placement's first word (the
+        request header's ``grammar``). ``RingFull`` when grammars that requests in flight use leave no room for it
+        now."""
         placed = self._placed.get(grammar.key)
         if placed is None:
-            size = len(grammar.words)
+            size = grammar.placed_words
             base = self._allocate(size)
             while base is None and self._evict_one():
                 base = self._allocate(size)
             if base is None:
                 raise RingFull(f"the grammar table has no room for a grammar of {4 * size} bytes while the "
                                "grammars of the requests in flight hold it: retry once some finish")
-            self._write(base, grammar.placed(base))
+            self._write(base, grammar.placed(base, next(self._ids)))
             placed = self._placed[grammar.key] = Placement(base, size, 0)
         self._placed.move_to_end(grammar.key)
         placed.users += 1
-        return placed.base + grammar.start
+        return placed.base
 
     def release(self, grammar: Grammar) -> None:
         """One request that followed ``grammar`` is done (the GPU side reads it no more for that request)."""

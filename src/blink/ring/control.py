@@ -18,7 +18,7 @@ from blink.ring.errors import RingMismatch
 from blink.ring.geometry import MAX_SPECULATIVE_TOKENS, RingGeometry
 
 MAGIC = 0x4B4E4C42  # "BLNK" in little-endian bytes
-VERSION = 8
+VERSION = 9
 
 # Control block flags.
 RING_LOGPROBS = 1

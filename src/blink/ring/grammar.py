@@ -14,8 +14,20 @@ A grammar is a run of state records, each starting at a word offset of the regio
 
 A state *accepts* when its mask allows the end-of-sequence tokens: sampling one ends the request there, and an
 accepting state with no other allowed token allows only them. ``Grammar.words`` holds the records with states as
-offsets from the grammar's first word; ``placed(base)`` gives the bytes for a grammar whose first word is ``base``.
-``allowed`` and ``next_state`` walk a region in plain Python: the executable spec of what the GPU side does.
+offsets from the grammar's first word.
+
+In the region a grammar is *placed*: a header of ``PLACEMENT_WORDS`` words, then its records (``placed``)::
+
+    words[b]                  the placement's size in words, this header included
+    words[b + 1], words[b + 2]  its placement id (a nonzero uint64, low word first), new for every placement
+    words[b + 3]              the start state (a word offset of the region)
+    words[b + 4 : b + size]   the records, their states shifted to where they lie
+
+A request's header names the placement's first word ``b``. The GPU side copies a placement into a mirror of the
+region in device memory once, when the first request naming it is collected, and reads only the mirror after; the id
+tells it whether the mirror at ``b`` already holds this placement (the agent places a grammar again, under a new id,
+only where no request in flight reads the one before). ``allowed`` and ``next_state`` walk a region in plain Python:
+the executable spec of what the GPU side does.
 """
 from __future__ import annotations
 
@@ -24,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 RECORD_WORDS = 2            # a state record's words after its mask: the default next state, the number of pairs
+PLACEMENT_WORDS = 4         # a placement's header: its size, its id (two words), its start state
 
 
 def mask_words(vocab_size: int) -> int:
@@ -45,14 +58,23 @@ class Grammar:
     n_states: int
 
     @property
-    def nbytes(self) -> int:
-        return 4 * len(self.words)
+    def placed_words(self) -> int:
+        """The words a placement of this grammar takes in the region, its header included."""
+        return PLACEMENT_WORDS + len(self.words)
 
-    def placed(self, base: int) -> bytes:
-        """The grammar's bytes with its first word at word ``base`` of the region."""
-        words = self.words.copy()
-        words[self.pointers] += base
-        return words.astype("<i4").tobytes()
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.placed_words
+
+    def placed(self, base: int, placement_id: int) -> bytes:
+        """The placement's bytes (header and records) with its first word at word ``base`` of the region."""
+        if not 0 < placement_id < 1 << 64:
+            raise ValueError(f"a placement id is a nonzero uint64, not {placement_id}")
+        records = self.words.copy()
+        records[self.pointers] += base + PLACEMENT_WORDS
+        header = np.array([self.placed_words, placement_id & 0xFFFFFFFF, placement_id >> 32,
+                           base + PLACEMENT_WORDS + self.start], np.uint32).view(np.int32)
+        return np.concatenate([header, records]).astype("<i4").tobytes()
 
 
 def build(key: tuple[str, str], vocab_size: int, initial: int, transitions: dict[int, dict[int, int]],
@@ -96,6 +118,11 @@ def build(key: tuple[str, str], vocab_size: int, initial: int, transitions: dict
         words[p + w + 3:p + w + 3 + 2 * n:2] = [index[t] for t in pair_nexts.tolist()]
         pointers.append(np.concatenate([[p + w], np.arange(p + w + 3, p + w + 3 + 2 * n, 2)]))
     return Grammar(key, vocab_size, words.astype(np.uint32).view(np.int32), np.concatenate(pointers), 0, len(order))
+
+
+def start_state(region: np.ndarray, base: int) -> int:
+    """The start state of the grammar placed at word ``base`` of the int32 ``region``."""
+    return int(region[base + 3])
 
 
 def allowed(region: np.ndarray, state: int, vocab_size: int) -> np.ndarray:

@@ -139,7 +139,7 @@ HEADER_DTYPE = struct([
     ("min_p", "<f4", 76),
     ("top_logprobs", "<u4", 80),    # top logprobs per output position (0: none)
     ("n_logit_bias", "<u4", 84),    # valid pairs in the slot's logit_bias row
-    ("grammar", "<u4", 88),         # with FLAG_GRAMMAR: the start state, a word offset into the grammars region
+    ("grammar", "<u4", 88),         # with FLAG_GRAMMAR: its placement's first word in the grammars region
     ("num_speculative_tokens", "<u4", 92),  # the request's cap on drafts per step (MAX_SPECULATIVE_TOKENS: none)
 ], 96)
 

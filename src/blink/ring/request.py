@@ -160,7 +160,7 @@ def encode_header(*, request_id: int, arrival_ns: int, seed: int, prompt_len: in
 
     A field named as a ``SamplingParams`` field takes ``params``' value; ``seed`` is the request's or the one the
     agent picked. ``prefix_state`` is the prompt's prefix-key chain state (``blink.ring.hashing``); ``grammar`` the
-    word offset of ``params.grammar``'s start state where the agent placed it in the grammars region.
+    first word of ``params.grammar``'s placement in the grammars region (``blink.ring.grammar``).
     """
     values = {name: getattr(params, name) for name in HEADER_DTYPE.names if name in _PARAMS}
     flags = ((FLAG_IGNORE_EOS if params.ignore_eos else 0) | (FLAG_LOGPROBS if params.logprobs else 0)

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from blink.models.kernels import reference
-from blink.ring.grammar import allowed
+from blink.ring.grammar import PLACEMENT_WORDS, allowed, start_state
 from tests.grammars import random_grammar
 
 
@@ -14,8 +14,9 @@ def _case(rng, vocab: int, rows: int):
     """A region holding one random grammar at a random offset, and ``rows`` states: its records, or -1."""
     grammar = random_grammar(rng, vocab, (int(rng.integers(vocab)),), most=400)[0]
     base = int(rng.integers(0, 30))
-    region = np.concatenate([np.full(base, -1, np.int32), np.frombuffer(grammar.placed(base), "<i4")])
-    records = sorted({base + grammar.start} | {int(w) for w in region[base + grammar.pointers]})
+    region = np.concatenate([np.full(base, -1, np.int32), np.frombuffer(grammar.placed(base, 1), "<i4")])
+    pointers = region[base + PLACEMENT_WORDS + grammar.pointers]
+    records = sorted({start_state(region, base)} | {int(w) for w in pointers})
     return region, [int(rng.choice(records)) if rng.random() < 0.8 else -1 for _ in range(rows)]
 
 

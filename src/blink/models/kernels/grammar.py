@@ -3,8 +3,8 @@
 Program ``(row, chunk)`` covers ``BLOCK`` token ids of one row: it reads the row's grammar state, and where the row has
 one (``state >= 0``) loads the state's mask words for its tokens and sets the logits of the tokens they do not allow to
 ``-inf``. A row without a grammar reads one word and writes nothing, so the pass costs the step next to nothing while
-no request asks for a structure; no host read, so it runs inside the captured step graph. ``grammars`` may be the
-ring's region in host memory mapped into the GPU: a masked row reads ``ceil(V / 32)`` words of it, once.
+no request asks for a structure; no host read, so it runs inside the captured step graph. ``grammars`` is the
+scheduler's mirror of the ring's grammars region in device memory: a masked row reads ``ceil(V / 32)`` words of it.
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def _grammar_kernel(logits_ptr, grammars_ptr, state_ptr, vocab, logits_stride, B
 def apply_grammar(logits: torch.Tensor, grammars: torch.Tensor, state: torch.Tensor) -> None:
     """Set to ``-inf``, in place, the logits of row ``r`` of ``logits [S, V]`` whose tokens the grammar state
     ``state[r]`` (int32) does not allow; rows with ``state[r] < 0`` are left as they are. A state is a word offset into
-    ``grammars`` (int32, the ring's grammars region) where its token mask starts: bit ``t % 32`` of word ``t // 32``
-    allows token ``t`` (``blink.ring.grammar``)."""
+    ``grammars`` (int32, the scheduler's mirror of the ring's grammars region) where its token mask starts: bit
+    ``t % 32`` of word ``t // 32`` allows token ``t`` (``blink.ring.grammar``)."""
     rows, vocab = logits.shape
     if rows == 0:
         return
