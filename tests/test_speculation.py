@@ -94,13 +94,14 @@ def test_drafts_were_verified_and_accepted(runs):
     """The counters of both runs. ``tokens`` counts every token the scheduler made, also those a request made past
     its stop string (matched on the host) until the host's cancel reached the scheduler: how many depends on the
     host's timing and on how many tokens each step made (they differed by 2 of ~1290 once drafts shared steps with
-    prefills), so both runs made at least every token of the answers, and speculation in fewer steps."""
+    prefills), so both runs made at least every token of the answers. Their step counts are not compared: the late
+    tokens take steps too (up to ~24 per stop-string request on a busy box), as many as accepted drafts save here."""
     (answers, plain), (_, speculative) = runs
     answered = sum(len(out.token_ids) for case in answers.values() for out in case)
     assert plain["spec_draft_tokens"] == plain["spec_accepted_tokens"] == 0
     assert 0 < speculative["spec_accepted_tokens"] <= speculative["spec_draft_tokens"]
     assert speculative["spec_drafts"] <= speculative["spec_draft_tokens"] <= 4 * speculative["spec_drafts"]
-    assert min(speculative["tokens"], plain["tokens"]) >= answered and speculative["steps"] < plain["steps"]
+    assert min(speculative["tokens"], plain["tokens"]) >= answered
     kept = speculative["spec_accepted_per_pos"]     # a step that kept draft j + 1 kept draft j; 4 drafts at most
     assert sum(kept) == speculative["spec_accepted_tokens"] and list(kept) == sorted(kept, reverse=True)
     assert kept[0] <= speculative["spec_drafts"] and not any(kept[4:]) and not any(plain["spec_accepted_per_pos"])
