@@ -23,14 +23,31 @@ from numba import int32, int64
 from blink.device import grammar
 from blink.device.block import exclusive_scan
 from blink.device.kv import free_total
-from blink.device.numba_compat import cuda
+from blink.device.numba_compat import cuda, load_volatile
 from blink.device.state import COUNT
 
 
 @cuda.jit(device=True)
 def token_at(s, slot, position):
-    """Token ``position`` of the request in ``slot``: prompt, an earlier output, the last sampled token, or (past it)
-    one of the drafts planned after it."""
+    """Token ``position`` of the request in ``slot``: one the steps were fed (from the token history), its prompt, an
+    earlier output, the last sampled token, or (past it) one of the drafts planned after it.
+
+    Invariant: every position below ``seq_computed`` holds the sequence's token in ``history_tokens``, at its KV cell
+    through the sequence's own block table (``seq_pages``), so such a position is read from device memory, never
+    from the ring (across PCIe on the GPU). A position is counted computed only by ``consume``, after the step that
+    fed it ran and recorded it (``step.py``), or at admission for a prefix-cache hit, whose pages hold the tokens the
+    sequence that computed them recorded (a cached page is full and nobody writes it; evicting it takes it out of
+    the table first). Accepted drafts were fed as draft rows and equal the tokens kept; a rejected draft's position
+    lies at or beyond the new ``seq_total - 1``, is not computed, and is fed again before it counts. Preemption drops
+    the block table and ``seq_computed`` together: the sequence re-prefills from the ring. Positions from
+    ``seq_computed`` on (the ones a plan feeds) come from the ring, ``seq_last`` and ``seq_draft``. ``lookup`` runs
+    when every sequence decodes (``seq_computed == seq_total - 1``): all it reads but the last token is history.
+    """
+    if position < s.seq_computed[slot]:
+        page = s.cfg[0].page_size
+        # Written by the step's kernels on other SMs: a resident scheduler must not read a stale L1 line (a cell
+        # it read before the step wrote it, or a page's earlier owner's).
+        return load_volatile(s.history_tokens, int64(s.seq_pages[slot, position // page]) * page + position % page)
     prompt_len = s.seq_prompt_len[slot]
     total = s.seq_total[slot]
     if position < prompt_len:
