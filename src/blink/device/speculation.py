@@ -2,7 +2,8 @@
 
 In a step where every running sequence decodes, ``propose`` gives each sequence that can have them up to
 ``cfg.spec_tokens`` drafts: the tokens that followed the latest earlier occurrence of its last ``n`` tokens in its own
-prompt and output, ``n`` from ``cfg.spec_max`` down to ``cfg.spec_min`` (prompt lookup). A sequence with ``k`` drafts
+prompt and output, ``n`` from ``cfg.spec_max`` down to ``cfg.spec_min`` (prompt lookup), read from the token history
+the steps recorded, in device memory (``token_at``), not from the ring. A sequence with ``k`` drafts
 gets ``k + 1`` rows of one token each, its last token and then its drafts (``token_at`` reads a draft as the token
 after the last one), each row sampling the token after its own: row ``j``'s context is the sequence plus drafts
 ``1..j``, its ``seq_lens`` (so its random stream) is what plain decoding would have there, and the penalties read
