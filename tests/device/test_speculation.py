@@ -10,7 +10,6 @@ prompt and output areas overwritten once the tokens were fed.
 from typing import NamedTuple
 
 import numpy as np
-from numba import int64
 
 from blink.device import sim  # noqa: F401  (turns the simulator on before numba is imported)
 from blink.device.arrays import filled
@@ -46,13 +45,9 @@ class Sequences(NamedTuple):
 
 
 @cuda.jit
-def lookup_kernel(s, most, counts):
-    """One block looks every slot up in turn, as ``propose`` does."""
-    best = cuda.shared.array(1, int64)
-    for slot in range(counts.shape[0]):
-        count = lookup(s, best, slot, most[slot])
-        if cuda.threadIdx.x == 0:
-            counts[slot] = count
+def lookup_kernel(s, slots, most, offsets, best, partial):
+    """One block looks the sequences in ``slots`` up together, as ``propose`` does."""
+    lookup(s, slots, slots.shape[0], most, offsets, best, partial)
 
 
 def random_sequences(rng, slots: int, width: int) -> list[list[int]]:
@@ -106,12 +101,16 @@ def check_lookups(seed: int, scribble: bool):
         if scribble:
             s.prompts[...] = rng.integers(0, 12, s.prompts.shape)
             s.outputs[...] = rng.integers(0, 12, s.outputs.shape)
+        order = rng.permutation(slots).astype(np.int32)           # running order is not slot order
         most = rng.integers(0, MAX_SPECULATIVE_TOKENS + 1, slots).astype(np.int32)
-        counts = np.zeros(slots, np.int32)
-        lookup_kernel[1, int(rng.choice([1, 3, 8]))](s, most, counts)
-        for slot, tokens in enumerate(sequences):
-            want = prompt_lookup(tokens, int(most[slot]), low, high)
-            assert s.seq_draft[slot, :counts[slot]].tolist() == want, (tokens, low, high, int(most[slot]))
+        counts = most.copy()
+        threads = int(rng.choice([1, 3, 8]))
+        lookup_kernel[1, threads](s, order, counts, np.zeros(slots, np.int32), np.zeros(slots, np.int64),
+                                  np.zeros(threads, np.int32))
+        for i, slot in enumerate(order):
+            tokens = sequences[slot]
+            want = prompt_lookup(tokens, int(most[i]), low, high)
+            assert s.seq_draft[slot, :counts[i]].tolist() == want, (tokens, low, high, int(most[i]))
 
 
 def test_the_device_drafts_what_prompt_lookup_finds():

@@ -22,7 +22,7 @@ from __future__ import annotations
 from numba import int32, int64
 
 from blink.device import grammar
-from blink.device.block import exclusive_scan
+from blink.device.block import exclusive_scan, locate
 from blink.device.kv import free_total
 from blink.device.numba_compat import cuda, load_volatile
 from blink.device.state import COUNT
@@ -61,37 +61,47 @@ def token_at(s, slot, position):
 
 
 @cuda.jit(device=True)
-def lookup(s, best, slot, most):
-    """All threads: write into ``seq_draft[slot]`` the at most ``most`` tokens that followed the latest earlier
-    occurrence of the sequence's last ``n`` tokens, for the largest ``n`` that has one; return how many (0: none).
+def lookup(s, slots, n, most, offsets, best, partial):
+    """All threads: for each sequence ``i`` of ring slots ``slots[0:n]``, write into its ``seq_draft`` the at most
+    ``most[i]`` tokens that followed the latest earlier occurrence of its last tokens, as many of them as have one
+    from ``cfg.spec_max`` down to ``cfg.spec_min``, and replace ``most[i]`` by how many (0: none).
 
-    Each thread takes candidate end positions ``e`` (an occurrence ends before the sequence's last token) and counts
-    how many tokens ending at ``e`` equal the sequence's last ones, up to ``cfg.spec_max``; the block keeps the
-    largest count, then the latest ``e``, as one key in ``best[0]`` (shared, one int64: count above, position below).
+    The sequences are searched together: each pair of a sequence and a candidate end position ``e`` (an occurrence
+    ends before the sequence's last token) is one item, the items flattened over the block's threads (``offsets``:
+    each sequence's candidates, scanned), so the barriers do not grow with ``n`` and short contexts share a pass. An
+    item counts how many tokens ending at ``e`` equal the sequence's last ones, up to ``cfg.spec_max``; each sequence
+    keeps the largest count, then the latest ``e``, as one int64 key in ``best[i]`` (count above, position below).
+    Scratch: ``offsets`` and ``best`` (``n`` each), ``partial`` (the scan's).
     """
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    total = s.seq_total[slot]
     longest, shortest = s.cfg[0].spec_max, s.cfg[0].spec_min
-    if tid == 0:
-        best[0] = -1
+    for i in range(tid, n, nt):
+        best[i] = -1
+        offsets[i] = s.seq_total[slots[i]] - 1 if most[i] > 0 else 0
     cuda.syncthreads()
-    for end in range(tid, total - 1 if most > 0 else 0, nt):
+    items = exclusive_scan(offsets, n, partial)
+    for index in range(tid, items, nt):
+        i = locate(offsets, n, index)
+        slot = slots[i]
+        end = index - offsets[i]
+        last = s.seq_total[slot] - 1
         k = 0
-        while k < longest and k <= end and token_at(s, slot, end - k) == token_at(s, slot, total - 1 - k):
+        while k < longest and k <= end and token_at(s, slot, end - k) == token_at(s, slot, last - k):
             k += 1
         if k >= shortest:
-            cuda.atomic.max(best, 0, (int64(k) << 32) | end)
+            cuda.atomic.max(best, i, (int64(k) << 32) | end)
     cuda.syncthreads()
-    key = best[0]
-    count = 0
-    if key >= 0:
-        end = int32(key & 0xFFFFFFFF)
-        count = min(most, total - 1 - end)
-        for j in range(tid, count, nt):
-            s.seq_draft[slot, j] = token_at(s, slot, end + 1 + j)
+    for i in range(tid, n, nt):
+        slot = slots[i]
+        count = 0
+        if best[i] >= 0:
+            end = int32(best[i] & 0xFFFFFFFF)
+            count = min(most[i], s.seq_total[slot] - 1 - end)
+            for j in range(count):
+                s.seq_draft[slot, j] = token_at(s, slot, end + 1 + j)
+        most[i] = count
     cuda.syncthreads()
-    return count
 
 
 @cuda.jit(device=True)
@@ -115,18 +125,17 @@ def draft_pages(s, slot, k):
 @cuda.jit(device=True)
 def propose(s, sh, n):
     """All-decode steps: each running sequence ``i`` gets ``sh.chunk[i] = 1 + drafts`` tokens (``seq_ndraft``), the
-    drafts cut in running order to the rows and pages left. Sequences are looked up one after another, each by the
-    whole block. Scratch: ``sh.keys[0]`` (the lookup's), ``sh.tokens``, ``sh.pages``, ``sh.rank``."""
+    drafts cut in running order to the rows and pages left. Scratch: ``sh.rank`` (drafts per sequence),
+    ``sh.tokens``, ``sh.pages``, ``sh.keys`` (the lookup's best keys)."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    for i in range(n):
-        slot = s.running[i]
-        count = lookup(s, sh.keys, slot, budget(s, slot))
-        if tid == 0:
-            sh.rank[i] = grammar.allowed_drafts(s, slot, count)
+    for i in range(tid, n, nt):
+        sh.rank[i] = budget(s, s.running[i])
     cuda.syncthreads()
+    lookup(s, s.running, n, sh.rank, sh.tokens, sh.keys, sh.partial)
     for i in range(tid, n, nt):
         slot = s.running[i]
+        sh.rank[i] = grammar.allowed_drafts(s, slot, sh.rank[i])
         sh.tokens[i] = sh.rank[i]
         sh.pages[i] = draft_pages(s, slot, sh.rank[i])
     cuda.syncthreads()
