@@ -1,8 +1,9 @@
 """The scheduler's memory: every array one iteration touches, and the records and index names it is read by.
 
 ``SchedulerArrays`` groups the ring (views of the region the agent writes), the step buffers (``step.py``), the
-step's token history and the scheduler's own state in device memory. The same tuple is built from numpy arrays for the CPU simulator and from
-device addresses on the GPU (``image.py``, ``runtime.py``), so kv, batcher and scheduler code never knows which it runs on.
+step's token history and the scheduler's own state in device memory. The same tuple is built from numpy arrays for
+the CPU simulator and from device addresses on the GPU (``image.py``, ``runtime.py``), so kv, batcher and scheduler
+code never knows which it runs on.
 """
 from __future__ import annotations
 
