@@ -147,7 +147,8 @@ class CpuBackend:
         self.ring_memory = memory
         _check_grammar_vocab(geometry, model)
         self.scheduler = SimScheduler(self._view, geometry, self.config, self.step, step_fn=self._run_step,
-                                      policy=config.policy_function(), threads=config.sim_threads)
+                                      policy=config.policy_function(), threads=config.sim_threads,
+                                      history_tokens=self.history.tokens.numpy())
         # The step masks with the scheduler's mirror of the grammars region (device/grammar.py).
         self.grammars = (None if self._view.grammars is None
                          else torch.from_numpy(self.scheduler.arrays.grammar_mirror))
@@ -238,7 +239,8 @@ class GpuBackend:
         self.scheduler = GpuScheduler(memory, geometry, self.config, self.step.layout, addresses,
                                       step_graph=partial(self._step_graph, geometry.max_grammar_bytes > 0),
                                       image=image, device=torch.cuda.current_device(),
-                                      request_side=config.request_side)
+                                      request_side=config.request_side,
+                                      history_tokens=(self.history.tokens.data_ptr(), self.history.tokens.numel()))
         self.ring_memory = self.scheduler.ring_memory       # the ring as this process reaches it
         self.error: BaseException | None = None
         self.step_limit_s = GPU_STEP_LIMIT_S

@@ -11,7 +11,7 @@ import numpy as np
 
 from blink.device import sim  # noqa: F401  (simulator first, and its race-free shared arrays)
 from blink.device.numba_compat import cuda
-from blink.device.arrays import ring_arrays, state_arrays
+from blink.device.arrays import ring_arrays, state_arrays, zero_history
 from blink.device.state import N_COUNTERS, SchedulerArrays
 from blink.device.step import StepLayout
 from blink.ring.layout import RingLayout
@@ -26,7 +26,7 @@ def scheduler_arrays(geometry, config):
     view = layout.view(buffer)
     step = StepLayout(config.buckets[-1], config.max_num_seqs, config.max_pages_per_seq)
     step_arrays = {name: np.zeros(shape, dtype) for name, (shape, dtype) in step.fields().items()}
-    s = SchedulerArrays(**ring_arrays(view), **step_arrays,
+    s = SchedulerArrays(**ring_arrays(view), **step_arrays, history_tokens=zero_history(config),
                         **state_arrays(config, geometry, step, int(view.control["prefix_seed"][0])))
     return view, s
 

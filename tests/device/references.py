@@ -1,11 +1,13 @@
-"""Pure-Python specifications of the scheduler's waiting queue (``waiting.py``) and batcher (``batcher.py``).
+"""Pure-Python specifications of the scheduler's waiting queue (``waiting.py``), batcher (``batcher.py``) and draft
+lookup (``speculation.py``).
 
 Each reference is written sequentially and for readability, from the modules' docstrings, not from their block-wide
 code: the device tests drive one phase under the simulator and compare every word it leaves with these.
 
 ``WaitingQueue``: what ``collect`` + ``enqueue`` (a scan) and ``cancel_queued`` do to the queue, the ``seq_seen``
 marks and the refused (finished-while-READY) slots. ``Batcher``: what ``admit`` and ``plan`` do to the running list,
-the pages (through ``KVMirror``, the allocator's own reference) and the step's inputs.
+the pages (through ``KVMirror``, the allocator's own reference) and the step's inputs. ``prompt_lookup``: the drafts
+``lookup`` finds.
 """
 from __future__ import annotations
 
@@ -303,3 +305,19 @@ class Batcher:
             seq.computed += chunk
             if seq.computed == seq.total:
                 seq.generated.append(sampled[slot])
+
+
+# -- speculation --------------------------------------------------------------------------------------------------
+
+
+def prompt_lookup(tokens: list[int], most: int, low: int, high: int) -> list[int]:
+    """At most ``most`` tokens that followed the latest earlier occurrence of the last ``n`` of ``tokens``, for the
+    largest ``n`` in ``[low, high]`` that has one (none: [])."""
+    if most == 0:
+        return []
+    for n in range(high, low - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + most]
+    return []

@@ -1,7 +1,8 @@
 """The scheduler iteration (device code under the CUDA simulator) driven through the ring by a real Agent.
 
 References: outputs must equal the stand-in model's continuation cut by the reference consumer's stop rules; every
-planned step's inputs must satisfy ``step.py``'s contract, checked here in plain Python against the ring's tokens;
+planned step's inputs must satisfy ``step.py``'s contract, checked here in plain Python against the ring's tokens
+(its drafts too: prompt lookup's over them, while the scheduler reads them from the steps' token history);
 after every iteration the pages satisfy ``pages.check_pages``; and a model of the KV pool (``KVContents``: which
 token prefix each pool cell holds the K/V of) checks that every step reads, through its block tables, exactly the
 K/V of its own tokens: no page is freed, evicted or overwritten while a sequence reads it, a prefix cache hit is
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.device.pages import check_pages
+from tests.device.references import prompt_lookup
 
 from blink.device.config import SchedulerConfig, SpeculativeConfig
 from blink.device.sim import SimScheduler
@@ -171,6 +173,10 @@ def check_step_contract(s, config, bucket):
         total = int(s.seq_total[slot]) + j
         assert length <= total
         known = tokens_of(s, slot)
+        if j == 0 and s.seq_ndraft[slot] > 0:      # the drafts: prompt lookup's over the tokens the ring holds
+            total, spec = int(s.seq_total[slot]), config.speculative
+            assert known[total:] == prompt_lookup(known[:total], len(known) - total, spec.prompt_lookup_min,
+                                                  spec.prompt_lookup_max)
         for k in range(q):
             t = int(qsl[r]) + k
             position = length - q + k

@@ -30,6 +30,20 @@ def ring_arrays(view: RingView) -> dict[str, np.ndarray]:
                 grammars=view.grammars if view.grammars is not None else np.zeros(1, np.int32))
 
 
+def zero_history(config: SchedulerConfig) -> np.ndarray:
+    """A token history of the scheduler's own, zeroed, one int32 per KV position (``SchedulerArrays.history_tokens``),
+    for a step that does not bring the model's (``TokenHistory.tokens``): the stand-in's."""
+    return np.zeros(config.num_pages * config.page_size, np.int32)
+
+
+def check_history(config: SchedulerConfig, tokens: int) -> None:
+    """``ValueError`` unless a token history of ``tokens`` entries has one for every KV position of ``config``."""
+    if tokens < config.num_pages * config.page_size:
+        raise ValueError(f"the token history holds {tokens} tokens, fewer than the {config.num_pages} x "
+                         f"{config.page_size} KV positions of SchedulerConfig(num_pages, page_size): allocate it "
+                         "for the same pool (TokenHistory.allocate(num_pages, page_size, ...))")
+
+
 def check_prefix_ring(config: SchedulerConfig, geometry: RingGeometry) -> None:
     """``ValueError`` unless the ring carries prompt keys exactly when the scheduler caches prefixes, for its pages."""
     want = config.page_size if config.enable_prefix_caching else 0

@@ -29,7 +29,7 @@ from blink.device.cstruct import c_struct
 from blink.device.numba_compat import SIMULATOR, cuda
 from blink.device.policy import fcfs
 from blink.device.scheduler import make_iterate
-from blink.device.arrays import ring_arrays, state_arrays
+from blink.device.arrays import ring_arrays, state_arrays, zero_history
 from blink.device.state import DOORBELLS_DTYPE, STOP, SchedulerArrays
 from blink.device.step import StepLayout
 from blink.errors import LaunchError
@@ -65,7 +65,7 @@ def array_spec() -> list[tuple[str, np.dtype, int]]:
     config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1, page_size=1, num_pages=1, max_model_len=1)
     arrays = {**ring_arrays(layout.view(bytearray(layout.size))),
               **{name: np.zeros(shape, dtype) for name, (shape, dtype) in step.fields().items()},
-              **state_arrays(config, geometry, step)}
+              "history_tokens": zero_history(config), **state_arrays(config, geometry, step)}
     return [(name, arrays[name].dtype, arrays[name].ndim) for name in SchedulerArrays._fields]
 
 

@@ -31,7 +31,7 @@ from blink.device.config import SchedulerConfig
 from blink.device.driver import DeviceMemory, check, error_name
 from blink.device.image import LAUNCH_DTYPE, STANDIN_BLOCK, link_image
 from blink.device.policy import fcfs
-from blink.device.arrays import control_gauges, ring_arrays, state_arrays
+from blink.device.arrays import check_history, control_gauges, ring_arrays, state_arrays, zero_history
 from blink.device.state import PHASE, PROFILE_PHASES, STATS_DTYPE, SchedulerArrays
 from blink.device.step import StepLayout
 from blink.errors import LaunchError
@@ -52,12 +52,15 @@ class GpuScheduler:
     ``torch.cuda.CUDAGraph(keep_graph=True).raw_cuda_graph()`` (keep the torch graph alive); by default, the stand-in
     step. Each is wrapped with the "done" kernel and instantiated twice for device launch (``graphs``). It is called
     once the ring is registered: ``arrays`` maps each ring array of ``ring_arrays`` and each array of the scheduler's
-    state to its ``(device address, shape)``, for a step that reads one (the grammar mirror).
+    state to its ``(device address, shape)``, for a step that reads one (the grammar mirror). ``history_tokens`` is
+    the step's token history, ``(device address, tokens)`` of the model's ``TokenHistory.tokens``; by default a
+    zeroed one of the scheduler's own (the stand-in step records nothing: drafts looked up there are wrong, rejected,
+    and change no output).
     """
 
     def __init__(self, memory, geometry: RingGeometry, config: SchedulerConfig, step_layout: StepLayout,
                  step_addresses: dict[str, int], *, policy=fcfs, step_graph=None, image: bytes | None = None,
-                 device: int = 0, request_side: str = "host"):
+                 device: int = 0, request_side: str = "host", history_tokens: tuple[int, int] | None = None):
         from cuda.bindings import driver
 
         if request_side not in REQUEST_SIDES:
@@ -75,12 +78,12 @@ class GpuScheduler:
         self._context = check(driver.cuDevicePrimaryCtxRetain(check(driver.cuDeviceGet(device))))
         check(driver.cuCtxSetCurrent(self._context))
         try:
-            self._set_up(memory, step_addresses, policy, step_graph, image)
+            self._set_up(memory, step_addresses, policy, step_graph, image, history_tokens)
         except BaseException:
             self.close()                     # a failed start leaves no device memory or registration behind
             raise
 
-    def _set_up(self, memory, step_addresses, policy, step_graph, image) -> None:
+    def _set_up(self, memory, step_addresses, policy, step_graph, image, history_tokens) -> None:
         from cuda.bindings import driver
 
         config, geometry, step_layout = self.config, self.geometry, self.step_layout
@@ -95,7 +98,12 @@ class GpuScheduler:
         ring = {name: (self._ring_address(array), array.shape) for name, array in ring_arrays(view).items()}
         step = {name: (step_addresses[name], shape) for name, (shape, _) in step_layout.fields().items()}
         self.step_addresses = step_addresses
-        self.table = self._to_device(self._address_table({**ring, **step, **self.state}))
+        if history_tokens is None:
+            history = self._to_device(zero_history(config))
+        else:
+            check_history(config, history_tokens[1])
+            history = (history_tokens[0], (history_tokens[1],))
+        self.table = self._to_device(self._address_table({**ring, **step, "history_tokens": history, **self.state}))
         self.launch = self._to_device(np.zeros(1, LAUNCH_DTYPE))
         self.launch_error = self._ring_address(view.control["launch_error"])
         self._control_address = self._ring_address(view.control)

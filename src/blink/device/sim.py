@@ -17,7 +17,8 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import numpy as np  # noqa: E402
 
-from blink.device.arrays import control_gauges, ring_arrays, state_arrays  # noqa: E402
+from blink.device.arrays import (check_history, control_gauges, ring_arrays, state_arrays,  # noqa: E402
+                                 zero_history)
 from blink.device.config import SchedulerConfig  # noqa: E402
 from blink.device.numba_compat import SIMULATOR, cuda  # noqa: E402
 from blink.device.policy import fcfs  # noqa: E402
@@ -96,15 +97,20 @@ class SimScheduler:
     """The scheduler loop on the CPU over a ring view. ``step_fn(scheduler_arrays, bucket_tokens)`` runs a step.
 
     ``threads`` is the simulated block size: each simulated thread is a Python thread, so keep it small; results do
-    not depend on it.
+    not depend on it. ``history_tokens`` is the step's token history (the numpy view of the model's
+    ``TokenHistory.tokens``, which its step records); by default one of the scheduler's own, which the stand-in step
+    records.
     """
 
     def __init__(self, view: RingView, geometry: RingGeometry, config: SchedulerConfig, step: StepBuffers, *,
-                 step_fn=standin_step, policy=fcfs, threads: int = 4):
+                 step_fn=standin_step, policy=fcfs, threads: int = 4, history_tokens: np.ndarray | None = None):
         if threads < 1:
             raise ValueError(f"threads must be >= 1 (got {threads})")
+        if history_tokens is None:
+            history_tokens = zero_history(config)
+        check_history(config, history_tokens.size)
         step_arrays = {name: tensor.numpy() for name, tensor in step.tensors().items()}
-        self.arrays = SchedulerArrays(**ring_arrays(view), **step_arrays,
+        self.arrays = SchedulerArrays(**ring_arrays(view), **step_arrays, history_tokens=history_tokens,
                                       **state_arrays(config, geometry, step.layout,
                                                      int(view.control["prefix_seed"][0])))
         control_gauges(self.arrays.control, config)

@@ -2,14 +2,15 @@
 
 Once a step's decodes are planned (before its prefill chunks), ``propose`` gives each decoding sequence that can have
 them up to ``cfg.spec_tokens`` drafts: the tokens that followed the latest earlier occurrence of its last ``n``
-tokens in its own prompt and output, ``n`` from ``cfg.spec_max`` down to ``cfg.spec_min`` (prompt lookup). A sequence
-with ``k`` drafts gets ``k + 1`` rows of one token each, its last token and then its drafts (``token_at`` reads a
-draft as the token after the last one), each row sampling the token after its own: row ``j``'s context is the
-sequence plus drafts ``1..j``, its ``seq_lens`` (so its random stream) is what plain decoding would have there, and
-the penalties read the drafts from the step's own token history. ``confirm`` then keeps the drafts that the
-sequence's own sampled tokens equal, one after another, and the first token that differs (or the token after the last
-draft): every token kept is the one plain decoding would have sampled, greedy or seeded, so speculation changes how
-many tokens a step makes and never which.
+tokens in its own prompt and output, ``n`` from ``cfg.spec_max`` down to ``cfg.spec_min`` (prompt lookup), read from
+the token history the steps recorded, in device memory (``token_at``), not from the ring. A sequence with ``k``
+drafts gets ``k + 1`` rows of one token each, its last token and then its drafts (``token_at`` reads a draft as the
+token after the last one), each row sampling the token after its own: row ``j``'s context is the sequence plus
+drafts ``1..j``, its ``seq_lens`` (so its random stream) is what plain decoding would have there, and the penalties
+read the drafts from the step's own token history. ``confirm`` then keeps the drafts that the sequence's own sampled
+tokens equal, one after another, and the first token that differs (or the token after the last draft): every token
+kept is the one plain decoding would have sampled, greedy or seeded, so speculation changes how many tokens a step
+makes and never which.
 
 Drafts are planned only where they fit: one row per draft within the step's ``max_num_seqs`` rows, their pages
 within the free ones, ``max_tokens`` and ``max_model_len``. A sequence with a grammar keeps the drafts its grammar
@@ -22,16 +23,33 @@ from __future__ import annotations
 from numba import int32, int64
 
 from blink.device import grammar
-from blink.device.block import exclusive_scan
+from blink.device.block import exclusive_scan, locate
 from blink.device.kv import free_total, pages_short
-from blink.device.numba_compat import cuda
+from blink.device.numba_compat import cuda, load_volatile
 from blink.device.state import COUNT
 
 
 @cuda.jit(device=True)
 def token_at(s, slot, position):
-    """Token ``position`` of the request in ``slot``: prompt, an earlier output, the last sampled token, or (past it)
-    one of the drafts planned after it."""
+    """Token ``position`` of the request in ``slot``: one the steps were fed (from the token history), its prompt, an
+    earlier output, the last sampled token, or (past it) one of the drafts planned after it.
+
+    Invariant: every position below ``seq_computed`` holds the sequence's token in ``history_tokens``, at its KV cell
+    through the sequence's own block table (``seq_pages``), so such a position is read from device memory, never
+    from the ring (across PCIe on the GPU). A position is counted computed only by ``consume``, after the step that
+    fed it ran and recorded it (``step.py``), or at admission for a prefix-cache hit, whose pages hold the tokens the
+    sequence that computed them recorded (a cached page is full and nobody writes it; evicting it takes it out of
+    the table first). Accepted drafts were fed as draft rows and equal the tokens kept; a rejected draft's position
+    lies at or beyond the new ``seq_total - 1``, is not computed, and is fed again before it counts. Preemption drops
+    the block table and ``seq_computed`` together: the sequence re-prefills from the ring. Positions from
+    ``seq_computed`` on (the ones a plan feeds) come from the ring, ``seq_last`` and ``seq_draft``. ``lookup`` reads
+    only decoding sequences (``seq_computed == seq_total - 1``): all it reads but the last token is history.
+    """
+    if position < s.seq_computed[slot]:
+        page = s.cfg[0].page_size
+        # Written by the step's kernels on other SMs: a resident scheduler must not read a stale L1 line (a cell
+        # it read before the step wrote it, or a page's earlier owner's).
+        return load_volatile(s.history_tokens, int64(s.seq_pages[slot, position // page]) * page + position % page)
     prompt_len = s.seq_prompt_len[slot]
     total = s.seq_total[slot]
     if position < prompt_len:
@@ -44,37 +62,47 @@ def token_at(s, slot, position):
 
 
 @cuda.jit(device=True)
-def lookup(s, best, slot, most):
-    """All threads: write into ``seq_draft[slot]`` the at most ``most`` tokens that followed the latest earlier
-    occurrence of the sequence's last ``n`` tokens, for the largest ``n`` that has one; return how many (0: none).
+def lookup(s, slots, n, most, offsets, best, partial):
+    """All threads: for each sequence ``i`` of ring slots ``slots[0:n]``, write into its ``seq_draft`` the at most
+    ``most[i]`` tokens that followed the latest earlier occurrence of its last tokens, as many of them as have one
+    from ``cfg.spec_max`` down to ``cfg.spec_min``, and replace ``most[i]`` by how many (0: none).
 
-    Each thread takes candidate end positions ``e`` (an occurrence ends before the sequence's last token) and counts
-    how many tokens ending at ``e`` equal the sequence's last ones, up to ``cfg.spec_max``; the block keeps the
-    largest count, then the latest ``e``, as one key in ``best[0]`` (shared, one int64: count above, position below).
+    The sequences are searched together: each pair of a sequence and a candidate end position ``e`` (an occurrence
+    ends before the sequence's last token) is one item, the items flattened over the block's threads (``offsets``:
+    each sequence's candidates, scanned), so the barriers do not grow with ``n`` and short contexts share a pass. An
+    item counts how many tokens ending at ``e`` equal the sequence's last ones, up to ``cfg.spec_max``; each sequence
+    keeps the largest count, then the latest ``e``, as one int64 key in ``best[i]`` (count above, position below).
+    Scratch: ``offsets`` and ``best`` (``n`` each), ``partial`` (the scan's).
     """
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    total = s.seq_total[slot]
     longest, shortest = s.cfg[0].spec_max, s.cfg[0].spec_min
-    if tid == 0:
-        best[0] = -1
+    for i in range(tid, n, nt):
+        best[i] = -1
+        offsets[i] = s.seq_total[slots[i]] - 1 if most[i] > 0 else 0
     cuda.syncthreads()
-    for end in range(tid, total - 1 if most > 0 else 0, nt):
+    items = exclusive_scan(offsets, n, partial)
+    for index in range(tid, items, nt):
+        i = locate(offsets, n, index)
+        slot = slots[i]
+        end = index - offsets[i]
+        last = s.seq_total[slot] - 1
         k = 0
-        while k < longest and k <= end and token_at(s, slot, end - k) == token_at(s, slot, total - 1 - k):
+        while k < longest and k <= end and token_at(s, slot, end - k) == token_at(s, slot, last - k):
             k += 1
         if k >= shortest:
-            cuda.atomic.max(best, 0, (int64(k) << 32) | end)
+            cuda.atomic.max(best, i, (int64(k) << 32) | end)
     cuda.syncthreads()
-    key = best[0]
-    count = 0
-    if key >= 0:
-        end = int32(key & 0xFFFFFFFF)
-        count = min(most, total - 1 - end)
-        for j in range(tid, count, nt):
-            s.seq_draft[slot, j] = token_at(s, slot, end + 1 + j)
+    for i in range(tid, n, nt):
+        slot = slots[i]
+        count = 0
+        if best[i] >= 0:
+            end = int32(best[i] & 0xFFFFFFFF)
+            count = min(most[i], s.seq_total[slot] - 1 - end)
+            for j in range(count):
+                s.seq_draft[slot, j] = token_at(s, slot, end + 1 + j)
+        most[i] = count
     cuda.syncthreads()
-    return count
 
 
 @cuda.jit(device=True)
@@ -99,18 +127,17 @@ def draft_pages(s, slot, k):
 def propose(s, sh, n):
     """Each decoding sequence ``i`` (``sh.chunk[i] == 1``, its decode planned) gets ``sh.chunk[i] = 1 + drafts``
     tokens (``seq_ndraft``; 0 for the others), the drafts cut in running order to the rows and pages left (their pages
-    added to ``COUNT.decode_pages``, before any prefill chunk is planned). Sequences are looked up one after another,
-    each by the whole block. Scratch: ``sh.keys[0]`` (the lookup's), ``sh.tokens``, ``sh.pages``, ``sh.rank``."""
+    added to ``COUNT.decode_pages``, before any prefill chunk is planned). Scratch: ``sh.rank`` (drafts per
+    sequence), ``sh.tokens``, ``sh.pages``, ``sh.keys`` (the lookup's best keys)."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    for i in range(n):
-        slot = s.running[i]
-        count = lookup(s, sh.keys, slot, budget(s, slot) if sh.chunk[i] == 1 else 0)
-        if tid == 0:
-            sh.rank[i] = grammar.allowed_drafts(s, slot, count)
+    for i in range(tid, n, nt):
+        sh.rank[i] = budget(s, s.running[i]) if sh.chunk[i] == 1 else 0
     cuda.syncthreads()
+    lookup(s, s.running, n, sh.rank, sh.tokens, sh.keys, sh.partial)
     for i in range(tid, n, nt):
         slot = s.running[i]
+        sh.rank[i] = grammar.allowed_drafts(s, slot, sh.rank[i])
         sh.tokens[i] = sh.rank[i]
         sh.pages[i] = draft_pages(s, slot, sh.rank[i])
     cuda.syncthreads()

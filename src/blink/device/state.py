@@ -1,8 +1,9 @@
 """The scheduler's memory: every array one iteration touches, and the records and index names it is read by.
 
-``SchedulerArrays`` groups the ring (views of the region the agent writes), the step buffers (``step.py``) and the
-scheduler's own state in device memory. The same tuple is built from numpy arrays for the CPU simulator and from
-device addresses on the GPU (``launch.py``), so kv, batcher and scheduler code never knows which it runs on.
+``SchedulerArrays`` groups the ring (views of the region the agent writes), the step buffers (``step.py``), the
+step's token history and the scheduler's own state in device memory. The same tuple is built from numpy arrays for
+the CPU simulator and from device addresses on the GPU (``image.py``, ``runtime.py``), so kv, batcher and scheduler
+code never knows which it runs on.
 """
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ assert MAX_CANDIDATES >= MAX_SEQS + 1
 
 
 class SchedulerArrays(NamedTuple):
-    """Every array one iteration touches. Field order is the order of the device address table (launch.py)."""
+    """Every array one iteration touches. Field order is the order of the device address table (image.py)."""
 
     # The ring (views of the region the agent writes).
     control: object         # CONTROL_RECORD [1]  the control block
@@ -148,6 +149,8 @@ class SchedulerArrays(NamedTuple):
     sampled_logprobs: object
     sampled_top_ids: object
     sampled_top_logprobs: object
+    # The step's token history (models/history.py ``TokenHistory.tokens``; step.py): the token fed at each KV cell.
+    history_tokens: object  # i32 [>= num_pages * page_size]  read through seq_pages (speculation.token_at)
     # Scheduler state (device memory only).
     sched: object           # SCHED_DTYPE [1]  the scheduler's scalars
     stats: object           # STATS_DTYPE [1]  device copies of the control block's counters, profile, doorbells seen

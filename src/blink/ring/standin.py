@@ -37,8 +37,11 @@ def standin_continuation(prompt: list[int], seed: int, n: int, vocab_size: int =
 def standin_step(step, bucket_tokens: int, vocab_size: int = STANDIN_VOCAB) -> None:
     """The stand-in model step on the CPU, over numpy views of the step buffers (``step.py``'s contract).
 
-    Every row that samples gets the stand-in token after its last query token, whatever else is in the batch.
+    It records its query tokens in the token history (``step.history_tokens``), as a model's step does; every row
+    that samples gets the stand-in token after its last query token, whatever else is in the batch.
     """
+    fed = step.slot_mapping[:bucket_tokens] >= 0
+    step.history_tokens[step.slot_mapping[:bucket_tokens][fed]] = step.token_ids[:bucket_tokens][fed]
     rows = min(bucket_tokens, step.logits_indices.shape[0])
     for r in range(rows):
         t = int(step.logits_indices[r])
