@@ -2,12 +2,12 @@
 
 1. numba compiles the iteration (``scheduler.make_iterate(policy)``) behind a C-ABI entry
    ``int blink_iterate(long long *table, int part)`` to LTO-IR (``part``: PREPARE, SETTLE or both). ``table`` holds
-   ``(address, dim0, dim1)`` for each field of ``SchedulerArrays``; the entry rebuilds the arrays from it. The entry's source is generated from the field list,
-   so the order the host fills the table in and the order the device reads it cannot drift apart.
+   ``(address, dim0, dim1)`` for each field of ``SchedulerArrays``; the entry rebuilds the arrays from it. The
+   entry's source is generated from the field list, so the order the host fills the table in and the order the
+   device reads it cannot drift apart.
 2. NVRTC compiles ``shim.cu`` (the device loop, the "done" kernel, the stand-in step) to LTO-IR, after C
    declarations of the records it reads (``SHIM_STRUCTS``: the launch table, written from its dtype by
-   ``cstruct.py``), with every constant it shares with Python passed as ``-D``
-   (``SHIM_DEFINES``).
+   ``cstruct.py``), with every constant it shares with Python passed as ``-D`` (``SHIM_DEFINES``).
 3. nvJitLink links both with ``libcudadevrt`` into an sm_90 cubin, cached by a hash of everything it is built from.
 
 The launch table (``LAUNCH_DTYPE``, in device memory) is the shim's other input: two instantiations of each
