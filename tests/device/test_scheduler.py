@@ -16,7 +16,7 @@ from tests.device.pages import check_pages
 
 from blink.device.config import SchedulerConfig, SpeculativeConfig
 from blink.device.sim import SimScheduler
-from blink.device.state import AGAIN, IDLE, PREPARE, PUBLISHED_COUNTERS, QUEUED, REFUSED, SETTLE, STOP
+from blink.device.state import AGAIN, COLLECT, IDLE, PREPARE, PUBLISH, PUBLISHED_COUNTERS, QUEUED, REFUSED, STOP
 from blink.device.step import StepBuffers, StepLayout
 from blink.errors import RingFull
 from blink.nic.agent import Agent
@@ -82,7 +82,7 @@ class KVContents:
 class Harness:
     """A ring in local memory, an Agent, and the simulated scheduler; checks every step it plans and the pages
     after every iteration. ``window``: each iteration in the GPU's resident loop's order (prepare, the step, then
-    settle, which runs beside the step there), each settle checked to write no step buffer."""
+    settle: publish and collect, which run beside the step there), each settle checked to write no step buffer."""
 
     def __init__(self, config=CONFIG, geometry=GEOMETRY, threads=4, policy=None, vocab_size=STANDIN_VOCAB,
                  window=False):
@@ -122,10 +122,11 @@ class Harness:
         return outcome
 
     def settle_beside_the_step(self) -> int:
-        """Settle alone, as the resident loop runs it while the step runs: it must write none of the step's buffers
-        (inputs the step reads, outputs it writes)."""
+        """Settle alone (publish, then collect), as the resident loop runs it while the step runs: it must write
+        none of the step's buffers (inputs the step reads, outputs it writes). Returns collect's AGAIN or IDLE."""
         before = {name: tensor.numpy().copy() for name, tensor in self.step.tensors().items()}
-        settled = self.scheduler.iteration(SETTLE)
+        self.scheduler.iteration(PUBLISH)
+        settled = self.scheduler.iteration(COLLECT)
         for name, tensor in self.step.tensors().items():
             assert np.array_equal(tensor.numpy(), before[name]), f"settle wrote the step's {name}"
         return settled
@@ -357,10 +358,8 @@ def test_a_long_prompt_is_prefilled_in_budget_sized_chunks_and_sampled_once():
 def test_decodes_go_first_and_prefill_takes_the_rest_of_the_budget():
     h = Harness()
     first = h.agent.submit([1, 2, 3], SamplingParams(max_tokens=6, seed=1))
-    h.iterate()                                            # settle collects `first`
-    h.iterate()                                            # prepare admits it: its prefill (3 tokens)
+    h.iterate()                                            # prefill of `first` (3 tokens)
     second = h.agent.submit(list(range(30)), SamplingParams(max_tokens=2, seed=2))
-    h.iterate()                                            # `first` decodes; settle collects `second`
     h.iterate()
     assert h.steps[-1] == {"slots": [0, 1], "chunks": [1, 15]}
     h.run_until_idle()
@@ -411,22 +410,26 @@ def test_full_ring_and_unservable_requests():
     assert h.reasons[rejected] == "error" and h.outputs.get(rejected, []) == []
 
 
-def test_shutdown_is_acted_on_by_the_next_prepare_and_aborts_in_flight_requests():
-    """Settle reads the shutdown while the step it follows may still run (the resident loop runs them side by side):
-    it only notes it, and tears nothing down that the step reads. The next prepare, after the step, aborts every
-    request in flight and stops the engine."""
+@pytest.mark.parametrize("window", [False, True])
+def test_shutdown_aborts_in_flight_requests_and_stops(window):
+    """In the resident loop's order (``window``) settle reads the shutdown while the step prepare planned still
+    runs: it only notes it, tearing down nothing the step reads; the next prepare, after the step, aborts every
+    request in flight and stops the engine. In the tail loop's, collect reads it right before that prepare."""
     h = Harness()
     running = h.agent.submit([1, 2], SamplingParams(max_tokens=12, ignore_eos=True))
-    while h.iterate() < 0:                       # collected, then admitted
-        pass
+    h.iterate()
     waiting = [h.agent.submit([3], SamplingParams(max_tokens=4)) for _ in range(5)]
     h.agent.request_shutdown()
-    s = h.scheduler.arrays
-    assert h.scheduler.iteration(PREPARE) >= 0, "the running request's next step"
-    assert h.scheduler.iteration(SETTLE) == AGAIN, "a shutdown seen: the next prepare acts at once"
-    assert s.sched[0].shutdown == 1 and s.sched[0].running == 1 and free_pages(s) < CONFIG.num_pages
-    assert h.agent.stats()["engine_state"] != ENGINE_STOPPED and not any(out.finished for out in h.agent.poll())
-    assert h.scheduler.iteration(PREPARE) == STOP
+    if window:
+        s = h.scheduler.arrays
+        assert h.scheduler.iteration(PREPARE) >= 0, "the running request's next step"
+        h.scheduler.iteration(PUBLISH)
+        assert h.scheduler.iteration(COLLECT) == AGAIN, "a shutdown seen: the next prepare acts at once"
+        assert s.sched[0].shutdown == 1 and s.sched[0].running == 1 and free_pages(s) < CONFIG.num_pages
+        assert h.agent.stats()["engine_state"] != ENGINE_STOPPED and not any(out.finished for out in h.agent.poll())
+        assert h.scheduler.iteration(PREPARE) == STOP
+    else:
+        assert h.scheduler.iteration() == STOP
     results = {out.request_id: out for out in h.agent.poll()}
     assert {results[r].finish_reason for r in [running] + waiting} == {"abort"}
     assert h.agent.stats()["engine_state"] == ENGINE_STOPPED
@@ -525,8 +528,7 @@ def test_a_request_cancelled_during_chunked_prefill_finishes_with_abort_and_no_t
     """Its previous steps sampled nothing, so nothing but the cancel makes its publication happen."""
     h = Harness()
     rid = h.agent.submit(list(range(40)), SamplingParams(max_tokens=4))     # 40 prompt tokens: 3 chunked steps
-    h.iterate()                                                          # collect
-    assert h.iterate() >= 0                                              # admit + first chunk (nothing sampled)
+    h.iterate()                                                          # admit + first chunk (nothing sampled)
     h.agent.cancel(rid)
     h.run_until_idle()
     assert h.reasons[rid] == "abort" and h.outputs.get(rid, []) == []
@@ -539,7 +541,6 @@ def test_prefills_that_hold_every_page_are_unblocked_by_preemption():
     s = h.scheduler.arrays
     h.agent.submit(list(range(40)), SamplingParams(max_tokens=12, seed=1))
     h.agent.submit(list(range(1, 41)), SamplingParams(max_tokens=12, seed=2))
-    h.iterate()                                  # both collected
     h.iterate()                                  # both admitted (10 + 10 pages of 24); the first one's first chunk
     s.sched[0].free_top -= int(s.sched[0].free_top)  # pages vanish under them (as if other sequences had taken them)
     outcome = h.scheduler.iteration()

@@ -8,7 +8,7 @@ import numpy as np
 
 from blink.device.config import SchedulerConfig
 from blink.device.sim import SimScheduler
-from blink.device.state import AGAIN, IDLE
+from blink.device.state import IDLE
 from blink.device.step import StepBuffers, StepLayout
 from blink.nic.agent import Agent
 from blink.nic.liveness import Liveness
@@ -49,7 +49,6 @@ def test_the_end_of_a_long_step_is_a_beat():
 
     memory, agent, scheduler = ring(long_step)
     agent.submit([1, 2, 3], SamplingParams(max_tokens=2))
-    assert scheduler.iteration() == AGAIN, "collected: the next iteration admits it"
     assert scheduler.iteration() >= 0, "the step ran"
     now[0] += 0.5       # the step has ended, the next iteration has not begun: its heartbeat has not moved
     assert control.read(memory)["in_step"] == 0
@@ -75,7 +74,6 @@ def test_a_step_that_keeps_progressing_is_alive_however_long_it_takes():
 
     memory, agent, scheduler = ring(layered_step)
     agent.submit([1, 2, 3], SamplingParams(max_tokens=2))
-    assert scheduler.iteration() == AGAIN
     assert scheduler.iteration() >= 0
 
 

@@ -1,10 +1,10 @@
 """The scheduler image: compile, link and cache the cubin the GPU loop runs (no GPU needed).
 
 1. numba compiles the iteration (``scheduler.make_iterate(policy)``) behind a C-ABI entry
-   ``int blink_iterate(long long *table, int part)`` to LTO-IR (``part``: PREPARE, SETTLE or both). ``table`` holds
-   ``(address, dim0, dim1)`` for each field of ``SchedulerArrays``; the entry rebuilds the arrays from it. The
-   entry's source is generated from the field list, so the order the host fills the table in and the order the
-   device reads it cannot drift apart.
+   ``int blink_iterate(long long *table, int part)`` to LTO-IR (``part``: the parts of the iteration to run).
+   ``table`` holds ``(address, dim0, dim1)`` for each field of ``SchedulerArrays``; the entry rebuilds the arrays
+   from it. The entry's source is generated from the field list, so the order the host fills the table in and the
+   order the device reads it cannot drift apart.
 2. NVRTC compiles ``shim.cu`` (the device loop, the "done" kernel, the stand-in step) to LTO-IR, after C
    declarations of the records it reads (``SHIM_STRUCTS``: the launch table, written from its dtype by
    ``cstruct.py``), with every constant it shares with Python passed as ``-D`` (``SHIM_DEFINES``).
@@ -30,7 +30,7 @@ from blink.device.numba_compat import SIMULATOR, cuda
 from blink.device.policy import fcfs
 from blink.device.scheduler import make_iterate
 from blink.device.arrays import ring_arrays, state_arrays
-from blink.device.state import AGAIN, PREPARE, SETTLE, STOP, SchedulerArrays
+from blink.device.state import AGAIN, COLLECT, ITERATION, PREPARE, PUBLISH, STOP, SchedulerArrays
 from blink.device.step import StepLayout
 from blink.errors import LaunchError
 from blink.paths import cache_dir
@@ -48,8 +48,9 @@ LAUNCH_RETRIES = 10_000             # a graph that just signalled may not have r
 LAUNCH_RETRY_NS = 100               # ... this long apart
 DONE_POLL_NS = 32                   # the resident loop's sleep between looks at the done counter
 STANDIN_BLOCK = 128                 # threads per block of the stand-in step
-SHIM_DEFINES = {"WINDOW": WINDOW, "STOP": STOP, "AGAIN": AGAIN, "PREPARE": PREPARE, "SETTLE": SETTLE,
-                "LAUNCH_RETRIES": LAUNCH_RETRIES, "LAUNCH_RETRY_NS": LAUNCH_RETRY_NS, "DONE_POLL_NS": DONE_POLL_NS}
+SHIM_DEFINES = {"WINDOW": WINDOW, "STOP": STOP, "AGAIN": AGAIN, "PREPARE": PREPARE, "PUBLISH": PUBLISH,
+                "COLLECT": COLLECT, "ITERATION": ITERATION, "LAUNCH_RETRIES": LAUNCH_RETRIES,
+                "LAUNCH_RETRY_NS": LAUNCH_RETRY_NS, "DONE_POLL_NS": DONE_POLL_NS}
 # The memory the shim reads and writes, declared in C from the dtypes the Python side uses (cstruct.py).
 SHIM_STRUCTS = {"BlinkLaunch": LAUNCH_DTYPE}
 # Sources the cached image depends on besides numba, the CUDA toolchain and the policy.

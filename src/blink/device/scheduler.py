@@ -12,22 +12,26 @@ An iteration has two parts, run by one thread block. **prepare** needs the step 
    (``batcher.plan``); return the bucket to launch, or ``IDLE``.
 
 **settle** needs nothing from the running step and writes nothing it reads (no step buffer), so the resident loop
-runs it while the step runs:
+runs it while the step runs, in two halves:
 
-6. **publish** prepare's ring writes after one fence (``publish.py``): ``n_generated``, RUNNING for its admissions,
-   FINISHED for the requests that finished an iteration earlier; then heartbeat, counters and gauges into the
-   control block;
-7. read the **doorbells** (shutdown, ``submitted``, ``cancels``; three words across PCIe);
-8. **collect**: drop cancelled requests from the waiting queue (when ``cancels`` moved), take new READY requests into
-   it (``waiting.py``, when ``submitted`` moved); the next prepare admits them. Returns ``AGAIN`` when the next
-   iteration has work without a doorbell moving (requests queued, finished ones to publish, a shutdown), else IDLE.
+6. PUBLISH: **publish** prepare's ring writes after one fence (``publish.py``): ``n_generated``, RUNNING for its
+   admissions, FINISHED for the requests that finished an iteration earlier; then heartbeat, counters and gauges
+   into the control block;
+7. COLLECT: read the **doorbells** (shutdown, ``submitted``, ``cancels``; three words across PCIe), then
+   8. **collect**: drop cancelled requests from the waiting queue (when ``cancels`` moved), take new READY requests
+   into it (``waiting.py``, when ``submitted`` moved); the next prepare admits them. Returns ``AGAIN`` when the
+   next iteration has work without a doorbell moving (requests queued, finished ones to publish, a shutdown).
 
-What one part leaves the other goes through the scheduler's state (``s.sched[0]``: ``admitted``, ``shutdown``,
-``cancel_bell``; each part's counts through the device counters, ``fold_counts``), never through shared memory,
-which each part zeroes where it starts. All state lives in global memory (``SchedulerArrays``) and nothing is kept
-between launches, so the same code runs as a relaunched GPU kernel and as a simulator kernel. The agent writes only
-the ring: words it may change are read with ``load_volatile``; counters live in device memory and are only stored to
-the ring (no read across PCIe).
+The resident loop runs PREPARE, launches the step, then PUBLISH and COLLECT beside it. The tail loop and the
+simulator run one call of COLLECT, PREPARE, PUBLISH (in that order), then the step: the same sequence of phases
+with the step between settle's halves instead of beside them, so that what COLLECT takes in (a request, a cancel, a
+shutdown) is acted on before the next step is planned, as the resident loop does for what arrived before its last
+doorbell read. What one part leaves another goes through the scheduler's state (``s.sched[0]``: ``admitted``,
+``shutdown``, ``cancel_bell``; each part's counts through the device counters, ``fold_counts``), never through
+shared memory, which each part zeroes where it starts. All state lives in global memory (``SchedulerArrays``) and
+nothing is kept between launches, so the same code runs as a relaunched GPU kernel and as a simulator kernel. The
+agent writes only the ring: words it may change are read with ``load_volatile``; counters live in device memory
+and are only stored to the ring (no read across PCIe).
 """
 from __future__ import annotations
 
@@ -39,8 +43,8 @@ from blink.device.doorbells import read_doorbells
 from blink.device.kv import free_sequences
 from blink.device.numba_compat import clock, cuda, load_volatile
 from blink.device.publish import fold_counts, publish, publish_stats
-from blink.device.state import (AGAIN, COUNT, IDLE, MAX_CANDIDATES, N_COUNTERS, PHASE, PREPARE, REFUSED, SETTLE,
-                                STOP, Scratch)
+from blink.device.state import (AGAIN, COLLECT, COUNT, IDLE, MAX_CANDIDATES, N_COUNTERS, PHASE, PREPARE, PUBLISH,
+                                REFUSED, STOP, Scratch)
 from blink.device.waiting import cancel_queued, cancelled, collect, enqueue
 from blink.ring.control import ENGINE_SERVING, ENGINE_STOPPED
 from blink.ring.layout import FINISH_ABORT, FINISH_NONE, FINISHED, READY
@@ -189,12 +193,12 @@ def given(s):
 def make_iterate(policy, arrays=given):
     """Build the iteration device function with ``policy`` (see ``blink.device.policy``) ordering admission.
 
-    ``iterate(source, part)`` runs ``part`` of an iteration: PREPARE (returns the bucket to launch, IDLE or STOP),
-    SETTLE (returns AGAIN or IDLE), or both, PREPARE | SETTLE (returns prepare's outcome, AGAIN for an IDLE one that
-    settle left work). ``source`` is what ``arrays(source)`` turns into its ``SchedulerArrays``: the arrays
-    themselves (the simulator), or the GPU image's address table, rebuilt where each phase starts. Rebuilt after the
-    previous phase's barriers, the ~80 arrays' addresses and shapes are reloaded from the table (L1) instead of being
-    kept live, and spilled, across the whole iteration.
+    ``iterate(source, part)`` runs the parts of an iteration that ``part`` names (flags, run in this order): COLLECT
+    (settle's second half; returns AGAIN or IDLE), PREPARE (returns the bucket to launch, IDLE or STOP), PUBLISH
+    (settle's first half); with PREPARE, it returns prepare's outcome. ``source`` is what ``arrays(source)`` turns
+    into its ``SchedulerArrays``: the arrays themselves (the simulator), or the GPU image's address table, rebuilt
+    where each phase starts. Rebuilt after the previous phase's barriers, the ~80 arrays' addresses and shapes are
+    reloaded from the table (L1) instead of being kept live, and spilled, across the whole iteration.
     """
 
     @cuda.jit(device=True)
@@ -203,7 +207,7 @@ def make_iterate(policy, arrays=given):
         tid = cuda.threadIdx.x
         t = clock()
         s = arrays(source)
-        if s.sched[0].shutdown != 0:            # seen by the last settle: no step of ours runs now
+        if s.sched[0].shutdown != 0:            # seen by a settle: no step of ours runs now
             shut_down(s, sh)
             return STOP
         if tid == 0:
@@ -224,21 +228,27 @@ def make_iterate(policy, arrays=given):
         if tid == 0:
             s.stats[0].steps += 1 if bucket >= 0 else 0
             fold_counts(s, sh)
-        cuda.syncthreads()                      # the counters are read before settle zeroes them
+        cuda.syncthreads()                      # the counters are read before the next part zeroes them
         return bucket
 
     @cuda.jit(device=True)
-    def settle(source, sh):
-        """Publish prepare's work and the counters; read the doorbells; cancel queued requests, collect new ones."""
-        tid = cuda.threadIdx.x
+    def settle_publish(source, sh):
+        """Publish prepare's ring writes, then heartbeat, counters and gauges."""
         t = clock()
         s = arrays(source)
         publish(s, sh)
-        if tid == 0:
+        if cuda.threadIdx.x == 0:
             s.stats[0].heartbeat += 1
             s.control[0].engine_state = ENGINE_SERVING
             publish_stats(s)
-        t = lap(s, t, PHASE.publish)
+        cuda.syncthreads()
+        lap(s, t, PHASE.publish)
+
+    @cuda.jit(device=True)
+    def settle_collect(source, sh):
+        """Read the doorbells; drop cancelled queued requests, queue new ones. AGAIN when the next iteration has
+        work of its own (requests queued, finished requests to publish, a shutdown to act on), else IDLE."""
+        t = clock()
         s = arrays(source)
         read_doorbells(s, sh)
         t = lap(s, t, PHASE.doorbells)
@@ -247,7 +257,7 @@ def make_iterate(policy, arrays=given):
             cancel_queued(s, sh)
         if sh.counters[COUNT.scan] != 0:
             enqueue(s, sh, collect(s, sh, policy))
-        if tid == 0:                            # refused READY requests are published like finished ones
+        if cuda.threadIdx.x == 0:               # refused READY requests are published like finished ones
             s.sched[0].pending_finished += sh.counters[COUNT.refused]
             fold_counts(s, sh)
         cuda.syncthreads()
@@ -260,14 +270,14 @@ def make_iterate(policy, arrays=given):
     @cuda.jit(device=True)
     def iterate(source, part):
         outcome = IDLE
+        if part & COLLECT:
+            outcome = settle_collect(source, scratch())
         if part & PREPARE:
             outcome = prepare(source, scratch())
             if outcome == STOP:
                 return STOP
-        if part & SETTLE:
-            settled = settle(source, scratch())
-            if outcome == IDLE:
-                outcome = settled
+        if part & PUBLISH:
+            settle_publish(source, scratch())
         return outcome
 
     return iterate

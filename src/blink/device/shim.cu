@@ -4,10 +4,12 @@
 // from the numpy dtypes the Python side uses (blink/device/image.py: SHIM_STRUCTS), and with -D definitions of every
 // constant below (SHIM_DEFINES), taken from the Python modules that own them, so the two sides cannot disagree. The
 // iteration itself is numba code (blink_iterate), linked in by nvJitLink: its part PREPARE needs the finished step
-// and writes the next one's inputs; its part SETTLE (publish, doorbells, collect) needs nothing from the step and
-// writes nothing it reads, so the resident loop runs it while the step runs (blink/device/scheduler.py).
-#if !defined(WINDOW) || !defined(STOP) || !defined(AGAIN) || !defined(PREPARE) || !defined(SETTLE) ||              \
-    !defined(LAUNCH_RETRIES) || !defined(LAUNCH_RETRY_NS) || !defined(DONE_POLL_NS)
+// and writes the next one's inputs; settle, its parts PUBLISH and COLLECT (publish; doorbells, collect), needs
+// nothing from the step and writes nothing it reads, so the resident loop runs it while the step runs
+// (blink/device/scheduler.py).
+#if !defined(WINDOW) || !defined(STOP) || !defined(AGAIN) || !defined(PREPARE) || !defined(PUBLISH) ||             \
+    !defined(COLLECT) || !defined(ITERATION) || !defined(LAUNCH_RETRIES) || !defined(LAUNCH_RETRY_NS) ||          \
+    !defined(DONE_POLL_NS)
 #error "compile shim.cu through blink.device.image.compile_shim: it declares the records and defines the constants"
 #endif
 
@@ -44,11 +46,11 @@ __device__ int blink_step(long long *table, int parts) {
 // Launch mode "tail": one whole iteration per execution, then the step graph and this graph again, as tail launches.
 extern "C" __global__ void blink_scheduler_tail(long long *table, BlinkLaunch *launch, int *launch_error,
                                                 int idle_ns) {
-  int outcome = blink_step(table, PREPARE | SETTLE);
+  int outcome = blink_step(table, ITERATION);
   if (threadIdx.x != 0 || outcome == STOP) return;
   if (outcome >= 0) {
     if (!blink_launch((cudaGraphExec_t)launch->graphs[0][outcome], cudaStreamGraphTailLaunch, launch_error)) return;
-  } else if (outcome != AGAIN && idle_ns > 0) {
+  } else if (idle_ns > 0) {
     __nanosleep(idle_ns);
   }
   blink_launch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch, launch_error);
@@ -56,8 +58,9 @@ extern "C" __global__ void blink_scheduler_tail(long long *table, BlinkLaunch *l
 
 // Launch mode "fire_and_forget": stay resident for up to WINDOW steps (a CUDA limit on fire-and-forget launches
 // per graph execution): prepare, fire the step graph (two instantiations alternate: a graph cannot be relaunched
-// before its previous launch retires), settle while it runs, wait for its done kernel, repeat; then tail-relaunch
-// this graph (after the idle sleep when an iteration had nothing to run and settle left no work).
+// before its previous launch retires), settle (publish, then collect) while it runs, wait for its done kernel,
+// repeat; then tail-relaunch this graph (after the idle sleep when an iteration had nothing to run and collect
+// left no work).
 extern "C" __global__ void blink_scheduler_window(long long *table, BlinkLaunch *launch, int *launch_error,
                                                   int idle_ns) {
   __shared__ int go;
@@ -83,7 +86,8 @@ extern "C" __global__ void blink_scheduler_window(long long *table, BlinkLaunch 
     }
     __syncthreads();
     if (go == STOP) return;
-    int settled = blink_iterate(table, SETTLE);        // the step runs meanwhile
+    blink_iterate(table, PUBLISH);                     // the step runs meanwhile
+    int settled = blink_iterate(table, COLLECT);
     if (threadIdx.x == 0 && outcome >= 0) {
       while (*done == before) __nanosleep(DONE_POLL_NS);
       launch->step_cycles += clock64() - start;        // launch + step (settle overlaps it) + wake-up, for the profile

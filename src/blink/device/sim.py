@@ -2,10 +2,8 @@
 
 The iteration kernel here is built from exactly the device functions the GPU image links (``make_iterate``), so its
 observable behaviour is the GPU loop's; only the launch mechanics differ: a Python loop launches one simulated
-block per iteration (prepare, then settle, as the GPU's tail loop runs them) and runs the step between iterations.
-Settle writes nothing the step reads, so this order and the resident loop's (prepare, the step beside settle)
-compute the same. Import this module before anything imports numba (it
-turns the simulator on), or set ``NUMBA_ENABLE_CUDASIM=1`` yourself.
+block per iteration (``ITERATION``, as the GPU's tail loop does) and runs the step between iterations. Import this
+module before anything imports numba (it turns the simulator on), or set ``NUMBA_ENABLE_CUDASIM=1`` yourself.
 """
 from __future__ import annotations
 
@@ -24,7 +22,7 @@ from blink.device.config import SchedulerConfig  # noqa: E402
 from blink.device.numba_compat import SIMULATOR, cuda  # noqa: E402
 from blink.device.policy import fcfs  # noqa: E402
 from blink.device.scheduler import make_iterate  # noqa: E402
-from blink.device.state import IDLE, PREPARE, SETTLE, STOP, SchedulerArrays  # noqa: E402
+from blink.device.state import IDLE, ITERATION, STOP, SchedulerArrays  # noqa: E402
 from blink.device.step import StepBuffers  # noqa: E402
 from blink.ring.geometry import RingGeometry  # noqa: E402
 from blink.ring.layout import RingView  # noqa: E402
@@ -116,11 +114,12 @@ class SimScheduler:
         self._kernel = make_kernel(policy)
         self._result = np.zeros(1, np.int32)
 
-    def iteration(self, part: int = PREPARE | SETTLE) -> int:
-        """One scheduler iteration, then the step it planned. Returns the bucket index, IDLE, AGAIN or STOP.
+    def iteration(self, part: int = ITERATION) -> int:
+        """One scheduler iteration, then the step it planned. Returns the bucket index, IDLE or STOP.
 
-        ``part`` runs only PREPARE (and the step) or only SETTLE: the resident GPU loop's order, prepare, then the
-        step beside settle."""
+        ``part`` runs only some parts of it (``blink.device.state``), then the step if PREPARE planned one: PREPARE,
+        then PUBLISH and COLLECT is the resident GPU loop's order (there, the step runs beside the last two; they
+        write nothing it reads). COLLECT alone returns AGAIN or IDLE."""
         # Host work (a simulated iteration, a model step on torch CPU) can outlast the agent's liveness timeout on a
         # loaded machine: ``in_step`` says the loop is inside it (nonzero), moves while it progresses (``progress``),
         # and its return to 0 at the end is itself a beat (blink.nic.liveness).
@@ -144,11 +143,10 @@ class SimScheduler:
         """Iterate until shutdown is requested and everything in flight was aborted.
 
         While idle the sleep between iterations doubles from ``idle_sleep_s[0]`` up to ``idle_sleep_s[1]``; work
-        resets it (so does AGAIN: settle left the next iteration work). Once two idle iterations in a row saw the
-        same doorbells (shutdown, submitted, cancels), the scheduler is quiescent and a further iteration would
-        change nothing but the heartbeat: until a doorbell moves, the loop only beats (``_idle_beat``) instead of
-        simulating a whole iteration (milliseconds of CPU each, a Python thread per simulated thread), so an idle
-        engine costs next to nothing.
+        resets it. Once two idle iterations in a row saw the same doorbells (shutdown, submitted, cancels), the
+        scheduler is quiescent and a further iteration would change nothing but the heartbeat: until a doorbell
+        moves, the loop only beats (``_idle_beat``) instead of simulating a whole iteration (milliseconds of CPU
+        each, a Python thread per simulated thread), so an idle engine costs next to nothing.
         """
         shortest, longest = idle_sleep_s
         sleep, idle_bells, quiet_bells = 0.0, None, None
@@ -163,7 +161,7 @@ class SimScheduler:
                     return
                 quiet_bells = bells if outcome == IDLE and bells == idle_bells else None
                 idle_bells = bells if outcome == IDLE else None
-            sleep = min(max(2 * sleep, shortest), longest) if outcome == IDLE else 0.0
+            sleep = min(max(2 * sleep, shortest), longest) if outcome < 0 else 0.0
             time.sleep(sleep)
 
     def _doorbells(self) -> tuple[int, int, int]:

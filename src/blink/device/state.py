@@ -44,14 +44,16 @@ SCHED_DTYPE = _record("<i4", "running", "free_top", "rows", "bucket", "queued", 
                       "pending_finished", "publishable", "evictable", "cached", "lru_head", "lru_count", "admitted",
                       "shutdown", "cancel_bell")
 
-# The two parts of an iteration (scheduler.py), as flags: the GPU's resident loop runs them apart, the step between;
-# the tail loop and the simulator run both (PREPARE | SETTLE) in one call.
-PREPARE, SETTLE = 1, 2
+# The parts of an iteration (scheduler.py), as flags; one call runs those it names in the order COLLECT, PREPARE,
+# PUBLISH. The GPU's resident loop calls PREPARE, launches the step, then calls PUBLISH and COLLECT (settle) while
+# it runs; the tail loop and the simulator call ITERATION, then run the step.
+PREPARE, PUBLISH, COLLECT = 1, 2, 4
+ITERATION = COLLECT | PREPARE | PUBLISH
 # What an iteration returns besides a bucket index.
 IDLE = -1       # nothing to run: back off, then iterate again
 STOP = -2       # shutdown done: do not relaunch
-AGAIN = -3      # nothing to run, but settle left the next iteration work (new requests queued, finished requests to
-                # publish, a shutdown): iterate again without backing off
+AGAIN = -3      # COLLECT alone: the next iteration has work without a doorbell moving (requests queued, finished
+                # requests to publish, a shutdown): iterate again without backing off
 
 # Scheduler configuration (s.cfg[0]).
 CFG_DTYPE = _record("<i4", "page_size", "token_budget", "max_num_seqs", "n_buckets", "n_eos", "watermark",
