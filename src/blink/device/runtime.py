@@ -2,13 +2,13 @@
 
 Launch modes (``SchedulerConfig.launch_mode``), both relaunching the scheduler graph from the device only:
 
-- ``tail``: each scheduler execution runs one iteration (prepare, then settle: ``scheduler.py``), tail-launches the
-  step graph, then itself;
+- ``tail``: each scheduler execution runs one iteration (``scheduler.py``), tail-launches the step graph, then
+  itself;
 - ``fire_and_forget``: each scheduler execution stays resident for up to ``image.WINDOW`` steps: prepare,
   fire-and-forget the step graph, settle while it runs, wait until the step's last kernel bumps the done counter,
   repeat. Then it tail-relaunches itself.
 
-When idle (nothing to run, and settle left no work: ``AGAIN``), the scheduler sleeps ``idle_sleep_ns`` and
+When idle (nothing to run; resident: and settle left no work, ``AGAIN``), the scheduler sleeps ``idle_sleep_ns`` and
 relaunches itself. A failing device-side ``cudaGraphLaunch``
 is written to the ring's ``launch_error`` and ends the loop; ``join`` raises it by name. The host only starts the
 loop and waits for it with a blocking sleep, so it uses no CPU while the loop runs.

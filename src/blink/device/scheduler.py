@@ -1,6 +1,7 @@
 """The GPU-resident scheduler: one iteration of the persistent loop, written as block-wide device functions.
 
-An iteration has two parts, run by one thread block. **prepare** needs the step that just ran, and writes the next:
+An iteration has two parts, run by one thread block. **prepare** (PREPARE) needs the step that just ran, and writes
+the next:
 
 1. a shutdown that settle saw (``sched.shutdown``): abort everything in flight (``shut_down``), return ``STOP``;
 2. **consume** the previous step's sampled tokens: token (and logprob) into the ring's output area; the request's
@@ -11,27 +12,26 @@ An iteration has two parts, run by one thread block. **prepare** needs the step 
 4. **admit** from the waiting queue's head (``batcher.admit``), 5. **plan** the next step's inputs
    (``batcher.plan``); return the bucket to launch, or ``IDLE``.
 
-**settle** needs nothing from the running step and writes nothing it reads (no step buffer), so the resident loop
-runs it while the step runs, in two halves:
+**settle** needs nothing from the running step and writes nothing it reads (no step buffer), in two halves:
 
 6. PUBLISH: **publish** prepare's ring writes after one fence (``publish.py``): ``n_generated``, RUNNING for its
    admissions, FINISHED for the requests that finished an iteration earlier; then heartbeat, counters and gauges
    into the control block;
 7. COLLECT: read the **doorbells** (shutdown, ``submitted``, ``cancels``; three words across PCIe), then
-   8. **collect**: drop cancelled requests from the waiting queue (when ``cancels`` moved), take new READY requests
-   into it (``waiting.py``, when ``submitted`` moved); the next prepare admits them. Returns ``AGAIN`` when the
+   **collect**: drop cancelled requests from the waiting queue (when ``cancels`` moved), take new READY requests
+   into it (``waiting.py``, when ``submitted`` moved), for the next prepare to admit. Returns ``AGAIN`` when the
    next iteration has work without a doorbell moving (requests queued, finished ones to publish, a shutdown).
 
-The resident loop runs PREPARE, launches the step, then PUBLISH and COLLECT beside it. The tail loop and the
-simulator run one call of COLLECT, PREPARE, PUBLISH (in that order), then the step: the same sequence of phases
-with the step between settle's halves instead of beside them, so that what COLLECT takes in (a request, a cancel, a
-shutdown) is acted on before the next step is planned, as the resident loop does for what arrived before its last
-doorbell read. What one part leaves another goes through the scheduler's state (``s.sched[0]``: ``admitted``,
-``shutdown``, ``cancel_bell``; each part's counts through the device counters, ``fold_counts``), never through
-shared memory, which each part zeroes where it starts. All state lives in global memory (``SchedulerArrays``) and
-nothing is kept between launches, so the same code runs as a relaunched GPU kernel and as a simulator kernel. The
-agent writes only the ring: words it may change are read with ``load_volatile``; counters live in device memory
-and are only stored to the ring (no read across PCIe).
+The resident loop (shim.cu) calls PREPARE, launches the step, then PUBLISH and COLLECT while the step runs. The tail
+loop and the simulator call COLLECT, PREPARE, PUBLISH at once (``ITERATION``: the flags run in that order), then the
+step: the same cycle of phases with the step between settle's halves instead of beside them, so what COLLECT takes
+in (a request, a cancel, a shutdown) is acted on before the next step is planned, as the resident loop does with
+what arrived before its last doorbell read. What one part leaves another goes through the scheduler's state
+(``s.sched[0]``: ``admitted``, ``shutdown``, ``cancel_bell``; each part's counts through the device counters,
+``fold_counts``), never through shared memory, which each part zeroes where it starts. All state lives in global
+memory (``SchedulerArrays``) and nothing is kept between launches, so the same code runs as a relaunched GPU kernel
+and as a simulator kernel. The agent writes only the ring: words it may change are read with ``load_volatile``;
+counters live in device memory and are only stored to the ring (no read across PCIe).
 """
 from __future__ import annotations
 
