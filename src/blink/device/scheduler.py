@@ -52,8 +52,8 @@ from blink.ring.layout import FINISH_ABORT, FINISH_NONE, FINISHED, READY
 
 @cuda.jit(device=True)
 def retire(s, sh):
-    """Finish sequences that stopped or were cancelled (their cancel words read only when the last settle saw the
-    ``cancels`` doorbell move); free their pages; compact the running list in order."""
+    """Finish sequences that stopped or were cancelled (their cancel words read only when a settle saw the
+    ``cancels`` doorbell move since the last retire); free their pages; compact the running list in order."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     n = s.sched[0].running
@@ -167,7 +167,7 @@ def lap(s, start, phase):
 @cuda.jit(device=True)
 def scratch():
     """The iteration's shared-memory work arrays (``Scratch``), its counters zeroed. All threads, where each part of
-    the iteration starts (both parts share the arrays: one call site)."""
+    the iteration starts (the parts share the arrays: one call site of each)."""
     # One shared array per line: the CUDA simulator tells shared arrays apart by source line.
     slots = cuda.shared.array(MAX_CANDIDATES, int32)
     keys = cuda.shared.array(MAX_CANDIDATES, int64)

@@ -37,7 +37,7 @@ def indices(names: type) -> tuple:
 
 # Scheduler scalars (s.sched[0]). The prefix cache's (kv.py, prefix.py): evictable = cached pages no sequence holds
 # (free pages = the free stack + these), cached = pages in the table, lru_head / lru_count = the LRU ring. What one
-# part of an iteration leaves for the other (scheduler.py): admitted = requests the last prepare admitted (the last
+# part of an iteration leaves for another (scheduler.py): admitted = requests the last prepare admitted (the last
 # ``admitted`` of the running list; settle publishes them RUNNING); shutdown = settle saw one (the next prepare acts
 # on it); cancel_bell = settle saw the ``cancels`` doorbell move (the next retire looks at running requests' cancels).
 SCHED_DTYPE = _record("<i4", "running", "free_top", "rows", "bucket", "queued", "queue_head", "consumed",
@@ -65,8 +65,8 @@ CONTROL_RECORD = record(CONTROL_DTYPE)
 
 
 class Phases(NamedTuple):
-    """The phases of an iteration in the order they run (prepare's, then settle's), as indices into
-    ``s.stats[0].profile``."""
+    """The phases of an iteration in the order the resident loop runs them (prepare's, then settle's), as indices
+    into ``s.stats[0].profile``."""
 
     consume: int
     retire: int
