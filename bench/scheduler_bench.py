@@ -40,6 +40,7 @@ from blink.device.config import SchedulerConfig
 from blink.device.driver import check
 from blink.device.image import link_image
 from blink.device.runtime import GpuScheduler
+from blink.device.state import PROFILE_PHASES, SETTLE_PHASES
 from blink.device.step import StepBuffers, StepLayout
 from blink.nic.agent import Agent
 from blink.ring import control
@@ -239,6 +240,15 @@ def kernel_resources(image: bytes) -> dict:
     return result
 
 
+def profile_text(profile: dict) -> str:
+    """A phase profile (us per iteration) in the order the phases run: prepare's, then settle's (which the
+    fire-and-forget loop runs beside the step: ``step_launch_to_done`` covers them), then the step's launch to done."""
+    prepare = [k for k in PROFILE_PHASES if k not in SETTLE_PHASES]
+    parts = [f"{name} {sum(profile[k] for k in phases):.2f} (" + " ".join(f"{k}={profile[k]:.2f}" for k in phases)
+             + ")" for name, phases in (("prepare", prepare), ("settle", SETTLE_PHASES))]
+    return " | ".join(parts + [f"step_launch_to_done={profile['step_launch_to_done']:.2f}"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default="scheduler_bench.json")
@@ -269,30 +279,27 @@ def main() -> None:
     print(f"  host back-to-back launches of the 1-row step graph: {result['host_baseline']['us_per_step']:.2f} us")
     print(f"  {'mode':>16} {'batch':>5} {'threads':>7} {'us/step':>8} {'SM MHz':>7}  profile (us per iteration)")
     for r in result["step"]:
-        profile = " ".join(f"{k}={v:.2f}" for k, v in r["profile_us"].items())
         print(f"  {r['mode']:>16} {r['batch']:>5} {r['threads']:>7} {r['us_per_step']:>8.2f} "
-              f"{r['sm_clock_mhz'] or '?':>7}  {profile}")
+              f"{r['sm_clock_mhz'] or '?':>7}  {profile_text(r['profile_us'])}")
     print(f"  {'mode':>16} {'ring (4096 slots)':>18} {'us/iteration':>13} {'with full scan':>15}")
     for plain, scanning in zip(result["idle"][::2], result["idle"][1::2]):
         print(f"  {plain['mode']:>16} {plain['case']:>18} {plain['us_per_iteration']:>13.2f} "
               f"{scanning['us_per_iteration']:>15.2f}  collect={scanning['profile_us']['collect']:.2f}")
     quiet = result["idle"][0]["profile_us"]
-    print("  quiet iteration profile (us): " + " ".join(f"{k}={v:.2f}" for k, v in quiet.items()))
+    print("  quiet iteration profile (us): " + profile_text(quiet))
     for r in result["admission"]:
         print(f"  READY -> first token (idle sleep {r['idle_sleep_ns']} ns): median {r['median_us']:.1f} us, "
               f"p99 {r['p99_us']:.1f} us")
     for r in result["prefix"]["step"]:
-        profile = " ".join(f"{k}={v:.2f}" for k, v in r["profile_us"].items())
         print(f"  prefix caching {'on ' if r['caching'] else 'off'}: 64 decoding, {r['us_per_step']:.2f} us/step, "
-              f"{json.dumps(r['cache'])}  {profile}")
+              f"{json.dumps(r['cache'])}  {profile_text(r['profile_us'])}")
     for r in result["prefix"]["admission"]:
         print(f"  prefix caching {'on ' if r['caching'] else 'off'}: READY -> first token of a 240-token prompt "
               f"(224 shared): median {r['median_us']:.1f} us, p99 {r['p99_us']:.1f} us, "
               f"{r['prefix_hit_tokens']} tokens hit")
     for r in result["placement"]:
-        profile = " ".join(f"{k}={v:.2f}" for k, v in r["profile_us"].items())
         print(f"  request side in {r['request_side']:>6} memory: {r['batch']:>2} decoding, {r['us_per_step']:.2f} "
-              f"us/step  {profile}")
+              f"us/step  {profile_text(r['profile_us'])}")
     hogged = result["memory_hogs"]
     for quiet, among in zip(hogged["admission_quiet"], hogged["admission"]):
         print(f"  READY -> first token, request side in {quiet['request_side']:>6} memory: median / p99 "

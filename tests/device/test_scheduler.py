@@ -18,7 +18,7 @@ from tests.device.references import prompt_lookup
 
 from blink.device.config import SchedulerConfig, SpeculativeConfig
 from blink.device.sim import SimScheduler
-from blink.device.state import IDLE, PUBLISHED_COUNTERS, STOP
+from blink.device.state import AGAIN, COLLECT, IDLE, PREPARE, PUBLISH, PUBLISHED_COUNTERS, QUEUED, REFUSED, STOP
 from blink.device.step import StepBuffers, StepLayout
 from blink.errors import RingFull
 from blink.nic.agent import Agent
@@ -83,9 +83,11 @@ class KVContents:
 
 class Harness:
     """A ring in local memory, an Agent, and the simulated scheduler; checks every step it plans and the pages
-    after every iteration."""
+    after every iteration. ``window``: each iteration in the GPU's resident loop's order (prepare, the step, then
+    settle: publish and collect, which run beside the step there), each settle checked to write no step buffer."""
 
-    def __init__(self, config=CONFIG, geometry=GEOMETRY, threads=4, policy=None, vocab_size=STANDIN_VOCAB):
+    def __init__(self, config=CONFIG, geometry=GEOMETRY, threads=4, policy=None, vocab_size=STANDIN_VOCAB,
+                 window=False):
         self.layout = RingLayout(geometry)
         self.memory = LocalMemory(self.layout.size)
         self.memory.write(0, self.layout.control_bytes())
@@ -102,22 +104,42 @@ class Harness:
         self.reasons: dict[int, str] = {}
         self.steps: list[dict] = []
         self.vocab_size = vocab_size
+        self.window = window
 
     def iterate(self) -> int:
-        outcome = self.scheduler.iteration()
+        if self.window:
+            outcome = self.scheduler.iteration(PREPARE)
+            if outcome != STOP:
+                settled = self.settle_beside_the_step()
+                outcome = settled if outcome == IDLE else outcome
+        else:
+            outcome = self.scheduler.iteration()
         running = int(self.scheduler.arrays.sched[0].running)
-        assert outcome != IDLE or running == 0, f"no step planned while {running} sequences run: no progress"
+        assert outcome >= 0 or running == 0, f"no step planned while {running} sequences run: no progress"
         s = self.scheduler.arrays
         check_pages(s, s.running[:s.sched[0].running].tolist())
         if outcome >= 0:
             self.steps.append(check_step_contract(s, self.config, outcome))
+        self.poll()
+        return outcome
+
+    def settle_beside_the_step(self) -> int:
+        """Settle alone (publish, then collect), as the resident loop runs it while the step runs: it must write
+        none of the step's buffers (inputs the step reads, outputs it writes). Returns collect's AGAIN or IDLE."""
+        before = {name: tensor.numpy().copy() for name, tensor in self.step.tensors().items()}
+        self.scheduler.iteration(PUBLISH)
+        settled = self.scheduler.iteration(COLLECT)
+        for name, tensor in self.step.tensors().items():
+            assert np.array_equal(tensor.numpy(), before[name]), f"settle wrote the step's {name}"
+        return settled
+
+    def poll(self) -> None:
         for out in self.agent.poll():
             assert out.request_id not in self.reasons, "output after the request finished"
             self.outputs.setdefault(out.request_id, []).extend(out.new_tokens)
             self.top.setdefault(out.request_id, []).extend(out.new_top_logprobs or [])
             if out.finished:
                 self.reasons[out.request_id] = out.finish_reason
-        return outcome
 
     def run_step(self, arrays, bucket_tokens):
         self.kv.step(arrays, self.config.page_size)
@@ -213,11 +235,12 @@ request = st.tuples(st.lists(st.integers(0, 31999), min_size=1, max_size=40), st
 
 @settings(max_examples=8, deadline=None)
 @given(requests=st.lists(request, min_size=1, max_size=9), num_pages=st.sampled_from([13, 18, 40]),
-       threads=st.sampled_from([1, 4]), use_stop=st.booleans())
-def test_random_workloads_match_the_reference(requests, num_pages, threads, use_stop):
-    """Staggered arrivals, chunked prefill (16-token budget), preemption (tight page pools), cancellations."""
+       threads=st.sampled_from([1, 4]), use_stop=st.booleans(), window=st.booleans())
+def test_random_workloads_match_the_reference(requests, num_pages, threads, use_stop, window):
+    """Staggered arrivals, chunked prefill (16-token budget), preemption (tight page pools), cancellations; in the
+    tail loop's order and in the resident loop's (where no settle may write a step buffer)."""
     config = SchedulerConfig(**{**CONFIG.__dict__, "num_pages": num_pages, "eos_token_ids": (7, 11)})
-    run_workload(Harness(config, threads=threads), requests, use_stop)
+    run_workload(Harness(config, threads=threads, window=window), requests, use_stop)
 
 
 # Tokens of a small vocabulary repeat, in prompts and in the stand-in's outputs: prompt lookup finds drafts, and the
@@ -421,17 +444,61 @@ def test_full_ring_and_unservable_requests():
     assert h.reasons[rejected] == "error" and h.outputs.get(rejected, []) == []
 
 
-def test_shutdown_aborts_in_flight_requests_and_stops():
+@pytest.mark.parametrize("window", [False, True])
+def test_shutdown_aborts_in_flight_requests_and_stops(window):
+    """In the resident loop's order (``window``) settle reads the shutdown while the step prepare planned still
+    runs: it only notes it, tearing down nothing the step reads; the next prepare, after the step, aborts every
+    request in flight and stops the engine. In the tail loop's, collect reads it right before that prepare."""
     h = Harness()
     running = h.agent.submit([1, 2], SamplingParams(max_tokens=12, ignore_eos=True))
     h.iterate()
     waiting = [h.agent.submit([3], SamplingParams(max_tokens=4)) for _ in range(5)]
     h.agent.request_shutdown()
-    assert h.scheduler.iteration() == STOP
+    if window:
+        s = h.scheduler.arrays
+        assert h.scheduler.iteration(PREPARE) >= 0, "the running request's next step"
+        h.scheduler.iteration(PUBLISH)
+        assert h.scheduler.iteration(COLLECT) == AGAIN, "a shutdown seen: the next prepare acts at once"
+        assert s.sched[0].shutdown == 1 and s.sched[0].running == 1 and free_pages(s) < CONFIG.num_pages
+        assert h.agent.stats()["engine_state"] != ENGINE_STOPPED and not any(out.finished for out in h.agent.poll())
+        assert h.scheduler.iteration(PREPARE) == STOP
+    else:
+        assert h.scheduler.iteration() == STOP
     results = {out.request_id: out for out in h.agent.poll()}
     assert {results[r].finish_reason for r in [running] + waiting} == {"abort"}
     assert h.agent.stats()["engine_state"] == ENGINE_STOPPED
     assert free_pages(h.scheduler.arrays) == CONFIG.num_pages
+
+
+def test_settle_writes_no_step_buffer_and_the_next_prepare_admits_what_it_collected():
+    """The resident loop runs settle while the step prepare planned runs: settle publishes, reads the doorbells,
+    drops cancelled queued requests and collects new ones, writing none of the step's buffers. Here with all of it
+    at once: tokens and admissions to publish, a request prepare retired, a new READY request, and cancels of a
+    queued and a running request (which the next prepare's retire finishes)."""
+    h = Harness(window=True)
+    s, slot = h.scheduler.arrays, h.agent._slot_of
+    params = [SamplingParams(max_tokens=1 if k == 0 else 6, seed=k, ignore_eos=True) for k in range(6)]
+    rids = [h.agent.submit([4, 5], p) for p in params]         # 6 requests, max_num_seqs 4: two wait
+    assert h.iterate() == AGAIN                                  # settle collects them
+    assert h.iterate() >= 0 and s.sched[0].queued == 2           # prepare admits four: their prefills
+    assert h.scheduler.iteration(PREPARE) >= 0                   # rids[0] took its only token: retired; rids[4] in
+    assert s.sched[0].pending_finished == 1 and s.sched[0].queued == 1
+    h.agent.cancel(rids[1])                                      # running
+    h.agent.cancel(rids[5])                                      # queued
+    late = h.agent.submit([6], SamplingParams(max_tokens=2, seed=9))
+    assert h.settle_beside_the_step() == AGAIN
+    assert s.seq_seen[slot[rids[5]]] == REFUSED and s.seq_seen[slot[late]] == QUEUED
+    assert s.sched[0].cancel_bell == 1 and slot[rids[1]] in s.running[:s.sched[0].running], "retire's, next"
+    assert h.scheduler.iteration(PREPARE) >= 0
+    running = s.running[:s.sched[0].running].tolist()
+    assert slot[late] in running and slot[rids[1]] not in running
+    h.settle_beside_the_step()
+    h.poll()
+    h.run_until_idle()
+    assert [h.reasons[r] for r in rids] == ["length", "abort", "length", "length", "length", "abort"]
+    assert h.reasons[late] == "length" and h.outputs[late] == standin_continuation([6], 9, 2)
+    for k in (0, 2, 3, 4):
+        assert h.outputs[rids[k]] == standin_continuation([4, 5], k, params[k].max_tokens)
 
 
 def test_logprobs_reach_the_ring_only_when_asked():

@@ -3,7 +3,7 @@
 
 Each round plays one iteration's part: the agent side writes new READY requests and cancel words straight into a
 ring; the kernel runs ``cancel_queued`` when a cancel was written and ``collect`` + ``enqueue`` when a request was
-submitted (or on a rescan), as ``iterate`` does on its doorbells; then the queue, the ``seq_seen`` marks, the refused
+submitted (or on a rescan), as settle does on its doorbells; then the queue, the ``seq_seen`` marks, the refused
 slots and the counters are compared with the reference. Between rounds the test does what the other phases would:
 admission pops the queue's head, the previous round's refusals are published and their slots freed, admitted
 requests finish and free their slots, which the agent reuses with a new epoch (a stale cancel word stays behind).
@@ -48,7 +48,7 @@ _kernels = {}
 
 
 def waiting_kernel(policy):
-    """cancel_queued (phases[0]) then collect + enqueue (phases[1]), refusals counted as ``iterate`` counts them."""
+    """cancel_queued (phases[0]) then collect + enqueue (phases[1]), refusals counted as settle counts them."""
     if policy not in _kernels:
         @cuda.jit
         def kernel(s, phases, counters):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from blink.device.config import MAX_EOS, SchedulerConfig
-from blink.device.state import (CFG_DTYPE, CONTROL_RECORD, DOORBELLS_DTYPE, HEADER_RECORD, IDLE, SCHED_DTYPE,
+from blink.device.state import (CFG_DTYPE, CONTROL_RECORD, HEADER_RECORD, IDLE, SCHED_DTYPE,
                                 SCRATCH_CLEAR, STATS_DTYPE, table_entries)
 from blink.device.step import StepLayout
 from blink.ring.geometry import MAX_SPECULATIVE_TOKENS, RingGeometry
@@ -99,7 +99,7 @@ def state_arrays(config: SchedulerConfig, geometry: RingGeometry, step: StepLayo
         seq_keys=u64(n, config.max_pages_per_seq),
         seq_hash=u64(n), seq_seen=i32(n), queue_slots=i32(n), queue_keys=np.zeros(n, np.int64),
         queue_tmp_slots=i32(n), queue_tmp_keys=np.zeros(n, np.int64), running=i32(seqs), consumed=i32(seqs),
-        pending_finished=i32(n), doorbells=np.zeros(1, DOORBELLS_DTYPE),
+        pending_finished=i32(n),
         row_slot=np.full(seqs, -1, np.int32), row_version=i32(seqs), row_pages=i32(seqs), row_draft=i32(seqs),
         page_ref=i32(pages), page_cached=i32(pages), page_key=u64(pages), page_lru=np.full(pages, -1, np.int32),
         page_scratch=np.full(pages, SCRATCH_CLEAR, np.int32), lru_pages=i32(2 * pages),

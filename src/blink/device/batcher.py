@@ -29,7 +29,7 @@ def start_sequence(s, slot, index, hits):
     """Move a queued request (its header is already in device memory) to running[index], its first ``hits`` pages
     found in the prefix cache (already in its block table).
 
-    Its output words are zeroed now; ``scheduler.publish`` stores RUNNING after the iteration's fence.
+    Its output words are zeroed now; ``scheduler.publish`` stores RUNNING after the fence that follows them.
     """
     s.seq_total[slot] = s.seq_prompt_len[slot]
     s.seq_computed[slot] = hits * s.cfg[0].page_size
@@ -53,13 +53,15 @@ def admission_cost(s, sh, j):
 def admit(s, sh):
     """Admit from the head of the waiting queue while sequences and pages last; the first that does not fit
     blocks the rest (no overtaking). Every request takes at least one free page (its last prompt token is always
-    computed), so the window is at most the free pages."""
+    computed), so the window is at most the free pages. ``sched.admitted``: how many (settle publishes them)."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     running = s.sched[0].running
     free = free_total(s) - s.cfg[0].watermark
     window = min(s.sched[0].queued, s.cfg[0].max_num_seqs - running, free)
     if window <= 0:
+        if tid == 0:
+            s.sched[0].admitted = 0             # read by settle only: no barrier needed
         return
     head = s.sched[0].queue_head
     caching = s.cfg[0].prefix_caching != 0
@@ -89,6 +91,7 @@ def admit(s, sh):
         prefix.take_hits(s, sh, window)
     if tid == 0:
         admitted = sh.counters[COUNT.admitted]
+        s.sched[0].admitted = admitted
         s.sched[0].running = running + admitted
         s.sched[0].queue_head = head + admitted
         s.sched[0].queued -= admitted

@@ -1,6 +1,6 @@
-"""The iteration's first phase after the doorbells (device functions, whole block): the previous step's sampled
-tokens into the ring's output areas (``emit``: token, logprobs, prefix key, grammar state, stop check), its rows'
-computed tokens counted, and, for a sequence that verified drafts (``speculation.py``), the tokens it keeps."""
+"""Prepare's first phase (device functions, whole block): the previous step's sampled tokens into the ring's output
+areas (``emit``: token, logprobs, prefix key, grammar state, stop check), its rows' computed tokens counted, and, for
+a sequence that verified drafts (``speculation.py``), the tokens it keeps."""
 from __future__ import annotations
 
 from blink.device import grammar, prefix, sampling
@@ -47,7 +47,7 @@ def consume(s, sh):
 
     A sequence that verified drafts (``speculation.py``) is taken whole by the thread of its first row: its rows'
     tokens in order while each confirms the draft the next row read; its other rows do nothing.
-    The counts that announce the tokens are published at the end of the iteration (``publish``), after one fence.
+    The counts that announce the tokens are published by the iteration's settle (``publish``), after one fence.
     Leaves each row's slot in ``sh.slots`` and its tokens computed before the step in ``sh.tokens`` (``prefix``).
     """
     tid = cuda.threadIdx.x

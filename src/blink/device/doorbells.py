@@ -1,8 +1,9 @@
-"""The iteration's first phase: the three words the agent writes that tell the GPU what moved.
+"""Settle's first look at the ring: the three words the agent writes that tell the GPU what moved.
 
 Thread 0-2 read ``shutdown`` and the ``submitted`` and ``cancels`` doorbells from the ring's control block (three words
-across PCIe, in parallel), or take the copies the resident loop read while the last step ran; the block agrees on
-them, and a doorbell that moved since the scheduler last acted on it sets ``COUNT.scan`` / ``COUNT.cancel_bell``.
+across PCIe, in parallel); the block agrees on them, and a doorbell that moved since the scheduler last acted on it
+sets ``COUNT.scan`` / ``COUNT.cancel_bell``. In the resident loop this runs while the step runs (``scheduler.py``),
+so the PCIe reads are off the step's path.
 """
 from __future__ import annotations
 
@@ -17,28 +18,13 @@ def read_doorbells(s, sh):
     """Three threads read shutdown and the two doorbells across PCIe at once; the block then agrees on them.
 
     A doorbell that moved since the scheduler last acted on it (``stats.seen_*``) sets COUNT.scan /
-    COUNT.cancel_bell for this iteration. The fire-and-forget loop reads the three words while the previous step runs
-    and leaves them in ``s.doorbells``; then no PCIe read is on this iteration's path.
+    COUNT.cancel_bell for this settle. What the next prepare acts on is left in ``s.sched[0]``: ``shutdown`` (it
+    shuts down) and ``cancel_bell`` (its retire looks at running requests' cancel words).
     """
     tid = cuda.threadIdx.x
-    bells = s.doorbells[0]
     stats = s.stats[0]
-    prefetched = bells.valid != 0   # the resident loop read them while the last step ran (shim.cu)
-    cuda.syncthreads()
-    if prefetched:
-        if tid == 0:
-            bells.valid = 0
-            sh.counters[COUNT.shutdown] = bells.shutdown
-            if bells.submitted != stats.seen_submitted:
-                stats.seen_submitted = bells.submitted
-                sh.counters[COUNT.scan] = 1
-            if bells.cancels != stats.seen_cancels:
-                stats.seen_cancels = bells.cancels
-                sh.counters[COUNT.cancel_bell] = 1
-        cuda.syncthreads()
-        return
-    if tid == 0:
-        sh.counters[COUNT.shutdown] = load_volatile_field(s.control[0], "shutdown")
+    if tid == 0 and load_volatile_field(s.control[0], "shutdown") != 0:
+        s.sched[0].shutdown = 1
     if tid == min(1, cuda.blockDim.x - 1):
         submitted = int64(load_volatile_field(s.control[0], "submitted"))
         if submitted != stats.seen_submitted:
@@ -49,4 +35,5 @@ def read_doorbells(s, sh):
         if cancels != stats.seen_cancels:
             stats.seen_cancels = cancels
             sh.counters[COUNT.cancel_bell] = 1
+            s.sched[0].cancel_bell = 1
     cuda.syncthreads()

@@ -1,13 +1,13 @@
 """The scheduler image: compile, link and cache the cubin the GPU loop runs (no GPU needed).
 
 1. numba compiles the iteration (``scheduler.make_iterate(policy)``) behind a C-ABI entry
-   ``int blink_iterate(long long *table)`` to LTO-IR. ``table`` holds ``(address, dim0, dim1)`` for each field of
-   ``SchedulerArrays``; the entry rebuilds the arrays from it. The entry's source is generated from the field list,
-   so the order the host fills the table in and the order the device reads it cannot drift apart.
+   ``int blink_iterate(long long *table, int part)`` to LTO-IR (``part``: the parts of the iteration to run).
+   ``table`` holds ``(address, dim0, dim1)`` for each field of ``SchedulerArrays``; the entry rebuilds the arrays
+   from it. The entry's source is generated from the field list, so the order the host fills the table in and the
+   order the device reads it cannot drift apart.
 2. NVRTC compiles ``shim.cu`` (the device loop, the "done" kernel, the stand-in step) to LTO-IR, after C
-   declarations of the records it reads (``SHIM_STRUCTS``: the control block, the doorbells, the launch table,
-   written from their dtypes by ``cstruct.py``), with every constant it shares with Python passed as ``-D``
-   (``SHIM_DEFINES``).
+   declarations of the records it reads (``SHIM_STRUCTS``: the launch table, written from its dtype by
+   ``cstruct.py``), with every constant it shares with Python passed as ``-D`` (``SHIM_DEFINES``).
 3. nvJitLink links both with ``libcudadevrt`` into an sm_90 cubin, cached by a hash of everything it is built from.
 
 The launch table (``LAUNCH_DTYPE``, in device memory) is the shim's other input: two instantiations of each
@@ -30,11 +30,10 @@ from blink.device.numba_compat import SIMULATOR, cuda
 from blink.device.policy import fcfs
 from blink.device.scheduler import make_iterate
 from blink.device.arrays import ring_arrays, state_arrays, zero_history
-from blink.device.state import DOORBELLS_DTYPE, STOP, SchedulerArrays
+from blink.device.state import AGAIN, COLLECT, ITERATION, PREPARE, PUBLISH, STOP, SchedulerArrays
 from blink.device.step import StepLayout
 from blink.errors import LaunchError
 from blink.paths import cache_dir
-from blink.ring.control import CONTROL_DTYPE
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout
 
@@ -49,10 +48,11 @@ LAUNCH_RETRIES = 10_000             # a graph that just signalled may not have r
 LAUNCH_RETRY_NS = 100               # ... this long apart
 DONE_POLL_NS = 32                   # the resident loop's sleep between looks at the done counter
 STANDIN_BLOCK = 128                 # threads per block of the stand-in step
-SHIM_DEFINES = {"WINDOW": WINDOW, "STOP": STOP, "LAUNCH_RETRIES": LAUNCH_RETRIES, "LAUNCH_RETRY_NS": LAUNCH_RETRY_NS,
-                "DONE_POLL_NS": DONE_POLL_NS}
+SHIM_DEFINES = {"WINDOW": WINDOW, "STOP": STOP, "AGAIN": AGAIN, "PREPARE": PREPARE, "PUBLISH": PUBLISH,
+                "COLLECT": COLLECT, "ITERATION": ITERATION, "LAUNCH_RETRIES": LAUNCH_RETRIES,
+                "LAUNCH_RETRY_NS": LAUNCH_RETRY_NS, "DONE_POLL_NS": DONE_POLL_NS}
 # The memory the shim reads and writes, declared in C from the dtypes the Python side uses (cstruct.py).
-SHIM_STRUCTS = {"BlinkControl": CONTROL_DTYPE, "BlinkDoorbells": DOORBELLS_DTYPE, "BlinkLaunch": LAUNCH_DTYPE}
+SHIM_STRUCTS = {"BlinkLaunch": LAUNCH_DTYPE}
 # Sources the cached image depends on besides numba, the CUDA toolchain and the policy.
 _IMAGE_SOURCES = ("device/*.py", "device/shim.cu", "ring/control.py", "ring/layout.py", "ring/hashing.py")
 
@@ -70,7 +70,8 @@ def array_spec() -> list[tuple[str, np.dtype, int]]:
 
 
 def _entry_function(policy):
-    """``int blink_iterate(long long *table)``: rebuild ``SchedulerArrays`` from the address table, iterate."""
+    """``int blink_iterate(long long *table, int part)``: rebuild ``SchedulerArrays`` from the address table, run
+    ``part`` of the iteration."""
     from numba import types
     from numba.cuda.extending import intrinsic
     from numba.cuda.np.numpy_support import carray
@@ -96,8 +97,8 @@ def _entry_function(policy):
     exec(compile(source, "<from_table>", "exec"), namespace)
     iterate = make_iterate(policy, cuda.jit(device=True)(namespace["from_table"]))
 
-    def blink_iterate(table):
-        return iterate(table)
+    def blink_iterate(table, part):
+        return iterate(table, part)
     return blink_iterate
 
 
@@ -124,7 +125,7 @@ def compile_policy(policy=fcfs, cc=(9, 0)) -> bytes:
 
     entry = _entry_function(policy)
     with _compile_for(cc):
-        ltoir, _ = cuda.compile(entry, int32(types.CPointer(int64)), device=True, abi="c", output="ltoir",
+        ltoir, _ = cuda.compile(entry, int32(types.CPointer(int64), int32), device=True, abi="c", output="ltoir",
                                 cc=cc, abi_info={"abi_name": "blink_iterate"})
     return ltoir
 

@@ -2,12 +2,14 @@
 
 Launch modes (``SchedulerConfig.launch_mode``), both relaunching the scheduler graph from the device only:
 
-- ``tail``: each scheduler execution runs one iteration, tail-launches the step graph, then itself;
-- ``fire_and_forget``: each scheduler execution stays resident for up to ``image.WINDOW`` steps: iterate,
-  fire-and-forget the step graph, wait until the step's last kernel bumps the done counter, repeat. Then it
-  tail-relaunches itself.
+- ``tail``: each scheduler execution runs one iteration (``scheduler.py``), tail-launches the step graph, then
+  itself;
+- ``fire_and_forget``: each scheduler execution stays resident for up to ``image.WINDOW`` steps: prepare,
+  fire-and-forget the step graph, settle while it runs, wait until the step's last kernel bumps the done counter,
+  repeat. Then it tail-relaunches itself.
 
-When idle, the scheduler sleeps ``idle_sleep_ns`` and relaunches itself. A failing device-side ``cudaGraphLaunch``
+When idle (nothing to run; resident: and settle left no work, ``AGAIN``), the scheduler sleeps ``idle_sleep_ns`` and
+relaunches itself. A failing device-side ``cudaGraphLaunch``
 is written to the ring's ``launch_error`` and ends the loop; ``join`` raises it by name. The host only starts the
 loop and waits for it with a blocking sleep, so it uses no CPU while the loop runs.
 
@@ -106,7 +108,6 @@ class GpuScheduler:
         self.table = self._to_device(self._address_table({**ring, **step, "history_tokens": history, **self.state}))
         self.launch = self._to_device(np.zeros(1, LAUNCH_DTYPE))
         self.launch_error = self._ring_address(view.control["launch_error"])
-        self._control_address = self._ring_address(view.control)
         done = graphs.captured(self.stream, lambda: self._launch("blink_done", 1, 1,
                                                                  [(self.launch[0], ctypes.c_void_p)]))
         table, self.step_graphs = graphs.launch_table(config.buckets, partial(step_graph or self._standin_graph,
@@ -154,7 +155,8 @@ class GpuScheduler:
             raise LaunchError(f"a device-side cudaGraphLaunch failed with {error_name(code)} ({code})")
 
     def profile(self) -> dict[str, float]:
-        """Microseconds per iteration in each phase (SM clock, thread 0), and per fire-and-forget step launch."""
+        """Microseconds per iteration in each phase (SM clock, thread 0), and per fire-and-forget step from its launch
+        until the loop saw it done (settle runs in between: ``SETTLE_PHASES`` overlap it)."""
         from cuda.bindings import driver
 
         stats = np.zeros(1, STATS_DTYPE)
@@ -262,8 +264,7 @@ class GpuScheduler:
     def _build_scheduler_graph(self):
         kernel = "blink_scheduler_window" if self.config.launch_mode == "fire_and_forget" else "blink_scheduler_tail"
         args = [(self.table[0], ctypes.c_void_p), (self.launch[0], ctypes.c_void_p),
-                (self.launch_error, ctypes.c_void_p), (self.config.idle_sleep_ns, ctypes.c_int),
-                (self._control_address, ctypes.c_void_p), (self.state["doorbells"][0], ctypes.c_void_p)]
+                (self.launch_error, ctypes.c_void_p), (self.config.idle_sleep_ns, ctypes.c_int)]
         (scheduler,) = graphs.instantiate(
             graphs.captured(self.stream, lambda: self._launch(kernel, 1, self.config.block_threads, args)), self.stream,
             copies=1)

@@ -1,22 +1,37 @@
 """The GPU-resident scheduler: one iteration of the persistent loop, written as block-wide device functions.
 
-One iteration (``iterate``), run by one thread block:
+An iteration has two parts, run by one thread block. **prepare** (PREPARE) needs the step that just ran, and writes
+the next:
 
-1. **consume** the previous step's sampled tokens: token (and logprob) into the ring's output area, fence, then
-   ``n_generated``; the request's grammar state moves on (``grammar.advance``); stop checks (EOS unless ignore_eos,
-   stop ids -> "stop"; ``max_tokens`` -> "length"); the pages the step filled enter the prefix cache
-   (``prefix.cache_step``);
-2. **retire** finished and cancelled sequences: their pages released (``kv.free_sequences``), ``finish_reason``,
-   fence, FINISHED;
-3. **collect** new READY requests into the waiting queue (``waiting.py``), only when the agent's ``submitted``
-   doorbell moved; cancels are looked for only when its ``cancels`` doorbell moved;
-4. **admit** from the queue's head (``batcher.admit``), 5. **plan** the next step's inputs (``batcher.plan``);
-6. report heartbeat, counters and gauges in the control block; return the bucket to launch, ``IDLE``, or ``STOP``
-   (shutdown requested and everything in flight aborted).
+1. a shutdown that settle saw (``sched.shutdown``): abort everything in flight (``shut_down``), return ``STOP``;
+2. **consume** the previous step's sampled tokens: token (and logprob) into the ring's output area; the request's
+   grammar state moves on (``grammar.advance``); stop checks (EOS unless ignore_eos, stop ids -> "stop";
+   ``max_tokens`` -> "length"); the pages the step filled enter the prefix cache (``prefix.cache_step``);
+3. **retire** finished and cancelled sequences (the cancel words are read only when settle saw the ``cancels``
+   doorbell move): their pages released (``kv.free_sequences``), ``finish_reason``;
+4. **admit** from the waiting queue's head (``batcher.admit``), 5. **plan** the next step's inputs
+   (``batcher.plan``); return the bucket to launch, or ``IDLE``.
 
-All state lives in global memory (``SchedulerArrays``) and nothing is kept between launches, so the same code runs
-as a relaunched GPU kernel and as a simulator kernel. The agent writes only the ring: words it may change are read
-with ``load_volatile``; counters live in device memory and are only stored to the ring (no read across PCIe).
+**settle** needs nothing from the running step and writes nothing it reads (no step buffer), in two halves:
+
+6. PUBLISH: **publish** prepare's ring writes after one fence (``publish.py``): ``n_generated``, RUNNING for its
+   admissions, FINISHED for the requests that finished an iteration earlier; then heartbeat, counters and gauges
+   into the control block;
+7. COLLECT: read the **doorbells** (shutdown, ``submitted``, ``cancels``; three words across PCIe), then
+   **collect**: drop cancelled requests from the waiting queue (when ``cancels`` moved), take new READY requests
+   into it (``waiting.py``, when ``submitted`` moved), for the next prepare to admit. Returns ``AGAIN`` when the
+   next iteration has work without a doorbell moving (requests queued, finished ones to publish, a shutdown).
+
+The resident loop (shim.cu) calls PREPARE, launches the step, then PUBLISH and COLLECT while the step runs. The tail
+loop and the simulator call COLLECT, PREPARE, PUBLISH at once (``ITERATION``: the flags run in that order), then the
+step: the same cycle of phases with the step between settle's halves instead of beside them, so what COLLECT takes
+in (a request, a cancel, a shutdown) is acted on before the next step is planned, as the resident loop does with
+what arrived before its last doorbell read. What one part leaves another goes through the scheduler's state
+(``s.sched[0]``: ``admitted``, ``shutdown``, ``cancel_bell``; each part's counts through the device counters,
+``fold_counts``), never through shared memory, which each part zeroes where it starts. All state lives in global
+memory (``SchedulerArrays``) and nothing is kept between launches, so the same code runs as a relaunched GPU kernel
+and as a simulator kernel. The agent writes only the ring: words it may change are read with ``load_volatile``;
+counters live in device memory and are only stored to the ring (no read across PCIe).
 """
 from __future__ import annotations
 
@@ -25,34 +40,38 @@ from numba import int32, int64
 from blink.device import batcher, consume, prefix
 from blink.device.block import MAX_THREADS, exclusive_scan
 from blink.device.doorbells import read_doorbells
-from blink.device.kv import free_sequences, free_total
+from blink.device.kv import free_sequences
 from blink.device.numba_compat import clock, cuda, load_volatile
-from blink.device.state import (COUNT, MAX_CANDIDATES, N_COUNTERS, PHASE, REFUSED, SPEC_ACCEPTED_PER_POS, STOP,
-                                Scratch)
+from blink.device.publish import fold_counts, publish, publish_stats
+from blink.device.state import (AGAIN, COLLECT, COUNT, IDLE, MAX_CANDIDATES, N_COUNTERS, PHASE, PREPARE, PUBLISH,
+                                REFUSED, STOP, Scratch)
 from blink.device.waiting import cancel_queued, cancelled, collect, enqueue
 from blink.ring.control import ENGINE_SERVING, ENGINE_STOPPED
-from blink.ring.geometry import MAX_SPECULATIVE_TOKENS
-from blink.ring.layout import FINISH_ABORT, FINISH_NONE, FINISHED, READY, RUNNING
+from blink.ring.layout import FINISH_ABORT, FINISH_NONE, FINISHED, READY
 
 
 @cuda.jit(device=True)
 def retire(s, sh):
-    """Finish sequences that stopped or were cancelled; free their pages; compact the running list in order."""
+    """Finish sequences that stopped or were cancelled (their cancel words read only when a settle saw the
+    ``cancels`` doorbell move since the last retire); free their pages; compact the running list in order."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     n = s.sched[0].running
     pending = s.sched[0].pending_finished    # read before a barrier: thread 0 rewrites it at the end
+    bell = s.sched[0].cancel_bell
     # rank[i]: finishing flag -> finishing sequences before i (a kept sequence moves to i - rank[i]).
     for i in range(tid, n, nt):
         slot = s.running[i]
         reason = s.seq_finish[slot]
-        if reason == FINISH_NONE and sh.counters[COUNT.cancel_bell] != 0 and cancelled(s, slot):
+        if reason == FINISH_NONE and bell != 0 and cancelled(s, slot):
             reason = FINISH_ABORT
             s.seq_finish[slot] = reason
         sh.rank[i] = 1 if reason != FINISH_NONE else 0
         if reason != FINISH_NONE:
             cuda.atomic.add(sh.counters, COUNT.ending, 1)
     cuda.syncthreads()
+    if tid == 0:
+        s.sched[0].cancel_bell = 0           # acted on
     if sh.counters[COUNT.ending] == 0:           # the common case: one barrier, no scans
         return
     n_finishing = exclusive_scan(sh.rank, n, sh.partial)
@@ -79,48 +98,6 @@ def retire(s, sh):
     if tid == 0:
         s.sched[0].running = n_kept
         s.sched[0].pending_finished = pending + n_finishing
-    cuda.syncthreads()
-
-
-@cuda.jit(device=True)
-def publish(s, sh, first_admitted):
-    """Make this iteration's ring writes visible in the order the agent relies on, with ONE fence per thread.
-
-    Every ring write of the iteration (tokens, logprobs, finish reasons, zeroed counts of admitted requests) came
-    earlier, so by now most have landed and the fence is short. After it: the token counts, RUNNING for this
-    iteration's admissions, and FINISHED for the requests that finished in the PREVIOUS iteration: their final count
-    was stored then, before this fence. Requests finished now are published next iteration, for the same reason.
-    """
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    if s.sched[0].consumed == 0 and sh.counters[COUNT.admitted] == 0 and s.sched[0].pending_finished == 0:
-        # Nothing to announce: skip the fence, which costs a PCIe round trip (~2.4 us on the H200) even when idle.
-        return
-    cuda.threadfence_system()
-    cuda.syncthreads()
-    for r in range(tid, s.sched[0].consumed, nt):
-        slot = s.consumed[r]
-        if slot >= 0:
-            s.ngen[slot] = s.seq_total[slot] - s.seq_prompt_len[slot]
-    for i in range(first_admitted + tid, first_admitted + sh.counters[COUNT.admitted], nt):
-        s.state[s.running[i]] = RUNNING
-    published = s.sched[0].publishable
-    for i in range(tid, published, nt):
-        slot = s.pending_finished[i]
-        s.seq_seen[slot] = 0                # a refused slot leaves READY now: scans may take its next request
-        s.state[slot] = FINISHED
-    cuda.syncthreads()
-    # Requests finished this iteration move to the front; they are published next time.
-    waiting = s.sched[0].pending_finished - published
-    for i in range(tid, waiting, nt):
-        sh.slots[i] = s.pending_finished[published + i]
-    cuda.syncthreads()
-    for i in range(tid, waiting, nt):
-        s.pending_finished[i] = sh.slots[i]
-    if tid == 0:
-        s.sched[0].pending_finished = waiting
-        s.sched[0].publishable = waiting
-        s.sched[0].consumed = 0
     cuda.syncthreads()
 
 
@@ -158,7 +135,8 @@ def shut_down(s, sh):
             cuda.atomic.add(sh.counters, COUNT.cancelled, 1)
     cuda.syncthreads()
     if tid == 0:
-        publish_stats(s, sh, False)
+        fold_counts(s, sh)
+        publish_stats(s)
     cuda.threadfence_system()
     cuda.syncthreads()
     for i in range(tid, n + pending + sh.counters[COUNT.refused], nt):
@@ -187,51 +165,9 @@ def lap(s, start, phase):
 
 
 @cuda.jit(device=True)
-def publish_stats(s, sh, launched):
-    """Thread 0: fold this iteration's counts into the device counters of the same name and store every counter
-    (``PUBLISHED_COUNTERS``) and gauge into the control block."""
-    stats = s.stats[0]
-    counts = sh.counters
-    control = s.control[0]
-    stats.steps += 1 if launched else 0
-    stats.tokens += counts[COUNT.tokens]
-    stats.finished += counts[COUNT.finished]
-    stats.cancelled += counts[COUNT.cancelled]
-    stats.admitted += counts[COUNT.admitted]
-    stats.preempted += counts[COUNT.preempted]
-    stats.prefix_query_tokens += counts[COUNT.prefix_query_tokens]
-    stats.prefix_hit_tokens += counts[COUNT.prefix_hit_tokens]
-    stats.prefix_evictions += counts[COUNT.prefix_evictions]
-    stats.prefill_tokens += counts[COUNT.prefill_tokens]
-    stats.spec_drafts += counts[COUNT.spec_drafts]
-    stats.spec_draft_tokens += counts[COUNT.spec_draft_tokens]
-    stats.spec_accepted_tokens += counts[COUNT.spec_accepted_tokens]
-    control.heartbeat = stats.heartbeat
-    control.steps = stats.steps
-    control.tokens = stats.tokens
-    control.admitted = stats.admitted
-    control.finished = stats.finished
-    control.cancelled = stats.cancelled
-    control.preempted = stats.preempted
-    control.prefix_query_tokens = stats.prefix_query_tokens
-    control.prefix_hit_tokens = stats.prefix_hit_tokens
-    control.prefix_evictions = stats.prefix_evictions
-    control.prefill_tokens = stats.prefill_tokens
-    control.spec_drafts = stats.spec_drafts
-    control.spec_draft_tokens = stats.spec_draft_tokens
-    control.spec_accepted_tokens = stats.spec_accepted_tokens
-    for j in range(MAX_SPECULATIVE_TOKENS):
-        stats.spec_accepted_per_pos[j] += counts[SPEC_ACCEPTED_PER_POS + j]
-        control.spec_accepted_per_pos[j] = stats.spec_accepted_per_pos[j]
-    control.kv_pages_free = free_total(s)
-    control.running = s.sched[0].running
-    control.waiting = s.sched[0].queued
-    control.cached_pages = s.sched[0].cached
-
-
-@cuda.jit(device=True)
 def scratch():
-    """The iteration's shared-memory work arrays (``Scratch``), its counters zeroed. All threads."""
+    """The iteration's shared-memory work arrays (``Scratch``), its counters zeroed. All threads, where each part of
+    the iteration starts (the parts share the arrays: one call site of each)."""
     # One shared array per line: the CUDA simulator tells shared arrays apart by source line.
     slots = cuda.shared.array(MAX_CANDIDATES, int32)
     keys = cuda.shared.array(MAX_CANDIDATES, int64)
@@ -257,28 +193,23 @@ def given(s):
 def make_iterate(policy, arrays=given):
     """Build the iteration device function with ``policy`` (see ``blink.device.policy``) ordering admission.
 
-    The iteration is called with a ``source`` that ``arrays(source)`` turns into its ``SchedulerArrays``: the arrays
-    themselves (the simulator), or the GPU image's address table, rebuilt where each phase starts. Rebuilt after the
-    previous phase's barriers, the ~80 arrays' addresses and shapes are reloaded from the table (L1) instead of being
-    kept live, and spilled, across the whole iteration.
+    ``iterate(source, part)`` runs the parts of an iteration that ``part`` names (flags, run in this order): COLLECT
+    (settle's second half; returns AGAIN or IDLE), PREPARE (returns the bucket to launch, IDLE or STOP), PUBLISH
+    (settle's first half); with PREPARE, it returns prepare's outcome. ``source`` is what ``arrays(source)`` turns
+    into its ``SchedulerArrays``: the arrays themselves (the simulator), or the GPU image's address table, rebuilt
+    where each phase starts. Rebuilt after the previous phase's barriers, the ~80 arrays' addresses and shapes are
+    reloaded from the table (L1) instead of being kept live, and spilled, across the whole iteration.
     """
 
     @cuda.jit(device=True)
-    def iterate(source):
+    def prepare(source, sh):
+        """Act on a shutdown settle saw; take the finished step's tokens; retire; admit; plan the next step."""
         tid = cuda.threadIdx.x
-        sh = scratch()
         t = clock()
         s = arrays(source)
-        if tid == 0:
-            s.stats[0].heartbeat += 1
-            s.control[0].heartbeat = s.stats[0].heartbeat
-            s.control[0].engine_state = ENGINE_SERVING
-        read_doorbells(s, sh)
-        if sh.counters[COUNT.shutdown] != 0:
+        if s.sched[0].shutdown != 0:            # seen by a settle: no step of ours runs now
             shut_down(s, sh)
             return STOP
-        t = lap(s, t, PHASE.doorbells)
-        s = arrays(source)
         if tid == 0:
             s.sched[0].consumed = s.sched[0].rows
         consume.consume(s, sh)
@@ -288,27 +219,65 @@ def make_iterate(policy, arrays=given):
         retire(s, sh)
         t = lap(s, t, PHASE.retire)
         s = arrays(source)
-        if sh.counters[COUNT.cancel_bell] != 0:
-            cancel_queued(s, sh)
-        if sh.counters[COUNT.scan] != 0:
-            enqueue(s, sh, collect(s, sh, policy))
-        if tid == 0:                            # refused READY requests are published like finished ones
-            s.sched[0].pending_finished += sh.counters[COUNT.refused]
-        cuda.syncthreads()
-        t = lap(s, t, PHASE.collect)
-        s = arrays(source)
-        first_admitted = s.sched[0].running
         batcher.admit(s, sh)
         t = lap(s, t, PHASE.admit)
         s = arrays(source)
         bucket = batcher.plan(s, sh)
         t = lap(s, t, PHASE.plan)
         s = arrays(source)
-        publish(s, sh, first_admitted)
         if tid == 0:
-            publish_stats(s, sh, bucket >= 0)
+            s.stats[0].steps += 1 if bucket >= 0 else 0
+            fold_counts(s, sh)
+        cuda.syncthreads()                      # the counters are read before the next part zeroes them
+        return bucket
+
+    @cuda.jit(device=True)
+    def settle_publish(source, sh):
+        """Publish prepare's ring writes, then heartbeat, counters and gauges."""
+        t = clock()
+        s = arrays(source)
+        publish(s, sh)
+        if cuda.threadIdx.x == 0:
+            s.stats[0].heartbeat += 1
+            s.control[0].engine_state = ENGINE_SERVING
+            publish_stats(s)
         cuda.syncthreads()
         lap(s, t, PHASE.publish)
-        return bucket
+
+    @cuda.jit(device=True)
+    def settle_collect(source, sh):
+        """Read the doorbells; drop cancelled queued requests, queue new ones. AGAIN when the next iteration has
+        work of its own (requests queued, finished requests to publish, a shutdown to act on), else IDLE."""
+        t = clock()
+        s = arrays(source)
+        read_doorbells(s, sh)
+        t = lap(s, t, PHASE.doorbells)
+        s = arrays(source)
+        if sh.counters[COUNT.cancel_bell] != 0:
+            cancel_queued(s, sh)
+        if sh.counters[COUNT.scan] != 0:
+            enqueue(s, sh, collect(s, sh, policy))
+        if cuda.threadIdx.x == 0:               # refused READY requests are published like finished ones
+            s.sched[0].pending_finished += sh.counters[COUNT.refused]
+            fold_counts(s, sh)
+        cuda.syncthreads()
+        lap(s, t, PHASE.collect)
+        s = arrays(source)
+        if sh.counters[COUNT.new] != 0 or s.sched[0].pending_finished != 0 or s.sched[0].shutdown != 0:
+            return AGAIN
+        return IDLE
+
+    @cuda.jit(device=True)
+    def iterate(source, part):
+        outcome = IDLE
+        if part & COLLECT:
+            outcome = settle_collect(source, scratch())
+        if part & PREPARE:
+            outcome = prepare(source, scratch())
+            if outcome == STOP:
+                return STOP
+        if part & PUBLISH:
+            settle_publish(source, scratch())
+        return outcome
 
     return iterate

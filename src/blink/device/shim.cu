@@ -1,16 +1,19 @@
 // The scheduler's device loop: graph launches, sleeps, the "done" kernel and the stand-in step, in CUDA C++.
 //
-// NVRTC compiles this file after C declarations of the records it reads (BlinkControl: the ring's control block;
-// BlinkDoorbells; BlinkLaunch: the launch table), written from the numpy dtypes the Python side uses
-// (blink/device/image.py: SHIM_STRUCTS), and with -D definitions of every constant below (SHIM_DEFINES), taken from
-// the Python modules that own them, so the two sides cannot disagree. The iteration itself is numba code
-// (blink_iterate), linked in by nvJitLink.
-#if !defined(WINDOW) || !defined(STOP) || !defined(LAUNCH_RETRIES) || !defined(LAUNCH_RETRY_NS) ||                  \
+// NVRTC compiles this file after C declarations of the records it reads (BlinkLaunch: the launch table), written
+// from the numpy dtypes the Python side uses (blink/device/image.py: SHIM_STRUCTS), and with -D definitions of every
+// constant below (SHIM_DEFINES), taken from the Python modules that own them, so the two sides cannot disagree. The
+// iteration itself is numba code (blink_iterate), linked in by nvJitLink: its part PREPARE needs the finished step
+// and writes the next one's inputs; settle, its parts PUBLISH and COLLECT (publish; doorbells, collect), needs
+// nothing from the step and writes nothing it reads, so the resident loop runs it while the step runs
+// (blink/device/scheduler.py).
+#if !defined(WINDOW) || !defined(STOP) || !defined(AGAIN) || !defined(PREPARE) || !defined(PUBLISH) ||             \
+    !defined(COLLECT) || !defined(ITERATION) || !defined(LAUNCH_RETRIES) || !defined(LAUNCH_RETRY_NS) ||          \
     !defined(DONE_POLL_NS)
 #error "compile shim.cu through blink.device.image.compile_shim: it declares the records and defines the constants"
 #endif
 
-extern "C" __device__ int blink_iterate(long long *table);
+extern "C" __device__ int blink_iterate(long long *table, int part);
 
 // clock64() for numba code (declared there with cuda.declare_device, numba's device-function ABI).
 extern "C" __device__ int blink_clock(long long *cycles) {
@@ -32,18 +35,18 @@ __device__ bool blink_launch(cudaGraphExec_t graph, cudaStream_t how, int *launc
   return false;
 }
 
-// One iteration by the whole block; every thread's step inputs are visible device-wide when it returns.
-__device__ int blink_step(long long *table) {
-  int outcome = blink_iterate(table);
+// Parts of an iteration by the whole block; every thread's step inputs are visible device-wide when it returns.
+__device__ int blink_step(long long *table, int parts) {
+  int outcome = blink_iterate(table, parts);
   __threadfence();
   __syncthreads();
   return outcome;
 }
 
-// Launch mode "tail": one iteration per execution, then the step graph and this graph again, as tail launches.
+// Launch mode "tail": one whole iteration per execution, then the step graph and this graph again, as tail launches.
 extern "C" __global__ void blink_scheduler_tail(long long *table, BlinkLaunch *launch, int *launch_error,
-                                                int idle_ns, const BlinkControl *control, BlinkDoorbells *doorbells) {
-  int outcome = blink_step(table);
+                                                int idle_ns) {
+  int outcome = blink_step(table, ITERATION);
   if (threadIdx.x != 0 || outcome == STOP) return;
   if (outcome >= 0) {
     if (!blink_launch((cudaGraphExec_t)launch->graphs[0][outcome], cudaStreamGraphTailLaunch, launch_error)) return;
@@ -53,55 +56,48 @@ extern "C" __global__ void blink_scheduler_tail(long long *table, BlinkLaunch *l
   blink_launch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch, launch_error);
 }
 
-// Thread 0 of the resident loop, while the step runs: read the agent's words across PCIe, then wait for the step's
-// "done" kernel; the next iteration takes the words from `doorbells`. Returns the cycles from launch to done.
-__device__ void blink_wait_for_step(const BlinkControl *control, BlinkDoorbells *doorbells,
-                                    volatile unsigned long long *done, unsigned long long before) {
-  const volatile BlinkControl *ring = control;     // written by the agent across PCIe: every read goes there
-  unsigned int shutdown = ring->shutdown;
-  unsigned long long submitted = ring->submitted;
-  unsigned long long cancels = ring->cancels;
-  while (*done == before) __nanosleep(DONE_POLL_NS);
-  doorbells->shutdown = shutdown;
-  doorbells->submitted = (long long)submitted;
-  doorbells->cancels = (long long)cancels;
-  doorbells->valid = 1;
-  __threadfence();
-}
-
 // Launch mode "fire_and_forget": stay resident for up to WINDOW steps (a CUDA limit on fire-and-forget launches
-// per graph execution): iterate, fire the step graph (two instantiations alternate: a graph cannot be relaunched
-// before its previous launch retires), wait for its done kernel, repeat; then tail-relaunch this graph.
+// per graph execution): prepare, fire the step graph (two instantiations alternate: a graph cannot be relaunched
+// before its previous launch retires), settle (publish, then collect) while it runs, wait for its done kernel,
+// repeat; then tail-relaunch this graph (after the idle sleep when an iteration had nothing to run and collect
+// left no work).
 extern "C" __global__ void blink_scheduler_window(long long *table, BlinkLaunch *launch, int *launch_error,
-                                                  int idle_ns, const BlinkControl *control,
-                                                  BlinkDoorbells *doorbells) {
+                                                  int idle_ns) {
   __shared__ int go;
-  for (int k = 0; k < WINDOW; k++) {
-    int outcome = blink_step(table);
+  bool idle = false;
+  for (int k = 0; k < WINDOW && !idle; k++) {
+    int outcome = blink_step(table, PREPARE);
     if (outcome == STOP) return;
+    volatile unsigned long long *done = &launch->done;
+    unsigned long long before = 0;
+    long long start = 0;
     if (threadIdx.x == 0) {
       go = outcome;
       if (outcome >= 0) {
-        volatile unsigned long long *done = &launch->done;
-        unsigned long long before = *done, parity = launch->parity;
+        before = *done;
+        unsigned long long parity = launch->parity;
         launch->parity = parity ^ 1ULL;
-        cudaGraphExec_t step = (cudaGraphExec_t)launch->graphs[parity][outcome];
-        long long start = clock64();
-        if (blink_launch(step, cudaStreamGraphFireAndForget, launch_error)) {
-          blink_wait_for_step(control, doorbells, done, before);
-          launch->step_cycles += clock64() - start;    // launch + step + wake-up, for the profile
-          launch->steps_timed += 1;
-        } else {
+        start = clock64();
+        if (!blink_launch((cudaGraphExec_t)launch->graphs[parity][outcome], cudaStreamGraphFireAndForget,
+                          launch_error)) {
           go = STOP;
         }
       }
     }
     __syncthreads();
     if (go == STOP) return;
-    if (go < 0) break;
+    blink_iterate(table, PUBLISH);                     // the step runs meanwhile
+    int settled = blink_iterate(table, COLLECT);
+    if (threadIdx.x == 0 && outcome >= 0) {
+      while (*done == before) __nanosleep(DONE_POLL_NS);
+      launch->step_cycles += clock64() - start;        // launch + step (settle overlaps it) + wake-up, for the profile
+      launch->steps_timed += 1;
+    }
+    __syncthreads();
+    idle = outcome < 0 && settled != AGAIN;
   }
   if (threadIdx.x == 0) {
-    if (go < 0 && idle_ns > 0) __nanosleep(idle_ns);
+    if (idle && idle_ns > 0) __nanosleep(idle_ns);
     blink_launch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch, launch_error);
   }
 }

@@ -2,8 +2,8 @@
 
 The iteration kernel here is built from exactly the device functions the GPU image links (``make_iterate``), so its
 observable behaviour is the GPU loop's; only the launch mechanics differ: a Python loop launches one simulated
-block per iteration and runs the step between iterations. Import this module before anything imports numba (it
-turns the simulator on), or set ``NUMBA_ENABLE_CUDASIM=1`` yourself.
+block per iteration (``ITERATION``, as the GPU's tail loop does) and runs the step between iterations. Import this
+module before anything imports numba (it turns the simulator on), or set ``NUMBA_ENABLE_CUDASIM=1`` yourself.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from blink.device.config import SchedulerConfig  # noqa: E402
 from blink.device.numba_compat import SIMULATOR, cuda  # noqa: E402
 from blink.device.policy import fcfs  # noqa: E402
 from blink.device.scheduler import make_iterate  # noqa: E402
-from blink.device.state import IDLE, STOP, SchedulerArrays  # noqa: E402
+from blink.device.state import IDLE, ITERATION, STOP, SchedulerArrays  # noqa: E402
 from blink.device.step import StepBuffers  # noqa: E402
 from blink.ring.geometry import RingGeometry  # noqa: E402
 from blink.ring.layout import RingView  # noqa: E402
@@ -68,13 +68,13 @@ _LAUNCH_LOCK = threading.Lock()
 
 
 def make_kernel(policy):
-    """A one-block kernel that runs one scheduler iteration and reports what to launch."""
+    """A one-block kernel that runs parts of a scheduler iteration (``part``) and reports their outcome."""
     with _LAUNCH_LOCK:      # while another scheduler's launch runs, ``cuda`` in these modules is the simulator's
         iterate = make_iterate(policy)
 
         @cuda.jit
-        def scheduler_kernel(s, result):
-            outcome = iterate(s)
+        def scheduler_kernel(s, part, result):
+            outcome = iterate(s, part)
             if cuda.threadIdx.x == 0:
                 result[0] = outcome
 
@@ -120,15 +120,19 @@ class SimScheduler:
         self._kernel = make_kernel(policy)
         self._result = np.zeros(1, np.int32)
 
-    def iteration(self) -> int:
-        """One scheduler iteration, then the step it planned. Returns the bucket index, IDLE or STOP."""
+    def iteration(self, part: int = ITERATION) -> int:
+        """One scheduler iteration, then the step it planned. Returns the bucket index, IDLE or STOP.
+
+        ``part`` runs only some parts of it (``blink.device.state``), then the step if PREPARE planned one: PREPARE,
+        then PUBLISH and COLLECT is the resident GPU loop's order (there, the step runs beside the last two; they
+        write nothing it reads). COLLECT alone returns AGAIN or IDLE."""
         # Host work (a simulated iteration, a model step on torch CPU) can outlast the agent's liveness timeout on a
         # loaded machine: ``in_step`` says the loop is inside it (nonzero), moves while it progresses (``progress``),
         # and its return to 0 at the end is itself a beat (blink.nic.liveness).
         self.arrays.control[0].in_step = 1
         try:
             with _LAUNCH_LOCK, _fast_thread_switching():
-                self._kernel[1, self.threads](self.arrays, self._result)
+                self._kernel[1, self.threads](self.arrays, part, self._result)
             outcome = int(self._result[0])
             if outcome >= 0:
                 self.step_fn(self.arrays, self.config.buckets[outcome])

@@ -37,12 +37,24 @@ def indices(names: type) -> tuple:
 
 
 # Scheduler scalars (s.sched[0]). The prefix cache's (kv.py, prefix.py): evictable = cached pages no sequence holds
-# (free pages = the free stack + these), cached = pages in the table, lru_head / lru_count = the LRU ring.
+# (free pages = the free stack + these), cached = pages in the table, lru_head / lru_count = the LRU ring. What one
+# part of an iteration leaves for another (scheduler.py): admitted = requests the last prepare admitted (the last
+# ``admitted`` of the running list; settle publishes them RUNNING); shutdown = settle saw one (the next prepare acts
+# on it); cancel_bell = settle saw the ``cancels`` doorbell move (the next retire looks at running requests' cancels).
 SCHED_DTYPE = _record("<i4", "running", "free_top", "rows", "bucket", "queued", "queue_head", "consumed",
-                      "pending_finished", "publishable", "evictable", "cached", "lru_head", "lru_count")
+                      "pending_finished", "publishable", "evictable", "cached", "lru_head", "lru_count", "admitted",
+                      "shutdown", "cancel_bell")
 
+# The parts of an iteration (scheduler.py), as flags; one call runs those it names in the order COLLECT, PREPARE,
+# PUBLISH. The GPU's resident loop calls PREPARE, launches the step, then calls PUBLISH and COLLECT (settle) while
+# it runs; the tail loop and the simulator call ITERATION, then run the step.
+PREPARE, PUBLISH, COLLECT = 1, 2, 4
+ITERATION = COLLECT | PREPARE | PUBLISH
+# What an iteration returns besides a bucket index.
 IDLE = -1       # nothing to run: back off, then iterate again
 STOP = -2       # shutdown done: do not relaunch
+AGAIN = -3      # COLLECT alone: the next iteration has work without a doorbell moving (requests queued, finished
+                # requests to publish, a shutdown): iterate again without backing off
 
 # Scheduler configuration (s.cfg[0]).
 CFG_DTYPE = _record("<i4", "page_size", "token_budget", "max_num_seqs", "n_buckets", "n_eos", "watermark",
@@ -54,19 +66,21 @@ CONTROL_RECORD = record(CONTROL_DTYPE)
 
 
 class Phases(NamedTuple):
-    """The phases of an iteration, as indices into ``s.stats[0].profile``."""
+    """The phases of an iteration in the order the resident loop runs them (prepare's, then settle's), as indices
+    into ``s.stats[0].profile``."""
 
-    doorbells: int
     consume: int
     retire: int
-    collect: int
     admit: int
     plan: int
     publish: int
+    doorbells: int
+    collect: int
 
 
 PHASE = indices(Phases)
 PROFILE_PHASES = Phases._fields
+SETTLE_PHASES = PROFILE_PHASES[PHASE.publish:]      # off the step's critical path in the resident loop
 
 # s.stats[0]: the device copies of the control block's counters (named as there; publish_stats stores them into the
 # ring), the prefix-key seed, the SM cycles spent in each phase of the iteration summed over iterations (thread 0's
@@ -80,17 +94,13 @@ STATS_DTYPE = record(np.dtype([*((name, "<i8") for name in PUBLISHED_COUNTERS), 
                                ("seen_cancels", "<i8")], align=True))
 assert all(CONTROL_DTYPE.fields[name][0] == np.dtype("<u8") for name in PUBLISHED_COUNTERS)
 
-# s.doorbells[0]: the words the resident loop read across PCIe while the last step ran (shim.cu), for the next
-# iteration; ``valid`` says they are fresh.
-DOORBELLS_DTYPE = _record("<i8", "valid", "shutdown", "submitted", "cancels")
-
 
 # The ring's request headers as device code sees them: HEADER_DTYPE's fields (s.headers[slot].temperature).
 HEADER_RECORD = record(HEADER_DTYPE)
 # Plain numpy reads a record's attribute before its field of the same name (``record.flags`` is numpy's): the
 # records device code reads by attribute have no such field (the control block's geometry ``flags`` it never reads).
 assert not any(set(dtype.names) & set(dir(np.record)) for dtype in (SCHED_DTYPE, CFG_DTYPE, STATS_DTYPE,
-                                                                    DOORBELLS_DTYPE, HEADER_RECORD))
+                                                                    HEADER_RECORD))
 # The penalties of a row of ``penalties`` (step.py) and of ``seq_penalties``, in order.
 PENALTY_NAMES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 assert len(PENALTY_NAMES) == N_PENALTIES
@@ -194,7 +204,6 @@ class SchedulerArrays(NamedTuple):
     running: object         # i32 [max_num_seqs]  ring slots, in admission order
     consumed: object        # i32 [max_num_seqs]  slot whose token row r of the last step delivered (-1: none)
     pending_finished: object  # i32 [n]  finished slots whose FINISHED state is not yet published (each at most once)
-    doorbells: object       # DOORBELLS_DTYPE [1]  prefetched by the resident loop
     row_slot: object        # i32 [max_num_seqs]  ring slot of each row of the last planned step
     row_version: object     # i32 [max_num_seqs]  seq_version of that slot when the row was last written
     row_pages: object       # i32 [max_num_seqs]  block-table entries already copied into that row
@@ -241,8 +250,8 @@ QUEUED, REFUSED = 1, 2
 
 
 class Counts(NamedTuple):
-    """The iteration's counters (``sh.counters[COUNT.tokens]``), zeroed at its start; ``publish_stats`` folds some
-    into the device counters of the same name (``s.stats[0]``)."""
+    """The counters of one part of an iteration (``sh.counters[COUNT.tokens]``), zeroed where it starts;
+    ``fold_counts`` adds some to the device counters of the same name (``s.stats[0]``) where it ends."""
 
     tokens: int
     finished: int
@@ -252,7 +261,6 @@ class Counts(NamedTuple):
     rejected: int
     preempted: int
     victim: int
-    shutdown: int
     scan: int
     cancel_bell: int
     ending: int
@@ -278,7 +286,7 @@ class Counts(NamedTuple):
 
 COUNT = indices(Counts)
 # After the named counters, one per draft position: sh.counters[SPEC_ACCEPTED_PER_POS + j] counts the drafts accepted
-# at position j (publish_stats folds them into stats and the control block's ``spec_accepted_per_pos``).
+# at position j (fold_counts adds them to stats' ``spec_accepted_per_pos``, publish_stats stores those in the ring).
 SPEC_ACCEPTED_PER_POS = len(COUNT)
 N_COUNTERS = SPEC_ACCEPTED_PER_POS + MAX_SPECULATIVE_TOKENS
 
