@@ -53,11 +53,11 @@ class GpuScheduler:
     arrays)`` returns the raw ``cudaGraph_t`` (as an int) of one step for that bucket, reading the step buffers, e.g.
     ``torch.cuda.CUDAGraph(keep_graph=True).raw_cuda_graph()`` (keep the torch graph alive); by default, the stand-in
     step. Each is wrapped with the "done" kernel and instantiated twice for device launch (``graphs``). It is called
-    once the ring is registered: ``arrays`` maps each ring array of ``ring_arrays`` and each array of the scheduler's
-    state to its ``(device address, shape)``, for a step that reads one (the grammar mirror). ``history_tokens`` is
-    the step's token history, ``(device address, tokens)`` of the model's ``TokenHistory.tokens``; by default a
-    zeroed one of the scheduler's own (the stand-in step records nothing: drafts looked up there are wrong, rejected,
-    and change no output).
+    once the ring is registered: ``arrays`` maps each ring array of ``ring_arrays``, each array of the scheduler's
+    state and ``history_tokens`` to its ``(device address, shape)``, for a step that reads or writes one (the grammar
+    mirror; the token history). ``history_tokens`` is the step's token history, ``(device address, tokens)`` of the
+    model's ``TokenHistory.tokens``; by default a zeroed one of the scheduler's own, which the stand-in step records
+    into as a model step does.
     """
 
     def __init__(self, memory, geometry: RingGeometry, config: SchedulerConfig, step_layout: StepLayout,
@@ -111,7 +111,8 @@ class GpuScheduler:
         done = graphs.captured(self.stream, lambda: self._launch("blink_done", 1, 1,
                                                                  [(self.launch[0], ctypes.c_void_p)]))
         table, self.step_graphs = graphs.launch_table(config.buckets, partial(step_graph or self._standin_graph,
-                                                                              arrays={**ring, **self.state}),
+                                                                              arrays={**ring, **self.state,
+                                                                                      "history_tokens": history}),
                                                             done, self.stream)
         check(driver.cuMemcpyHtoD(self.launch[0], table, table.nbytes))
         self.scheduler_graph = self._build_scheduler_graph()
@@ -251,13 +252,15 @@ class GpuScheduler:
         types = tuple(kind for _, kind in args)
         check(driver.cuLaunchKernel(function, grid, 1, 1, block, 1, 1, 0, self.stream, (values, types), 0))
 
-    def _standin_graph(self, bucket_tokens: int, arrays: dict) -> int:     # the stand-in reads none of them
+    def _standin_graph(self, bucket_tokens: int, arrays: dict) -> int:     # the stand-in records the token history
         rows = self.step_layout.sample_rows(bucket_tokens)
         a = self.step_addresses
         args = [(a["logits_indices"], ctypes.c_void_p), (a["token_ids"], ctypes.c_void_p),
-                (a["positions"], ctypes.c_void_p), (a["seed"], ctypes.c_void_p), (a["sampled_ids"], ctypes.c_void_p),
-                (a["sampled_logprobs"], ctypes.c_void_p), (rows, ctypes.c_int), (STANDIN_VOCAB, ctypes.c_int)]
-        grid = -(-rows // STANDIN_BLOCK)
+                (a["positions"], ctypes.c_void_p), (a["slot_mapping"], ctypes.c_void_p), (a["seed"], ctypes.c_void_p),
+                (a["sampled_ids"], ctypes.c_void_p), (a["sampled_logprobs"], ctypes.c_void_p),
+                (arrays["history_tokens"][0], ctypes.c_void_p), (bucket_tokens, ctypes.c_int), (rows, ctypes.c_int),
+                (STANDIN_VOCAB, ctypes.c_int)]
+        grid = -(-max(rows, bucket_tokens) // STANDIN_BLOCK)
         return int(graphs.captured(self.stream,
                                    lambda: self._launch("blink_standin_step", grid, STANDIN_BLOCK, args)))
 

@@ -108,7 +108,8 @@ extern "C" __global__ void blink_done(BlinkLaunch *launch) {
   atomicAdd(&launch->done, 1ULL);
 }
 
-// The stand-in model step (blink/ring/standin.py: the same splitmix64 hash), one thread per sequence row.
+// The stand-in model step (blink/ring/standin.py: the same splitmix64 hash, the same token history), one thread per
+// token row (recorded in the history, as a model step records it) and per sequence row (sampled).
 __device__ unsigned long long blink_mix64(unsigned long long x) {
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
@@ -116,9 +117,11 @@ __device__ unsigned long long blink_mix64(unsigned long long x) {
 }
 
 extern "C" __global__ void blink_standin_step(const int *logits_indices, const int *token_ids, const int *positions,
-                                              const long long *seed, int *sampled_ids, float *sampled_logprobs,
-                                              int rows, int vocab) {
+                                              const long long *slot_mapping, const long long *seed, int *sampled_ids,
+                                              float *sampled_logprobs, int *history_tokens, int tokens, int rows,
+                                              int vocab) {
   int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r < tokens && slot_mapping[r] >= 0) history_tokens[slot_mapping[r]] = token_ids[r];
   if (r >= rows) return;
   int t = logits_indices[r];
   if (t < 0) return;

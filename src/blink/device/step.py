@@ -40,8 +40,8 @@ The step writes ``sampled_ids[i]`` and ``sampled_logprobs[i]`` for every row wit
 ``sampled_top_ids[i]`` / ``sampled_top_logprobs[i]``: the ``max_top_logprobs`` most likely tokens, most likely first.
 It records every query token at its KV slot in the token history, ``history_tokens[slot_mapping[t]] =
 token_ids[t]`` (``blink.models.history``; padding dropped): its penalties read it, and so does the scheduler's draft
-lookup (``speculation.token_at``). A step that records nothing (the GPU stand-in) gets wrong drafts, which
-verification rejects: never a wrong token.
+lookup (``speculation.token_at``). A step that recorded nothing would get wrong drafts, which verification rejects:
+never a wrong token.
 """
 from __future__ import annotations
 
