@@ -19,13 +19,12 @@ from numba import int32
 
 from blink.device.numba_compat import cuda, load_volatile
 from blink.device.state import COUNT
-from blink.ring.grammar import PLACEMENT_WORDS, RECORD_WORDS
+from blink.ring.grammar import ID_WORD, PLACEMENT_WORDS, RECORD_WORDS, SIZE_WORD, START_WORD
 from blink.ring.layout import FLAG_GRAMMAR
 
-
-# A placement's header words (blink.ring.grammar): its size, its id's two words, its start state.
-SIZE_WORD, START_WORD = 0, 3
 COPY_UNROLL = 8
+# A mirror holds a placement when the header's words before its start state (size and id) are the ring's.
+assert SIZE_WORD < START_WORD and ID_WORD + 2 == START_WORD
 
 
 @cuda.jit(device=True)

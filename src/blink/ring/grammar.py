@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 RECORD_WORDS = 2            # a state record's words after its mask: the default next state, the number of pairs
-PLACEMENT_WORDS = 4         # a placement's header: its size, its id (two words), its start state
+# A placement's header, by word: its size, its id (two words, low first), its start state; the records follow.
+SIZE_WORD, ID_WORD, START_WORD, PLACEMENT_WORDS = 0, 1, 3, 4
 
 
 def mask_words(vocab_size: int) -> int:
@@ -72,8 +73,11 @@ class Grammar:
             raise ValueError(f"a placement id is a nonzero uint64, not {placement_id}")
         records = self.words.copy()
         records[self.pointers] += base + PLACEMENT_WORDS
-        header = np.array([self.placed_words, placement_id & 0xFFFFFFFF, placement_id >> 32,
-                           base + PLACEMENT_WORDS + self.start], np.uint32).view(np.int32)
+        header = np.zeros(PLACEMENT_WORDS, np.uint32)
+        header[SIZE_WORD] = self.placed_words
+        header[ID_WORD:ID_WORD + 2] = placement_id & 0xFFFFFFFF, placement_id >> 32
+        header[START_WORD] = base + PLACEMENT_WORDS + self.start
+        header = header.view(np.int32)
         return np.concatenate([header, records]).astype("<i4").tobytes()
 
 
@@ -122,7 +126,7 @@ def build(key: tuple[str, str], vocab_size: int, initial: int, transitions: dict
 
 def start_state(region: np.ndarray, base: int) -> int:
     """The start state of the grammar placed at word ``base`` of the int32 ``region``."""
-    return int(region[base + 3])
+    return int(region[base + START_WORD])
 
 
 def allowed(region: np.ndarray, state: int, vocab_size: int) -> np.ndarray:
