@@ -2,8 +2,8 @@
 
 ``python -m bench.scheduler_resources [--policy fcfs] [--json PATH]`` links the image with ``blink.device.image.link``
 (policy + iteration from numba, shim from NVRTC, libcudadevrt) and nvJitLink's ``-verbose``, and prints, per
-function, what ptxas reported: registers, stack frame, spill stores and loads, shared memory. The iteration
-(``iterate``, or ``blink_iterate`` where it is inlined into its entry) is where spills show.
+function, what ptxas reported: registers, stack frame, spill stores and loads, shared memory. The iteration is
+inlined into the two scheduler kernels; were ``iterate`` a function of its own again, it would show as one.
 """
 from __future__ import annotations
 

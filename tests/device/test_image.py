@@ -1,17 +1,26 @@
-"""The real scheduler image: it links for sm_90 on a machine without a GPU (CI), is refused under the simulator, and
-the image of a built-in policy is cached.
+"""The real scheduler image: it links for sm_90 on a machine without a GPU (CI) with no register spilled, is refused
+under the simulator, and the image of a built-in policy is cached.
 
 Everything numba-related runs in subprocesses here, so this module also loads under the simulator. The two links
 (a user's policy, a built-in one) take most of a minute each on a CI box: they start together, and each test waits
 for its own, as long as its link progresses (the limit is on the CPU time each uses, not on the wall clock: on a
 loaded 2-core host a link that waited for a core outlasted a 600 s wall-clock limit).
 """
+import json
+from pathlib import Path
+
 import pytest
 
 from tests.device.fresh_python import finish, start_python
 
+ROOT = Path(__file__).resolve().parents[2]
+
 USER_POLICY_LINK = """
-    from blink.device.image import link_image
+    import json, sys
+    sys.path.insert(0, {root!r})
+    from bench.scheduler_resources import resources
+    from blink.device.config import IMAGE_ARCH
+    from blink.device.image import link
     from blink.device.numba_compat import cuda
     from numba import int64
 
@@ -19,7 +28,9 @@ USER_POLICY_LINK = """
     def shortest_prompt_first(arrival_ns, prompt_len, max_tokens, priority, request_id):
         return int64(prompt_len)
 
-    open({out!r}, "wb").write(link_image(shortest_prompt_first))
+    image, log = link(shortest_prompt_first, IMAGE_ARCH, ("-verbose",))
+    open({out!r}, "wb").write(image)
+    print(json.dumps(resources(log)))
 """
 CACHED_LINK = """
     import os, time
@@ -35,20 +46,26 @@ CACHED_LINK = """
 def links(tmp_path_factory):
     """Both link processes, started at once: ``(process, its output path)`` by name."""
     out, cache = tmp_path_factory.mktemp("image") / "image.cubin", tmp_path_factory.mktemp("cache")
-    started = {"user": (start_python(USER_POLICY_LINK.format(out=str(out)), simulator=False), out),
+    started = {"user": (start_python(USER_POLICY_LINK.format(root=str(ROOT), out=str(out)), simulator=False), out),
                "cached": (start_python(CACHED_LINK.format(cache=str(cache)), simulator=False), cache)}
     yield started
     for process, _ in started.values():
         process.kill()
 
 
-def test_the_scheduler_image_links_for_sm90_without_a_gpu(links):
+def test_the_scheduler_image_links_for_sm90_without_a_gpu_and_spills_no_register(links):
+    """What ptxas reported of each kernel: no spill (the iteration read ~80 arrays' addresses and shapes once and
+    spilled them, 1 KiB per thread; ``array_table.py`` reads each where it is used)."""
     process, out = links["user"]
-    finish(process)
+    functions = json.loads(finish(process))
     image = out.read_bytes()
     assert image[:4] == b"\x7fELF"
-    for kernel in (b"blink_scheduler_tail", b"blink_scheduler_window", b"blink_done", b"blink_standin_step"):
-        assert kernel in image, kernel
+    kernels = ("blink_scheduler_tail", "blink_scheduler_window", "blink_done", "blink_standin_step")
+    for kernel in kernels:
+        assert kernel.encode() in image, kernel
+    assert set(kernels) <= set(functions)
+    for name, used in functions.items():
+        assert used["spill_store_bytes"] == used["spill_load_bytes"] == 0, (name, used)
 
 
 def test_compiling_the_gpu_image_under_the_simulator_is_refused():

@@ -1,10 +1,9 @@
 """The scheduler image: compile, link and cache the cubin the GPU loop runs (no GPU needed).
 
 1. numba compiles the iteration (``scheduler.make_iterate(policy)``) behind a C-ABI entry
-   ``int blink_iterate(long long *table, int part)`` to LTO-IR (``part``: the parts of the iteration to run).
-   ``table`` holds ``(address, dim0, dim1)`` for each field of ``SchedulerArrays``; the entry rebuilds the arrays
-   from it. The entry's source is generated from the field list, so the order the host fills the table in and the
-   order the device reads it cannot drift apart.
+   ``int blink_iterate(long long *table, int part)`` to LTO-IR (``part``: the parts of the iteration to run;
+   ``table``: the arrays' address table, ``array_table.py``, read where each array is used). The entry is inlined
+   where the shim calls it, so each call keeps only the parts it names and no call saves registers.
 2. NVRTC compiles ``shim.cu`` (the device loop, the "done" kernel, the stand-in step) to LTO-IR, after C
    declarations of the records it reads (``SHIM_STRUCTS``: the launch table, written from its dtype by
    ``cstruct.py``), with every constant it shares with Python passed as ``-D`` (``SHIM_DEFINES``).
@@ -24,18 +23,15 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from blink.device.config import IMAGE_ARCH, MAX_BUCKETS, SchedulerConfig
+from blink.device import array_table
+from blink.device.config import IMAGE_ARCH, MAX_BUCKETS
 from blink.device.cstruct import c_struct
 from blink.device.numba_compat import SIMULATOR, cuda
 from blink.device.policy import fcfs
 from blink.device.scheduler import make_iterate
-from blink.device.arrays import ring_arrays, state_arrays, zero_history
-from blink.device.state import AGAIN, COLLECT, ITERATION, PREPARE, PUBLISH, STOP, SchedulerArrays
-from blink.device.step import StepLayout
+from blink.device.state import AGAIN, COLLECT, ITERATION, PREPARE, PUBLISH, STOP
 from blink.errors import LaunchError
 from blink.paths import cache_dir
-from blink.ring.geometry import RingGeometry
-from blink.ring.layout import RingLayout
 
 SHIM_PATH = Path(__file__).with_name("shim.cu")
 WINDOW = 120                        # fire-and-forget launches per graph execution (a CUDA limit)
@@ -57,48 +53,14 @@ SHIM_STRUCTS = {"BlinkLaunch": LAUNCH_DTYPE}
 _IMAGE_SOURCES = ("device/*.py", "device/shim.cu", "ring/control.py", "ring/layout.py", "ring/hashing.py")
 
 
-def array_spec() -> list[tuple[str, np.dtype, int]]:
-    """(field, dtype, ndim) of every ``SchedulerArrays`` field; sizes do not matter, so a tiny instance tells."""
-    geometry = RingGeometry(n_slots=1, max_prompt_tokens=1, max_output_tokens=1, max_stop_ids=1, prefix_page_size=1)
-    layout = RingLayout(geometry)
-    step = StepLayout(max_num_batched_tokens=1, max_num_seqs=1, max_pages_per_seq=1)
-    config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1, page_size=1, num_pages=1, max_model_len=1)
-    arrays = {**ring_arrays(layout.view(bytearray(layout.size))),
-              **{name: np.zeros(shape, dtype) for name, (shape, dtype) in step.fields().items()},
-              "history_tokens": zero_history(config), **state_arrays(config, geometry, step)}
-    return [(name, arrays[name].dtype, arrays[name].ndim) for name in SchedulerArrays._fields]
-
-
 def _entry_function(policy):
-    """``int blink_iterate(long long *table, int part)``: rebuild ``SchedulerArrays`` from the address table, run
-    ``part`` of the iteration."""
-    from numba import types
-    from numba.cuda.extending import intrinsic
-    from numba.cuda.np.numpy_support import carray
-
-    @intrinsic
-    def voidptr(typingctx, address):
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
-        return types.voidptr(types.int64), codegen
-
-    fields = []
-    namespace = dict(carray=carray, voidptr=voidptr, np=np, SchedulerArrays=SchedulerArrays)
-    for k, (name, dtype, ndim) in enumerate(array_spec()):
-        dims = "".join(f"table[{3 * k + 1 + d}], " for d in range(ndim))
-        if dtype.names is None:
-            element = f"np.{dtype.name}"
-        else:                                   # a record: its dtype, a global of the source, by the field's name
-            element = f"{name}_record"
-            namespace[element] = dtype
-        fields.append(f"carray(voidptr(table[{3 * k}]), ({dims}), {element}),  # {name}")
-    source = ("def from_table(table):\n    return SchedulerArrays(\n        "
-              + "\n        ".join(fields) + "\n    )\n")
-    exec(compile(source, "<from_table>", "exec"), namespace)
-    iterate = make_iterate(policy, cuda.jit(device=True)(namespace["from_table"]))
+    """``int blink_iterate(long long *table, int part)``: run ``part`` of the iteration on the arrays of the address
+    table ``table`` (``array_table.py``)."""
+    scheduler_arrays = array_table.register()
+    iterate = make_iterate(policy)
 
     def blink_iterate(table, part):
-        return iterate(table, part)
+        return iterate(scheduler_arrays(table), part)
     return blink_iterate
 
 
@@ -126,6 +88,7 @@ def compile_policy(policy=fcfs, cc=(9, 0)) -> bytes:
     entry = _entry_function(policy)
     with _compile_for(cc):
         ltoir, _ = cuda.compile(entry, int32(types.CPointer(int64), int32), device=True, abi="c", output="ltoir",
+                                forceinline=True,
                                 cc=cc, abi_info={"abi_name": "blink_iterate"})
     return ltoir
 

@@ -8,6 +8,8 @@ Import ``cuda`` from here, never ``numba.cuda`` directly:
 - the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, set before numba is first imported) lacks ``ldcv``, so
   ``load_volatile`` and ``load_volatile_field`` fall back to a plain load there (the simulator has no caches to
   bypass), and ``clock`` (the SM cycle counter, for the scheduler's phase profile) reads 0;
+- the simulator's ``cuda.jit`` takes no ``forceinline``: ``inlined`` is a device function that is inlined into its
+  callers on the GPU (NVVM's ``alwaysinline``) and a plain one there;
 - the simulator computes with numpy scalars, which warn where uint64 arithmetic wraps around, as the GPU's does
   silently: ``add64`` and ``mul64`` wrap without a word on both.
 """
@@ -25,6 +27,8 @@ SIMULATOR = bool(_config.ENABLE_CUDASIM)
 _MASK64 = (1 << 64) - 1
 
 if SIMULATOR:
+    inlined = cuda.jit(device=True)
+
     def load_volatile(array, index):
         """A load that sees another agent's latest store (the ring is written by the NIC side)."""
         return array[index]
@@ -51,6 +55,7 @@ else:
     from numba.cuda.extending import intrinsic
 
     load_volatile = cuda.ldcv  # ld.global.cv: bypass L1/L2 caching of host-mapped ring words
+    inlined = cuda.jit(device=True, forceinline=True)
 
     @intrinsic
     def load_volatile_field(typingctx, record, name):
@@ -80,4 +85,4 @@ else:
     def mul64(a, b):
         return a * b
 
-__all__ = ["cuda", "load_volatile", "load_volatile_field", "clock", "add64", "mul64", "SIMULATOR"]
+__all__ = ["cuda", "inlined", "load_volatile", "load_volatile_field", "clock", "add64", "mul64", "SIMULATOR"]

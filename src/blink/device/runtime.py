@@ -28,13 +28,13 @@ from functools import partial
 
 import numpy as np
 
-from blink.device import graphs
+from blink.device import array_table, graphs
 from blink.device.config import SchedulerConfig
 from blink.device.driver import DeviceMemory, check, error_name
 from blink.device.image import LAUNCH_DTYPE, STANDIN_BLOCK, link_image
 from blink.device.policy import fcfs
 from blink.device.arrays import check_history, control_gauges, ring_arrays, state_arrays, zero_history
-from blink.device.state import PHASE, PROFILE_PHASES, STATS_DTYPE, SchedulerArrays
+from blink.device.state import PHASE, PROFILE_PHASES, STATS_DTYPE
 from blink.device.step import StepLayout
 from blink.errors import LaunchError
 from blink.ring import control
@@ -105,7 +105,7 @@ class GpuScheduler:
         else:
             check_history(config, history_tokens[1])
             history = (history_tokens[0], (history_tokens[1],))
-        self.table = self._to_device(self._address_table({**ring, **step, "history_tokens": history, **self.state}))
+        self.table = self._to_device(array_table.table({**ring, **step, "history_tokens": history, **self.state}))
         self.launch = self._to_device(np.zeros(1, LAUNCH_DTYPE))
         self.launch_error = self._ring_address(view.control["launch_error"])
         done = graphs.captured(self.stream, lambda: self._launch("blink_done", 1, 1,
@@ -234,15 +234,6 @@ class GpuScheduler:
         self._allocations.append(address)
         check(driver.cuMemcpyHtoD(address, np.ascontiguousarray(array), array.nbytes))
         return address, array.shape
-
-    @staticmethod
-    def _address_table(arrays: dict[str, tuple[int, tuple]]) -> np.ndarray:
-        table = np.zeros(3 * len(SchedulerArrays._fields), np.int64)
-        for k, name in enumerate(SchedulerArrays._fields):
-            address, shape = arrays[name]
-            table[3 * k] = address
-            table[3 * k + 1: 3 * k + 1 + len(shape)] = shape
-        return table
 
     def _launch(self, name: str, grid: int, block: int, args: list[tuple[int, type]]):
         from cuda.bindings import driver

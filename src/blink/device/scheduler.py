@@ -41,7 +41,7 @@ from blink.device import batcher, consume, prefix
 from blink.device.block import MAX_THREADS, exclusive_scan
 from blink.device.doorbells import read_doorbells
 from blink.device.kv import free_sequences
-from blink.device.numba_compat import clock, cuda, load_volatile
+from blink.device.numba_compat import clock, cuda, inlined, load_volatile
 from blink.device.publish import fold_counts, publish, publish_stats
 from blink.device.state import (AGAIN, COLLECT, COUNT, IDLE, MAX_CANDIDATES, N_COUNTERS, PHASE, PREPARE, PUBLISH,
                                 REFUSED, STOP, Scratch)
@@ -184,29 +184,20 @@ def scratch():
     return Scratch(slots, keys, rank, pages, tokens, chunk, kept, partial, counters)
 
 
-@cuda.jit(device=True)
-def given(s):
-    """The arrays an iteration was called with (``make_iterate``'s default ``arrays``)."""
-    return s
-
-
-def make_iterate(policy, arrays=given):
+def make_iterate(policy):
     """Build the iteration device function with ``policy`` (see ``blink.device.policy``) ordering admission.
 
-    ``iterate(source, part)`` runs the parts of an iteration that ``part`` names (flags, run in this order): COLLECT
+    ``iterate(s, part)`` runs the parts of an iteration that ``part`` names (flags, run in this order): COLLECT
     (settle's second half; returns AGAIN or IDLE), PREPARE (returns the bucket to launch, IDLE or STOP), PUBLISH
-    (settle's first half); with PREPARE, it returns prepare's outcome. ``source`` is what ``arrays(source)`` turns
-    into its ``SchedulerArrays``: the arrays themselves (the simulator), or the GPU image's address table, rebuilt
-    where each phase starts. Rebuilt after the previous phase's barriers, the ~80 arrays' addresses and shapes are
-    reloaded from the table (L1) instead of being kept live, and spilled, across the whole iteration.
+    (settle's first half); with PREPARE, it returns prepare's outcome. ``s`` is the ``SchedulerArrays``: the arrays
+    themselves (the simulator), or the GPU image's table of their addresses (``array_table.py``).
     """
 
     @cuda.jit(device=True)
-    def prepare(source, sh):
+    def prepare(s, sh):
         """Act on a shutdown settle saw; take the finished step's tokens; retire; admit; plan the next step."""
         tid = cuda.threadIdx.x
         t = clock()
-        s = arrays(source)
         if s.sched[0].shutdown != 0:            # seen by a settle: no step of ours runs now
             shut_down(s, sh)
             return STOP
@@ -215,16 +206,12 @@ def make_iterate(policy, arrays=given):
         consume.consume(s, sh)
         prefix.cache_step(s, sh)
         t = lap(s, t, PHASE.consume)
-        s = arrays(source)
         retire(s, sh)
         t = lap(s, t, PHASE.retire)
-        s = arrays(source)
         batcher.admit(s, sh)
         t = lap(s, t, PHASE.admit)
-        s = arrays(source)
         bucket = batcher.plan(s, sh)
         t = lap(s, t, PHASE.plan)
-        s = arrays(source)
         if tid == 0:
             s.stats[0].steps += 1 if bucket >= 0 else 0
             fold_counts(s, sh)
@@ -232,10 +219,9 @@ def make_iterate(policy, arrays=given):
         return bucket
 
     @cuda.jit(device=True)
-    def settle_publish(source, sh):
+    def settle_publish(s, sh):
         """Publish prepare's ring writes, then heartbeat, counters and gauges."""
         t = clock()
-        s = arrays(source)
         publish(s, sh)
         if cuda.threadIdx.x == 0:
             s.stats[0].heartbeat += 1
@@ -245,14 +231,12 @@ def make_iterate(policy, arrays=given):
         lap(s, t, PHASE.publish)
 
     @cuda.jit(device=True)
-    def settle_collect(source, sh):
+    def settle_collect(s, sh):
         """Read the doorbells; drop cancelled queued requests, queue new ones. AGAIN when the next iteration has
         work of its own (requests queued, finished requests to publish, a shutdown to act on), else IDLE."""
         t = clock()
-        s = arrays(source)
         read_doorbells(s, sh)
         t = lap(s, t, PHASE.doorbells)
-        s = arrays(source)
         if sh.counters[COUNT.cancel_bell] != 0:
             cancel_queued(s, sh)
         if sh.counters[COUNT.scan] != 0:
@@ -262,22 +246,21 @@ def make_iterate(policy, arrays=given):
             fold_counts(s, sh)
         cuda.syncthreads()
         lap(s, t, PHASE.collect)
-        s = arrays(source)
         if sh.counters[COUNT.new] != 0 or s.sched[0].pending_finished != 0 or s.sched[0].shutdown != 0:
             return AGAIN
         return IDLE
 
-    @cuda.jit(device=True)
-    def iterate(source, part):
+    @inlined                                # into the image's entry: a call would save and restore registers
+    def iterate(s, part):
         outcome = IDLE
         if part & COLLECT:
-            outcome = settle_collect(source, scratch())
+            outcome = settle_collect(s, scratch())
         if part & PREPARE:
-            outcome = prepare(source, scratch())
+            outcome = prepare(s, scratch())
             if outcome == STOP:
                 return STOP
         if part & PUBLISH:
-            settle_publish(source, scratch())
+            settle_publish(s, scratch())
         return outcome
 
     return iterate
