@@ -1,7 +1,9 @@
 """``blink.ranks``: a CPU engine whose model is split over two processes serves what the unsplit engine serves (greedy
 tokens equal, logprobs within float32 reordering), with rank 0's plan run by rank 1 through chunked prefill and
-batches that mix prefills and decodes, also from an engine in a process of its own; a killed engine leaves no rank
-behind; sizes that do not split, a rank that cannot load and a GPU engine are refused by name."""
+batches that mix prefills and decodes, also from an engine in a process of its own, and structured outputs (JSON
+schemas, greedy and seeded, each answer valid); a killed engine leaves no rank behind; sizes that do not split, a
+rank that cannot load and a GPU engine are refused by name."""
+import json
 import os
 import shutil
 import time
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from blink import Engine, EngineConfig, SamplingParams, SchedulerConfig
+from blink.bench.shapes import write_model_dir
 from blink.errors import ConfigError, EngineError
 from tests.models.harness import tiny_hf_model
 from tests.processes import children
@@ -72,6 +75,47 @@ def test_random_weights_split_the_same_way(model_dir):
     want, _, _ = serve(dummy)
     got, _, _ = serve(replace(dummy, tensor_parallel_size=2))
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+GRAMMAR_ROOM = 16 << 10     # the largest grammar below fits, not all: a grammar is placed over words another held
+STRUCTURED = replace(CONFIG, load_format="dummy", max_output_tokens=96, max_grammar_bytes=GRAMMAR_ROOM,
+                     scheduler=replace(CONFIG.scheduler, num_pages=160, max_model_len=144))
+
+
+def serve_structured(config: EngineConfig, schemas: list[dict]) -> tuple[list, list[int]]:
+    """Every one of ``schemas`` asked greedily, then seeded (all submitted at once, ``max_num_seqs`` in flight),
+    and the bytes of their grammars."""
+    from blink.nic.grammars import StructuredOutputs
+
+    with Engine(config) as engine:
+        grammars = [engine.grammar(StructuredOutputs.json(schema)) for schema in schemas]
+        most = config.max_output_tokens
+        params = [SamplingParams(max_tokens=most, temperature=0, grammar=g) for g in grammars]
+        params += [SamplingParams(max_tokens=most, temperature=1.0, seed=k, grammar=g) for k, g in enumerate(grammars)]
+        outputs = engine.generate([prompts()[k % 4] for k in range(len(params))], params)
+    return outputs, [g.nbytes for g in grammars]
+
+
+def test_two_ranks_answer_structured_outputs_as_one_does(tmp_path):
+    """Rank 0 masks each grammar row's logits with its scheduler's mirror of the grammars region; the followers step
+    without one (their sampled tokens are never read: every rank's KV pool and token history take the plan's
+    tokens). On random weights over a byte-level vocabulary, with several schemas in flight and a region that
+    holds only some of their grammars at once: the two-rank engine's answers are the one-rank engine's, token for
+    token, and each parses and follows its schema."""
+    # Not on the GPU image, where this module is collected: imported here.
+    import jsonschema
+
+    from tests.nic.openai.test_structured import HAND_WRITTEN      # imports openai
+
+    schemas = HAND_WRITTEN[1:]      # every value bounded (not the first's integer): random weights end an answer
+    config = replace(STRUCTURED, model=str(write_model_dir(tmp_path / "bytes", "tiny-qwen3", "bytes")))
+    want, sizes = serve_structured(config, schemas)
+    got, _ = serve_structured(replace(config, tensor_parallel_size=2), schemas)
+    assert max(sizes) <= GRAMMAR_ROOM < sum(sizes)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for out, schema in zip(got, schemas * 2, strict=True):
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), schema)
 
 
 def test_a_size_that_does_not_split_is_refused_by_field(model_dir):

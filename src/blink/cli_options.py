@@ -90,8 +90,7 @@ def engine_options(parser, slots: int) -> None:
     parser.add_argument("--max-top-logprobs", type=int, default=d.max_top_logprobs, help="top_logprobs per token")
     parser.add_argument("--max-grammar-bytes", type=int, default=SERVED_GRAMMAR_BYTES,
                         help="ring bytes (and as many bytes of GPU memory) for the compiled grammars of structured "
-                             "outputs (response_format, structured_outputs); 0: none, such requests get 400 (so do "
-                             "they at --tensor-parallel-size > 1 so far)")
+                             "outputs (response_format, structured_outputs); 0: none, such requests get 400")
 
 
 def http_options(parser) -> None:

@@ -54,11 +54,11 @@ class EngineConfig:
     (None: ``max_model_len - 1`` each), each request's ``logit_bias`` up to ``max_logit_bias`` tokens and
     ``top_logprobs`` up to ``max_top_logprobs`` per token (0: none; that area costs ``8 × n_slots ×
     max_output_tokens × max_top_logprobs`` bytes of ring), and ``max_grammar_bytes`` of ring hold the compiled grammars
-    of structured outputs (``blink.ring.grammar``; 0: none, and requests with a grammar are refused; served at tensor
-    parallel size 1 so far, elsewhere the ring is built without them). ``ring_name=None`` keeps it
-    in this process; a name puts it in POSIX shared memory (``/dev/shm/<ring_name>``) for an agent in another
-    process. ``sim_threads`` is the simulated scheduler block size in CPU mode (each is a Python thread: keep it
-    small). ``tensor_parallel_size`` splits the model over that many processes (``blink.ranks``; CPU only so far).
+    of structured outputs (``blink.ring.grammar``; 0: none, and requests with a grammar are refused).
+    ``ring_name=None`` keeps it in this process; a name puts it in POSIX shared memory (``/dev/shm/<ring_name>``) for
+    an agent in another process. ``sim_threads`` is the simulated scheduler block size in CPU mode (each is a Python
+    thread: keep it small). ``tensor_parallel_size`` splits the model over that many processes (``blink.ranks``; CPU
+    only so far).
 
     ``request_side="device"`` (GPU only) keeps the ring's request side (control block, status, headers, prompts) in
     GPU memory, where the scheduler's polls are HBM reads and a NIC writes it by GPUDirect RDMA; the output side

@@ -55,14 +55,7 @@ class EngineCore:
         model_dir = resolve_model(config.model)
         model_config = ModelConfig.from_file(model_dir)
         self.max_model_len = config.max_model_len(model_config.max_position_embeddings)
-        # Tensor-parallel followers do not read the grammars region yet: their rings get none, and the agent refuses
-        # requests with a grammar.
-        serves_grammars = config.tensor_parallel_size == 1
-        if config.max_grammar_bytes and not serves_grammars:
-            log.warning("structured outputs are served at tensor_parallel_size 1 only so far: this engine's ring has "
-                        "no grammars region (max_grammar_bytes=%d ignored), and requests that ask for one are refused",
-                        config.max_grammar_bytes)
-        self.geometry = config.geometry(self.max_model_len, model_config.vocab_size if serves_grammars else 0)
+        self.geometry = config.geometry(self.max_model_len, model_config.vocab_size)
         self.tokenizer = _tokenizer(model_dir)
         config.policy_function()            # a bad policy path fails before the model loads
         tp = TensorParallel(config.tensor_parallel_size, 0)

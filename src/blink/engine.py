@@ -84,8 +84,7 @@ class _Engine:
 
         g = self.agent.geometry
         if not g.max_grammar_bytes:
-            raise ValueError("this engine's ring has no grammars region: set EngineConfig.max_grammar_bytes "
-                             "(tensor-parallel engines serve no grammars so far)")
+            raise ValueError("this engine's ring has no grammars region: set EngineConfig.max_grammar_bytes")
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, g.vocab_size, g.max_grammar_bytes, COMPILE_TIMEOUT_S)
         return self._grammars.compile(structured_outputs)

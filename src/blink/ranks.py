@@ -9,9 +9,14 @@ rank 0's process ends, the group's connections close and the follower's next col
 
 Per step, rank 0 broadcasts a header ``[op, num_tokens]`` and, for a step, every step input (``PLAN_FIELDS``: the
 step buffers but the sampled outputs), then every rank runs the same model step. The model's all-reduces give every
-rank the same logits bit for bit (``parallel.py``'s invariant), hence the same in-step sampled tokens, so every
-rank's KV pool and token history hold the same contents and rank 0's sampled tokens are the ones that reach the
-ring. The followers never read the ring and never decide anything: there is one plan, so the ranks cannot diverge.
+rank the same logits bit for bit (``parallel.py``'s invariant). Every rank's KV pool and token history take the
+plan's tokens (``token_ids``), so they hold the same contents; a follower's sampled outputs are never read, and only
+rank 0's reach the ring. The followers never read the ring and never decide anything: there is one plan, so the
+ranks cannot diverge.
+
+Hence what shapes only the sampling needs rank 0 alone. Structured outputs: rank 0 masks its grammar rows' logits
+with its scheduler's mirror of the ring's grammars region, as at size 1; a follower steps without the region (it
+samples those rows unmasked, and nobody reads what it sampled), so no grammar crosses the group.
 """
 from __future__ import annotations
 
@@ -113,7 +118,7 @@ def follow(shard: Shard) -> None:
                 return
             for name in PLAN_FIELDS:
                 dist.broadcast(getattr(step, name), src=0)
-            model(step, kv, num_tokens, history)
+            model(step, kv, num_tokens, history)     # no grammars region: what it samples is never read
     finally:
         dist.destroy_process_group()
 

@@ -47,7 +47,7 @@ class GrammarTable:
         g = self.geometry
         if not g.max_grammar_bytes:
             raise RequestError("grammar", "a grammar needs a ring with a grammars region (RingGeometry."
-                                          "max_grammar_bytes > 0; tensor-parallel engines have none yet)")
+                                          "max_grammar_bytes > 0)")
         if grammar.vocab_size != g.vocab_size:
             raise RequestError("grammar", f"the grammar was compiled for {grammar.vocab_size} tokens, but this ring's "
                                           f"model has {g.vocab_size} (RingGeometry.vocab_size)")

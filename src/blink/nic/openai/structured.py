@@ -19,8 +19,7 @@ from blink.ring.request import shown
 
 FIELDS = ("response_format", "structured_outputs")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
-NO_TABLE = ("this server has no grammar table: start it with --max-grammar-bytes N (> 0) (tensor-parallel engines "
-            "serve no structured outputs yet)")
+NO_TABLE = "this server has no grammar table: start it with --max-grammar-bytes N (> 0)"
 
 
 def asks(body: dict) -> bool:
