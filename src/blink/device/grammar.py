@@ -28,12 +28,12 @@ assert SIZE_WORD < START_WORD and ID_WORD + 2 == START_WORD
 
 
 @cuda.jit(device=True)
-def fits(s, slot):
-    """Whether the header's grammar (if it has one) is a placement inside the grammars region whose start state is a
-    state record inside the placement. The region is read across PCIe with volatile loads: the agent rewrites it."""
-    if (s.headers[slot].request_flags & FLAG_GRAMMAR) == 0:
+def fits(s, flags, base):
+    """Whether the grammar a header names (``request_flags``, ``grammar``: ``flags``, ``base``), if it has one, is a
+    placement inside the grammars region whose start state is a state record inside the placement. The region is
+    read across PCIe with volatile loads: the agent rewrites it."""
+    if (flags & FLAG_GRAMMAR) == 0:
         return True
-    base = int32(s.headers[slot].grammar)
     words = s.cfg[0].grammar_words
     # Subtracted from the region's size, not added to the start: values near 2**31 must not wrap around.
     if not 0 <= base <= words - PLACEMENT_WORDS:
@@ -45,12 +45,11 @@ def fits(s, slot):
 
 
 @cuda.jit(device=True)
-def start_state(s, slot):
-    """The state a newly admitted request starts in (-1: it has no grammar)."""
-    header = s.headers[slot]
-    if (header.request_flags & FLAG_GRAMMAR) == 0:
+def start_state(s, flags, base):
+    """The state a newly admitted request whose header has ``flags`` and ``base`` starts in (-1: no grammar)."""
+    if (flags & FLAG_GRAMMAR) == 0:
         return int32(-1)
-    return load_volatile(s.grammars, int32(header.grammar) + START_WORD)
+    return load_volatile(s.grammars, base + START_WORD)
 
 
 @cuda.jit(device=True)

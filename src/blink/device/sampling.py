@@ -16,28 +16,39 @@ from blink.device.step import N_PENALTIES
 
 
 @cuda.jit(device=True)
-def fits(s, slot):
-    """Whether the header's ``logit_bias`` and ``top_logprobs`` counts and its grammar fit the ring."""
-    n_bias = int32(s.headers[slot].n_logit_bias)
-    top = int32(s.headers[slot].top_logprobs)
-    return (0 <= n_bias <= s.cfg[0].max_logit_bias and 0 <= top <= s.cfg[0].max_top_logprobs
-            and grammar.fits(s, slot))
+def fits(s, n_bias, top):
+    """Whether a header's ``n_logit_bias`` and ``top_logprobs`` counts (``n_bias``, ``top``) fit the ring."""
+    return (0 <= n_bias) & (n_bias <= s.cfg[0].max_logit_bias) & (0 <= top) & (top <= s.cfg[0].max_top_logprobs)
 
 
 @cuda.jit(device=True)
 def load_sampling(s, slot):
+    """The request's sampling parameters from its header and ``logit_bias`` row into device memory. Every header
+    field is read before any is stored: they cross PCIe, and a store waiting for one field's load would hold back
+    the next field's, a round trip each."""
     header = s.headers[slot]
-    s.seq_top_k[slot] = header.top_k
-    s.seq_temperature[slot] = header.temperature
-    s.seq_top_p[slot] = header.top_p
-    s.seq_min_p[slot] = header.min_p
-    s.seq_seed[slot] = int64(header.seed)
-    s.seq_penalties[slot, 0] = header.presence_penalty      # a row of penalties is in PENALTY_NAMES' order
-    s.seq_penalties[slot, 1] = header.frequency_penalty
-    s.seq_penalties[slot, 2] = header.repetition_penalty
-    s.seq_top_logprobs[slot] = header.top_logprobs
-    s.seq_grammar[slot] = grammar.start_state(s, slot)
+    top_k = header.top_k
+    temperature = header.temperature
+    top_p = header.top_p
+    min_p = header.min_p
+    seed = int64(header.seed)
+    presence_penalty = header.presence_penalty
+    frequency_penalty = header.frequency_penalty
+    repetition_penalty = header.repetition_penalty
+    top_logprobs = header.top_logprobs
     n_bias = int32(header.n_logit_bias)
+    flags = header.request_flags
+    base = int32(header.grammar)
+    s.seq_grammar[slot] = grammar.start_state(s, flags, base)
+    s.seq_top_k[slot] = top_k
+    s.seq_temperature[slot] = temperature
+    s.seq_top_p[slot] = top_p
+    s.seq_min_p[slot] = min_p
+    s.seq_seed[slot] = seed
+    s.seq_penalties[slot, 0] = presence_penalty         # a row of penalties is in PENALTY_NAMES' order
+    s.seq_penalties[slot, 1] = frequency_penalty
+    s.seq_penalties[slot, 2] = repetition_penalty
+    s.seq_top_logprobs[slot] = top_logprobs
     s.seq_n_logit_bias[slot] = n_bias
     for k in range(n_bias):
         s.seq_bias_ids[slot, k] = s.bias_i32[slot, 2 * k]

@@ -33,29 +33,43 @@ def cancelled(s, slot):
 
 @cuda.jit(device=True)
 def servable(s, slot):
-    """Whether the header of ``slot`` describes a request this scheduler can ever run."""
+    """Whether the header of ``slot`` describes a request this scheduler can ever run. Every field is read before
+    any is compared, and the comparisons are joined with ``&``: the header crosses PCIe, and a comparison that
+    decided whether the next field is read would wait a round trip per field."""
     header = s.headers[slot]
     prompt_len = int32(header.prompt_len)       # as int32, the type the scheduler keeps them in
     max_tokens = int32(header.max_tokens)
     n_stop = int32(header.n_stop)
-    return (1 <= prompt_len <= s.prompts.shape[1] and 1 <= max_tokens <= s.outputs.shape[1]
-            and 0 <= n_stop <= s.cfg[0].max_stop and prompt_len + max_tokens <= s.cfg[0].max_model_len
-            and sampling.fits(s, slot))
+    n_bias = int32(header.n_logit_bias)
+    top = int32(header.top_logprobs)
+    flags = header.request_flags
+    base = int32(header.grammar)
+    fields = ((1 <= prompt_len) & (prompt_len <= s.prompts.shape[1]) & (1 <= max_tokens)
+              & (max_tokens <= s.outputs.shape[1]) & (0 <= n_stop) & (n_stop <= s.cfg[0].max_stop)
+              & (prompt_len + max_tokens <= s.cfg[0].max_model_len) & sampling.fits(s, n_bias, top))
+    return fields & grammar.fits(s, flags, base)
 
 
 @cuda.jit(device=True)
 def load_header(s, slot):
-    """Copy what the scheduler needs of the request's header into device memory (read across PCIe once)."""
+    """Copy what the scheduler needs of the request's header into device memory, each field read before any is
+    stored (``sampling.load_sampling`` says why)."""
     header = s.headers[slot]
-    s.seq_prompt_len[slot] = header.prompt_len
-    s.seq_max_tokens[slot] = header.max_tokens
-    s.seq_flags[slot] = header.request_flags
-    s.seq_num_speculative_tokens[slot] = header.num_speculative_tokens
-    s.seq_n_stop[slot] = header.n_stop
-    for k in range(s.seq_n_stop[slot]):
+    prompt_len = header.prompt_len
+    max_tokens = header.max_tokens
+    request_flags = header.request_flags
+    num_speculative_tokens = header.num_speculative_tokens
+    n_stop = int32(header.n_stop)
+    prefix_state = header.prefix_state
+    sampling.load_sampling(s, slot)             # its loads follow these before any store
+    s.seq_prompt_len[slot] = prompt_len
+    s.seq_max_tokens[slot] = max_tokens
+    s.seq_flags[slot] = request_flags
+    s.seq_num_speculative_tokens[slot] = num_speculative_tokens
+    s.seq_n_stop[slot] = n_stop
+    s.seq_hash[slot] = prefix_state             # the prompt's prefix-key chain state (prefix.py)
+    for k in range(n_stop):
         s.seq_stop[slot, k] = s.stop_token_ids[slot, k]
-    sampling.load_sampling(s, slot)
-    s.seq_hash[slot] = header.prefix_state      # the prompt's prefix-key chain state (prefix.py)
 
 
 @cuda.jit(device=True)
@@ -89,12 +103,14 @@ def take_new(s, sh, slot, policy):
     if k >= MAX_CANDIDATES:
         s.stats[0].seen_submitted = -1          # more than fit: scan again next iteration
         return
+    header = s.headers[slot]
+    arrival_ns = int64(header.arrival_ns)       # read with load_header's fields, before its stores
+    priority = header.priority
+    request_id = int64(header.request_id)
     load_header(s, slot)
     s.seq_seen[slot] = QUEUED
     sh.slots[k] = slot
-    header = s.headers[slot]
-    sh.keys[k] = policy(int64(header.arrival_ns), int32(header.prompt_len), int32(header.max_tokens),
-                        header.priority, int64(header.request_id))
+    sh.keys[k] = policy(arrival_ns, s.seq_prompt_len[slot], s.seq_max_tokens[slot], priority, request_id)
 
 
 @cuda.jit(device=True)
