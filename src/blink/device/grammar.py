@@ -148,8 +148,9 @@ def allowed_drafts(s, slot, count):
 
 
 @cuda.jit(device=True)
-def advance(s, slot, token):
-    """The request in ``slot`` emitted ``token``: its grammar (if any) moves on."""
+def after(s, slot, token):
+    """The state of ``slot``'s grammar once the request emitted ``token`` (-1: it has no grammar)."""
     state = s.seq_grammar[slot]
-    if state >= 0:
-        s.seq_grammar[slot] = next_state(s.grammar_mirror, state, token, s.cfg[0].mask_words)
+    if state < 0:
+        return state
+    return next_state(s.grammar_mirror, state, token, s.cfg[0].mask_words)

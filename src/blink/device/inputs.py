@@ -15,7 +15,11 @@ from blink.device.state import COUNT
 def write_rows(s, sh, n):
     """Per-row step inputs for sequences with a chunk; ``sh.rank`` = first row index, ``sh.tokens`` = first token
     row. A sequence has one row for its chunk, or, verifying ``seq_ndraft`` drafts, one row of one token each for its
-    last token and every draft (``speculation.py``), each row sampling the token after its own."""
+    last token and every draft (``speculation.py``), each row sampling the token after its own.
+
+    Each thread reads what a row needs before it stores any of it: the compiler cannot tell the arrays apart, so a
+    load after a store waits for the store's value to arrive, and the loads of a row one after another would cost a
+    memory round trip each."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     for i in range(tid, n, nt):
@@ -24,30 +28,37 @@ def write_rows(s, sh, n):
             continue
         slot = s.running[i]
         drafts = s.seq_ndraft[slot]
+        computed = s.seq_computed[slot]
+        total = s.seq_total[slot]
+        version = s.seq_version[slot]
+        npages = s.seq_npages[slot]
+        first_row = sh.rank[i]
+        first_token = sh.tokens[i]
         query = chunk - drafts                    # tokens per row: the chunk, or 1 while verifying drafts
         for j in range(drafts + 1):
-            r = sh.rank[i] + j
-            start = sh.tokens[i] + j
-            length = s.seq_computed[slot] + query + j
+            r = first_row + j
+            held = s.row_pages[r]
+            same = (s.row_slot[r] == slot) & (s.row_version[r] == version)     # &: both loads at once
+            copied = held if same else 0
+            sampling.write_sampling(s, r, slot, same)
+            start = first_token + j
+            length = computed + query + j
             s.query_start_loc[r] = start
             s.seq_lens[r] = length
             # Attention's view: the sequence's rows as one chunk in the first, the others empty (step.py).
-            s.attn_query_start_loc[r] = start if j == 0 else sh.tokens[i] + chunk
+            s.attn_query_start_loc[r] = start if j == 0 else first_token + chunk
             s.attn_seq_lens[r] = length + drafts if j == 0 else 0
-            s.logits_indices[r] = start + query - 1 if length == s.seq_total[slot] + j else -1
-            same = s.row_slot[r] == slot and s.row_version[r] == s.seq_version[slot]
-            sampling.write_sampling(s, r, slot, same)
+            s.logits_indices[r] = start + query - 1 if length == total + j else -1
             if j > 0:
                 s.grammar_state[r] = grammar.after_drafts(s, slot, j)
-            copied = s.row_pages[r] if same else 0
-            sh.keys[r] = copied                       # first block-table entry this row still lacks
-            sh.pages[r] = s.seq_npages[slot] - copied     # entries to copy
-            if sh.pages[r] != 0:
-                cuda.atomic.add(sh.counters, COUNT.copies, 1)
             s.row_slot[r] = slot
-            s.row_version[r] = s.seq_version[slot]
-            s.row_pages[r] = s.seq_npages[slot]
+            s.row_version[r] = version
+            s.row_pages[r] = npages
             s.row_draft[r] = j
+            sh.keys[r] = copied                       # first block-table entry this row still lacks
+            sh.pages[r] = npages - copied             # entries to copy
+            if npages != copied:
+                cuda.atomic.add(sh.counters, COUNT.copies, 1)
     cuda.syncthreads()
 
 
@@ -70,9 +81,11 @@ def write_tables_and_tokens(s, sh, n_rows, n_tokens, all_decode):
         slot = s.row_slot[r]
         q = s.query_start_loc[r + 1] - s.query_start_loc[r]
         position = s.seq_lens[r] - q + t - s.query_start_loc[r]
-        s.token_ids[t] = speculation.token_at(s, slot, position)
+        token = speculation.token_at(s, slot, position)
+        held = s.seq_pages[slot, position // page]          # read before the stores (write_rows says why)
+        s.token_ids[t] = token
         s.positions[t] = position
-        s.slot_mapping[t] = int64(s.seq_pages[slot, position // page]) * page + position % page
+        s.slot_mapping[t] = int64(held) * page + position % page
     cuda.syncthreads()
 
 

@@ -8,7 +8,7 @@ the request asked for. The request's grammar state (``grammar.py``) travels with
 """
 from __future__ import annotations
 
-from numba import int32, int64
+from numba import float32, int32, int64
 
 from blink.device import grammar
 from blink.device.numba_compat import cuda, load_volatile
@@ -57,19 +57,31 @@ def load_sampling(s, slot):
 
 @cuda.jit(device=True)
 def write_sampling(s, r, slot, same):
-    """Row ``r`` samples for the request in ``slot``; ``same``: it did in the previous step too."""
-    s.temperature[r] = s.seq_temperature[slot]
-    s.top_p[r] = s.seq_top_p[slot]
-    s.top_k[r] = s.seq_top_k[slot]
-    s.min_p[r] = s.seq_min_p[slot]
-    s.seed[r] = s.seq_seed[slot]
-    s.prompt_lens[r] = s.seq_prompt_len[slot]
+    """Row ``r`` samples for the request in ``slot``; ``same``: it did in the previous step too. Every word is read
+    before any is stored (``inputs.write_rows`` says why)."""
+    temperature = s.seq_temperature[slot]
+    top_p = s.seq_top_p[slot]
+    top_k = s.seq_top_k[slot]
+    min_p = s.seq_min_p[slot]
+    seed = s.seq_seed[slot]
+    prompt_len = s.seq_prompt_len[slot]
+    n_bias = s.seq_n_logit_bias[slot]
+    state = s.seq_grammar[slot]
+    penalties = cuda.local.array(N_PENALTIES, float32)
     for k in range(N_PENALTIES):
-        s.penalties[r, k] = s.seq_penalties[slot, k]
-    s.n_logit_bias[r] = s.seq_n_logit_bias[slot]
-    s.grammar_state[r] = s.seq_grammar[slot]
+        penalties[k] = s.seq_penalties[slot, k]
+    s.temperature[r] = temperature
+    s.top_p[r] = top_p
+    s.top_k[r] = top_k
+    s.min_p[r] = min_p
+    s.seed[r] = seed
+    s.prompt_lens[r] = prompt_len
+    for k in range(N_PENALTIES):
+        s.penalties[r, k] = penalties[k]
+    s.n_logit_bias[r] = n_bias
+    s.grammar_state[r] = state
     if not same:
-        for k in range(s.seq_n_logit_bias[slot]):
+        for k in range(n_bias):
             s.logit_bias_ids[r, k] = s.seq_bias_ids[slot, k]
             s.logit_bias[r, k] = s.seq_bias[slot, k]
 

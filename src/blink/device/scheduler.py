@@ -5,7 +5,7 @@ the next:
 
 1. a shutdown that settle saw (``sched.shutdown``): abort everything in flight (``shut_down``), return ``STOP``;
 2. **consume** the previous step's sampled tokens: token (and logprob) into the ring's output area; the request's
-   grammar state moves on (``grammar.advance``); stop checks (EOS unless ignore_eos, stop ids -> "stop";
+   grammar state moves on (``grammar.after``); stop checks (EOS unless ignore_eos, stop ids -> "stop";
    ``max_tokens`` -> "length"); the pages the step filled enter the prefix cache (``prefix.cache_step``);
 3. **retire** finished and cancelled sequences (the cancel words are read only when settle saw the ``cancels``
    doorbell move): their pages released (``kv.free_sequences``), ``finish_reason``;
