@@ -1,10 +1,10 @@
 """``device/array_table.py``: the address table the GPU image reads its arrays from holds, for field ``k`` of
-``SchedulerArrays``, its address at word ``3k`` and its shape after it; arrays of more dimensions than the table has
+``SchedulerArrays``, its address at word ``FIELD_WORDS × k`` and its shape after it; arrays of more dimensions than the table has
 room for are refused; and numba lays out every field's element as numpy does (the device computes strides from it).
 Whether the image links and spills nothing: ``test_image.py``."""
 import pytest
 
-from blink.device.array_table import TABLE_WORDS, array_spec, table
+from blink.device.array_table import FIELD_WORDS, TABLE_WORDS, array_spec, table
 from blink.device.state import SchedulerArrays
 from tests.device.fresh_python import run_python
 
@@ -21,12 +21,13 @@ def fake_arrays(shapes: dict[str, tuple] | None = None) -> dict[str, tuple[int, 
 def test_the_table_holds_each_arrays_address_then_its_shape():
     arrays = fake_arrays()
     words = table(arrays)
-    assert words.shape == (TABLE_WORDS,) and TABLE_WORDS == 3 * len(SchedulerArrays._fields)
+    assert words.shape == (TABLE_WORDS,) == (FIELD_WORDS * len(SchedulerArrays._fields),)
     for k, name in enumerate(SchedulerArrays._fields):
         address, shape = arrays[name]
-        assert words[3 * k] == address, name
-        assert tuple(words[3 * k + 1: 3 * k + 1 + len(shape)]) == shape, name
-        assert all(words[3 * k + 1 + len(shape): 3 * k + 3] == 0), name
+        first = FIELD_WORDS * k
+        assert words[first] == address, name
+        assert tuple(words[first + 1: first + 1 + len(shape)]) == shape, name
+        assert all(words[first + 1 + len(shape): first + FIELD_WORDS] == 0), name
 
 
 def test_an_array_of_three_dimensions_is_refused_by_name():

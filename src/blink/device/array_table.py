@@ -1,7 +1,7 @@
 """The scheduler's arrays as the GPU image reads them: an address table in device memory, read where it is used.
 
-On the GPU, ``SchedulerArrays`` is the address of a table of ``TABLE_WORDS`` int64 (``table``: for field ``k``,
-``[3k]`` its device address, ``[3k + 1 ..]`` its shape), written once by the host before the loop starts. Device
+On the GPU, ``SchedulerArrays`` is the address of a table of ``TABLE_WORDS`` int64 (``table``: ``FIELD_WORDS`` per
+field, for field ``k`` its device address at word ``FIELD_WORDS × k``, then its shape), written once by the host before the loop starts. Device
 code reads ``s.seq_lens`` as it does in the simulator, where ``s`` is the tuple of arrays itself; on the GPU that
 attribute is lowered to an array built from the table's words at that very use. So no array's address or shape
 stays in a register past its use: the ~80 arrays' descriptors, built once and carried through a phase, were what the
@@ -24,7 +24,8 @@ from blink.device.step import StepLayout
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout
 
-TABLE_WORDS = 3 * len(SchedulerArrays._fields)      # address, then up to two dimensions, per field
+FIELD_WORDS = 3                                     # a field's address, then up to two dimensions
+TABLE_WORDS = FIELD_WORDS * len(SchedulerArrays._fields)
 
 
 def array_spec() -> list[tuple[str, np.dtype, int]]:
@@ -44,10 +45,11 @@ def table(arrays: dict[str, tuple[int, tuple]]) -> np.ndarray:
     words = np.zeros(TABLE_WORDS, np.int64)
     for k, name in enumerate(SchedulerArrays._fields):
         address, shape = arrays[name]
-        if len(shape) > 2:
-            raise ValueError(f"the address table holds arrays of one or two dimensions; {name} has shape {shape}")
-        words[3 * k] = address
-        words[3 * k + 1: 3 * k + 1 + len(shape)] = shape
+        if len(shape) >= FIELD_WORDS:
+            raise ValueError(f"the address table holds arrays of at most {FIELD_WORDS - 1} dimensions; {name} has "
+                             f"shape {shape}")
+        words[FIELD_WORDS * k] = address
+        words[FIELD_WORDS * k + 1: FIELD_WORDS * k + 1 + len(shape)] = shape
     return words
 
 
@@ -87,13 +89,13 @@ def register():
 
         def word(index):
             return builder.load(builder.gep(table, [context.get_constant(types.intp, index)]))
-        shape = [word(3 * k + 1 + d) for d in range(array_type.ndim)]
+        shape = [word(FIELD_WORDS * k + 1 + d) for d in range(array_type.ndim)]
         itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(array_type.dtype)))
         strides = [itemsize]                    # C order: the last dimension's stride is the item's size
         for extent in reversed(shape[1:]):
             strides.insert(0, builder.mul(strides[0], extent))
         array = context.make_array(array_type)(context, builder)
-        context.populate_array(array, data=builder.inttoptr(word(3 * k), array.data.type), shape=shape,
+        context.populate_array(array, data=builder.inttoptr(word(FIELD_WORDS * k), array.data.type), shape=shape,
                                strides=strides, itemsize=itemsize, meminfo=None)
         return array._getvalue()
 

@@ -232,8 +232,8 @@ def test_a_schema_too_large_to_compile_in_time_is_a_400_and_the_next_compiles(cl
 
 
 def test_a_ring_without_grammars_refuses_them(model_dir):
-    """An engine that serves no grammars (the GPU engine so far, --max-grammar-bytes 0) gets a ring without the
-    region: structured outputs are refused at once, saying so."""
+    """An engine started with --max-grammar-bytes 0 serves no grammars and gets a ring without the region: structured
+    outputs are refused at once, saying so."""
     tokenizer = Tokenizer(model_dir)
     geometry = replace(ENGINE, max_grammar_bytes=0).geometry(ENGINE.scheduler.max_model_len)
     with http(standin_engine(geometry, vocab_size=tokenizer.vocab_size, eos_token_ids=tokenizer.eos_token_ids),
