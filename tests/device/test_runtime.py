@@ -13,7 +13,7 @@ import uuid
 import numpy as np
 import pytest
 
-from blink.device.config import SchedulerConfig
+from blink.device.config import MAX_BLOCK_THREADS, SchedulerConfig
 from blink.ring.geometry import RingGeometry
 from blink.ring.layout import RingLayout
 from blink.ring.request import SamplingParams
@@ -88,7 +88,7 @@ def simulate(requests, geometry, config) -> dict:
     """Outputs of the same requests through the simulator backend, in a subprocess (the simulator is per process)."""
     code = f"""
         import json, sys
-        from blink.device.config import SchedulerConfig
+        from blink.device.config import MAX_BLOCK_THREADS, SchedulerConfig
         from blink.ring.request import SamplingParams
         from blink.ring.geometry import RingGeometry
         from blink.ring.layout import RingLayout
@@ -258,3 +258,24 @@ def test_a_loop_killed_by_a_bad_step_graph_is_reported_not_hung():
     process.join(60)
     assert reports["join"].startswith("LaunchError"), reports
     assert reports["agent"].startswith("EngineUnresponsive"), reports
+
+
+@pytest.mark.gpu
+def test_a_block_the_kernels_registers_do_not_fit_is_refused_by_name():
+    """The kernel's registers cap its block (65,536 per SM): a larger ``block_threads`` is refused at start, naming
+    the field and the largest that fits, instead of failing the first launch with "too many resources"."""
+    import torch
+
+    from blink.device.runtime import GpuScheduler
+    from blink.device.step import StepBuffers, StepLayout
+    from blink.errors import LaunchError
+    from blink.ring.transport import LocalMemory
+
+    config = SchedulerConfig(**{**GPU_CONFIG.__dict__, "block_threads": MAX_BLOCK_THREADS})
+    layout = RingLayout(GPU_GEOMETRY)
+    step = StepBuffers(StepLayout(config.buckets[-1], config.max_num_seqs, config.max_pages_per_seq), "cuda")
+    torch.cuda.synchronize()
+    memory = LocalMemory(layout.size)
+    memory.write(0, layout.control_bytes())
+    with pytest.raises(LaunchError, match=rf"block_threads={MAX_BLOCK_THREADS} is more than .* use block_threads <= \d+"):
+        GpuScheduler(memory, GPU_GEOMETRY, config, step.layout, {k: t.data_ptr() for k, t in step.tensors().items()})

@@ -91,6 +91,7 @@ class GpuScheduler:
         config, geometry, step_layout = self.config, self.geometry, self.step_layout
         self.stream = check(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING))
         self.module = check(driver.cuModuleLoadData(image if image is not None else link_image(policy)))
+        self._check_block_threads()
         self._ring_host, self._ring_device = self._register_ring(memory)
         view = self.layout.view(memory.buffer)
         control_gauges(view.control, config)
@@ -255,8 +256,26 @@ class GpuScheduler:
         return int(graphs.captured(self.stream,
                                    lambda: self._launch("blink_standin_step", grid, STANDIN_BLOCK, args)))
 
+    @property
+    def _kernel(self) -> str:
+        return "blink_scheduler_window" if self.config.launch_mode == "fire_and_forget" else "blink_scheduler_tail"
+
+    def _check_block_threads(self) -> None:
+        """A block of ``block_threads`` must fit the scheduler kernel's registers on this GPU (a launch would fail
+        later with a bare "too many resources requested")."""
+        from cuda.bindings import driver
+
+        attribute = driver.CUfunction_attribute
+        function = check(driver.cuModuleGetFunction(self.module, self._kernel.encode()))
+        most = check(driver.cuFuncGetAttribute(attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, function))
+        if self.config.block_threads > most:
+            registers = check(driver.cuFuncGetAttribute(attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, function))
+            raise LaunchError(f"SchedulerConfig.block_threads={self.config.block_threads} is more than the scheduler "
+                              f"kernel can launch with on this GPU ({most}: it uses {registers} registers per "
+                              f"thread); use block_threads <= {most}")
+
     def _build_scheduler_graph(self):
-        kernel = "blink_scheduler_window" if self.config.launch_mode == "fire_and_forget" else "blink_scheduler_tail"
+        kernel = self._kernel
         args = [(self.table[0], ctypes.c_void_p), (self.launch[0], ctypes.c_void_p),
                 (self.launch_error, ctypes.c_void_p), (self.config.idle_sleep_ns, ctypes.c_int)]
         (scheduler,) = graphs.instantiate(
