@@ -30,8 +30,7 @@ def emit(s, r, slot, token):
     """The sequence in ``slot`` takes ``token``, which step row ``r`` sampled: into the ring's output area (its
     logprobs too), its prefix key, grammar state and stop check. Returns whether it stops there.
 
-    Everything is read and decided before anything is stored: the compiler cannot tell the arrays apart, so a load
-    after a store waits for the store's value, a memory round trip per load otherwise (``inputs.write_rows``)."""
+    Everything is read and decided before anything is stored (``inputs.write_rows`` says why)."""
     total = s.seq_total[slot]
     n = total - s.seq_prompt_len[slot]
     flags = s.seq_flags[slot]

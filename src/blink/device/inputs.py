@@ -17,9 +17,9 @@ def write_rows(s, sh, n):
     row. A sequence has one row for its chunk, or, verifying ``seq_ndraft`` drafts, one row of one token each for its
     last token and every draft (``speculation.py``), each row sampling the token after its own.
 
-    Each thread reads what a row needs before it stores any of it: the compiler cannot tell the arrays apart, so a
-    load after a store waits for the store's value to arrive, and the loads of a row one after another would cost a
-    memory round trip each."""
+    Each thread reads what a row needs before it stores any of it: the compiler cannot tell the arrays apart, so it
+    issues no load before a store that comes first, and a store waits for the value it stores; loads and stores taking
+    turns would cost a memory round trip per load."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     for i in range(tid, n, nt):
