@@ -215,8 +215,8 @@ def plan(s, sh):
     drafting = sh.counters[COUNT.spec_drafts] != 0
     for i in range(tid, n, nt):
         slot = s.running[i]
+        need = pages_short(s, slot, s.seq_computed[slot] + sh.chunk[i])     # read before the stores
         sh.slots[i] = slot
-        need = pages_short(s, slot, s.seq_computed[slot] + sh.chunk[i])
         sh.pages[i] = need
         if need != 0:
             cuda.atomic.add(sh.counters, COUNT.need, need)
