@@ -43,8 +43,8 @@ from blink.device.doorbells import read_doorbells
 from blink.device.kv import free_sequences
 from blink.device.numba_compat import clock, cuda, inlined, load_volatile
 from blink.device.publish import fold_counts, publish, publish_stats
-from blink.device.state import (AGAIN, COLLECT, COUNT, IDLE, MAX_CANDIDATES, N_COUNTERS, PHASE, PREPARE, PUBLISH,
-                                REFUSED, STOP, Scratch)
+from blink.device.state import (AGAIN, COLLECT, COUNT, IDLE, MAX_CANDIDATES, N_COUNTERS, N_PHASES, PHASE, PREPARE,
+                                PUBLISH, REFUSED, STOP, Scratch)
 from blink.device.waiting import cancel_queued, cancelled, collect, enqueue
 from blink.ring.control import ENGINE_SERVING, ENGINE_STOPPED
 from blink.ring.layout import FINISH_ABORT, FINISH_NONE, FINISHED, READY
@@ -156,12 +156,22 @@ def shut_down(s, sh):
 
 
 @cuda.jit(device=True)
-def lap(s, start, phase):
-    """Thread 0: add the cycles since ``start`` to the profile of ``phase`` (PHASE); return the new start."""
+def lap(sh, start, phase):
+    """Thread 0: ``sh.cycles[phase]`` = the cycles since ``start``; return the new start. Shared memory between
+    phases, the profile once where the part ends (``add_laps``): a load and store of the profile after each phase
+    would hold thread 0, and the block's next barrier, a round trip each."""
     now = clock()
     if cuda.threadIdx.x == 0:
-        s.stats[0].profile[phase] += now - start
+        sh.cycles[phase] = now - start
     return now
+
+
+@cuda.jit(device=True)
+def add_laps(s, sh, first, end):
+    """Thread 0, where a part ends: what its phases ``first .. end - 1`` took into the profile, in one batch."""
+    profile = s.stats[0].profile
+    for k in range(first, end):
+        profile[k] += sh.cycles[k]
 
 
 @cuda.jit(device=True)
@@ -178,10 +188,11 @@ def scratch():
     kept = cuda.shared.array(MAX_CANDIDATES, int32)
     partial = cuda.shared.array(MAX_THREADS, int32)
     counters = cuda.shared.array(N_COUNTERS, int32)
+    cycles = cuda.shared.array(N_PHASES, int64)
     for k in range(cuda.threadIdx.x, N_COUNTERS, cuda.blockDim.x):
         counters[k] = 0
     cuda.syncthreads()
-    return Scratch(slots, keys, rank, pages, tokens, chunk, kept, partial, counters)
+    return Scratch(slots, keys, rank, pages, tokens, chunk, kept, partial, counters, cycles)
 
 
 def make_iterate(policy):
@@ -205,16 +216,17 @@ def make_iterate(policy):
             s.sched[0].consumed = s.sched[0].rows
         consume.consume(s, sh)
         prefix.cache_step(s, sh)
-        t = lap(s, t, PHASE.consume)
+        t = lap(sh, t, PHASE.consume)
         retire(s, sh)
-        t = lap(s, t, PHASE.retire)
+        t = lap(sh, t, PHASE.retire)
         batcher.admit(s, sh)
-        t = lap(s, t, PHASE.admit)
+        t = lap(sh, t, PHASE.admit)
         bucket = batcher.plan(s, sh)
-        t = lap(s, t, PHASE.plan)
+        t = lap(sh, t, PHASE.plan)
         if tid == 0:
             s.stats[0].steps += 1 if bucket >= 0 else 0
             fold_counts(s, sh)
+            add_laps(s, sh, PHASE.consume, PHASE.plan + 1)
         cuda.syncthreads()                      # the counters are read before the next part zeroes them
         return bucket
 
@@ -227,8 +239,9 @@ def make_iterate(policy):
             s.stats[0].heartbeat += 1
             s.control[0].engine_state = ENGINE_SERVING
             publish_stats(s)
+            lap(sh, t, PHASE.publish)
+            add_laps(s, sh, PHASE.publish, PHASE.publish + 1)
         cuda.syncthreads()
-        lap(s, t, PHASE.publish)
 
     @cuda.jit(device=True)
     def settle_collect(s, sh):
@@ -236,7 +249,7 @@ def make_iterate(policy):
         work of its own (requests queued, finished requests to publish, a shutdown to act on), else IDLE."""
         t = clock()
         read_doorbells(s, sh)
-        t = lap(s, t, PHASE.doorbells)
+        t = lap(sh, t, PHASE.doorbells)
         if sh.counters[COUNT.cancel_bell] != 0:
             cancel_queued(s, sh)
         if sh.counters[COUNT.scan] != 0:
@@ -244,8 +257,9 @@ def make_iterate(policy):
         if cuda.threadIdx.x == 0:               # refused READY requests are published like finished ones
             s.sched[0].pending_finished += sh.counters[COUNT.refused]
             fold_counts(s, sh)
+            lap(sh, t, PHASE.collect)
+            add_laps(s, sh, PHASE.doorbells, PHASE.collect + 1)
         cuda.syncthreads()
-        lap(s, t, PHASE.collect)
         if sh.counters[COUNT.new] != 0 or s.sched[0].pending_finished != 0 or s.sched[0].shutdown != 0:
             return AGAIN
         return IDLE

@@ -80,6 +80,7 @@ class Phases(NamedTuple):
 
 PHASE = indices(Phases)
 PROFILE_PHASES = Phases._fields
+N_PHASES = len(PROFILE_PHASES)
 SETTLE_PHASES = PROFILE_PHASES[PHASE.publish:]      # off the step's critical path in the resident loop
 
 # s.stats[0]: the device copies of the control block's counters (named as there; publish_stats stores them into the
@@ -89,7 +90,7 @@ PUBLISHED_COUNTERS = ("heartbeat", "steps", "tokens", "admitted", "finished", "c
                       "prefix_query_tokens", "prefix_hit_tokens", "prefix_evictions", "prefill_tokens", "spec_drafts",
                       "spec_draft_tokens", "spec_accepted_tokens")
 STATS_DTYPE = record(np.dtype([*((name, "<i8") for name in PUBLISHED_COUNTERS), ("prefix_seed", "<u8"),
-                               ("profile", "<i8", (len(PHASE),)),
+                               ("profile", "<i8", (N_PHASES,)),
                                ("spec_accepted_per_pos", "<i8", (MAX_SPECULATIVE_TOKENS,)), ("seen_submitted", "<i8"),
                                ("seen_cancels", "<i8")], align=True))
 assert all(CONTROL_DTYPE.fields[name][0] == np.dtype("<u8") for name in PUBLISHED_COUNTERS)
@@ -230,7 +231,8 @@ class Scratch(NamedTuple):
     page counts per item, scanned into offsets (pages to free, to allocate, to copy into a row's block table);
     ``tokens``: token counts per running sequence, scanned into offsets (tokens wanted before it, its first token
     row); ``chunk``: the tokens each running sequence gets in the planned step; ``kept``: the running list being
-    compacted; ``partial``: per-warp partial sums of the block scans; ``counters``: the iteration's counters (COUNT).
+    compacted; ``partial``: per-warp partial sums of the block scans; ``counters``: the iteration's counters (COUNT);
+    ``cycles``: what each phase of the part took (PHASE), added to the profile where the part ends.
     """
 
     slots: object       # i32 [MAX_CANDIDATES]
@@ -242,6 +244,7 @@ class Scratch(NamedTuple):
     kept: object
     partial: object     # i32 [MAX_THREADS]
     counters: object    # i32 [N_COUNTERS]  indexed by COUNT
+    cycles: object      # i64 [N_PHASES]  indexed by PHASE
 
 
 # seq_seen values. QUEUED: the slot waits in the queue. REFUSED: finished while READY (cancelled or unservable),
