@@ -1,6 +1,8 @@
 """The agent inside the asyncio event loop: ``AgentLoop`` (submissions, the wait queue for a full ring, the one task
-that polls the ring and fans the new tokens out to per-request queues, the engine's health), which keeps the
-Prometheus ``Metrics`` (``blink.nic.metrics``). Invariants:
+that polls the ring and hands the new tokens out, the engine's health), which keeps the Prometheus ``Metrics``
+(``blink.nic.metrics``). A request's outputs go to its ``Reader`` inside the poll, every request that moved in one
+wake-up of the polling task (the HTTP server's streams: ``blink.nic.openai.responses``), or, for a request without
+one, onto its queue for a task that awaits them (``blink.AsyncEngine``, whole answers). Invariants:
 
 - every submitted request is closed exactly once, by its handler when it leaves (``AgentLoop.close``), whether the
   ring finished it or not (stop string, client disconnect, error); closing an unfinished request cancels its slot,
@@ -8,7 +10,9 @@ Prometheus ``Metrics`` (``blink.nic.metrics``). Invariants:
 - a request the ring has no free slot for waits in the agent (FIFO, at most ``LoopConfig.max_queued``); beyond
   that bound a submission raises ``Overloaded``, and whenever the engine is not serving ``EngineUnavailable``
   (HTTP turns them into 429 / 503 with ``Retry-After``); requests in flight when the engine stops serving end with
-  ``EngineUnavailable`` on their queue.
+  ``EngineUnavailable`` as their last output;
+- a reader is handed a request's outputs in order, from the polling task (or ``fail_all``'s caller), never after the
+  one that finished it, and never after its request was closed; it must not await, and must not raise.
 
 Nothing here knows HTTP: the OpenAI server (``blink.nic.openai``) and ``blink.AsyncEngine`` both run on it.
 """
@@ -22,6 +26,7 @@ import time
 from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from blink.errors import EngineUnavailable, EngineUnresponsive, Overloaded, RingFull
 from blink.nic.agent import Agent, RequestOutput
@@ -56,13 +61,25 @@ class LoopConfig:
             raise ValueError(f"LoopConfig.retry_after_s must be an int >= 1 (got {self.retry_after_s!r})")
 
 
+class Reader(Protocol):
+    """Takes the outputs of the requests submitted with it, inside the poll that found them."""
+
+    def take(self, req: Submission, item: RequestOutput | Exception) -> None:
+        """``req``'s next output, or the error that ends it (``EngineUnavailable``)."""
+
+    def flush(self) -> None:
+        """Called once after the outputs one poll handed it: what they make goes out now."""
+
+
 @dataclass(eq=False)
 class Submission:
-    """One request's life in the agent: waiting for a slot, then in the ring, then closed."""
+    """One request's life in the agent: waiting for a slot, then in the ring, then closed. Its outputs go to
+    ``reader``, or, without one, onto ``queue``."""
 
     prompt: list[int]
     params: SamplingParams
     priority: int
+    reader: Reader | None = None
     arrival: float = field(default_factory=time.monotonic)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutputs, or an error that ends it
     request_id: int | None = None       # set once the ring has it
@@ -88,9 +105,11 @@ class AgentLoop:
         self._last_poll: tuple[float, float] | None = None  # (monotonic, loop thread's CPU) of the last busy poll
         self.thread_id: int | None = None                   # the event loop thread's (native id), once it runs
 
-    def submit(self, prompt: list[int], params: SamplingParams, priority: int) -> Submission:
-        """Queue one request for the ring. ``ValueError`` naming the field if the ring cannot take it (nothing is
-        queued), ``EngineUnavailable`` or ``Overloaded`` when it cannot take it now."""
+    def submit(self, prompt: list[int], params: SamplingParams, priority: int,
+               reader: Reader | None = None) -> Submission:
+        """Queue one request for the ring, its outputs for ``reader`` (None: on its queue). ``ValueError`` naming the
+        field if the ring cannot take it (nothing is queued), ``EngineUnavailable`` or ``Overloaded`` when it cannot
+        take it now."""
         problem = self.health()
         if problem or self.waiting:
             # A request that cannot be valid says so first, and one that waits for a slot must be valid when its turn
@@ -99,7 +118,7 @@ class AgentLoop:
             self.agent.validate(prompt, params, priority)
         if problem:
             raise EngineUnavailable(f"{problem}: retry later", self.config.retry_after_s)
-        req = Submission(prompt, params, priority)
+        req = Submission(prompt, params, priority, reader)
         if self.waiting or not self._to_ring(req):
             if len(self.waiting) >= self.config.max_queued:
                 raise Overloaded(f"the server is at capacity ({self.agent.in_flight} requests in the ring, "
@@ -127,8 +146,8 @@ class AgentLoop:
             return
         if req.request_id is None:
             self.waiting.remove(req)
-            req.queue.put_nowait(RequestOutput(0, [], [] if req.params.logprobs else None, True, "abort",
-                                               [] if req.params.top_logprobs else None))
+            self._hand_out([(req, RequestOutput(0, [], [] if req.params.logprobs else None, True, "abort",
+                                                [] if req.params.top_logprobs else None))])
         else:
             self.agent.cancel(req.request_id)
 
@@ -188,8 +207,8 @@ class AgentLoop:
             self.fail_all(str(e))
             await asyncio.sleep(self.HEARTBEAT_SAMPLE_S)
             return
-        for out in outputs:
-            self._deliver(out)
+        if outputs:
+            self._deliver(outputs)
         while self.waiting and self._to_ring(self.waiting[0]):
             self.waiting.popleft()
         await asyncio.sleep(0 if outputs else self.config.poll_interval_s)
@@ -212,19 +231,36 @@ class AgentLoop:
         self._active[req.request_id] = req
         return True
 
-    def _deliver(self, out: RequestOutput) -> None:
-        req = self._active.get(out.request_id)
-        if req is None:
-            return      # closed by its handler; the agent frees the slot once the GPU side has finished it
-        self.metrics.tokens(req, len(out.new_tokens))
-        req.queue.put_nowait(out)
-        if out.finished:
-            del self._active[out.request_id]
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """One poll's outputs to their requests (those closed by their handlers are dropped: the agent frees their
+        slots once the GPU side has finished them)."""
+        active, handed = self._active, []
+        for out in outputs:
+            req = active.get(out.request_id)
+            if req is None:
+                continue
+            self.metrics.tokens(req, len(out.new_tokens))
+            if out.finished:
+                del active[out.request_id]
+            handed.append((req, out))
+        self._hand_out(handed)
+
+    @staticmethod
+    def _hand_out(items: list[tuple[Submission, RequestOutput | Exception]]) -> None:
+        """Each item to its request's reader or queue; then each reader that took any flushes, once."""
+        readers = {}
+        for req, item in items:
+            if req.reader is None:
+                req.queue.put_nowait(item)
+            else:
+                req.reader.take(req, item)
+                readers[req.reader] = None
+        for reader in readers:
+            reader.flush()
 
     def fail_all(self, problem: str) -> None:
         """End every open request with ``problem``; their handlers report it and close them."""
         error = EngineUnavailable(f"{problem}: retry later", self.config.retry_after_s)
         if self._active or self.waiting:
             log.error("failing %d requests: %s", len(self._active) + len(self.waiting), problem)
-        for req in [*self._active.values(), *self.waiting]:
-            req.queue.put_nowait(error)
+        self._hand_out([(req, error) for req in [*self._active.values(), *self.waiting]])

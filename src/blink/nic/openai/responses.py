@@ -3,7 +3,9 @@
 ``Responder`` turns the ``RequestOutput``s the agent loop delivers for a request into text (``TextStream``: the
 incremental detokenizer, cut before the first stop string) and writes it; a stop string ends the request there. A
 chat that offers tools has its text read for calls (``tools.ToolAnswer``): streamed as tool-call deltas, whole as
-the message those deltas add up to.
+the message those deltas add up to. A stream is a ``StreamedAnswer``, the agent loop's ``Reader`` of its requests:
+the polling task formats each poll's tokens and writes them to the connection itself, so a token costs no wake-up
+of the stream's handler, which waits for the end (or for a slow client to read again).
 """
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import suppress
 
 from aiohttp import web
 
+from blink.nic.agent import RequestOutput
 from blink.nic.agent_loop import Submission
 from blink.nic.metrics import Metrics
 from blink.nic.openai.errors import REFUSALS, api_error
@@ -43,74 +45,65 @@ class Responder:
         return web.json_response({**self._head(job, chunk=False), "choices": choices,
                                   "usage": self._usage(job, texts)})
 
-    async def stream(self, request: web.Request, job: Job, reqs: list[Submission],
-                     arrival: float | None = None) -> web.StreamResponse:
-        """SSE: each batch of a choice's tokens is one chunk; every chunk formatted since the handler last woke (the
-        tokens of every poll it slept through, and at the end the usage chunk and ``[DONE]``) goes out in one
-        write. ``arrival``: when the request came (``time.monotonic()``), None to leave it untimed."""
-        texts = [TextStream(self.tokenizer, job.stop) for _ in reqs]
+    def streamed(self, job: Job, reqs: list[Submission], arrival: float | None = None) -> StreamedAnswer:
+        """The reader of a streamed answer's ring requests: ``reqs``, its choices' requests in choice order, each
+        appended as it is submitted with this reader. ``arrival``: when the request came (``time.monotonic()``),
+        None to leave it untimed."""
+        return StreamedAnswer(self, job, reqs, arrival)
+
+    async def stream(self, request: web.Request, answer: StreamedAnswer) -> web.StreamResponse:
+        """SSE: sends the headers, then waits while the polling task writes the chunks (``StreamedAnswer``), until
+        ``[DONE]`` is out or the client has left; while the client reads too slowly, writes what waits for it each
+        time its connection drains."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        chunks = ChunkFormat(self._head(job, chunk=True), job.chat)
-        pending = []
-        answers = [_tool_answer(job) for _ in reqs]
-        held = [[] for _ in reqs]       # tokens whose logprobs wait for a chunk (while text may be a call's)
-        try:
-            if job.chat:
-                await response.write(chunks.role(len(reqs)))
-            remaining = len(reqs)
-            async for i, delta, tokens, finish, more in _merged(self._events, reqs, texts):
-                if answers[i] is not None:
-                    held[i] += tokens
-                    pending += self._tool_chunks(chunks, job, i, answers[i], delta, held[i], finish)
-                elif delta or finish:
-                    pending.append(chunks.choice(i, delta, self._logprobs(job, tokens), finish))
-                remaining -= finish is not None
-                if not remaining and job.include_usage:
-                    pending.append(chunks.usage(self._usage(job, texts)))
-                if not remaining:
-                    pending.append(DONE)
-                if pending and not (remaining and more):
-                    await response.write(b"".join(pending))
-                    pending.clear()
-                    if arrival is not None:
-                        self.metrics.http_ttft.observe(time.monotonic() - arrival)
-                        arrival = None
-        except REFUSALS as e:
-            with suppress(ConnectionResetError):    # a client that left before the end is no error of the server's
-                await response.write(b"".join([*pending, event(api_error(e).body()), DONE]))
-        except ConnectionResetError:
-            pass                # the client left; the handler's finally cancels the requests
+        writer = await response.prepare(request)
+        if request.transport is None:
+            return response         # the client left as the headers went out; the handler's finally cancels
+        answer.attach(request.transport, writer.chunked)
+        while not answer.ended or answer.backlog:
+            await answer.wake.wait()
+            answer.wake.clear()
+            if answer.error is not None:
+                raise answer.error
+            if answer.backlog:
+                try:
+                    await writer.drain()
+                except ConnectionResetError:
+                    break           # the client left; the handler's finally cancels the requests
+                answer.backlog = False
+                answer.flush()
         return response
 
     async def _whole(self, req: Submission, text: TextStream) -> tuple[str, list]:
         content, tokens = "", []
-        async for delta, new_tokens, _ in self._events(req, text):
-            content += delta
-            tokens += new_tokens
-        return content, tokens
-
-    async def _events(self, req: Submission, text: TextStream):
-        """Yield ``(delta, [(token, logprob, top logprobs)], finish_reason)`` per batch of tokens; the last has a
-        finish_reason."""
         while True:
             out = await req.queue.get()
             if isinstance(out, Exception):
                 raise out
-            delta, tokens = "", []
-            for i, token in enumerate(out.new_tokens):
-                delta += text.push(token)
-                tokens.append((token, out.new_logprobs[i] if out.new_logprobs else None,
+            delta, new_tokens, finish = self.advance(req, text, out)
+            content += delta
+            tokens += new_tokens
+            if finish is not None:
+                return content, tokens
+
+    def advance(self, req: Submission, text: TextStream, out: RequestOutput) -> tuple[str, list, str | None]:
+        """``req``'s next output ``out`` through its ``text``: ``(delta, [(token, logprob, top logprobs)],
+        finish_reason)``, the tokens only where logprobs are asked for; the finish reason is None while the request
+        goes on. A stop string ends it here: the ring request is closed (the ring stops generating for it now)."""
+        delta, tokens = "", []
+        for i, token in enumerate(out.new_tokens):
+            delta += text.push(token)
+            if out.new_logprobs is not None:
+                tokens.append((token, out.new_logprobs[i],
                                out.new_top_logprobs[i] if out.new_top_logprobs else None))
-                if text.stopped:
-                    break
-            if text.stopped or out.finished:
-                req.finish_reason = "stop" if text.stopped else out.finish_reason
-                if text.stopped:
-                    self.close(req)         # the ring stops generating for it now
-                yield delta + text.finish(), tokens, req.finish_reason
-                return
-            yield delta, tokens, None
+            if text.stopped:
+                break
+        if text.stopped or out.finished:
+            req.finish_reason = "stop" if text.stopped else out.finish_reason
+            if text.stopped:
+                self.close(req)
+            return delta + text.finish(), tokens, req.finish_reason
+        return delta, tokens, None
 
     def _head(self, job: Job, *, chunk: bool) -> dict:
         if job.chat:
@@ -165,31 +158,96 @@ def _tool_answer(job: Job) -> ToolAnswer | None:
     return ToolAnswer(parser) if parser is not None else None
 
 
-async def _merged(events, reqs: list[Submission], texts: list[TextStream]):
-    """``(choice index, delta, tokens, finish_reason, more)`` of every choice's events, as they come (``more``:
-    another event is ready now); an error of any choice ends the whole stream."""
-    if len(reqs) == 1:                      # the common case: no tasks, no queue
-        async for delta, tokens, finish in events(reqs[0], texts[0]):
-            yield 0, delta, tokens, finish, not reqs[0].queue.empty()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
+class StreamedAnswer:
+    """One streamed answer: the agent loop's ``Reader`` of its choices' ring requests, which turns each poll's
+    outputs into SSE chunks and writes them to the connection, from the polling task, one write per poll (every
+    choice's chunks, and at the end the usage chunk and ``[DONE]``) in HTTP/1.1's chunked framing where the
+    response has it, as aiohttp's writer frames a ``write``. The handler (``Responder.stream``) sends the headers,
+    ``attach``es the connection (chunks that came before go out then) and waits on ``wake``: set once the answer
+    has ``ended`` ([DONE] formatted, or the client gone), for an ``error`` to raise, or for a ``backlog``.
 
-    async def feed(i: int) -> None:
+    Back-pressure: a connection that holds more unsent bytes than its transport's high-water mark (a client that
+    reads too slowly) is not written to from the polling task, which must not wait for one stream; its chunks wait
+    in ``pending`` and the handler writes them each time the connection drains (``backlog``), so the other streams
+    go on. Invariant: chunks go out in the order they were formatted, each exactly once."""
+
+    def __init__(self, responder: Responder, job: Job, reqs: list[Submission], arrival: float | None):
+        self.responder, self.job, self.reqs, self.arrival = responder, job, reqs, arrival
+        self.texts = [TextStream(responder.tokenizer, job.stop) for _ in range(job.n)]
+        self.answers = [_tool_answer(job) for _ in range(job.n)]
+        self.held = [[] for _ in range(job.n)]      # tokens whose logprobs wait for a chunk (while text may be a call's)
+        self.chunks = ChunkFormat(responder._head(job, chunk=True), job.chat)
+        self.pending: list[bytes] = [self.chunks.role(job.n)] if job.chat else []
+        self.remaining = job.n          # choices not finished
+        self.untimed = False            # an output's chunk is pending, and none was written yet
+        self.wake = asyncio.Event()
+        self.ended = False
+        self.error: Exception | None = None
+        self.backlog = False
+        self._transport: asyncio.Transport | None = None
+        self._chunked = False
+        self._high_water = 0
+
+    def attach(self, transport: asyncio.Transport, chunked: bool) -> None:
+        """The headers are out on ``transport``: write what is pending, and every poll's chunks from now on."""
+        self._transport, self._chunked = transport, chunked
+        self._high_water = transport.get_write_buffer_limits()[1]
+        self.flush()
+
+    def take(self, req: Submission, item: RequestOutput | Exception) -> None:
+        if self.ended:
+            return
+        self.untimed = self.arrival is not None
         try:
-            async for event in events(reqs[i], texts[i]):
-                queue.put_nowait((i, *event))
-        except Exception as e:
-            queue.put_nowait(e)
-
-    tasks = [asyncio.create_task(feed(i)) for i in range(len(reqs))]
-    try:
-        remaining = len(reqs)
-        while remaining:
-            item = await queue.get()
             if isinstance(item, Exception):
                 raise item
-            remaining -= item[3] is not None
-            yield (*item, not queue.empty())
-    finally:
-        for task in tasks:
-            task.cancel()
+            self._format(self.reqs.index(req), req, item)
+        except REFUSALS as e:       # the engine stopped serving: the stream ends with the error's event
+            self.pending += [event(api_error(e).body()), DONE]
+            self._end()
+        except Exception as e:      # a bug: the handler raises it (the server logs it and goes on)
+            self.error = e
+            self._end()
+
+    def _format(self, i: int, req: Submission, out: RequestOutput) -> None:
+        responder, job = self.responder, self.job
+        delta, tokens, finish = responder.advance(req, self.texts[i], out)
+        answer = self.answers[i]
+        if answer is not None:
+            self.held[i] += tokens
+            self.pending += responder._tool_chunks(self.chunks, job, i, answer, delta, self.held[i], finish)
+        elif delta or finish:
+            self.pending.append(self.chunks.choice(i, delta, responder._logprobs(job, tokens), finish))
+        if finish is None:
+            return
+        self.remaining -= 1
+        if not self.remaining:
+            if job.include_usage:
+                self.pending.append(self.chunks.usage(responder._usage(job, self.texts)))
+            self.pending.append(DONE)
+            self._end()
+
+    def flush(self) -> None:
+        """Write what is pending, in one write, unless the headers are not out yet or the connection is backed up
+        (then wake the handler, which writes it once the connection drains)."""
+        transport = self._transport
+        if not self.pending or transport is None or self.backlog:
+            return
+        if transport.is_closing():      # the client left: nobody reads what is pending
+            self.pending.clear()
+            self._end()
+            return
+        if transport.get_write_buffer_size() > self._high_water:
+            self.backlog = True
+            self.wake.set()
+            return
+        data = b"".join(self.pending)
+        self.pending.clear()
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        if self.untimed:
+            self.responder.metrics.http_ttft.observe(time.monotonic() - self.arrival)
+            self.arrival, self.untimed = None, False
+
+    def _end(self) -> None:
+        self.ended = True
+        self.wake.set()

@@ -8,8 +8,8 @@ One asyncio event loop owns the ``Agent`` (which is not thread-safe). A handler 
 prompt is token ids and in a tokenizer thread when it must be tokenized (tokenizing a long prompt must not stall the
 loop; a thread's round trip is two more wake-ups per request, which cost the most where the agent shares its core),
 hands it to the ``AgentLoop``
-(``blink.nic.agent_loop``), whose one task polls the ring and fans tokens out to per-request queues, and writes the
-answer (``responses``). Every request a handler submits it closes when it leaves, whatever the reason; every error,
+(``blink.nic.agent_loop``), whose one task polls the ring and hands each stream's tokens to its ``StreamedAnswer``,
+which writes them (``responses``); a whole answer's handler awaits them. Every request a handler submits it closes when it leaves, whatever the reason; every error,
 aiohttp's own included, leaves as an OpenAI-style body, and the server keeps serving everyone else.
 """
 from __future__ import annotations
@@ -265,11 +265,12 @@ class OpenAIServer:
 
     async def _serve(self, request: web.Request, job: Job, arrival: float) -> web.StreamResponse:
         reqs = []
+        answer = self.responder.streamed(job, reqs, arrival) if job.stream else None
         try:
             for params in job.choice_params():
-                reqs.append(self.loop.submit(job.prompt, params, job.priority))
-            if job.stream:
-                return await self.responder.stream(request, job, reqs, arrival)
+                reqs.append(self.loop.submit(job.prompt, params, job.priority, answer))
+            if answer is not None:
+                return await self.responder.stream(request, answer)
             return await self.responder.complete(job, reqs)
         except RequestError as e:       # a limit of the ring the parser did not know of: nothing was queued
             raise api_error(e) from None
