@@ -7,10 +7,9 @@ One asyncio event loop owns the ``Agent`` (which is not thread-safe). A handler 
 (``limits``; what a connection may hold before that: ``connections``), parses it (``requests``) on the loop when its
 prompt is token ids and in a tokenizer thread when it must be tokenized (tokenizing a long prompt must not stall the
 loop; a thread's round trip is two more wake-ups per request, which cost the most where the agent shares its core),
-hands it to the ``AgentLoop``
-(``blink.nic.agent_loop``), whose one task polls the ring and hands each stream's tokens to its ``StreamedAnswer``,
-which writes them (``responses``); a whole answer's handler awaits them. Every request a handler submits it closes when it leaves, whatever the reason; every error,
-aiohttp's own included, leaves as an OpenAI-style body, and the server keeps serving everyone else.
+hands it to the ``AgentLoop`` (``blink.nic.agent_loop``), whose one task polls the ring and writes each stream's
+new tokens (``responses``). Every request a handler submits it closes when it leaves, whatever the reason; every
+error, aiohttp's own included, leaves as an OpenAI-style body, and the server keeps serving everyone else.
 """
 from __future__ import annotations
 
