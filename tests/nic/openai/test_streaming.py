@@ -1,22 +1,19 @@
 """The agent's fan-out under many streams: one poll serves every stream that moved, each stream's SSE chunks go out
-in one write per wake-up, and every stream gets every token, in order. The server runs in the test's event loop
+in one write per poll, every stream gets every token, in order, and a client that reads slowly holds up no other. The server runs in the test's event loop
 over an in-process ring whose reference consumer the test steps by hand, so each step is one token for every stream
 and the test decides when the next one comes. What the client sees is read HTTP chunk by HTTP chunk: one chunk per
 write of the server."""
 import asyncio
 import json
+import socket
 import time
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from blink.models import default_model_path
 from blink.nic.agent import Agent
-from blink.nic.agent_loop import AgentLoop, LoopConfig
-from blink.nic.metrics import Metrics
-from blink.nic.openai.requests import Parser
-from blink.nic.openai.responses import Responder
+from blink.nic.agent_loop import LoopConfig
 from blink.nic.openai.server import OpenAIServer, ServerConfig, start
 from blink.nic.text import Tokenizer
 from blink.ring.control import ENGINE_SERVING
@@ -50,8 +47,8 @@ def completion(prompt: list[int], seed: int) -> dict:
             "stream_options": {"include_usage": True}}
 
 
-def expected_text(tokenizer, prompt: list[int], seed: int) -> str:
-    tokens, _ = expected_output(prompt, SamplingParams(max_tokens=TOKENS, seed=seed, ignore_eos=True),
+def expected_text(tokenizer, prompt: list[int], seed: int, max_tokens: int = TOKENS) -> str:
+    tokens, _ = expected_output(prompt, SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True),
                                 vocab_size=tokenizer.vocab_size)
     return tokenizer.decode(tokens)
 
@@ -122,40 +119,95 @@ def test_one_poll_serves_every_stream_and_each_gets_every_token_in_order(tokeniz
         assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == TOKENS
 
 
-def test_a_handler_that_slept_through_several_polls_sends_them_in_one_write(tokenizer):
-    """A stream whose handler was busy (say, waiting for a slow client) while the polls went on gets every output
-    delivered meanwhile in one write: here all of them, each still its own chunk, in order."""
-    consumer, agent = stepped_ring(tokenizer)
-    prompt, seed = [5, 6, 7], 11
-    job = Parser(tokenizer, "m", agent).completion(completion(prompt, seed))
+LONG = 4096         # tokens of the slow reader's stream: ~700 kB of chunks
+LONG_GEOMETRY = RingGeometry(n_slots=2, max_prompt_tokens=16, max_output_tokens=LONG, max_model_len=LONG + 16)
+
+
+async def read_http_chunks(sock: socket.socket) -> list[bytes]:
+    """A chunked HTTP response's body, read off ``sock`` to its last chunk: one bytes per HTTP chunk (one write of
+    the server)."""
+    loop, data = asyncio.get_running_loop(), b""
+
+    async def until_in_data(marker: bytes, start: int) -> int:
+        nonlocal data
+        while (at := data.find(marker, start)) < 0:
+            piece = await loop.sock_recv(sock, 1 << 16)
+            assert piece, "the server closed the connection before the last chunk"
+            data += piece
+        return at
+
+    at = await until_in_data(b"\r\n\r\n", 0) + 4
+    assert data.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in data[:at].lower()
+    chunks = []
+    while True:
+        line_end = await until_in_data(b"\r\n", at)
+        size = int(data[at:line_end], 16)
+        if not size:
+            return chunks
+        at = line_end + 2
+        while len(data) < at + size + 2:
+            await until_in_data(b"\r\n", len(data))
+        chunks.append(data[at:at + size])
+        at += size + 2
+
+
+def test_a_client_that_reads_slowly_stalls_no_other_stream_and_gets_every_token_in_order(tokenizer):
+    """A client that reads nothing while its stream runs: once its connection is backed up the polling task no
+    longer writes to it and its chunks wait for it; the other stream is served to its end meanwhile. When it reads,
+    it gets every token, in order, the chunks of the polls it was behind in fewer writes than polls."""
+    layout = RingLayout(LONG_GEOMETRY)
+    memory = LocalMemory(layout.size)
+    layout.initialise(memory)
+    consumer = ReferenceConsumer(layout.view(memory.buffer), vocab_size=tokenizer.vocab_size, max_running=2)
+    consumer.view.control["engine_state"] = ENGINE_SERVING
+    agent = Agent(memory, LONG_GEOMETRY)
+    polls = []
+    real_poll = agent.poll
+
+    def poll():
+        outputs = real_poll()
+        if outputs:
+            polls.append(len(outputs))
+        return outputs
+
+    agent.poll = poll
+    (slow_prompt, slow_seed), (fast_prompt, fast_seed) = ([5, 6, 7], 11), ([8, 9], 12)
+    body = json.dumps({**completion(slow_prompt, slow_seed), "max_tokens": LONG}).encode()
 
     async def run():
-        metrics = Metrics()
-        loop = AgentLoop(agent, metrics)
-        req = loop.submit(job.prompt, job.params, job.priority)
-        for _ in range(TOKENS):             # the polls the handler slept through: one output each
-            consumer.step()
-            for out in agent.poll():
-                req.queue.put_nowait(out)
-        assert req.queue.qsize() == TOKENS
-        async def handler(request):
-            return await Responder(tokenizer, "m", metrics, loop.close).stream(request, job, [req])
-
-        app = web.Application()
-        app.router.add_post("/", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
+        listening = await start(OpenAIServer(agent, tokenizer, ServerConfig(model_name="m")), "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{listening.port}/v1/completions"
+        loop = asyncio.get_running_loop()
+        slow = socket.socket()
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.setblocking(False)
         try:
+            await loop.sock_connect(slow, ("127.0.0.1", listening.port))
+            await loop.sock_sendall(slow, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                                          b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await until(lambda: agent.in_flight == 1)
+            # Both ends' kernel buffers small (the server's would grow to 4 MB): its ~700 kB back the connection up.
+            [connection] = listening.runner.server.connections
+            connection.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
             async with aiohttp.ClientSession() as session:
-                return await stream_frames(session, f"http://127.0.0.1:{runner.addresses[0][1]}/", {})
+                fast = asyncio.create_task(stream_frames(session, url, {**completion(fast_prompt, fast_seed),
+                                                                        "max_tokens": LONG}))
+                await until(lambda: agent.in_flight == 2)
+                for step in range(LONG):
+                    consumer.step()         # one token for each stream
+                    await until(lambda: sum(polls) == 2 * (step + 1))
+                fast_frames = await fast     # served to its end while the slow client read nothing
+            assert agent.in_flight == 0
+            return fast_frames, await asyncio.wait_for(read_http_chunks(slow), 30)
         finally:
-            await runner.cleanup()
+            slow.close()
+            await listening.cleanup()
 
-    frames = asyncio.run(run())
-    assert len(frames) == 1, "one write"
-    assert text_of(frames) == expected_text(tokenizer, prompt, seed)
-    *chunks, usage, done = frames[0]
+    fast_frames, slow_chunks = asyncio.run(run())
+    assert text_of(fast_frames) == expected_text(tokenizer, fast_prompt, fast_seed, LONG)
+    events = [e.removeprefix(b"data: ") for chunk in slow_chunks for e in chunk.split(b"\n\n") if e]
+    *chunks, usage, done = [e.decode() if e == b"[DONE]" else json.loads(e) for e in events]
+    assert text_of([chunks]) == expected_text(tokenizer, slow_prompt, slow_seed, LONG), "every token, in order"
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and done == "[DONE]"
-    assert all(chunk["choices"][0]["finish_reason"] is None for chunk in chunks[:-1])
+    assert usage["usage"]["completion_tokens"] == LONG
+    assert len(slow_chunks) < LONG / 2, "the polls it was behind went out in a few writes once it read"
