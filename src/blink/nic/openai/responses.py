@@ -243,7 +243,12 @@ class StreamedAnswer:
             return
         data = b"".join(self.pending)
         self.pending.clear()
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        try:
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        except Exception as e:      # the handler raises it: the polling task serves every other stream
+            self.error = e
+            self._end()
+            return
         if self.untimed:
             self.responder.metrics.http_ttft.observe(time.monotonic() - self.arrival)
             self.arrival, self.untimed = None, False
