@@ -42,6 +42,20 @@ def stepped_ring(tokenizer):
     return consumer, Agent(memory, GEOMETRY)
 
 
+def counted_polls(agent) -> list[int]:
+    """How many requests each of ``agent``'s polls that found progress served, as the polls come."""
+    served, real_poll = [], agent.poll
+
+    def poll():
+        outputs = real_poll()
+        if outputs:
+            served.append(len(outputs))
+        return outputs
+
+    agent.poll = poll
+    return served
+
+
 def completion(prompt: list[int], seed: int) -> dict:
     return {"prompt": prompt, "max_tokens": TOKENS, "seed": seed, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -81,16 +95,7 @@ async def stream_frames(session, url: str, body: dict) -> list[list[dict | str]]
 @pytest.mark.parametrize("poll_interval_s", [LoopConfig.poll_interval_s, 0.0])    # sleeping polls, and spinning
 def test_one_poll_serves_every_stream_and_each_gets_every_token_in_order(tokenizer, poll_interval_s):
     consumer, agent = stepped_ring(tokenizer)
-    batches = []                # how many streams each poll that found progress served
-    real_poll = agent.poll
-
-    def poll():
-        outputs = real_poll()
-        if outputs:
-            batches.append(len(outputs))
-        return outputs
-
-    agent.poll = poll
+    batches = counted_polls(agent)
     prompts = [[1 + i, 2 + i, 3] for i in range(STREAMS)]
 
     async def run():
@@ -117,6 +122,40 @@ def test_one_poll_serves_every_stream_and_each_gets_every_token_in_order(tokeniz
         last, usage, done = frames[-1]      # the last token's chunk, the usage and [DONE]: one write
         assert last["choices"][0]["finish_reason"] == "length" and done == "[DONE]"
         assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == TOKENS
+
+
+def test_the_choices_of_one_request_that_moved_in_one_poll_go_out_in_one_write(tokenizer):
+    consumer, agent = stepped_ring(tokenizer)
+    polls = counted_polls(agent)
+    prompt, seed, n = [4, 5, 6], 21, 3
+
+    async def run():
+        listening = await start(OpenAIServer(agent, tokenizer, ServerConfig(model_name="m")), "127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession() as session:
+                client = asyncio.create_task(stream_frames(session, f"http://127.0.0.1:{listening.port}/v1/completions",
+                                                           {**completion(prompt, seed), "n": n}))
+                await until(lambda: agent.in_flight == n)
+                for step in range(TOKENS):
+                    consumer.step()         # one token for every choice
+                    await until(lambda: sum(polls) == n * (step + 1))
+                return await client
+        finally:
+            await listening.cleanup()
+
+    frames = asyncio.run(run())
+    assert polls == [n] * TOKENS, "each poll found every choice moved"
+    *frames, (*last, usage, done) = frames
+    frames.append(last)
+    assert len(frames) <= TOKENS, "at most one write per poll"
+    assert max(len(frame) for frame in frames) == n, "a poll's chunks of every choice in one write"
+    for frame in frames:
+        indices = [chunk["choices"][0]["index"] for chunk in frame]
+        assert indices == sorted(set(indices)), "each choice at most once a write, in choice order"
+    for i in range(n):
+        text = "".join(c["choices"][0]["text"] for frame in frames for c in frame if c["choices"][0]["index"] == i)
+        assert text == expected_text(tokenizer, prompt, seed + i), f"choice {i}: every token, in order"
+    assert done == "[DONE]" and usage["usage"]["completion_tokens"] == n * TOKENS
 
 
 LONG = 4096         # tokens of the slow reader's stream: ~700 kB of chunks
@@ -161,16 +200,7 @@ def test_a_client_that_reads_slowly_stalls_no_other_stream_and_gets_every_token_
     consumer = ReferenceConsumer(layout.view(memory.buffer), vocab_size=tokenizer.vocab_size, max_running=2)
     consumer.view.control["engine_state"] = ENGINE_SERVING
     agent = Agent(memory, LONG_GEOMETRY)
-    polls = []
-    real_poll = agent.poll
-
-    def poll():
-        outputs = real_poll()
-        if outputs:
-            polls.append(len(outputs))
-        return outputs
-
-    agent.poll = poll
+    polls = counted_polls(agent)
     (slow_prompt, slow_seed), (fast_prompt, fast_seed) = ([5, 6, 7], 11), ([8, 9], 12)
     body = json.dumps({**completion(slow_prompt, slow_seed), "max_tokens": LONG}).encode()
 
