@@ -1,8 +1,8 @@
 """The agent's fan-out under many streams: one poll serves every stream that moved, each stream's SSE chunks go out
-in one write per poll, every stream gets every token, in order, and a client that reads slowly holds up no other. The server runs in the test's event loop
-over an in-process ring whose reference consumer the test steps by hand, so each step is one token for every stream
-and the test decides when the next one comes. What the client sees is read HTTP chunk by HTTP chunk: one chunk per
-write of the server."""
+in one write per poll, every stream gets every token, in order, and a client that reads slowly holds up no other.
+The server runs in the test's event loop over an in-process ring whose reference consumer the test steps by hand, so
+each step is one token for every stream and the test decides when the next one comes. What the client sees is read
+HTTP chunk by HTTP chunk: one chunk per write of the server."""
 import asyncio
 import json
 import socket

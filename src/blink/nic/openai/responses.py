@@ -175,7 +175,7 @@ class StreamedAnswer:
         self.responder, self.job, self.reqs, self.arrival = responder, job, reqs, arrival
         self.texts = [TextStream(responder.tokenizer, job.stop) for _ in range(job.n)]
         self.answers = [_tool_answer(job) for _ in range(job.n)]
-        self.held = [[] for _ in range(job.n)]      # tokens whose logprobs wait for a chunk (while text may be a call's)
+        self.held = [[] for _ in range(job.n)]      # tokens whose logprobs wait for a chunk (text may be a call's)
         self.chunks = ChunkFormat(responder._head(job, chunk=True), job.chat)
         self.pending: list[bytes] = [self.chunks.role(job.n)] if job.chat else []
         self.remaining = job.n          # choices not finished
