@@ -158,6 +158,37 @@ def test_the_choices_of_one_request_that_moved_in_one_poll_go_out_in_one_write(t
     assert done == "[DONE]" and usage["usage"]["completion_tokens"] == n * TOKENS
 
 
+def test_an_http_1_0_client_gets_the_stream_unframed_until_the_server_closes_the_connection(tokenizer):
+    """HTTP/1.0 has no chunked framing: the events are the body as they are, and the connection's close ends it."""
+    consumer, agent = stepped_ring(tokenizer)
+    polls = counted_polls(agent)
+    prompt, seed = [3, 4], 5
+    body = json.dumps(completion(prompt, seed)).encode()
+
+    async def run():
+        listening = await start(OpenAIServer(agent, tokenizer, ServerConfig(model_name="m")), "127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", listening.port)
+            writer.write(b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            await until(lambda: agent.in_flight == 1)
+            for step in range(TOKENS):
+                consumer.step()
+                await until(lambda: sum(polls) == step + 1)
+            data = await asyncio.wait_for(reader.read(), 30)      # to the end of the connection
+            writer.close()
+            return data
+        finally:
+            await listening.cleanup()
+
+    head, _, data = asyncio.run(run()).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"transfer-encoding" not in head.lower()
+    *chunks, usage, done = [e.decode() if e == b"[DONE]" else json.loads(e)
+                            for e in (e.removeprefix(b"data: ") for e in data.split(b"\n\n") if e)]
+    assert text_of([chunks]) == expected_text(tokenizer, prompt, seed) and done == "[DONE]"
+    assert usage["usage"]["completion_tokens"] == TOKENS
+
+
 LONG = 4096         # tokens of the slow reader's stream: ~700 kB of chunks
 LONG_GEOMETRY = RingGeometry(n_slots=2, max_prompt_tokens=16, max_output_tokens=LONG, max_model_len=LONG + 16)
 
