@@ -11,6 +11,7 @@ from blink.device.numba_compat import cuda
 
 MAX_THREADS = 1024          # size of the scan scratch: blockDim.x may not exceed it
 MIN_CHUNK = 8               # items per thread below which a scan uses fewer threads (and fewer barrier rounds)
+WARP = 32                   # threads that run in lockstep: work meant to overlap goes to different warps
 INT64_MAX = (1 << 63) - 1
 INT32_MAX = (1 << 31) - 1
 
