@@ -17,7 +17,9 @@ and the smallest captured bucket that holds the tokens is chosen.
 """
 from __future__ import annotations
 
-from blink.device import inputs, prefix, speculation
+from numba import int64
+
+from blink.device import inputs, prefix, sampling, speculation
 from blink.device.block import exclusive_scan
 from blink.device.kv import allocate_pages, free_sequences, free_total, pages_for, pages_short
 from blink.device.numba_compat import cuda
@@ -200,17 +202,95 @@ def chunks_once(s, sh, n):
 
 
 @cuda.jit(device=True)
-def plan(s, sh):
-    """Plan the next step and write its inputs; return the bucket index to launch, or IDLE."""
+def count_smaller_buckets(s, sh, tokens):
+    """One thread per captured bucket counts it in ``COUNT.smaller_buckets`` if it is smaller than ``tokens``; after
+    a barrier, ``bucket_for`` reads the bucket to launch. The buckets ascend, so the count is the index of the smallest
+    one that holds the tokens: one load per thread, where walking them is a round trip per bucket (eleven to 64)."""
+    for k in range(cuda.threadIdx.x, s.cfg[0].n_buckets, cuda.blockDim.x):
+        if s.buckets[k] < tokens:
+            cuda.atomic.add(sh.counters, COUNT.smaller_buckets, 1)
+
+
+@cuda.jit(device=True)
+def bucket_for(s, sh):
+    """The smallest captured bucket that holds the tokens ``count_smaller_buckets`` counted for (the largest bucket
+    holds every step)."""
+    return min(sh.counters[COUNT.smaller_buckets], s.cfg[0].n_buckets - 1)
+
+
+@cuda.jit(device=True)
+def decodes_in_place(s, sh, n):
+    """The steady state's test, one pass: True when no drafts are proposed and every running sequence decodes (one
+    token) in the row it had in the previous step (same slot and version, so the row's block-table entries are its
+    pages up to ``row_pages``), and the pages the decodes lack fit (no preemption). Leaves what ``allocate_pages``
+    takes (``sh.slots``, ``sh.pages``: each sequence's missing pages, ``COUNT.need``) and counts the buckets for
+    ``n`` tokens. Every thread gets the block's answer."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    n = s.sched[0].running
-    if n == 0:
-        if tid == 0:
-            s.sched[0].rows = 0
-            s.sched[0].bucket = IDLE
-        cuda.syncthreads()
-        return IDLE
+    if s.cfg[0].spec_tokens != 0:
+        return False                            # block-uniform: no barrier passed yet
+    count_smaller_buckets(s, sh, n)
+    for i in range(tid, n, nt):
+        slot = s.running[i]
+        computed = s.seq_computed[slot]
+        decodes = s.seq_total[slot] - computed == 1
+        in_place = (s.row_slot[i] == slot) & (s.row_version[i] == s.seq_version[slot])    # &: the loads at once
+        need = pages_short(s, slot, computed + 1)
+        sh.slots[i] = slot
+        sh.pages[i] = need
+        if need != 0:
+            cuda.atomic.add(sh.counters, COUNT.need, need)
+        if not (decodes and in_place):
+            cuda.atomic.add(sh.counters, COUNT.moved, 1)
+    cuda.syncthreads()
+    return sh.counters[COUNT.moved] == 0 and sh.counters[COUNT.need] <= free_total(s)
+
+
+@cuda.jit(device=True)
+def plan_decodes(s, sh, n):
+    """Plan the steady state (``decodes_in_place``): the decodes' missing pages, then what ``plan_rows`` would write
+    for it, row i the one token of ``running[i]``, in one pass: no chunk, rank or token scans, each row's new
+    block-table entries (the pages it took since its last step) copied by its own thread. Returns the bucket."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    page = s.cfg[0].page_size
+    if sh.counters[COUNT.need] != 0:
+        allocate_pages(s, sh, sh.slots, sh.pages, n)
+    bucket = bucket_for(s, sh)
+    for i in range(tid, n, nt):
+        slot = s.running[i]
+        computed = s.seq_computed[slot]
+        npages = s.seq_npages[slot]
+        copied = s.row_pages[i]
+        token = speculation.token_at(s, slot, computed)
+        held = s.seq_pages[slot, computed // page]
+        sampling.write_sampling(s, i, slot, True)
+        for j in range(copied, npages):
+            s.block_tables[i, j] = s.seq_pages[slot, j]
+        s.query_start_loc[i] = i
+        s.attn_query_start_loc[i] = i
+        s.seq_lens[i] = computed + 1
+        s.attn_seq_lens[i] = computed + 1
+        s.logits_indices[i] = i
+        s.row_pages[i] = npages
+        s.row_draft[i] = 0
+        s.token_ids[i] = token
+        s.positions[i] = computed
+        s.slot_mapping[i] = int64(held) * page + computed % page
+    if tid == 0:
+        s.query_start_loc[n] = n
+        s.attn_query_start_loc[n] = n
+        s.num_seqs[0] = n
+    inputs.pad(s, n, n, s.buckets[bucket])
+    return bucket
+
+
+@cuda.jit(device=True)
+def plan_rows(s, sh, n):
+    """Plan any step: chunks (preempting to fit the decodes), drafts, pages; rows in running order; the step's
+    inputs per ``inputs.py``. Returns (rows, bucket)."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
     all_decode = plan_chunks(s, sh, n)
     drafting = sh.counters[COUNT.spec_drafts] != 0
     for i in range(tid, n, nt):
@@ -239,19 +319,44 @@ def plan(s, sh):
         cuda.syncthreads()
         n_rows = exclusive_scan(sh.rank, n, sh.partial)
         n_tokens = exclusive_scan(sh.tokens, n, sh.partial)
-    bucket = IDLE
-    if n_tokens > 0:
-        bucket = 0
-        while s.buckets[bucket] < n_tokens and bucket + 1 < s.cfg[0].n_buckets:
-            bucket += 1
-        inputs.write_rows(s, sh, n)
+    if n_tokens == 0:
+        return n_rows, IDLE
+    count_smaller_buckets(s, sh, n_tokens)
+    inputs.write_rows(s, sh, n)                 # ends with a barrier: the bucket's count is in
+    bucket = bucket_for(s, sh)
+    if tid == 0:
+        s.query_start_loc[n_rows] = n_tokens
+        s.attn_query_start_loc[n_rows] = n_tokens
+        s.num_seqs[0] = n_rows
+    cuda.syncthreads()
+    inputs.write_tables_and_tokens(s, sh, n_rows, n_tokens, all_decode)
+    inputs.pad(s, n_rows, n_tokens, s.buckets[bucket])
+    return n_rows, bucket
+
+
+@cuda.jit(device=True)
+def plan(s, sh):
+    """Plan the next step and write its inputs; return the bucket index to launch, or IDLE. The steady state (every
+    running sequence decoding in its row of the previous step) takes ``plan_decodes``, any other ``plan_rows``; both
+    write the same inputs for it (tests/device/test_batcher.py)."""
+    tid = cuda.threadIdx.x
+    n = s.sched[0].running
+    if n == 0:
         if tid == 0:
-            s.query_start_loc[n_rows] = n_tokens
-            s.attn_query_start_loc[n_rows] = n_tokens
-            s.num_seqs[0] = n_rows
+            s.sched[0].rows = 0
+            s.sched[0].bucket = IDLE
         cuda.syncthreads()
-        inputs.write_tables_and_tokens(s, sh, n_rows, n_tokens, all_decode)
-        inputs.pad(s, n_rows, n_tokens, s.buckets[bucket])
+        return IDLE
+    if decodes_in_place(s, sh, n):
+        n_rows = n
+        bucket = plan_decodes(s, sh, n)
+    else:
+        cuda.syncthreads()                      # every thread has the test's answer: its counts may go
+        if tid == 0:
+            sh.counters[COUNT.need] = 0
+            sh.counters[COUNT.smaller_buckets] = 0
+        cuda.syncthreads()
+        n_rows, bucket = plan_rows(s, sh, n)
     if tid == 0:
         s.sched[0].rows = n_rows
         s.sched[0].bucket = bucket

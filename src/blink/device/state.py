@@ -270,6 +270,8 @@ class Counts(NamedTuple):
     prefills: int
     decode_pages: int
     need: int
+    moved: int
+    smaller_buckets: int
     copies: int
     chunked: int
     refused: int
