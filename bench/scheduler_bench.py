@@ -10,7 +10,9 @@
    that cannot be admitted (max_num_seqs=1 is taken). Each case runs twice: plain, and with the host bumping the
    ``submitted`` doorbell as fast as it can, so that every iteration scans all 4096 state words; the difference
    is the scan's cost.
-3. READY-to-first-token latency: the loop idles; the host publishes one request and spins on its n_generated word.
+3. READY-to-first-token latency: the loop idles; the host submits one request and spins on its n_generated word.
+   Reported from before the agent's submit (which encodes the header in Python) and from its return (the slot is
+   READY and the doorbell rung: the GPU's part), and the submit's own time.
 4. The prefix cache in use: step time of 64 decoding requests whose 240-token prompts share their first 224 tokens,
    with caching on (the table takes a generated page every 16 steps per request, about 4 per iteration) and off;
    READY-to-first-token of a 240-token prompt whose first 224 tokens are cached, and of one with nothing cached.
@@ -189,22 +191,31 @@ def admission_latency(image: bytes, idle_ns: int, trials: int = 200, caching: bo
     # The host's view of the status region is live only where the request side (status included) is host memory.
     live = rig.view.status["n_generated"]
     generated = (lambda: live) if request_side == "host" else rig.generated
-    samples = []
+    samples, ready, submits = [], [], []
     for k in range(trials):
         t0 = time.perf_counter()
         slot = rig.agent._slot_of[rig.agent.submit(prompt(shared, k) if shared else [5, 6],
                                                    SamplingParams(max_tokens=1))]
+        t1 = time.perf_counter()                # the slot is READY and the doorbell rung
         while generated()[slot] < 1:
             pass
-        samples.append((time.perf_counter() - t0) * 1e6)
+        t2 = time.perf_counter()
+        samples.append((t2 - t0) * 1e6)
+        ready.append((t2 - t1) * 1e6)
+        submits.append((t1 - t0) * 1e6)
         while rig.agent.in_flight:
             rig.agent.poll()
     hits = rig.control("prefix_hit_tokens")
     rig.stop()
-    samples.sort()
     return {"idle_sleep_ns": idle_ns, "caching": caching, "shared": shared, "request_side": request_side,
-            "prefix_hit_tokens": hits,
-            "median_us": statistics.median(samples), "p99_us": samples[int(0.99 * (len(samples) - 1))]}
+            "prefix_hit_tokens": hits, **percentiles("", samples), **percentiles("ready_", ready),
+            **percentiles("submit_", submits)}
+
+
+def percentiles(prefix: str, samples: list[float]) -> dict:
+    """``{prefix}median_us`` and ``{prefix}p99_us`` of ``samples`` (us)."""
+    ordered = sorted(samples)
+    return {f"{prefix}median_us": statistics.median(ordered), f"{prefix}p99_us": ordered[int(0.99 * (len(ordered) - 1))]}
 
 
 def memory_hogs(image: bytes) -> dict:
@@ -288,8 +299,10 @@ def main() -> None:
     quiet = result["idle"][0]["profile_us"]
     print("  quiet iteration profile (us): " + profile_text(quiet))
     for r in result["admission"]:
-        print(f"  READY -> first token (idle sleep {r['idle_sleep_ns']} ns): median {r['median_us']:.1f} us, "
-              f"p99 {r['p99_us']:.1f} us")
+        print(f"  submit -> first token (idle sleep {r['idle_sleep_ns']} ns): median {r['median_us']:.1f} us, "
+              f"p99 {r['p99_us']:.1f} us; READY -> first token (from submit's return) median "
+              f"{r['ready_median_us']:.1f} us, p99 {r['ready_p99_us']:.1f} us; the agent's submit median "
+              f"{r['submit_median_us']:.1f} us")
     for r in result["prefix"]["step"]:
         print(f"  prefix caching {'on ' if r['caching'] else 'off'}: 64 decoding, {r['us_per_step']:.2f} us/step, "
               f"{json.dumps(r['cache'])}  {profile_text(r['profile_us'])}")
