@@ -215,7 +215,8 @@ def admission_latency(image: bytes, idle_ns: int, trials: int = 200, caching: bo
 def percentiles(prefix: str, samples: list[float]) -> dict:
     """``{prefix}median_us`` and ``{prefix}p99_us`` of ``samples`` (us)."""
     ordered = sorted(samples)
-    return {f"{prefix}median_us": statistics.median(ordered), f"{prefix}p99_us": ordered[int(0.99 * (len(ordered) - 1))]}
+    return {f"{prefix}median_us": statistics.median(ordered),
+            f"{prefix}p99_us": ordered[int(0.99 * (len(ordered) - 1))]}
 
 
 def memory_hogs(image: bytes) -> dict:
