@@ -4,6 +4,7 @@ a sequence that verified drafts (``speculation.py``), the tokens it keeps."""
 from __future__ import annotations
 
 from blink.device import grammar, prefix, sampling
+from blink.device.config import MAX_EOS
 from blink.device.numba_compat import cuda, load_volatile
 from blink.device.state import COUNT, SPEC_ACCEPTED_PER_POS
 from blink.ring.layout import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, FLAG_IGNORE_EOS, FLAG_LOGPROBS
@@ -12,14 +13,20 @@ from blink.ring.layout import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, FLAG_IGNO
 @cuda.jit(device=True)
 def stop_reason(s, slot, token, flags, generated, max_tokens):
     """Why the request in ``slot`` (``seq_flags`` ``flags``, ``max_tokens``) ends after emitting ``token``, its
-    ``generated``-th token."""
-    if (flags & FLAG_IGNORE_EOS) == 0:
-        for k in range(s.cfg[0].n_eos):
-            if token == s.eos_ids[k]:
-                return FINISH_STOP
-    for k in range(s.seq_n_stop[slot]):
-        if token == s.seq_stop[slot, k]:
-            return FINISH_STOP
+    ``generated``-th token.
+
+    Every EOS slot is compared, used or not (the unused hold 0): a loop of constant length unrolls into loads that
+    are in flight together, where one that stops at ``n_eos`` waits for each before it issues the next."""
+    n_eos = s.cfg[0].n_eos
+    n_stop = s.seq_n_stop[slot]
+    eos = False
+    for k in range(MAX_EOS):
+        eos |= (k < n_eos) & (token == s.eos_ids[k])
+    stop = eos & ((flags & FLAG_IGNORE_EOS) == 0)
+    for k in range(n_stop):
+        stop |= token == s.seq_stop[slot, k]
+    if stop:
+        return FINISH_STOP
     if generated >= max_tokens:
         return FINISH_LENGTH
     return FINISH_NONE
