@@ -63,7 +63,8 @@ def consume(s, sh):
     A sequence that verified drafts (``speculation.py``) is taken whole by the thread of its first row: its rows'
     tokens in order while each confirms the draft the next row read; its other rows do nothing.
     The counts that announce the tokens are published by the iteration's settle (``publish``), after one fence.
-    Leaves each row's slot in ``sh.slots`` and its tokens computed before the step in ``sh.tokens`` (``prefix``).
+    Leaves each row's slot in ``sh.slots`` and its tokens computed before the step in ``sh.tokens`` (``prefix``), and
+    counts the sequences that stop in ``COUNT.stopped`` (``retire`` looks at the running list only then).
     A row's words are read before any is stored, as in ``emit``.
     """
     tid = cuda.threadIdx.x
@@ -88,7 +89,10 @@ def consume(s, sh):
                 # Written by the step's kernels on other SMs; a resident scheduler must not read a stale L1 line.
                 token = load_volatile(s.sampled_ids, r + j)
                 emitted += 1
-                if emit(s, r + j, slot, token) or j == drafts or token != s.seq_draft[slot, j]:
+                if emit(s, r + j, slot, token):
+                    cuda.atomic.add(sh.counters, COUNT.stopped, 1)
+                    break
+                if j == drafts or token != s.seq_draft[slot, j]:
                     break
                 computed += 1                     # row j + 1 read this token as its draft: its K/V stand
                 cuda.atomic.add(sh.counters, SPEC_ACCEPTED_PER_POS + j, 1)

@@ -52,13 +52,16 @@ from blink.ring.layout import FINISH_ABORT, FINISH_NONE, FINISHED, READY
 
 @cuda.jit(device=True)
 def retire(s, sh):
-    """Finish sequences that stopped or were cancelled (their cancel words read only when a settle saw the
-    ``cancels`` doorbell move since the last retire); free their pages; compact the running list in order."""
+    """Finish sequences that stopped (``consume`` counted them) or were cancelled (their cancel words read only when a
+    settle saw the ``cancels`` doorbell move since the last retire); free their pages; compact the running list in
+    order. Nothing to do, it returns before any load of the running list."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
+    bell = s.sched[0].cancel_bell
+    if bell == 0 and sh.counters[COUNT.stopped] == 0:
+        return                               # only consume's stops and cancels finish a running sequence
     n = s.sched[0].running
     pending = s.sched[0].pending_finished    # read before a barrier: thread 0 rewrites it at the end
-    bell = s.sched[0].cancel_bell
     # rank[i]: finishing flag -> finishing sequences before i (a kept sequence moves to i - rank[i]).
     for i in range(tid, n, nt):
         slot = s.running[i]

@@ -257,6 +257,7 @@ class Counts(NamedTuple):
     ``fold_counts`` adds some to the device counters of the same name (``s.stats[0]``) where it ends."""
 
     tokens: int
+    stopped: int
     finished: int
     cancelled: int
     new: int
