@@ -60,43 +60,63 @@ extern "C" __global__ void blink_scheduler_tail(long long *table, BlinkLaunch *l
 // per graph execution): prepare, fire the step graph (two instantiations alternate: a graph cannot be relaunched
 // before its previous launch retires), settle (publish, then collect) while it runs, wait for its done kernel,
 // repeat; then tail-relaunch this graph (after the idle sleep when an iteration had nothing to run and collect
-// left no work).
+// left no work). Thread 0 keeps the launch table's words it changes (the done count it waits past, the parity, the
+// profile) in registers and stores them where the execution ends: a load of one between prepare and the launch, or
+// after the wait, is a memory round trip on the step's path.
+__device__ void blink_window_end(BlinkLaunch *launch, unsigned long long parity, long long cycles, long long timed) {
+  launch->parity = parity;
+  launch->step_cycles += cycles;                       // launch + step (settle overlaps it) + wake-up, for the profile
+  launch->steps_timed += timed;
+}
+
 extern "C" __global__ void blink_scheduler_window(long long *table, BlinkLaunch *launch, int *launch_error,
                                                   int idle_ns) {
   __shared__ int go;
+  volatile unsigned long long *done = &launch->done;
+  unsigned long long seen = 0, parity = 0;             // thread 0's: the done count and the parity
+  long long cycles = 0, timed = 0;
+  if (threadIdx.x == 0) {
+    seen = *done;                                      // no step of ours runs between executions
+    parity = launch->parity;
+  }
   bool idle = false;
   for (int k = 0; k < WINDOW && !idle; k++) {
     int outcome = blink_step(table, PREPARE);
-    if (outcome == STOP) return;
-    volatile unsigned long long *done = &launch->done;
-    unsigned long long before = 0;
+    if (outcome == STOP) {
+      if (threadIdx.x == 0) blink_window_end(launch, parity, cycles, timed);
+      return;
+    }
     long long start = 0;
     if (threadIdx.x == 0) {
       go = outcome;
       if (outcome >= 0) {
-        before = *done;
-        unsigned long long parity = launch->parity;
-        launch->parity = parity ^ 1ULL;
         start = clock64();
         if (!blink_launch((cudaGraphExec_t)launch->graphs[parity][outcome], cudaStreamGraphFireAndForget,
                           launch_error)) {
           go = STOP;
         }
+        parity ^= 1ULL;
       }
     }
     __syncthreads();
-    if (go == STOP) return;
+    if (go == STOP) {
+      if (threadIdx.x == 0) blink_window_end(launch, parity, cycles, timed);
+      return;
+    }
     blink_iterate(table, PUBLISH);                     // the step runs meanwhile
     int settled = blink_iterate(table, COLLECT);
     if (threadIdx.x == 0 && outcome >= 0) {
-      while (*done == before) __nanosleep(DONE_POLL_NS);
-      launch->step_cycles += clock64() - start;        // launch + step (settle overlaps it) + wake-up, for the profile
-      launch->steps_timed += 1;
+      unsigned long long now;
+      while ((now = *done) == seen) __nanosleep(DONE_POLL_NS);
+      seen = now;
+      cycles += clock64() - start;
+      timed += 1;
     }
     __syncthreads();
     idle = outcome < 0 && settled != AGAIN;
   }
   if (threadIdx.x == 0) {
+    blink_window_end(launch, parity, cycles, timed);
     if (idle && idle_ns > 0) __nanosleep(idle_ns);
     blink_launch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch, launch_error);
   }
