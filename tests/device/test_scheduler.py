@@ -18,7 +18,7 @@ from tests.device.references import prompt_lookup
 
 from blink.device.config import SchedulerConfig, SpeculativeConfig
 from blink.device.sim import SimScheduler
-from blink.device.state import AGAIN, COLLECT, IDLE, PREPARE, PUBLISH, PUBLISHED_COUNTERS, QUEUED, REFUSED, STOP
+from blink.device.state import AGAIN, IDLE, PREPARE, PUBLISHED_COUNTERS, QUEUED, REFUSED, SETTLE, STOP
 from blink.device.step import StepBuffers, StepLayout
 from blink.errors import RingFull
 from blink.nic.agent import Agent
@@ -127,8 +127,7 @@ class Harness:
         """Settle alone (publish, then collect), as the resident loop runs it while the step runs: it must write
         none of the step's buffers (inputs the step reads, outputs it writes). Returns collect's AGAIN or IDLE."""
         before = {name: tensor.numpy().copy() for name, tensor in self.step.tensors().items()}
-        self.scheduler.iteration(PUBLISH)
-        settled = self.scheduler.iteration(COLLECT)
+        settled = self.scheduler.iteration(SETTLE)
         for name, tensor in self.step.tensors().items():
             assert np.array_equal(tensor.numpy(), before[name]), f"settle wrote the step's {name}"
         return settled
@@ -459,8 +458,7 @@ def test_shutdown_aborts_in_flight_requests_and_stops(window):
     if window:
         s = h.scheduler.arrays
         assert h.scheduler.iteration(PREPARE) >= 0, "the running request's next step"
-        h.scheduler.iteration(PUBLISH)
-        assert h.scheduler.iteration(COLLECT) == AGAIN, "a shutdown seen: the next prepare acts at once"
+        assert h.scheduler.iteration(SETTLE) == AGAIN, "a shutdown seen: the next prepare acts at once"
         assert s.sched[0].shutdown == 1 and s.sched[0].running == 1 and free_pages(s) < CONFIG.num_pages
         assert h.agent.stats()["engine_state"] != ENGINE_STOPPED and not any(out.finished for out in h.agent.poll())
         assert h.scheduler.iteration(PREPARE) == STOP

@@ -29,7 +29,7 @@ from blink.device.cstruct import c_struct
 from blink.device.numba_compat import SIMULATOR, cuda
 from blink.device.policy import fcfs
 from blink.device.scheduler import make_iterate
-from blink.device.state import AGAIN, COLLECT, ITERATION, PREPARE, PUBLISH, STOP
+from blink.device.state import AGAIN, ITERATION, PREPARE, SETTLE, STOP
 from blink.errors import LaunchError
 from blink.paths import cache_dir
 
@@ -44,9 +44,9 @@ LAUNCH_RETRIES = 10_000             # a graph that just signalled may not have r
 LAUNCH_RETRY_NS = 100               # ... this long apart
 DONE_POLL_NS = 32                   # the resident loop's sleep between looks at the done counter
 STANDIN_BLOCK = 128                 # threads per block of the stand-in step
-SHIM_DEFINES = {"WINDOW": WINDOW, "STOP": STOP, "AGAIN": AGAIN, "PREPARE": PREPARE, "PUBLISH": PUBLISH,
-                "COLLECT": COLLECT, "ITERATION": ITERATION, "LAUNCH_RETRIES": LAUNCH_RETRIES,
-                "LAUNCH_RETRY_NS": LAUNCH_RETRY_NS, "DONE_POLL_NS": DONE_POLL_NS}
+SHIM_DEFINES = {"WINDOW": WINDOW, "STOP": STOP, "AGAIN": AGAIN, "PREPARE": PREPARE, "SETTLE": SETTLE,
+                "ITERATION": ITERATION, "LAUNCH_RETRIES": LAUNCH_RETRIES, "LAUNCH_RETRY_NS": LAUNCH_RETRY_NS,
+                "DONE_POLL_NS": DONE_POLL_NS}
 # The memory the shim reads and writes, declared in C from the dtypes the Python side uses (cstruct.py).
 SHIM_STRUCTS = {"BlinkLaunch": LAUNCH_DTYPE}
 # Sources the cached image depends on besides numba, the CUDA toolchain and the policy.

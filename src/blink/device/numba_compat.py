@@ -71,7 +71,7 @@ else:
             pointer = cgutils.get_record_member(builder, args[0], offset, value_type)
             load = ir.InlineAsm(ir.FunctionType(value_type, [value_type.as_pointer()]),
                                 f"ld.global.cv.b{field.bitwidth} $0, [$1];",
-                                f"={'l' if field.bitwidth == 64 else 'r'},l")
+                                f"={'l' if field.bitwidth == 64 else 'r'},l", side_effect=True)
             return builder.call(load, [pointer])
         return field(record, name), codegen
 

@@ -17,12 +17,13 @@ the next:
 6. PUBLISH: **publish** prepare's ring writes after one fence (``publish.py``): ``n_generated``, RUNNING for its
    admissions, FINISHED for the requests that finished an iteration earlier; then heartbeat, counters and gauges
    into the control block;
-7. COLLECT: read the **doorbells** (shutdown, ``submitted``, ``cancels``; three words across PCIe), then
+7. COLLECT: read the **doorbells** (shutdown, ``submitted``, ``cancels``; three words across PCIe, three warps), then
    **collect**: drop cancelled requests from the waiting queue (when ``cancels`` moved), take new READY requests
    into it (``waiting.py``, when ``submitted`` moved), for the next prepare to admit. Returns ``AGAIN`` when the
    next iteration has work without a doorbell moving (requests queued, finished ones to publish, a shutdown).
 
-The resident loop (shim.cu) calls PREPARE, launches the step, then PUBLISH and COLLECT while the step runs. The tail
+The resident loop (shim.cu) calls PREPARE, launches the step, then SETTLE (PUBLISH then COLLECT as one part, the
+doorbells' loads issued before publish's fence, so one PCIe round trip covers both) while the step runs. The tail
 loop and the simulator call COLLECT, PREPARE, PUBLISH at once (``ITERATION``: the flags run in that order), then the
 step: the same cycle of phases with the step between settle's halves instead of beside them, so what COLLECT takes
 in (a request, a cancel, a shutdown) is acted on before the next step is planned, as the resident loop does with
@@ -39,12 +40,12 @@ from numba import int32, int64
 
 from blink.device import batcher, consume, prefix
 from blink.device.block import MAX_THREADS, exclusive_scan
-from blink.device.doorbells import read_doorbells
+from blink.device.doorbells import load_doorbells, note_doorbells
 from blink.device.kv import free_sequences
 from blink.device.numba_compat import clock, cuda, inlined, load_volatile
 from blink.device.publish import fold_counts, publish, publish_stats
 from blink.device.state import (AGAIN, COLLECT, COUNT, IDLE, MAX_CANDIDATES, N_COUNTERS, N_PHASES, PHASE, PREPARE,
-                                PUBLISH, REFUSED, STOP, Scratch)
+                                PUBLISH, REFUSED, SETTLE, STOP, Scratch)
 from blink.device.waiting import cancel_queued, cancelled, collect, enqueue
 from blink.ring.control import ENGINE_SERVING, ENGINE_STOPPED
 from blink.ring.layout import FINISH_ABORT, FINISH_NONE, FINISHED, READY
@@ -203,7 +204,7 @@ def make_iterate(policy):
 
     ``iterate(s, part)`` runs the parts of an iteration that ``part`` names (flags, run in this order): COLLECT
     (settle's second half; returns AGAIN or IDLE), PREPARE (returns the bucket to launch, IDLE or STOP), PUBLISH
-    (settle's first half); with PREPARE, it returns prepare's outcome. ``s`` is the ``SchedulerArrays``: the arrays
+    (settle's first half), SETTLE (both halves as one: AGAIN or IDLE); with PREPARE, it returns prepare's outcome. ``s`` is the ``SchedulerArrays``: the arrays
     themselves (the simulator), or the GPU image's table of their addresses (``array_table.py``).
     """
 
@@ -247,11 +248,13 @@ def make_iterate(policy):
         cuda.syncthreads()
 
     @cuda.jit(device=True)
-    def settle_collect(s, sh):
-        """Read the doorbells; drop cancelled queued requests, queue new ones. AGAIN when the next iteration has
-        work of its own (requests queued, finished requests to publish, a shutdown to act on), else IDLE."""
+    def settle_collect(s, sh, bells):
+        """Act on the doorbells ``bells`` (``load_doorbells``); drop cancelled queued requests, queue new ones. AGAIN
+        when the next iteration has work of its own (requests queued, finished requests to publish, a shutdown to
+        act on), else IDLE."""
         t = clock()
-        read_doorbells(s, sh)
+        shutdown, submitted, cancels = bells
+        note_doorbells(s, sh, shutdown, submitted, cancels)
         t = lap(sh, t, PHASE.doorbells)
         if sh.counters[COUNT.cancel_bell] != 0:
             cancel_queued(s, sh)
@@ -267,17 +270,27 @@ def make_iterate(policy):
             return AGAIN
         return IDLE
 
+    @cuda.jit(device=True)
+    def settle(s, sh):
+        """The resident loop's settle, PUBLISH then COLLECT as one part: the doorbells' loads go out first, so
+        publish's fence (a PCIe round trip) also waits out theirs."""
+        bells = load_doorbells(s)
+        settle_publish(s, sh)
+        return settle_collect(s, sh, bells)
+
     @inlined                                # into the image's entry: a call would save and restore registers
     def iterate(s, part):
         outcome = IDLE
         if part & COLLECT:
-            outcome = settle_collect(s, scratch())
+            outcome = settle_collect(s, scratch(), load_doorbells(s))
         if part & PREPARE:
             outcome = prepare(s, scratch())
             if outcome == STOP:
                 return STOP
         if part & PUBLISH:
             settle_publish(s, scratch())
+        if part & SETTLE:
+            outcome = settle(s, scratch())
         return outcome
 
     return iterate

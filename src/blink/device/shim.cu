@@ -4,12 +4,10 @@
 // from the numpy dtypes the Python side uses (blink/device/image.py: SHIM_STRUCTS), and with -D definitions of every
 // constant below (SHIM_DEFINES), taken from the Python modules that own them, so the two sides cannot disagree. The
 // iteration itself is numba code (blink_iterate), linked in by nvJitLink: its part PREPARE needs the finished step
-// and writes the next one's inputs; settle, its parts PUBLISH and COLLECT (publish; doorbells, collect), needs
-// nothing from the step and writes nothing it reads, so the resident loop runs it while the step runs
-// (blink/device/scheduler.py).
-#if !defined(WINDOW) || !defined(STOP) || !defined(AGAIN) || !defined(PREPARE) || !defined(PUBLISH) ||             \
-    !defined(COLLECT) || !defined(ITERATION) || !defined(LAUNCH_RETRIES) || !defined(LAUNCH_RETRY_NS) ||          \
-    !defined(DONE_POLL_NS)
+// and writes the next one's inputs; its part SETTLE (publish; doorbells, collect) needs nothing from the step and
+// writes nothing it reads, so the resident loop runs it while the step runs (blink/device/scheduler.py).
+#if !defined(WINDOW) || !defined(STOP) || !defined(AGAIN) || !defined(PREPARE) || !defined(SETTLE) ||              \
+    !defined(ITERATION) || !defined(LAUNCH_RETRIES) || !defined(LAUNCH_RETRY_NS) || !defined(DONE_POLL_NS)
 #error "compile shim.cu through blink.device.image.compile_shim: it declares the records and defines the constants"
 #endif
 
@@ -103,8 +101,7 @@ extern "C" __global__ void blink_scheduler_window(long long *table, BlinkLaunch 
       if (threadIdx.x == 0) blink_window_end(launch, parity, cycles, timed);
       return;
     }
-    blink_iterate(table, PUBLISH);                     // the step runs meanwhile
-    int settled = blink_iterate(table, COLLECT);
+    int settled = blink_iterate(table, SETTLE);       // the step runs meanwhile
     if (threadIdx.x == 0 && outcome >= 0) {
       unsigned long long now;
       while ((now = *done) == seen) __nanosleep(DONE_POLL_NS);

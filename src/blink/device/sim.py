@@ -124,8 +124,8 @@ class SimScheduler:
         """One scheduler iteration, then the step it planned. Returns the bucket index, IDLE or STOP.
 
         ``part`` runs only some parts of it (``blink.device.state``), then the step if PREPARE planned one: PREPARE,
-        then PUBLISH and COLLECT is the resident GPU loop's order (there, the step runs beside the last two; they
-        write nothing it reads). COLLECT alone returns AGAIN or IDLE."""
+        then SETTLE is the resident GPU loop's order (there, the step runs beside SETTLE, which writes nothing it
+        reads). COLLECT or SETTLE alone returns AGAIN or IDLE."""
         # Host work (a simulated iteration, a model step on torch CPU) can outlast the agent's liveness timeout on a
         # loaded machine: ``in_step`` says the loop is inside it (nonzero), moves while it progresses (``progress``),
         # and its return to 0 at the end is itself a beat (blink.nic.liveness).

@@ -46,14 +46,15 @@ SCHED_DTYPE = _record("<i4", "running", "free_top", "rows", "bucket", "queued", 
                       "shutdown", "cancel_bell")
 
 # The parts of an iteration (scheduler.py), as flags; one call runs those it names in the order COLLECT, PREPARE,
-# PUBLISH. The GPU's resident loop calls PREPARE, launches the step, then calls PUBLISH and COLLECT (settle) while
-# it runs; the tail loop and the simulator call ITERATION, then run the step.
-PREPARE, PUBLISH, COLLECT = 1, 2, 4
+# PUBLISH, SETTLE. The GPU's resident loop calls PREPARE, launches the step, then calls SETTLE (PUBLISH then COLLECT
+# as one part, the doorbells read beside publish's fence) while it runs; the tail loop and the simulator call
+# ITERATION, then run the step.
+PREPARE, PUBLISH, COLLECT, SETTLE = 1, 2, 4, 8
 ITERATION = COLLECT | PREPARE | PUBLISH
 # What an iteration returns besides a bucket index.
 IDLE = -1       # nothing to run: back off, then iterate again
 STOP = -2       # shutdown done: do not relaunch
-AGAIN = -3      # COLLECT alone: the next iteration has work without a doorbell moving (requests queued, finished
+AGAIN = -3      # COLLECT or SETTLE: the next iteration has work without a doorbell moving (requests queued, finished
                 # requests to publish, a shutdown): iterate again without backing off
 
 # Scheduler configuration (s.cfg[0]).
