@@ -202,20 +202,18 @@ def chunks_once(s, sh, n):
 
 
 @cuda.jit(device=True)
-def count_smaller_buckets(s, sh, tokens):
-    """One thread per captured bucket counts it in ``COUNT.smaller_buckets`` if it is smaller than ``tokens``; after
-    a barrier, ``bucket_for`` reads the bucket to launch. The buckets ascend, so the count is the index of the smallest
-    one that holds the tokens: one load per thread, where walking them is a round trip per bucket (eleven to 64)."""
-    for k in range(cuda.threadIdx.x, s.cfg[0].n_buckets, cuda.blockDim.x):
-        if s.buckets[k] < tokens:
-            cuda.atomic.add(sh.counters, COUNT.smaller_buckets, 1)
-
-
-@cuda.jit(device=True)
-def bucket_for(s, sh):
-    """The smallest captured bucket that holds the tokens ``count_smaller_buckets`` counted for (the largest bucket
-    holds every step)."""
-    return min(sh.counters[COUNT.smaller_buckets], s.cfg[0].n_buckets - 1)
+def choose_bucket(s, sh, tokens):
+    """One thread per captured bucket: the one that is the smallest to hold ``tokens`` (the largest, if none does)
+    leaves its index in ``COUNT.bucket`` and its size in ``COUNT.bucket_tokens``, for after a barrier. The buckets
+    ascend, so each thread compares its own and the one below: one round trip, where walking them takes one per
+    bucket (eleven to 64 tokens)."""
+    n_buckets = s.cfg[0].n_buckets
+    for k in range(cuda.threadIdx.x, n_buckets, cuda.blockDim.x):
+        size = s.buckets[k]
+        below = s.buckets[max(k - 1, 0)]
+        if (size >= tokens or k == n_buckets - 1) and (k == 0 or below < tokens):
+            sh.counters[COUNT.bucket] = k
+            sh.counters[COUNT.bucket_tokens] = size
 
 
 @cuda.jit(device=True)
@@ -223,13 +221,13 @@ def decodes_in_place(s, sh, n):
     """The steady state's test, one pass: True when no drafts are proposed and every running sequence decodes (one
     token) in the row it had in the previous step (same slot and version, so the row's block-table entries are its
     pages up to ``row_pages``), and the pages the decodes lack fit (no preemption). Leaves what ``allocate_pages``
-    takes (``sh.slots``, ``sh.pages``: each sequence's missing pages, ``COUNT.need``) and counts the buckets for
-    ``n`` tokens. Every thread gets the block's answer."""
+    takes (``sh.slots``, ``sh.pages``: each sequence's missing pages, ``COUNT.need``) and the bucket for ``n`` tokens
+    (``choose_bucket``). Every thread gets the block's answer. Every word it tests is read before the barrier."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    if s.cfg[0].spec_tokens != 0:
-        return False                            # block-uniform: no barrier passed yet
-    count_smaller_buckets(s, sh, n)
+    drafting = s.cfg[0].spec_tokens != 0
+    free = free_total(s)
+    choose_bucket(s, sh, n)
     for i in range(tid, n, nt):
         slot = s.running[i]
         computed = s.seq_computed[slot]
@@ -243,22 +241,22 @@ def decodes_in_place(s, sh, n):
         if not (decodes and in_place):
             cuda.atomic.add(sh.counters, COUNT.moved, 1)
     cuda.syncthreads()
-    return sh.counters[COUNT.moved] == 0 and sh.counters[COUNT.need] <= free_total(s)
+    return not drafting and sh.counters[COUNT.moved] == 0 and sh.counters[COUNT.need] <= free
 
 
 @cuda.jit(device=True)
 def plan_decodes(s, sh, n):
     """Plan the steady state (``decodes_in_place``): the decodes' missing pages, then what ``plan_rows`` would write
-    for it, row i the one token of ``running[i]``, in one pass: no chunk, rank or token scans, each row's new
-    block-table entries (the pages it took since its last step) copied by its own thread. Returns the bucket."""
+    for it, row i the one token of ``running[i]`` (``sh.slots[i]``), in one pass: no chunk, rank or token scans, each
+    row's new block-table entries (the pages it took since its last step) copied by its own thread. Returns the
+    bucket."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     page = s.cfg[0].page_size
     if sh.counters[COUNT.need] != 0:
         allocate_pages(s, sh, sh.slots, sh.pages, n)
-    bucket = bucket_for(s, sh)
     for i in range(tid, n, nt):
-        slot = s.running[i]
+        slot = sh.slots[i]
         computed = s.seq_computed[slot]
         npages = s.seq_npages[slot]
         copied = s.row_pages[i]
@@ -281,8 +279,8 @@ def plan_decodes(s, sh, n):
         s.query_start_loc[n] = n
         s.attn_query_start_loc[n] = n
         s.num_seqs[0] = n
-    inputs.pad(s, n, n, s.buckets[bucket])
-    return bucket
+    inputs.pad(s, n, n, sh.counters[COUNT.bucket_tokens])
+    return sh.counters[COUNT.bucket]
 
 
 @cuda.jit(device=True)
@@ -321,16 +319,16 @@ def plan_rows(s, sh, n):
         n_tokens = exclusive_scan(sh.tokens, n, sh.partial)
     if n_tokens == 0:
         return n_rows, IDLE
-    count_smaller_buckets(s, sh, n_tokens)
-    inputs.write_rows(s, sh, n)                 # ends with a barrier: the bucket's count is in
-    bucket = bucket_for(s, sh)
+    choose_bucket(s, sh, n_tokens)
+    inputs.write_rows(s, sh, n)                 # ends with a barrier: the bucket is in
+    bucket = sh.counters[COUNT.bucket]
     if tid == 0:
         s.query_start_loc[n_rows] = n_tokens
         s.attn_query_start_loc[n_rows] = n_tokens
         s.num_seqs[0] = n_rows
     cuda.syncthreads()
     inputs.write_tables_and_tokens(s, sh, n_rows, n_tokens, all_decode)
-    inputs.pad(s, n_rows, n_tokens, s.buckets[bucket])
+    inputs.pad(s, n_rows, n_tokens, sh.counters[COUNT.bucket_tokens])
     return n_rows, bucket
 
 
@@ -351,10 +349,9 @@ def plan(s, sh):
         n_rows = n
         bucket = plan_decodes(s, sh, n)
     else:
-        cuda.syncthreads()                      # every thread has the test's answer: its counts may go
+        cuda.syncthreads()                      # every thread has the test's answer: its count may go
         if tid == 0:
             sh.counters[COUNT.need] = 0
-            sh.counters[COUNT.smaller_buckets] = 0
         cuda.syncthreads()
         n_rows, bucket = plan_rows(s, sh, n)
     if tid == 0:

@@ -273,7 +273,8 @@ class Counts(NamedTuple):
     decode_pages: int
     need: int
     moved: int
-    smaller_buckets: int
+    bucket: int
+    bucket_tokens: int
     copies: int
     chunked: int
     refused: int
