@@ -45,15 +45,14 @@ def token_at(s, slot, position):
     ``seq_computed`` on (the ones a plan feeds) come from the ring, ``seq_last`` and ``seq_draft``. ``lookup`` reads
     only decoding sequences (``seq_computed == seq_total - 1``): all it reads but the last token is history.
     """
-    computed = s.seq_computed[slot]
-    prompt_len = s.seq_prompt_len[slot]
-    total = s.seq_total[slot]
-    last = s.seq_last[slot]             # with the others: a decode's token (the common case) costs one round trip
-    if position < computed:
+    if position < s.seq_computed[slot]:
         page = s.cfg[0].page_size
         # Written by the step's kernels on other SMs: a resident scheduler must not read a stale L1 line (a cell
         # it read before the step wrote it, or a page's earlier owner's).
         return load_volatile(s.history_tokens, int64(s.seq_pages[slot, position // page]) * page + position % page)
+    prompt_len = s.seq_prompt_len[slot]
+    total = s.seq_total[slot]
+    last = s.seq_last[slot]             # with the two above: a decode's token (the common case) in one round trip
     if position < prompt_len:
         return s.prompts[slot, position]
     if position == total - 1:
