@@ -145,5 +145,7 @@ def cache_completed(s, sh, slots, done, n):
 def cache_step(s, sh):
     """After ``consume``, which left each row's slot in ``sh.slots`` and its tokens computed before the step in
     ``sh.tokens``: the pages the step filled become findable."""
-    if s.cfg[0].prefix_caching != 0 and sh.counters[COUNT.completed] != 0:
+    # Shared memory first: most steps complete no page, and then the configuration's word (a round trip after
+    # consume's barrier) is not read.
+    if sh.counters[COUNT.completed] != 0 and s.cfg[0].prefix_caching != 0:
         cache_completed(s, sh, sh.slots, sh.tokens, s.sched[0].rows)
