@@ -7,8 +7,8 @@ The iteration (``blink/device/scheduler.py``) is mostly memory latency in a row,
   ``fence_acq_rel_sys``: ``fence.acq_rel.sys``, the lighter fence a release pattern (data, fence, flag) needs;
   ``fence_sc_gpu``: ``__threadfence()`` after a device-memory store, as the loop issues it before a launch.
 - ``pcie_load``: one ``ld.global.cv`` of a word in host memory (a doorbell), per load of a dependent chain;
-  ``pcie_loads_one_thread``: three by one thread, used only after all are issued; ``pcie_loads_three_warps``: one each by threads 0, 32 and 64, then a
-  barrier (``doorbells.py``).
+  ``pcie_loads_one_thread``: three by one thread, used only after all are issued; ``pcie_loads_three_warps``: one
+  each by threads 0, 32 and 64, then a barrier (``doorbells.py``).
 - ``scan_words``: 256 threads × 8 coalesced 4-byte ``ld.global.cv`` of host memory (2,048 state words) and a
   barrier, as ``waiting.collect`` reads the state column; ``scan_quads``: the same words as 16-byte loads (2 per
   thread).

@@ -204,8 +204,9 @@ def make_iterate(policy):
 
     ``iterate(s, part)`` runs the parts of an iteration that ``part`` names (flags, run in this order): COLLECT
     (settle's second half; returns AGAIN or IDLE), PREPARE (returns the bucket to launch, IDLE or STOP), PUBLISH
-    (settle's first half), SETTLE (both halves as one: AGAIN or IDLE); with PREPARE, it returns prepare's outcome. ``s`` is the ``SchedulerArrays``: the arrays
-    themselves (the simulator), or the GPU image's table of their addresses (``array_table.py``).
+    (settle's first half), SETTLE (both halves as one: AGAIN or IDLE); with PREPARE, it returns prepare's outcome.
+    ``s`` is the ``SchedulerArrays``: the arrays themselves (the simulator), or the GPU image's table of their
+    addresses (``array_table.py``).
     """
 
     @cuda.jit(device=True)
