@@ -17,9 +17,7 @@ and the smallest captured bucket that holds the tokens is chosen.
 """
 from __future__ import annotations
 
-from numba import int64
-
-from blink.device import inputs, prefix, sampling, speculation
+from blink.device import inputs, prefix, speculation
 from blink.device.block import exclusive_scan
 from blink.device.kv import allocate_pages, free_sequences, free_total, pages_for, pages_short
 from blink.device.numba_compat import cuda
@@ -202,32 +200,17 @@ def chunks_once(s, sh, n):
 
 
 @cuda.jit(device=True)
-def choose_bucket(s, sh, tokens):
-    """One thread per captured bucket: the one that is the smallest to hold ``tokens`` (the largest, if none does)
-    leaves its index in ``COUNT.bucket`` and its size in ``COUNT.bucket_tokens``, for after a barrier. The buckets
-    ascend, so each thread compares its own and the one below: one round trip, where walking them takes one per
-    bucket (eleven to 64 tokens)."""
-    n_buckets = s.cfg[0].n_buckets
-    for k in range(cuda.threadIdx.x, n_buckets, cuda.blockDim.x):
-        size = s.buckets[k]
-        below = s.buckets[max(k - 1, 0)]
-        if (size >= tokens or k == n_buckets - 1) and (k == 0 or below < tokens):
-            sh.counters[COUNT.bucket] = k
-            sh.counters[COUNT.bucket_tokens] = size
-
-
-@cuda.jit(device=True)
 def decodes_in_place(s, sh, n):
     """The steady state's test, one pass: True when no drafts are proposed and every running sequence decodes (one
     token) in the row it had in the previous step (same slot and version, so the row's block-table entries are its
     pages up to ``row_pages``), and the pages the decodes lack fit (no preemption). Leaves what ``allocate_pages``
     takes (``sh.slots``, ``sh.pages``: each sequence's missing pages, ``COUNT.need``) and the bucket for ``n`` tokens
-    (``choose_bucket``). Every thread gets the block's answer. Every word it tests is read before the barrier."""
+    (``inputs.choose_bucket``). Every thread gets the block's answer. Every word it tests is read before the barrier."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     drafting = s.cfg[0].spec_tokens != 0
     free = free_total(s)
-    choose_bucket(s, sh, n)
+    inputs.choose_bucket(s, sh, n)
     for i in range(tid, n, nt):
         slot = s.running[i]
         computed = s.seq_computed[slot]
@@ -246,40 +229,11 @@ def decodes_in_place(s, sh, n):
 
 @cuda.jit(device=True)
 def plan_decodes(s, sh, n):
-    """Plan the steady state (``decodes_in_place``): the decodes' missing pages, then what ``plan_rows`` would write
-    for it, row i the one token of ``running[i]`` (``sh.slots[i]``), in one pass: no chunk, rank or token scans, each
-    row's new block-table entries (the pages it took since its last step) copied by its own thread. Returns the
-    bucket."""
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    page = s.cfg[0].page_size
+    """Plan the steady state (``decodes_in_place``): the decodes' missing pages, then their rows in one pass
+    (``inputs.write_decodes``). Returns the bucket."""
     if sh.counters[COUNT.need] != 0:
         allocate_pages(s, sh, sh.slots, sh.pages, n)
-    for i in range(tid, n, nt):
-        slot = sh.slots[i]
-        computed = s.seq_computed[slot]
-        npages = s.seq_npages[slot]
-        copied = s.row_pages[i]
-        token = speculation.token_at(s, slot, computed)
-        held = s.seq_pages[slot, computed // page]
-        sampling.write_sampling(s, i, slot, True)
-        for j in range(copied, npages):
-            s.block_tables[i, j] = s.seq_pages[slot, j]
-        s.query_start_loc[i] = i
-        s.attn_query_start_loc[i] = i
-        s.seq_lens[i] = computed + 1
-        s.attn_seq_lens[i] = computed + 1
-        s.logits_indices[i] = i
-        s.row_pages[i] = npages
-        s.row_draft[i] = 0
-        s.token_ids[i] = token
-        s.positions[i] = computed
-        s.slot_mapping[i] = int64(held) * page + computed % page
-    if tid == 0:
-        s.query_start_loc[n] = n
-        s.attn_query_start_loc[n] = n
-        s.num_seqs[0] = n
-    inputs.pad(s, n, n, sh.counters[COUNT.bucket_tokens])
+    inputs.write_decodes(s, sh, n)
     return sh.counters[COUNT.bucket]
 
 
@@ -319,7 +273,7 @@ def plan_rows(s, sh, n):
         n_tokens = exclusive_scan(sh.tokens, n, sh.partial)
     if n_tokens == 0:
         return n_rows, IDLE
-    choose_bucket(s, sh, n_tokens)
+    inputs.choose_bucket(s, sh, n_tokens)
     inputs.write_rows(s, sh, n)                 # ends with a barrier: the bucket is in
     bucket = sh.counters[COUNT.bucket]
     if tid == 0:

@@ -1,6 +1,7 @@
 """The step's inputs written from a plan (device functions, whole block): ``batcher.plan`` decides each running
 sequence's chunk and drafts; these write ``step.py``'s buffers for it, row by row (``write_rows``), then block-table
-deltas, token ids, positions and KV slots (``write_tables_and_tokens``), and padding up to the bucket (``pad``)."""
+deltas, token ids, positions and KV slots (``write_tables_and_tokens``), and padding up to the bucket (``pad``); the
+steady state's rows in one pass (``write_decodes``); the bucket (``choose_bucket``)."""
 from __future__ import annotations
 
 from numba import int64
@@ -105,3 +106,54 @@ def pad(s, n_rows, n_tokens, bucket_tokens):
         s.attn_seq_lens[r] = 0
         s.logits_indices[r] = -1
     cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def choose_bucket(s, sh, tokens):
+    """One thread per captured bucket: the one that is the smallest to hold ``tokens`` (the largest, if none does)
+    leaves its index in ``COUNT.bucket`` and its size in ``COUNT.bucket_tokens``, for after a barrier. The buckets
+    ascend, so each thread compares its own and the one below: one round trip, where walking them takes one per
+    bucket (eleven to 64 tokens)."""
+    n_buckets = s.cfg[0].n_buckets
+    for k in range(cuda.threadIdx.x, n_buckets, cuda.blockDim.x):
+        size = s.buckets[k]
+        below = s.buckets[max(k - 1, 0)]
+        if (size >= tokens or k == n_buckets - 1) and (k == 0 or below < tokens):
+            sh.counters[COUNT.bucket] = k
+            sh.counters[COUNT.bucket_tokens] = size
+
+
+@cuda.jit(device=True)
+def write_decodes(s, sh, n):
+    """The steady state's inputs (``batcher.decodes_in_place``), what ``write_rows``, ``write_tables_and_tokens``
+    and ``pad`` write for it, in one pass: row i is the one token of ``running[i]`` (``sh.slots[i]``), its new
+    block-table entries (the pages it took since its last step) copied by its own thread; padded to the bucket
+    ``choose_bucket`` left."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    page = s.cfg[0].page_size
+    for i in range(tid, n, nt):
+        slot = sh.slots[i]
+        computed = s.seq_computed[slot]
+        npages = s.seq_npages[slot]
+        copied = s.row_pages[i]
+        token = speculation.token_at(s, slot, computed)
+        held = s.seq_pages[slot, computed // page]
+        sampling.write_sampling(s, i, slot, True)
+        for j in range(copied, npages):
+            s.block_tables[i, j] = s.seq_pages[slot, j]
+        s.query_start_loc[i] = i
+        s.attn_query_start_loc[i] = i
+        s.seq_lens[i] = computed + 1
+        s.attn_seq_lens[i] = computed + 1
+        s.logits_indices[i] = i
+        s.row_pages[i] = npages
+        s.row_draft[i] = 0
+        s.token_ids[i] = token
+        s.positions[i] = computed
+        s.slot_mapping[i] = int64(held) * page + computed % page
+    if tid == 0:
+        s.query_start_loc[n] = n
+        s.attn_query_start_loc[n] = n
+        s.num_seqs[0] = n
+    pad(s, n, n, sh.counters[COUNT.bucket_tokens])
