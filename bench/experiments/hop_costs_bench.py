@@ -18,15 +18,14 @@ The iteration (``blink/device/scheduler.py``) is mostly memory latency in a row,
 Thread 0 times each with ``clock64`` over ``REPS`` repetitions; medians, in cycles and in ns (the SM clock measured
 against ``%globaltimer`` over the same kernel).
 
-Run: ``PYTHONPATH=src python3 -m bench.experiments.hop_costs_bench [--out hop_costs_bench.json]`` (``$OUT/...`` when
-set), or ``bash bench/gpu_suite.sh experiment:hop_costs_bench``.
+Run: ``PYTHONPATH=src python3 -m bench.experiments.hop_costs_bench [--out hop_costs_bench.json]``, or ``bash
+bench/gpu_suite.sh experiment:hop_costs_bench``.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import json
-import os
 import statistics
 
 import numpy as np
@@ -216,7 +215,7 @@ def run() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "hop_costs_bench.json"))
+    parser.add_argument("--out", default="hop_costs_bench.json")
     args = parser.parse_args()
     result = run()
     print(f"SM clock {result['sm_mhz']:.0f} MHz (clock64 against %globaltimer); medians of {REPS}")
