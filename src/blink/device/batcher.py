@@ -201,14 +201,13 @@ def chunks_once(s, sh, n):
 
 @cuda.jit(device=True)
 def decodes_in_place(s, sh, n):
-    """The steady state's test, one pass: True when no drafts are proposed and every running sequence decodes (one
-    token) in the row it had in the previous step (same slot and version, so the row's block-table entries are its
+    """The steady state's test, one pass (``plan`` asks only when no drafts can be proposed): True when every running
+    sequence decodes (one token) in the row it had in the previous step (same slot and version, so the row's block-table entries are its
     pages up to ``row_pages``), and the pages the decodes lack fit (no preemption). Leaves what ``allocate_pages``
     takes (``sh.slots``, ``sh.pages``: each sequence's missing pages, ``COUNT.need``) and the bucket for ``n`` tokens
     (``inputs.choose_bucket``). Every thread gets the block's answer. Every word it tests is read before the barrier."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    drafting = s.cfg[0].spec_tokens != 0
     free = free_total(s)
     inputs.choose_bucket(s, sh, n)
     for i in range(tid, n, nt):
@@ -224,7 +223,7 @@ def decodes_in_place(s, sh, n):
         if not (decodes and in_place):
             cuda.atomic.add(sh.counters, COUNT.moved, 1)
     cuda.syncthreads()
-    return not drafting and sh.counters[COUNT.moved] == 0 and sh.counters[COUNT.need] <= free
+    return sh.counters[COUNT.moved] == 0 and sh.counters[COUNT.need] <= free
 
 
 @cuda.jit(device=True)
@@ -299,14 +298,18 @@ def plan(s, sh):
             s.sched[0].bucket = IDLE
         cuda.syncthreads()
         return IDLE
-    if decodes_in_place(s, sh, n):
+    steady = False
+    if s.cfg[0].spec_tokens == 0:               # with drafts a plan is never the steady state: no test to pay for
+        steady = decodes_in_place(s, sh, n)
+        if not steady:
+            cuda.syncthreads()                  # every thread has the test's answer: its count may go
+            if tid == 0:
+                sh.counters[COUNT.need] = 0
+            cuda.syncthreads()
+    if steady:
         n_rows = n
         bucket = plan_decodes(s, sh, n)
     else:
-        cuda.syncthreads()                      # every thread has the test's answer: its count may go
-        if tid == 0:
-            sh.counters[COUNT.need] = 0
-        cuda.syncthreads()
         n_rows, bucket = plan_rows(s, sh, n)
     if tid == 0:
         s.sched[0].rows = n_rows
