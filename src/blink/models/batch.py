@@ -87,8 +87,10 @@ def fill_step(buf, chunks: Sequence[SeqChunk], page_size: int) -> int:
 def chunk_drafts(buf, groups: list[tuple[int, int]]) -> None:
     """Attention's view of each group ``(first, end)`` of rows that ``fill_step`` wrote as one sequence's last token
     and its drafts, one token a row: one chunk in row ``first``, rows ``first + 1 .. end - 1`` empty (``step.py``),
-    as the scheduler writes it on the device (``device/inputs.py``)."""
+    as the scheduler writes it on the device (``device/inputs.py``). Row ``first`` takes the last row's block table:
+    the chunk reads the drafts' pages, and on the device every row of a sequence holds all of its pages."""
     for first, end in groups:
+        buf.block_tables[first] = buf.block_tables[end - 1]
         buf.attn_seq_lens[first] = buf.seq_lens[end - 1]
         buf.attn_query_start_loc[first + 1:end] = buf.query_start_loc[end]
         buf.attn_seq_lens[first + 1:end] = 0
