@@ -123,7 +123,7 @@ def bench_case(case: Case, bw: float, flops: float, reps: int, sweep: bool) -> d
                                DIM ** -0.5)
     hbm, flop = floors_ms(case, bw, flops)
     floor_us = max(hbm, flop) * 1e3
-    default = {**run(case, data, reps, want), **asdict(tiles_for(case.tokens, LAYOUT, HEADS // KV_HEADS))}
+    default = {**run(case, data, reps, want), **asdict(tiles_for(case.tokens, LAYOUT.max_num_seqs))}
     row = dict(case=case.name, seqs=case.seqs, q_len=case.q_len, prefix=case.prefix, floor_us=floor_us,
                hbm_floor_us=hbm * 1e3, flop_floor_us=flop * 1e3, default=default, sweep=[],
                sdpa_us=sdpa_us(case, reps) if case.prefix == 0 and not case.decode else None)

@@ -58,8 +58,7 @@ MODELS["qwen3-8b"] = BENCH_SHAPES["qwen3-8b"]
 PAGE = 16
 LAYOUT = StepLayout(max_num_batched_tokens=2048, max_num_seqs=256, max_pages_per_seq=8192 // PAGE)
 # The steps verifying drafts (--drafts): 64 sequences verifying 4 each take 320 rows. Their own buffers, so that the
-# other steps keep LAYOUT's (a 2048-token prefill samples max_num_seqs rows), with the drafts in their layout as a
-# server with --speculative-config has them (attention's blocks hold a verifying sequence's chunk).
+# other steps keep LAYOUT's (a 2048-token prefill samples max_num_seqs rows).
 DRAFTS_LAYOUT = replace(LAYOUT, max_num_seqs=512)
 # The decode steps of the full table: (batch, context, bucket), each batch in a graph of its own size; ctx 256 is what
 # serving's short chats see, where a small model's step is furthest above its floor.
@@ -204,7 +203,7 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
     print(f"{name}: allocated {(torch.cuda.memory_allocated() - before) / GIB:.2f} GiB for the model (plan: "
           f"{plan.weight_bytes / GIB:.2f} GiB of weights)", flush=True)
     buf = StepBuffers(LAYOUT, "cuda")
-    drafts_buf = StepBuffers(replace(DRAFTS_LAYOUT, num_speculative_tokens=drafts), "cuda") if drafts else None
+    drafts_buf = StepBuffers(DRAFTS_LAYOUT, "cuda") if drafts else None
     num_pages = min(int(kv_gib * GIB // plan.kv_page_bytes), plan.num_pages)
     kv = model.allocate_kv_cache(num_pages, PAGE)
     kv.normal_()

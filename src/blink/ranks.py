@@ -54,10 +54,10 @@ class Setup:
     max_pages_per_seq: int
     max_logit_bias: int
     max_top_logprobs: int
-    num_speculative_tokens: int
 
     def layout(self) -> StepLayout:
-        return StepLayout(*astuple(self)[2:])
+        return StepLayout(self.max_num_batched_tokens, self.max_num_seqs, self.max_pages_per_seq,
+                          self.max_logit_bias, self.max_top_logprobs)
 
 
 @dataclass(frozen=True)

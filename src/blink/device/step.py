@@ -22,8 +22,8 @@ Invariants the batcher guarantees (and the model may rely on):
   ``query_start_loc`` and ``seq_lens`` but where rows ``i .. i + k`` are one sequence's last token and its ``k``
   speculative drafts, one token each (``device/speculation.py``): there row ``i`` attends as one chunk of all ``k + 1``
   tokens (``attn_seq_lens[i] = seq_lens[i + k]``, its block table valid that far) and rows ``i + 1 .. i + k`` are
-  empty (their start is the chunk's end, their length 0). Each token sees the same keys either way (its own position and before); as a chunk the
-  sequence's K/V are read once instead of ``k + 1`` times.
+  empty (their start is the chunk's end, their length 0). Each token sees the same keys either way (its own position
+  and before); as a chunk the sequence's K/V are read once instead of ``k + 1`` times.
 - ``logits_indices[i]`` is the token row whose logits sequence ``i`` samples from (its last query token), or -1 when
   the row samples nothing this step (an empty row, or a prefill chunk that does not reach the end of the prompt).
 - Sampling parameters are per sequence row. ``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1``
@@ -57,25 +57,19 @@ N_PENALTIES = 3     # presence, frequency, repetition: one f32 each per row
 @dataclass(frozen=True)
 class StepLayout:
     """Sizes of the step buffers. ``max_num_batched_tokens`` is the largest token bucket that is captured;
-    ``max_logit_bias`` and ``max_top_logprobs`` are the ring's (``RingGeometry``); ``num_speculative_tokens`` is the
-    most drafts a sequence verifies in one step (``SpeculativeConfig``; 0: none), so the longest chunk a decoding
-    sequence's attention reads at once is ``num_speculative_tokens + 1`` tokens."""
+    ``max_logit_bias`` and ``max_top_logprobs`` are the ring's (``RingGeometry``)."""
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_pages_per_seq: int = 512
     max_logit_bias: int = RingGeometry.max_logit_bias
     max_top_logprobs: int = RingGeometry.max_top_logprobs
-    num_speculative_tokens: int = 0
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_pages_per_seq"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"StepLayout.{name} must be a positive int (got {value!r})")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
-            raise ValueError(f"StepLayout.num_speculative_tokens must be an int >= 0 (got "
-                             f"{self.num_speculative_tokens!r})")
         for name in ("max_logit_bias", "max_top_logprobs"):
             RingGeometry.check(name, getattr(self, name), "StepLayout")
 

@@ -175,21 +175,16 @@ class Tiles:
         check_tiles(self)
 
 
-def tiles_for(num_tokens: int, layout, group: int) -> Tiles:
+def tiles_for(num_tokens: int, max_num_seqs: int) -> Tiles:
     """Decode-sized buckets take 16-row blocks (a decode has one query token) and 3 pipeline stages; prefill buckets
     64-row blocks and 2 stages; both 64 keys per iteration and 4 warps. From ``bench/attention_bench.py --sweep`` on
     the H200 (c160fdc, Llama-3-8B's heads): 2 stages instead of 3 took a 2048-token prompt from 134.5 to 122.4 us per
     layer and a 512-token chunk on a 1536-token prefix from 58.5 to 55.7 us (128-row blocks of 32 keys: the prompt in
     115 us, the chunk in 98 us); for decodes 2 stages gained <= 0.6 us in the sweep but Llama-3-8B's B=16 8K decode
-    step took 10.5 ms against 9.2 with 3.
-
-    With speculation (``layout.num_speculative_tokens`` = k) a block holds at least the k + 1 tokens of a verifying
-    sequence's chunk times its GQA ``group`` (padded to powers of two): a chunk split over two blocks would read the
-    sequence's K/V twice."""
-    chunk_rows = triton.next_power_of_2(layout.num_speculative_tokens + 1) * triton.next_power_of_2(group)
-    if num_tokens <= layout.max_num_seqs:
-        return Tiles(query_rows=max(16, chunk_rows), num_stages=3)
-    return Tiles(query_rows=max(64, chunk_rows))
+    step took 10.5 ms against 9.2 with 3."""
+    if num_tokens <= max_num_seqs:
+        return Tiles(query_rows=16, num_stages=3)
+    return Tiles(query_rows=64)
 
 
 @dataclass(frozen=True)
@@ -217,7 +212,7 @@ def attention_plan(buf, num_tokens: int, num_heads: int, num_kv_heads: int, head
     ``tiles`` to ``tiles_for`` the bucket."""
     device = buf.token_ids.device
     seqs = buf.layout.sample_rows(num_tokens)
-    tiles = tiles or tiles_for(num_tokens, buf.layout, num_heads // num_kv_heads)
+    tiles = tiles or tiles_for(num_tokens, buf.layout.max_num_seqs)
     block_q = max(1, tiles.query_rows // triton.next_power_of_2(num_heads // num_kv_heads))
     if num_splits is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
