@@ -47,15 +47,16 @@ python -c "import outlines_core" 2>/dev/null || python -m pip install -q --no-in
 status=0
 IFS=';' read -ra runs <<< "${RUNS:-:}"
 
-# `bench_runs LABEL URL PROMPTS`: `blink bench serve` for every run of RUNS against the server at URL.
+# `bench_runs LABEL URL PROMPTS PID`: `blink bench serve` for every run of RUNS against the server at URL, its CPU time
+# that of process PID and its descendants (vLLM's /metrics counts its API server alone, not its engine core).
 bench_runs() {
-  local label=$1 url=$2 prompts=$3 run suffix
+  local label=$1 url=$2 prompts=$3 pid=$4 run suffix
   for run in "${runs[@]}"; do
     suffix=${run%%:*}
     suffix=${suffix:+_$suffix}
     python -m blink.cli bench serve --label "$label" --base-url "$url" --tokenizer "$model" --num-prompts "$prompts" \
       --sweep "$RATES" --ignore-eos --interference "$HOGS" --num-warmups "$WARMUPS" $BENCH_ARGS ${run#*:} \
-      --client-priority "$CLIENT_PRIORITY" --result-json "$OUT/serving_$label$suffix.json" 2>&1 \
+      --client-priority "$CLIENT_PRIORITY" --server-pid "$pid" --result-json "$OUT/serving_$label$suffix.json" 2>&1 \
       | tee "$OUT/serving_$label$suffix.log" || status=1
   done
 }
@@ -67,7 +68,7 @@ if [ "$PROMPTS" -gt 0 ]; then
     > "$OUT/serving_server.log" 2>&1 &
   server=$!
   python -m bench.wait_healthy "$PORT" "$server" "$OUT/serving_server.log" || status=1
-  [ $status -eq 0 ] && bench_runs blink "http://127.0.0.1:$PORT" "$PROMPTS"
+  [ $status -eq 0 ] && bench_runs blink "http://127.0.0.1:$PORT" "$PROMPTS" "$server"
   kill -INT $server; wait $server
 fi
 
@@ -76,7 +77,7 @@ fi
 if [ "$VLLM_PROMPTS" -gt 0 ]; then
   if PORT=$((PORT + 1)) LOG="$OUT/serving_vllm_server.log" \
       bash bench/peers/vllm_gpu.sh serve "$model"; then
-    bench_runs vllm "http://127.0.0.1:$((PORT + 1))" "$VLLM_PROMPTS"
+    bench_runs vllm "http://127.0.0.1:$((PORT + 1))" "$VLLM_PROMPTS" "$(bash bench/peers/vllm_gpu.sh pid)"
   else
     status=1
   fi

@@ -10,6 +10,8 @@
 #                                                limits, in the background; wait until /health answers (its pid in
 #                                                $PEERS/vllm_server.pid)
 #   bash bench/peers/vllm_gpu.sh stop            stop that server (SIGINT, then SIGKILL after 30 s)
+#   bash bench/peers/vllm_gpu.sh pid             print that server's pid (its engine core and API servers are its
+#                                                descendants: `blink bench serve --server-pid` meters their CPU)
 # Environment (defaults): PEERS=$HOME/blink-peers PORT=8400 MAX_MODEL_LEN=4096 MAX_NUM_SEQS=256
 #   GPU_MEMORY_UTILIZATION=0.9 API_SERVERS=4 (vLLM's front-end processes, --api-server-count: its best setting on
 #   the H200, issue 43; 1 for its default) VLLM_ARGS="" (more `vllm serve` options, e.g. --no-enable-prefix-caching) and LOG
@@ -79,5 +81,6 @@ case "${1:-}" in
   install) install ;;
   serve) serve "${2:-}" ;;
   stop) stop ;;
-  *) echo "usage: bash bench/peers/vllm_gpu.sh stage DIR | install | serve MODEL_DIR | stop" >&2; exit 2 ;;
+  pid) cat "$PEERS/vllm_server.pid" ;;
+  *) echo "usage: bash bench/peers/vllm_gpu.sh stage DIR | install | serve MODEL_DIR | stop | pid" >&2; exit 2 ;;
 esac

@@ -14,8 +14,10 @@ import aiohttp
 
 from blink.bench.datasets import SampleRequest
 from blink.bench.metrics import RequestOutput
+from blink.bench.process_cpu import tree_cpu_seconds
 
-# The server's CPU time so far: prometheus_client's process collector (blink's agent and vLLM's API server have it).
+# The server's CPU time so far: prometheus_client's process collector (blink's agent and vLLM's API server have it),
+# or the server's processes' (``OpenAIClient``'s ``server_pid``).
 CPU_COUNTER = "process_cpu_seconds_total"
 # blink's own time to first token: from a request's submission to the ring to its first token (the histogram's total
 # and count), the part of the client's TTFT that the HTTP path and the client do not add to.
@@ -128,12 +130,14 @@ def agent_pauses(server: dict | None) -> str | None:
 
 class OpenAIClient:
     """``async with OpenAIClient(base_url) as client: await client.send(request)``. ``model=None`` asks the server
-    (the first entry of ``GET /v1/models``, as vLLM does)."""
+    (the first entry of ``GET /v1/models``, as vLLM does). With ``server_pid`` the server's CPU time
+    (``CPU_COUNTER``) is that process's and its descendants' (``process_cpu``), not what its /metrics says."""
 
     def __init__(self, base_url: str, model: str | None = None, ignore_eos: bool = False,
-                 response_format: dict | None = None):
+                 response_format: dict | None = None, server_pid: int | None = None):
         self.base_url = base_url.rstrip("/")
         self.model, self.ignore_eos, self.response_format = model, ignore_eos, response_format
+        self.server_pid = server_pid
         self.session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self):
@@ -164,13 +168,17 @@ class OpenAIClient:
         return {"base_url": self.base_url, "model": self.model, "response_format": self.response_format}
 
     async def server_counters(self) -> dict[str, float] | None:
-        """The ``SERVER_COUNTERS`` on the server's /metrics now; None if it has none of them (or no /metrics)."""
+        """The ``SERVER_COUNTERS`` on the server's /metrics now, ``CPU_COUNTER`` from its processes with
+        ``server_pid``; None if it has none of them (or no /metrics, and no ``server_pid``)."""
         try:
             async with self.session.get(f"{self.base_url}/metrics") as response:
                 text = await response.text() if response.status == 200 else ""
         except aiohttp.ClientError:
-            return None
-        return parse_counters(text) or None
+            text = ""
+        counters = parse_counters(text)
+        if self.server_pid is not None:
+            counters[CPU_COUNTER] = tree_cpu_seconds(self.server_pid)
+        return counters or None
 
     def payload(self, request: SampleRequest) -> dict:
         body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.output_len, "temperature": 0.0,

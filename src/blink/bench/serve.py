@@ -6,10 +6,10 @@ OpenAI-compatible server (``--backend openai``, ``client``) or transformers' con
 ``--interference N`` the whole sweep runs twice: isolated, then colocated with N hog processes (``interference``),
 placed by ``--reserve-cpus`` / ``--client-cpus`` / ``--client-priority`` (``placement``: the three layouts). GPU
 energy is metered per run (``energy``), and so is the server's CPU time per 1,000 output tokens (its /metrics
-``process_cpu_seconds_total``; for the peer, this process's). Before the sweep one request goes through alone (a
-failure stops the benchmark there, naming the error), then, before each condition's sweep (after the hogs have
-started), ``--num-warmups`` requests at once (up to ``--max-concurrency`` in flight), not measured, so that no sweep
-measures a cold server or opens connections the other reused. Writes one
+``process_cpu_seconds_total``, or with ``--server-pid`` its processes' from /proc; for the peer, this process's).
+Before the sweep one request goes through alone (a failure stops the benchmark there, naming the error), then, before
+each condition's sweep (after the hogs have started), ``--num-warmups`` requests at once (up to ``--max-concurrency``
+in flight), not measured, so that no sweep measures a cold server or opens connections the other reused. Writes one
 JSON (``--result-json``: the options, then a record per run, with the server's own counters over the run where it
 has them: prefill tokens, prefix-cache hits) and PNGs (``--plot-dir``); exits 1 if any request failed.
 """
@@ -77,6 +77,10 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="dataset and arrival times")
     p.add_argument("--json-schema", default=None, metavar="FILE", help="openai: every request's answer follows the "
                    "JSON schema in FILE (response_format json_schema; needs --no-ignore-eos)")
+    p.add_argument("--server-pid", type=int, default=None, metavar="PID",
+                   help="openai: meter the server's CPU time as process PID's and its descendants' (from /proc, on "
+                        "this host) instead of its /metrics process_cpu_seconds_total, which counts one process "
+                        "(blink: its agent processes; vLLM: its API server, not its engine core)")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO (vLLM: --goodput ttft:MS)")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO (vLLM: --goodput tpot:MS)")
     p.add_argument("--interference", type=int, default=0, metavar="N",
@@ -176,7 +180,7 @@ def make_backend(args, requests):
     schema = None if args.json_schema is None else json.loads(Path(args.json_schema).read_text())
     response_format = None if schema is None else {"type": "json_schema",
                                                    "json_schema": {"name": "answer", "schema": schema}}
-    return OpenAIClient(args.base_url, args.model, args.ignore_eos, response_format)
+    return OpenAIClient(args.base_url, args.model, args.ignore_eos, response_format, args.server_pid)
 
 
 async def benchmark(backend, requests: list, args, save, hog_cpus) -> list[dict]:
