@@ -1,6 +1,6 @@
-"""The CPU time of a server as all of its processes spend it, read from ``/proc``: a server's /metrics may count one
-process only (vLLM's ``process_cpu_seconds_total`` is its API server's, not its engine core's, where its scheduler
-and structured-output masks run; blink's counts its agent processes, not the engine)."""
+"""CPU time per token: a server's as all of its processes spend it, read from ``/proc`` (its /metrics may count one
+process only: vLLM's ``process_cpu_seconds_total`` is its API server's, not its engine core's, where its scheduler
+and structured-output masks run; blink's counts its agent processes, not the engine), and per 1,000 output tokens."""
 from __future__ import annotations
 
 import os
@@ -40,3 +40,11 @@ def tree_cpu_seconds(pid: int) -> float:
         ticks += sum(int(t) for t in fields[process][TIMES])
         tree += children.get(process, [])
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_1k_tokens(server_s: float | None, client_s: float, tokens: int) -> dict:
+    """CPU seconds of the server over a run (None where it does not say) and of this process, per 1,000 output
+    tokens, in ms."""
+    per_1k = (lambda seconds: seconds / tokens * 1e6) if tokens else (lambda seconds: None)
+    return {"server_cpu_s": server_s, "server_cpu_ms_per_1k_tokens": None if server_s is None else per_1k(server_s),
+            "client_cpu_ms_per_1k_tokens": per_1k(client_s)}

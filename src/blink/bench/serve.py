@@ -188,6 +188,7 @@ async def benchmark(backend, requests: list, args, save, hog_cpus) -> list[dict]
     far, backend info)`` after each run, so a benchmark cut short keeps what it measured. Returns the run records."""
     from blink.bench import metrics
     from blink.bench.energy import EnergyMeter
+    from blink.bench.process_cpu import cpu_per_1k_tokens
     from blink.bench.client import (CPU_COUNTER, SERVER_HTTP_TTFT, SERVER_TTFT, histogram_mean_ms,
                                     tokens_per_step)
     from blink.bench.traffic import arrival_times, send_all
@@ -242,14 +243,6 @@ async def warm_up(backend, requests: list, args) -> None:
     failed = [o.error for o in outputs if not o.success]
     if failed:
         raise ValueError(f"{len(failed)} of {len(warm)} warm-up requests failed; the first: {failed[0]}")
-
-
-def cpu_per_1k_tokens(server_s: float | None, client_s: float, tokens: int) -> dict:
-    """CPU seconds of the server over a run (None where it does not say) and of this process, per 1,000 output
-    tokens, in ms."""
-    per_1k = (lambda seconds: seconds / tokens * 1e6) if tokens else (lambda seconds: None)
-    return {"server_cpu_s": server_s, "server_cpu_ms_per_1k_tokens": None if server_s is None else per_1k(server_s),
-            "client_cpu_ms_per_1k_tokens": per_1k(client_s)}
 
 
 def serve(args) -> int:
