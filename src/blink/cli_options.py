@@ -69,8 +69,9 @@ def engine_options(parser, slots: int) -> None:
                         default=s.enable_prefix_caching, help="reuse the KV pages of shared prompt prefixes")
     parser.add_argument("--speculative-config", type=SpeculativeConfig.from_json, default=None, metavar="JSON",
                         help="speculative decoding, vLLM's fields: '{\"method\": \"ngram\", "
-                             "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' "
-                             "(docs/scheduler.md, \"Speculative decoding\"); off by default")
+                             "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5, "
+                             "\"disable_by_batch_size\": 32}' (docs/scheduler.md, \"Speculative decoding\"); off by "
+                             "default")
     parser.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                         help="split the model over this many processes (the CPU only, so far)")
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory options)")

@@ -83,11 +83,14 @@ def test_resolve_fills_in_only_what_was_left_to_the_engine():
 def test_speculative_config_takes_vllms_fields_and_names_a_bad_one():
     from blink.device.config import SpeculativeConfig
 
-    given = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
-    assert given == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4)
+    given = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+                                        '"disable_by_batch_size": 32}')
+    assert given == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4, disable_by_batch_size=32)
     for text, match in [('{"method": "eagle"}', "SpeculativeConfig.method must be one of"),
                         ('{"num_speculative_tokens": 0}', "SpeculativeConfig.num_speculative_tokens must be"),
                         ('{"prompt_lookup_min": 4, "prompt_lookup_max": 3}', "SpeculativeConfig.prompt_lookup_max"),
+                        ('{"disable_by_batch_size": 1}', r"SpeculativeConfig.disable_by_batch_size must be None or an "
+                                                         r"int >= 2"),
                         ('{"draft_model": "x"}', r"unknown field\(s\) \['draft_model'\]"),
                         ("[4]", "must be a JSON object"), ("{", "must be a JSON object")]:
         with pytest.raises(ValueError, match=match):

@@ -8,6 +8,8 @@ token prefix each pool cell holds the K/V of) checks that every step reads, thro
 K/V of its own tokens: no page is freed, evicted or overwritten while a sequence reads it, a prefix cache hit is
 the same tokens. Prefix caching is on (as by default) unless a test turns it off.
 """
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -292,6 +294,23 @@ def test_drafts_that_do_not_all_fit_the_rows_left_are_cut_not_dropped():
     assert (h.outputs[rid], h.reasons[rid]) == expected_output(prompt, params, vocab_size=SMALL_VOCAB)
     stats = h.agent.stats()
     assert stats["spec_draft_tokens"] == stats["spec_drafts"] >= stats["steps"] - 2, stats   # the prefill, the last
+
+
+@pytest.mark.parametrize("disable_by_batch_size", [2, 3])
+def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size(disable_by_batch_size):
+    """Three copy-prone requests that decode together from the first step to the last (prompts of 5 tokens, all
+    prefilled in the first step's 16, and the same max_tokens): with ``disable_by_batch_size`` 2 no step drafts, with
+    3 they do; the tokens are the reference's."""
+    spec = replace(SPECULATIVE, disable_by_batch_size=disable_by_batch_size)
+    h = Harness(SchedulerConfig(**{**CONFIG.__dict__, "speculative": spec}), vocab_size=SMALL_VOCAB)
+    params = SamplingParams(max_tokens=12, seed=5, ignore_eos=True)
+    prompts = [[0, 1, 2, 3, 4], [5, 4, 3, 2, 1], [0, 1, 0, 1, 2]]
+    rids = [h.agent.submit(prompt, params) for prompt in prompts]
+    h.run_until_idle()
+    for rid, prompt in zip(rids, prompts):
+        assert (h.outputs[rid], h.reasons[rid]) == expected_output(prompt, params, vocab_size=SMALL_VOCAB)
+    drafts = h.agent.stats()["spec_drafts"]
+    assert drafts == 0 if disable_by_batch_size == 2 else drafts > 0, drafts
 
 
 @pytest.mark.parametrize("cap", [0, 1, None])

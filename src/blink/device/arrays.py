@@ -76,7 +76,8 @@ def state_arrays(config: SchedulerConfig, geometry: RingGeometry, step: StepLayo
                  max_logit_bias=geometry.max_logit_bias, max_top_logprobs=geometry.max_top_logprobs,
                  grammar_words=geometry.max_grammar_bytes // 4, mask_words=mask_words(geometry.vocab_size),
                  **({} if spec is None else dict(spec_tokens=spec.num_speculative_tokens,
-                                                 spec_min=spec.prompt_lookup_min, spec_max=spec.prompt_lookup_max)))
+                                                 spec_min=spec.prompt_lookup_min, spec_max=spec.prompt_lookup_max,
+                                                 disable_by_batch_size=spec.disable_by_batch_size or 0)))
     eos = np.zeros(MAX_EOS, np.int32)
     eos[:len(config.eos_token_ids)] = config.eos_token_ids
     n, pages, seqs = geometry.n_slots, config.num_pages, config.max_num_seqs

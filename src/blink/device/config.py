@@ -59,12 +59,15 @@ class SpeculativeConfig:
     step, each decoding sequence that can proposes up to ``num_speculative_tokens`` drafts, the
     tokens that followed the latest earlier occurrence of its last ``n`` tokens in its own prompt and output (``n``
     from ``prompt_lookup_max`` down to ``prompt_lookup_min``); the step scores them all and the sequence keeps the
-    drafts its own sampled tokens confirm, plus one token of its own (docs/scheduler.md, "Speculative decoding")."""
+    drafts its own sampled tokens confirm, plus one token of its own (docs/scheduler.md, "Speculative decoding").
+    ``disable_by_batch_size`` (None: never) plans no drafts in a step where more sequences than that run: a large
+    batch's verification rows make its projections compute-bound, so each draft costs nearly a token's step share."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self):
         owner = "SpeculativeConfig"
@@ -77,6 +80,9 @@ class SpeculativeConfig:
         check(is_int(self.prompt_lookup_max) and self.prompt_lookup_min <= self.prompt_lookup_max <= 64, owner,
               "prompt_lookup_max", f"an int in [prompt_lookup_min ({self.prompt_lookup_min}), 64]",
               self.prompt_lookup_max)
+        check(self.disable_by_batch_size is None or (is_int(self.disable_by_batch_size)
+                                                     and self.disable_by_batch_size >= 2),
+              owner, "disable_by_batch_size", "None or an int >= 2 (as vLLM's)", self.disable_by_batch_size)
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:

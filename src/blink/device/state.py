@@ -60,7 +60,7 @@ AGAIN = -3      # COLLECT or SETTLE: the next iteration has work without a doorb
 # Scheduler configuration (s.cfg[0]).
 CFG_DTYPE = _record("<i4", "page_size", "token_budget", "max_num_seqs", "n_buckets", "n_eos", "watermark",
                     "max_model_len", "logprobs", "max_stop", "prefix_caching", "max_logit_bias", "max_top_logprobs",
-                    "grammar_words", "mask_words", "spec_tokens", "spec_min", "spec_max")
+                    "grammar_words", "mask_words", "spec_tokens", "spec_min", "spec_max", "disable_by_batch_size")
 
 # The ring's control block as device code sees it: CONTROL_DTYPE's fields (s.control[0].kv_pages_free).
 CONTROL_RECORD = record(CONTROL_DTYPE)
