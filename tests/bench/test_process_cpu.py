@@ -12,9 +12,10 @@ BURN = ("import os, sys\n"
         "while sum(os.times()[:2]) < float(sys.argv[1]): pass\n"
         "print(sum(os.times()[:2]), flush=True)\n"
         "sys.stdin.read()\n")
-# A parent that starts a burner as its child and relays its line: the burner is the parent's grandchild's tree.
+# A parent that starts a burner as its child and relays its line: the burner is in the parent's tree, not its own.
 PARENT = ("import subprocess, sys\n"
-          "child = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True)\n"
+          "child = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE,\n"
+          "                         text=True)\n"
           "print(child.stdout.readline().strip(), flush=True)\n"
           "sys.stdin.read(); child.kill(); child.wait()\n")
 

@@ -129,8 +129,8 @@ def propose(s, sh, n):
     """Each decoding sequence ``i`` (``sh.chunk[i] == 1``, its decode planned) gets ``sh.chunk[i] = 1 + drafts``
     tokens (``seq_ndraft``; 0 for the others), the drafts cut in running order to the rows and pages left (their pages
     added to ``COUNT.decode_pages``, before any prefill chunk is planned); none while more than
-    ``cfg.disable_by_batch_size`` sequences run (0: no such limit). Scratch: ``sh.rank`` (drafts per sequence), ``sh.tokens``, ``sh.pages``,
-    ``sh.keys`` (the lookup's best keys)."""
+    ``cfg.disable_by_batch_size`` sequences run (0: no such limit). Scratch: ``sh.rank`` (drafts per sequence),
+    ``sh.tokens``, ``sh.pages``, ``sh.keys`` (the lookup's best keys)."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     most_seqs = s.cfg[0].disable_by_batch_size
