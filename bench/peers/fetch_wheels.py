@@ -1,14 +1,15 @@
 """Fetch a peer's wheel set where the package registry is reachable, and cut it into chunks of a set size.
 
 ``python -m bench.peers.fetch_wheels [--manifest bench/peers/vllm-0.26.0-wheels.txt] [--out out/peer-wheels]
-[--chunk-mib 56]``
+[--chunk-mib 40]``
 
 The manifest lists ``sha256  file  bytes`` per wheel (the set that ran the peer on the H200 image: Python 3.12,
 torch 2.11.0+cu130, so the image's own packages are not in it). Each wheel is downloaded as exactly that file (pip
 download, no dependencies, its own platform and ABI tags) and checked against its hash and size; then all of them and
 the manifest go into one uncompressed tar, split into ``DIR/chunks/wheels.tar.NNN`` of at most ``--chunk-mib`` MiB,
 with ``DIR/chunks/SHA256SUMS`` (each chunk, and the whole tar). ``bench/peers/vllm_gpu.sh`` stages, verifies and
-installs them on the GPU machine. The recipe is committed; the wheels are not.
+installs them on the GPU machine, a chunk beside the repository's tree per copy (8 MB of tracked files in December
+2026: 40 MiB leaves room as the tree grows). The recipe is committed; the wheels are not.
 """
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST)
     parser.add_argument("--out", type=Path, default=Path("out/peer-wheels"), help="wheels/ and chunks/ go here")
-    parser.add_argument("--chunk-mib", type=int, default=56, help="largest chunk, MiB")
+    parser.add_argument("--chunk-mib", type=int, default=40, help="largest chunk, MiB")
     args = parser.parse_args()
     entries = read_manifest(args.manifest)
     print(f"{len(entries)} wheels, {sum(size for _, _, size in entries) / 2**20:.1f} MiB ({args.manifest.name}):")
