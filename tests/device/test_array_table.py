@@ -1,6 +1,7 @@
 """``device/array_table.py``: the address table the GPU image reads its arrays from holds, for field ``k`` of
-``SchedulerArrays``, its address at word ``FIELD_WORDS × k`` and its shape after it; arrays of more dimensions than the table has
-room for are refused; and numba lays out every field's element as numpy does (the device computes strides from it).
+``SchedulerArrays``, its address at word ``FIELD_WORDS × k`` and its shape after it; arrays of more dimensions than the
+table has room for are refused; and numba lays out every field's element as numpy does (the device computes strides from
+it).
 Whether the image links and spills nothing: ``test_image.py``."""
 import pytest
 

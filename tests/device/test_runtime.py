@@ -277,5 +277,6 @@ def test_a_block_the_kernels_registers_do_not_fit_is_refused_by_name():
     torch.cuda.synchronize()
     memory = LocalMemory(layout.size)
     memory.write(0, layout.control_bytes())
-    with pytest.raises(LaunchError, match=rf"block_threads={MAX_BLOCK_THREADS} is more than .* use block_threads <= \d+"):
+    with pytest.raises(LaunchError,
+                       match=rf"block_threads={MAX_BLOCK_THREADS} is more than .* use block_threads <= \d+"):
         GpuScheduler(memory, GPU_GEOMETRY, config, step.layout, {k: t.data_ptr() for k, t in step.tensors().items()})

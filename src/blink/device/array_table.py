@@ -1,12 +1,12 @@
 """The scheduler's arrays as the GPU image reads them: an address table in device memory, read where it is used.
 
 On the GPU, ``SchedulerArrays`` is the address of a table of ``TABLE_WORDS`` int64 (``table``: ``FIELD_WORDS`` per
-field, for field ``k`` its device address at word ``FIELD_WORDS × k``, then its shape), written once by the host before the loop starts. Device
-code reads ``s.seq_lens`` as it does in the simulator, where ``s`` is the tuple of arrays itself; on the GPU that
-attribute is lowered to an array built from the table's words at that very use. So no array's address or shape
-stays in a register past its use: the ~80 arrays' descriptors, built once and carried through a phase, were what the
-iteration spilled (1 KiB per thread). The compiler reuses a word it loaded only while no store in between could have
-changed it; the table is small and read by every thread alike, so the words it reloads come from L1.
+field, for field ``k`` its device address at word ``FIELD_WORDS × k``, then its shape), written once by the host before
+the loop starts. Device code reads ``s.seq_lens`` as it does in the simulator, where ``s`` is the tuple of arrays
+itself; on the GPU that attribute is lowered to an array built from the table's words at that very use. So no array's
+address or shape stays in a register past its use: the ~80 arrays' descriptors, built once and carried through a phase,
+were what the iteration spilled (1 KiB per thread). The compiler reuses a word it loaded only while no store in between
+could have changed it; the table is small and read by every thread alike, so the words it reloads come from L1.
 
 ``register()`` teaches numba the type (``SchedulerArraysTable``, whose value is the table's address) and the
 lowering, and returns ``scheduler_arrays(table)``, which gives the image's entry its value.

@@ -202,10 +202,11 @@ def chunks_once(s, sh, n):
 @cuda.jit(device=True)
 def decodes_in_place(s, sh, n):
     """The steady state's test, one pass (``plan`` asks only when no drafts can be proposed): True when every running
-    sequence decodes (one token) in the row it had in the previous step (same slot and version, so the row's block-table entries are its
-    pages up to ``row_pages``), and the pages the decodes lack fit (no preemption). Leaves what ``allocate_pages``
-    takes (``sh.slots``, ``sh.pages``: each sequence's missing pages, ``COUNT.need``) and the bucket for ``n`` tokens
-    (``inputs.choose_bucket``). Every thread gets the block's answer. Every word it tests is read before the barrier."""
+    sequence decodes (one token) in the row it had in the previous step (same slot and version, so the row's
+    block-table entries are its pages up to ``row_pages``), and the pages the decodes lack fit (no preemption). Leaves
+    what ``allocate_pages`` takes (``sh.slots``, ``sh.pages``: each sequence's missing pages, ``COUNT.need``) and the
+    bucket for ``n`` tokens (``inputs.choose_bucket``). Every thread gets the block's answer. Every word it tests is
+    read before the barrier."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     free = free_total(s)
