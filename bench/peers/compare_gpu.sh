@@ -69,5 +69,5 @@ case "$cell" in
       [ -n "$results" ] && echo "### $name" && echo && PYTHONPATH=src python -m blink.cli bench report $results \
         --markdown && echo
     done | tee "$OUT/compare_table.md" ;;
-  *) echo "unknown cell: $cell (warm | cold | fp8 | peer | report)"; exit 2 ;;
+  *) echo "unknown cell: $cell (warm | cold | fp8 | structured | peer | report)"; exit 2 ;;
 esac
