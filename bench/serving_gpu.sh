@@ -56,7 +56,8 @@ bench_runs() {
     suffix=${suffix:+_$suffix}
     python -m blink.cli bench serve --label "$label" --base-url "$url" --tokenizer "$model" --num-prompts "$prompts" \
       --sweep "$RATES" --ignore-eos --interference "$HOGS" --num-warmups "$WARMUPS" $BENCH_ARGS ${run#*:} \
-      --client-priority "$CLIENT_PRIORITY" --server-pid "$pid" --result-json "$OUT/serving_$label$suffix.json" 2>&1 \
+      --server-pid "$pid" \
+      --client-priority "$CLIENT_PRIORITY" --result-json "$OUT/serving_$label$suffix.json" 2>&1 \
       | tee "$OUT/serving_$label$suffix.log" || status=1
   done
 }

@@ -8,8 +8,7 @@ torch 2.11.0+cu130, so the image's own packages are not in it). Each wheel is do
 download, no dependencies, its own platform and ABI tags) and checked against its hash and size; then all of them and
 the manifest go into one uncompressed tar, split into ``DIR/chunks/wheels.tar.NNN`` of at most ``--chunk-mib`` MiB,
 with ``DIR/chunks/SHA256SUMS`` (each chunk, and the whole tar). ``bench/peers/vllm_gpu.sh`` stages, verifies and
-installs them on the GPU machine, a chunk beside the repository's tree per copy (8 MB of tracked files in December
-2026: 40 MiB leaves room as the tree grows). The recipe is committed; the wheels are not.
+installs them on the GPU machine. The recipe is committed; the wheels are not.
 """
 from __future__ import annotations
 
