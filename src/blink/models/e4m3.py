@@ -18,8 +18,8 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` → (e4m3 ``[M, K]``, float32 scales ``[M, K / group]``): each row's ``group`` consecutive columns
-    scaled so that their largest magnitude is ``FP8_MAX`` (``group = K``: one scale per token). Torch ops with fixed
-    shapes and no host reads: they capture into the step graph."""
+    scaled so that their largest magnitude is ``FP8_MAX`` (``group = K``: one scale per token). The reference of
+    ``kernels.quantize``, which the step runs."""
     xf = x.float().unflatten(-1, (-1, group))
     scale = xf.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten(-2), scale.squeeze(-1)

@@ -13,7 +13,7 @@ and the MoE router stay in the model dtype), as vLLM reads them:
 - per block (``weight_block_size = (bn, bk)``, ``quant_method: fp8`` with ``weight_block_size``, DeepSeek-V3 / Qwen3
   FP8): ``weight_scale_inv`` float32 ``[ceil(N / bn), ceil(K / bk)]`` (despite its name, a multiplier).
 
-Activations are quantized per token inside the step (``e4m3.quantize_activations``: one scale per row, or per row and
+Activations are quantized per token inside the step (``kernels.quantize``: one scale per row, or per row and
 ``bk`` columns with block weights), whatever a checkpoint's activation scheme: a static ``input_scale`` is not read
 (per-token scales are at least as fine). Anything else (``fmt: e5m2``, other methods, integer or grouped weights,
 asymmetric scales, projections left unquantized by ``ignored_layers`` / ``ignore``) is refused by field name.

@@ -1,7 +1,7 @@
 """FP8 projections on Hopper; reference: ``reference.fp8_linear`` (dequantize, then one GEMM).
 
-Activations are quantized per token inside the step (``e4m3.quantize_activations``: torch ops, fixed shapes,
-no host reads, so they capture into the step graph), then:
+Activations are quantized per token inside the step (``kernels.quantize``: one kernel, fixed shapes, no host
+reads, so it captures into the step graph), then:
 
 - per-row weight scales: ``torch._scaled_mm`` with row-wise scaling (cuBLASLt on sm90 with CUDA >= 12.9, else
   CUTLASS). Its contract (torch 2.11, ``ScaledBlas.cpp``): the first operand row-major ``[M, K]``, the second
@@ -10,9 +10,6 @@ no host reads, so they capture into the step graph), then:
 - block weight scales (``weight_block_size = (bn, bk)``): ``_block_gemm_kernel``, activations scaled per token and
   ``bk`` columns (DeepSeek-V3's scheme): each ``bk`` step of the reduction is one e4m3 ``tl.dot`` in float32, times
   the token's and the weight block's scales.
-
-A fused Triton quantization kernel would save the torch ops' launches; CI could not check one: Triton's interpreter
-rounds float32 → e4m3 wrongly next to powers of two (126 → 64), so the casts stay torch's.
 """
 from __future__ import annotations
 
@@ -22,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..e4m3 import quantize_activations
 from .fp8_skinny import SKINNY_MAX_TOKENS, skinny_fp8_linear
 from .pdl import pdl_args, wait_for_previous
+from .quantize import quantize_activations
 from .tiles import check_tiles
 
 

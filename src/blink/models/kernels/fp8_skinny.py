@@ -3,8 +3,8 @@
 A decode step reads every weight once and does little arithmetic with it: its time is the weight bytes over HBM
 bandwidth. FP8 halves those bytes only if the GEMM streams them at the rate bf16 cuBLAS streams its own, and at a
 few rows neither ``torch._scaled_mm`` (a 128x128-tile kernel, 29 us per 8B projection at M = 1 on the H200, twice the
-bf16 time) nor the seven torch ops that quantize the activations per token do. So a decode step does not quantize
-its activations at all: each program loads ``BLOCK_N`` weight rows' e4m3 bytes, upcasts them in registers (e4m3 is
+bf16 time) nor quantizing the activations per token first (a launch of its own) does. So a decode step does not
+quantize its activations at all: each program loads ``BLOCK_N`` weight rows' e4m3 bytes, upcasts them in registers (e4m3 is
 exact in bf16) and multiplies them with the activations as they are, one ``tl.dot`` per ``BLOCK_K`` columns; the
 scales apply per weight row at the end (per row) or per ``(bn, bk)`` weight block along the reduction (block).
 

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..e4m3 import quantize_activations
 from .pdl import pdl_args, wait_for_previous
+from .quantize import quantize_activations
 from .tiles import check_tiles
 
 MAX_CHUNK = 2048
