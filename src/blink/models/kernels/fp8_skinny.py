@@ -4,9 +4,10 @@ A decode step reads every weight once and does little arithmetic with it: its ti
 bandwidth. FP8 halves those bytes only if the GEMM streams them at the rate bf16 cuBLAS streams its own, and at a
 few rows neither ``torch._scaled_mm`` (a 128x128-tile kernel, 29 us per 8B projection at M = 1 on the H200, twice the
 bf16 time) nor quantizing the activations per token first (a launch of its own) does. So a decode step does not
-quantize its activations at all: each program loads ``BLOCK_N`` weight rows' e4m3 bytes, upcasts them in registers (e4m3 is
-exact in bf16) and multiplies them with the activations as they are, one ``tl.dot`` per ``BLOCK_K`` columns; the
-scales apply per weight row at the end (per row) or per ``(bn, bk)`` weight block along the reduction (block).
+quantize its activations at all: each program loads ``BLOCK_N`` weight rows' e4m3 bytes, upcasts them in registers
+(e4m3 is exact in bf16) and multiplies them with the activations as they are, one ``tl.dot`` per ``BLOCK_K``
+columns; the scales apply per weight row at the end (per row) or per ``(bn, bk)`` weight block along the reduction
+(block).
 
 The K dimension may be split over ``SPLIT_K`` programs to fill the SMs when ``N / BLOCK_N`` tiles are too few; the
 parts then add into a float32 buffer (zeroed first) by atomics, cast to the output dtype after. Reference:
@@ -24,6 +25,7 @@ from .pdl import pdl_args, wait_for_previous
 from .tiles import check_tiles
 
 SKINNY_MAX_TOKENS = 64  # up to here a step's rows fit one BLOCK_M of tl.dot and the step is weight-bound
+TARGET_PROGRAMS = 128  # about one per SM of an H100 or H200 (132)
 
 
 @dataclass(frozen=True)
@@ -42,14 +44,21 @@ class SkinnyTiles:
 
 
 def skinny_tiles(m: int, n: int, k: int, block: tuple[int, int] | None) -> SkinnyTiles:
-    """The launch shape of ``m`` rows through a projection of ``n`` outputs and ``k`` inputs, from the H200 sweep of
-    ``bench/experiments/fp8_gemv_bench.py`` (Qwen3-8B's projections, each rule within 1.14x of the best shape
-    there): 32-row tiles over 128 columns; a long reduction (``k >= 2n``: few output tiles, each a long way to
-    stream) split 4 ways over 64-row tiles. With block scales a tile must not straddle a weight block."""
-    if k >= 2 * n:
-        tiles = SkinnyTiles(block_n=64, block_k=256 if block is None and m <= 16 else 128, split_k=4, num_stages=3)
+    """The launch shape of ``m`` rows through a projection of ``n`` outputs and ``k`` inputs. Up to 16 rows, from the
+    H200 sweep of ``bench/experiments/fp8_gemv_bench.py`` (Qwen3-8B's projections, each rule within 1.14x of the best
+    shape there): 32-row tiles over 128 columns; a long reduction (``k >= 2n``: few output tiles, each a long way to
+    stream) split 4 ways over 64-row tiles. Beyond 16 rows every program re-reads the activations' tile for its own
+    weight tile, so a weight tile takes at least twice the activations' rows (one byte a weight against two an
+    activation: the re-reads then cost no more than the weights), and the reduction is split until the tiles number
+    ``TARGET_PROGRAMS``. With block scales a tile must not straddle a weight block."""
+    if m > 16:
+        block_n = min(256, max(32, 2 * block_m_for(m)))
+        tiles = SkinnyTiles(block_n=block_n, block_k=128, num_stages=3,
+                            split_k=min(4, triton.cdiv(TARGET_PROGRAMS, triton.cdiv(n, block_n))))
+    elif k >= 2 * n:
+        tiles = SkinnyTiles(block_n=64, block_k=256 if block is None else 128, split_k=4, num_stages=3)
     else:
-        tiles = SkinnyTiles(block_n=32, block_k=128, num_stages=4 if m <= 16 else 3)
+        tiles = SkinnyTiles(block_n=32, block_k=128, num_stages=4)
     if block is None:
         return tiles
     return replace(tiles, block_n=min(tiles.block_n, block[0]), block_k=min(tiles.block_k, block[1]))
