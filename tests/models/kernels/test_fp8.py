@@ -88,15 +88,16 @@ def test_skinny_fp8_linear_matches_float64(backend, tokens, block, tiles):
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_fp8_linear_quantizes_activations_only_beyond_decode_sized_steps(backend, block):
     device, dtype, _ = backend
-    from blink.models.kernels.fp8 import block_gemm, fp8_linear, scaled_mm
-    from blink.models.kernels.fp8_skinny import SKINNY_MAX_TOKENS, skinny_fp8_linear
+    from blink.models.kernels.fp8 import SKINNY_UP_TO, block_gemm, fp8_linear, scaled_mm
+    from blink.models.kernels.fp8_skinny import skinny_fp8_linear
+    from blink.models.kernels.quantize import quantize_activations as quantize
 
     weight, scale = fp8_weights((128, 256), block, device)
     group = 256 if block is None else block[1]
-    small, large = (torch.randn(t, 256, device=device, dtype=dtype) for t in (SKINNY_MAX_TOKENS, SKINNY_MAX_TOKENS + 1))
+    small, large = (torch.randn(t, 256, device=device, dtype=dtype) for t in (SKINNY_UP_TO, SKINNY_UP_TO + 1))
     assert torch.equal(fp8_linear(small, weight, scale, block), skinny_fp8_linear(small, weight, scale, block))
-    quantized = (scaled_mm(*quantize_activations(large, group), weight, scale, dtype) if block is None else
-                 block_gemm(*quantize_activations(large, group), weight, scale, block, dtype))
+    quantized = (scaled_mm(*quantize(large, group), weight, scale, dtype) if block is None else
+                 block_gemm(*quantize(large, group), weight, scale, block, dtype))
     assert torch.equal(fp8_linear(large, weight, scale, block), quantized)
 
 
@@ -143,10 +144,10 @@ LAYOUTS = {"per-row": Fp8Config(), "block": Fp8Config((64, 64))}
 
 def linear_as_the_cuda_ops(x, weight, scale, block):
     """``reference.fp8_linear`` with the activations quantized where the CUDA ops quantize them: beyond
-    decode-sized steps (``SKINNY_MAX_TOKENS`` rows), per token (and ``bk`` columns with block scales)."""
-    from blink.models.kernels.fp8_skinny import SKINNY_MAX_TOKENS
+    decode-sized steps (``SKINNY_UP_TO`` rows), per token (and ``bk`` columns with block scales)."""
+    from blink.models.kernels.fp8 import SKINNY_UP_TO
 
-    if x.shape[0] > SKINNY_MAX_TOKENS:
+    if x.shape[0] > SKINNY_UP_TO:
         x = dequantized_activations(x, x.shape[-1] if block is None else block[1]).to(x.dtype)
     return reference.fp8_linear(x, weight, scale, block)
 

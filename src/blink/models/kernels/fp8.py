@@ -19,10 +19,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_skinny import SKINNY_MAX_TOKENS, skinny_fp8_linear
+from .fp8_skinny import skinny_fp8_linear
 from .pdl import pdl_args, wait_for_previous
 from .quantize import quantize_activations
 from .tiles import check_tiles
+
+
+# Steps of up to this many rows take the skinny GEMM (at 32 rows the faster on three of Qwen3-8B's four projections,
+# level on the fourth); at 64, activations quantized per token through torch._scaled_mm are as fast or faster on all
+# four (fp8_gemv_bench, H100).
+SKINNY_UP_TO = 32
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """``x [M, K]`` times e4m3 ``weight [N, K]`` with per-row ``scale [N]`` or per-``block`` scales → ``[M, N]`` in
     ``x.dtype``: decode-sized steps by the weight-only skinny GEMM (``fp8_skinny``), larger ones with activations
     quantized per token (and per ``bk`` columns with block scales)."""
-    if x.shape[0] <= SKINNY_MAX_TOKENS:
+    if x.shape[0] <= SKINNY_UP_TO:
         return skinny_fp8_linear(x, weight, scale, block)
     if block is None:
         a, a_scale = quantize_activations(x, x.shape[-1])

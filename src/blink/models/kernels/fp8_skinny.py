@@ -44,17 +44,15 @@ class SkinnyTiles:
 
 
 def skinny_tiles(m: int, n: int, k: int, block: tuple[int, int] | None) -> SkinnyTiles:
-    """The launch shape of ``m`` rows through a projection of ``n`` outputs and ``k`` inputs. Up to 16 rows, from the
-    H200 sweep of ``bench/experiments/fp8_gemv_bench.py`` (Qwen3-8B's projections, each rule within 1.14x of the best
-    shape there): 32-row tiles over 128 columns; a long reduction (``k >= 2n``: few output tiles, each a long way to
-    stream) split 4 ways over 64-row tiles. Beyond 16 rows every program re-reads the activations' tile for its own
-    weight tile, so a weight tile takes at least twice the activations' rows (one byte a weight against two an
-    activation: the re-reads then cost no more than the weights), and the reduction is split until the tiles number
-    ``TARGET_PROGRAMS``. With block scales a tile must not straddle a weight block."""
+    """The launch shape of ``m`` rows through a projection of ``n`` outputs and ``k`` inputs, from the sweeps of
+    ``bench/experiments/fp8_gemv_bench.py`` (Qwen3-8B's projections; up to 16 rows on the H200, each rule within
+    1.14x of the best shape there; 32 rows on an H100, each the best shape there). Up to 16 rows: 32-row tiles over
+    128 columns; a long reduction (``k >= 2n``: few output tiles, each a long way to stream) split 4 ways over 64-row
+    tiles. Beyond: 64-row tiles, the reduction split 4 ways unless the tiles alone number ``TARGET_PROGRAMS``. With
+    block scales a tile must not straddle a weight block."""
     if m > 16:
-        block_n = min(256, max(32, 2 * block_m_for(m)))
-        tiles = SkinnyTiles(block_n=block_n, block_k=128, num_stages=3,
-                            split_k=min(4, triton.cdiv(TARGET_PROGRAMS, triton.cdiv(n, block_n))))
+        split_k = 4 if triton.cdiv(n, 64) <= TARGET_PROGRAMS else 1
+        tiles = SkinnyTiles(block_n=64, block_k=128, split_k=split_k, num_stages=3)
     elif k >= 2 * n:
         tiles = SkinnyTiles(block_n=64, block_k=256 if block is None else 128, split_k=4, num_stages=3)
     else:
