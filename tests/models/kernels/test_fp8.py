@@ -55,15 +55,32 @@ def test_scaled_mm_per_token_per_row_matches_float64(backend, tokens):
     assert rel_err(out, reference.fp8_linear(x.double(), weight, scale, None)) < 0.05  # activations' rounding
 
 
-@pytest.mark.parametrize("tokens, n, k, block", [(1, 160, 256, (128, 128)), (20, 96, 128, (32, 64)),
-                                                 (100, 256, 256, (128, 128))])
-def test_block_scale_gemm_matches_float64(backend, tokens, n, k, block):
+@pytest.mark.parametrize("tokens, n, k, tiles", [(40, 96, 256, None), (100, 160, 320, dict(block_m=64, block_n=64)),
+                                                 (7, 96, 320, dict(block_m=16, block_n=32, block_k=64, split_k=3))])
+def test_fp8_gemm_per_token_per_row_matches_float64(backend, tokens, n, k, tiles):
+    """The Triton GEMM with per-token and per-row scales: ragged tiles, a K that is no whole number of steps nor of
+    split parts."""
     device, dtype, tol = backend
-    from blink.models.kernels.fp8 import block_gemm
+    from blink.models.kernels.fp8 import Tiles, fp8_gemm
+
+    weight, scale = fp8_weights((n, k), None, device)
+    x = torch.randn(tokens, k, device=device, dtype=dtype)
+    out = fp8_gemm(*quantize_activations(x, k), weight, scale, None, dtype, tiles and Tiles(**tiles))
+    want = dequantized_activations(x, k) @ dequantize(weight, scale, None).double().T
+    assert out.dtype == dtype and out.shape == (tokens, n) and rel_err(out, want) < tol
+
+
+@pytest.mark.parametrize("tokens, n, k, block, tiles", [(1, 160, 256, (128, 128), None), (20, 96, 128, (32, 64), None),
+                                                        (100, 256, 256, (128, 128), None),
+                                                        (40, 96, 384, (32, 128), dict(block_m=16, block_n=32,
+                                                                                      split_k=2))])
+def test_block_scale_gemm_matches_float64(backend, tokens, n, k, block, tiles):
+    device, dtype, tol = backend
+    from blink.models.kernels.fp8 import Tiles, fp8_gemm
 
     weight, scale = fp8_weights((n, k), block, device)
     x = torch.randn(tokens, k, device=device, dtype=dtype)
-    out = block_gemm(*quantize_activations(x, block[1]), weight, scale, block, dtype)
+    out = fp8_gemm(*quantize_activations(x, block[1]), weight, scale, block, dtype, tiles and Tiles(**tiles))
     want = dequantized_activations(x, block[1]) @ dequantize(weight, scale, block).double().T
     assert out.dtype == dtype and out.shape == (tokens, n) and rel_err(out, want) < tol
 
@@ -88,7 +105,7 @@ def test_skinny_fp8_linear_matches_float64(backend, tokens, block, tiles):
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_fp8_linear_quantizes_activations_only_beyond_decode_sized_steps(backend, block):
     device, dtype, _ = backend
-    from blink.models.kernels.fp8 import SKINNY_UP_TO, block_gemm, fp8_linear, scaled_mm
+    from blink.models.kernels.fp8 import SKINNY_UP_TO, fp8_gemm, fp8_linear, scaled_mm
     from blink.models.kernels.fp8_skinny import skinny_fp8_linear
     from blink.models.kernels.quantize import quantize_activations as quantize
 
@@ -97,7 +114,7 @@ def test_fp8_linear_quantizes_activations_only_beyond_decode_sized_steps(backend
     small, large = (torch.randn(t, 256, device=device, dtype=dtype) for t in (SKINNY_UP_TO, SKINNY_UP_TO + 1))
     assert torch.equal(fp8_linear(small, weight, scale, block), skinny_fp8_linear(small, weight, scale, block))
     quantized = (scaled_mm(*quantize(large, group), weight, scale, dtype) if block is None else
-                 block_gemm(*quantize(large, group), weight, scale, block, dtype))
+                 fp8_gemm(*quantize(large, group), weight, scale, block, dtype))
     assert torch.equal(fp8_linear(large, weight, scale, block), quantized)
 
 

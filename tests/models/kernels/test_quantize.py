@@ -28,12 +28,13 @@ def assert_same_codes(x, out, want):
         for i in wrong)
 
 
-@pytest.mark.parametrize("group", [None, 128])
-def test_quantize_kernel_equals_torch_bit_for_bit(backend, group):
+@pytest.mark.parametrize("cols, group", [(2304, None), (2304, 128), ("CHUNK + 640", None)])
+def test_quantize_kernel_equals_torch_bit_for_bit(backend, cols, group):
+    """Per token and per 128 columns; a row longer than a program's ``CHUNK`` is read in two steps."""
     device, dtype, _ = backend
-    from blink.models.kernels.quantize import quantize_activations
+    from blink.models.kernels.quantize import CHUNK, quantize_activations
 
-    x = activations(9, 2304, dtype)
+    x = activations(9, CHUNK + 640 if cols == "CHUNK + 640" else cols, dtype)
     group = group or x.shape[1]
     out, scale = quantize_activations(x.to(device), group)
     want, want_scale = reference(x, group)

@@ -7,13 +7,15 @@ reads, so it captures into the step graph), then:
   CUTLASS). Its contract (torch 2.11, ``ScaledBlas.cpp``): the first operand row-major ``[M, K]``, the second
   column-major ``[K, N]`` (``weight.t()`` of the row-major ``[N, K]`` weight), ``K`` and ``N`` multiples of 16,
   ``scale_a`` float32 ``[M, 1]`` and ``scale_b`` float32 ``[1, N]``, both contiguous; the output bf16/fp16/fp32.
-- block weight scales (``weight_block_size = (bn, bk)``): ``_block_gemm_kernel``, activations scaled per token and
-  ``bk`` columns (DeepSeek-V3's scheme): each ``bk`` step of the reduction is one e4m3 ``tl.dot`` in float32, times
-  the token's and the weight block's scales.
+  ``fp8_gemm`` computes the same in Triton with tiles of any size and the reduction split over programs: cuBLASLt
+  picks 128x128 tiles, so a Qwen3-8B qkv projection of a few dozen tokens runs on 48 programs, a third of the SMs.
+- block weight scales (``weight_block_size = (bn, bk)``): ``fp8_gemm``, activations scaled per token and ``bk``
+  columns (DeepSeek-V3's scheme): each ``bk`` step of the reduction is one e4m3 ``tl.dot`` in float32, times the
+  token's and the weight block's scales.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -33,11 +35,14 @@ SKINNY_UP_TO = 32
 
 @dataclass(frozen=True)
 class Tiles:
-    """Launch shape of the block-scale GEMM: ``block_m`` tokens and ``block_n`` outputs per program (the reduction
-    steps by the weight block's ``bk``), Triton's warps and pipeline stages."""
+    """Launch shape of ``fp8_gemm``: ``block_m`` tokens and ``block_n`` outputs per program, ``block_k`` columns per
+    step of the reduction (with block scales the weight block's ``bk``, whatever is given), the reduction split
+    ``split_k`` ways, Triton's warps and pipeline stages."""
 
     block_m: int
     block_n: int = 128
+    block_k: int = 128
+    split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
 
@@ -51,44 +56,64 @@ def tiles_for(num_tokens: int) -> Tiles:
 
 
 @triton.jit
-def _block_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, m, n, k, a_scale_stride, w_scale_stride,
-                       GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PDL: tl.constexpr):
-    """``out[m, n] = sum_k a[m, k] w[n, k] a_scale[m, k // BLOCK_K] w_scale[n // GROUP_N, k // BLOCK_K]``; ``a``
-    ``[m, k]`` and ``w`` ``[n, k]`` e4m3, contiguous; ``BLOCK_K`` is the weight block's column count."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, m, n, k, a_scale_stride, w_scale_stride,
+                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+    """``out[m, n] (+)= sum_k a[m, k] w[n, k]`` times the scales, over K part ``program_id(2)``; ``a`` ``[m, k]`` and
+    ``w`` ``[n, k]`` e4m3, contiguous. ``GROUP_K == 0``: per-token ``a_scale [m]`` and per-row ``w_scale [n]``,
+    applied once at the end; else block scales ``a_scale[m, k // GROUP_K]`` and ``w_scale[n // GROUP_N, k //
+    GROUP_K]`` applied at each step (``BLOCK_K == GROUP_K``)."""
+    pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < m, cols < n
-    w_scales = w_scale_ptr + (cols // GROUP_N).to(tl.int64) * w_scale_stride
+    per_part = tl.cdiv(tl.cdiv(k, SPLIT_K), BLOCK_K) * BLOCK_K
+    w_scales = w_scale_ptr + (cols // GROUP_N).to(tl.int64) * w_scale_stride  # GROUP_N == 1 per row: scale[n]
     wait_for_previous(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb in range(0, tl.cdiv(k, BLOCK_K)):
-        kk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    for k0 in range(part * per_part, tl.minimum(k, (part + 1) * per_part), BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k
         a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * k + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
         w = tl.load(w_ptr + cols.to(tl.int64)[None, :] * k + kk[:, None], mask=k_ok[:, None] & col_ok[None, :],
                     other=0.0)
-        a_s = tl.load(a_scale_ptr + rows * a_scale_stride + kb, mask=row_ok, other=0.0)
-        w_s = tl.load(w_scales + kb, mask=col_ok, other=0.0)
-        acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        if GROUP_K == 0:
+            acc += tl.dot(a, w)
+        else:
+            a_s = tl.load(a_scale_ptr + rows * a_scale_stride + k0 // GROUP_K, mask=row_ok, other=0.0)
+            w_s = tl.load(w_scales + k0 // GROUP_K, mask=col_ok, other=0.0)
+            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+    if GROUP_K == 0:
+        acc *= (tl.load(a_scale_ptr + rows * a_scale_stride, mask=row_ok, other=0.0)[:, None]
+                * tl.load(w_scales, mask=col_ok, other=0.0)[None, :])
     out = out_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
 
 
-def block_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               block: tuple[int, int], out_dtype: torch.dtype, tiles: Tiles | None = None) -> torch.Tensor:
-    """e4m3 ``a [M, K]`` with float32 ``a_scale [M, K/bk]`` times e4m3 ``weight [N, K]`` with float32 ``scale
-    [N/bn, K/bk]`` (all contiguous) → ``[M, N]`` in ``out_dtype``."""
+def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             block: tuple[int, int] | None, out_dtype: torch.dtype, tiles: Tiles | None = None) -> torch.Tensor:
+    """e4m3 ``a [M, K]`` with float32 ``a_scale`` (``[M, 1]`` per token, or ``[M, K/bk]``) times e4m3 ``weight [N,
+    K]`` with float32 ``scale`` (``[N]`` per row, or ``[N/bn, K/bk]`` per ``block``), all contiguous → ``[M, N]`` in
+    ``out_dtype``."""
     (m, k), n = a.shape, weight.shape[0]
     tiles = tiles or tiles_for(m)
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
-    _block_gemm_kernel[grid](a, a_scale, weight, scale, out, m, n, k, a_scale.stride(0), scale.stride(0),
-                             GROUP_N=block[0], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block[1],
-                             num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(a.device))
-    return out
+    if block is not None:
+        tiles = replace(tiles, block_k=block[1])
+    split = tiles.split_k > 1
+    out = (torch.zeros if split else torch.empty)((m, n), dtype=torch.float32 if split else out_dtype,
+                                                 device=a.device)
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), tiles.split_k)
+    group_n, group_k = block if block is not None else (1, 0)
+    _fp8_gemm_kernel[grid](a, a_scale, weight, scale, out, m, n, k, a_scale.stride(0), scale.stride(0),
+                           GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                           BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k, num_warps=tiles.num_warps,
+                           num_stages=tiles.num_stages, **pdl_args(a.device))
+    return out.to(out_dtype) if split else out
 
 
 def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -110,4 +135,4 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         a, a_scale = quantize_activations(x, x.shape[-1])
         return scaled_mm(a, a_scale, weight, scale, x.dtype)
     a, a_scale = quantize_activations(x, block[1])
-    return block_gemm(a, a_scale, weight, scale, block, x.dtype)
+    return fp8_gemm(a, a_scale, weight, scale, block, x.dtype)
