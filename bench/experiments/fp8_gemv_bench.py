@@ -1,10 +1,11 @@
 """Does the FP8 decode GEMM stream its weights near the HBM floor? The launch shapes of ``skinny_fp8_linear``
 (``blink.models.kernels.fp8_skinny``: e4m3 weights upcast in registers, activations as they are) against bf16
 cuBLAS and against ``torch._scaled_mm`` with per-token activation quantization (the large-M path of ``fp8_linear``),
-on the Qwen3-8B shape's four projections at M = 1, 16, 32 and 64, per-row scales and 128x128 block scales (``--cases
-row block``). Beyond the skinny GEMM's rows (M = 128, 256): ``fp8_linear`` (activations quantized by
-``kernels.quantize``, then ``_scaled_mm`` or the block GEMM) against bf16 cuBLAS, and the quantization kernel
-against the torch ops it replaced (``e4m3.quantize_activations``).
+on the Qwen3-8B shape's four projections at M = 1, 16 and 32, per-row scales and 128x128 block scales (``--cases
+row block``). At M = 64, 128 and 256, the GEMMs of quantized activations: the launch shapes of the Triton
+``fp8_gemm`` against ``_scaled_mm`` (per-row scales) and bf16 cuBLAS, the whole ``fp8_linear`` as it dispatches, and
+the quantization kernel against the torch ops it replaced (``e4m3.quantize_activations``). ``--rows`` runs some of
+the M.
 
 Each launch shape is first checked against float64 (dequantized weights); times are medians of CUDA-event-timed
 graph replays of ``CALLS`` back-to-back calls, each on its own weight copy (a step's layers read different weights),
@@ -22,21 +23,23 @@ import torch
 
 from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err, sweep_timed
 from blink.models import e4m3
-from blink.models.kernels.fp8 import fp8_linear, scaled_mm
+from blink.models.kernels.fp8 import Tiles, fp8_gemm, fp8_linear, scaled_mm
 from blink.models.kernels.fp8_skinny import SkinnyTiles, skinny_fp8_linear
 from blink.models.kernels.quantize import quantize_activations
 from blink.models.e4m3 import FP8_MAX, dequantize, quantize_blocks, quantize_rows
 from blink.bench.shapes import SHAPES
 
 CALLS = 8
-ROWS = (1, 16, 32, 64)
-LARGE_ROWS = (128, 256)
+ROWS = (1, 16, 32)
+LARGE_ROWS = (64, 128, 256)
 BLOCK = (128, 128)
 SWEEP = [dict(block_n=n, block_k=k, split_k=s, num_warps=w, num_stages=st) for n, k, s, w, st in
          itertools.product((16, 32, 64), (128, 256), (1, 2, 4), (4,), (3, 4, 6))]
 # Beyond 16 rows: wider weight tiles (each re-reads the activations' tile) and 8 warps for the larger accumulator.
 WIDE_SWEEP = [dict(block_n=n, block_k=k, split_k=s, num_warps=w, num_stages=st) for n, k, s, w, st in
               itertools.product((64, 128, 256), (64, 128), (1, 2, 4), (4, 8), (3,))]
+GEMM_SWEEP = [dict(block_m=bm, block_n=n, block_k=128, split_k=s, num_warps=w, num_stages=st) for bm, n, s, w, st in
+              itertools.product((64, 128), (64, 128), (1, 2, 4), (4, 8), (3, 4))]
 
 
 def projections(name: str) -> dict[str, tuple[int, int]]:
@@ -45,12 +48,12 @@ def projections(name: str) -> dict[str, tuple[int, int]]:
             "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size)}
 
 
-def bench_shape(name: str, n: int, k: int, block, bw: float, reps: int) -> list[dict]:
+def bench_shape(name: str, n: int, k: int, block, bw: float, reps: int, wanted: list[int]) -> list[dict]:
     bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(CALLS)]
     quantized = [quantize_rows(w) if block is None else quantize_blocks(w, block) for w in bf16]
     floor_us = (n * k + quantized[0][1].numel() * 4) / bw * 1e6
     rows = []
-    for m in ROWS:
+    for m in (m for m in ROWS if m in wanted):
         sweep = [s for s in (SWEEP if m <= 16 else WIDE_SWEEP)
                  if block is None or (block[1] % s["block_k"] == 0 and block[0] % s["block_n"] == 0)]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -73,35 +76,47 @@ def bench_shape(name: str, n: int, k: int, block, bw: float, reps: int) -> list[
               f"{cublas_us:6.2f}  scaled_mm {scaled_us or float('nan'):6.2f}  default {default_us:6.2f} "
               f"(x{default_us / floor_us:.2f})  best {best['us']:6.2f} (x{best['us'] / floor_us:.2f}) "
               f"{ {key: best[key] for key in SkinnyTiles.__dataclass_fields__} }", flush=True)
-    return rows + [bench_large(name, n, k, m, block, quantized, bf16, floor_us, reps) for m in LARGE_ROWS]
+    return rows + [bench_large(name, n, k, m, block, quantized, bf16, floor_us, reps) for m in LARGE_ROWS
+                   if m in wanted]
 
 
 def bench_large(name: str, n: int, k: int, m: int, block, quantized, bf16, floor_us: float, reps: int) -> dict:
-    """``m`` rows beyond the skinny GEMM's: ``fp8_linear`` against bf16 cuBLAS, and the activations' quantization
-    alone, by its kernel and by the torch ops."""
+    """``m`` rows through quantized activations: the launch shapes of ``fp8_gemm`` (the GEMM alone) against
+    ``_scaled_mm`` and bf16 cuBLAS, the whole ``fp8_linear``, and the activations' quantization alone, by its kernel
+    and by the torch ops."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     group = k if block is None else block[1]
+    a, a_scale = quantize_activations(x, group)
     want = x.double() @ dequantize(*quantized[0], block).double().T
     err = rel_err(fp8_linear(x, *quantized[0], block), want)
     cublas_us = graph_ms(lambda: [torch.nn.functional.linear(x, w) for w in bf16], reps) * 1e3 / CALLS
+    scaled_us = None if block is not None else graph_ms(
+        lambda: [scaled_mm(a, a_scale, *q, torch.bfloat16) for q in quantized], reps) * 1e3 / CALLS
+    sweep = [s for s in GEMM_SWEEP if s["block_m"] <= max(64, m) and (block is None or block[0] % s["block_n"] == 0)]
+    results, best = sweep_timed(
+        sweep, lambda shape: rel_err(fp8_gemm(a, a_scale, *quantized[0], block, torch.bfloat16, Tiles(**shape)), want),
+        lambda shape, i: fp8_gemm(a, a_scale, *quantized[i], block, torch.bfloat16, Tiles(**shape)), CALLS, reps)
     fp8_us = graph_ms(lambda: [fp8_linear(x, *q, block) for q in quantized], reps) * 1e3 / CALLS
     kernel_us = graph_ms(lambda: [quantize_activations(x, group) for _ in range(CALLS)], reps) * 1e3 / CALLS
     torch_us = graph_ms(lambda: [e4m3.quantize_activations(x, group) for _ in range(CALLS)], reps) * 1e3 / CALLS
     print(f"{name:>8} {'row' if block is None else 'block'} m={m}: floor {floor_us:6.2f} us  bf16 cuBLAS "
-          f"{cublas_us:6.2f}  fp8_linear {fp8_us:6.2f} (rel err {err:.1e})  quantize {kernel_us:5.2f} "
-          f"(torch ops {torch_us:5.2f})", flush=True)
+          f"{cublas_us:6.2f}  scaled_mm {scaled_us or float('nan'):6.2f}  fp8_gemm best {best['us']:6.2f} "
+          f"{ {key: best[key] for key in Tiles.__dataclass_fields__} }  fp8_linear {fp8_us:6.2f} (rel err "
+          f"{err:.1e})  quantize {kernel_us:5.2f} (torch ops {torch_us:5.2f})", flush=True)
     return dict(shape=name, n=n, k=k, m=m, block=block, floor_us=floor_us, cublas_bf16_us=cublas_us,
-                fp8_linear_us=fp8_us, rel_err=err, quantize_us=kernel_us, quantize_torch_us=torch_us)
+                scaled_mm_us=scaled_us, gemm_best=best, gemm_sweep=results, fp8_linear_us=fp8_us, rel_err=err,
+                quantize_us=kernel_us, quantize_torch_us=torch_us)
 
 
 def main():
-    args, bw, _ = kernel_bench_start(__doc__, "fp8_gemv_bench.json", reps=20, sweep=False, cases=["row", "block"])
+    args, bw, _ = kernel_bench_start(__doc__, "fp8_gemv_bench.json", reps=20, sweep=False, cases=["row", "block"],
+                                     rows=sorted({*ROWS, *LARGE_ROWS}))
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; {CALLS} weight copies per graph; "
           f"e4m3 max {FP8_MAX}", flush=True)
     rows = []
     for block in [None if case == "row" else BLOCK for case in args.cases]:
         for name, (n, k) in projections("qwen3-8b").items():
-            rows += bench_shape(name, n, k, block, bw, args.reps)
+            rows += bench_shape(name, n, k, block, bw, args.reps, args.rows)
             torch.cuda.empty_cache()
             with open(args.out, "w") as f:  # after each shape, so that a run cut short keeps what it measured
                 json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bytes_per_s=bw,
