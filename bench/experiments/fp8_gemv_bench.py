@@ -100,9 +100,9 @@ def bench_large(name: str, n: int, k: int, m: int, block, quantized, bf16, floor
     kernel_us = graph_ms(lambda: [quantize_activations(x, group) for _ in range(CALLS)], reps) * 1e3 / CALLS
     torch_us = graph_ms(lambda: [e4m3.quantize_activations(x, group) for _ in range(CALLS)], reps) * 1e3 / CALLS
     print(f"{name:>8} {'row' if block is None else 'block'} m={m}: floor {floor_us:6.2f} us  bf16 cuBLAS "
-          f"{cublas_us:6.2f}  scaled_mm {scaled_us or float('nan'):6.2f}  fp8_gemm best {best['us']:6.2f} "
-          f"{ {key: best[key] for key in Tiles.__dataclass_fields__} }  fp8_linear {fp8_us:6.2f} (rel err "
-          f"{err:.1e})  quantize {kernel_us:5.2f} (torch ops {torch_us:5.2f})", flush=True)
+          f"{cublas_us:6.2f}  scaled_mm {scaled_us or float('nan'):6.2f}  fp8_gemm best "
+          f"{best and {key: best[key] for key in ('us', *Tiles.__dataclass_fields__)} }  fp8_linear {fp8_us:6.2f} "
+          f"(rel err {err:.1e})  quantize {kernel_us:5.2f} (torch ops {torch_us:5.2f})", flush=True)
     return dict(shape=name, n=n, k=k, m=m, block=block, floor_us=floor_us, cublas_bf16_us=cublas_us,
                 scaled_mm_us=scaled_us, gemm_best=best, gemm_sweep=results, fp8_linear_us=fp8_us, rel_err=err,
                 quantize_us=kernel_us, quantize_torch_us=torch_us)
