@@ -19,7 +19,7 @@ import triton.language as tl
 from ..e4m3 import FP8, FP8_MAX, MIN_AMAX
 from .pdl import pdl_args, wait_for_previous
 
-CHUNK = 8192  # columns a program holds at once (32 registers a thread at 8 warps); a longer group is read in steps
+CHUNK = 16384  # columns a program holds at once (32 registers a thread at 16 warps); a longer group is read in steps
 SMALLEST_NORMAL = tl.constexpr(2.0 ** -6)  # e4m3's; below it the values are whole multiples of SUBNORMAL_STEP
 SUBNORMAL_STEP = tl.constexpr(2.0 ** -9)
 EXPONENT_REBIAS = tl.constexpr((127 - 7) << 3)  # float32's exponent bias to e4m3's, above 3 mantissa bits
@@ -83,6 +83,6 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     block = min(CHUNK, triton.next_power_of_2(group))
     _quantize_kernel[(m, groups)](x, out.view(torch.uint8), scale, x.stride(0), k, group, groups, FP8_MAX=FP8_MAX,
-                                  MIN_AMAX=MIN_AMAX, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+                                  MIN_AMAX=MIN_AMAX, BLOCK=block, num_warps=max(4, min(16, block // 512)),
                                   **pdl_args(x.device))
     return out, scale
