@@ -31,6 +31,9 @@ from .tiles import check_tiles
 # level on the fourth); at 64, activations quantized per token through torch._scaled_mm are as fast or faster on all
 # four (fp8_gemv_bench, H100).
 SKINNY_UP_TO = 32
+# Per-row steps of up to this many rows take fp8_gemm: at 64 it beats _scaled_mm on all four projections (100 against
+# 115 us a layer), at 128 they are level, at 256 _scaled_mm is the faster (fp8_gemv_bench, H100).
+GEMM_UP_TO = 64
 
 
 @dataclass(frozen=True)
@@ -50,9 +53,13 @@ class Tiles:
         check_tiles(self)
 
 
-def tiles_for(num_tokens: int) -> Tiles:
-    """16-token blocks for decode-sized steps, 64 beyond (not yet swept on the H200)."""
-    return Tiles(block_m=16) if num_tokens <= 64 else Tiles(block_m=64)
+def tiles_for(m: int, n: int, k: int) -> Tiles:
+    """Per-row scales up to ``GEMM_UP_TO`` rows (the H100 sweep of ``bench/experiments/fp8_gemv_bench.py``): 64x64
+    tiles, 8 warps, 4 stages, a long reduction (``k >= 2n``) split 4 ways. Block scales: 16-token blocks for
+    decode-sized steps, 64 beyond (not yet swept)."""
+    if m <= GEMM_UP_TO:
+        return Tiles(block_m=64, block_n=64, split_k=4 if k >= 2 * n else 1, num_warps=8, num_stages=4)
+    return Tiles(block_m=64)
 
 
 @triton.jit
@@ -101,7 +108,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale
     K]`` with float32 ``scale`` (``[N]`` per row, or ``[N/bn, K/bk]`` per ``block``), all contiguous → ``[M, N]`` in
     ``out_dtype``."""
     (m, k), n = a.shape, weight.shape[0]
-    tiles = tiles or tiles_for(m)
+    tiles = tiles or tiles_for(m, n, k)
     if block is not None:
         tiles = replace(tiles, block_k=block[1])
     split = tiles.split_k > 1
@@ -133,6 +140,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         return skinny_fp8_linear(x, weight, scale, block)
     if block is None:
         a, a_scale = quantize_activations(x, x.shape[-1])
+        if x.shape[0] <= GEMM_UP_TO:
+            return fp8_gemm(a, a_scale, weight, scale, None, x.dtype)
         return scaled_mm(a, a_scale, weight, scale, x.dtype)
     a, a_scale = quantize_activations(x, block[1])
     return fp8_gemm(a, a_scale, weight, scale, block, x.dtype)
