@@ -104,15 +104,20 @@ def test_skinny_fp8_linear_matches_float64(backend, tokens, block, tiles):
 
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_fp8_linear_quantizes_activations_only_beyond_decode_sized_steps(backend, block):
+    """Up to ``SKINNY_UP_TO`` rows the skinny GEMM; beyond, quantized activations through ``fp8_gemm``, and with
+    per-row scales beyond ``GEMM_UP_TO`` through ``_scaled_mm``."""
     device, dtype, _ = backend
-    from blink.models.kernels.fp8 import SKINNY_UP_TO, fp8_gemm, fp8_linear, scaled_mm
+    from blink.models.kernels.fp8 import GEMM_UP_TO, SKINNY_UP_TO, fp8_gemm, fp8_linear, scaled_mm
     from blink.models.kernels.fp8_skinny import skinny_fp8_linear
     from blink.models.kernels.quantize import quantize_activations as quantize
 
     weight, scale = fp8_weights((128, 256), block, device)
     group = 256 if block is None else block[1]
-    small, large = (torch.randn(t, 256, device=device, dtype=dtype) for t in (SKINNY_UP_TO, SKINNY_UP_TO + 1))
+    small, middle, large = (torch.randn(t, 256, device=device, dtype=dtype)
+                            for t in (SKINNY_UP_TO, SKINNY_UP_TO + 1, GEMM_UP_TO + 1))
     assert torch.equal(fp8_linear(small, weight, scale, block), skinny_fp8_linear(small, weight, scale, block))
+    assert torch.equal(fp8_linear(middle, weight, scale, block),
+                       fp8_gemm(*quantize(middle, group), weight, scale, block, dtype))
     quantized = (scaled_mm(*quantize(large, group), weight, scale, dtype) if block is None else
                  fp8_gemm(*quantize(large, group), weight, scale, block, dtype))
     assert torch.equal(fp8_linear(large, weight, scale, block), quantized)
