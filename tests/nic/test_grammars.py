@@ -2,6 +2,7 @@
 walked token by token from its start to an end-of-sequence token, is what it was compiled from asked for (it
 parses and validates against its JSON schema, matches its regex, is one of its choices); refusals say why."""
 import json
+import sys
 import re
 
 import jsonschema
@@ -108,3 +109,14 @@ def test_a_model_without_an_end_of_sequence_token_refuses_grammars_and_serves_th
             compiler.compile(StructuredOutputs.choice(["t1", "t2"]))
     finally:
         compiler.close()
+
+
+def test_without_outlines_core_a_structured_output_is_refused_naming_the_install(monkeypatch):
+    """The GPU image ran the server from source without outlines-core: a json_schema request got a 500 (a bare
+    ModuleNotFoundError). Now the refusal (a 400, as every ``GrammarError``) names what to install; a regex needs no
+    outlines-core to become one."""
+    monkeypatch.setitem(sys.modules, "outlines_core.json_schema", None)  # import raises ModuleNotFoundError
+    for spec in (StructuredOutputs.json({"type": "object"}), StructuredOutputs("json_object", "")):
+        with pytest.raises(GrammarError, match="outlines-core, which compiles grammars, is not installed"):
+            spec.regex()
+    assert StructuredOutputs("regex", "[ab]+").regex() == "[ab]+"

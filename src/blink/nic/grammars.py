@@ -67,8 +67,6 @@ class StructuredOutputs:
 
     def regex(self) -> str:
         """The regular expression (Rust ``regex`` syntax, anchored at both ends) the output must match."""
-        from outlines_core.json_schema import build_regex_from_schema
-
         if self.kind == "regex":
             return self.text
         if self.kind == "choice":
@@ -76,11 +74,23 @@ class StructuredOutputs:
         if self.kind == "json_object":
             return json_object_regex()
         try:
-            return build_regex_from_schema(self.text)
+            return _json_schema_module().build_regex_from_schema(self.text)
         except ValueError as e:
             raise GrammarError(f"is a JSON schema this server cannot compile ({str(e).splitlines()[0]}): structured "
                                "outputs support JSON Schema's types, properties, required, items, enum, const, "
                                "anyOf/oneOf/allOf, $ref, pattern, format and length and item bounds") from None
+
+
+def _json_schema_module():
+    """outlines-core's ``json_schema`` module (a dependency of blink); a ``GrammarError`` that names the install where
+    the server's environment lacks it (the server keeps serving everything else)."""
+    try:
+        import outlines_core.json_schema
+    except ModuleNotFoundError:
+        raise GrammarError("asks for a structured output, but outlines-core, which compiles grammars, is not installed "
+                           "where this server runs: pip install outlines-core (a dependency of blink) and restart "
+                           "it") from None
+    return outlines_core.json_schema
 
 
 def _escaped(text: str) -> str:
@@ -92,8 +102,8 @@ def _escaped(text: str) -> str:
 def json_object_regex() -> str:
     """Any JSON object whose values are scalars, or arrays or objects of scalars: two levels of nesting, which
     compiles in about a second (outlines-core's own regex of ``{"type": "object"}``, three levels, takes ten)."""
-    from outlines_core.json_schema import NUMBER, STRING
-    from outlines_core.json_schema import WHITESPACE as S
+    js = _json_schema_module()
+    STRING, NUMBER, S = js.STRING, js.NUMBER, js.WHITESPACE
 
     scalar = f"({STRING}|{NUMBER}|true|false|null)"
     array = rf"\[{S}({scalar}({S},{S}{scalar})*)?{S}\]"
