@@ -54,9 +54,9 @@ class Tiles:
 
 
 def tiles_for(m: int, n: int, k: int) -> Tiles:
-    """Per-row scales up to ``GEMM_UP_TO`` rows (the H100 sweep of ``bench/experiments/fp8_gemv_bench.py``): 64x64
-    tiles, 8 warps, 4 stages, a long reduction (``k >= 2n``) split 4 ways. Block scales: 16-token blocks for
-    decode-sized steps, 64 beyond (not yet swept)."""
+    """Up to ``GEMM_UP_TO`` rows, from the H100 sweep of ``bench/experiments/fp8_gemv_bench.py`` (per-row scales; block
+    scales take the same, not swept): 64x64 tiles, 8 warps, 4 stages, a long reduction (``k >= 2n``) split 4 ways.
+    Beyond (only block scales come here): 64-row tiles of 128 outputs, not yet swept."""
     if m <= GEMM_UP_TO:
         return Tiles(block_m=64, block_n=64, split_k=4 if k >= 2 * n else 1, num_warps=8, num_stages=4)
     return Tiles(block_m=64)
