@@ -31,6 +31,7 @@ token: the kernels' own watts, to set beside a server's; and the same for the we
 ``--weight-block-size 128 128``: per 128x128 block, the layout of Qwen3's FP8 checkpoints), rows named
 ``<model>-fp8``: the floor then reads each projection's weights at one byte each plus its float32 scales (the
 embeddings, LM head and router stay bf16, as does the KV cache); the roofline still takes the bf16 GEMM rate.
+``--kv-cache-dtype fp8`` keeps the KV pool in e4m3 (rows named ``<model>-fp8kv``; the floors read K and V at a byte).
 Correctness of what is timed: ``tests/models`` (``-m gpu`` on the GPU).
 """
 from __future__ import annotations
@@ -45,11 +46,12 @@ import torch
 
 from bench.gpu_timing import copy_bandwidth, events_median_ms, kernel_profile, matmul_rate, replay_power
 from blink.bench.shapes import SHAPES as BENCH_SHAPES
+from blink.config import KV_CACHE_DTYPES
 from blink.device.step import StepBuffers, StepLayout
 from blink.models import ModelConfig, plan_memory, random_model
 from blink.models.batch import SeqChunk, chunk_drafts, fill_step
 from blink.models.decoder import SparseMoE
-from blink.models.memory import GIB, weight_bytes
+from blink.models.memory import GIB, kv_cache_dtype, kv_page_bytes, weight_bytes
 from blink.models.quantization import QUANTIZATIONS, Fp8Config, requested
 from blink.models.shapes import SHAPES, shape_config
 
@@ -188,11 +190,11 @@ def add_power(row: dict, graph, label: str, tokens: int) -> None:
 
 
 def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib: float, reps: int,
-                profile: set, power: bool = False, drafts: int = 0) -> list[dict]:
+                profile: set, power: bool = False, drafts: int = 0, kv_dtype_name: str = "auto") -> list[dict]:
     """Every step of the table, or (``profile`` not empty) only the profiled ones; with ``power``, each decode step's
     and each weight-GEMMs-only graph's board power replayed back to back from the host (no scheduler) and its joules
     per step and per token; with ``drafts``, each decode step also with every sequence verifying that many
-    speculative drafts."""
+    speculative drafts; ``kv_dtype_name="fp8"``: the KV pool in e4m3 (``--kv-cache-dtype``)."""
     t0 = time.time()
     plan = plan_memory(config, torch.cuda.mem_get_info()[1], PAGE, 0.9, LAYOUT.max_num_batched_tokens,
                        LAYOUT.max_num_seqs)
@@ -204,9 +206,12 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
           f"{plan.weight_bytes / GIB:.2f} GiB of weights)", flush=True)
     buf = StepBuffers(LAYOUT, "cuda")
     drafts_buf = StepBuffers(DRAFTS_LAYOUT, "cuda") if drafts else None
-    num_pages = min(int(kv_gib * GIB // plan.kv_page_bytes), plan.num_pages)
-    kv = model.allocate_kv_cache(num_pages, PAGE)
-    kv.normal_()
+    kv_dtype = kv_cache_dtype(kv_dtype_name, model.dtype)
+    page_bytes = kv_page_bytes(model, PAGE, kv_dtype)
+    num_pages = min(int(kv_gib * GIB // page_bytes), plan.num_pages * plan.kv_page_bytes // page_bytes)
+    kv = model.allocate_kv_cache(num_pages, PAGE, kv_dtype)
+    for layer in kv:  # random K and V (drawn in the model dtype a layer at a time: e4m3 has no normal_)
+        layer.copy_(torch.randn(layer.shape, device=layer.device, dtype=model.dtype))
     print(f"{name}: weights {wbytes / 1e9:.2f} GB, KV pool {num_pages} pages, setup {time.time() - t0:.1f}s",
           flush=True)
     rows = []
@@ -223,7 +228,7 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
         chunk_drafts(step, groups)
         graph = capture(model, step, kv, bucket)
         ms = events_median_ms(graph.replay, reps)
-        kv_bytes = batch * ctx * config.num_layers * 2 * config.kv_size * 2
+        kv_bytes = batch * ctx * config.num_layers * 2 * config.kv_size * kv.element_size()
         floor = (read_weight_bytes(model, batch) + kv_bytes) / bw * 1e3
         attn_flops = config.num_layers * config.num_heads * config.head_dim * 4 * batch * ctx
         roof = roofline_ms(model, batch, batch, kv_bytes, attn_flops, bw, flops)
@@ -268,7 +273,7 @@ def bench_prefill(name: str, model, buf, kv, bw: float, flops: float, reps: int,
     flop_floor = (linear_flops_per_token(c) * tokens + attn_flops) / flops * 1e3
     hbm_floor = read_weight_bytes(model, tokens) / bw * 1e3
     floor = max(flop_floor, hbm_floor)
-    kv_bytes = tokens * c.num_layers * 2 * c.kv_size * 2  # written once, read back by the causal attention
+    kv_bytes = tokens * c.num_layers * 2 * c.kv_size * kv.element_size()  # written once, read back by attention
     roof = roofline_ms(model, tokens, 1, kv_bytes, attn_flops, bw, flops)
     row = dict(model=name, kind="prefill", batch=1, context=tokens, step_ms=ms, floor_ms=floor,
                hbm_floor_ms=hbm_floor, flop_floor_ms=flop_floor, ratio=ms / floor, roofline_ms=roof,
@@ -311,6 +316,8 @@ def main():
                         help="FP8 projections (per-row scales unless --weight-block-size)")
     parser.add_argument("--weight-block-size", type=int, nargs=2, default=None, metavar=("ROWS", "COLS"),
                         help="with --quantization fp8: block scales, e.g. 128 128")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="fp8: the KV pool in e4m3 (rows named <model>-fp8kv; the floor reads K and V at a byte)")
     parser.add_argument("--drafts", type=int, default=0, metavar="K",
                         help="each decode step also with every sequence verifying K speculative drafts (its token "
                              "and the drafts one row each, attention reading them as one chunk, as served)")
@@ -333,8 +340,9 @@ def main():
         config = requested(MODELS[name], args.quantization)
         if args.weight_block_size:
             config = replace(config, quantization=Fp8Config(tuple(args.weight_block_size)))
-        label = f"{name}-fp8" if args.quantization else name
-        rows += bench_model(label, config, bw, flops, args.kv_gib, args.reps, profile, args.power, args.drafts)
+        label = name + ("-fp8" if args.quantization else "") + ("-fp8kv" if args.kv_cache_dtype == "fp8" else "")
+        rows += bench_model(label, config, bw, flops, args.kv_gib, args.reps, profile, args.power, args.drafts,
+                            args.kv_cache_dtype)
         with open(args.out, "w") as f:  # after every model: a run cut short keeps what it measured
             json.dump(result, f, indent=2)
     print(f"\n{'model':17} {'kind':7} {'B':>4} {'ctx':>5} {'step ms':>9} {'floor ms':>9} {'ratio':>6} {'roof ms':>9} "

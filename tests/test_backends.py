@@ -66,3 +66,22 @@ def test_a_gpu_the_scheduler_image_is_not_built_for_is_refused_by_name():
         major, minor = capability
         with pytest.raises(EngineError, match=rf"compute capability 9\.0 .* {name} is {major}\.{minor}"):
             check_capability(name, capability)
+
+
+def test_an_fp8_kv_cache_takes_one_byte_an_element():
+    """``kv_cache_dtype="fp8"``: a page's K and V at one byte each, so twice the pages of a bf16 pool in the same
+    memory (the token ids beside them unchanged)."""
+    from blink.backends import pool_kv_dtype, pool_page_bytes
+    from blink.models import ModelConfig, build_model
+    from blink.models.e4m3 import FP8
+    from blink.models.history import TOKEN_BYTES
+
+    model = build_model(ModelConfig("LlamaForCausalLM", vocab_size=16, hidden_size=8, intermediate_size=8,
+                                    num_layers=3, num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-5,
+                                    rope_theta=1e4, rotary_dim=4, max_position_embeddings=64), dtype="bfloat16")
+    assert pool_kv_dtype(EngineConfig(kv_cache_dtype="fp8"), model) == FP8
+    assert pool_kv_dtype(EngineConfig(), model) == model.dtype
+    elements = 3 * 2 * 16 * 1 * 4  # layers x (K, V) x page size x KV heads x head dim
+    assert pool_page_bytes(model, 16, FP8) == elements + 16 * TOKEN_BYTES
+    assert kv_page_bytes(model, 16) == kv_page_bytes(model, 16, FP8) * 2 == elements * 2
+

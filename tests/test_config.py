@@ -22,6 +22,7 @@ from blink.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, SchedulerConfig, l
     ("tensor_parallel_size", 0, r"an int in 1\.\.64"),
     ("tensor_parallel_size", 2.0, r"an int in 1\.\.64"), ("tensor_parallel_size", True, r"an int in 1\.\.64"),
     ("request_side", "gpu", r"one of \('host', 'device'\)"), ("quantization", "int8", r"None or one of \('fp8',\)"),
+    ("kv_cache_dtype", "fp8_e5m2", r"one of \('auto', 'fp8'\)"),
 ])
 def test_every_rule_names_the_field(field, value, rule):
     with pytest.raises(ValueError, match=f"EngineConfig.{field} must be {rule}"):
@@ -34,6 +35,8 @@ def test_fp8_is_served_on_one_device_and_named_as_the_models_name_it():
     assert QUANTIZATIONS == blink.config.QUANTIZATIONS  # written twice: the engine's config imports no torch
     with pytest.raises(ValueError, match="EngineConfig.quantization must be None with tensor_parallel_size > 1"):
         EngineConfig(quantization="fp8", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="EngineConfig.kv_cache_dtype must be 'auto' with tensor_parallel_size > 1"):
+        EngineConfig(kv_cache_dtype="fp8", tensor_parallel_size=2)
 
 
 def test_the_model_length_defaults_to_the_context_capped_by_the_default_and_the_ring():

@@ -99,12 +99,20 @@ def _budget(config: EngineConfig, memory_option: str) -> str:
     return f"EngineConfig.{memory_option}={getattr(config, memory_option)}"
 
 
-def pool_page_bytes(model, page_size: int) -> int:
-    """Bytes one page of the pool takes: its K and V in every layer, and its positions' token ids (the penalties')."""
+def pool_page_bytes(model, page_size: int, kv_dtype) -> int:
+    """Bytes one page of the pool takes: its K and V in every layer (in ``kv_dtype``), and its positions' token ids
+    (the penalties')."""
     from blink.models.history import TOKEN_BYTES
     from blink.models.memory import kv_page_bytes
 
-    return kv_page_bytes(model, page_size) + TOKEN_BYTES * page_size
+    return kv_page_bytes(model, page_size, kv_dtype) + TOKEN_BYTES * page_size
+
+
+def pool_kv_dtype(config, model):
+    """The KV pool's torch dtype for ``config.kv_cache_dtype``."""
+    from blink.models.memory import kv_cache_dtype
+
+    return kv_cache_dtype(config.kv_cache_dtype, model.dtype)
 
 
 def _log_pool(num_pages: int, page_size: int, page_bytes: int) -> None:
@@ -126,7 +134,7 @@ class CpuBackend:
         from blink.ring.layout import RingLayout
 
         page_size = config.scheduler.page_size
-        page_bytes = pool_page_bytes(model, page_size)
+        page_bytes = pool_page_bytes(model, page_size, pool_kv_dtype(config, model))
         num_pages = config.scheduler.num_pages or int(config.cpu_kv_cache_gib * 2**30 // page_bytes)
         budget = _budget(config, "cpu_kv_cache_gib")
         self.config = scheduler_config(config, max_model_len, num_pages, eos_token_ids, budget)
@@ -135,7 +143,7 @@ class CpuBackend:
             raise ValueError(f"a KV cache of {num_pages} pages takes {num_pages * page_bytes / 2**30:.1f} GiB, more "
                              f"than this host's {host_bytes / 2**30:.1f} GiB of memory: lower {budget}")
         self.model = model
-        self.kv = model.allocate_kv_cache(num_pages, page_size)
+        self.kv = model.allocate_kv_cache(num_pages, page_size, pool_kv_dtype(config, model))
         _log_pool(num_pages, page_size, page_bytes)
         self.step = StepBuffers(step_layout(self.config, max_model_len, geometry))
         self.history = TokenHistory.allocate(num_pages, page_size, TokenHistory.scratch(
@@ -221,12 +229,12 @@ class GpuBackend:
         self.step = StepBuffers(step_layout(config.scheduler, max_model_len, geometry), "cuda")
         # Allocated before the pool is sized, so that it counts as taken.
         counts = TokenHistory.scratch(self.step.layout.max_num_seqs, model.lm_head_weight().shape[0], "cuda")
-        page_bytes = pool_page_bytes(model, page_size)
+        page_bytes = pool_page_bytes(model, page_size, pool_kv_dtype(config, model))
         num_pages = config.scheduler.num_pages or self._pages_that_fit(config, page_bytes, counts,
                                                                        geometry.max_grammar_bytes)
         self.config = scheduler_config(config, max_model_len, num_pages, eos_token_ids,
                                        _budget(config, "gpu_memory_utilization"))
-        self.kv = model.allocate_kv_cache(num_pages, page_size)
+        self.kv = model.allocate_kv_cache(num_pages, page_size, pool_kv_dtype(config, model))
         self.history = TokenHistory.allocate(num_pages, page_size, counts)
         _log_pool(num_pages, page_size, page_bytes)
         _check_grammar_vocab(geometry, model)
@@ -278,7 +286,8 @@ class GpuBackend:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         page_size = config.scheduler.page_size
-        self.model(self.step, self.model.allocate_kv_cache(1, page_size), config.scheduler.buckets[-1],
+        self.model(self.step, self.model.allocate_kv_cache(1, page_size, pool_kv_dtype(config, self.model)),
+                   config.scheduler.buckets[-1],
                    TokenHistory.allocate(1, page_size, counts))
         torch.cuda.synchronize()
         activations = torch.cuda.max_memory_allocated() - before

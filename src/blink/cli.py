@@ -235,8 +235,8 @@ def _engine_config(args, model_dir, **overrides):
                                 speculative=args.speculative_config,
                                 buckets=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None)
     same = ("device", "dtype", "policy", "gpu_memory_utilization", "cpu_kv_cache_gib", "max_prompt_tokens",
-            "max_output_tokens", "max_logit_bias", "max_top_logprobs", "quantization", "load_format",
-            "tensor_parallel_size", "max_grammar_bytes")
+            "max_output_tokens", "max_logit_bias", "max_top_logprobs", "quantization", "kv_cache_dtype",
+            "load_format", "tensor_parallel_size", "max_grammar_bytes")
     return EngineConfig(model=str(model_dir), scheduler=scheduler, n_slots=args.slots,
                         **{name: getattr(args, name) for name in same}, **overrides)
 

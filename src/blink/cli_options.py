@@ -44,8 +44,8 @@ def _cpu_list(text: str) -> list[int]:
 
 def engine_options(parser, slots: int) -> None:
     """Model, device, memory, scheduler and ring sizes (``EngineConfig``, ``SchedulerConfig``)."""
-    from blink.config import DEVICES, DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, SchedulerConfig, \
-        SpeculativeConfig
+    from blink.config import DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, \
+        SchedulerConfig, SpeculativeConfig
     from blink.device.config import MAX_BUCKETS
 
     d, s = EngineConfig(), SchedulerConfig()
@@ -55,6 +55,8 @@ def engine_options(parser, slots: int) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="default: the checkpoint's on a GPU, float32 on the CPU")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, help="fp8: FP8 projections, quantized at load")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                        help="auto: the model's dtype; fp8: e4m3 at scale 1, half the bytes a token")
     parser.add_argument("--max-num-seqs", type=int, default=s.max_num_seqs, help="most sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens,
                         help="most tokens in one step (the largest captured step graph)")

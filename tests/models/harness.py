@@ -40,10 +40,10 @@ def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
 class Runner:
     """Runs blink steps for several sequences, giving each its own shuffled pages of one pool."""
 
-    def __init__(self, model, num_pages=64, layout=StepLayout(64, 8, 16), seed=0):
+    def __init__(self, model, num_pages=64, layout=StepLayout(64, 8, 16), seed=0, kv_dtype=None):
         self.model, self.layout = model, layout
         self.buf = StepBuffers(layout, model.device)
-        self.kv = model.allocate_kv_cache(num_pages, PAGE_SIZE)
+        self.kv = model.allocate_kv_cache(num_pages, PAGE_SIZE, kv_dtype)
         self.free = list(range(num_pages))
         random.Random(seed).shuffle(self.free)
         self.pages: dict[int, list[int]] = {}
@@ -187,3 +187,19 @@ def check_cpu_engine_greedy(hf_model, path, **config) -> None:
     for prompt, out in zip(prompts, outputs):
         want = hf_greedy(hf_model, prompt, 6)
         assert out.token_ids[:len(want)] == want
+
+
+def decode(model, prompts: list[list[int]], n: int, forced: torch.Tensor | None = None, kv_dtype=None):
+    """``n`` steps after one batched prefill of ``prompts``: (``[prompts, n]`` log-probabilities of the fed tokens,
+    the model's greedy tokens). Each step feeds the ``forced`` token (``[prompts, n]``) or, without, the greedy one:
+    then the greedy tokens are the model's greedy text, and with ``forced`` they equal it wherever that text would
+    be ``forced``."""
+    runner = Runner(model, num_pages=256, layout=StepLayout(256, 16, 64), kv_dtype=kv_dtype)
+    chunks = [runner.chunk(i, p, 0) for i, p in enumerate(prompts)]
+    logprobs, greedy = torch.empty(len(prompts), n), torch.empty(len(prompts), n, dtype=torch.long)
+    for j in range(n):
+        logits, greedy[:, j], _ = runner.step(chunks)
+        fed = greedy[:, j] if forced is None else forced[:, j]
+        logprobs[:, j] = torch.log_softmax(logits.float(), -1).gather(1, fed[:, None])[:, 0]
+        chunks = [runner.chunk(i, [int(fed[i])], len(p) + j) for i, p in enumerate(prompts)]
+    return logprobs, greedy

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from blink.models import CheckpointError, ConfigError, ModelConfig, TensorParallel, load_model, random_model
-from blink.models.e4m3 import dequantize
+from blink.models.e4m3 import FP8, dequantize
 from blink.models.quantization import Fp8Config
 from tests.models.fp8_checkpoints import VARIANTS, write_fp8_checkpoint
-from tests.models.harness import check_cpu_engine_greedy, check_mixed_batches, tiny_hf_model
+from tests.models.harness import check_cpu_engine_greedy, check_mixed_batches, decode, tiny_hf_model
 
 FAMILIES = {  # architecture → what its tiny checkpoint sets beyond the harness's defaults
     "LlamaForCausalLM": {}, "Qwen3ForCausalLM": {}, "Phi3ForCausalLM": {"sliding_window": 7},
@@ -54,6 +54,30 @@ def test_quantization_fp8_quantizes_bf16_weights_per_channel_at_load(hf_checkpoi
                                quantized["model.layers.0.mlp.experts.gate_up_proj"], rtol=0, atol=0)
     hf_model.load_state_dict({**hf_model.state_dict(), **quantized})
     check_mixed_batches(model, hf_model)
+
+
+def test_the_engine_serves_an_fp8_kv_cache(hf_checkpoint):
+    """``kv_cache_dtype="fp8"``: the CPU engine's greedy tokens and their log-probabilities are the reference path's
+    over an e4m3 pool, which sit measurably apart from a float32 pool's."""
+    from blink import Engine, EngineConfig, SamplingParams, SchedulerConfig
+
+    _, path = hf_checkpoint("LlamaForCausalLM")
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    model = load_model(path, dtype=torch.float32)
+    want_logprobs, want = decode(model, prompts, 6, kv_dtype=FP8)
+    exact_logprobs, _ = decode(model, prompts, 6, want)
+    assert (want_logprobs - exact_logprobs).abs().max() > 1e-3
+    engine = Engine(EngineConfig(model=str(path), device="cpu", kv_cache_dtype="fp8", max_prompt_tokens=32,
+                                 max_output_tokens=16, n_slots=8,
+                                 scheduler=SchedulerConfig(num_pages=64, max_num_seqs=4, max_num_batched_tokens=32,
+                                                           max_model_len=48)))
+    try:
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                          logprobs=True))
+    finally:
+        engine.close()
+    assert [out.token_ids for out in outputs] == want.tolist()
+    assert torch.allclose(torch.tensor([out.logprobs for out in outputs]), want_logprobs, atol=1e-4)
 
 
 def test_the_engine_serves_quantization_fp8(hf_checkpoint):

@@ -189,8 +189,10 @@ class DecoderLM(nn.Module):
         c = self.local_config
         return (c.num_layers, 2, num_pages, page_size, c.num_kv_heads, c.head_dim)
 
-    def allocate_kv_cache(self, num_pages: int, page_size: int) -> torch.Tensor:
-        return torch.zeros(self.kv_cache_shape(num_pages, page_size), device=self.device, dtype=self.dtype)
+    def allocate_kv_cache(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The pool in ``dtype``: the model's by default, or e4m3 (``memory.kv_cache_dtype``: the step writes K and
+        V rounded to it, saturating at ±448, and attention reads them back exactly)."""
+        return torch.zeros(self.kv_cache_shape(num_pages, page_size), device=self.device, dtype=dtype or self.dtype)
 
     @torch.inference_mode()
     def forward(self, buf, kv_cache: torch.Tensor, num_tokens: int, history: TokenHistory | None = None,

@@ -17,10 +17,17 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
+from .e4m3 import FP8
 from .loader import build_model
 from .parallel import TensorParallel
 
 GIB = 2**30
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype for ``EngineConfig.kv_cache_dtype`` (validated there): ``auto``, the model's; ``fp8``,
+    e4m3."""
+    return FP8 if name == "fp8" else model_dtype
 
 
 @dataclass(frozen=True)
@@ -66,9 +73,10 @@ def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_num_s
     return max_num_batched_tokens * per_token + max_num_seqs * 4 * c.vocab_size * 4
 
 
-def kv_page_bytes(model, page_size: int) -> int:
-    """Bytes of one KV page across all layers (K and V): one page of the pool ``model.allocate_kv_cache`` makes."""
-    return math.prod(model.kv_cache_shape(1, page_size)) * model.dtype.itemsize
+def kv_page_bytes(model, page_size: int, dtype: torch.dtype | None = None) -> int:
+    """Bytes of one KV page across all layers (K and V): one page of the pool ``model.allocate_kv_cache`` makes, in
+    ``dtype`` (default the model's)."""
+    return math.prod(model.kv_cache_shape(1, page_size)) * (dtype or model.dtype).itemsize
 
 
 def plan_memory(config: ModelConfig, gpu_bytes: int, page_size: int = 16, utilization: float = 0.9,

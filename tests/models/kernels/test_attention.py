@@ -137,3 +137,18 @@ def test_a_sequence_verifying_drafts_attends_as_one_chunk(backend):
         assert rel_err(out, alone) < tol, splits
     grouped = reference.attention(q, cache, reference.attention_plan(buf, n, heads, kv_heads, dim, PAGE), dim ** -0.5)
     assert rel_err(grouped, alone) < tol
+
+
+def test_paged_attention_reads_an_e4m3_pool(backend):
+    """An FP8 KV cache: the kernel upcasts K and V exactly, as the reference does."""
+    device, dtype, tol = backend
+    from blink.models.e4m3 import FP8
+    from blink.models.kernels.attention import attention, attention_plan
+
+    heads, kv_heads, dim = 8, 2, 64
+    buf, n = _batch(device, [(1, 300), (20, 45), (1, 0), (37, 0)])
+    q = torch.randn(n, heads, dim, device=device, dtype=dtype)
+    cache = torch.randn(2, 64, PAGE, kv_heads, dim, device=device).to(FP8)
+    out = attention(q, cache, attention_plan(buf, n, heads, kv_heads, dim, PAGE, dtype), dim ** -0.5)
+    ref = reference.attention(q, cache, reference.attention_plan(buf, n, heads, kv_heads, dim, PAGE), dim ** -0.5)
+    assert rel_err(out, ref) < tol

@@ -5,7 +5,7 @@ An FP8 GEMM of more than a decode step's rows quantizes its activations first. A
 projection (cast, abs, amax, clamp, two divisions, clamp, cast); here it is one launch: each program reads its group
 twice (the amax, then the scaled values), from cache the second time, in steps of up to ``CHUNK`` columns.
 
-The kernel writes each value's e4m3 code itself (``_e4m3_code``: nearest, ties to even, as torch's cast) rather than
+The kernel writes each value's e4m3 code itself (``e4m3_code``: nearest, ties to even, as torch's cast) rather than
 casting: Triton's interpreter casts float32 to e4m3 with ties away from zero and loses the carry into the exponent
 (126 → 64), so a cast could not be checked on the CPU. Its divisions are correctly rounded (``div_rn``), as torch's are
 on the CPU; torch on CUDA multiplies by a scalar divisor's reciprocal instead, so the reference runs on the CPU.
@@ -26,7 +26,7 @@ EXPONENT_REBIAS = tl.constexpr((127 - 7) << 3)  # float32's exponent bias to e4m
 
 
 @triton.jit
-def _e4m3_code(y):
+def e4m3_code(y):
     """The e4m3 code (int32 in [0, 255]) of float32 ``y``, ``|y| <= FP8_MAX``: nearest, ties to even.
 
     A normal value keeps 3 mantissa bits: add half a step less one, plus the kept part's lowest bit (ties to even),
@@ -67,7 +67,7 @@ def _quantize_kernel(x_ptr, out_ptr, scale_ptr, x_stride, k, group, groups, FP8_
         ok = cols < first + group
         x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
         y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-        tl.store(out_row + cols, _e4m3_code(y).to(tl.uint8), mask=ok)
+        tl.store(out_row + cols, e4m3_code(y).to(tl.uint8), mask=ok)
 
 
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

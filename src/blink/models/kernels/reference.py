@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..hashing import gumbel_noise, row_key
-from ..e4m3 import dequantize
+from ..e4m3 import FP8, FP8_MAX, dequantize
 from .bias import apply_logit_bias  # noqa: F401  (torch and capturable: the same on every device)
 
 
@@ -96,11 +96,15 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: tor
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor):
-    """Store ``k, v [T, KH, D]`` at ``slot_mapping[t]`` of the layer's pool; rows with slot -1 are skipped."""
+    """Store ``k, v [T, KH, D]`` at ``slot_mapping[t]`` of the layer's pool; rows with slot -1 are skipped. An e4m3
+    pool takes them rounded to nearest, saturating at ±``FP8_MAX`` (a plain cast gives NaN beyond)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     for i, x in enumerate((k, v)):
-        kv_layer[i].view(-1, *x.shape[1:])[slots] = x[keep].to(kv_layer.dtype)
+        x = x[keep]
+        if kv_layer.dtype == FP8:
+            x = x.float().clamp(-FP8_MAX, FP8_MAX)
+        kv_layer[i].view(-1, *x.shape[1:])[slots] = x.to(kv_layer.dtype)
 
 
 def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,

@@ -16,9 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..e4m3 import FP8, FP8_MAX
 from .pdl import pdl_args, wait_for_previous
+from .quantize import e4m3_code
 
 MIN_BLOCK_HEADS = 8  # query heads per program at least (see the module docstring)
+KV_MAX = tl.constexpr(FP8_MAX)  # an e4m3 pool saturates here
 
 
 @triton.jit
@@ -59,7 +62,9 @@ def _norm_rope_heads(x_ptr, stride_h, w_ptr, heads, dim, half, cos_ptr, eps, NOR
 @triton.jit
 def _rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_st, q_sh, k_st, k_sh, v_st, v_sh, pos_ptr, cs_ptr, cache_ptr,
                           slot_ptr, qw_ptr, kw_ptr, eps, q_heads, kv_heads, dim, half, v_offset, NORM: tl.constexpr,
-                          BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                          FP8_KV: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """``FP8_KV``: ``cache_ptr`` is an e4m3 pool seen as bytes; K and V (rounded to the model dtype first, as the
+    reference's cast from it) go in as e4m3 codes, saturating at ±``KV_MAX``."""
     t, c = tl.program_id(0), tl.program_id(1)
     cos_ptr = cs_ptr + tl.load(pos_ptr + t).to(tl.int64) * 2 * half  # a step buffer: read before the wait
     wait_for_previous(PDL)
@@ -76,8 +81,14 @@ def _rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_st, q_sh, k_st, k_sh, v_st, v_s
         mask = (h < kv_heads) & (d < dim)
         dst = cache_ptr + slot * kv_heads * dim + h * dim + d
         v = tl.load(v_ptr + t * v_st + h * v_sh + d, mask=mask)
-        tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + v_offset, v.to(cache_ptr.dtype.element_ty), mask=mask)
+        if FP8_KV:
+            k = k.to(k_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(dst, e4m3_code(tl.minimum(tl.maximum(k, -KV_MAX), KV_MAX)).to(tl.uint8), mask=mask)
+            v = tl.minimum(tl.maximum(v.to(tl.float32), -KV_MAX), KV_MAX)
+            tl.store(dst + v_offset, e4m3_code(v).to(tl.uint8), mask=mask)
+        else:
+            tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + v_offset, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -85,11 +96,12 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
                   k_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """``q [T, H, D]``, ``k, v [T, KH, D]`` (unit stride in D; q and k are overwritten) → the rotated q."""
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
-    norm = q_weight is not None
+    norm, fp8 = q_weight is not None, kv_layer.dtype == FP8
     block_kh = max(triton.next_power_of_2(kv_heads), MIN_BLOCK_HEADS)
     _rope_kv_write_kernel[(q.shape[0], triton.cdiv(heads, block_kh) + 1)](
         q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), positions, cos_sin,
-        kv_layer, slot_mapping, q_weight if norm else q, k_weight if norm else k, eps, heads, kv_heads, dim,
-        cos_sin.shape[1] // 2, kv_layer[0].numel(), NORM=norm, BLOCK_KH=block_kh,
+        kv_layer.view(torch.uint8) if fp8 else kv_layer, slot_mapping, q_weight if norm else q,
+        k_weight if norm else k, eps, heads, kv_heads, dim, cos_sin.shape[1] // 2, kv_layer[0].numel(), NORM=norm,
+        FP8_KV=fp8, BLOCK_KH=block_kh,
         BLOCK_D=triton.next_power_of_2(dim), **pdl_args(q.device))
     return q
