@@ -59,8 +59,21 @@ def test_quantize_kernel_rounds_every_tie_and_carry_as_torch_casts(backend):
     assert_same_codes(x, out, x.to(FP8))
 
 
+def test_quantize_kernel_reads_strided_views(backend):
+    """A view of every other column (copied first) and one of the first columns of wider rows (read in place)."""
+    device, dtype, _ = backend
+    from blink.models.kernels.quantize import quantize_activations
+
+    wide = activations(5, 1024, dtype)
+    for view in (wide[:, ::2], wide[:, :256]):
+        out, scale = quantize_activations(view.to(device), 128)
+        want, want_scale = reference(view, 128)
+        assert torch.equal(scale.cpu(), want_scale)
+        assert_same_codes(view, out, want)
+
+
 def test_quantize_refuses_a_partial_group():
     from blink.models.kernels.quantize import quantize_activations
 
-    with pytest.raises(ValueError, match="groups of 128"):
+    with pytest.raises(ValueError, match="not whole groups of 128"):
         quantize_activations(torch.ones(2, 200), 128)

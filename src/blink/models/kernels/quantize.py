@@ -71,13 +71,12 @@ def _quantize_kernel(x_ptr, out_ptr, scale_ptr, x_stride, k, group, groups, FP8_
 
 
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` (unit stride in K) → (e4m3 ``[M, K]``, float32 scales ``[M, K / group]``): each row's ``group``
-    consecutive columns scaled so that their largest magnitude is ``FP8_MAX`` (``group = K``: one scale per
-    token)."""
+    """``x [M, K]`` → (e4m3 ``[M, K]``, float32 scales ``[M, K / group]``): each row's ``group`` consecutive columns
+    scaled so that their largest magnitude is ``FP8_MAX`` (``group = K``: one scale per token)."""
     m, k = x.shape
-    if k % group or x.stride(1) != 1:
-        raise ValueError(f"quantize_activations: {k} columns in groups of {group} with unit stride "
-                         f"(got stride {x.stride(1)})")
+    if k % group:
+        raise ValueError(f"quantize_activations: {k} columns are not whole groups of {group}")
+    x = x if x.stride(1) == 1 else x.contiguous()
     groups = k // group
     out = torch.empty((m, k), dtype=FP8, device=x.device)
     scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
