@@ -72,7 +72,11 @@ class MLP(nn.Module):
         self.down_proj = Projection(c.hidden_size, c.intermediate_size, c.quantization, **kw)
 
     def forward(self, x, ops):
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x, ops)), ops)
+        gate_up = self.gate_up_proj(x, ops)
+        return self.down_proj(ops.silu_and_mul(gate_up, e4m3=self.down_proj.takes_e4m3(gate_up.shape[0], ops)), ops)
+
+    def takes_e4m3(self, rows: int, ops) -> bool:
+        return self.gate_up_proj.takes_e4m3(rows, ops)
 
 
 class SparseMoE(nn.Module):
@@ -91,6 +95,10 @@ class SparseMoE(nn.Module):
         self.experts.gate_up_proj = Projection(2 * c.moe_intermediate_size, c.hidden_size, q, experts=e, **kw)
         self.experts.down_proj = Projection(c.hidden_size, c.moe_intermediate_size, q, experts=e, **kw)
         self.top_k, self.renormalize = c.num_experts_per_tok, c.norm_topk_prob
+
+    def takes_e4m3(self, rows: int, ops) -> bool:
+        """Never: the router reads the activations too, and the fused MoE kernel quantizes its own."""
+        return False
 
     def forward(self, x, ops):
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
@@ -114,9 +122,13 @@ class DecoderLayer(nn.Module):
         self.eps, self.reduce = c.rms_norm_eps, reduce
 
     def forward(self, h, residual, positions, cos_sin, kv_layer, slot_mapping, plan, ops):
-        x, residual = ops.rms_norm(h, self.input_layernorm.weight, self.eps, residual)
+        """Each norm hands an FP8 projection after it its rows quantized where that projection takes them so."""
+        rows = h.shape[0]
+        x, residual = ops.rms_norm(h, self.input_layernorm.weight, self.eps, residual,
+                                   e4m3=self.self_attn.qkv_proj.takes_e4m3(rows, ops))
         h = self._summed(self.self_attn(x, positions, cos_sin, kv_layer, slot_mapping, plan, ops))
-        x, residual = ops.rms_norm(h, self.post_attention_layernorm.weight, self.eps, residual)
+        x, residual = ops.rms_norm(h, self.post_attention_layernorm.weight, self.eps, residual,
+                                   e4m3=self.mlp.takes_e4m3(rows, ops))
         return self._summed(self.mlp(x, ops)), residual
 
     def _summed(self, out: torch.Tensor) -> torch.Tensor:

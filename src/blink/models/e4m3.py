@@ -1,12 +1,27 @@
 """The arithmetic of e4m3 weights and activations with float32 scales (the layouts: ``quantization.py``)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0       # the largest finite e4m3 value
 MIN_AMAX = 1e-12      # a row of zeros gets this amax, not a zero scale (its quantized values are 0 either way)
+
+
+class QuantizedRows(NamedTuple):
+    """Activations already in e4m3, as the kernel that produced them quantized them per token (``values [M, K]``,
+    float32 ``scales [M, 1]``), standing for ``dtype`` ones: an FP8 projection with per-row weight scales takes them
+    as they are (``ops.fp8_takes_e4m3``)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    def dequantized(self) -> torch.Tensor:
+        return (self.values.float() * self.scales).to(self.dtype)
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

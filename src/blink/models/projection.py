@@ -43,10 +43,16 @@ class Projection(nn.Module):
     def block(self) -> tuple[int, int] | None:
         return None if self.quant is None else self.quant.weight_block_size
 
-    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+    def forward(self, x, ops) -> torch.Tensor:
+        """``x``: activations, or for an FP8 projection that ``takes_e4m3`` them, ``QuantizedRows``."""
         if self.quant is None:
             return F.linear(x, self.weight)
         return ops.fp8_linear(x, self.weight, self.scale, self.block)
+
+    def takes_e4m3(self, rows: int, ops) -> bool:
+        """Whether the kernel before this projection should hand it ``rows`` activations quantized
+        (``ops.fp8_takes_e4m3``)."""
+        return self.quant is not None and ops.fp8_takes_e4m3(rows, self.block)
 
     @torch.no_grad()
     def quantize_(self, quant: Fp8Config) -> None:

@@ -11,7 +11,7 @@ from blink.models import ModelConfig, random_model
 from blink.models.kernels import reference
 from blink.models.e4m3 import FP8, FP8_MAX, dequantize, quantize_activations
 from blink.models.quantization import Fp8Config
-from tests.models.harness import check_step_graph_device_launch, mixed_batches
+from tests.models.harness import Runner, check_step_graph_device_launch, mixed_batches
 from tests.models.kernels.conftest import rel_err
 from tests.models.kernels.test_moe import skewed_router_logits
 
@@ -194,6 +194,42 @@ def test_fp8_model_step_on_triton_ops_matches_the_reference_path(backend, layout
     got = [row[1] for row in mixed_batches(model)]
     for a, b in zip(got, want):
         assert rel_err(a, b) < (1e-3 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_model_step_beyond_decode_size_matches_the_reference_path(backend, layout):
+    """A 48-token prefill (beyond ``SKINNY_UP_TO`` rows): with per-row scales each norm and SiLU-and-multiply hands
+    its FP8 projection the rows quantized (``fp8_takes_e4m3``), with block scales the projection quantizes them;
+    either way the logits are the reference path's with activations quantized where the CUDA ops quantize them."""
+    device, dtype, tol = backend
+    from blink.models.kernels import OPS, triton_ops
+    from blink.models.kernels.fp8 import SKINNY_UP_TO
+
+    config = ModelConfig(**{**STEP_CONFIG, "architecture": "LlamaForCausalLM", "num_experts": 0,
+                            "num_experts_per_tok": 0, "moe_intermediate_size": 0, "mlp_only_layers": ()},
+                         quantization=LAYOUTS[layout])
+    model = random_model(config, device, dtype, std=0.05)
+    tokens = list(range(7, 7 + 48))
+    assert len(tokens) > SKINNY_UP_TO
+    model.ops = SimpleNamespace(**{**{name: getattr(reference, name) for name in OPS},
+                                   "fp8_linear": linear_as_the_cuda_ops})
+    runner = Runner(model)
+    want, _, _ = runner.step([runner.chunk(0, tokens, 0)])
+    asked = []
+
+    def recorded(op):
+        def call(*args, e4m3=False, **kwargs):
+            asked.append(e4m3)
+            return op(*args, e4m3=e4m3, **kwargs)
+        return call
+
+    model.ops = SimpleNamespace(**{**{name: getattr(triton_ops, name) for name in OPS},
+                                   "rms_norm": recorded(triton_ops.rms_norm),
+                                   "silu_and_mul": recorded(triton_ops.silu_and_mul)})
+    runner = Runner(model)
+    got, _, _ = runner.step([runner.chunk(0, tokens, 0)])
+    assert asked.count(True) == (3 * config.num_layers if layout == "per-row" else 0)  # 2 norms, 1 SiLU a layer
+    assert rel_err(got, want) < (1e-3 if dtype == torch.float32 else 3e-2)
 
 
 @pytest.mark.gpu

@@ -25,3 +25,21 @@ def test_rms_norm_per_head_of_a_strided_view(backend):
     out, same = rms_norm(q, w, 1e-6)
     assert same is q and out.shape == q.shape
     assert rel_err(out, reference.rms_norm(q, w, 1e-6)[0]) < tol
+
+
+def test_rms_norm_hands_its_rows_quantized_as_the_quantization_kernel_would(backend):
+    """``e4m3``: the same codes and scales as the model-dtype output quantized by ``kernels.quantize`` (one launch
+    less), and the reference's, within its tolerance, after dequantizing."""
+    device, dtype, tol = backend
+    x, res = (torch.randn(37, 200, device=device, dtype=dtype) for _ in range(2))
+    w = torch.rand(200, device=device, dtype=dtype) + 0.5
+    from blink.models.kernels.norm import rms_norm
+    from blink.models.kernels.quantize import quantize_activations
+
+    (codes, scales, out_dtype), total = rms_norm(x, w, 1e-6, res, e4m3=True)
+    plain, plain_total = rms_norm(x, w, 1e-6, res)
+    want_codes, want_scales = quantize_activations(plain, 200)
+    assert out_dtype == dtype and torch.equal(total, plain_total) and torch.equal(scales, want_scales)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    ref, _ = reference.rms_norm(x, w, 1e-6, res, e4m3=True)
+    assert rel_err(ref.dequantized(), plain) < 0.05  # the e4m3 rounding itself (3 mantissa bits)

@@ -1,11 +1,25 @@
-"""SiLU-and-mul in Triton; reference: ``reference.silu_and_mul``."""
+"""SiLU-and-mul in Triton; reference: ``reference.silu_and_mul``. With ``e4m3`` the products come out quantized per
+token (``QuantizedRows``), as ``kernels.quantize`` would quantize them: the input of an FP8 down projection, without
+a launch of its own."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
+from ..e4m3 import FP8, QuantizedRows
 from .pdl import pdl_args, wait_for_previous
+from .quantize import e4m3_codes, e4m3_scale
+
+BLOCK = 1024  # columns a program holds at once
+
+
+@triton.jit
+def _product(x_ptr, row, col, n, mask, dtype: tl.constexpr):
+    """``silu(gate) * up`` of ``row``'s columns ``col``, rounded to ``dtype`` (the model's), as float32."""
+    gate = tl.load(x_ptr + row * 2 * n + col, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * n + n + col, mask=mask, other=0.0).to(tl.float32)
+    return (gate * tl.sigmoid(gate) * up).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -13,15 +27,38 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constex
     wait_for_previous(PDL)
     row, col = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < n
-    gate = tl.load(x_ptr + row * 2 * n + col, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * 2 * n + n + col, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n + col, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * n + col, _product(x_ptr, row, col, n, mask, out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [T, 2I]`` contiguous → ``[T, I]`` (written into ``out``, contiguous, when given)."""
+@triton.jit
+def _silu_and_mul_e4m3_kernel(x_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One program a row: its products' largest magnitude, then the products again (gate and up from cache), as
+    e4m3 codes of that row's scale (``out_ptr``: bytes)."""
+    wait_for_previous(PDL)
+    row = tl.program_id(0)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for c in range(0, n, BLOCK):
+        col = c + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(_product(x_ptr, row, col, n, col < n, x_ptr.dtype.element_ty)))
+    scale = e4m3_scale(tl.max(amax, axis=0))
+    tl.store(scale_ptr + row, scale)
+    for c in range(0, n, BLOCK):
+        col = c + tl.arange(0, BLOCK)
+        mask = col < n
+        codes = e4m3_codes(_product(x_ptr, row, col, n, mask, x_ptr.dtype.element_ty), scale)
+        tl.store(out_ptr + row * n + col, codes, mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, e4m3: bool = False):
+    """``x [T, 2I]`` contiguous → ``[T, I]`` (written into ``out``, contiguous, when given), or with ``e4m3`` a
+    ``QuantizedRows`` of it."""
     t, n = x.shape[0], x.shape[1] // 2
+    block = min(BLOCK, triton.next_power_of_2(n))
+    if e4m3:
+        codes = torch.empty((t, n), dtype=FP8, device=x.device)
+        scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
+        _silu_and_mul_e4m3_kernel[(t,)](x, codes.view(torch.uint8), scale, n, BLOCK=block, **pdl_args(x.device))
+        return QuantizedRows(codes, scale, x.dtype)
     out = torch.empty((t, n), dtype=x.dtype, device=x.device) if out is None else out
-    block = min(1024, triton.next_power_of_2(n))
     _silu_and_mul_kernel[(t, triton.cdiv(n, block))](x, out, n, BLOCK=block, **pdl_args(x.device))
     return out

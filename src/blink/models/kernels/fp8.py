@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..e4m3 import QuantizedRows
 from .fp8_skinny import skinny_fp8_linear
 from .pdl import pdl_args, wait_for_previous
 from .quantize import quantize_activations
@@ -131,17 +132,24 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scal
                             out_dtype=out_dtype)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+def fp8_takes_e4m3(rows: int, block: tuple[int, int] | None) -> bool:
+    """Whether an FP8 projection of ``rows`` rows takes its activations quantized per token by the kernel that
+    produces them (RMSNorm, SiLU-and-multiply: ``QuantizedRows``), saving the quantization's launch: per-row weight
+    scales beyond the skinny GEMM's rows."""
+    return block is None and rows > SKINNY_UP_TO
+
+
+def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None) -> torch.Tensor:
     """``x [M, K]`` times e4m3 ``weight [N, K]`` with per-row ``scale [N]`` or per-``block`` scales → ``[M, N]`` in
     ``x.dtype``: decode-sized steps by the weight-only skinny GEMM (``fp8_skinny``), larger ones with activations
-    quantized per token (and per ``bk`` columns with block scales)."""
-    if x.shape[0] <= SKINNY_UP_TO:
+    quantized per token (and per ``bk`` columns with block scales), or taken quantized (``fp8_takes_e4m3``)."""
+    if isinstance(x, QuantizedRows):
+        a, a_scale, dtype = x
+    elif x.shape[0] <= SKINNY_UP_TO:
         return skinny_fp8_linear(x, weight, scale, block)
-    if block is None:
-        a, a_scale = quantize_activations(x, x.shape[-1])
-        if x.shape[0] <= GEMM_UP_TO:
-            return fp8_gemm(a, a_scale, weight, scale, None, x.dtype)
-        return scaled_mm(a, a_scale, weight, scale, x.dtype)
-    a, a_scale = quantize_activations(x, block[1])
-    return fp8_gemm(a, a_scale, weight, scale, block, x.dtype)
+    else:
+        (a, a_scale), dtype = quantize_activations(x, x.shape[-1] if block is None else block[1]), x.dtype
+    if block is None and a.shape[0] > GEMM_UP_TO:
+        return scaled_mm(a, a_scale, weight, scale, dtype)
+    return fp8_gemm(a, a_scale, weight, scale, block, dtype)

@@ -20,6 +20,8 @@ from ..e4m3 import FP8, FP8_MAX, MIN_AMAX
 from .pdl import pdl_args, wait_for_previous
 
 CHUNK = 16384  # columns a program holds at once (32 registers a thread at 16 warps); a longer group is read in steps
+LARGEST = tl.constexpr(FP8_MAX)
+SMALLEST_AMAX = tl.constexpr(MIN_AMAX)
 SMALLEST_NORMAL = tl.constexpr(2.0 ** -6)  # e4m3's; below it the values are whole multiples of SUBNORMAL_STEP
 SUBNORMAL_STEP = tl.constexpr(2.0 ** -9)
 EXPONENT_REBIAS = tl.constexpr((127 - 7) << 3)  # float32's exponent bias to e4m3's, above 3 mantissa bits
@@ -45,8 +47,20 @@ def e4m3_code(y):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, out_ptr, scale_ptr, x_stride, k, group, groups, FP8_MAX: tl.constexpr,
-                     MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def e4m3_scale(amax):
+    """The scale of values whose largest magnitude is ``amax``: ``max(amax, MIN_AMAX) / FP8_MAX``, correctly
+    rounded as torch's division."""
+    return tl.math.div_rn(tl.maximum(amax, SMALLEST_AMAX), LARGEST)
+
+
+@triton.jit
+def e4m3_codes(x, scale):
+    """``x`` (float32) over ``scale``, clamped to ±``FP8_MAX``, as e4m3 codes (uint8)."""
+    return e4m3_code(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -LARGEST), LARGEST)).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, out_ptr, scale_ptr, x_stride, k, group, groups, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program ``(token, g)``: ``scale[token, g] = max(amax, MIN_AMAX) / FP8_MAX`` over the token's columns
     ``[g * group, (g + 1) * group)``, and ``out = e4m3(clamp(x / scale))`` there as codes; ``out`` ``[m, k]``
     uint8, contiguous."""
@@ -59,15 +73,14 @@ def _quantize_kernel(x_ptr, out_ptr, scale_ptr, x_stride, k, group, groups, FP8_
         cols = c + tl.arange(0, BLOCK)
         x = tl.load(x_row + cols, mask=cols < first + group, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), FP8_MAX)
+    scale = e4m3_scale(tl.max(amax, axis=0))
     tl.store(scale_ptr + token * groups + g, scale)
     out_row = out_ptr + token.to(tl.int64) * k
     for c in range(first, first + group, BLOCK):
         cols = c + tl.arange(0, BLOCK)
         ok = cols < first + group
         x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-        tl.store(out_row + cols, e4m3_code(y).to(tl.uint8), mask=ok)
+        tl.store(out_row + cols, e4m3_codes(x, scale), mask=ok)
 
 
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +94,6 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     out = torch.empty((m, k), dtype=FP8, device=x.device)
     scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     block = min(CHUNK, triton.next_power_of_2(group))
-    _quantize_kernel[(m, groups)](x, out.view(torch.uint8), scale, x.stride(0), k, group, groups, FP8_MAX=FP8_MAX,
-                                  MIN_AMAX=MIN_AMAX, BLOCK=block, num_warps=max(4, min(16, block // 512)),
-                                  **pdl_args(x.device))
+    _quantize_kernel[(m, groups)](x, out.view(torch.uint8), scale, x.stride(0), k, group, groups, BLOCK=block,
+                                  num_warps=max(4, min(16, block // 512)), **pdl_args(x.device))
     return out, scale

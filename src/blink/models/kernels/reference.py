@@ -13,26 +13,35 @@ import torch
 import torch.nn.functional as F
 
 from ..hashing import gumbel_noise, row_key
-from ..e4m3 import FP8, FP8_MAX, dequantize
+from ..e4m3 import FP8, FP8_MAX, QuantizedRows, dequantize, quantize_activations
 from .bias import apply_logit_bias  # noqa: F401  (torch and capturable: the same on every device)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """``x`` (+ ``residual``) normalised over the last dim, times ``weight``; returns ``(out, x + residual)``.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             e4m3: bool = False):
+    """``x`` (+ ``residual``) normalised over the last dim, times ``weight``; returns ``(out, x + residual)``, ``out``
+    quantized per token (``QuantizedRows``) with ``e4m3``.
 
     The sum is rounded to ``x.dtype`` before normalising, as HF's decoder layers do.
     """
     if residual is not None:
         x = x + residual
     xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * out.to(x.dtype)), x
+    out = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (_quantized(out) if e4m3 else out), x
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x = [gate | up]`` along the last dim → ``silu(gate) * up`` (written into ``out`` when given)."""
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, e4m3: bool = False):
+    """``x = [gate | up]`` along the last dim → ``silu(gate) * up`` (written into ``out`` when given), quantized per
+    token (``QuantizedRows``) with ``e4m3``."""
     gate, up = x.chunk(2, dim=-1)
+    if e4m3:
+        return _quantized(F.silu(gate) * up)
     return F.silu(gate) * up if out is None else torch.mul(F.silu(gate), up, out=out)
+
+
+def _quantized(x: torch.Tensor) -> QuantizedRows:
+    return QuantizedRows(*quantize_activations(x, x.shape[-1]), x.dtype)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,12 +80,21 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tenso
     return moe_experts(x, weights, ids, gate_up, down)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None) -> torch.Tensor:
     """``x @ W.T`` for e4m3 ``weight [N, K]`` with its float32 scales (per row ``[N]``, or per ``block``
     ``[N/bn, K/bk]``): the weights dequantized to ``x.dtype``, then one GEMM. Activations are not quantized here
-    (the CUDA kernels quantize them per token; their tests hold them to this with quantized activations)."""
+    (the CUDA kernels quantize them per token; their tests hold them to this with quantized activations); ones that
+    come quantized (``QuantizedRows``) are dequantized first."""
+    if isinstance(x, QuantizedRows):
+        x = x.dequantized()
     return F.linear(x, dequantize(weight, scale, block).to(x.dtype))
+
+
+def fp8_takes_e4m3(rows: int, block: tuple[int, int] | None) -> bool:
+    """Whether an FP8 projection of ``rows`` rows takes its activations quantized by the kernel before it: never
+    here, where activations are multiplied as they are."""
+    return False
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
