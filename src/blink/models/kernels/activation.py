@@ -9,9 +9,9 @@ import triton.language as tl
 
 from ..e4m3 import FP8, QuantizedRows
 from .pdl import pdl_args, wait_for_previous
-from .quantize import e4m3_codes, e4m3_scale
+from .quantize import e4m3_codes, e4m3_scale, row_launch
 
-BLOCK = 1024  # columns a program holds at once
+BLOCK = 1024  # columns a program of the plain kernel holds
 
 
 @triton.jit
@@ -53,12 +53,14 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, e4m3: bool = 
     """``x [T, 2I]`` contiguous → ``[T, I]`` (written into ``out``, contiguous, when given), or with ``e4m3`` a
     ``QuantizedRows`` of it."""
     t, n = x.shape[0], x.shape[1] // 2
-    block = min(BLOCK, triton.next_power_of_2(n))
-    if e4m3:
+    if e4m3:  # one program a row (its scale needs the whole row), holding as much of it as the quantization does
         codes = torch.empty((t, n), dtype=FP8, device=x.device)
         scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
-        _silu_and_mul_e4m3_kernel[(t,)](x, codes.view(torch.uint8), scale, n, BLOCK=block, **pdl_args(x.device))
+        block, warps = row_launch(n)
+        _silu_and_mul_e4m3_kernel[(t,)](x, codes.view(torch.uint8), scale, n, BLOCK=block, num_warps=warps,
+                                        **pdl_args(x.device))
         return QuantizedRows(codes, scale, x.dtype)
+    block = min(BLOCK, triton.next_power_of_2(n))
     out = torch.empty((t, n), dtype=x.dtype, device=x.device) if out is None else out
     _silu_and_mul_kernel[(t, triton.cdiv(n, block))](x, out, n, BLOCK=block, **pdl_args(x.device))
     return out

@@ -1,7 +1,8 @@
 """FP8 projections on Hopper; reference: ``reference.fp8_linear`` (dequantize, then one GEMM).
 
 Activations are quantized per token inside the step (``kernels.quantize``: one kernel, fixed shapes, no host
-reads, so it captures into the step graph), then:
+reads, so it captures into the step graph), or come quantized from the kernel before the projection (``QuantizedRows``
+from the RMSNorms and SiLU-and-multiply, where ``fp8_takes_e4m3``), then:
 
 - per-row weight scales: ``torch._scaled_mm`` with row-wise scaling (cuBLASLt on sm90 with CUDA >= 12.9, else
   CUTLASS). Its contract (torch 2.11, ``ScaledBlas.cpp``): the first operand row-major ``[M, K]``, the second

@@ -83,6 +83,13 @@ def _quantize_kernel(x_ptr, out_ptr, scale_ptr, x_stride, k, group, groups, BLOC
         tl.store(out_row + cols, e4m3_codes(x, scale), mask=ok)
 
 
+def row_launch(n: int) -> tuple[int, int]:
+    """The columns a program holds at once and its warps, for programs that each quantize ``n`` columns of a row:
+    the whole row up to ``CHUNK`` (read twice, the second time from cache), 32 values a thread."""
+    block = min(CHUNK, triton.next_power_of_2(n))
+    return block, max(4, min(16, block // 512))
+
+
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` → (e4m3 ``[M, K]``, float32 scales ``[M, K / group]``): each row's ``group`` consecutive columns
     scaled so that their largest magnitude is ``FP8_MAX`` (``group = K``: one scale per token)."""
@@ -93,7 +100,7 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     groups = k // group
     out = torch.empty((m, k), dtype=FP8, device=x.device)
     scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
-    block = min(CHUNK, triton.next_power_of_2(group))
+    block, warps = row_launch(group)
     _quantize_kernel[(m, groups)](x, out.view(torch.uint8), scale, x.stride(0), k, group, groups, BLOCK=block,
-                                  num_warps=max(4, min(16, block // 512)), **pdl_args(x.device))
+                                  num_warps=warps, **pdl_args(x.device))
     return out, scale
