@@ -8,10 +8,9 @@
 #   models  bench/model_bench.py: the four full-size models (Llama-3-8B, Phi-4, Qwen3-32B, Qwen3-30B-A3B)
 #   fp8     bench/model_bench.py --quantization fp8: the same models with FP8 projections, per-row scales, then
 #           128x128 block scales (not in the default list: `bash bench/models_gpu.sh fp8`)
-#   fp8kv   the same, per-row scales, with the KV cache in e4m3 too (--kv-cache-dtype fp8; not in the default list)
 #   profile the same for the steps in PROFILE (default "1,1024 64,1024 prefill") only, each broken down per kernel,
 #           in a process of its own (graph replays after a CUPTI profile in the same process are slower)
-#   bash bench/models_gpu.sh [tests] [moe] [engine] [models] [fp8] [fp8kv] [profile] [-- model_bench.py arguments, e.g.
+#   bash bench/models_gpu.sh [tests] [moe] [engine] [models] [fp8] [profile] [-- model_bench.py arguments, e.g.
 #   --models phi-4]
 # Logs and JSON go under $OUT (default ./out).
 set -uo pipefail
@@ -41,12 +40,10 @@ for part in "${parts[@]}"; do
            | tee "$OUT/model_bench_fp8.log"
          python3 -m bench.model_bench --quantization fp8 --weight-block-size 128 128 \
            --out "$OUT/model_bench_fp8_block.json" "$@" 2>&1 | tee "$OUT/model_bench_fp8_block.log" ;;
-    fp8kv) python3 -m bench.model_bench --quantization fp8 --kv-cache-dtype fp8 --out "$OUT/model_bench_fp8kv.json" \
-             "$@" 2>&1 | tee "$OUT/model_bench_fp8kv.log" ;;
     profile) read -ra shapes <<< "${PROFILE:-1,1024 64,1024 prefill}"
              python3 -m bench.model_bench --out "$OUT/model_bench_profile.json" --profile "${shapes[@]}" "$@" 2>&1 \
                | tee "$OUT/model_bench_profile.log" ;;
-    *) echo "unknown part: $part (tests | moe | engine | models | fp8 | fp8kv | profile)"; false ;;
+    *) echo "unknown part: $part (tests | moe | engine | models | fp8 | profile)"; false ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "$part: rc=$rc in $((SECONDS - start)) s"
