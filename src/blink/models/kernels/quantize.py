@@ -6,9 +6,10 @@ projection (cast, abs, amax, clamp, two divisions, clamp, cast); here it is one 
 twice (the amax, then the scaled values), from cache the second time, in steps of up to ``CHUNK`` columns.
 
 The kernel writes each value's e4m3 code itself (``e4m3_code``: nearest, ties to even, as torch's cast) rather than
-casting: Triton's interpreter casts float32 to e4m3 with ties away from zero and loses the carry into the exponent
-(126 → 64), so a cast could not be checked on the CPU. Its divisions are correctly rounded (``div_rn``), as torch's are
-on the CPU; torch on CUDA multiplies by a scalar divisor's reciprocal instead, so the reference runs on the CPU.
+casting: Triton's interpreter casts float32 to e4m3 with ties away from zero, and a mantissa that rounds past its top
+bit does not raise the exponent (126 → 64), so a cast could not be checked on the CPU. Its divisions are correctly
+rounded (``div_rn``), as torch's are on the CPU; torch on CUDA multiplies by a scalar divisor's reciprocal instead, so
+the reference runs on the CPU.
 """
 from __future__ import annotations
 
@@ -31,9 +32,10 @@ EXPONENT_REBIAS = tl.constexpr((127 - 7) << 3)  # float32's exponent bias to e4m
 def e4m3_code(y):
     """The e4m3 code (int32 in [0, 255]) of float32 ``y``, ``|y| <= FP8_MAX``: nearest, ties to even.
 
-    A normal value keeps 3 mantissa bits: add half a step less one, plus the kept part's lowest bit (ties to even),
-    and drop the 20 others; a carry moves into the exponent as it should, and the exponent is rebiased. A subnormal
-    one is a whole number of 2^-9 steps: its floor and the remainder are exact in float32, so the tie test is too."""
+    A normal value keeps 3 mantissa bits: add half a step less one, plus the kept part's lowest bit (ties to even), and
+    drop the 20 others; a mantissa that rounds past its top bit raises the exponent, as it should, and the exponent is
+    rebiased. A subnormal one is a whole number of 2^-9 steps: its floor and the remainder are exact in float32, so the
+    tie test is too."""
     bits = y.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
