@@ -24,13 +24,15 @@
 #   WARMUPS (0; serving_gpu.sh's: with the caches off, warm-up requests fill no cache): give the MoE shape
 #   WARMUPS=$PROMPTS, since vLLM compiles its fused-MoE Triton kernel for the first mixed batches it meets (a 1.6 s
 #   stall inside an unwarmed run); VLLM_PROMPTS=0 or PROMPTS=0 runs one server alone, to split a cell over two runs
-#   BLINK_ARGS (more `blink serve` options in every cell, e.g. "--cuda-graph-sizes 1 2 4 8 16 24 32 ...")
+#   BLINK_ARGS (more `blink serve` options in every cell, e.g. "--cuda-graph-sizes 1 2 4 8 16 24 32 ...") and
+#   VLLM_MORE_ARGS (more `vllm serve` options in every cell, e.g. "--kv-cache-dtype fp8" beside BLINK_ARGS' own)
 #   BLINK_COMMIT (recorded). CPU dry run without vLLM: VLLM_PROMPTS=0 SHAPE=tiny-qwen3 DEVICE=cpu PROMPTS=8
 #   RATES=4,inf PEER_PROMPTS=2 HOGS=2 BENCH_ARGS="--output-len 16" bash bench/peers/compare_gpu.sh cold
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out} PROMPTS=${PROMPTS:-128} RATES=${RATES:-16,64,inf} PEER_PROMPTS=${PEER_PROMPTS:-8}
 VLLM_PROMPTS=${VLLM_PROMPTS:-$PROMPTS} BENCH_ARGS=${BENCH_ARGS:-} BLINK_ARGS=${BLINK_ARGS:-}
+VLLM_MORE_ARGS=${VLLM_MORE_ARGS:-}
 cell=${1:?usage: bash bench/peers/compare_gpu.sh warm|cold|fp8|structured|peer|report}
 NO_CACHE=--no-enable-prefix-caching
 COLD_RUNS=${COLD_RUNS:-"sweep:;closed:--sweep inf --max-concurrency 64;batch1:--sweep inf --max-concurrency 1 \
@@ -51,13 +53,14 @@ run() {
 }
 
 case "$cell" in
-  warm) run warm PEER_PROMPTS=0 WARMUPS="$PROMPTS" SERVE_ARGS="$BLINK_ARGS" ;;
-  cold) run cold PEER_PROMPTS=0 SERVE_ARGS="$NO_CACHE $BLINK_ARGS" VLLM_ARGS="$NO_CACHE" RUNS="$COLD_RUNS" ;;
+  warm) run warm PEER_PROMPTS=0 WARMUPS="$PROMPTS" SERVE_ARGS="$BLINK_ARGS" VLLM_ARGS="$VLLM_MORE_ARGS" ;;
+  cold) run cold PEER_PROMPTS=0 SERVE_ARGS="$NO_CACHE $BLINK_ARGS" VLLM_ARGS="$NO_CACHE $VLLM_MORE_ARGS" \
+    RUNS="$COLD_RUNS" ;;
   fp8) run fp8 PEER_PROMPTS=0 SERVE_ARGS="$NO_CACHE --quantization fp8 $BLINK_ARGS" \
-    VLLM_ARGS="$NO_CACHE --quantization fp8" RUNS="$COLD_RUNS" ;;
+    VLLM_ARGS="$NO_CACHE --quantization fp8 $VLLM_MORE_ARGS" RUNS="$COLD_RUNS" ;;
   structured) run structured PEER_PROMPTS=0 HOGS=0 TOKENIZER=bytes WARMUPS=8 SERVE_ARGS="$NO_CACHE $BLINK_ARGS" \
-    VLLM_ARGS="$NO_CACHE" RUNS="plain:--sweep inf --max-concurrency 64 --no-ignore-eos;json:--sweep inf \
---max-concurrency 64 --no-ignore-eos --json-schema bench/schemas/record.json" ;;
+    VLLM_ARGS="$NO_CACHE $VLLM_MORE_ARGS" RUNS="plain:--sweep inf --max-concurrency 64 --no-ignore-eos;json:--sweep \
+inf --max-concurrency 64 --no-ignore-eos --json-schema bench/schemas/record.json" ;;
   peer) run peer PROMPTS=0 VLLM_PROMPTS=0 PEER_PROMPTS="$PEER_PROMPTS" PEER_TIMEOUT=400 ;;
   report)
     for report in "$OUT"/{warm,cold,fp8,structured,peer}/serving_report*.txt; do
