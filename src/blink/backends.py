@@ -134,7 +134,8 @@ class CpuBackend:
         from blink.ring.layout import RingLayout
 
         page_size = config.scheduler.page_size
-        page_bytes = pool_page_bytes(model, page_size, pool_kv_dtype(config, model))
+        kv_dtype = pool_kv_dtype(config, model)
+        page_bytes = pool_page_bytes(model, page_size, kv_dtype)
         num_pages = config.scheduler.num_pages or int(config.cpu_kv_cache_gib * 2**30 // page_bytes)
         budget = _budget(config, "cpu_kv_cache_gib")
         self.config = scheduler_config(config, max_model_len, num_pages, eos_token_ids, budget)
@@ -143,7 +144,7 @@ class CpuBackend:
             raise ValueError(f"a KV cache of {num_pages} pages takes {num_pages * page_bytes / 2**30:.1f} GiB, more "
                              f"than this host's {host_bytes / 2**30:.1f} GiB of memory: lower {budget}")
         self.model = model
-        self.kv = model.allocate_kv_cache(num_pages, page_size, pool_kv_dtype(config, model))
+        self.kv = model.allocate_kv_cache(num_pages, page_size, kv_dtype)
         _log_pool(num_pages, page_size, page_bytes)
         self.step = StepBuffers(step_layout(self.config, max_model_len, geometry))
         self.history = TokenHistory.allocate(num_pages, page_size, TokenHistory.scratch(
@@ -229,12 +230,13 @@ class GpuBackend:
         self.step = StepBuffers(step_layout(config.scheduler, max_model_len, geometry), "cuda")
         # Allocated before the pool is sized, so that it counts as taken.
         counts = TokenHistory.scratch(self.step.layout.max_num_seqs, model.lm_head_weight().shape[0], "cuda")
-        page_bytes = pool_page_bytes(model, page_size, pool_kv_dtype(config, model))
+        kv_dtype = pool_kv_dtype(config, model)
+        page_bytes = pool_page_bytes(model, page_size, kv_dtype)
         num_pages = config.scheduler.num_pages or self._pages_that_fit(config, page_bytes, counts,
                                                                        geometry.max_grammar_bytes)
         self.config = scheduler_config(config, max_model_len, num_pages, eos_token_ids,
                                        _budget(config, "gpu_memory_utilization"))
-        self.kv = model.allocate_kv_cache(num_pages, page_size, pool_kv_dtype(config, model))
+        self.kv = model.allocate_kv_cache(num_pages, page_size, kv_dtype)
         self.history = TokenHistory.allocate(num_pages, page_size, counts)
         _log_pool(num_pages, page_size, page_bytes)
         _check_grammar_vocab(geometry, model)
