@@ -72,8 +72,13 @@ class MLP(nn.Module):
         self.down_proj = Projection(c.hidden_size, c.intermediate_size, c.quantization, **kw)
 
     def forward(self, x, ops):
+        """SiLU-and-multiply in the gate/up projection where it ``gates`` the rows, else a kernel of its own that
+        hands the down projection its rows quantized where that one ``takes_e4m3`` them."""
+        rows = x.shape[0]
+        if self.gate_up_proj.gates(rows, ops):
+            return self.down_proj(self.gate_up_proj(x, ops, gated=True), ops)
         gate_up = self.gate_up_proj(x, ops)
-        return self.down_proj(ops.silu_and_mul(gate_up, e4m3=self.down_proj.takes_e4m3(gate_up.shape[0], ops)), ops)
+        return self.down_proj(ops.silu_and_mul(gate_up, e4m3=self.down_proj.takes_e4m3(rows, ops)), ops)
 
     def takes_e4m3(self, rows: int, ops) -> bool:
         return self.gate_up_proj.takes_e4m3(rows, ops)

@@ -20,6 +20,11 @@ class QuantizedRows(NamedTuple):
     scales: torch.Tensor
     dtype: torch.dtype
 
+    @property
+    def shape(self) -> torch.Size:
+        """The shape of the rows it stands for."""
+        return self.values.shape
+
     def dequantized(self) -> torch.Tensor:
         return (self.values.float() * self.scales).to(self.dtype)
 

@@ -43,11 +43,18 @@ class Projection(nn.Module):
     def block(self) -> tuple[int, int] | None:
         return None if self.quant is None else self.quant.weight_block_size
 
-    def forward(self, x, ops) -> torch.Tensor:
-        """``x``: activations, or for an FP8 projection that ``takes_e4m3`` them, ``QuantizedRows``."""
+    def forward(self, x, ops, gated: bool = False) -> torch.Tensor:
+        """``x``: activations, or for an FP8 projection that ``takes_e4m3`` them, ``QuantizedRows``. ``gated``
+        (an FP8 gate/up projection that ``gates`` its rows): ``silu(gate) * up`` of the output."""
         if self.quant is None:
+            assert not gated, "only FP8 projections return their SiLU-and-multiply (ops.fp8_gated)"
             return F.linear(x, self.weight)
-        return ops.fp8_linear(x, self.weight, self.scale, self.block)
+        return ops.fp8_linear(x, self.weight, self.scale, self.block, gated)
+
+    def gates(self, rows: int, ops) -> bool:
+        """Whether this projection, as a gate/up one, returns the SiLU-and-multiply of ``rows`` rows itself
+        (``ops.fp8_gated``)."""
+        return self.quant is not None and ops.fp8_gated(rows, self.block)
 
     def takes_e4m3(self, rows: int, ops) -> bool:
         """Whether the kernel before this projection should hand it ``rows`` activations quantized
