@@ -73,15 +73,15 @@ class MLP(nn.Module):
 
     def forward(self, x, ops):
         """SiLU-and-multiply in the gate/up projection where it ``gates`` the rows, else a kernel of its own that
-        hands the down projection its rows quantized where that one ``takes_e4m3`` them."""
+        hands the down projection its rows quantized as that one asks (``e4m3_group``)."""
         rows = x.shape[0]
         if self.gate_up_proj.gates(rows, ops):
             return self.down_proj(self.gate_up_proj(x, ops, gated=True), ops)
         gate_up = self.gate_up_proj(x, ops)
-        return self.down_proj(ops.silu_and_mul(gate_up, e4m3=self.down_proj.takes_e4m3(rows, ops)), ops)
+        return self.down_proj(ops.silu_and_mul(gate_up, e4m3_group=self.down_proj.e4m3_group(rows, ops)), ops)
 
-    def takes_e4m3(self, rows: int, ops) -> bool:
-        return self.gate_up_proj.takes_e4m3(rows, ops)
+    def e4m3_group(self, rows: int, ops) -> int:
+        return self.gate_up_proj.e4m3_group(rows, ops)
 
 
 class SparseMoE(nn.Module):
@@ -101,9 +101,9 @@ class SparseMoE(nn.Module):
         self.experts.down_proj = Projection(c.hidden_size, c.moe_intermediate_size, q, experts=e, **kw)
         self.top_k, self.renormalize = c.num_experts_per_tok, c.norm_topk_prob
 
-    def takes_e4m3(self, rows: int, ops) -> bool:
-        """Never: the router reads the activations too, and the fused MoE kernel quantizes its own."""
-        return False
+    def e4m3_group(self, rows: int, ops) -> int:
+        """0, as they are: the router reads the activations too, and the fused MoE kernel quantizes its own."""
+        return 0
 
     def forward(self, x, ops):
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
@@ -130,10 +130,10 @@ class DecoderLayer(nn.Module):
         """Each norm hands an FP8 projection after it its rows quantized where that projection takes them so."""
         rows = h.shape[0]
         x, residual = ops.rms_norm(h, self.input_layernorm.weight, self.eps, residual,
-                                   e4m3=self.self_attn.qkv_proj.takes_e4m3(rows, ops))
+                                   e4m3_group=self.self_attn.qkv_proj.e4m3_group(rows, ops))
         h = self._summed(self.self_attn(x, positions, cos_sin, kv_layer, slot_mapping, plan, ops))
         x, residual = ops.rms_norm(h, self.post_attention_layernorm.weight, self.eps, residual,
-                                   e4m3=self.mlp.takes_e4m3(rows, ops))
+                                   e4m3_group=self.mlp.e4m3_group(rows, ops))
         return self._summed(self.mlp(x, ops)), residual
 
     def _summed(self, out: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,10 @@ MIN_AMAX = 1e-12      # a row of zeros gets this amax, not a zero scale (its qua
 
 
 class QuantizedRows(NamedTuple):
-    """Activations already in e4m3, as the kernel that produced them quantized them per token (``values [M, K]``,
-    float32 ``scales [M, 1]``), standing for ``dtype`` ones: an FP8 projection with per-row weight scales takes them
-    as they are (``ops.fp8_takes_e4m3``)."""
+    """Activations already in e4m3, as the kernel that produced them quantized them per token and group of columns
+    (``values [M, K]``, float32 ``scales [M, K / group]``: ``[M, 1]`` for one scale a token), standing for ``dtype``
+    ones: an FP8 projection takes them as they are (``ops.fp8_takes_e4m3``), per token with per-row weight scales,
+    per token and weight block's columns with block scales."""
 
     values: torch.Tensor
     scales: torch.Tensor
@@ -26,7 +27,8 @@ class QuantizedRows(NamedTuple):
         return self.values.shape
 
     def dequantized(self) -> torch.Tensor:
-        return (self.values.float() * self.scales).to(self.dtype)
+        grouped = self.values.float().unflatten(-1, (self.scales.shape[-1], -1))
+        return (grouped * self.scales[..., None]).flatten(-2).to(self.dtype)
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,8 +44,8 @@ class Projection(nn.Module):
         return None if self.quant is None else self.quant.weight_block_size
 
     def forward(self, x, ops, gated: bool = False) -> torch.Tensor:
-        """``x``: activations, or for an FP8 projection that ``takes_e4m3`` them, ``QuantizedRows``. ``gated``
-        (an FP8 gate/up projection that ``gates`` its rows): ``silu(gate) * up`` of the output."""
+        """``x``: activations, or ``QuantizedRows`` for an FP8 projection that asks for them so (``e4m3_group``).
+        ``gated`` (an FP8 gate/up projection that ``gates`` its rows): ``silu(gate) * up`` of the output."""
         if self.quant is None:
             assert not gated, "only FP8 projections return their SiLU-and-multiply (ops.fp8_gated)"
             return F.linear(x, self.weight)
@@ -56,10 +56,13 @@ class Projection(nn.Module):
         (``ops.fp8_gated``)."""
         return self.quant is not None and ops.fp8_gated(rows, self.block)
 
-    def takes_e4m3(self, rows: int, ops) -> bool:
-        """Whether the kernel before this projection should hand it ``rows`` activations quantized
+    def e4m3_group(self, rows: int, ops) -> int:
+        """How the kernel before this projection should hand it ``rows`` activations: quantized with one scale per
+        token and this many columns (its input width, or a weight block's), or 0, as they are
         (``ops.fp8_takes_e4m3``)."""
-        return self.quant is not None and ops.fp8_takes_e4m3(rows, self.block)
+        if self.quant is None or not ops.fp8_takes_e4m3(rows, self.block):
+            return 0
+        return self.weight.shape[-1] if self.block is None else self.block[1]
 
     @torch.no_grad()
     def quantize_(self, quant: Fp8Config) -> None:

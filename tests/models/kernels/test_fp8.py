@@ -261,9 +261,9 @@ def test_fp8_model_step_on_triton_ops_matches_the_reference_path(backend, layout
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fp8_model_step_beyond_decode_size_matches_the_reference_path(backend, layout):
-    """A 48-token prefill (beyond ``SKINNY_UP_TO`` rows): with per-row scales each norm and SiLU-and-multiply hands
-    its FP8 projection the rows quantized (``fp8_takes_e4m3``), with block scales the projection quantizes them;
-    either way the logits are the reference path's with activations quantized where the CUDA ops quantize them."""
+    """A 48-token prefill (beyond ``SKINNY_UP_TO`` rows): each norm and SiLU-and-multiply hands its FP8 projection the
+    rows quantized (``fp8_takes_e4m3``: per token, and per weight block's columns with block scales); the logits are
+    the reference path's with activations quantized where the CUDA ops quantize them."""
     device, dtype, tol = backend
     from blink.models.kernels import OPS, triton_ops
     from blink.models.kernels.fp8 import SKINNY_UP_TO
@@ -281,9 +281,9 @@ def test_fp8_model_step_beyond_decode_size_matches_the_reference_path(backend, l
     asked = []
 
     def recorded(op):
-        def call(*args, e4m3=False, **kwargs):
-            asked.append(e4m3)
-            return op(*args, e4m3=e4m3, **kwargs)
+        def call(*args, e4m3_group=0, **kwargs):
+            asked.append(e4m3_group)
+            return op(*args, e4m3_group=e4m3_group, **kwargs)
         return call
 
     model.ops = SimpleNamespace(**{**{name: getattr(triton_ops, name) for name in OPS},
@@ -291,7 +291,9 @@ def test_fp8_model_step_beyond_decode_size_matches_the_reference_path(backend, l
                                    "silu_and_mul": recorded(triton_ops.silu_and_mul)})
     runner = Runner(model)
     got, _, _ = runner.step([runner.chunk(0, tokens, 0)])
-    assert asked.count(True) == (3 * config.num_layers if layout == "per-row" else 0)  # 2 norms, 1 SiLU a layer
+    group = (config.hidden_size, config.intermediate_size) if layout == "per-row" else (64, 64)
+    wanted = [group[0], group[0], group[1]] * config.num_layers  # 2 norms, then SiLU, a layer
+    assert [g for g in asked if g] == wanted, asked
     assert rel_err(got, want) < (1e-3 if dtype == torch.float32 else 3e-2)
 
 

@@ -134,10 +134,10 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scal
 
 
 def fp8_takes_e4m3(rows: int, block: tuple[int, int] | None) -> bool:
-    """Whether an FP8 projection of ``rows`` rows takes its activations quantized per token by the kernel that
-    produces them (RMSNorm, SiLU-and-multiply: ``QuantizedRows``), saving the quantization's launch: per-row weight
-    scales beyond the skinny GEMM's rows."""
-    return block is None and rows > SKINNY_UP_TO
+    """Whether an FP8 projection of ``rows`` rows takes its activations quantized by the kernel that produces them
+    (RMSNorm, SiLU-and-multiply: ``QuantizedRows``, per token, and per ``bk`` columns with block scales), saving the
+    quantization's launch: beyond the skinny GEMM's rows."""
+    return rows > SKINNY_UP_TO
 
 
 def fp8_gated(rows: int, block: tuple[int, int] | None) -> bool:

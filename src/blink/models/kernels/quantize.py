@@ -62,6 +62,27 @@ def e4m3_codes(x, scale):
 
 
 @triton.jit
+def store_codes(values, out_ptr, scale_ptr, n, groups, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """``BLOCK`` float32 ``values`` of a row (zero past its ``n`` columns) quantized per ``GROUP`` columns: group
+    ``g``'s scale to ``scale_ptr[g]`` for ``g < groups``, the codes to ``out_ptr[:n]`` (uint8). ``GROUP`` divides
+    ``BLOCK``; ``GROUP == BLOCK`` quantizes the whole row with one scale."""
+    g = tl.arange(0, BLOCK // GROUP)
+    grouped = tl.reshape(values, [BLOCK // GROUP, GROUP])
+    scale = e4m3_scale(tl.max(tl.abs(grouped), axis=1))
+    tl.store(scale_ptr + g, scale, mask=g < groups)
+    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    tl.store(out_ptr + cols, e4m3_codes(grouped, scale[:, None]), mask=cols < n)
+
+
+def check_group(n: int, group: int) -> None:
+    """A kernel that hands over its rows quantized takes ``group``: ``n`` (one scale a row) or a power of two of at
+    least 16 that divides ``n`` (a weight block's columns)."""
+    if group != n and (group < 16 or group & (group - 1) or n % group):
+        raise ValueError(f"e4m3_group must be the row's {n} columns or a power of two >= 16 dividing them "
+                         f"(got {group!r})")
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, out_ptr, scale_ptr, x_stride, k, group, groups, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program ``(token, g)``: ``scale[token, g] = max(amax, MIN_AMAX) / FP8_MAX`` over the token's columns
     ``[g * group, (g + 1) * group)``, and ``out = e4m3(clamp(x / scale))`` there as codes; ``out`` ``[m, k]``

@@ -18,9 +18,9 @@ from .bias import apply_logit_bias  # noqa: F401  (torch and capturable: the sam
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             e4m3: bool = False):
+             e4m3_group: int = 0):
     """``x`` (+ ``residual``) normalised over the last dim, times ``weight``; returns ``(out, x + residual)``, ``out``
-    quantized per token (``QuantizedRows``) with ``e4m3``.
+    quantized per token and ``e4m3_group`` columns (``QuantizedRows``) when given.
 
     The sum is rounded to ``x.dtype`` before normalising, as HF's decoder layers do.
     """
@@ -28,20 +28,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         x = x + residual
     xf = x.float()
     out = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (_quantized(out) if e4m3 else out), x
+    return (_quantized(out, e4m3_group) if e4m3_group else out), x
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, e4m3: bool = False):
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, e4m3_group: int = 0):
     """``x = [gate | up]`` along the last dim → ``silu(gate) * up`` (written into ``out`` when given), quantized per
-    token (``QuantizedRows``) with ``e4m3``."""
+    token and ``e4m3_group`` columns (``QuantizedRows``) when given."""
     gate, up = x.chunk(2, dim=-1)
-    if e4m3:
-        return _quantized(F.silu(gate) * up)
+    if e4m3_group:
+        return _quantized(F.silu(gate) * up, e4m3_group)
     return F.silu(gate) * up if out is None else torch.mul(F.silu(gate), up, out=out)
 
 
-def _quantized(x: torch.Tensor) -> QuantizedRows:
-    return QuantizedRows(*quantize_activations(x, x.shape[-1]), x.dtype)
+def _quantized(x: torch.Tensor, group: int) -> QuantizedRows:
+    return QuantizedRows(*quantize_activations(x, group), x.dtype)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
