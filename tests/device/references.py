@@ -105,7 +105,7 @@ class WaitingQueue:
     loaded: dict[int, Request] = field(default_factory=dict)    # queued slot -> the header copied at the scan
 
     def scan(self, ring: list[Request]) -> dict[str, int]:
-        counts = dict(new=0, refused=0, cancelled=0, rejected=0)
+        counts = dict(new=0, refused=0, cancelled=0)
         new = []
         for r in ring:
             if r.state != READY or r.slot in self.seen:
@@ -125,7 +125,7 @@ class WaitingQueue:
         return counts
 
     def cancel_queued(self, ring: list[Request]) -> dict[str, int]:
-        counts = dict(new=0, refused=0, cancelled=0, rejected=0)
+        counts = dict(new=0, refused=0, cancelled=0)
         kept = []
         for key, slot in self.queue:
             if cancelled(ring[slot]):
@@ -151,7 +151,7 @@ class WaitingQueue:
         self.seen[slot] = REFUSED
         self.pending[slot] = reason
         counts["refused"] += 1
-        counts["cancelled" if reason == FINISH_ABORT else "rejected"] += 1
+        counts["cancelled"] += reason == FINISH_ABORT
 
 
 # -- admission and planning ---------------------------------------------------------------------------------------

@@ -108,7 +108,7 @@ class Ring:
         before = int(self.s.sched[0].pending_finished)
         launch(self.kernel, self.threads, self.s, np.array([int(cancels), int(scan)], np.int32), self.counters)
         ring = ref.read_ring(self.view)
-        counts = dict(new=0, refused=0, cancelled=0, rejected=0)
+        counts = dict(new=0, refused=0, cancelled=0)
         for phase, run in ((self.reference.cancel_queued, cancels), (self.reference.scan, scan)):
             if run:
                 for name, value in phase(ring).items():
@@ -140,8 +140,8 @@ class Ring:
             stops = self.view.stop_token_ids[slot, :request.n_stop]
             assert s.seq_stop[slot, :request.n_stop].tolist() == stops.tolist()
         c = self.counters
-        assert (c[COUNT.new], c[COUNT.refused], c[COUNT.finished], c[COUNT.cancelled], c[COUNT.rejected]) == \
-            (counts["new"], counts["refused"], counts["refused"], counts["cancelled"], counts["rejected"])
+        assert (c[COUNT.new], c[COUNT.refused], c[COUNT.finished], c[COUNT.cancelled]) == \
+            (counts["new"], counts["refused"], counts["refused"], counts["cancelled"])
 
     # What the rest of the scheduler (admit, publish) and the agent do between iterations.
 

@@ -263,7 +263,6 @@ class Counts(NamedTuple):
     cancelled: int
     new: int
     admitted: int
-    rejected: int
     preempted: int
     victim: int
     scan: int

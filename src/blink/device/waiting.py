@@ -86,8 +86,6 @@ def refuse(s, sh, slot, reason):
     cuda.atomic.add(sh.counters, COUNT.finished, 1)
     if reason == FINISH_ABORT:
         cuda.atomic.add(sh.counters, COUNT.cancelled, 1)
-    else:
-        cuda.atomic.add(sh.counters, COUNT.rejected, 1)
 
 
 @cuda.jit(device=True)
