@@ -2,7 +2,6 @@
 FP8 fused MoE against float64 references of the dequantized weights: in Triton's interpreter on the CPU (float32
 activations) and on the GPU (bf16, ``gpu`` marker). The references quantize the activations as the kernels do
 (``quantize_activations``), so what is left is the kernels' own arithmetic."""
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -117,8 +116,8 @@ def test_skinny_fp8_gate_up_returns_silu_and_mul_of_its_output(backend, tokens, 
     x = torch.randn(tokens, 320, device=device, dtype=dtype)
     out = fp8_linear(x, weight, scale, block, gated=True)
     assert out.dtype == dtype and out.shape == (tokens, 192)
-    whole = replace(skinny_tiles(tokens, 2 * 192, 320, block), split_k=1)  # as the gated GEMM sums
-    unfused = silu_and_mul(skinny_fp8_linear(x, weight, scale, block, whole))
+    shape = skinny_tiles(tokens, 2 * 192, 320, block, gated=True)  # the plain GEMM summing as the gated one does
+    unfused = silu_and_mul(skinny_fp8_linear(x, weight, scale, block, shape))
     assert torch.equal(out, unfused) if dtype == torch.float32 else rel_err(out, unfused) < tol
     gate, up = (x.double() @ dequantize(weight, scale, block).double().T).chunk(2, dim=-1)
     assert rel_err(out, torch.nn.functional.silu(gate) * up) < tol

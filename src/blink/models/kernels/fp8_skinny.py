@@ -43,13 +43,15 @@ class SkinnyTiles:
         check_tiles(self)
 
 
-def skinny_tiles(m: int, n: int, k: int, block: tuple[int, int] | None) -> SkinnyTiles:
+def skinny_tiles(m: int, n: int, k: int, block: tuple[int, int] | None, gated: bool = False) -> SkinnyTiles:
     """The launch shape of ``m`` rows through a projection of ``n`` outputs and ``k`` inputs, from the sweeps of
     ``bench/experiments/fp8_gemv_bench.py`` (Qwen3-8B's projections; up to 16 rows on the H200, each rule within
     1.14x of the best shape there; 32 rows on an H100, each the best shape there). Up to 16 rows: 32-row tiles over
     128 columns; a long reduction (``k >= 2n``: few output tiles, each a long way to stream) split 4 ways over 64-row
     tiles. Beyond: 64-row tiles, the reduction split 4 ways unless the tiles alone number ``TARGET_PROGRAMS``. With
-    block scales a tile must not straddle a weight block."""
+    block scales a tile must not straddle a weight block. ``gated`` (a gate/up projection's ``n = 2I`` rows, its
+    SiLU-and-multiply in the epilogue): the plain GEMM's programs, each streaming as many rows (half a tile of gate,
+    half of up), the reduction unsplit."""
     if m > 16:
         split_k = 4 if triton.cdiv(n, 64) <= TARGET_PROGRAMS else 1
         tiles = SkinnyTiles(block_n=64, block_k=128, split_k=split_k, num_stages=3)
@@ -57,6 +59,8 @@ def skinny_tiles(m: int, n: int, k: int, block: tuple[int, int] | None) -> Skinn
         tiles = SkinnyTiles(block_n=64, block_k=256 if block is None else 128, split_k=4, num_stages=3)
     else:
         tiles = SkinnyTiles(block_n=32, block_k=128, num_stages=4)
+    if gated:
+        tiles = replace(tiles, block_n=max(16, tiles.block_n // 2), split_k=1)
     if block is None:
         return tiles
     return replace(tiles, block_n=min(tiles.block_n, block[0]), block_k=min(tiles.block_k, block[1]))
@@ -128,7 +132,7 @@ def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     (m, k), n = x.shape, weight.shape[0] // (2 if gated else 1)
     if m > SKINNY_MAX_TOKENS:
         raise ValueError(f"skinny_fp8_linear takes at most {SKINNY_MAX_TOKENS} rows (got {m})")
-    tiles = tiles or skinny_tiles(m, weight.shape[0], k, block)
+    tiles = tiles or skinny_tiles(m, weight.shape[0], k, block, gated)
     if gated:
         tiles = replace(tiles, split_k=1)
         if block is not None and n % block[0]:
