@@ -33,11 +33,11 @@ def is_projection(name: str) -> bool:
     return name.endswith("_proj.weight")
 
 
-def quantize(w: torch.Tensor, variant: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+def quantize(w: torch.Tensor, variant: str, block=BLOCK) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """(e4m3 weight, its scale tensors by leaf name, the dequantized weight in float32)."""
     w = w.float()
     if variant == "fp8-block":
-        bn, bk = BLOCK
+        bn, bk = block
         tiles = w.unflatten(1, (-1, bk)).unflatten(0, (-1, bn))  # [N/bn, bn, K/bk, bk]
         scale = tiles.abs().amax(dim=(1, 3)) / E4M3_MAX
         full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
@@ -55,9 +55,10 @@ def quantize(w: torch.Tensor, variant: str) -> tuple[torch.Tensor, dict[str, tor
     return q, {"weight_scale": stored, **extra}, q.float() * scale
 
 
-def write_fp8_checkpoint(hf_model, path, variant: str):
-    """Save ``hf_model`` to ``path`` as the FP8 checkpoint ``variant``; returns the reference: the same model with
-    every projection replaced by its dequantized weights (float32, loaded by transformers)."""
+def write_fp8_checkpoint(hf_model, path, variant: str, block=BLOCK):
+    """Save ``hf_model`` to ``path`` as the FP8 checkpoint ``variant`` (``fp8-block``: of ``block``); returns the
+    reference: the same model with every projection replaced by its dequantized weights (float32, loaded by
+    transformers)."""
     from transformers import AutoModelForCausalLM
 
     reference = path.parent / f"{path.name}-dequantized"
@@ -66,7 +67,7 @@ def write_fp8_checkpoint(hf_model, path, variant: str):
     tensors, dequantized = {}, {}
     for name, w in stored.items():
         if is_projection(name):
-            q, scales, dequantized[name] = quantize(w, variant)
+            q, scales, dequantized[name] = quantize(w, variant, block)
             tensors[name] = q
             tensors.update({f"{name.removesuffix('weight')}{leaf}": s for leaf, s in scales.items()})
         else:
@@ -75,6 +76,7 @@ def write_fp8_checkpoint(hf_model, path, variant: str):
     path.mkdir()
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((reference / "config.json").read_text())
-    config["quantization_config"] = VARIANTS[variant]
+    config["quantization_config"] = {**VARIANTS[variant], **({"weight_block_size": list(block)}
+                                                              if variant == "fp8-block" else {})}
     (path / "config.json").write_text(json.dumps(config))
     return AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()

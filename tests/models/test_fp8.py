@@ -135,9 +135,9 @@ def test_unsupported_quantization_configs_are_refused_by_field(tmp_path, quantiz
     _refused(tmp_path, quantization_config, match)
 
 
-def test_tensor_parallel_fp8_and_unknown_quantizations_are_refused(tmp_path, hf_checkpoint):
-    _refused(tmp_path, VARIANTS["fp8-block"], "tensor_parallel_size > 1 are not supported yet",
-             tp=TensorParallel(2, 0))
+def test_tensor_parallel_shares_that_cut_a_block_and_unknown_quantizations_are_refused(tmp_path, hf_checkpoint):
+    _refused(tmp_path, VARIANTS["fp8-block"], r"weight_block_size \[32, 32\] with tensor_parallel_size 2: "
+             "kv_size 32 gives each rank 16, not whole blocks", tp=TensorParallel(2, 0))
     _, path = hf_checkpoint("LlamaForCausalLM")
     with pytest.raises(ConfigError, match="quantization 'int8' is not supported"):
         load_model(path, quantization="int8")

@@ -1,7 +1,7 @@
 """Tensor parallelism on the CPU: every family's model split over two gloo processes computes the unsharded model's
 steps (prefill, chunked prefill and decodes through the step buffers, and greedy continuations), every rank the same
-logits bit for bit; each rank loads only its slices; KV pools and memory plans are a rank's; sizes that do not split
-are refused by field name."""
+logits bit for bit, FP8 checkpoints (per-channel, per-tensor, block scales) included; each rank loads only its
+slices; KV pools and memory plans are a rank's; sizes that do not split are refused by field name."""
 from dataclasses import replace
 
 import pytest
@@ -10,8 +10,12 @@ from safetensors.torch import load_file
 
 from blink.errors import ConfigError
 from blink.models import TensorParallel, build_model, load_model, plan_memory, random_model
+from blink.models.e4m3 import dequantize, quantize_rows
 from blink.models.memory import GIB
+from blink.models.projection import Projection
+from blink.models.quantization import Fp8Config
 from blink.models.shapes import shape_config
+from tests.models.fp8_checkpoints import write_fp8_checkpoint
 from tests.models.harness import tiny_hf_model
 from tests.models.parallel_run import TINY_MOE, build, outputs, run_ranks
 
@@ -25,7 +29,12 @@ CASES = {
                                               mlp_only_layers=[0])),  # a dense layer, then a MoE layer
     "phi3": ("Phi3ForCausalLM", dict(partial_rotary_factor=0.5, sliding_window=6)),
 }
+# FP8 checkpoints of some of them: (case, variant); blocks of 16, so that a rank's share of every width is whole blocks
+FP8_CASES = {"llama-fp8-channel": ("llama", "ct-channel"), "phi3-fp8-tensor": ("phi3", "fp8-tensor"),
+             "qwen3-moe-fp8-block": ("qwen3-moe", "fp8-block")}
+TP_BLOCK = [16, 16]
 RANDOM = "random-qwen3-moe"
+RANDOM_FP8 = "random-qwen3-moe-fp8"  # --quantization fp8: each rank quantizes its shard
 # float32: the ranks' partial sums are added in another order than the unsharded GEMMs' (measured: <= 2e-6 on
 # logits of magnitude ~3)
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
@@ -37,12 +46,15 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp-checkpoints")
     for name, (arch, overrides) in CASES.items():
         tiny_hf_model(arch, **overrides).save_pretrained(root / name)
-    return {name: root / name for name in CASES}
+    for name, (case, variant) in FP8_CASES.items():
+        arch, overrides = CASES[case]
+        write_fp8_checkpoint(tiny_hf_model(arch, **overrides), root / name, variant, TP_BLOCK)
+    return {name: root / name for name in [*CASES, *FP8_CASES]}
 
 
 @pytest.fixture(scope="module")
 def sources(checkpoints):
-    return {**checkpoints, RANDOM: TINY_MOE}
+    return {**checkpoints, RANDOM: TINY_MOE, RANDOM_FP8: replace(TINY_MOE, quantization=Fp8Config())}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +63,7 @@ def ranks(sources, tmp_path_factory):
     return run_ranks(WORLD, sources, tmp_path_factory.mktemp("tp-run"))
 
 
-@pytest.mark.parametrize("case", [*CASES, RANDOM])
+@pytest.mark.parametrize("case", [*CASES, *FP8_CASES, RANDOM])
 def test_sharded_steps_equal_the_unsharded_model(case, sources, ranks):
     want = outputs(build(sources[case]))
     for rank in ranks:
@@ -131,6 +143,57 @@ def test_random_shards_are_slices_of_the_unsharded_random_model():
         assert torch.equal(layer.mlp.experts.down_proj.weight,
                            _rows(full.mlp.experts.down_proj.weight, rank * 16, 16, dim=2))
         assert torch.equal(layer.mlp.gate.weight, full.mlp.gate.weight)
+
+
+def test_fp8_random_shards_quantize_their_own_slices():
+    """``--quantization fp8`` under tensor parallelism: a rank quantizes its shard of the model-dtype weights, so a
+    column-parallel projection has the unsharded model's scales for its rows and a row-parallel one the scales of
+    its own columns (as vLLM's ranks quantize theirs); dequantized, every shard is its model-dtype slice to within
+    e4m3's rounding."""
+    fp8 = replace(TINY_MOE, quantization=Fp8Config())
+    full, full_fp8 = (random_model(c, seed=4).model.layers[1] for c in (TINY_MOE, fp8))
+    for rank in range(WORLD):
+        layer = random_model(fp8, seed=4, tp=TensorParallel(WORLD, rank)).model.layers[1]
+        q = layer.self_attn.qkv_proj
+        assert torch.equal(q.weight_scale[:32], _rows(full_fp8.self_attn.qkv_proj.weight_scale, rank * 32, 32))
+        o = layer.self_attn.o_proj
+        o_slice = _rows(full.self_attn.o_proj.weight, rank * 32, 32, dim=1)
+        codes, scale = quantize_rows(o_slice)
+        assert torch.equal(o.weight_scale, scale) and torch.equal(o.weight.view(torch.uint8), codes.view(torch.uint8))
+        torch.testing.assert_close(dequantize(o.weight, o.weight_scale, None), o_slice.float(), rtol=2 ** -4, atol=0)
+
+
+def assembled(config, world: int):
+    """The unsharded float32 model whose projections are ``world`` ranks' dequantized FP8 shards put back together:
+    the function a tensor-parallel run of ``config`` computes."""
+    model = build(replace(config, quantization=None))
+    shards = [build(config, TensorParallel(world, rank)) for rank in range(world)]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            head, _, leaf = name.rpartition(".")
+            if leaf != "weight" or not isinstance(model.get_submodule(head), Projection):
+                continue
+            for shard in shards:
+                projection, split = shard.get_submodule(head), shard.weight_split(name)
+                local = dequantize(projection.weight, projection.scale, None)
+                dim = split.dim + p.dim() - 2  # experts: the split cuts each expert's matrix
+                for source, target in shard.tp.pieces(split):
+                    p[(slice(None),) * dim + (source,)] = local[(slice(None),) * dim + (target,)]
+    return model
+
+
+def test_fp8_ranks_that_quantize_their_shards_compute_those_shards_put_together(sources, ranks):
+    """Bit for bit alike on both ranks, and the unsharded model of the ranks' dequantized shards: nothing but the
+    per-shard scales separates them from the unsharded FP8 model."""
+    want = outputs(assembled(sources[RANDOM_FP8], WORLD))
+    for rank in ranks:
+        got = rank["cases"][RANDOM_FP8]
+        assert got["greedy"] == want["greedy"]
+        for (_, logits, token, _), (_, want_logits, want_token, _) in zip(got["rows"], want["rows"]):
+            torch.testing.assert_close(logits, want_logits, **TOLERANCE)
+            assert token == want_token
+    first, second = (rank["cases"][RANDOM_FP8]["rows"] for rank in ranks)
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(first, second))
 
 
 def test_memory_plan_of_a_rank():

@@ -24,8 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blink.errors import ConfigError
-
 from .config import ModelConfig
 from .history import TokenHistory
 from .kernels import ops_for
@@ -35,8 +33,6 @@ from .quantization import Fp8Config
 from .rope import cos_sin_cache
 from .sampler import sample
 
-_FP8_TP = ("FP8 weights (quantization_config, --quantization fp8) with tensor_parallel_size > 1 are not supported "
-           "yet: serve them on one GPU")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -161,8 +157,6 @@ class DecoderLM(nn.Module):
                  tp: TensorParallel = TensorParallel(), group=None):
         super().__init__()
         tp.check_group(group)
-        if config.quantization is not None and tp.world_size > 1:
-            raise ConfigError(_FP8_TP)
         kw = dict(device=torch.device(device), dtype=dtype or torch_dtype(config.dtype))
         self.config, self.device, self.dtype = config, kw["device"], kw["dtype"]
         self.tp, self.local_config = tp, tp.shard(config)
@@ -182,13 +176,13 @@ class DecoderLM(nn.Module):
 
     def quantize_(self, quant: Fp8Config = Fp8Config()) -> None:
         """Every projection (experts included) to e4m3 with ``quant``'s scales, in place: the model then is the one
-        an FP8 checkpoint of those weights would load into."""
-        if self.tp.world_size > 1:
-            raise ConfigError(_FP8_TP)
+        an FP8 checkpoint of those weights would load into. Under tensor parallelism each rank quantizes its shard:
+        a row-parallel projection's scales are its own columns' (as vLLM's ranks quantize theirs)."""
         for module in self.modules():
             if isinstance(module, Projection):
                 module.quantize_(quant)
-        self.config = self.local_config = replace(self.config, quantization=quant)
+        self.config = replace(self.config, quantization=quant)
+        self.local_config = replace(self.local_config, quantization=quant)
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight

@@ -82,9 +82,11 @@ class TensorParallel:
         for f in ("intermediate_size", "moe_intermediate_size"):
             if getattr(config, f) % n:
                 raise ConfigError(f"{f} ({getattr(config, f)}) must be a multiple of the tensor parallel size ({n})")
-        return replace(config, num_heads=config.num_heads // n, num_kv_heads=max(config.num_kv_heads // n, 1),
-                       intermediate_size=config.intermediate_size // n,
-                       moe_intermediate_size=config.moe_intermediate_size // n)
+        local = replace(config, num_heads=config.num_heads // n, num_kv_heads=max(config.num_kv_heads // n, 1),
+                        intermediate_size=config.intermediate_size // n,
+                        moe_intermediate_size=config.moe_intermediate_size // n)
+        _check_blocks(config, local, n)
+        return local
 
     def part(self, full: int, local: int) -> slice:
         """This rank's ``local`` of a part of ``full``: ``full / local`` distinct slices, each held by
@@ -112,6 +114,20 @@ class TensorParallel:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if (size, rank) != (self.world_size, self.rank):
             raise ConfigError(f"{self} does not match its process group (rank {rank} of {size})")
+
+
+def _check_blocks(config: ModelConfig, local: ModelConfig, n: int) -> None:
+    """With FP8 block scales, every width a rank cuts (heads' rows and o_proj's columns, MLP and expert rows and
+    down's columns) must be whole blocks: a block's scale cannot be cut. ``ConfigError`` naming the width."""
+    quant = config.quantization
+    if quant is None or quant.weight_block_size is None:
+        return
+    for name in ("q_size", "kv_size", "intermediate_size", "moe_intermediate_size"):
+        width = getattr(local, name)
+        if width and any(width % size for size in quant.weight_block_size):
+            raise ConfigError(f"quantization_config.weight_block_size {list(quant.weight_block_size)} with "
+                              f"tensor_parallel_size {n}: {name} {getattr(config, name)} gives each rank {width}, "
+                              "not whole blocks of rows and columns")
 
 
 def weight_split(fused: str, experts: bool, config: ModelConfig, local: ModelConfig, rows: int) -> Split:
