@@ -29,14 +29,12 @@ def test_every_rule_names_the_field(field, value, rule):
         EngineConfig(**{field: value})
 
 
-def test_fp8_is_served_on_one_device_and_named_as_the_models_name_it():
+def test_fp8_is_named_as_the_models_name_it_and_split_over_ranks_too():
     from blink.models.quantization import QUANTIZATIONS
 
     assert QUANTIZATIONS == blink.config.QUANTIZATIONS  # written twice: the engine's config imports no torch
-    with pytest.raises(ValueError, match="EngineConfig.quantization must be None with tensor_parallel_size > 1"):
-        EngineConfig(quantization="fp8", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="EngineConfig.kv_cache_dtype must be 'auto' with tensor_parallel_size > 1"):
-        EngineConfig(kv_cache_dtype="fp8", tensor_parallel_size=2)
+    config = EngineConfig(quantization="fp8", kv_cache_dtype="fp8", tensor_parallel_size=2)
+    assert (config.quantization, config.kv_cache_dtype) == ("fp8", "fp8")
 
 
 def test_the_model_length_defaults_to_the_context_capped_by_the_default_and_the_ring():

@@ -16,7 +16,10 @@ import torch
 from blink import Engine, EngineConfig, SamplingParams, SchedulerConfig
 from blink.bench.shapes import write_model_dir
 from blink.errors import ConfigError, EngineError
-from tests.models.harness import tiny_hf_model
+from blink.models import TensorParallel, load_model
+from blink.models.e4m3 import FP8
+from tests.models.harness import greedy_continuations, tiny_hf_model
+from tests.models.parallel_run import assembled
 from tests.processes import children
 
 # A 16-token step budget splits the 40-token prompt into chunks that share steps with the others' decodes.
@@ -68,6 +71,19 @@ def test_two_ranks_serve_what_one_does(model_dir):
     for g, w in zip(got, want):
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=1e-5)
     assert not running(pids[0])                                # stopped with the engine
+
+
+def test_two_ranks_serve_fp8_as_their_shards_put_together(model_dir):
+    """``--quantization fp8`` and an FP8 KV cache over two ranks: each rank, the follower too, quantizes its shard
+    and keeps its KV heads in e4m3; the greedy tokens are those of the model of the two shards put together, over
+    an e4m3 pool."""
+    config = replace(CONFIG, model=model_dir, tensor_parallel_size=2, quantization="fp8", kv_cache_dtype="fp8")
+    got, pids, _ = serve(config)
+    shards = [load_model(model_dir, dtype=torch.float32, tp=TensorParallel(2, rank), quantization="fp8")
+              for rank in range(2)]
+    reference = assembled(load_model(model_dir, dtype=torch.float32), shards)
+    assert len(pids) == 1
+    assert [o.token_ids for o in got] == greedy_continuations(reference, prompts(), GREEDY.max_tokens, FP8)
 
 
 def test_random_weights_split_the_same_way(model_dir):

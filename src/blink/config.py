@@ -40,10 +40,10 @@ class EngineConfig:
     tests of large models). ``device="auto"`` takes the GPU when torch sees one, else the CPU. ``dtype=None`` is the
     checkpoint's dtype on a GPU and float32 on the CPU. ``quantization="fp8"`` quantizes the checkpoint's projections
     to FP8 e4m3 with per-channel scales at load (vLLM's ``--quantization fp8``); an FP8 checkpoint (its config's
-    ``quantization_config``) is served in FP8 without it. FP8 needs ``tensor_parallel_size=1`` so far.
+    ``quantization_config``) is served in FP8 without it; under tensor parallelism each rank quantizes its shard.
     ``kv_cache_dtype="fp8"`` keeps the KV cache in e4m3 at scale 1 (vLLM's ``--kv-cache-dtype fp8`` without calibrated
     scales: values beyond ±448 saturate): half the bytes a token, so twice the pages, and half the reads of attention;
-    also ``tensor_parallel_size=1`` so far.
+    every rank's pool so under tensor parallelism.
 
     ``scheduler`` holds the scheduler's limits. Where it leaves ``num_pages`` to the engine, the KV pool takes, on a
     GPU, what fits in ``gpu_memory_utilization`` of the GPU's memory once weights, step buffers and activations are
@@ -102,12 +102,7 @@ class EngineConfig:
         check(self.dtype is None or self.dtype in DTYPES, owner, "dtype", f"None or one of {DTYPES}", self.dtype)
         check(self.quantization is None or self.quantization in QUANTIZATIONS, owner, "quantization",
               f"None or one of {QUANTIZATIONS}", self.quantization)
-        check(self.quantization is None or self.tensor_parallel_size == 1, owner, "quantization",
-              "None with tensor_parallel_size > 1 (FP8 is served on one device so far)", self.quantization)
         check(self.kv_cache_dtype in KV_CACHE_DTYPES, owner, "kv_cache_dtype", f"one of {KV_CACHE_DTYPES}",
-              self.kv_cache_dtype)
-        check(self.kv_cache_dtype == "auto" or self.tensor_parallel_size == 1, owner, "kv_cache_dtype",
-              "'auto' with tensor_parallel_size > 1 (an FP8 KV cache is served on one device so far)",
               self.kv_cache_dtype)
         check(isinstance(self.scheduler, SchedulerConfig), owner, "scheduler", "a SchedulerConfig", self.scheduler)
         check(self.policy is None or isinstance(self.policy, str) or callable(self.policy), owner, "policy",

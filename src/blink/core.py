@@ -95,7 +95,8 @@ class EngineCore:
                               "graphs, not built yet): use device='cpu' or tensor_parallel_size=1")
         from blink.ranks import Followers
 
-        followers = Followers.start(model_dir, dummy, dtype, config.tensor_parallel_size)
+        followers = Followers.start(model_dir, dummy, dtype, config.tensor_parallel_size, config.quantization,
+                                    config.kv_cache_dtype)
         self._stack.callback(followers.kill)
         return followers
 

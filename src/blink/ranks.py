@@ -63,7 +63,8 @@ class Setup:
 @dataclass(frozen=True)
 class Shard:
     """What a follower loads: rank ``rank`` of ``world_size`` of the model directory ``model_dir`` (random weights
-    when ``dummy``) in ``dtype``; the group's rendezvous is ``127.0.0.1:port``."""
+    when ``dummy``) in ``dtype``, quantized at load as ``quantization`` asks, its KV pool in ``kv_cache_dtype``
+    (``EngineConfig``'s, as rank 0's); the group's rendezvous is ``127.0.0.1:port``."""
 
     model_dir: str
     dummy: bool
@@ -71,6 +72,8 @@ class Shard:
     world_size: int
     rank: int
     port: int
+    quantization: str | None
+    kv_cache_dtype: str
 
 
 def load(model_dir: str, dummy: bool, dtype: str, device: str, tp, quantization: str | None = None):
@@ -101,14 +104,17 @@ def follow(shard: Shard) -> None:
     """A follower's process: load the shard, say so, join the group, allocate rank 0's sizes, run its plans."""
     from blink.models import TensorParallel
     from blink.models.history import TokenHistory
-    model = load(shard.model_dir, shard.dummy, shard.dtype, "cpu", TensorParallel(shard.world_size, shard.rank))
+    from blink.models.memory import kv_cache_dtype
+    model = load(shard.model_dir, shard.dummy, shard.dtype, "cpu", TensorParallel(shard.world_size, shard.rank),
+                 shard.quantization)
     store = dist.TCPStore("127.0.0.1", shard.port, shard.world_size, is_master=False,
                           timeout=timedelta(seconds=LOAD_TIMEOUT_S))
     store.set(f"loaded/{shard.rank}", "1")
     _join(store, shard)
     try:
         setup = Setup(*_broadcast_ints([0] * len(fields(Setup))))
-        kv = model.allocate_kv_cache(setup.num_pages, setup.page_size)
+        kv_dtype = kv_cache_dtype(shard.kv_cache_dtype, model.dtype)
+        kv = model.allocate_kv_cache(setup.num_pages, setup.page_size, kv_dtype)
         step = StepBuffers(setup.layout())
         history = TokenHistory.allocate(setup.num_pages, setup.page_size, TokenHistory.scratch(
             setup.max_num_seqs, model.lm_head_weight().shape[0], "cpu"))
@@ -131,11 +137,13 @@ class Followers:
         self._store, self._processes = store, processes
 
     @classmethod
-    def start(cls, model_dir: str, dummy: bool, dtype: str, world_size: int) -> Followers:
+    def start(cls, model_dir: str, dummy: bool, dtype: str, world_size: int, quantization: str | None,
+              kv_cache_dtype: str) -> Followers:
         """Start ranks 1..world_size-1 and join the group with them once every one has loaded its shard."""
         store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=LOAD_TIMEOUT_S),
                               wait_for_workers=False)
-        shards = [Shard(model_dir, dummy, dtype, world_size, rank, store.port) for rank in range(world_size)]
+        shards = [Shard(model_dir, dummy, dtype, world_size, rank, store.port, quantization, kv_cache_dtype)
+                  for rank in range(world_size)]
         processes = [subprocess.Popen([sys.executable, "-m", "blink.ranks", json.dumps(asdict(shard))])
                      for shard in shards[1:]]
         followers = cls(store, processes)

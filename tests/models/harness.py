@@ -98,9 +98,10 @@ def check_mixed_batches(model, hf_model, atol=1e-4, seed=0):
         torch.testing.assert_close(logprob, torch.log_softmax(logits, 0)[token])
 
 
-def greedy_continuations(model, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """``n`` greedy tokens per prompt, all prompts batched: one prefill step, then decode steps."""
-    runner = Runner(model, num_pages=256, layout=StepLayout(256, 8, 64))
+def greedy_continuations(model, prompts: list[list[int]], n: int, kv_dtype=None) -> list[list[int]]:
+    """``n`` greedy tokens per prompt, all prompts batched: one prefill step, then decode steps (the KV pool in
+    ``kv_dtype``, the model's by default)."""
+    runner = Runner(model, num_pages=256, layout=StepLayout(256, 8, 64), kv_dtype=kv_dtype)
     seqs = [list(p) for p in prompts]
     chunks = [runner.chunk(i, p, 0) for i, p in enumerate(prompts)]
     for _ in range(n):

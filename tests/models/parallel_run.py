@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from blink.errors import ConfigError
 from blink.models import ModelConfig, TensorParallel, build_model, load_model, random_model
+from blink.models.e4m3 import dequantize
+from blink.models.projection import Projection
 from tests.models.harness import greedy_continuations, mixed_batches
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
@@ -36,6 +38,23 @@ def outputs(model) -> dict:
     """What the tests compare: every sampled row of ``mixed_batches`` (prefills, a chunked prefill and decodes in
     padded buckets) and ``GREEDY_TOKENS`` greedy tokens after each of ``PROMPTS`` (one prefill, then decodes)."""
     return dict(rows=mixed_batches(model), greedy=greedy_continuations(model, PROMPTS, GREEDY_TOKENS))
+
+
+def assembled(model, shards: list):
+    """``model`` (unsharded, float32) with every projection replaced by ``shards``' FP8 ones (one model per rank, in
+    rank order) dequantized and put back together: the function a tensor-parallel run of the shards computes."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            head, _, leaf = name.rpartition(".")
+            if leaf != "weight" or not isinstance(model.get_submodule(head), Projection):
+                continue
+            for shard in shards:
+                projection, split = shard.get_submodule(head), shard.weight_split(name)
+                local = dequantize(projection.weight, projection.scale, projection.block)
+                dim = split.dim + p.dim() - 2  # experts: the split cuts each expert's matrix
+                for source, target in shard.tp.pieces(split):
+                    p[(slice(None),) * dim + (source,)] = local[(slice(None),) * dim + (target,)]
+    return model
 
 
 def run_ranks(world_size: int, sources: dict[str, Path | ModelConfig], tmp: Path) -> list[dict]:

@@ -12,12 +12,11 @@ from blink.errors import ConfigError
 from blink.models import TensorParallel, build_model, load_model, plan_memory, random_model
 from blink.models.e4m3 import dequantize, quantize_rows
 from blink.models.memory import GIB
-from blink.models.projection import Projection
 from blink.models.quantization import Fp8Config
 from blink.models.shapes import shape_config
 from tests.models.fp8_checkpoints import write_fp8_checkpoint
 from tests.models.harness import tiny_hf_model
-from tests.models.parallel_run import TINY_MOE, build, outputs, run_ranks
+from tests.models.parallel_run import TINY_MOE, assembled, build, outputs, run_ranks
 
 WORLD = 2
 # tiny_hf_model's shapes: 4 query heads and 2 KV heads of 16 dims, hidden 64, intermediate 96, 2 layers
@@ -163,29 +162,12 @@ def test_fp8_random_shards_quantize_their_own_slices():
         torch.testing.assert_close(dequantize(o.weight, o.weight_scale, None), o_slice.float(), rtol=2 ** -4, atol=0)
 
 
-def assembled(config, world: int):
-    """The unsharded float32 model whose projections are ``world`` ranks' dequantized FP8 shards put back together:
-    the function a tensor-parallel run of ``config`` computes."""
-    model = build(replace(config, quantization=None))
-    shards = [build(config, TensorParallel(world, rank)) for rank in range(world)]
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            head, _, leaf = name.rpartition(".")
-            if leaf != "weight" or not isinstance(model.get_submodule(head), Projection):
-                continue
-            for shard in shards:
-                projection, split = shard.get_submodule(head), shard.weight_split(name)
-                local = dequantize(projection.weight, projection.scale, None)
-                dim = split.dim + p.dim() - 2  # experts: the split cuts each expert's matrix
-                for source, target in shard.tp.pieces(split):
-                    p[(slice(None),) * dim + (source,)] = local[(slice(None),) * dim + (target,)]
-    return model
-
-
 def test_fp8_ranks_that_quantize_their_shards_compute_those_shards_put_together(sources, ranks):
     """Bit for bit alike on both ranks, and the unsharded model of the ranks' dequantized shards: nothing but the
     per-shard scales separates them from the unsharded FP8 model."""
-    want = outputs(assembled(sources[RANDOM_FP8], WORLD))
+    config = sources[RANDOM_FP8]
+    shards = [build(config, TensorParallel(WORLD, rank)) for rank in range(WORLD)]
+    want = outputs(assembled(build(replace(config, quantization=None)), shards))
     for rank in ranks:
         got = rank["cases"][RANDOM_FP8]
         assert got["greedy"] == want["greedy"]
