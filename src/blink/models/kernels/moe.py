@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_args, wait_for_previous
 from .moe_skinny import skinny_moe
+from .pdl import pdl_args, wait_for_previous
 from .quantize import quantize_activations
 from .tiles import check_tiles
 
