@@ -10,11 +10,12 @@ twice (from L2 if it is still there): the point is where it stops paying. The st
 entry per ``moe.SKINNY_EXPERTS_PER_ENTRY`` experts (``moe.takes_skinny``); this bench is what that rule rests on.
 
 For tokens 1, 2, 4 and 8 (random router logits, near-uniform routing), at bf16 and FP8: the expert blocks
-(``moe_experts`` at ``tiles_for``'s shape, the quantizations included) and ``moe_skinny`` at every launch shape of
-``SWEEP`` (the first is its default, ``skinny_moe_tiles``), routing included in both, each checked against
-``reference.fused_moe`` first (relative error < 1e-2) and timed as ``CALLS`` layers in one graph, each with its own
-input and routing (so the experts hit differ between calls, as between a step's layers, and L2 does not serve them),
-per layer; the floor is the bytes of the experts hit at the measured copy rate.
+(``moe_experts`` at ``tiles_for``'s shape, the quantizations included) and ``moe_skinny`` with its gate/up launch at
+every shape of ``SWEEP`` (the first is its default, ``skinny_moe_tiles``; the down launch takes ``down_tiles``),
+routing included in both, each checked against ``reference.fused_moe`` first (relative error < 1e-2) and timed as
+``CALLS`` layers in one graph, each with its own input and routing (so the experts hit differ between calls, as
+between a step's layers, and L2 does not serve them), per layer; the floor is the bytes of the experts hit at the
+measured copy rate.
 
 Run: ``PYTHONPATH=src python3 -m bench.experiments.moe_decode_bench [--out moe_decode_bench.json]`` (``$OUT/...``
 when ``$OUT`` is set).

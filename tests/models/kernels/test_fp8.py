@@ -172,7 +172,7 @@ def moe_float64(x, logits, gate_up, gate_up_scale, down, down_scale, top_k, bloc
     return out
 
 
-@pytest.mark.parametrize("block", [None, (32, 64)])
+@pytest.mark.parametrize("block", [None, (32, 64), (32, 32)])  # (32, 32): down's reduction over two blocks too
 @pytest.mark.parametrize("tokens, experts, top_k", [(5, 8, 2), (70, 8, 2), (1, 8, 2), (2, 32, 4)])
 def test_fp8_fused_moe_matches_float64(backend, tokens, experts, top_k, block):
     """The expert blocks with activations quantized; decode-sized steps (``moe.takes_skinny``: the last two cases)
