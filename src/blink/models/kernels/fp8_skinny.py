@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .activation import silu_times
 from .pdl import pdl_args, wait_for_previous
 from .tiles import check_tiles
 
@@ -115,8 +116,8 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, m, n, k, x_stride, scale_st
         up = _skinny_dot(x_ptr, w_ptr, scale_ptr, rows, row_ok, n + cols, col_ok, k, x_stride, scale_stride, part,
                          GROUP_N, GROUP_K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
         dtype = out_ptr.dtype.element_ty
-        gate = acc.to(dtype).to(tl.float32)
-        tl.store(out, (gate * tl.sigmoid(gate) * up.to(dtype).to(tl.float32)).to(dtype), mask=mask)
+        product = silu_times(acc.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
+        tl.store(out, product.to(dtype), mask=mask)
     elif SPLIT_K == 1:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
