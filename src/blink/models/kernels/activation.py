@@ -40,9 +40,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constex
 @triton.jit
 def _silu_and_mul_e4m3_kernel(x_ptr, out_ptr, scale_ptr, n, groups, GROUP: tl.constexpr, BLOCK: tl.constexpr,
                               PDL: tl.constexpr):
-    """One program a row (``out_ptr``: bytes). ``GROUP`` 0, one scale a row: its products' largest magnitude, then
-    the products again (gate and up from cache), as e4m3 codes of that scale. Else one scale per ``GROUP`` columns
-    (a divisor of ``BLOCK``): each ``BLOCK`` of the products once, its groups' scales and codes."""
+    """One program a row (``out_ptr``: bytes). ``GROUP`` 0, one scale for a row wider than ``BLOCK``: its products'
+    largest magnitude, then the products again (gate and up from cache), as e4m3 codes of that scale. Else one scale
+    per ``GROUP`` columns (a divisor of ``BLOCK``; ``BLOCK`` itself for a whole row that fits): each ``BLOCK`` of the
+    products once, its groups' scales and codes."""
     wait_for_previous(PDL)
     row = tl.program_id(0)
     if GROUP > 0:
@@ -75,9 +76,9 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, e4m3_group: i
         codes = torch.empty((t, n), dtype=FP8, device=x.device)
         scale = torch.empty((t, groups), dtype=torch.float32, device=x.device)
         block, warps = row_launch(n)
-        _silu_and_mul_e4m3_kernel[(t,)](x, codes.view(torch.uint8), scale, n, groups,
-                                        GROUP=0 if groups == 1 else e4m3_group, BLOCK=block, num_warps=warps,
-                                        **pdl_args(x.device))
+        group = e4m3_group if groups > 1 else block if n <= block else 0  # a row that fits is read once
+        _silu_and_mul_e4m3_kernel[(t,)](x, codes.view(torch.uint8), scale, n, groups, GROUP=group, BLOCK=block,
+                                        num_warps=warps, **pdl_args(x.device))
         return QuantizedRows(codes, scale, x.dtype)
     block = min(BLOCK, triton.next_power_of_2(n))
     out = torch.empty((t, n), dtype=x.dtype, device=x.device) if out is None else out
