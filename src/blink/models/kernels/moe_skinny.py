@@ -104,7 +104,7 @@ def _down_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter, w
     entry = token.to(tl.int64) * TOP_K + j
     expert = tl.load(ids_ptr + entry, mask=j < TOP_K, other=0).to(tl.int64)
     rows = w_ptr + expert[:, None] * w_stride_e + n.to(tl.int64)[None, :] * inter
-    scales = scale_ptr + expert[:, None] * scale_stride_e + (n // GROUP_N)[None, :] * scale_stride_n
+    scales = _row_scales(scale_ptr, expert[:, None], n[None, :], scale_stride_e, scale_stride_n, GROUP_N)
     acc = tl.zeros([TOP_K_P2, BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
