@@ -135,7 +135,8 @@ def checkpoint_targets(model: DecoderLM) -> dict[str, Target]:
 def _split(model: DecoderLM, head: str, leaf: str, matrix: torch.Tensor) -> Split:
     """``weight_split`` of parameter ``head.leaf``; an FP8 scale's follows its weight's: per-row scales its rows
     (whole on a row-parallel rank, which holds every output row), block scales its blocks of rows, or of columns on a
-    row-parallel rank (every fused part, and every rank's share of it, a whole number of blocks)."""
+    row-parallel rank (every fused part a whole number of blocks; every rank's share too, ``TensorParallel.shard``
+    checked it)."""
     if not leaf.startswith("weight_scale"):
         return model.weight_split(f"{head}.{leaf}")
     split = model.weight_split(f"{head}.weight")
@@ -143,12 +144,10 @@ def _split(model: DecoderLM, head: str, leaf: str, matrix: torch.Tensor) -> Spli
     if leaf == "weight_scale" and split.dim != 0:
         return Split(0, ((matrix.shape[0], matrix.shape[0]),))
     size = 1 if leaf == "weight_scale" else block[split.dim]
-    if any(full % size or local % size for full, local in split.parts):
-        n = model.tp.world_size
-        shares = f", {[local for _, local in split.parts]} on each of {n} tensor-parallel ranks" if n > 1 else ""
+    if any(full % size for full, _ in split.parts):
         raise ConfigError(f"quantization_config.weight_block_size {list(block)}: {head} is fused from parts of "
-                          f"{[full for full, _ in split.parts]} {'rows' if split.dim == 0 else 'columns'}{shares}, "
-                          f"not whole blocks of {size}; blink cannot cut their scales")
+                          f"{[full for full, _ in split.parts]} {'rows' if split.dim == 0 else 'columns'}, not whole "
+                          f"blocks of {size}; blink cannot stack their scales")
     return Split(split.dim, tuple((full // size, local // size) for full, local in split.parts))
 
 
