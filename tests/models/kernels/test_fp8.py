@@ -153,69 +153,37 @@ def test_fp8_linear_quantizes_activations_only_beyond_decode_sized_steps(backend
     assert torch.equal(fp8_linear(large, weight, scale, block), quantized)
 
 
-def moe_float64(x, logits, gate_up, gate_up_scale, down, down_scale, top_k, block, quantized=True):
-    """The FP8 fused MoE in float64: activations quantized before each GEMM as the kernel does (``quantized``; as
-    they are for ``moe_skinny``), weights dequantized, the gated product and routing weights as the bf16 reference
-    computes them."""
+def moe_float64(x, logits, gate_up, gate_up_scale, down, down_scale, top_k, block):
+    """The FP8 fused MoE in float64: activations quantized before each GEMM as the kernel does, weights
+    dequantized, the gated product and routing weights as the bf16 reference computes them."""
     weights, ids = reference.route(logits, top_k, True)
     group = lambda t: t.shape[1] if block is None else block[1]  # noqa: E731
-    operand = lambda t: dequantized_activations(t, group(t)) if quantized else t.double()  # noqa: E731
     w1, w2 = (dequantize(w, s, block).double() for w, s in ((gate_up, gate_up_scale), (down, down_scale)))
-    xq = operand(x)
+    xq = dequantized_activations(x, group(x))
     out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     for t in range(x.shape[0]):
         for j in range(top_k):
             e = int(ids[t, j])
             gate, up = (xq[t] @ w1[e].T).chunk(2)
             act = (torch.nn.functional.silu(gate) * up).to(x.dtype)
-            out[t] += weights[t, j].double() * (operand(act[None])[0] @ w2[e].T)
+            out[t] += weights[t, j].double() * (dequantized_activations(act[None], group(act[None]))[0] @ w2[e].T)
     return out
 
 
-@pytest.mark.parametrize("block", [None, (32, 64), (32, 32)])  # (32, 32): down's reduction over two blocks too
-@pytest.mark.parametrize("tokens, experts, top_k", [(5, 8, 2), (70, 8, 2), (1, 8, 2), (2, 32, 4)])
+@pytest.mark.parametrize("block", [None, (32, 64)])
+@pytest.mark.parametrize("tokens, experts, top_k", [(5, 8, 2), (70, 8, 2)])
 def test_fp8_fused_moe_matches_float64(backend, tokens, experts, top_k, block):
-    """The expert blocks with activations quantized; decode-sized steps (``moe.takes_skinny``: the last two cases)
-    by ``moe_skinny``, the activations as they are."""
     device, dtype, tol = backend
-    from blink.models.kernels.moe import fused_moe, takes_skinny
+    from blink.models.kernels.moe import fused_moe
 
-    skinny = takes_skinny(tokens * top_k, experts, fp8=True)
     hidden, inter = 128, 64
     gate_up, gate_up_scale = fp8_weights((experts, 2 * inter, hidden), block, device)
     down, down_scale = fp8_weights((experts, hidden, inter), block, device)
     x = torch.randn(tokens, hidden, device=device, dtype=dtype)
     logits = skewed_router_logits(tokens, experts, device, dtype)
     out = fused_moe(x, logits, gate_up, down, top_k, True, gate_up_scale, down_scale, block)
-    want = moe_float64(x, logits, gate_up, gate_up_scale, down, down_scale, top_k, block, quantized=not skinny)
-    assert out.dtype == dtype and rel_err(out, want) < (tol if dtype == torch.float32 or skinny else 3e-2)
-
-
-@pytest.mark.parametrize("block", [None, (32, 64)])
-def test_fused_moe_takes_the_skinny_kernels_only_for_fp8_decode_sized_steps(backend, block):
-    """Up to one entry per ``SKINNY_EXPERTS_PER_ENTRY`` experts, FP8 experts go to ``moe_skinny``; one more token,
-    or model-dtype experts, to the expert blocks."""
-    device, dtype, _ = backend
-    from blink.models.kernels.moe import SKINNY_EXPERTS_PER_ENTRY, fused_moe, moe_experts, route, tiles_for
-    from blink.models.kernels.moe_skinny import skinny_moe
-
-    experts, top_k, hidden, inter = 32, 2, 128, 64
-    gate_up, gate_up_scale = fp8_weights((experts, 2 * inter, hidden), block, device)
-    down, down_scale = fp8_weights((experts, hidden, inter), block, device)
-    scales = (gate_up_scale, down_scale, block)
-    most = experts // SKINNY_EXPERTS_PER_ENTRY // top_k
-    for tokens in (most, most + 1):
-        x = torch.randn(tokens, hidden, device=device, dtype=dtype)
-        logits = skewed_router_logits(tokens, experts, device, dtype)
-        routing = route(logits, top_k, True)
-        blocks = moe_experts(x, *routing, gate_up, down, tiles_for(tokens * top_k, experts), *scales)
-        want = skinny_moe(x, *routing, gate_up, down, *scales) if tokens == most else blocks
-        assert torch.equal(fused_moe(x, logits, gate_up, down, top_k, True, *scales), want), tokens
-    model_dtype = [dequantize(w, s, block).to(device, dtype) for w, s in ((gate_up, gate_up_scale),
-                                                                          (down, down_scale))]
-    assert torch.equal(fused_moe(x[:most], logits[:most], *model_dtype, top_k, True),
-                       moe_experts(x[:most], *route(logits[:most], top_k, True), *model_dtype,
-                                   tiles_for(most * top_k, experts)))
+    want = moe_float64(x, logits, gate_up, gate_up_scale, down, down_scale, top_k, block)
+    assert out.dtype == dtype and rel_err(out, want) < (tol if dtype == torch.float32 else 3e-2)
 
 
 # A Qwen3-MoE with a dense and two MoE layers: every FP8 GEMM of the step (attention, dense MLP, experts)
@@ -294,28 +262,6 @@ def test_fp8_model_step_beyond_decode_size_matches_the_reference_path(backend, l
     wanted = [group[0], group[0], group[1]] * config.num_layers  # 2 norms, then SiLU, a layer
     assert [g for g in asked if g] == wanted, asked
     assert rel_err(got, want) < (1e-3 if dtype == torch.float32 else 3e-2)
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_fp8_moe_decode_step_matches_the_reference_path(backend, layout):
-    """Steps of FP8 experts that ``moe.takes_skinny`` (2 of 16 experts: up to two tokens), a two-token prompt then
-    a decode: the dense projections and the experts multiply the activations as they are, as the reference path
-    does."""
-    device, dtype, tol = backend
-    from blink.models.kernels import OPS, triton_ops
-    from blink.models.kernels.moe import takes_skinny
-
-    config = ModelConfig(**{**STEP_CONFIG, "num_experts": 16}, quantization=LAYOUTS[layout])
-    prompt = [7, 8]
-    assert takes_skinny(len(prompt) * config.num_experts_per_tok, config.num_experts, fp8=True)
-    model = random_model(config, device, dtype, std=0.05)
-    logits = []
-    for ops in (reference, triton_ops):
-        model.ops = SimpleNamespace(**{name: getattr(ops, name) for name in OPS})
-        runner = Runner(model)
-        runner.step([runner.chunk(0, prompt, 0)])
-        logits.append(runner.step([runner.chunk(0, [prompt[-1]], len(prompt))])[0])
-    assert rel_err(logits[1], logits[0]) < (1e-3 if dtype == torch.float32 else 3e-2)
 
 
 @pytest.mark.gpu

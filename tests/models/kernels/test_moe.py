@@ -73,44 +73,6 @@ def test_fused_moe_matches_reference(backend, tokens, experts, top_k, renormaliz
     assert rel_err(out, reference.fused_moe(x, logits, gate_up, down, top_k, renormalize)) < tol
 
 
-def expert_weights(experts: int, hidden: int, inter: int, device, dtype):
-    """Random ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` whose products are of order 1."""
-    return (torch.randn(experts, 2 * inter, hidden, device=device, dtype=dtype) * hidden ** -0.5,
-            torch.randn(experts, hidden, inter, device=device, dtype=dtype) * inter ** -0.5)
-
-
-@pytest.mark.parametrize("tiles", [None, dict(block_n=16, block_k=64, num_warps=8, num_stages=2)])
-@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (1, 128, 8), (4, 128, 8), (5, 8, 2)])
-def test_skinny_moe_matches_reference(backend, tokens, experts, top_k, tiles):
-    """``moe_skinny`` on model-dtype experts (the step takes it for FP8 ones: ``test_fp8.py``): Qwen3-30B-A3B's
-    top-8 of 128 at one token and at four (``moe.takes_skinny``'s limit), and beyond it (experts chosen twice)."""
-    device, dtype, tol = backend
-    from blink.models.kernels.fp8_skinny import SkinnyTiles
-    from blink.models.kernels.moe import route
-    from blink.models.kernels.moe_skinny import skinny_moe
-
-    hidden, inter = 96, 80  # neither a multiple of the tiles
-    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
-    gate_up, down = expert_weights(experts, hidden, inter, device, dtype)
-    logits = skewed_router_logits(tokens, experts, device, dtype)
-    out = skinny_moe(x, *route(logits, top_k, True), gate_up, down, tiles=tiles and SkinnyTiles(**tiles))
-    assert out.shape == x.shape and out.dtype == dtype
-    assert rel_err(out, reference.fused_moe(x, logits, gate_up, down, top_k, True)) < tol
-
-
-def test_skinny_moe_refuses_tiles_that_split_the_reduction_or_a_weight_block():
-    from blink.models.kernels.fp8_skinny import SkinnyTiles
-    from blink.models.kernels.moe_skinny import skinny_moe
-
-    x, weights, ids = torch.zeros(1, 128), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.int32)
-    gate_up, down = expert_weights(4, 128, 64, "cpu", torch.float32)
-    with pytest.raises(ValueError, match="split_k 1"):
-        skinny_moe(x, weights, ids, gate_up, down, tiles=SkinnyTiles(split_k=2))
-    with pytest.raises(ValueError, match=r"divide the weight blocks \(32, 64\)"):
-        skinny_moe(x, weights, ids, gate_up, down, torch.ones(4, 4, 2), torch.ones(4, 4, 1), (32, 64),
-                   SkinnyTiles(block_n=64, block_k=64))
-
-
 @pytest.mark.parametrize("tiles", [dict(block_m=16, block_n=32, block_k=128, num_warps=8, num_stages=2),
                                    dict(block_m=64, block_n=128, block_k=32, num_warps=4, num_stages=4)])
 def test_fused_moe_matches_reference_with_other_tiles(backend, tiles):

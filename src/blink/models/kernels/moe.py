@@ -16,13 +16,10 @@ no host reads, so the whole MLP captures into a step graph:
    GEMM of each block's rows with its expert's weights. First ``x @ gate_up[e].T`` with SiLU-and-mul fused into the
    epilogue (``[N, I]``), then ``@ down[e].T`` times the entry's routing weight (``[N, H]``).
    FP8 experts (``quantization.py``): ``x`` and the gated products are quantized per token (and per ``bk``
-   columns with block scales) by ``kernels.quantize`` before each GEMM, which multiplies e4m3 tiles and applies the
-   scales (``QUANT``).
+   columns with block scales) by torch ops before each GEMM, which multiplies e4m3 tiles and applies the scales
+   (``QUANT``).
 4. ``_moe_sum_top_k_kernel``: the weighted combine, each token's ``top_k`` rows summed in float32 and rounded once, as
    torch's sum of them does (one launch instead of torch's strided reduction).
-
-A decode-sized step of FP8 experts (``takes_skinny``) skips steps 2-4 and the quantizations: ``moe_skinny`` streams
-each entry's expert in two launches, the combine inside the second.
 """
 from __future__ import annotations
 
@@ -32,14 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_skinny import skinny_moe
 from .pdl import pdl_args, wait_for_previous
 from .quantize import quantize_activations
 from .tiles import check_tiles
 
 MAX_CHUNK = 2048
 SUM_BLOCK = 256  # hidden columns per program of the top-k combine
-SKINNY_EXPERTS_PER_ENTRY = 4  # moe_skinny re-reads an expert chosen twice: ~1/8 more bytes at this limit
 
 
 @dataclass(frozen=True)
@@ -230,12 +225,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     """``x [T, H]``, routing ``weights`` and int32 ``ids [T, top_k]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]``
     (all contiguous) → ``[T, H]``. FP8 experts come with their scales (``[E, N]`` per row, or ``[E, N/bn, K/bk]``
     per ``block``); then ``x`` and the gated products are quantized per token (and ``bk`` columns) before each GEMM,
-    and the reduction steps by ``bk`` with block scales. Without ``tiles``, a step that ``takes_skinny`` runs
-    ``moe_skinny`` instead (activations as they are)."""
+    and the reduction steps by ``bk`` with block scales."""
     (t, hidden), (experts, two_i, _), top_k = x.shape, gate_up.shape, ids.shape[1]
     inter, n = two_i // 2, t * top_k
-    if tiles is None and takes_skinny(n, experts, gate_up_scale is not None):
-        return skinny_moe(x, weights, ids, gate_up, down, gate_up_scale, down_scale, block)
     tiles = tiles or tiles_for(n, experts)
     quant = 0 if gate_up_scale is None else 1 if block is None else 2
     if quant == 2:
@@ -257,14 +249,6 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
         down.stride(0), down.stride(1), 1, *_scale_args(a_scale, down_scale, down), GATED=False, WEIGHTED=True,
         **shape)
     return combine_top_k(y, top_k)
-
-
-def takes_skinny(num_entries: int, num_experts: int, fp8: bool) -> bool:
-    """Whether ``num_entries`` (token, expert) entries over ``num_experts`` take ``moe_skinny``: FP8 experts (``fp8``),
-    at most one entry per ``SKINNY_EXPERTS_PER_ENTRY`` experts (Qwen3-30B-A3B, top-8 of 128: up to four tokens).
-    Without FP8 there are no quantizations to save, and the same GEMV shape timed level with the expert blocks at
-    1-8 tokens (``docs/benchmarks/experiments.md``, "A GEMV-shaped MoE at decode sizes")."""
-    return fp8 and num_entries * SKINNY_EXPERTS_PER_ENTRY <= num_experts
 
 
 def _operand(x: torch.Tensor, quant: int, block: tuple[int, int] | None):
