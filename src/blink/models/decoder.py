@@ -68,13 +68,10 @@ class MLP(nn.Module):
         self.down_proj = Projection(c.hidden_size, c.intermediate_size, c.quantization, **kw)
 
     def forward(self, x, ops):
-        """SiLU-and-multiply in the gate/up projection where it ``gates`` the rows, else a kernel of its own that
-        hands the down projection its rows quantized as that one asks (``e4m3_group``)."""
-        rows = x.shape[0]
-        if self.gate_up_proj.gates(rows, ops):
-            return self.down_proj(self.gate_up_proj(x, ops, gated=True), ops)
+        """SiLU-and-multiply, handing the down projection its rows quantized as that one asks (``e4m3_group``)."""
         gate_up = self.gate_up_proj(x, ops)
-        return self.down_proj(ops.silu_and_mul(gate_up, e4m3_group=self.down_proj.e4m3_group(rows, ops)), ops)
+        group = self.down_proj.e4m3_group(gate_up.shape[0], ops)
+        return self.down_proj(ops.silu_and_mul(gate_up, e4m3_group=group), ops)
 
     def e4m3_group(self, rows: int, ops) -> int:
         return self.gate_up_proj.e4m3_group(rows, ops)

@@ -21,11 +21,6 @@ class QuantizedRows(NamedTuple):
     scales: torch.Tensor
     dtype: torch.dtype
 
-    @property
-    def shape(self) -> torch.Size:
-        """The shape of the rows it stands for."""
-        return self.values.shape
-
     def dequantized(self) -> torch.Tensor:
         grouped = self.values.float().unflatten(-1, (self.scales.shape[-1], -1))
         return (grouped * self.scales[..., None]).flatten(-2).to(self.dtype)

@@ -43,18 +43,11 @@ class Projection(nn.Module):
     def block(self) -> tuple[int, int] | None:
         return None if self.quant is None else self.quant.weight_block_size
 
-    def forward(self, x, ops, gated: bool = False) -> torch.Tensor:
-        """``x``: activations, or ``QuantizedRows`` for an FP8 projection that asks for them so (``e4m3_group``).
-        ``gated`` (an FP8 gate/up projection that ``gates`` its rows): ``silu(gate) * up`` of the output."""
+    def forward(self, x, ops) -> torch.Tensor:
+        """``x``: activations, or ``QuantizedRows`` for an FP8 projection that asks for them so (``e4m3_group``)."""
         if self.quant is None:
-            assert not gated, "only FP8 projections return their SiLU-and-multiply (ops.fp8_gated)"
             return F.linear(x, self.weight)
-        return ops.fp8_linear(x, self.weight, self.scale, self.block, gated)
-
-    def gates(self, rows: int, ops) -> bool:
-        """Whether this projection, as a gate/up one, returns the SiLU-and-multiply of ``rows`` rows itself
-        (``ops.fp8_gated``)."""
-        return self.quant is not None and ops.fp8_gated(rows, self.block)
+        return ops.fp8_linear(x, self.weight, self.scale, self.block)
 
     def e4m3_group(self, rows: int, ops) -> int:
         """How the kernel before this projection should hand it ``rows`` activations: quantized with one scale per

@@ -102,36 +102,6 @@ def test_skinny_fp8_linear_matches_float64(backend, tokens, block, tiles):
     assert out.dtype == dtype and out.shape == (tokens, 160) and rel_err(out, want) < tol
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 32])
-@pytest.mark.parametrize("block", [None, (64, 64), (32, 64)])
-def test_skinny_fp8_gate_up_returns_silu_and_mul_of_its_output(backend, tokens, block):
-    """``gated``: a gate/up projection's ``silu(gate) * up`` in the GEMM's epilogue, the same values as
-    ``silu_and_mul`` of the plain output (bit for bit in the interpreter), and the float64 product's."""
-    device, dtype, tol = backend
-    from blink.models.kernels.activation import silu_and_mul
-    from blink.models.kernels.fp8 import fp8_linear
-    from blink.models.kernels.fp8_skinny import skinny_fp8_linear, skinny_tiles
-
-    weight, scale = fp8_weights((2 * 192, 320), block, device)
-    x = torch.randn(tokens, 320, device=device, dtype=dtype)
-    out = fp8_linear(x, weight, scale, block, gated=True)
-    assert out.dtype == dtype and out.shape == (tokens, 192)
-    shape = skinny_tiles(tokens, 2 * 192, 320, block, gated=True)  # the plain GEMM summing as the gated one does
-    unfused = silu_and_mul(skinny_fp8_linear(x, weight, scale, block, shape))
-    assert torch.equal(out, unfused) if dtype == torch.float32 else rel_err(out, unfused) < tol
-    gate, up = (x.double() @ dequantize(weight, scale, block).double().T).chunk(2, dim=-1)
-    assert rel_err(out, torch.nn.functional.silu(gate) * up) < tol
-
-
-def test_fp8_linear_gates_only_decode_sized_steps():
-    from blink.models.kernels.fp8 import SKINNY_UP_TO, fp8_gated, fp8_linear
-
-    assert fp8_gated(SKINNY_UP_TO, None) and not fp8_gated(SKINNY_UP_TO + 1, None)
-    weight, scale = fp8_weights((64, 64), None, "cpu")
-    with pytest.raises(ValueError, match=f"gated=True. takes at most {SKINNY_UP_TO} rows"):
-        fp8_linear(torch.zeros(SKINNY_UP_TO + 1, 64), weight, scale, None, gated=True)
-
-
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_fp8_linear_quantizes_activations_only_beyond_decode_sized_steps(backend, block):
     """Up to ``SKINNY_UP_TO`` rows the skinny GEMM; beyond, quantized activations through ``fp8_gemm``, and with
@@ -194,14 +164,14 @@ STEP_CONFIG = dict(architecture="Qwen3MoeForCausalLM", vocab_size=300, hidden_si
 LAYOUTS = {"per-row": Fp8Config(), "block": Fp8Config((64, 64))}
 
 
-def linear_as_the_cuda_ops(x, weight, scale, block, gated=False):
+def linear_as_the_cuda_ops(x, weight, scale, block):
     """``reference.fp8_linear`` with the activations quantized where the CUDA ops quantize them: beyond
     decode-sized steps (``SKINNY_UP_TO`` rows), per token (and ``bk`` columns with block scales)."""
     from blink.models.kernels.fp8 import SKINNY_UP_TO
 
     if x.shape[0] > SKINNY_UP_TO:
         x = dequantized_activations(x, x.shape[-1] if block is None else block[1]).to(x.dtype)
-    return reference.fp8_linear(x, weight, scale, block, gated)
+    return reference.fp8_linear(x, weight, scale, block)
 
 
 @pytest.mark.slow

@@ -15,18 +15,11 @@ BLOCK = 1024  # columns a program of the plain kernel holds
 
 
 @triton.jit
-def silu_times(gate, up, dtype: tl.constexpr):
-    """``silu(gate) * up`` of float32 ``gate`` and ``up`` (each already ``dtype``'s value), rounded to ``dtype``
-    (the model's) once, as float32: the one rounding of the kernels here and of the FP8 gate/up GEMM's epilogue."""
-    return (gate * tl.sigmoid(gate) * up).to(dtype).to(tl.float32)
-
-
-@triton.jit
 def _product(x_ptr, row, col, n, mask, dtype: tl.constexpr):
     """``silu(gate) * up`` of ``row``'s columns ``col``, rounded to ``dtype`` (the model's), as float32."""
     gate = tl.load(x_ptr + row * 2 * n + col, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * 2 * n + n + col, mask=mask, other=0.0).to(tl.float32)
-    return silu_times(gate, up, dtype)
+    return (gate * tl.sigmoid(gate) * up).to(dtype).to(tl.float32)
 
 
 @triton.jit

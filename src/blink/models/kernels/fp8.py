@@ -140,22 +140,11 @@ def fp8_takes_e4m3(rows: int, block: tuple[int, int] | None) -> bool:
     return rows > SKINNY_UP_TO
 
 
-def fp8_gated(rows: int, block: tuple[int, int] | None) -> bool:
-    """Whether an FP8 gate/up projection of ``rows`` rows returns its SiLU-and-multiply itself (``fp8_linear(...,
-    gated=True)``), saving that launch: in the skinny GEMM's epilogue, so up to ``SKINNY_UP_TO`` rows."""
-    return rows <= SKINNY_UP_TO
-
-
 def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
-               block: tuple[int, int] | None, gated: bool = False) -> torch.Tensor:
+               block: tuple[int, int] | None) -> torch.Tensor:
     """``x [M, K]`` times e4m3 ``weight [N, K]`` with per-row ``scale [N]`` or per-``block`` scales → ``[M, N]`` in
     ``x.dtype``: decode-sized steps by the weight-only skinny GEMM (``fp8_skinny``), larger ones with activations
-    quantized per token (and per ``bk`` columns with block scales), or taken quantized (``fp8_takes_e4m3``).
-    ``gated`` (where ``fp8_gated``): ``weight`` is a gate/up projection's and the result ``silu(gate) * up``."""
-    if gated:
-        if not fp8_gated(x.shape[0], block):
-            raise ValueError(f"fp8_linear(gated=True) takes at most {SKINNY_UP_TO} rows (got {x.shape[0]})")
-        return skinny_fp8_linear(x, weight, scale, block, gated=True)
+    quantized per token (and per ``bk`` columns with block scales), or taken quantized (``fp8_takes_e4m3``)."""
     if isinstance(x, QuantizedRows):
         a, a_scale, dtype = x
     elif x.shape[0] <= SKINNY_UP_TO:

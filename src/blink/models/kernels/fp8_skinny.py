@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .activation import silu_times
 from .pdl import pdl_args, wait_for_previous
 from .tiles import check_tiles
 
@@ -44,15 +43,13 @@ class SkinnyTiles:
         check_tiles(self)
 
 
-def skinny_tiles(m: int, n: int, k: int, block: tuple[int, int] | None, gated: bool = False) -> SkinnyTiles:
+def skinny_tiles(m: int, n: int, k: int, block: tuple[int, int] | None) -> SkinnyTiles:
     """The launch shape of ``m`` rows through a projection of ``n`` outputs and ``k`` inputs, from the sweeps of
     ``bench/experiments/fp8_gemv_bench.py`` (Qwen3-8B's projections; up to 16 rows on the H200, each rule within
     1.14x of the best shape there; 32 rows on an H100, each the best shape there). Up to 16 rows: 32-row tiles over
     128 columns; a long reduction (``k >= 2n``: few output tiles, each a long way to stream) split 4 ways over 64-row
     tiles. Beyond: 64-row tiles, the reduction split 4 ways unless the tiles alone number ``TARGET_PROGRAMS``. With
-    block scales a tile must not straddle a weight block. ``gated`` (a gate/up projection's ``n = 2I`` rows, its
-    SiLU-and-multiply in the epilogue): the plain GEMM's programs, each streaming as many rows (half a tile of gate,
-    half of up), the reduction unsplit."""
+    block scales a tile must not straddle a weight block."""
     if m > 16:
         split_k = 4 if triton.cdiv(n, 64) <= TARGET_PROGRAMS else 1
         tiles = SkinnyTiles(block_n=64, block_k=128, split_k=split_k, num_stages=3)
@@ -60,8 +57,6 @@ def skinny_tiles(m: int, n: int, k: int, block: tuple[int, int] | None, gated: b
         tiles = SkinnyTiles(block_n=64, block_k=256 if block is None else 128, split_k=4, num_stages=3)
     else:
         tiles = SkinnyTiles(block_n=32, block_k=128, num_stages=4)
-    if gated:
-        tiles = replace(tiles, block_n=max(16, tiles.block_n // 2), split_k=1)
     if block is None:
         return tiles
     return replace(tiles, block_n=min(tiles.block_n, block[0]), block_k=min(tiles.block_k, block[1]))
@@ -72,13 +67,19 @@ def block_m_for(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
-@triton.jit
-def _skinny_dot(x_ptr, w_ptr, scale_ptr, rows, row_ok, cols, col_ok, k, x_stride, scale_stride, part,
-                GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """``x[rows, part] @ (w[cols, part] * scale).T`` in float32: K part ``part`` of ``SPLIT_K``."""
+@triton.jit(do_not_specialize=["m"])  # one compile per launch shape, whatever the step's rows
+def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, m, n, k, x_stride, scale_stride, GROUP_N: tl.constexpr,
+                   GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+    """``out[:m, tile] (+)= x[:m, part] @ (w[tile, part] * scale).T`` for output tile ``program_id(0)`` and K part
+    ``program_id(1)``. ``GROUP_K == 0``: per-row ``scale [n]``; else block ``scale [n/GROUP_N, k/GROUP_K]``."""
+    tile, part = tl.program_id(0), tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < m, cols < n
     per_part = tl.cdiv(tl.cdiv(k, SPLIT_K), BLOCK_K) * BLOCK_K
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * k
+    wait_for_previous(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(part * per_part, tl.minimum(k, (part + 1) * per_part), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -92,52 +93,22 @@ def _skinny_dot(x_ptr, w_ptr, scale_ptr, rows, row_ok, cols, col_ok, k, x_stride
             acc += tl.dot(x, tl.trans(w)) * s[None, :]
     if GROUP_K == 0:
         acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    return acc
-
-
-@triton.jit(do_not_specialize=["m"])  # one compile per launch shape, whatever the step's rows
-def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, m, n, k, x_stride, scale_stride, GROUP_N: tl.constexpr,
-                   GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
-    """``out[:m, tile] (+)= x[:m, part] @ (w[tile, part] * scale).T`` for output tile ``program_id(0)`` and K part
-    ``program_id(1)``. ``GROUP_K == 0``: per-row ``scale [n]``; else block ``scale [n/GROUP_N, k/GROUP_K]``.
-    ``GATED`` (``SPLIT_K`` 1): ``w`` holds ``2n`` rows, gate then up, and ``out = silu(gate) * up`` of rows ``tile``
-    and ``n + tile``, gate and up rounded to ``out``'s dtype first, as ``silu_and_mul`` of the plain output."""
-    tile, part = tl.program_id(0), tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok, col_ok = rows < m, cols < n
-    wait_for_previous(PDL)
-    acc = _skinny_dot(x_ptr, w_ptr, scale_ptr, rows, row_ok, cols, col_ok, k, x_stride, scale_stride, part, GROUP_N,
-                      GROUP_K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     out = out_ptr + rows[:, None] * n + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
-    if GATED:
-        up = _skinny_dot(x_ptr, w_ptr, scale_ptr, rows, row_ok, n + cols, col_ok, k, x_stride, scale_stride, part,
-                         GROUP_N, GROUP_K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
-        dtype = out_ptr.dtype.element_ty
-        product = silu_times(acc.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
-        tl.store(out, product.to(dtype), mask=mask)
-    elif SPLIT_K == 1:
+    if SPLIT_K == 1:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(out, acc, mask=mask)
 
 
 def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-                      tiles: SkinnyTiles | None = None, gated: bool = False) -> torch.Tensor:
+                      tiles: SkinnyTiles | None = None) -> torch.Tensor:
     """``x [M, K]`` (M <= ``SKINNY_MAX_TOKENS``, any float dtype) times e4m3 ``weight [N, K]`` with per-row
-    ``scale [N]`` or per-``block`` ``scale [N/bn, K/bk]`` → ``[M, N]`` in ``x.dtype``; ``gated``: ``weight`` is a
-    gate/up projection's ``[2I, K]`` and the result ``silu(gate) * up``, ``[M, I]`` (the reduction never split: the
-    epilogue needs whole sums)."""
-    (m, k), n = x.shape, weight.shape[0] // (2 if gated else 1)
+    ``scale [N]`` or per-``block`` ``scale [N/bn, K/bk]`` → ``[M, N]`` in ``x.dtype``."""
+    (m, k), n = x.shape, weight.shape[0]
     if m > SKINNY_MAX_TOKENS:
         raise ValueError(f"skinny_fp8_linear takes at most {SKINNY_MAX_TOKENS} rows (got {m})")
-    tiles = tiles or skinny_tiles(m, weight.shape[0], k, block, gated)
-    if gated:
-        tiles = replace(tiles, split_k=1)
-        if block is not None and n % block[0]:
-            raise ValueError(f"a gate/up projection of {n} + {n} rows is not whole weight blocks of {block[0]} rows")
+    tiles = tiles or skinny_tiles(m, n, k, block)
     if block is not None and (block[1] % tiles.block_k or block[0] % tiles.block_n):
         raise ValueError(f"tiles {tiles} do not divide the weight blocks {block}")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -146,6 +117,6 @@ def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     group_n, group_k = block if block is not None else (0, 0)
     _skinny_kernel[(triton.cdiv(n, tiles.block_n), tiles.split_k)](
         x, weight, scale, out, m, n, k, x.stride(0), scale.stride(0), GROUP_N=group_n, GROUP_K=group_k,
-        BLOCK_M=block_m_for(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k, GATED=gated,
+        BLOCK_M=block_m_for(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(x.device))
     return out.to(x.dtype) if split else out

@@ -81,21 +81,14 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tenso
 
 
 def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
-               block: tuple[int, int] | None, gated: bool = False) -> torch.Tensor:
+               block: tuple[int, int] | None) -> torch.Tensor:
     """``x @ W.T`` for e4m3 ``weight [N, K]`` with its float32 scales (per row ``[N]``, or per ``block``
-    ``[N/bn, K/bk]``): the weights dequantized to ``x.dtype``, then one GEMM; ``gated``: then ``silu_and_mul`` of it.
-    Activations are not quantized here (the CUDA kernels quantize them per token; their tests hold them to this with
-    quantized activations); ones that come quantized (``QuantizedRows``) are dequantized first."""
+    ``[N/bn, K/bk]``): the weights dequantized to ``x.dtype``, then one GEMM. Activations are not quantized here
+    (the CUDA kernels quantize them per token; their tests hold them to this with quantized activations); ones that
+    come quantized (``QuantizedRows``) are dequantized first."""
     if isinstance(x, QuantizedRows):
         x = x.dequantized()
-    out = F.linear(x, dequantize(weight, scale, block).to(x.dtype))
-    return silu_and_mul(out) if gated else out
-
-
-def fp8_gated(rows: int, block: tuple[int, int] | None) -> bool:
-    """Whether an FP8 gate/up projection of ``rows`` rows returns its SiLU-and-multiply itself: never here, where
-    that saves no launch."""
-    return False
+    return F.linear(x, dequantize(weight, scale, block).to(x.dtype))
 
 
 def fp8_takes_e4m3(rows: int, block: tuple[int, int] | None) -> bool:
