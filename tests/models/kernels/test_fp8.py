@@ -199,8 +199,12 @@ def test_fp8_model_step_on_triton_ops_matches_the_reference_path(backend, layout
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fp8_model_step_beyond_decode_size_matches_the_reference_path(backend, layout):
     """A 48-token prefill (beyond ``SKINNY_UP_TO`` rows): each norm and SiLU-and-multiply hands its FP8 projection the
-    rows quantized (``fp8_takes_e4m3``: per token, and per weight block's columns with block scales); the logits are
-    the reference path's with activations quantized where the CUDA ops quantize them."""
+    rows quantized (``fp8_takes_e4m3``: per token, and per weight block's columns with block scales). In float32 (the
+    interpreter) the logits are the reference path's with activations quantized where the CUDA ops quantize them. In
+    bf16 on the GPU the kernels quantize the norm's float32 values before their bf16 rounding, so values near an e4m3
+    rounding boundary round either way and the two paths differ by that noise (5-6 %, H100 at b4014f3); there the
+    check is accuracy: against the step with activations unquantized, the kernels' error is no larger than the
+    reference's (0.055 against 0.068 there)."""
     device, dtype, tol = backend
     from blink.models.kernels import OPS, triton_ops
     from blink.models.kernels.fp8 import SKINNY_UP_TO
@@ -211,10 +215,12 @@ def test_fp8_model_step_beyond_decode_size_matches_the_reference_path(backend, l
     model = random_model(config, device, dtype, std=0.05)
     tokens = list(range(7, 7 + 48))
     assert len(tokens) > SKINNY_UP_TO
-    model.ops = SimpleNamespace(**{**{name: getattr(reference, name) for name in OPS},
-                                   "fp8_linear": linear_as_the_cuda_ops})
-    runner = Runner(model)
-    want, _, _ = runner.step([runner.chunk(0, tokens, 0)])
+    references = {name: getattr(reference, name) for name in OPS}
+    logits = {}
+    for name, ops in (("want", {**references, "fp8_linear": linear_as_the_cuda_ops}), ("unquantized", references)):
+        model.ops = SimpleNamespace(**ops)
+        runner = Runner(model)
+        logits[name] = runner.step([runner.chunk(0, tokens, 0)])[0]
     asked = []
 
     def recorded(op):
@@ -231,7 +237,10 @@ def test_fp8_model_step_beyond_decode_size_matches_the_reference_path(backend, l
     group = (config.hidden_size, config.intermediate_size) if layout == "per-row" else (64, 64)
     wanted = [group[0], group[0], group[1]] * config.num_layers  # 2 norms, then SiLU, a layer
     assert [g for g in asked if g] == wanted, asked
-    assert rel_err(got, want) < (1e-3 if dtype == torch.float32 else 3e-2)
+    if dtype == torch.float32:
+        assert rel_err(got, logits["want"]) < 1e-3
+    else:
+        assert rel_err(got, logits["unquantized"]) <= 1.1 * rel_err(logits["want"], logits["unquantized"])
 
 
 @pytest.mark.gpu
