@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-# The kernels each of these steps launches (a decode of 1 and of 64 sequences, a 64-token prefill).
+# The kernels each model's steps launch (a decode of 1 and of 64 sequences, a 64-token prefill), bf16 and FP8 weights.
 EXPECTED = {
     "qwen3-8b": {"_skinny_kernel", "_fp8_gemm_kernel", "_quantize_kernel", "_rms_norm_kernel",
                  "_silu_and_mul_e4m3_kernel", "_rope_kv_write_kernel", "_attention_kernel", "_gumbel_argmax_kernel"},
@@ -16,12 +16,12 @@ EXPECTED = {
 }
 
 
-def test_the_steps_fp8_kernels_compile_for_hopper_without_spills(tmp_path):
+def test_the_steps_kernels_compile_for_hopper_without_spills_at_bf16_and_fp8(tmp_path):
     out = tmp_path / "resources.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-m", "bench.kernel_resources", "--models", *EXPECTED, "--layouts", "fp8",
-                          "--batches", "1", "64", "--prefill", "64", "--json", str(out)],
+    run = subprocess.run([sys.executable, "-m", "bench.kernel_resources", "--models", *EXPECTED,
+                          "--layouts", "bf16", "fp8", "--batches", "1", "64", "--prefill", "64", "--json", str(out)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
