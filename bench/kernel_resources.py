@@ -81,7 +81,8 @@ def compile_only(compiled: dict) -> None:
 
 
 def usage(kernel) -> dict:
-    """Registers a thread, stack frame bytes and static shared memory, as ``cuobjdump`` reads them from the cubin."""
+    """Registers a thread and stack frame bytes, as ``cuobjdump`` reads them from the cubin; the shared memory Triton
+    gives the kernel; its warps, stages and constexprs."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
