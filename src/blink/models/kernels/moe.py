@@ -16,8 +16,8 @@ no host reads, so the whole MLP captures into a step graph:
    GEMM of each block's rows with its expert's weights. First ``x @ gate_up[e].T`` with SiLU-and-mul fused into the
    epilogue (``[N, I]``), then ``@ down[e].T`` times the entry's routing weight (``[N, H]``).
    FP8 experts (``quantization.py``): ``x`` and the gated products are quantized per token (and per ``bk``
-   columns with block scales) by torch ops before each GEMM, which multiplies e4m3 tiles and applies the scales
-   (``QUANT``).
+   columns with block scales) by ``kernels.quantize`` before each GEMM, which multiplies e4m3 tiles and applies the
+   scales (``QUANT``).
 4. ``_moe_sum_top_k_kernel``: the weighted combine, each token's ``top_k`` rows summed in float32 and rounded once, as
    torch's sum of them does (one launch instead of torch's strided reduction).
 """
