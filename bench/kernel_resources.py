@@ -110,13 +110,13 @@ def one_layer_of_each(name: str, layout: str):
 def run_steps(model, kv_dtype, batches: list[int], context: int, prefill: int) -> None:
     """The decode steps of ``batches`` sequences at ``context`` tokens and one ``prefill``-token chunk."""
     buf = StepBuffers(LAYOUT, "cpu")
-    num_pages = max(batches) * -(-context // PAGE)
-    kv = model.allocate_kv_cache(max(num_pages, -(-prefill // PAGE)), PAGE, kv_dtype)
+    num_pages, prefill_pages = max(batches) * -(-context // PAGE), -(-prefill // PAGE)
+    kv = model.allocate_kv_cache(max(num_pages, prefill_pages), PAGE, kv_dtype)
     for batch in batches:
         chunks, _ = decode_chunks(batch, context, num_pages, seed=batch)
         model(buf, kv, fill_step(buf, chunks, PAGE))
     if prefill:
-        model(buf, kv, fill_step(buf, [SeqChunk(list(range(prefill)), 0, list(range(-(-prefill // PAGE))))], PAGE))
+        model(buf, kv, fill_step(buf, [SeqChunk(list(range(prefill)), 0, list(range(prefill_pages)))], PAGE))
 
 
 def main():

@@ -215,12 +215,14 @@ def test_fp8_model_step_beyond_decode_size_matches_the_reference_path(backend, l
     model = random_model(config, device, dtype, std=0.05)
     tokens = list(range(7, 7 + 48))
     assert len(tokens) > SKINNY_UP_TO
-    references = {name: getattr(reference, name) for name in OPS}
-    logits = {}
-    for name, ops in (("want", {**references, "fp8_linear": linear_as_the_cuda_ops}), ("unquantized", references)):
+
+    def step(ops: dict) -> torch.Tensor:
         model.ops = SimpleNamespace(**ops)
         runner = Runner(model)
-        logits[name] = runner.step([runner.chunk(0, tokens, 0)])[0]
+        return runner.step([runner.chunk(0, tokens, 0)])[0]
+
+    references = {name: getattr(reference, name) for name in OPS}
+    want = step({**references, "fp8_linear": linear_as_the_cuda_ops})
     asked = []
 
     def recorded(op):
@@ -229,18 +231,16 @@ def test_fp8_model_step_beyond_decode_size_matches_the_reference_path(backend, l
             return op(*args, e4m3_group=e4m3_group, **kwargs)
         return call
 
-    model.ops = SimpleNamespace(**{**{name: getattr(triton_ops, name) for name in OPS},
-                                   "rms_norm": recorded(triton_ops.rms_norm),
-                                   "silu_and_mul": recorded(triton_ops.silu_and_mul)})
-    runner = Runner(model)
-    got, _, _ = runner.step([runner.chunk(0, tokens, 0)])
+    got = step({**{name: getattr(triton_ops, name) for name in OPS}, "rms_norm": recorded(triton_ops.rms_norm),
+                "silu_and_mul": recorded(triton_ops.silu_and_mul)})
     group = (config.hidden_size, config.intermediate_size) if layout == "per-row" else (64, 64)
     wanted = [group[0], group[0], group[1]] * config.num_layers  # 2 norms, then SiLU, a layer
     assert [g for g in asked if g] == wanted, asked
     if dtype == torch.float32:
-        assert rel_err(got, logits["want"]) < 1e-3
+        assert rel_err(got, want) < 1e-3
     else:
-        assert rel_err(got, logits["unquantized"]) <= 1.1 * rel_err(logits["want"], logits["unquantized"])
+        unquantized = step(references)
+        assert rel_err(got, unquantized) <= 1.1 * rel_err(want, unquantized)
 
 
 @pytest.mark.gpu
