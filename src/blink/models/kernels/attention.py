@@ -24,6 +24,7 @@ import triton.language as tl
 
 from .pdl import pdl_args, wait_for_previous
 from .tiles import check_tiles
+from .widen import widen
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension, which counts query blocks
 
@@ -54,7 +55,7 @@ def _attend(acc, m_i, l_i, q, cache_ptr, bt_ptr, seq, bt_stride, v_offset, kv_he
         page = tl.load(bt_ptr + seq * bt_stride + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
         kv = ((page * PAGE_SIZE + n % PAGE_SIZE) * num_kv_heads + kv_head) * head_dim
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(cache_ptr + kv[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # e4m3: exact
+        k = widen(tl.load(cache_ptr + kv[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)  # e4m3: exact
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
             visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
@@ -66,7 +67,7 @@ def _attend(acc, m_i, l_i, q, cache_ptr, bt_ptr, seq, bt_stride, v_offset, kv_he
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + v_offset + kv[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = widen(tl.load(cache_ptr + v_offset + kv[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m_i = m_new
     return acc, m_i, l_i

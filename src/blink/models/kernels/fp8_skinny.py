@@ -23,6 +23,7 @@ import triton.language as tl
 
 from .pdl import pdl_args, wait_for_previous
 from .tiles import check_tiles
+from .widen import widen
 
 SKINNY_MAX_TOKENS = 64  # up to here a step's rows fit one BLOCK_M of tl.dot and the step is weight-bound
 TARGET_PROGRAMS = 128  # about one per SM of an H100 or H200 (132)
@@ -85,7 +86,7 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, m, n, k, x_stride, scale_st
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k
         x = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(x.dtype)
+        w = widen(tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0), x.dtype)
         if GROUP_K == 0:
             acc += tl.dot(x, tl.trans(w))
         else:

@@ -1,0 +1,54 @@
+"""e4m3 tiles widened to bf16 in registers by moving bits, not by Hopper's conversion instructions.
+
+Triton widens e4m3 to bf16 in two conversions: pairs of e4m3 to pairs of f16 (SASS ``F2FP``), then each f16 to
+bf16 (``F2F``, 16 values a clock per SM on sm_90). An FP8 decode GEMM widens every weight byte it reads, so the
+conversions, not HBM, set its pace: the skinny GEMM took the same microseconds on an H100 and an H200
+(``bench/results/fp8_gemv_bench_*``), 1.9-3.1x its HBM floor.
+
+e4m3 is a sign, 4 exponent bits (bias 7) and 3 mantissa bits; bf16 a sign, 8 exponent bits (bias 127) and 7 mantissa
+bits. e4m3's sign moved to bf16's and its other 7 bits to the low end of bf16's exponent and the top of its mantissa
+give a bf16 of the e4m3's value times 2^-120 (subnormals land on bf16's subnormals, so also exactly), and one
+multiplication by 2^120 makes it the value. For four values that is two byte permutes and, per pair, two masks, a
+shift, an or and a bf16x2 fused multiply-add: integer and FMA instructions at full rate.
+
+e4m3's NaN codes (0x7F, 0xFF) become ±480; the quantizers never write them (they clamp to ±448). Triton's
+interpreter has no inline PTX, so where the kernels are interpreted (``TRITON_INTERPRET`` when they are decorated)
+the tile is converted by Triton as before: the same values.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+PTX = tl.constexpr(not triton.knobs.runtime.interpret)
+
+# $2 holds four e4m3 bytes, $0 and $1 two bf16 each (values 0-1 and 2-3). prmt puts two bytes in the high bytes of
+# the two halves (0x1404: bytes 0 and 1; 0x3424: bytes 2 and 3), leaving each half's sign at bf16's place; the
+# 7 bits below it move down 4 places; fma by 2^120 (bf16 0x7B80) plus -0 rebiases the exponent, exact.
+E4M3_TO_BF16 = tl.constexpr("""{
+.reg .b32 t, e, k, z;
+mov.b32 k, 0x7B807B80;
+mov.b32 z, 0x80008000;
+prmt.b32 t, $2, 0, 0x1404;
+and.b32 e, t, 0x7F007F00;
+shr.b32 e, e, 4;
+and.b32 t, t, 0x80008000;
+or.b32 t, t, e;
+fma.rn.bf16x2 $0, t, k, z;
+prmt.b32 t, $2, 0, 0x3424;
+and.b32 e, t, 0x7F007F00;
+shr.b32 e, e, 4;
+and.b32 t, t, 0x80008000;
+or.b32 t, t, e;
+fma.rn.bf16x2 $1, t, k, z;
+}""")
+
+
+@triton.jit
+def widen(x, dtype: tl.constexpr):
+    """``x.to(dtype)``, exact for an e4m3 ``x``; e4m3 to bf16 by moving bits (compiled), any other by Triton."""
+    if PTX and x.dtype == tl.float8e4nv and dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(E4M3_TO_BF16, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
+                                         is_pure=True, pack=4)
+    else:
+        return x.to(dtype)
