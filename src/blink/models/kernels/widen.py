@@ -1,15 +1,23 @@
 """e4m3 tiles widened to bf16 in registers by moving bits, not by Hopper's conversion instructions.
 
 Triton widens e4m3 to bf16 in two conversions: pairs of e4m3 to pairs of f16 (SASS ``F2FP``), then each f16 to
-bf16 (``F2F``, 16 values a clock per SM on sm_90). An FP8 decode GEMM widens every weight byte it reads, so the
-conversions, not HBM, set its pace: the skinny GEMM took the same microseconds on an H100 and an H200
-(``bench/results/fp8_gemv_bench_*``), 1.9-3.1x its HBM floor.
+bf16 (``F2F``, 16 values a clock per SM on sm_90). An FP8 decode GEMM widens every weight byte it reads: 48 of
+the skinny GEMM's 169 loop instructions were these conversions, the F2Fs at a quarter of the full rate, and it took
+the same microseconds on an H100 and an H200 (``bench/results/fp8_gemv_bench_*``) though the H200's HBM is 1.4x
+faster: a limit of the SMs, not of HBM.
 
 e4m3 is a sign, 4 exponent bits (bias 7) and 3 mantissa bits; bf16 a sign, 8 exponent bits (bias 127) and 7 mantissa
 bits. e4m3's sign moved to bf16's and its other 7 bits to the low end of bf16's exponent and the top of its mantissa
 give a bf16 of the e4m3's value times 2^-120 (subnormals land on bf16's subnormals, so also exactly), and one
 multiplication by 2^120 makes it the value. For four values that is two byte permutes and, per pair, two masks, a
 shift, an or and a bf16x2 fused multiply-add: integer and FMA instructions at full rate.
+
+The asm is declared impure so that Triton widens the tile where it is loaded. As a pure elementwise op its layout
+pass would move the MMA operand's layout conversion ahead of it, as it does for its own e4m3 conversion: the bytes
+then reach the operand layout through shared memory, one ``LDS.U8`` each where the operand's pairs are not
+contiguous (attention's V: 64 a loop body), and widen there. Impure, the widened bf16 tile goes to the operand layout
+in 16-byte shared stores and ``ldmatrix`` (attention's loop body 711 SASS instructions against 1,043, the skinny
+GEMM's 169 against 196; ``bench.kernel_resources``' compile for sm_90, Triton 3.6).
 
 e4m3's NaN codes (0x7F, 0xFF) become ±480; the quantizers never write them (they clamp to ±448). Triton's
 interpreter has no inline PTX, so where the kernels are interpreted (``TRITON_INTERPRET`` when they are decorated)
@@ -49,6 +57,6 @@ def widen(x, dtype: tl.constexpr):
     """``x.to(dtype)``, exact for an e4m3 ``x``; e4m3 to bf16 by moving bits (compiled), any other by Triton."""
     if PTX and x.dtype == tl.float8e4nv and dtype == tl.bfloat16:
         return tl.inline_asm_elementwise(E4M3_TO_BF16, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
-                                         is_pure=True, pack=4)
+                                         is_pure=False, pack=4)
     else:
         return x.to(dtype)
