@@ -39,7 +39,7 @@ SWEEP = [dict(block_n=n, block_k=k, split_k=s, num_warps=w, num_stages=st) for n
 WIDE_SWEEP = [dict(block_n=n, block_k=k, split_k=s, num_warps=w, num_stages=st) for n, k, s, w, st in
               itertools.product((64, 128, 256), (64, 128), (1, 2, 4), (4, 8), (3,))]
 GEMM_SWEEP = [dict(block_m=bm, block_n=n, block_k=128, split_k=s, num_warps=w, num_stages=st) for bm, n, s, w, st in
-              itertools.product((64, 128), (64, 128), (1, 2, 4), (4, 8), (3, 4))]
+              itertools.product((64, 128), (32, 64, 128), (1, 2, 4), (4, 8), (3, 4))]
 
 
 def projections(name: str) -> dict[str, tuple[int, int]]:
