@@ -12,12 +12,9 @@ give a bf16 of the e4m3's value times 2^-120 (subnormals land on bf16's subnorma
 multiplication by 2^120 makes it the value. For four values that is two byte permutes and, per pair, two masks, a
 shift, an or and a bf16x2 fused multiply-add: integer and FMA instructions at full rate.
 
-The asm is declared impure so that Triton widens the tile where it is loaded. As a pure elementwise op its layout
-pass would move the MMA operand's layout conversion ahead of it, as it does for its own e4m3 conversion: the bytes
-then reach the operand layout through shared memory, one ``LDS.U8`` each where the operand's pairs are not
-contiguous (attention's V: 64 a loop body), and widen there. Impure, the widened bf16 tile goes to the operand layout
-in 16-byte shared stores and ``ldmatrix`` (attention's loop body 711 SASS instructions against 1,043, the skinny
-GEMM's 169 against 196; ``bench.kernel_resources``' compile for sm_90, Triton 3.6).
+The asm is pure, though Triton then moves the MMA operand's layout change ahead of it and attention's V reaches the
+operand byte by byte (64 ``LDS.U8`` a loop body): declared impure, it widened in the load's layout in fewer
+instructions but ran slower on an H100 (``53327b0``: the Qwen3-8B FP8 step at B = 1 5.37 ms against 4.45).
 
 e4m3's NaN codes (0x7F, 0xFF) become ±480; the quantizers never write them (they clamp to ±448). Triton's
 interpreter has no inline PTX, so where the kernels are interpreted (``TRITON_INTERPRET`` when they are decorated)
@@ -57,6 +54,6 @@ def widen(x, dtype: tl.constexpr):
     """``x.to(dtype)``, exact for an e4m3 ``x``; e4m3 to bf16 by moving bits (compiled), any other by Triton."""
     if PTX and x.dtype == tl.float8e4nv and dtype == tl.bfloat16:
         return tl.inline_asm_elementwise(E4M3_TO_BF16, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
-                                         is_pure=False, pack=4)
+                                         is_pure=True, pack=4)
     else:
         return x.to(dtype)
