@@ -27,26 +27,18 @@ import triton.language as tl
 
 PTX = tl.constexpr(not triton.knobs.runtime.interpret)
 
-# $2 holds four e4m3 bytes, $0 and $1 two bf16 each (values 0-1 and 2-3). prmt puts two bytes in the high bytes of
-# the two halves (0x1404: bytes 0 and 1; 0x3424: bytes 2 and 3), leaving each half's sign at bf16's place; the
-# 7 bits below it move down 4 places; fma by 2^120 (bf16 0x7B80) plus -0 rebiases the exponent, exact.
-E4M3_TO_BF16 = tl.constexpr("""{
-.reg .b32 t, e, k, z;
-mov.b32 k, 0x7B807B80;
-mov.b32 z, 0x80008000;
-prmt.b32 t, $2, 0, 0x1404;
+# $2 holds four e4m3 bytes, $0 and $1 two bf16 each (values 0-1 and 2-3). For each pair prmt puts its two bytes in
+# the high bytes of the two halves (0x1404: bytes 0 and 1; 0x3424: bytes 2 and 3), leaving each half's sign at bf16's
+# place; the 7 bits below it move down 4 places; fma by 2^120 (bf16 0x7B80) plus -0 rebiases the exponent, exact.
+_PAIR = """prmt.b32 t, $2, 0, {select};
 and.b32 e, t, 0x7F007F00;
 shr.b32 e, e, 4;
 and.b32 t, t, 0x80008000;
 or.b32 t, t, e;
-fma.rn.bf16x2 $0, t, k, z;
-prmt.b32 t, $2, 0, 0x3424;
-and.b32 e, t, 0x7F007F00;
-shr.b32 e, e, 4;
-and.b32 t, t, 0x80008000;
-or.b32 t, t, e;
-fma.rn.bf16x2 $1, t, k, z;
-}""")
+fma.rn.bf16x2 {out}, t, k, z;
+"""
+E4M3_TO_BF16 = tl.constexpr("{\n.reg .b32 t, e, k, z;\nmov.b32 k, 0x7B807B80;\nmov.b32 z, 0x80008000;\n"
+                            + _PAIR.format(select="0x1404", out="$0") + _PAIR.format(select="0x3424", out="$1") + "}")
 
 
 @triton.jit
