@@ -7,7 +7,8 @@ each kind it has (dense, MoE) at its real widths on the CPU and runs its step on
 each decode batch and one prefill, under a Triton driver that compiles for sm_90 and launches nothing
 (``CompileOnly``). So every kernel is compiled as the step would launch it there: the same argument dtypes and
 alignment, the constexprs its launch shape picks, PDL on. It prints each distinct compile's registers, stack frame
-(spills live there) and shared memory, and exits 1 if a kernel fails to compile or has a stack frame.
+(spills live there), shared memory and float conversion instructions (SASS ``F2F``/``F2FP``: in the JSON by opcode),
+and exits 1 if a kernel fails to compile or has a stack frame.
 
 Nothing is computed (no kernel runs; the outputs are whatever memory held): this is what the kernels cost, not what
 they return. Triton is the installed one, which may differ from the GPU machine's.
@@ -21,6 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import replace
 
 os.environ.pop("TRITON_INTERPRET", None)  # compiled, not interpreted (read when the kernels are decorated)
@@ -44,6 +46,7 @@ HOPPER = GPUTarget("cuda", 90, 64)
 LAYOUTS = {"bf16": (None, "auto"), "fp8": (Fp8Config(), "auto"), "fp8-block": (Fp8Config((128, 128)), "auto"),
            "fp8kv": (Fp8Config(), "fp8")}
 USAGE = re.compile(r"REG:(\d+) STACK:(\d+)")
+CONVERSION = re.compile(r"\b(F2FP?\.[A-Z0-9_.]+)")
 
 
 class CompileOnly:
@@ -80,16 +83,23 @@ def compile_only(compiled: dict) -> None:
     driver.set_active(CompileOnly())
 
 
-def usage(kernel) -> dict:
-    """Registers a thread and stack frame bytes, as ``cuobjdump`` reads them from the cubin; the shared memory Triton
-    gives the kernel; its warps, stages and constexprs."""
+def cuobjdump(kernel, flag: str) -> str:
+    """``cuobjdump FLAG`` of the kernel's cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
-        text = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", cubin.name],
-                              capture_output=True, text=True, check=True).stdout
-    registers, stack = (int(v) for v in USAGE.search(text).groups())
-    return dict(registers=registers, stack_bytes=stack, shared_bytes=kernel.metadata.shared,
+        return subprocess.run([triton.knobs.nvidia.cuobjdump.path, flag, cubin.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def usage(kernel) -> dict:
+    """Registers a thread and stack frame bytes, as ``cuobjdump`` reads them from the cubin; the shared memory Triton
+    gives the kernel; its warps, stages and constexprs; its float conversion instructions (SASS ``F2F``/``F2FP``) by
+    opcode, which run below the full rate (``kernels.widen``'s docstring)."""
+    registers, stack = (int(v) for v in USAGE.search(cuobjdump(kernel, "--dump-resource-usage")).groups())
+    conversions = Counter(CONVERSION.findall(cuobjdump(kernel, "-sass")))
+    return dict(registers=registers, stack_bytes=stack, conversions=dict(conversions),
+                shared_bytes=kernel.metadata.shared,
                 num_warps=kernel.metadata.num_warps, num_stages=kernel.metadata.num_stages,
                 constants={kernel.src.fn.arg_names[path[0]]: v for path, v in kernel.src.constants.items()
                            if v is not None and not isinstance(v, str)})
@@ -138,11 +148,12 @@ def main():
                 run_steps(model, kv_dtype, args.batches, args.context, args.prefill)
             rows += [dict(model=name, layout=layout, kernel=kernel_name, **usage(kernel))
                      for (kernel_name, _), kernel in compiled.items()]
-    print(f"{'model':<14} {'layout':<9} {'kernel':<28} {'regs':>4} {'stack':>5} {'smem':>6} warps  constexprs")
+    print(f"{'model':<14} {'layout':<9} {'kernel':<28} {'regs':>4} {'stack':>5} {'smem':>6} {'cvt':>4} warps  "
+          f"constexprs")
     for r in sorted(rows, key=lambda r: (r["model"], r["layout"], r["kernel"], r["registers"])):
         consts = " ".join(f"{k}={v}" for k, v in r["constants"].items())
         print(f"{r['model']:<14} {r['layout']:<9} {r['kernel']:<28} {r['registers']:>4} {r['stack_bytes']:>5} "
-              f"{r['shared_bytes']:>6} {r['num_warps']:>5}  {consts}")
+              f"{r['shared_bytes']:>6} {sum(r['conversions'].values()):>4} {r['num_warps']:>5}  {consts}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(commit=tree_commit(), triton=triton.__version__, target="sm_90", rows=rows), f, indent=1)

@@ -1,6 +1,7 @@
 """Every Triton kernel of the step compiles for Hopper (sm_90) at the step's real widths, with no stack frame (no
-spills): ``bench/kernel_resources.py``, in a process of its own (the kernels compiled, not interpreted), on a machine
-with or without a GPU."""
+spills), and the FP8 skinny GEMM widens its e4m3 weights without conversion instructions (``kernels.widen``):
+``bench/kernel_resources.py``, in a process of its own (the kernels compiled, not interpreted), on a machine with or
+without a GPU."""
 import json
 import os
 import subprocess
@@ -29,3 +30,7 @@ def test_the_steps_kernels_compile_for_hopper_without_spills_at_bf16_and_fp8(tmp
         compiled = {r["kernel"] for r in rows if r["model"] == model}
         assert kernels <= compiled, f"{model}: {sorted(kernels - compiled)} not compiled"
     assert all(0 < r["registers"] <= 255 and r["stack_bytes"] == 0 for r in rows)
+    # Triton's own widening is F2FP.F16.E4M3 then F2F.BF16.F16 per value; widen's leaves only the epilogue's packing.
+    skinny = [r for r in rows if r["kernel"] == "_skinny_kernel"]
+    assert skinny and all(not op.startswith(("F2F.BF16.F16", "F2FP.F16.E4M3")) for r in skinny
+                          for op in r["conversions"]), [r["conversions"] for r in skinny]
