@@ -50,8 +50,9 @@ def skinny_tiles(m: int, n: int, k: int, block: tuple[int, int] | None) -> Skinn
     1.14x of the best shape there; 32 rows on an H100, each the best shape there). Up to 16 rows: 32-row tiles over
     128 columns, 6 stages deep where the tiles are at most two per SM (qkv, o_proj: fewer programs need more bytes in
     flight each; the best shape on an H100, and on the H200 within 1.01x), else 4; a long reduction (``k >= 2n``: few
-    output tiles, each a long way to stream) split 4 ways over 64-row tiles. Beyond: 64-row tiles, the reduction split 4 ways unless the tiles
-    alone number ``TARGET_PROGRAMS``. With block scales a tile must not straddle a weight block."""
+    output tiles, each a long way to stream) split 4 ways over 64-row tiles. Beyond: 64-row tiles, the reduction split
+    4 ways unless the tiles alone number ``TARGET_PROGRAMS``. With block scales a tile must not straddle a weight
+    block."""
     if m > 16:
         split_k = 4 if triton.cdiv(n, 64) <= TARGET_PROGRAMS else 1
         tiles = SkinnyTiles(block_n=64, block_k=128, split_k=split_k, num_stages=3)
