@@ -83,21 +83,17 @@ def compile_only(compiled: dict) -> None:
     driver.set_active(CompileOnly())
 
 
-def cuobjdump(kernel, flag: str) -> str:
-    """``cuobjdump FLAG`` of the kernel's cubin."""
+def usage(kernel) -> dict:
+    """Registers a thread and stack frame bytes and the float conversion instructions (SASS ``F2F``/``F2FP``, which run
+    below the full rate: ``kernels.widen``'s docstring) by opcode, as one ``cuobjdump`` of the cubin reads them; the
+    shared memory Triton gives the kernel; its warps, stages and constexprs."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
-        return subprocess.run([triton.knobs.nvidia.cuobjdump.path, flag, cubin.name], capture_output=True, text=True,
-                              check=True).stdout
-
-
-def usage(kernel) -> dict:
-    """Registers a thread and stack frame bytes, as ``cuobjdump`` reads them from the cubin; the shared memory Triton
-    gives the kernel; its warps, stages and constexprs; its float conversion instructions (SASS ``F2F``/``F2FP``) by
-    opcode, which run below the full rate (``kernels.widen``'s docstring)."""
-    registers, stack = (int(v) for v in USAGE.search(cuobjdump(kernel, "--dump-resource-usage")).groups())
-    conversions = Counter(CONVERSION.findall(cuobjdump(kernel, "-sass")))
+        text = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", "-sass", cubin.name],
+                              capture_output=True, text=True, check=True).stdout
+    registers, stack = (int(v) for v in USAGE.search(text).groups())
+    conversions = Counter(CONVERSION.findall(text))
     return dict(registers=registers, stack_bytes=stack, conversions=dict(conversions),
                 shared_bytes=kernel.metadata.shared,
                 num_warps=kernel.metadata.num_warps, num_stages=kernel.metadata.num_stages,
