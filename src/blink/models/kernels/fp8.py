@@ -26,6 +26,7 @@ from ..e4m3 import QuantizedRows
 from .fp8_skinny import TARGET_PROGRAMS, skinny_fp8_linear
 from .pdl import pdl_args, wait_for_previous
 from .quantize import quantize_activations
+from .split_k import split_buffers, store_split
 from .tiles import check_tiles
 
 
@@ -68,13 +69,13 @@ def tiles_for(m: int, n: int, k: int) -> Tiles:
 
 
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, m, n, k, a_scale_stride, w_scale_stride,
-                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
-    """``out[m, n] (+)= sum_k a[m, k] w[n, k]`` times the scales, over K part ``program_id(2)``; ``a`` ``[m, k]`` and
-    ``w`` ``[n, k]`` e4m3, contiguous. ``GROUP_K == 0``: per-token ``a_scale [m]`` and per-row ``w_scale [n]``,
-    applied once at the end; else block scales ``a_scale[m, k // GROUP_K]`` and ``w_scale[n // GROUP_N, k //
-    GROUP_K]`` applied at each step (``BLOCK_K == GROUP_K``)."""
+def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, work_ptr, counter_ptr, m, n, k, a_scale_stride,
+                     w_scale_stride, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+    """``out[m, n] = sum_k a[m, k] w[n, k]`` times the scales, of which this program sums K part ``program_id(2)``
+    (``split_k.store_split``); ``a`` ``[m, k]`` and ``w`` ``[n, k]`` e4m3, contiguous. ``GROUP_K == 0``: per-token
+    ``a_scale [m]`` and per-row ``w_scale [n]``, applied once at the end; else block scales ``a_scale[m, k //
+    GROUP_K]`` and ``w_scale[n // GROUP_N, k // GROUP_K]`` applied at each step (``BLOCK_K == GROUP_K``)."""
     pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -99,12 +100,8 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, m, n, k, a
     if GROUP_K == 0:
         acc *= (tl.load(a_scale_ptr + rows * a_scale_stride, mask=row_ok, other=0.0)[:, None]
                 * tl.load(w_scales, mask=col_ok, other=0.0)[None, :])
-    out = out_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :]
-    mask = row_ok[:, None] & col_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(out, acc, mask=mask)
+    store_split(acc, out_ptr, work_ptr, counter_ptr + pid_m * tl.num_programs(1) + pid_n,
+                rows.to(tl.int64)[:, None] * n + cols[None, :], row_ok[:, None] & col_ok[None, :], part, m * n, SPLIT_K)
 
 
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -116,16 +113,15 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale
     tiles = tiles or tiles_for(m, n, k)
     if block is not None:
         tiles = replace(tiles, block_k=block[1])
-    split = tiles.split_k > 1
-    out = (torch.zeros if split else torch.empty)((m, n), dtype=torch.float32 if split else out_dtype,
-                                                 device=a.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), tiles.split_k)
     group_n, group_k = block if block is not None else (1, 0)
-    _fp8_gemm_kernel[grid](a, a_scale, weight, scale, out, m, n, k, a_scale.stride(0), scale.stride(0),
-                           GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                           BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k, num_warps=tiles.num_warps,
-                           num_stages=tiles.num_stages, **pdl_args(a.device))
-    return out.to(out_dtype) if split else out
+    _fp8_gemm_kernel[grid](a, a_scale, weight, scale, out, *split_buffers(out, tiles.split_k, grid[0] * grid[1]), m, n,
+                           k, a_scale.stride(0), scale.stride(0), GROUP_N=group_n, GROUP_K=group_k,
+                           BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                           SPLIT_K=tiles.split_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                           **pdl_args(a.device))
+    return out
 
 
 def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

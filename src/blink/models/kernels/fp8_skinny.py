@@ -10,7 +10,7 @@ columns; the scales apply per weight row at the end (per row) or per ``(bn, bk)`
 (block).
 
 The K dimension may be split over ``SPLIT_K`` programs to fill the SMs when ``N / BLOCK_N`` tiles are too few; the
-parts then add into a float32 buffer (zeroed first) by atomics, cast to the output dtype after. Reference:
+last part of a tile to finish sums the parts (``split_k``). Reference:
 ``reference.fp8_linear`` (dequantize, then one GEMM) — the same maths, without the activations' rounding to e4m3.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_args, wait_for_previous
+from .split_k import split_buffers, store_split
 from .tiles import check_tiles
 from .widen import widen
 
@@ -71,11 +72,12 @@ def block_m_for(m: int) -> int:
 
 
 @triton.jit(do_not_specialize=["m"])  # one compile per launch shape, whatever the step's rows
-def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, m, n, k, x_stride, scale_stride, GROUP_N: tl.constexpr,
-                   GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr, PDL: tl.constexpr):
-    """``out[:m, tile] (+)= x[:m, part] @ (w[tile, part] * scale).T`` for output tile ``program_id(0)`` and K part
-    ``program_id(1)``. ``GROUP_K == 0``: per-row ``scale [n]``; else block ``scale [n/GROUP_N, k/GROUP_K]``."""
+def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, work_ptr, counter_ptr, m, n, k, x_stride, scale_stride,
+                   GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+    """``out[:m, tile] = x[:m] @ (w[tile] * scale).T`` for output tile ``program_id(0)``, of which this program sums
+    K part ``program_id(1)`` (``split_k.store_split``). ``GROUP_K == 0``: per-row ``scale [n]``; else block ``scale
+    [n/GROUP_N, k/GROUP_K]``."""
     tile, part = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,12 +98,8 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, m, n, k, x_stride, scale_st
             acc += tl.dot(x, tl.trans(w)) * s[None, :]
     if GROUP_K == 0:
         acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    out = out_ptr + rows[:, None] * n + cols[None, :]
-    mask = row_ok[:, None] & col_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(out, acc, mask=mask)
+    store_split(acc, out_ptr, work_ptr, counter_ptr + tile, rows[:, None] * n + cols[None, :],
+                row_ok[:, None] & col_ok[None, :], part, m * n, SPLIT_K)
 
 
 def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
@@ -115,11 +113,12 @@ def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     if block is not None and (block[1] % tiles.block_k or block[0] % tiles.block_n):
         raise ValueError(f"tiles {tiles} do not divide the weight blocks {block}")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    split = tiles.split_k > 1
-    out = (torch.zeros if split else torch.empty)((m, n), device=x.device, dtype=torch.float32 if split else x.dtype)
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     group_n, group_k = block if block is not None else (0, 0)
-    _skinny_kernel[(triton.cdiv(n, tiles.block_n), tiles.split_k)](
-        x, weight, scale, out, m, n, k, x.stride(0), scale.stride(0), GROUP_N=group_n, GROUP_K=group_k,
-        BLOCK_M=block_m_for(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(x.device))
-    return out.to(x.dtype) if split else out
+    grid = (triton.cdiv(n, tiles.block_n), tiles.split_k)
+    _skinny_kernel[grid](
+        x, weight, scale, out, *split_buffers(out, tiles.split_k, grid[0]), m, n, k, x.stride(0), scale.stride(0),
+        GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=block_m_for(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        SPLIT_K=tiles.split_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **pdl_args(x.device))
+    return out

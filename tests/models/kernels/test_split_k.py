@@ -1,0 +1,54 @@
+"""Split-K GEMMs summed in the kernel (``split_k``): every call right against float64, the tile counters back at 0
+after each launch, and the parts summed in part order (the same output whatever order they finish in)."""
+import pytest
+import torch
+
+from blink.models.e4m3 import dequantize, quantize_activations
+from tests.models.kernels.conftest import rel_err
+from tests.models.kernels.test_fp8 import dequantized_activations, fp8_weights
+
+
+def skinny(x, weight, scale):
+    from blink.models.kernels.fp8_skinny import SkinnyTiles, skinny_fp8_linear
+
+    want = x.double() @ dequantize(weight, scale, None).double().T
+    return skinny_fp8_linear(x, weight, scale, None, SkinnyTiles(block_n=16, block_k=64, split_k=4)), want
+
+
+def gemm(x, weight, scale):
+    from blink.models.kernels.fp8 import Tiles, fp8_gemm
+
+    want = dequantized_activations(x, x.shape[1]) @ dequantize(weight, scale, None).double().T
+    tiles = Tiles(block_m=16, block_n=32, block_k=64, split_k=3)
+    return fp8_gemm(*quantize_activations(x, x.shape[1]), weight, scale, None, x.dtype, tiles), want
+
+
+@pytest.mark.parametrize("gemm_fn", [skinny, gemm])
+def test_split_k_parts_are_summed_by_the_last_and_leave_the_counters_at_zero(backend, gemm_fn):
+    device, dtype, tol = backend
+    from blink.models.kernels.split_k import MAX_TILES, tile_counters
+
+    weight, scale = fp8_weights((160, 320), None, device)
+    for tokens in (7, 20, 7):  # a launch that left a counter raised would leave the next call's tiles unsummed
+        x = torch.randn(tokens, 320, device=device, dtype=dtype)
+        out, want = gemm_fn(x, weight, scale)
+        assert rel_err(out, want) < tol
+        assert not tile_counters(torch.device(device), MAX_TILES).any()
+
+
+@pytest.mark.gpu
+def test_split_k_output_does_not_depend_on_the_order_parts_finish():
+    """The last part sums every part in part order, so repeated launches agree bit for bit (atomic adds, in
+    arrival order, would not); on the GPU, where parts run concurrently."""
+    weight, scale = fp8_weights((4096, 12288), None, "cuda")
+    x = torch.randn(4, 12288, device="cuda", dtype=torch.bfloat16)
+    first, _ = skinny(x, weight, scale)
+    for _ in range(20):
+        assert torch.equal(skinny(x, weight, scale)[0], first)
+
+
+def test_tile_counters_refuse_more_tiles_than_they_hold():
+    from blink.models.kernels.split_k import MAX_TILES, tile_counters
+
+    with pytest.raises(ValueError, match="MAX_TILES"):
+        tile_counters(torch.device("cpu"), MAX_TILES + 1)
