@@ -38,11 +38,12 @@ from bench.model_bench import LAYOUT, MODELS, PAGE, decode_chunks  # noqa: E402
 from blink.device.step import StepBuffers  # noqa: E402
 from blink.models import random_model  # noqa: E402
 from blink.models.batch import SeqChunk, fill_step  # noqa: E402
-from blink.models.kernels import pdl, triton_ops  # noqa: E402
+from blink.models.kernels import attention, pdl, triton_ops  # noqa: E402
 from blink.models.memory import kv_cache_dtype  # noqa: E402
 from blink.models.quantization import Fp8Config  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 64)
+HOPPER_SMS = 132
 LAYOUTS = {"bf16": (None, "auto"), "fp8": (Fp8Config(), "auto"), "fp8-block": (Fp8Config((128, 128)), "auto"),
            "fp8kv": (Fp8Config(), "fp8")}
 USAGE = re.compile(r"REG:(\d+) STACK:(\d+)")
@@ -80,6 +81,7 @@ def compile_only(compiled: dict) -> None:
         return kernel
 
     JITFunction.run, pdl.pdl_enabled = compile_launch, lambda device: True
+    attention.multiprocessors = lambda device: HOPPER_SMS  # attention splits as an H100's or H200's SMs take them
     driver.set_active(CompileOnly())
 
 
