@@ -9,7 +9,10 @@ instantiates for device launch (``bench/decode_chain_bench.py``) and the engine'
 The kernels do not trigger their dependents early (``gdc_launch_dependents``): on the H200 that made
 Qwen3-30B-A3B's batch-1 decode step 4% slower (3.757 -> 3.906 ms) though batches 16-64 gained ~1.3%; placed at
 completion, batch 1 gained 0.8% and no cell lost beyond noise (docs/benchmarks/models.md,
-"Programmatic dependent launch").
+"Programmatic dependent launch"). Triggered at the start of only the kernels before the FP8 projections (norms,
+SiLU, RoPE, attention), the Qwen3-8B FP8 step on an H100 took 10% longer at batches 1 and 16 (4.82 against 4.35
+ms), with or without the projections asking L2 for their first weight lines before the wait
+(docs/benchmarks/experiments.md, "Weights asked of L2 before the PDL wait").
 
 Invariants every step kernel keeps:
 
