@@ -28,6 +28,7 @@ def _batch(device, q_lens_and_prefixes, pages=64, seed=0):
 @pytest.mark.parametrize("heads, kv_heads, window, splits, seqs", [
     (8, 2, 0, 1, [(1, 300), (1, 17), (1, 0), (1, 64)]),            # decodes
     (8, 2, 0, 4, [(1, 300), (1, 17), (1, 0), (1, 64)]),            # decodes, split KV
+    (8, 2, 0, 16, [(1, 500), (1, 300), (1, 0)]),                   # decodes, 16 KV splits, 8 of them with keys
     (9, 3, 0, 1, [(37, 0), (1, 90), (20, 45), (5, 11)]),           # mixed, group of 3
     (9, 3, 0, 2, [(37, 0), (1, 90), (20, 45), (5, 11)]),
     (4, 4, 24, 8, [(40, 10), (1, 100), (3, 60)]),                   # sliding window, MHA

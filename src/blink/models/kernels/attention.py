@@ -9,8 +9,7 @@ other rows empty; sequence ``i`` owns blocks ``qsl[i] // BLOCK_Q + i ..``, an em
 first), and attends causally over
 split ``split`` of the keys its block can see (cached prefix plus this step's tokens, read through the block table).
 With one split it writes the output; with several (decode-heavy buckets: long contexts and few sequences would
-leave most SMs idle) each split writes a partial output and its log-sum-exp, and the block's last split to finish
-merges them (``split_k.last_to_arrive``: a merge launch of its own took 2.4 us a layer at batch 1 on the H200).
+leave most SMs idle) each split writes a partial output and its log-sum-exp, and ``_combine_kernel`` merges them.
 Rows past the batch's last token stay 0.
 The launch shape (rows per query block, keys per iteration, warps, stages) is a ``Tiles``; ``tiles_for`` picks it
 per bucket and ``bench/attention_bench.py --sweep`` times others.
@@ -24,7 +23,6 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_args, wait_for_previous
-from .split_k import last_to_arrive, tile_counters
 from .tiles import check_tiles
 from .widen import widen
 
@@ -76,7 +74,7 @@ def _attend(acc, m_i, l_i, q, cache_ptr, bt_ptr, seq, bt_stride, v_offset, kv_he
 
 
 @triton.jit
-def _attention_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
+def _attention_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
                       num_seqs_ptr, q_st, q_sh, bt_stride, v_offset, scale, window, num_heads, num_kv_heads,
                       head_dim, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -137,33 +135,30 @@ def _attention_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, count
         tl.store(out_ptr + (token[:, None] * num_heads + head[:, None]) * head_dim + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        first = (token * num_heads + head) * NUM_SPLITS  # the row's split 0
-        lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # back to base e
-        tl.store(part_o_ptr + (first + split)[:, None] * head_dim + d[None, :], o, mask=mask)
-        tl.store(part_lse_ptr + first + split, tl.where(l_i == 0, float("-inf"), lse), mask=row_ok)
-        if last_to_arrive(counter_ptr + block * num_kv_heads + kv_head, NUM_SPLITS):
-            o = _merge_splits(part_o_ptr, part_lse_ptr, first, row_ok, d, mask, tl.cdiv(hi - lo, chunk), head_dim,
-                              NUM_SPLITS)
-            tl.store(out_ptr + (token[:, None] * num_heads + head[:, None]) * head_dim + d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=mask)
+        part = (token * num_heads + head) * NUM_SPLITS + split
+        lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # back to base e for _combine_kernel
+        tl.store(part_o_ptr + part[:, None] * head_dim + d[None, :], o, mask=mask)
+        tl.store(part_lse_ptr + part, tl.where(l_i == 0, float("-inf"), lse), mask=row_ok)
 
 
 @triton.jit
-def _merge_splits(part_o_ptr, part_lse_ptr, first, row_ok, d, mask, splits, head_dim, NUM_SPLITS: tl.constexpr):
-    """The rows' outputs from the partial outputs and log-sum-exps of their first ``splits`` splits (the others saw
-    no keys), each weighted by its share of the softmax's total."""
+def _combine_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, num_seqs_ptr, num_heads, head_dim,
+                    NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    token, head = tl.program_id(0), tl.program_id(1)
+    padding = token >= tl.load(qsl_ptr + tl.load(num_seqs_ptr))  # step buffers: read before the wait
+    wait_for_previous(PDL)
     s = tl.arange(0, NUM_SPLITS)
-    lse = tl.load(part_lse_ptr + first[:, None] + s[None, :], mask=row_ok[:, None] & (s < splits)[None, :],
-                  other=float("-inf"), cache_modifier=".cg")
-    top = tl.max(lse, 1)
-    w = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top)[:, None])
-    total = tl.sum(w, 1)
-    o = tl.zeros(mask.shape, tl.float32)
-    for i in range(splits):
-        w_i = tl.sum(tl.where(s[None, :] == i, w, 0.0), 1)
-        o += w_i[:, None] * tl.load(part_o_ptr + (first + i)[:, None] * head_dim + d[None, :], mask=mask, other=0.0,
-                                    cache_modifier=".cg")
-    return o / tl.where(total == 0, 1.0, total)[:, None]
+    d = tl.arange(0, BLOCK_D)
+    part = (token * num_heads + head) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + part)
+    top = tl.max(lse, 0)
+    w = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))
+    o = tl.load(part_o_ptr + part[:, None] * head_dim + d[None, :], mask=d[None, :] < head_dim, other=0.0)
+    total = tl.sum(w, 0)
+    o = tl.sum(w[:, None] * o, 0) / tl.where(total == 0, 1.0, total)
+    if padding:  # no program wrote the partials of padding rows
+        o = tl.zeros([BLOCK_D], tl.float32)
+    tl.store(out_ptr + (token * num_heads + head) * head_dim + d, o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
 
 
 @dataclass(frozen=True)
@@ -209,7 +204,6 @@ class AttentionPlan:
     out: torch.Tensor
     part_o: torch.Tensor | None
     part_lse: torch.Tensor | None
-    counters: torch.Tensor | None
 
 
 def multiprocessors(device: torch.device) -> int:
@@ -236,27 +230,31 @@ def attention_plan(buf, num_tokens: int, num_heads: int, num_kv_heads: int, head
         raise ValueError(f"{num_blocks} query blocks of {block_q} tokens exceed the launch grid's {MAX_GRID_Y}: "
                          f"use larger Tiles.query_rows or a smaller bucket (num_tokens={num_tokens})")
     out = torch.zeros((num_tokens, num_heads, head_dim), dtype=dtype or torch.bfloat16, device=device)
-    part_o = part_lse = counters = None
+    part_o = part_lse = None
     if num_splits > 1:
         part_o = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
         part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=device)
-        counters = tile_counters(device, num_blocks * num_kv_heads)
-    return AttentionPlan(buf, num_tokens, tiles, block_q, num_blocks, num_splits, out, part_o, part_lse, counters)
+    return AttentionPlan(buf, num_tokens, tiles, block_q, num_blocks, num_splits, out, part_o, part_lse)
 
 
 def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: float,
               sliding_window: int = 0) -> torch.Tensor:
     """``q [T, H, D]`` (unit stride in D), ``kv_layer [2, pages, page_size, KH, D]`` contiguous → ``[T, H, D]``."""
-    buf = plan.buf
+    buf, t = plan.buf, plan.num_tokens
     heads, kv_heads, dim, page_size = q.shape[1], kv_layer.shape[3], q.shape[2], kv_layer.shape[2]
     group = heads // kv_heads
     grid = (kv_heads, plan.num_blocks, plan.num_splits)
     block_d = triton.next_power_of_2(dim)
+    pdl = pdl_args(q.device)
     _attention_kernel[grid](
-        q, kv_layer, plan.out, plan.part_o, plan.part_lse, plan.counters, buf.attn_query_start_loc, buf.attn_seq_lens,
-        buf.block_tables, buf.num_seqs, q.stride(0), q.stride(1), buf.block_tables.stride(0), kv_layer[0].numel(),
-        scale, sliding_window, heads, kv_heads, dim, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
+        q, kv_layer, plan.out, plan.part_o, plan.part_lse, buf.attn_query_start_loc, buf.attn_seq_lens,
+        buf.block_tables,
+        buf.num_seqs, q.stride(0), q.stride(1), buf.block_tables.stride(0), kv_layer[0].numel(), scale,
+        sliding_window, heads, kv_heads, dim, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
         BLOCK_Q=plan.block_q, BLOCK_N=plan.tiles.block_n, BLOCK_D=block_d, PAGE_SIZE=page_size,
         NUM_SPLITS=plan.num_splits, HAS_WINDOW=sliding_window > 0, num_warps=plan.tiles.num_warps,
-        num_stages=plan.tiles.num_stages, **pdl_args(q.device))
+        num_stages=plan.tiles.num_stages, **pdl)
+    if plan.num_splits > 1:
+        _combine_kernel[(t, heads)](plan.out, plan.part_o, plan.part_lse, buf.attn_query_start_loc, buf.num_seqs,
+                                    heads, dim, NUM_SPLITS=plan.num_splits, BLOCK_D=block_d, **pdl)
     return plan.out
