@@ -4,7 +4,6 @@ dependencies, ``--no-index``) into a fresh venv is the core install, the agent, 
 serve`` says in one line which extra it lacks."""
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tomllib
@@ -16,7 +15,7 @@ import pytest
 from blink.version import __version__
 
 from tests.nic.remote.test_attach_cli import (CLI_ENGINE, accepting, blink, completion_through, free_port, healthy_ring,
-                                              wait_for)
+                                              interrupted, wait_for)
 
 ROOT = Path(__file__).parent.parent
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -86,7 +85,6 @@ def test_an_agent_without_torch_answers_like_one_with_it_on_the_same_remote_engi
         here = completion_through(remote, model_dir)
         core_only = completion_through(remote, model_dir, command=(agent_venv / "blink",), env=outside_this_tree())
         assert core_only == here and here
-        engine.send_signal(signal.SIGINT)
-        assert engine.wait(60) == 0
+        assert interrupted(engine) == 0
     finally:
         engine.kill()

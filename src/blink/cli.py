@@ -12,7 +12,7 @@ import uuid
 
 from blink.cli_options import LOG_LEVELS, engine_options, http_options, model_options, rdma_options
 from blink.host.agents import CORES_PER_AGENT_PROCESS, default_agent_processes
-from blink.host.process import USER_ERRORS
+from blink.host.process import USER_ERRORS, report_stacks_on_sigusr1
 from blink.ring.shares import Share
 from blink.ring.split import REQUEST_SIDES
 
@@ -323,6 +323,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="blink: %(message)s")
+    report_stacks_on_sigusr1()
     try:
         return args.run(args)
     except USER_ERRORS as e:

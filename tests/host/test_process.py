@@ -150,3 +150,31 @@ def test_the_rings_of_killed_servers_are_swept_and_no_other():
             for leftover in (path(name), secret.key_path(name)):
                 if os.path.exists(leftover):
                     os.unlink(leftover)
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on():
+    """``report_stacks_on_sigusr1``: how a test finds where a process that did not stop waits."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import threading, time\n"
+            "from blink.host.process import report_stacks_on_sigusr1\n"
+            "report_stacks_on_sigusr1()\n"
+            "def parked_in_a_helper(): time.sleep(60)\n"
+            "threading.Thread(target=parked_in_a_helper, daemon=True).start()\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)\n")
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline() == "ready\n"
+        process.send_signal(signal.SIGUSR1)
+        report, main_thread = [], False
+        while not (main_thread and report[-1].startswith("  File")):  # the main thread's stack comes last
+            report.append(process.stderr.readline())
+            main_thread = main_thread or report[-1].startswith("Current thread")
+            assert report[-1], "".join(report)  # the process ended before the report did
+        assert process.poll() is None, "".join(report)  # it goes on
+    finally:
+        process.kill()
+    assert "in parked_in_a_helper" in "".join(report), "".join(report)

@@ -9,9 +9,11 @@ SIGTERM, on a shutdown through the ring, or when the process that spawned it die
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
+import signal
 import sys
 import threading
 import time
@@ -29,6 +31,11 @@ USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, BlinkError)
 ATTACH_TIMEOUT_S = 600.0        # loading a large model and capturing its graphs can take minutes
 
 
+def report_stacks_on_sigusr1() -> None:
+    """``kill -USR1 PID`` prints every thread's stack on the process's stderr: where one that does not stop waits."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def serve_ring(config: EngineConfig, listen: str | None = None, rdma_device=None, stop_on_sigint: bool = True) -> None:
     """Process entry point (``blink engine``): serve the shared ring ``config.ring_name`` until SIGINT or SIGTERM,
     or until a shutdown is requested through the ring; then stop cleanly (the ring is removed). ``stop_on_sigint``
@@ -37,8 +44,6 @@ def serve_ring(config: EngineConfig, listen: str | None = None, rdma_device=None
 
     ``listen`` (``HOST:PORT``): also answer agents on other hosts or DPUs that attach over RDMA or CUDA IPC
     (``blink.nic.remote.attach``: a setup-only listener; ``rdma_device`` an ``ibverbs.DeviceConfig``)."""
-    import signal
-
     from blink.core import EngineCore
     from blink.ring import secret
 
@@ -50,6 +55,7 @@ def serve_ring(config: EngineConfig, listen: str | None = None, rdma_device=None
                          f"its listener needs ${secret.ENV}: set it to a long random secret, the same for the engine "
                          "and its agents")
     reset_priority()
+    report_stacks_on_sigusr1()
     # The signal only sets an event: an exception raised asynchronously inside threading's own waits (is_alive,
     # join) can leave a thread's state lock held, and the shutdown's join would then hang forever.
     stop = threading.Event()
@@ -179,7 +185,6 @@ def stop_with_parent(parent: int) -> None:
     """SIGTERM this process when its parent dies (Linux), so a killed ``blink serve`` leaves no engine behind;
     ``serve_ring`` turns SIGTERM into a clean stop that removes the ring."""
     import ctypes
-    import signal
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)

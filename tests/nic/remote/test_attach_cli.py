@@ -35,6 +35,19 @@ def blink(*args, command=BLINK, **options) -> subprocess.Popen:
     return subprocess.Popen([*command, *args], **options)
 
 
+def interrupted(process: subprocess.Popen, timeout_s: float = 60) -> int:
+    """SIGINT ``process``, then its exit status; one still running after ``timeout_s`` prints its threads' stacks on
+    its stderr (SIGUSR1: ``report_stacks_on_sigusr1``) and fails the test."""
+    process.send_signal(signal.SIGINT)
+    try:
+        return process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        raise AssertionError(f"{process.args} did not exit within {timeout_s} s of SIGINT: its threads' stacks "
+                             "are on its stderr") from None
+
+
 def wait_for(condition, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -79,8 +92,7 @@ def completion_through(agent_args: list[str], model_dir, prompt="remote", **opti
         wait_for(lambda: healthy(port), timeout_s=120)
         status, body = request(port, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 5, "seed": 2})
         assert status == 200, body
-        agent.send_signal(signal.SIGINT)
-        assert agent.wait(60) == 0
+        assert interrupted(agent) == 0
         return json.loads(body)["choices"][0]["text"]
     finally:
         agent.kill()
@@ -129,8 +141,7 @@ def test_an_agent_attached_through_the_listener_answers_like_one_attached_by_nam
                 in stderr, stderr
         stderr = refusal(["--remote", listen, "--transport", "rdma"], model_dir, env=env)
         assert "pyverbs" in stderr or "RDMA" in stderr, stderr
-        engine.send_signal(signal.SIGINT)
-        assert engine.wait(60) == 0
+        assert interrupted(engine) == 0
         assert not os.path.exists(f"/dev/shm/{ring}") and not os.path.exists(f"/dev/shm/{ring}.key")
     finally:
         engine.kill()
@@ -149,8 +160,7 @@ def test_an_agent_writing_the_gpu_memory_ring_through_cuda_ipc_answers_like_one_
     try:
         wait_for(lambda: healthy_ring(ring), timeout_s=300)
         want = completion_through(["--ring", ring], model_dir, prompt)
-        host.send_signal(signal.SIGINT)
-        assert host.wait(60) == 0
+        assert interrupted(host) == 0
     finally:
         host.kill()
     listen = f"127.0.0.1:{free_port()}"
@@ -161,8 +171,7 @@ def test_an_agent_writing_the_gpu_memory_ring_through_cuda_ipc_answers_like_one_
         assert "not the one its engine serves" in refusal(["--ring", ring], model_dir)
         assert completion_through(["--remote", listen, "--transport", "ipc", "--ring-key", ring], model_dir,
                                   prompt) == want and want
-        device.send_signal(signal.SIGINT)
-        assert device.wait(60) == 0
+        assert interrupted(device) == 0
         assert not os.path.exists(f"/dev/shm/{ring}")
     finally:
         device.kill()
