@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .e4m3 import GatedRows
 from .history import TokenHistory
 from .kernels import ops_for
 from .parallel import Split, TensorParallel, all_reduce, weight_split
@@ -69,11 +68,8 @@ class MLP(nn.Module):
         self.down_proj = Projection(c.hidden_size, c.intermediate_size, c.quantization, **kw)
 
     def forward(self, x, ops):
-        """SiLU-and-multiply, handing the down projection its rows quantized as that one asks (``e4m3_group``), or
-        leaving it to the down projection where that one takes it (``takes_gated``)."""
+        """SiLU-and-multiply, handing the down projection its rows quantized as that one asks (``e4m3_group``)."""
         gate_up = self.gate_up_proj(x, ops)
-        if self.down_proj.takes_gated(gate_up.shape[0], ops):
-            return self.down_proj(GatedRows(gate_up), ops)
         group = self.down_proj.e4m3_group(gate_up.shape[0], ops)
         return self.down_proj(ops.silu_and_mul(gate_up, e4m3_group=group), ops)
 

@@ -26,14 +26,6 @@ class QuantizedRows(NamedTuple):
         return (grouped * self.scales[..., None]).flatten(-2).to(self.dtype)
 
 
-class GatedRows(NamedTuple):
-    """Activations not yet computed: ``silu(gate) * up`` of ``gate_up [M, 2K] = [gate | up]`` (contiguous), rounded to
-    its dtype as SiLU-and-multiply rounds them. An FP8 projection that asks for them so (``ops.fp8_takes_gated``)
-    computes them as it loads them, saving SiLU-and-multiply's launch."""
-
-    gate_up: torch.Tensor
-
-
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [..., N, K]`` → (e4m3 ``[..., N, K]``, float32 scales ``[..., N]``): each row scaled so that its largest
     magnitude is ``FP8_MAX`` (``--quantization fp8``, vLLM's per-channel dynamic scheme)."""

@@ -44,8 +44,7 @@ class Projection(nn.Module):
         return None if self.quant is None else self.quant.weight_block_size
 
     def forward(self, x, ops) -> torch.Tensor:
-        """``x``: activations, or ``QuantizedRows`` / ``GatedRows`` for an FP8 projection that asks for them so
-        (``e4m3_group``, ``takes_gated``)."""
+        """``x``: activations, or ``QuantizedRows`` for an FP8 projection that asks for them so (``e4m3_group``)."""
         if self.quant is None:
             return F.linear(x, self.weight)
         return ops.fp8_linear(x, self.weight, self.scale, self.block)
@@ -57,11 +56,6 @@ class Projection(nn.Module):
         if self.quant is None or not ops.fp8_takes_e4m3(rows, self.block):
             return 0
         return self.weight.shape[-1] if self.block is None else self.block[1]
-
-    def takes_gated(self, rows: int, ops) -> bool:
-        """Whether this (down) projection takes ``rows`` rows of SiLU-and-multiply's input (``GatedRows``) and
-        computes the products itself (``ops.fp8_takes_gated``)."""
-        return self.quant is not None and ops.fp8_takes_gated(rows, self.block)
 
     @torch.no_grad()
     def quantize_(self, quant: Fp8Config) -> None:

@@ -102,29 +102,6 @@ def test_skinny_fp8_linear_matches_float64(backend, tokens, block, tiles):
     assert out.dtype == dtype and out.shape == (tokens, 160) and rel_err(out, want) < tol
 
 
-@pytest.mark.parametrize("tokens, block, tiles", [(1, None, None), (7, (64, 64), None),
-                                                 (20, None, dict(block_n=16, block_k=64, split_k=3))])
-def test_skinny_fp8_linear_computes_gated_rows_as_silu_and_mul_would(backend, tokens, block, tiles):
-    """``GatedRows``: the down projection takes SiLU-and-multiply's input and computes the products itself, rounded
-    to the activations' dtype as ``silu_and_mul`` rounds them."""
-    device, dtype, tol = backend
-    from blink.models.e4m3 import GatedRows
-    from blink.models.kernels.fp8 import fp8_linear
-    from blink.models.kernels.fp8_skinny import SkinnyTiles, skinny_fp8_linear
-
-    weight, scale = fp8_weights((160, 320), block, device)
-    gate_up = torch.randn(tokens, 640, device=device, dtype=dtype) * 3
-    want = reference.silu_and_mul(gate_up).double() @ dequantize(weight, scale, block).double().T
-    out = skinny_fp8_linear(gate_up, weight, scale, block, tiles and SkinnyTiles(**tiles), gated=True)
-    assert out.dtype == dtype and out.shape == (tokens, 160) and rel_err(out, want) < tol
-    assert torch.equal(fp8_linear(GatedRows(gate_up), weight, scale, block),
-                       skinny_fp8_linear(gate_up, weight, scale, block, gated=True))
-    assert torch.equal(reference.fp8_linear(GatedRows(gate_up), weight, scale, block),
-                       reference.fp8_linear(reference.silu_and_mul(gate_up), weight, scale, block))
-    with pytest.raises(ValueError, match="640 columns for a weight of 320"):
-        skinny_fp8_linear(gate_up, weight, scale, block)
-
-
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_fp8_linear_quantizes_activations_only_beyond_decode_sized_steps(backend, block):
     """Up to ``SKINNY_UP_TO`` rows the skinny GEMM; beyond, quantized activations through ``fp8_gemm``, and with

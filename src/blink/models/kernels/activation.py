@@ -15,7 +15,7 @@ BLOCK = 1024  # columns a program of the plain kernel holds
 
 
 @triton.jit
-def gated_product(x_ptr, row, col, n, mask, dtype: tl.constexpr):
+def _product(x_ptr, row, col, n, mask, dtype: tl.constexpr):
     """``silu(gate) * up`` of ``row``'s columns ``col``, rounded to ``dtype`` (the model's), as float32."""
     gate = tl.load(x_ptr + row * 2 * n + col, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * 2 * n + n + col, mask=mask, other=0.0).to(tl.float32)
@@ -27,7 +27,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constex
     wait_for_previous(PDL)
     row, col = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < n
-    tl.store(out_ptr + row * n + col, gated_product(x_ptr, row, col, n, mask, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * n + col, _product(x_ptr, row, col, n, mask, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -42,20 +42,20 @@ def _silu_and_mul_e4m3_kernel(x_ptr, out_ptr, scale_ptr, n, groups, GROUP: tl.co
     if GROUP > 0:
         for c in range(0, n, BLOCK):
             col = c + tl.arange(0, BLOCK)
-            products = gated_product(x_ptr, row, col, n, col < n, x_ptr.dtype.element_ty)
+            products = _product(x_ptr, row, col, n, col < n, x_ptr.dtype.element_ty)
             store_codes(products, out_ptr + row * n + c, scale_ptr + row * groups + c // GROUP, n - c,
                         groups - c // GROUP, GROUP, BLOCK)
         return
     amax = tl.zeros([BLOCK], tl.float32)
     for c in range(0, n, BLOCK):
         col = c + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.abs(gated_product(x_ptr, row, col, n, col < n, x_ptr.dtype.element_ty)))
+        amax = tl.maximum(amax, tl.abs(_product(x_ptr, row, col, n, col < n, x_ptr.dtype.element_ty)))
     scale = e4m3_scale(tl.max(amax, axis=0))
     tl.store(scale_ptr + row, scale)
     for c in range(0, n, BLOCK):
         col = c + tl.arange(0, BLOCK)
         mask = col < n
-        codes = e4m3_codes(gated_product(x_ptr, row, col, n, mask, x_ptr.dtype.element_ty), scale)
+        codes = e4m3_codes(_product(x_ptr, row, col, n, mask, x_ptr.dtype.element_ty), scale)
         tl.store(out_ptr + row * n + col, codes, mask=mask)
 
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..e4m3 import GatedRows, QuantizedRows
+from ..e4m3 import QuantizedRows
 from .fp8_skinny import TARGET_PROGRAMS, skinny_fp8_linear
 from .pdl import pdl_args, wait_for_previous
 from .quantize import quantize_activations
@@ -139,21 +139,11 @@ def fp8_takes_e4m3(rows: int, block: tuple[int, int] | None) -> bool:
     return rows > SKINNY_UP_TO
 
 
-def fp8_takes_gated(rows: int, block: tuple[int, int] | None) -> bool:
-    """Whether an FP8 down projection of ``rows`` rows takes SiLU-and-multiply's input (``GatedRows``) and computes
-    the products as it loads them: the skinny GEMM's rows, where the activations are a few rows re-read per weight
-    tile and SiLU-and-multiply's launch is a step's fixed cost."""
-    return rows <= SKINNY_UP_TO
-
-
-def fp8_linear(x: torch.Tensor | QuantizedRows | GatedRows, weight: torch.Tensor, scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None) -> torch.Tensor:
     """``x [M, K]`` times e4m3 ``weight [N, K]`` with per-row ``scale [N]`` or per-``block`` scales → ``[M, N]`` in
-    ``x.dtype``: decode-sized steps by the weight-only skinny GEMM (``fp8_skinny``; activations taken as
-    SiLU-and-multiply's inputs where ``fp8_takes_gated``), larger ones with activations quantized per token (and per
-    ``bk`` columns with block scales), or taken quantized (``fp8_takes_e4m3``)."""
-    if isinstance(x, GatedRows):
-        return skinny_fp8_linear(x.gate_up, weight, scale, block, gated=True)
+    ``x.dtype``: decode-sized steps by the weight-only skinny GEMM (``fp8_skinny``), larger ones with activations
+    quantized per token (and per ``bk`` columns with block scales), or taken quantized (``fp8_takes_e4m3``)."""
     if isinstance(x, QuantizedRows):
         a, a_scale, dtype = x
     elif x.shape[0] <= SKINNY_UP_TO:

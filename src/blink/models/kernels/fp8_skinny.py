@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .activation import gated_product
 from .pdl import pdl_args, wait_for_previous
 from .split_k import split_buffers, store_split
 from .tiles import check_tiles
@@ -75,11 +74,10 @@ def block_m_for(m: int) -> int:
 @triton.jit(do_not_specialize=["m"])  # one compile per launch shape, whatever the step's rows
 def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, work_ptr, counter_ptr, m, n, k, x_stride, scale_stride,
                    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     """``out[:m, tile] = x[:m] @ (w[tile] * scale).T`` for output tile ``program_id(0)``, of which this program sums
     K part ``program_id(1)`` (``split_k.store_split``). ``GROUP_K == 0``: per-row ``scale [n]``; else block ``scale
-    [n/GROUP_N, k/GROUP_K]``. ``GATED``: ``x`` is SiLU-and-multiply of the ``[m, 2k]`` rows at ``x_ptr``, computed
-    and rounded as ``activation.gated_product`` does."""
+    [n/GROUP_N, k/GROUP_K]``."""
     tile, part = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -91,12 +89,7 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, work_ptr, counter_ptr, m, n
     for k0 in range(part * per_part, tl.minimum(k, (part + 1) * per_part), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k
-        if GATED:  # x_ptr: [gate | up] rows, 2k wide
-            x = gated_product(x_ptr, rows[:, None], ks[None, :], k, row_ok[:, None] & k_ok[None, :],
-                         x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
-        else:
-            x = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = widen(tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0), x.dtype)
         if GROUP_K == 0:
             acc += tl.dot(x, tl.trans(w))
@@ -110,15 +103,10 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, work_ptr, counter_ptr, m, n
 
 
 def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-                      tiles: SkinnyTiles | None = None, gated: bool = False) -> torch.Tensor:
+                      tiles: SkinnyTiles | None = None) -> torch.Tensor:
     """``x [M, K]`` (M <= ``SKINNY_MAX_TOKENS``, any float dtype) times e4m3 ``weight [N, K]`` with per-row
-    ``scale [N]`` or per-``block`` ``scale [N/bn, K/bk]`` → ``[M, N]`` in ``x.dtype``. ``gated``: ``x`` is
-    SiLU-and-multiply of the contiguous ``[M, 2K]`` rows given (``e4m3.GatedRows``)."""
-    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    if x.shape[1] != (2 * k if gated else k):
-        raise ValueError(f"activations of {x.shape[1]} columns for a weight of {k}{' (gated: 2x)' if gated else ''}")
-    if gated and not x.is_contiguous():
-        raise ValueError("gated activations ([gate | up] rows) must be contiguous")
+    ``scale [N]`` or per-``block`` ``scale [N/bn, K/bk]`` → ``[M, N]`` in ``x.dtype``."""
+    (m, k), n = x.shape, weight.shape[0]
     if m > SKINNY_MAX_TOKENS:
         raise ValueError(f"skinny_fp8_linear takes at most {SKINNY_MAX_TOKENS} rows (got {m})")
     tiles = tiles or skinny_tiles(m, n, k, block)
@@ -131,6 +119,6 @@ def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     _skinny_kernel[grid](
         x, weight, scale, out, *split_buffers(out, tiles.split_k, grid[0]), m, n, k, x.stride(0), scale.stride(0),
         GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=block_m_for(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        SPLIT_K=tiles.split_k, GATED=gated, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        SPLIT_K=tiles.split_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **pdl_args(x.device))
     return out

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..hashing import gumbel_noise, row_key
-from ..e4m3 import FP8, FP8_MAX, GatedRows, QuantizedRows, dequantize, quantize_activations
+from ..e4m3 import FP8, FP8_MAX, QuantizedRows, dequantize, quantize_activations
 from .bias import apply_logit_bias  # noqa: F401  (torch and capturable: the same on every device)
 
 
@@ -80,28 +80,20 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tenso
     return moe_experts(x, weights, ids, gate_up, down)
 
 
-def fp8_linear(x: torch.Tensor | QuantizedRows | GatedRows, weight: torch.Tensor, scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None) -> torch.Tensor:
     """``x @ W.T`` for e4m3 ``weight [N, K]`` with its float32 scales (per row ``[N]``, or per ``block``
     ``[N/bn, K/bk]``): the weights dequantized to ``x.dtype``, then one GEMM. Activations are not quantized here
     (the CUDA kernels quantize them per token; their tests hold them to this with quantized activations); ones that
-    come quantized (``QuantizedRows``) are dequantized first, gated ones (``GatedRows``) computed first."""
+    come quantized (``QuantizedRows``) are dequantized first."""
     if isinstance(x, QuantizedRows):
         x = x.dequantized()
-    elif isinstance(x, GatedRows):
-        x = silu_and_mul(x.gate_up)
     return F.linear(x, dequantize(weight, scale, block).to(x.dtype))
 
 
 def fp8_takes_e4m3(rows: int, block: tuple[int, int] | None) -> bool:
     """Whether an FP8 projection of ``rows`` rows takes its activations quantized by the kernel before it: never
     here, where activations are multiplied as they are."""
-    return False
-
-
-def fp8_takes_gated(rows: int, block: tuple[int, int] | None) -> bool:
-    """Whether an FP8 down projection of ``rows`` rows computes SiLU-and-multiply itself (``GatedRows``): never here,
-    where SiLU-and-multiply runs on its own."""
     return False
 
 
