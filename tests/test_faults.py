@@ -100,7 +100,13 @@ def test_an_agent_killed_under_load_takes_its_engine_and_ring_with_it(kill_after
     process.send_signal(signal.SIGKILL)
     process.wait(10)
     load.finish()
-    wait_for(lambda: not os.path.exists(f"/proc/{engine}") or _zombie(engine), timeout_s=60)
+    try:
+        wait_for(lambda: not os.path.exists(f"/proc/{engine}") or _zombie(engine), timeout_s=60)
+    except AssertionError:
+        os.kill(engine, signal.SIGUSR1)  # its threads' stacks on the captured stderr (report_stacks_on_sigusr1)
+        time.sleep(2)
+        raise AssertionError("the engine did not stop within 60 s of its agent's death: its stacks are above") \
+            from None
     wait_for(lambda: not rings(process.pid), timeout_s=10)
 
 
