@@ -33,6 +33,8 @@ def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """The device's zeroed tile counters, of which a launch of ``tiles`` output tiles uses the first ``tiles``."""
     if tiles > MAX_TILES:
         raise ValueError(f"a split-K launch of {tiles} output tiles exceeds MAX_TILES ({MAX_TILES}): use larger tiles")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # one buffer per GPU, however it is named
     counters = _counters.get(device)
     if counters is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
