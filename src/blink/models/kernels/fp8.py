@@ -116,11 +116,11 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), tiles.split_k)
     group_n, group_k = block if block is not None else (1, 0)
-    _fp8_gemm_kernel[grid](a, a_scale, weight, scale, out, *split_buffers(out, tiles.split_k, grid[0] * grid[1]), m, n,
-                           k, a_scale.stride(0), scale.stride(0), GROUP_N=group_n, GROUP_K=group_k,
-                           BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                           SPLIT_K=tiles.split_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                           **pdl_args(a.device))
+    work, counters = split_buffers(out, weight, tiles.split_k, grid[0] * grid[1])
+    _fp8_gemm_kernel[grid](a, a_scale, weight, scale, out, work, counters, m, n, k, a_scale.stride(0), scale.stride(0),
+                           GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                           BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k, num_warps=tiles.num_warps,
+                           num_stages=tiles.num_stages, **pdl_args(a.device))
     return out
 
 

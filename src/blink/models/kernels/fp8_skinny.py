@@ -116,9 +116,9 @@ def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     group_n, group_k = block if block is not None else (0, 0)
     grid = (triton.cdiv(n, tiles.block_n), tiles.split_k)
+    work, counters = split_buffers(out, weight, tiles.split_k, grid[0])
     _skinny_kernel[grid](
-        x, weight, scale, out, *split_buffers(out, tiles.split_k, grid[0]), m, n, k, x.stride(0), scale.stride(0),
-        GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=block_m_for(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        SPLIT_K=tiles.split_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **pdl_args(x.device))
+        x, weight, scale, out, work, counters, m, n, k, x.stride(0), scale.stride(0), GROUP_N=group_n, GROUP_K=group_k,
+        BLOCK_M=block_m_for(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(x.device))
     return out

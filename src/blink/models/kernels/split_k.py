@@ -8,10 +8,11 @@ arrive adds every part in part order (the sum does not depend on which arrived l
 
 Invariants:
 
-- A tile's counter is 0 before the kernel and 0 after it: the last part resets it. The counters are one buffer
-  per device (``tile_counters``), created by the first launch, which must not be inside a CUDA graph capture
-  (warm-up runs first), and shared by every split launch: kernels that use them run one after another, each
-  reading them only after ``wait_for_previous``.
+- A tile's counter is 0 before the kernel and 0 after it: the last part resets it. Each weight has its own
+  counters (``tile_counters``, one per output tile of a launch shape), so two models' steps on one GPU, which may
+  run at once, never share one; launches of one weight run one after another (a model's steps do), each reading the
+  counters only after ``wait_for_previous``. A weight's counters are created by its first launch of that shape,
+  which must not be inside a CUDA graph capture: warm up first, as every capture here does.
 - The counter's atomic is acq_rel at GPU scope after a barrier of the program, so every part's stores are visible
   to the last part, which reads them past L1 (``.cg``).
 
@@ -24,33 +25,30 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_TILES = 1 << 14  # output tiles a split launch may have: 64 KiB of counters a device
-
-_counters: dict[torch.device, torch.Tensor] = {}
+_counters: dict[tuple, torch.Tensor] = {}  # by (device, weight address, tiles)
 
 
-def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The device's zeroed tile counters, of which a launch of ``tiles`` output tiles uses the first ``tiles``."""
-    if tiles > MAX_TILES:
-        raise ValueError(f"a split-K launch of {tiles} output tiles exceeds MAX_TILES ({MAX_TILES}): use larger tiles")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())  # one buffer per GPU, however it is named
-    counters = _counters.get(device)
+def tile_counters(weight: torch.Tensor, tiles: int) -> torch.Tensor:
+    """The zeroed counters of a split launch of ``tiles`` output tiles over ``weight``. A weight freed and another
+    allocated at its address inherit them: zero between launches, they carry nothing over."""
+    key = (weight.device, weight.data_ptr(), tiles)
+    counters = _counters.get(key)
     if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the split-K tile counters are created by a first launch outside graph capture: "
+        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a split GEMM's tile counters are created by its first launch outside graph capture: "
                                "run the step once (warm-up) before capturing it")
-        counters = _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+        counters = _counters[key] = torch.zeros(tiles, dtype=torch.int32, device=weight.device)
     return counters
 
 
-def split_buffers(out: torch.Tensor, parts: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(work, counters)`` of a launch of ``tiles`` output tiles of the 2-D ``out`` in ``parts`` parts: float32 part
-    tiles (uninitialised: every part writes its whole tile) and the tiles' counters; with one part, ``out`` twice
-    (the kernel reads neither)."""
+def split_buffers(out: torch.Tensor, weight: torch.Tensor, parts: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(work, counters)`` of a launch of ``tiles`` output tiles of the 2-D ``out`` over ``weight`` in ``parts``
+    parts: float32 part tiles (uninitialised: every part writes its whole tile) and the tiles' counters; with one
+    part, ``out`` twice (the kernel reads neither)."""
     if parts == 1:
         return out, out
-    return torch.empty((parts, *out.shape), dtype=torch.float32, device=out.device), tile_counters(out.device, tiles)
+    return (torch.empty((parts, *out.shape), dtype=torch.float32, device=out.device),
+            tile_counters(weight, tiles))
 
 
 @triton.jit
