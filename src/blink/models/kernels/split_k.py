@@ -30,7 +30,7 @@ _counters: dict[tuple, torch.Tensor] = {}  # by (device, weight address, tiles)
 
 def tile_counters(weight: torch.Tensor, tiles: int) -> torch.Tensor:
     """The zeroed counters of a split launch of ``tiles`` output tiles over ``weight``. A weight freed and another
-    allocated at its address inherit them: zero between launches, they carry nothing over."""
+    allocated at its address inherit them: zero between launches, they hold nothing of the old one."""
     key = (weight.device, weight.data_ptr(), tiles)
     counters = _counters.get(key)
     if counters is None:
