@@ -55,7 +55,6 @@ def serve_ring(config: EngineConfig, listen: str | None = None, rdma_device=None
                          f"its listener needs ${secret.ENV}: set it to a long random secret, the same for the engine "
                          "and its agents")
     reset_priority()
-    report_stacks_on_sigusr1()
     # The signal only sets an event: an exception raised asynchronously inside threading's own waits (is_alive,
     # join) can leave a thread's state lock held, and the shutdown's join would then hang forever.
     stop = threading.Event()
@@ -173,6 +172,7 @@ def sweep_stale_rings() -> None:
 def _engine_entry(config: EngineConfig, parent: int) -> None:
     """``engine_process``'s target: the engine until shutdown, a start-up error reported in one line."""
     logging.basicConfig(level=logging.INFO, format="blink: %(message)s")
+    report_stacks_on_sigusr1()
     stop_with_parent(parent)
     try:
         serve_ring(config, stop_on_sigint=False)
