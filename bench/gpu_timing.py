@@ -132,11 +132,12 @@ def kernel_profile(graph, step_ms: float, steps: int = 10, top: int = 15) -> dic
 
 
 def kernel_bench_start(doc: str, json_name: str, reps: int, sweep: bool = True, cases: list[str] | None = None,
-                       profile: bool = False, rows: list[int] | None = None) -> tuple[argparse.Namespace, float, float]:
-    """The command line shared by the kernel benches (``--out``, ``--reps``, ``--sweep`` where the sweep is
-    optional, ``--cases`` to run some of ``cases``, ``--profile SIZE ...`` where the bench can break sizes down per
-    kernel, ``--rows`` to run some of ``rows``), then the copy and GEMM rates their floors use, measured now: (args,
-    bytes/s, FLOP/s)."""
+                       profile: bool = False, rows: list[int] | None = None,
+                       shapes: list[str] | None = None) -> tuple[argparse.Namespace, float, float]:
+    """The command line shared by the kernel benches (``--out``, ``--reps``, ``--sweep`` where the sweep is optional,
+    ``--cases`` to run some of ``cases``, ``--profile SIZE ...`` where the bench can break sizes down per kernel,
+    ``--rows`` to run some of ``rows``, ``--shapes`` some of ``shapes``), then the copy and GEMM rates their floors
+    use, measured now: (args, bytes/s, FLOP/s)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), json_name))
     parser.add_argument("--reps", type=int, default=reps)
@@ -150,6 +151,8 @@ def kernel_bench_start(doc: str, json_name: str, reps: int, sweep: bool = True, 
         parser.add_argument("--cases", nargs="+", default=cases, choices=cases, help="the cases to run (all)")
     if rows:
         parser.add_argument("--rows", nargs="+", type=int, default=rows, choices=rows, help="the rows to run (all)")
+    if shapes:
+        parser.add_argument("--shapes", nargs="+", default=shapes, choices=shapes, help="the shapes to run (all)")
     args = parser.parse_args()
     torch.manual_seed(0)
     bw, flops = copy_bandwidth(), matmul_rate()

@@ -1,10 +1,10 @@
 """Does the FP8 decode GEMM stream its weights near the HBM floor? The launch shapes of ``skinny_fp8_linear``
-(``blink.models.kernels.fp8_skinny``: e4m3 weights upcast in registers, activations as they are) against bf16
-cuBLAS and against ``torch._scaled_mm`` with per-token activation quantization (the large-M path of ``fp8_linear``),
-on the Qwen3-8B shape's four projections at M = 1, 16 and 32, per-row scales and 128x128 block scales (``--cases
-row block``). At M = 64, 128 and 256, the GEMMs of quantized activations: the launch shapes of the Triton
-``fp8_gemm`` against ``_scaled_mm`` (per-row scales) and bf16 cuBLAS, the whole ``fp8_linear`` as it dispatches, and
-the quantization kernel against the torch ops it replaced (``e4m3.quantize_activations``). ``--rows`` runs some of
+(``blink.models.kernels.fp8_skinny``: e4m3 weights upcast in registers, activations as they are) against bf16 cuBLAS and
+against ``torch._scaled_mm`` with per-token activation quantization (the large-M path of ``fp8_linear``), on the
+Qwen3-8B shape's four projections at M = 1, 16 and 32, per-row scales and 128x128 block scales (``--cases row block``;
+``--shapes`` some of the four). At M = 64, 128 and 256, the GEMMs of quantized activations: the launch shapes of the
+Triton ``fp8_gemm`` against ``_scaled_mm`` (per-row scales) and bf16 cuBLAS, the whole ``fp8_linear`` as it dispatches,
+and the quantization kernel against the torch ops it replaced (``e4m3.quantize_activations``). ``--rows`` runs some of
 the M.
 
 Each launch shape is first checked against float64 (dequantized weights); times are medians of CUDA-event-timed
@@ -34,12 +34,14 @@ ROWS = (1, 16, 32)
 LARGE_ROWS = (64, 128, 256)
 BLOCK = (128, 128)
 SWEEP = [dict(block_n=n, block_k=k, split_k=s, num_warps=w, num_stages=st) for n, k, s, w, st in
-         itertools.product((16, 32, 64), (128, 256), (1, 2, 4), (4,), (3, 4, 6))]
+         itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8), (4,), (3, 4, 6))]
 # Beyond 16 rows: wider weight tiles (each re-reads the activations' tile) and 8 warps for the larger accumulator.
 WIDE_SWEEP = [dict(block_n=n, block_k=k, split_k=s, num_warps=w, num_stages=st) for n, k, s, w, st in
               itertools.product((64, 128, 256), (64, 128), (1, 2, 4), (4, 8), (3,))]
+# Every program of a GEMM reads its rows' activations over its part of the reduction: wider weight tiles in more parts
+# read them fewer times (at 64 rows, 32-output tiles read 2 bytes of activations from L2 per weight byte).
 GEMM_SWEEP = [dict(block_m=bm, block_n=n, block_k=128, split_k=s, num_warps=w, num_stages=st) for bm, n, s, w, st in
-              itertools.product((64, 128), (32, 64, 128), (1, 2, 4), (4, 8), (3, 4))]
+              itertools.product((64, 128), (32, 64, 128, 256), (1, 2, 4, 8), (4, 8), (3, 4))]
 
 
 def projections(name: str) -> dict[str, tuple[int, int]]:
@@ -111,12 +113,14 @@ def bench_large(name: str, n: int, k: int, m: int, block, quantized, bf16, floor
 
 def main():
     args, bw, _ = kernel_bench_start(__doc__, "fp8_gemv_bench.json", reps=20, sweep=False, cases=["row", "block"],
-                                     rows=sorted({*ROWS, *LARGE_ROWS}))
+                                     rows=sorted({*ROWS, *LARGE_ROWS}), shapes=list(projections("qwen3-8b")))
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; {CALLS} weight copies per graph; "
           f"e4m3 max {FP8_MAX}", flush=True)
     rows = []
     for block in [None if case == "row" else BLOCK for case in args.cases]:
         for name, (n, k) in projections("qwen3-8b").items():
+            if name not in args.shapes:
+                continue
             rows += bench_shape(name, n, k, block, bw, args.reps, args.rows)
             torch.cuda.empty_cache()
             with open(args.out, "w") as f:  # after each shape, so that a run cut short keeps what it measured
