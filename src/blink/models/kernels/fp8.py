@@ -57,14 +57,18 @@ class Tiles:
 
 
 def tiles_for(m: int, n: int, k: int) -> Tiles:
-    """Up to ``GEMM_UP_TO`` rows, from the H100 sweeps of ``bench/experiments/fp8_gemv_bench.py`` (per-row scales;
-    block scales take the same, not swept): 64 tokens by 32 outputs where 64-output tiles would number fewer than
-    ``TARGET_PROGRAMS`` (at 64 rows qkv, o_proj and down of Qwen3-8B: 15.8, 13.0, 28.5 against 15.9, 13.8, 29.9 us),
-    else 64 (gate_up: 40.6 against 47.4), 8 warps, 4 stages, a long reduction (``k >= 2n``) split 4 ways. Beyond (only
-    block scales come here): 64-row tiles of 128 outputs, not yet swept."""
+    """Up to ``GEMM_UP_TO`` rows, from the H200 sweeps of ``bench/experiments/fp8_gemv_bench.py`` at 64 rows (per-row
+    scales, the parts summed in the kernel; block scales take the same, not swept): 64 tokens by 32 outputs where
+    64-output tiles would number fewer than ``TARGET_PROGRAMS``, else 64; a long reduction (``k >= 2n``) split 4 ways,
+    another split 2 ways where its tiles number fewer than two per SM (each program then re-reads the activations
+    over half the reduction); 4 warps, 4 stages. Each of Qwen3-8B's four projections took its best shape there
+    (qkv 12.5, o_proj 10.4, gate_up 29.0, down 20.8 us against 14.7, 12.8, 29.4, 21.7 with 8 warps and qkv and
+    o_proj unsplit). Beyond (only block scales come here): 64-row tiles of 128 outputs, not yet swept."""
     if m <= GEMM_UP_TO:
         block_n = 32 if triton.cdiv(n, 64) < TARGET_PROGRAMS else 64
-        return Tiles(block_m=64, block_n=block_n, split_k=4 if k >= 2 * n else 1, num_warps=8, num_stages=4)
+        programs = triton.cdiv(m, 64) * triton.cdiv(n, block_n)
+        split_k = 4 if k >= 2 * n else 1 if programs >= 2 * TARGET_PROGRAMS else 2
+        return Tiles(block_m=64, block_n=block_n, split_k=split_k, num_warps=4, num_stages=4)
     return Tiles(block_m=64)
 
 

@@ -47,20 +47,14 @@ class SkinnyTiles:
 
 def skinny_tiles(m: int, n: int, k: int, block: tuple[int, int] | None) -> SkinnyTiles:
     """The launch shape of ``m`` rows through a projection of ``n`` outputs and ``k`` inputs, from the sweeps of
-    ``bench/experiments/fp8_gemv_bench.py`` (Qwen3-8B's projections; up to 16 rows on the H200, each rule within
-    1.14x of the best shape there; 32 rows on an H100, each the best shape there). Up to 16 rows: 32-row tiles over
-    128 columns, 6 stages deep where the tiles are at most two per SM (qkv, o_proj: fewer programs need more bytes in
-    flight each; the best shape on an H100, and on the H200 within 1.01x), else 4; a long reduction (``k >= 2n``: few
-    output tiles, each a long way to stream) split 4 ways over 64-row tiles. Beyond: 64-row tiles, the reduction split
-    4 ways unless the tiles alone number ``TARGET_PROGRAMS``. With block scales a tile must not straddle a weight
-    block."""
-    if m > 16:
-        split_k = 4 if triton.cdiv(n, 64) <= TARGET_PROGRAMS else 1
-        tiles = SkinnyTiles(block_n=64, block_k=128, split_k=split_k, num_stages=3)
-    elif k >= 2 * n:
-        tiles = SkinnyTiles(block_n=64, block_k=256 if block is None else 128, split_k=4, num_stages=3)
-    else:
-        tiles = SkinnyTiles(block_n=32, block_k=128, num_stages=6 if triton.cdiv(n, 32) <= 2 * TARGET_PROGRAMS else 4)
+    ``bench/experiments/fp8_gemv_bench.py`` (Qwen3-8B's projections; up to 16 rows on the H200 with the parts summed
+    in the kernel, each projection's best shape or within 1.02x of it; 32 rows on an H100, each the best shape there):
+    64-output tiles 3 stages deep, the reduction split 4 ways unless the tiles alone number ``TARGET_PROGRAMS`` (split,
+    fewer bytes stream through each program and more are in flight per SM); 256 columns per iteration up to 16 rows,
+    128 beyond. With block scales a tile must not straddle a weight block."""
+    split_k = 4 if triton.cdiv(n, 64) <= TARGET_PROGRAMS else 1
+    block_k = 256 if m <= 16 and block is None else 128
+    tiles = SkinnyTiles(block_n=64, block_k=block_k, split_k=split_k, num_stages=3)
     if block is None:
         return tiles
     return replace(tiles, block_n=min(tiles.block_n, block[0]), block_k=min(tiles.block_k, block[1]))
