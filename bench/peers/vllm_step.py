@@ -4,7 +4,8 @@ blink: the interval between two decode steps, the board's joules per step, and G
 ``bench/peers/vllm_gpu.sh install`` put vLLM:
 
     PYTHONPATH=$HOME/blink-peers/site:src python -m bench.peers.vllm_step --shape qwen3-8b [--batches 1 16 64]
-        [--context 1024] [--steps 512] [--profile-steps 128] [--prefill 2048] [--out vllm_step.json]
+        [--context 1024] [--steps 512] [--profile-steps 128] [--prefill 2048] [--quantization fp8]
+        [--out vllm_step.json]
 
 vLLM's offline engine (``vllm.LLM``: the engine core of its server, without HTTP) on the shape directory with
 random weights (``load_format="dummy"``), the limits of ``vllm_gpu.sh serve`` and its prefix cache off, in this
@@ -53,18 +54,19 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[dict]:
 class Engine:
     """vLLM's offline engine on ``model_dir``, with ``vllm_gpu.sh serve``'s limits and no prefix cache."""
 
-    def __init__(self, model_dir: str, temperature: float, top_p: float, prefill_tokens: int):
+    def __init__(self, model_dir: str, temperature: float, top_p: float, prefill_tokens: int,
+                 quantization: str | None):
         """``prefill_tokens``: the most prompt tokens one batch brings. vLLM's step budget is raised to it (from the
         16,384 its offline engine takes on an H200), so that a batch's prompts prefill in one step and no measured
         decode step shares a step with a prefill chunk (with 16 profiled steps at B=64 and the default budget, ~20 %
         of the GEMM launches subtracted were mixed steps'); decode steps of at most 256 tokens run the same kernels
-        and graphs either way."""
+        and graphs either way. ``quantization``: vLLM's ``--quantization`` (``fp8``: weights quantized at load)."""
         from vllm import LLM, SamplingParams
         self._params = SamplingParams
         self._sampling = dict(temperature=temperature, top_p=top_p)
         self.llm = LLM(model=model_dir, load_format="dummy", max_model_len=MAX_MODEL_LEN, max_num_seqs=256,
                        max_num_batched_tokens=max(16384, prefill_tokens), gpu_memory_utilization=0.9,
-                       enable_prefix_caching=False, seed=0)
+                       enable_prefix_caching=False, seed=0, quantization=quantization)
 
     def generate(self, batch_prompts: list[dict], tokens: int) -> float:
         """Seconds to generate ``tokens`` tokens for every prompt."""
@@ -146,6 +148,7 @@ def main() -> int:
                         "as model_bench's power: NVML's reading lags the load)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--quantization", choices=["fp8"], default=None, help="vLLM's --quantization (bf16: none)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "vllm_step.json"))
     args = parser.parse_args()
     if not 0 < args.steps // 2 < args.context or args.context + args.steps // 2 > MAX_MODEL_LEN:
@@ -164,13 +167,15 @@ def main() -> int:
     model_dir = str(write_model_dir(os.path.join(tempfile.mkdtemp(), args.shape), args.shape))
     vocab = ModelConfig.from_file(model_dir).vocab_size
     prompt_len = args.context - args.steps // 2
-    engine = Engine(model_dir, args.temperature, args.top_p, prefill_tokens=max(args.batches) * prompt_len)
+    engine = Engine(model_dir, args.temperature, args.top_p, prefill_tokens=max(args.batches) * prompt_len,
+                    quantization=args.quantization)
     batch_prompts = {b: prompts(b, prompt_len, vocab, seed=b) for b in args.batches}
-    rows = [timed_row(engine, args.shape, b, args.context, batch_prompts[b], args.steps) for b in args.batches]
+    label = args.shape if args.quantization is None else f"{args.shape}-{args.quantization}"  # model_bench's name
+    rows = [timed_row(engine, label, b, args.context, batch_prompts[b], args.steps) for b in args.batches]
     for row in rows:
         add_profile(engine, row, batch_prompts[row["batch"]], args.profile_steps)
     if args.prefill:
-        rows.append(prefill_row(engine, args.shape, args.prefill, vocab, args.prefill_reps))
+        rows.append(prefill_row(engine, label, args.prefill, vocab, args.prefill_reps))
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, vllm=vllm.__version__, rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
