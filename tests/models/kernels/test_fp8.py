@@ -70,6 +70,32 @@ def test_fp8_gemm_per_token_per_row_matches_float64(backend, tokens, n, k, tiles
     assert out.dtype == dtype and out.shape == (tokens, n) and rel_err(out, want) < tol
 
 
+@pytest.mark.parametrize("tokens, n, k, tiles", [(1, 96, 256, None), (20, 130, 512, None), (64, 192, 320, None),
+                                                 (33, 64, 768, dict(block_n=128, block_k=128, num_stages=2))])
+def test_rowwise_fp8_gemm_matches_float64(backend, tokens, n, k, tiles):
+    """The TMA GEMM of decode-sized steps: token tiles of 16, 32 and 64 mostly past the rows, an N that is no whole
+    number of weight tiles, a K that is no whole number of stages (TMA reads zeros past the end)."""
+    device, dtype, tol = backend
+    from blink.models.kernels.fp8_rowwise import RowwiseTiles, rowwise_fp8_gemm
+
+    weight, scale = fp8_weights((n, k), None, device)
+    x = torch.randn(tokens, k, device=device, dtype=dtype)
+    a, a_scale = quantize_activations(x, k)
+    out = rowwise_fp8_gemm(a, a_scale.reshape(-1), weight, scale, dtype, tiles and RowwiseTiles(**tiles))
+    want = dequantized_activations(x, k) @ dequantize(weight, scale, None).double().T
+    assert out.dtype == dtype and out.shape == (tokens, n) and rel_err(out, want) < tol
+
+
+def test_rowwise_fp8_gemm_refuses_operands_tma_cannot_read(backend):
+    device, dtype, _ = backend
+    from blink.models.kernels.fp8_rowwise import rowwise_fp8_gemm
+
+    weight, scale = fp8_weights((64, 200), None, device)
+    a, a_scale = quantize_activations(torch.randn(4, 200, device=device, dtype=dtype), 200)
+    with pytest.raises(ValueError, match="K a multiple of 16"):
+        rowwise_fp8_gemm(a, a_scale.reshape(-1), weight, scale, dtype)
+
+
 @pytest.mark.parametrize("tokens, n, k, block, tiles", [(1, 160, 256, (128, 128), None), (20, 96, 128, (32, 64), None),
                                                         (100, 256, 256, (128, 128), None),
                                                         (40, 96, 384, (32, 128), dict(block_m=16, block_n=32,
@@ -104,10 +130,11 @@ def test_skinny_fp8_linear_matches_float64(backend, tokens, block, tiles):
 
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_fp8_linear_quantizes_activations_only_beyond_decode_sized_steps(backend, block):
-    """Up to ``SKINNY_UP_TO`` rows the skinny GEMM; beyond, quantized activations through ``fp8_gemm``, and with
-    per-row scales beyond ``GEMM_UP_TO`` through ``_scaled_mm``."""
+    """Up to ``SKINNY_UP_TO`` rows the skinny GEMM; beyond, quantized activations through ``rowwise_fp8_gemm`` (per-row
+    scales) or ``fp8_gemm`` (block scales), and with per-row scales beyond ``GEMM_UP_TO`` through ``_scaled_mm``."""
     device, dtype, _ = backend
     from blink.models.kernels.fp8 import GEMM_UP_TO, SKINNY_UP_TO, fp8_gemm, fp8_linear, scaled_mm
+    from blink.models.kernels.fp8_rowwise import rowwise_fp8_gemm
     from blink.models.kernels.fp8_skinny import skinny_fp8_linear
     from blink.models.kernels.quantize import quantize_activations as quantize
 
@@ -116,8 +143,10 @@ def test_fp8_linear_quantizes_activations_only_beyond_decode_sized_steps(backend
     small, middle, large = (torch.randn(t, 256, device=device, dtype=dtype)
                             for t in (SKINNY_UP_TO, SKINNY_UP_TO + 1, GEMM_UP_TO + 1))
     assert torch.equal(fp8_linear(small, weight, scale, block), skinny_fp8_linear(small, weight, scale, block))
+    a, a_scale = quantize(middle, group)
     assert torch.equal(fp8_linear(middle, weight, scale, block),
-                       fp8_gemm(*quantize(middle, group), weight, scale, block, dtype))
+                       rowwise_fp8_gemm(a, a_scale.reshape(-1), weight, scale, dtype) if block is None else
+                       fp8_gemm(a, a_scale, weight, scale, block, dtype))
     quantized = (scaled_mm(*quantize(large, group), weight, scale, dtype) if block is None else
                  fp8_gemm(*quantize(large, group), weight, scale, block, dtype))
     assert torch.equal(fp8_linear(large, weight, scale, block), quantized)
