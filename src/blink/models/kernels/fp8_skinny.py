@@ -4,12 +4,10 @@ A decode step reads every weight once and does little arithmetic with it: its ti
 bandwidth. FP8 halves those bytes only if the GEMM streams them at the rate bf16 cuBLAS streams its own, and at a
 few rows neither ``torch._scaled_mm`` (a 128x128-tile kernel, 29 us per 8B projection at M = 1 on the H200, twice the
 bf16 time) nor quantizing the activations per token first (a launch of its own) does. So a decode step does not
-quantize its activations at all: each program loads ``BLOCK_N`` weight rows' e4m3 bytes (by TMA, through a host-built
-descriptor: the K dimension a multiple of 16, as every FP8 projection's is), upcasts them in registers (e4m3 is exact
-in bf16) and multiplies them with the activations as they are, one ``tl.dot`` per ``BLOCK_K`` columns, the weight
-rows as the MMA's M (64 on Hopper) and the tokens as its N (vLLM's CUTLASS arrangement at these sizes,
-``fp8_rowwise``); the scales apply per weight row at the end (per row) or per ``(bn, bk)`` weight block along the
-reduction (block).
+quantize its activations at all: each program loads ``BLOCK_N`` weight rows' e4m3 bytes, upcasts them in registers
+(e4m3 is exact in bf16) and multiplies them with the activations as they are, one ``tl.dot`` per ``BLOCK_K``
+columns; the scales apply per weight row at the end (per row) or per ``(bn, bk)`` weight block along the reduction
+(block).
 
 The K dimension may be split over ``SPLIT_K`` programs to fill the SMs when ``N / BLOCK_N`` tiles are too few; the
 last part of a tile to finish sums the parts (``split_k``). Reference:
@@ -22,7 +20,6 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .pdl import pdl_args, wait_for_previous
 from .split_k import split_buffers, store_split
@@ -69,33 +66,34 @@ def block_m_for(m: int) -> int:
 
 
 @triton.jit(do_not_specialize=["m"])  # one compile per launch shape, whatever the step's rows
-def _skinny_kernel(x_ptr, w_desc, scale_ptr, out_ptr, work_ptr, counter_ptr, m, n, k, x_stride, scale_stride,
+def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, work_ptr, counter_ptr, m, n, k, x_stride, scale_stride,
                    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     """``out[:m, tile] = x[:m] @ (w[tile] * scale).T`` for output tile ``program_id(0)``, of which this program sums
-    K part ``program_id(1)`` (``split_k.store_split``); ``w`` e4m3 through a TMA descriptor, its rows the MMA's M.
-    ``GROUP_K == 0``: per-row ``scale [n]``; else block ``scale [n/GROUP_N, k/GROUP_K]``."""
+    K part ``program_id(1)`` (``split_k.store_split``). ``GROUP_K == 0``: per-row ``scale [n]``; else block ``scale
+    [n/GROUP_N, k/GROUP_K]``."""
     tile, part = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < m, cols < n
     per_part = tl.cdiv(tl.cdiv(k, SPLIT_K), BLOCK_K) * BLOCK_K
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * k
     wait_for_previous(PDL)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(part * per_part, tl.minimum(k, (part + 1) * per_part), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_ok[:, None] & (ks < k)[None, :],
-                    other=0.0)
-        w = widen(w_desc.load([tile * BLOCK_N, k0]), x.dtype)
+        k_ok = ks < k
+        x = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = widen(tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0), x.dtype)
         if GROUP_K == 0:
-            acc = tl.dot(w, tl.trans(x), acc)
+            acc += tl.dot(x, tl.trans(w))
         else:
             s = tl.load(scale_ptr + (cols // GROUP_N) * scale_stride + k0 // GROUP_K, mask=col_ok, other=0.0)
-            acc += tl.dot(w, tl.trans(x)) * s[:, None]
+            acc += tl.dot(x, tl.trans(w)) * s[None, :]
     if GROUP_K == 0:
-        acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[:, None]
-    store_split(acc, out_ptr, work_ptr, counter_ptr + tile, rows[None, :] * n + cols[:, None],
-                col_ok[:, None] & row_ok[None, :], part, m * n, SPLIT_K)
+        acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    store_split(acc, out_ptr, work_ptr, counter_ptr + tile, rows[:, None] * n + cols[None, :],
+                row_ok[:, None] & col_ok[None, :], part, m * n, SPLIT_K)
 
 
 def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
@@ -108,17 +106,13 @@ def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     tiles = tiles or skinny_tiles(m, n, k, block)
     if block is not None and (block[1] % tiles.block_k or block[0] % tiles.block_n):
         raise ValueError(f"tiles {tiles} do not divide the weight blocks {block}")
-    if not (weight.is_contiguous() and weight.data_ptr() % 16 == 0 and k % 16 == 0):
-        raise ValueError(f"skinny_fp8_linear reads the weight by TMA: it must be contiguous, 16-byte aligned, with K a "
-                         f"multiple of 16 (got {tuple(weight.shape)})")
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    w_desc = TensorDescriptor.from_tensor(weight, [tiles.block_n, tiles.block_k])
     group_n, group_k = block if block is not None else (0, 0)
     grid = (triton.cdiv(n, tiles.block_n), tiles.split_k)
     work, counters = split_buffers(out, weight, tiles.split_k, grid[0])
     _skinny_kernel[grid](
-        x, w_desc, scale, out, work, counters, m, n, k, x.stride(0), scale.stride(0), GROUP_N=group_n, GROUP_K=group_k,
+        x, weight, scale, out, work, counters, m, n, k, x.stride(0), scale.stride(0), GROUP_N=group_n, GROUP_K=group_k,
         BLOCK_M=block_m_for(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(x.device))
     return out
