@@ -15,7 +15,7 @@ replays of ``CALLS`` back-to-back calls on ``CALLS`` weight copies, per call; th
 measured copy rate.
 
 Run: ``PYTHONPATH=src python3 -m bench.experiments.fp8_tma_bench [--rows 1 16 64] [--shapes qkv ...] [--out
-fp8_tma_bench.json]`` (``$OUT/...`` when set).
+fp8_tma_bench.json]`` (in the directory ``OUT`` names, when set).
 """
 from __future__ import annotations
 

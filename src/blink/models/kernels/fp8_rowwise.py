@@ -11,7 +11,7 @@ of 64 x 256 weight bytes fit in shared memory and keep ~100 KB in flight per pro
 projection (``bench/experiments/fp8_tma_bench.py``).
 
 Invariants: ``K`` is a multiple of 16 and both operands are contiguous with 16-byte aligned rows (TMA's global
-strides), which ``takes`` checks; the descriptors carry the operands' addresses, so a captured step graph replays
+strides), which ``takes`` checks; the descriptors hold the operands' addresses, so a captured step graph replays
 them as captured (the step's buffers and weights keep their addresses).
 """
 from __future__ import annotations
