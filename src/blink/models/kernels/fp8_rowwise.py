@@ -3,8 +3,8 @@
 
 The arrangement of vLLM's CUTLASS FP8 kernel at these sizes (``KernelTmaWarpSpecializedFP8FastAccum`` with A and B
 swapped): a program owns ``BLOCK_N`` weight rows, which are the MMA's M (Hopper's ``wgmma`` takes 64 rows there), and
-the step's tokens are its N (16, 32 or 64: any count of tokens wastes at most half a tile where a token-major 64-row
-tile wastes 63 of 64 at one token). Each stage brings ``BLOCK_K`` columns of both operands through host-built TMA
+the step's tokens are its N (``token_tile``: the N of ``wgmma`` may be as small as 8, where a token-major tile's M
+may not be below 64). Each stage brings ``BLOCK_K`` columns of both operands through host-built TMA
 descriptors (``TensorDescriptor``: no address arithmetic per element, rows past the end read as zero), so six stages
 of 64 x 256 weight bytes fit in shared memory and keep ~100 KB in flight per program without the registers of
 ``tl.load`` pipelines. No split of the reduction: one program per 64 weight rows was the fastest on every Qwen3-8B
