@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..e4m3 import QuantizedRows
-from . import fp8_rowwise
+from .fp8_rowwise import rowwise_fp8_gemm, tma_can_read
 from .fp8_skinny import TARGET_PROGRAMS, skinny_fp8_linear
 from .pdl import pdl_args, wait_for_previous
 from .quantize import quantize_activations
@@ -159,6 +159,6 @@ def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: tor
         (a, a_scale), dtype = quantize_activations(x, x.shape[-1] if block is None else block[1]), x.dtype
     if block is None and a.shape[0] > GEMM_UP_TO:
         return scaled_mm(a, a_scale, weight, scale, dtype)
-    if block is None and fp8_rowwise.takes(a, weight):
-        return fp8_rowwise.rowwise_fp8_gemm(a, a_scale.reshape(-1), weight, scale, dtype)
+    if block is None and tma_can_read(a, weight):
+        return rowwise_fp8_gemm(a, a_scale.reshape(-1), weight, scale, dtype)
     return fp8_gemm(a, a_scale, weight, scale, block, dtype)

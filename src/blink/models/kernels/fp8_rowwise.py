@@ -11,7 +11,7 @@ of 64 x 256 weight bytes fit in shared memory and keep ~100 KB in flight per pro
 projection (``bench/experiments/fp8_tma_bench.py``).
 
 Invariants: ``K`` is a multiple of 16 and both operands are contiguous with 16-byte aligned rows (TMA's global
-strides), which ``takes`` checks; the descriptors hold the operands' addresses, so a captured step graph replays
+strides), which ``tma_can_read`` checks; the descriptors hold the operands' addresses, so a captured step graph replays
 them as captured (the step's buffers and weights keep their addresses).
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def token_tile(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
-def takes(a: torch.Tensor, weight: torch.Tensor) -> bool:
+def tma_can_read(a: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether TMA can read both operands: contiguous, 16-byte aligned addresses and rows."""
     return all(t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[1] % 16 == 0 for t in (a, weight))
 
@@ -81,10 +81,10 @@ def _rowwise_kernel(w_desc, a_desc, w_scale_ptr, a_scale_ptr, out_ptr, m, n, k, 
 def rowwise_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                      out_dtype: torch.dtype, tiles: RowwiseTiles | None = None) -> torch.Tensor:
     """e4m3 ``a [M, K]`` with float32 per-token ``a_scale`` (``M`` values, contiguous) times e4m3 ``weight [N, K]``
-    with float32 per-row ``scale [N]`` → ``[M, N]`` in ``out_dtype``; both operands as ``takes`` requires."""
+    with float32 per-row ``scale [N]`` → ``[M, N]`` in ``out_dtype``; both operands as ``tma_can_read`` requires."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if not takes(a, weight):
+    if not tma_can_read(a, weight):
         raise ValueError(f"rowwise_fp8_gemm reads its operands by TMA: they must be contiguous with 16-byte aligned "
                          f"addresses and K a multiple of 16 (got a {tuple(a.shape)}, weight {tuple(weight.shape)})")
     (m, k), n = a.shape, weight.shape[0]
