@@ -3,7 +3,7 @@
 
 The arrangement of vLLM's CUTLASS FP8 kernel at these sizes (``KernelTmaWarpSpecializedFP8FastAccum`` with A and B
 swapped): a program owns ``BLOCK_N`` weight rows, which are the MMA's M (Hopper's ``wgmma`` takes 64 rows there), and
-the step's tokens are its N (``token_tile``: the N of ``wgmma`` may be as small as 8, where a token-major tile's M
+the step's tokens are its N (``block_m_for``: the N of ``wgmma`` may be as small as 8, where a token-major tile's M
 may not be below 64). Each stage brings ``BLOCK_K`` columns of both operands through host-built TMA
 descriptors (``TensorDescriptor``: no address arithmetic per element, rows past the end read as zero), so six stages
 of 64 x 256 weight bytes fit in shared memory and keep ~100 KB in flight per program without the registers of
@@ -16,13 +16,13 @@ them as captured (the step's buffers and weights keep their addresses).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from .fp8_skinny import TARGET_PROGRAMS
+from .fp8_skinny import TARGET_PROGRAMS, block_m_for
 from .pdl import pdl_args, wait_for_previous
 from .tiles import check_tiles
 
@@ -30,7 +30,7 @@ from .tiles import check_tiles
 @dataclass(frozen=True)
 class RowwiseTiles:
     """Launch shape: ``block_n`` weight rows and ``block_k`` columns per stage, Triton's warps and pipeline stages
-    (the tokens' tile follows the step's rows: ``token_tile``)."""
+    (the tokens' tile follows the step's rows: ``fp8_skinny.block_m_for``)."""
 
     block_n: int = 64
     block_k: int = 256
@@ -46,12 +46,8 @@ def tiles_for(n: int) -> RowwiseTiles:
     and 64 rows; each the best shape or within 1.03x of it there): 64 x 256 weight tiles, 6 stages deep where the
     tiles number at most ``TARGET_PROGRAMS`` (one program an SM streams alone: qkv, o_proj, down), else 3 (gate_up's
     384 tiles: two programs share an SM's shared memory)."""
-    return RowwiseTiles(num_stages=6 if triton.cdiv(n, 64) <= TARGET_PROGRAMS else 3)
-
-
-def token_tile(m: int) -> int:
-    """The MMA's N for ``m`` tokens: a power of two of at least 16."""
-    return max(16, triton.next_power_of_2(m))
+    tiles = RowwiseTiles()
+    return tiles if triton.cdiv(n, tiles.block_n) <= TARGET_PROGRAMS else replace(tiles, num_stages=3)
 
 
 def tma_can_read(a: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -89,7 +85,7 @@ def rowwise_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tenso
                          f"addresses and K a multiple of 16 (got a {tuple(a.shape)}, weight {tuple(weight.shape)})")
     (m, k), n = a.shape, weight.shape[0]
     tiles = tiles or tiles_for(n)
-    block_m = token_tile(m)
+    block_m = block_m_for(m)
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     w_desc = TensorDescriptor.from_tensor(weight, [tiles.block_n, tiles.block_k])
     a_desc = TensorDescriptor.from_tensor(a, [block_m, tiles.block_k])
