@@ -1,7 +1,7 @@
 """The counter-based noise: 32-bit values, uniform, and a function of (seed, seq_len, index) alone."""
 import torch
 
-from blink.models.hashing import MASK32, hash32, row_key, uniform
+from blink.models.hashing import MASK32, gumbel_noise, hash32, row_key, uniform
 
 
 def test_hash_is_32_bit_and_mixes():
@@ -29,3 +29,15 @@ def test_key_depends_on_seed_halves_and_length():
     lens = torch.tensor([5, 6, 5, 5])
     keys = row_key(seeds, lens)
     assert keys[0] == keys[3] and len(set(keys[:3].tolist())) == 3
+
+
+# A row and vocabulary index whose hash is at the top of the range (found by searching seed 0's lengths and indices).
+TOP = dict(seed=0, seq_len=4590, index=1948)
+
+
+def test_the_top_of_the_hash_range_draws_below_one():
+    """With 24 bits the top hash drew exactly 1.0 in float32, Gumbel noise +inf: that token won whatever its logit."""
+    key = row_key(torch.tensor([TOP["seed"]]), torch.tensor([TOP["seq_len"]]))
+    index = torch.tensor([TOP["index"]])
+    assert hash32(key ^ hash32(index)).item() >= MASK32 - 0xFF  # the top 24-bit value: still the case to test
+    assert 0 < uniform(key, index).item() < 1 and torch.isfinite(gumbel_noise(key, index)).all()

@@ -26,10 +26,17 @@ def row_key(seed: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     return hash32(hash32(hash32(hi) ^ lo) ^ seq_lens.long())
 
 
+# Bits of a hash a uniform draw takes: float32 holds (bits + 0.5) / 2**23 exactly, the largest 1 - 2**-24. With 24
+# bits the largest, (2**24 - 0.5) / 2**24, rounds to 1.0, whose Gumbel noise is +inf: one token in 2**24 per draw
+# would win whatever its logit (one sampled token in ~110 over Qwen3's vocabulary).
+UNIFORM_BITS = 23
+
+
 def uniform(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Uniform float32 in (0, 1) from 24 bits of ``hash32(key ^ hash32(index))``."""
-    bits = hash32(key ^ hash32(index.long())) >> 8
-    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+    """Uniform float32 in (0, 1), both ends excluded, from the top ``UNIFORM_BITS`` bits of ``hash32(key ^
+    hash32(index))``."""
+    bits = hash32(key ^ hash32(index.long())) >> (32 - UNIFORM_BITS)
+    return (bits.float() + 0.5) * (1.0 / (1 << UNIFORM_BITS))
 
 
 def gumbel_noise(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

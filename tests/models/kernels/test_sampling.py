@@ -35,6 +35,23 @@ def test_gumbel_argmax_matches_reference(backend):
                        reference.gumbel_argmax(half.float(), divisor, threshold, seed, seq_lens, greedy))
 
 
+def test_gumbel_argmax_never_draws_a_token_for_its_noise_alone(backend):
+    """The token whose hash is at the top of the range (``tests/models/test_hashing.TOP``) once drew Gumbel noise
+    +inf and won at a logit 100 below the rest; it must lose, in the kernel as in the reference."""
+    from blink.models.kernels.sampling import gumbel_argmax
+    from tests.models.test_hashing import TOP
+
+    device, _, _ = backend
+    logits = torch.zeros(1, 4096, device=device)
+    logits[0, TOP["index"]] = -100.0
+    args = (torch.ones(1, device=device), torch.full((1,), float("-inf"), device=device),
+            torch.tensor([TOP["seed"]], dtype=torch.int64, device=device),
+            torch.tensor([TOP["seq_len"]], dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.bool,
+                                                                                        device=device))
+    ids = gumbel_argmax(logits, *args)
+    assert torch.equal(ids, reference.gumbel_argmax(logits, *args)) and ids.item() != TOP["index"]
+
+
 def test_row_logsumexp_matches_reference(backend):
     """Both log-sum-exps of each row in one pass, over a vocabulary that is not a multiple of the block, with rows
     of very different scales (a temperature of 0.05 makes one logit dominate), a row whose first 4096-entry chunk is

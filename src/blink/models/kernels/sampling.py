@@ -21,11 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..hashing import MIX
+from ..hashing import MIX, UNIFORM_BITS
 from .pdl import pdl_args, wait_for_previous
 
 CHUNK = 4096
 _MIX = tl.constexpr(MIX)
+_UNIFORM_SHIFT = tl.constexpr(32 - UNIFORM_BITS)
+_UNIFORM_SCALE = tl.constexpr(1.0 / (1 << UNIFORM_BITS))
 
 
 @triton.jit
@@ -172,8 +174,8 @@ def _gumbel_argmax_kernel(logits_ptr, div_ptr, thr_ptr, seed_ptr, len_ptr, greed
         ok = idx < vocab
         x = tl.math.div_rn(tl.load(logits_ptr + row * stride + idx, mask=ok, other=float("-inf")).to(tl.float32),
                            divisor)
-        bits = _hash32(key ^ _hash32(idx.to(tl.uint32))) >> 8
-        u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        bits = _hash32(key ^ _hash32(idx.to(tl.uint32))) >> _UNIFORM_SHIFT  # hashing.uniform
+        u = (bits.to(tl.float32) + 0.5) * _UNIFORM_SCALE
         noisy = tl.where(x >= thr, x - tl.log(-tl.log(u)), float("-inf"))
         val = tl.where(greedy, x, noisy)
         val = tl.where(ok, val, float("-inf"))
