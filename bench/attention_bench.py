@@ -2,8 +2,10 @@
 floors, at the default launch shape and (``--sweep``) at every shape of ``PREFILL_SWEEP`` / ``DECODE_SWEEP``.
 
 Llama-3-8B's attention (32 query heads, 8 KV heads of 128, pages of 16 tokens scattered over the pool) in the
-step's cases: a 2048-token prompt, a 512-token chunk on a 1536-token cached prefix, and decodes (one token per
-sequence) at batch 1, 16 and 64 with 1K context and batch 1 and 16 with 8K (``--cases`` picks some). Every case
+step's cases: a 2048-token prompt, a 512-token chunk on a 1536-token cached prefix, decodes (one token per
+sequence) at batch 1, 16 and 64 with 1K context and batch 1 and 16 with 8K, and with speculation (a layout whose
+``decode_query_len`` is 5) decodes at batch 1, 16 and 64 and verifications of 4 drafts a sequence (``--cases`` picks
+some). Every case
 first checks the kernel against ``reference.attention`` (relative error < 1e-2; exits non-zero otherwise), then
 times ``LAYERS`` back-to-back calls
 captured in one CUDA graph (as a step runs them) and reports the time per call. Floors: the KV bytes read at the
@@ -20,14 +22,14 @@ import itertools
 import json
 import random
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from triton.runtime.errors import OutOfResources
 
 from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err
 from blink.device.step import StepBuffers, StepLayout
-from blink.models.batch import SeqChunk, fill_step
+from blink.models.batch import SeqChunk, chunk_drafts, fill_step
 from blink.models.kernels import reference
 from blink.models.kernels.attention import Tiles, attention, attention_plan, tiles_for
 
@@ -39,16 +41,23 @@ PREFILL_SWEEP = [dict(tiles=Tiles(rows, n, warps, stages)) for rows, n, warps, s
                  itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]
 DECODE_SWEEP = [dict(tiles=Tiles(16, n, 4, stages), num_splits=splits) for n, stages, splits in
                 itertools.product((32, 64, 128), (2, 3, 4), (1, 2, 4, 8, 16, 32, 64, 128))]
+# 36 shapes for the cases of a layout with drafts: a block of 16 rows holds 4 of a verification's 5 tokens.
+SPECULATION_SWEEP = [dict(tiles=Tiles(rows, 64, 4, stages), num_splits=splits) for rows, stages, splits in
+                     itertools.product((16, 32, 64), (2, 3), (1, 2, 4, 8, 16, 32))]
 
 
 @dataclass(frozen=True)
 class Case:
-    """``seqs`` sequences, each ``q_len`` query tokens on a cached prefix of ``prefix`` tokens."""
+    """``seqs`` sequences, each ``q_len`` query tokens on a cached prefix of ``prefix`` tokens, in a layout whose
+    decoding sequences bring ``decode_query_len`` tokens (``StepLayout``'s: 5 where they may verify 4 drafts; a
+    verification is one row a token, as the scheduler plans it, attention reading them as one chunk)."""
 
     name: str
     seqs: int
     q_len: int
     prefix: int
+    decode_query_len: int = 1
+    as_chunks: bool = False  # a verification given one row a sequence: no empty rows (not how the scheduler plans it)
 
     @property
     def tokens(self) -> int:
@@ -56,13 +65,23 @@ class Case:
 
     @property
     def decode(self) -> bool:
-        return self.q_len == 1
+        return self.q_len <= self.decode_query_len
+
+    @property
+    def layout(self) -> StepLayout:
+        if not self.decode:
+            return LAYOUT
+        return replace(LAYOUT, max_num_seqs=self.seqs if self.as_chunks else max(LAYOUT.max_num_seqs, self.tokens),
+                       decode_query_len=self.decode_query_len)
 
 
 CASES = (Case("prefill 2048", 1, 2048, 0), Case("chunk 512 on 1536", 1, 512, 1536),
          Case("decode B=1 ctx 1K", 1, 1, 1023), Case("decode B=16 ctx 1K", 16, 1, 1023),
          Case("decode B=64 ctx 1K", 64, 1, 1023), Case("decode B=1 ctx 8K", 1, 1, 8191),
-         Case("decode B=16 ctx 8K", 16, 1, 8191))
+         Case("decode B=16 ctx 8K", 16, 1, 8191),
+         *(Case(f"{kind} B={seqs} ctx 1K drafts 4", seqs, q_len, 1024 - q_len, 5)
+           for kind, q_len in (("decode", 1), ("verify", 5)) for seqs in (1, 16, 64)),
+         Case("verify B=64 ctx 1K drafts 4 as chunks", 64, 5, 1019, 5, as_chunks=True))
 
 
 def inputs(case: Case, layers: int = LAYERS):
@@ -71,9 +90,13 @@ def inputs(case: Case, layers: int = LAYERS):
     per_seq = -(-(case.prefix + case.q_len) // PAGE)
     pages = list(range(case.seqs * per_seq))
     random.Random(0).shuffle(pages)
-    chunks = [SeqChunk([1] * case.q_len, case.prefix, pages[i * per_seq:(i + 1) * per_seq]) for i in range(case.seqs)]
-    buf = StepBuffers(LAYOUT, "cuda")
-    fill_step(buf, chunks, PAGE)
+    seq_pages = [pages[i * per_seq:(i + 1) * per_seq] for i in range(case.seqs)]
+    buf = StepBuffers(case.layout, "cuda")
+    if case.decode and case.q_len > 1 and not case.as_chunks:  # one row a token, attention's view a chunk a sequence
+        fill_step(buf, [SeqChunk([1], case.prefix + j, p) for p in seq_pages for j in range(case.q_len)], PAGE)
+        chunk_drafts(buf, [(i * case.q_len, (i + 1) * case.q_len) for i in range(case.seqs)])
+    else:
+        fill_step(buf, [SeqChunk([1] * case.q_len, case.prefix, p) for p in seq_pages], PAGE)
     q = torch.randn(case.tokens, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     caches = torch.randn(layers, 2, len(pages), PAGE, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     return buf, q, caches
@@ -123,7 +146,9 @@ def bench_case(case: Case, bw: float, flops: float, reps: int, sweep: bool) -> d
                                DIM ** -0.5)
     hbm, flop = floors_ms(case, bw, flops)
     floor_us = max(hbm, flop) * 1e3
-    default = {**run(case, data, reps, want), **asdict(tiles_for(case.tokens, LAYOUT.max_num_seqs))}
+    layout = case.layout
+    default = {**run(case, data, reps, want),
+               **asdict(tiles_for(case.tokens, layout.max_num_seqs, layout.decode_query_len))}
     row = dict(case=case.name, seqs=case.seqs, q_len=case.q_len, prefix=case.prefix, floor_us=floor_us,
                hbm_floor_us=hbm * 1e3, flop_floor_us=flop * 1e3, default=default, sweep=[],
                sdpa_us=sdpa_us(case, reps) if case.prefix == 0 and not case.decode else None)
@@ -132,7 +157,8 @@ def bench_case(case: Case, bw: float, flops: float, reps: int, sweep: bool) -> d
           f"  torch flash (contiguous K/V) {row['sdpa_us']:.1f} us" if row["sdpa_us"] else "", flush=True)
     if sweep:
         row["sweep"] = [run(case, data, reps, want, **shape) for shape in
-                        (DECODE_SWEEP if case.decode else PREFILL_SWEEP)]
+                        (PREFILL_SWEEP if not case.decode else
+                                         DECODE_SWEEP if case.decode_query_len == 1 else SPECULATION_SWEEP)]
         timed = sorted((r for r in row["sweep"] if r["call_us"] is not None), key=lambda r: r["call_us"])
         for r in timed[:3]:
             print(f"{'':>20}  {fmt(r)}  x{r['call_us'] / floor_us:.2f}  {describe_row(r)}", flush=True)

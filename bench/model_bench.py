@@ -59,8 +59,8 @@ MODELS = {name: shape_config(name) for name in SHAPES}
 MODELS["qwen3-8b"] = BENCH_SHAPES["qwen3-8b"]
 PAGE = 16
 LAYOUT = StepLayout(max_num_batched_tokens=2048, max_num_seqs=256, max_pages_per_seq=8192 // PAGE)
-# The steps verifying drafts (--drafts): 64 sequences verifying 4 each take 320 rows. Their own buffers, so that the
-# other steps keep LAYOUT's (a 2048-token prefill samples max_num_seqs rows).
+# The steps verifying drafts (--drafts): 64 sequences verifying 4 each take 320 rows. Their own buffers (with the
+# drafts' decode_query_len), so that the other steps keep LAYOUT's (a 2048-token prefill samples max_num_seqs rows).
 DRAFTS_LAYOUT = replace(LAYOUT, max_num_seqs=512)
 # The decode steps of the full table: (batch, context, bucket), each batch in a graph of its own size; ctx 256 is what
 # serving's short chats see, where a small model's step is furthest above its floor.
@@ -205,7 +205,7 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
     print(f"{name}: allocated {(torch.cuda.memory_allocated() - before) / GIB:.2f} GiB for the model (plan: "
           f"{plan.weight_bytes / GIB:.2f} GiB of weights)", flush=True)
     buf = StepBuffers(LAYOUT, "cuda")
-    drafts_buf = StepBuffers(DRAFTS_LAYOUT, "cuda") if drafts else None
+    drafts_buf = StepBuffers(replace(DRAFTS_LAYOUT, decode_query_len=1 + drafts), "cuda") if drafts else None
     kv_dtype = kv_cache_dtype(kv_dtype_name, model.dtype)
     page_bytes = kv_page_bytes(model, PAGE, kv_dtype)
     num_pages = min(int(kv_gib * GIB // page_bytes), plan.num_pages * plan.kv_page_bytes // page_bytes)

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from blink.backends import scheduler_config, select_device
-from blink.config import EngineConfig, SchedulerConfig
+from blink.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from blink.errors import EngineError
 from blink.models.memory import kv_page_bytes
 
@@ -85,3 +85,21 @@ def test_an_fp8_kv_cache_takes_one_byte_an_element():
     assert pool_page_bytes(model, 16, FP8) == elements + 16 * TOKEN_BYTES
     assert kv_page_bytes(model, 16) == kv_page_bytes(model, 16, FP8) * 2 == elements * 2
 
+
+
+def test_the_step_layout_gives_a_decoding_sequence_its_drafts_rows():
+    """``StepLayout.decode_query_len`` (attention's query blocks) is a token plus the drafts the engine verifies, and
+    the same layout crosses to a tensor-parallel follower (``ranks.Setup``)."""
+    from dataclasses import astuple
+
+    from blink.backends import step_layout
+    from blink.ranks import Setup
+    from blink.ring.geometry import RingGeometry
+
+    plain = SchedulerConfig(page_size=16, max_num_seqs=4, max_num_batched_tokens=32)
+    speculating = SchedulerConfig(page_size=16, max_num_seqs=4, max_num_batched_tokens=32,
+                                  speculative=SpeculativeConfig(num_speculative_tokens=3))
+    assert step_layout(plain, 64, RingGeometry()).decode_query_len == 1
+    layout = step_layout(speculating, 64, RingGeometry())
+    assert (layout.decode_query_len, layout.max_pages_per_seq, layout.max_num_seqs) == (4, 4, 4)
+    assert Setup(10, 16, *astuple(layout)).layout() == layout

@@ -88,9 +88,10 @@ def scheduler_config(config: EngineConfig, max_model_len: int, num_pages: int, e
 
 def step_layout(config: SchedulerConfig, max_model_len: int, geometry: RingGeometry) -> StepLayout:
     """The step buffers' sizes: the largest bucket, every running sequence, one longest sequence's pages, the ring's
-    logit biases and top logprobs."""
+    logit biases and top logprobs; a decoding sequence's token and the drafts it may verify."""
+    drafts = config.speculative.num_speculative_tokens if config.speculative else 0
     return StepLayout(config.buckets[-1], config.max_num_seqs, -(-max_model_len // config.page_size),
-                      geometry.max_logit_bias, geometry.max_top_logprobs)
+                      geometry.max_logit_bias, geometry.max_top_logprobs, 1 + drafts)
 
 
 def _budget(config: EngineConfig, memory_option: str) -> str:

@@ -54,10 +54,11 @@ class Setup:
     max_pages_per_seq: int
     max_logit_bias: int
     max_top_logprobs: int
+    decode_query_len: int
 
     def layout(self) -> StepLayout:
         return StepLayout(self.max_num_batched_tokens, self.max_num_seqs, self.max_pages_per_seq,
-                          self.max_logit_bias, self.max_top_logprobs)
+                          self.max_logit_bias, self.max_top_logprobs, self.decode_query_len)
 
 
 @dataclass(frozen=True)

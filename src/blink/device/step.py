@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blink.ring.geometry import RingGeometry
+from blink.ring.geometry import MAX_SPECULATIVE_TOKENS, RingGeometry
 
 N_PENALTIES = 3     # presence, frequency, repetition: one f32 each per row
 
@@ -57,19 +57,25 @@ N_PENALTIES = 3     # presence, frequency, repetition: one f32 each per row
 @dataclass(frozen=True)
 class StepLayout:
     """Sizes of the step buffers. ``max_num_batched_tokens`` is the largest token bucket that is captured;
-    ``max_logit_bias`` and ``max_top_logprobs`` are the ring's (``RingGeometry``)."""
+    ``max_logit_bias`` and ``max_top_logprobs`` are the ring's (``RingGeometry``). ``decode_query_len`` is the most
+    query tokens a decoding sequence brings to a step: 1, or 1 + the drafts it verifies when the engine speculates
+    (attention sizes its query blocks so that one block holds them all and reads the sequence's K/V once)."""
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_pages_per_seq: int = 512
     max_logit_bias: int = RingGeometry.max_logit_bias
     max_top_logprobs: int = RingGeometry.max_top_logprobs
+    decode_query_len: int = 1
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_pages_per_seq"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"StepLayout.{name} must be a positive int (got {value!r})")
+        if not isinstance(self.decode_query_len, int) or not 1 <= self.decode_query_len <= 1 + MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"StepLayout.decode_query_len must be an int in [1, {1 + MAX_SPECULATIVE_TOKENS}] (a "
+                             f"token and at most MAX_SPECULATIVE_TOKENS drafts; got {self.decode_query_len!r})")
         for name in ("max_logit_bias", "max_top_logprobs"):
             RingGeometry.check(name, getattr(self, name), "StepLayout")
 

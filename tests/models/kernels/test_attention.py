@@ -90,6 +90,8 @@ def test_tiles_name_the_bad_field():
     with pytest.raises(ValueError, match="Tiles.num_stages must be a positive int"):
         Tiles(query_rows=16, num_stages=0)
     assert tiles_for(256, 256) == Tiles(16, num_stages=3) and tiles_for(512, 256) == Tiles(64)
+    # Where a decoding sequence may bring drafts, a decode-sized bucket takes the prefill blocks.
+    assert tiles_for(320, 512, 5) == Tiles(64) and tiles_for(16, 512, 2) == Tiles(64)
 
 
 def test_a_bucket_past_the_launch_grid_is_refused_with_what_to_do():
@@ -106,10 +108,12 @@ def test_a_bucket_past_the_launch_grid_is_refused_with_what_to_do():
     assert (plan.block_q, plan.num_blocks) == (4, 65536 // 4 + 256)
 
 
-def test_a_sequence_verifying_drafts_attends_as_one_chunk(backend):
+@pytest.mark.parametrize("decode_query_len", [1, 5])
+def test_a_sequence_verifying_drafts_attends_as_one_chunk(backend, decode_query_len):
     """Rows ``i .. i + k`` holding one sequence's last token and ``k`` drafts, one token each, give the same output
     through attention's view (one chunk in row ``i``, the others empty: ``step.py``) as each row attending alone,
-    a chunk longer than a query block (4 tokens here) and one whose drafts open a page included."""
+    a chunk longer than a query block (4 tokens, where the layout plans for no drafts) and one whose drafts open a
+    page included; with ``StepLayout.decode_query_len`` 5 one query block holds the longest chunk."""
     device, dtype, tol = backend
     heads, kv_heads, dim = 8, 2, 64
     rng = random.Random(5)
@@ -121,7 +125,7 @@ def test_a_sequence_verifying_drafts_attends_as_one_chunk(backend):
         pages = [free.pop() for _ in range(-(-(context + rows) // PAGE))]
         spans.append((len(chunks), len(chunks) + rows))
         chunks += [SeqChunk([1], context + j, pages) for j in range(rows)]
-    buf = StepBuffers(StepLayout(256, 256, 32), device)
+    buf = StepBuffers(StepLayout(256, 256, 32, decode_query_len=decode_query_len), device)
     n = fill_step(buf, chunks, PAGE)
     q = torch.randn(n, heads, dim, device=device, dtype=dtype)
     cache = torch.randn(2, 64, PAGE, kv_heads, dim, device=device, dtype=dtype)
@@ -133,9 +137,9 @@ def test_a_sequence_verifying_drafts_attends_as_one_chunk(backend):
     assert all(buf.attn_seq_lens[first + 1:end].sum() == 0 for first, end in spans)
     buf.seq_lens.zero_()             # the rows' own view is not attention's: it must not be read
     for splits in (1, 4):
-        out = attention(q, cache, attention_plan(buf, n, heads, kv_heads, dim, PAGE, dtype, num_splits=splits),
-                        dim ** -0.5)
-        assert rel_err(out, alone) < tol, splits
+        plan = attention_plan(buf, n, heads, kv_heads, dim, PAGE, dtype, num_splits=splits)
+        assert plan.block_q == (4 if decode_query_len == 1 else 16)
+        assert rel_err(attention(q, cache, plan, dim ** -0.5), alone) < tol, splits
     grouped = reference.attention(q, cache, reference.attention_plan(buf, n, heads, kv_heads, dim, PAGE), dim ** -0.5)
     assert rel_err(grouped, alone) < tol
 
