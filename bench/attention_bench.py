@@ -1,17 +1,17 @@
 """The paged attention kernel on one GPU: correctness against the torch reference at bf16, then speed against its
-floors, at the default launch shape and (``--sweep``) at every shape of ``PREFILL_SWEEP`` / ``DECODE_SWEEP``.
+floors, at the default launch shape and (``--sweep``) at every shape of ``PREFILL_SWEEP`` / ``DECODE_SWEEP`` /
+``SPECULATION_SWEEP``.
 
 Llama-3-8B's attention (32 query heads, 8 KV heads of 128, pages of 16 tokens scattered over the pool) in the
 step's cases: a 2048-token prompt, a 512-token chunk on a 1536-token cached prefix, decodes (one token per
 sequence) at batch 1, 16 and 64 with 1K context and batch 1 and 16 with 8K, and with speculation (a layout whose
 ``decode_query_len`` is 5) decodes at batch 1, 16 and 64 and verifications of 4 drafts a sequence (``--cases`` picks
-some). Every case
-first checks the kernel against ``reference.attention`` (relative error < 1e-2; exits non-zero otherwise), then
-times ``LAYERS`` back-to-back calls
-captured in one CUDA graph (as a step runs them) and reports the time per call. Floors: the KV bytes read at the
-measured HBM copy rate, or the causal attention FLOPs at the measured bf16 GEMM rate when larger. For a prompt with
-no cached prefix the same attention on contiguous K/V by torch's ``scaled_dot_product_attention`` (its flash
-kernel) is timed the same way, as a yardstick of what a dense kernel reaches on this GPU.
+some). Every case first checks the kernel against ``reference.attention`` (relative error < 1e-2; exits non-zero
+otherwise), then times ``LAYERS`` back-to-back calls captured in one CUDA graph (as a step runs them) and reports
+the time per call. Floors: the KV bytes read at the measured HBM copy rate, or the causal attention FLOPs at the
+measured bf16 GEMM rate when larger. For a prompt with no cached prefix the same attention on contiguous K/V by
+torch's ``scaled_dot_product_attention`` (its flash kernel) is timed the same way, as a yardstick of what a dense
+kernel reaches on this GPU.
 
 Run: ``PYTHONPATH=src python3 -m bench.attention_bench [--sweep] [--out attention_bench.json]`` (``$OUT/...`` by
 default when ``$OUT`` is set). Correctness tests: ``tests/models/kernels/test_attention.py``.

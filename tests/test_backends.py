@@ -86,7 +86,6 @@ def test_an_fp8_kv_cache_takes_one_byte_an_element():
     assert kv_page_bytes(model, 16) == kv_page_bytes(model, 16, FP8) * 2 == elements * 2
 
 
-
 def test_the_step_layout_gives_a_decoding_sequence_its_drafts_rows():
     """``StepLayout.decode_query_len`` (attention's query blocks) is a token plus the drafts the engine verifies, and
     the same layout crosses to a tensor-parallel follower (``ranks.Setup``)."""

@@ -59,7 +59,7 @@ class StepLayout:
     """Sizes of the step buffers. ``max_num_batched_tokens`` is the largest token bucket that is captured;
     ``max_logit_bias`` and ``max_top_logprobs`` are the ring's (``RingGeometry``). ``decode_query_len`` is the most
     query tokens a decoding sequence brings to a step: 1, or 1 + the drafts it verifies when the engine speculates
-    (attention sizes its query blocks so that one block holds them all and reads the sequence's K/V once)."""
+    (attention then takes query blocks that hold a verifying sequence's tokens together: ``attention.tiles_for``)."""
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256

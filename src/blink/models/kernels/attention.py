@@ -179,17 +179,19 @@ class Tiles:
 def tiles_for(num_tokens: int, max_num_seqs: int, decode_query_len: int = 1) -> Tiles:
     """Decode-sized buckets (every token may be a sequence of its own) take 16-row blocks (a decode has one query
     token) and 3 pipeline stages; prefill buckets 64-row blocks and 2 stages, and so do decode-sized buckets where a
-    sequence may bring its drafts (``decode_query_len`` > 1, ``StepLayout``'s): a block then holds a sequence's token
-    and 4 drafts times a GQA group of 4, so it reads their K/V once. Both 64 keys per iteration and 4 warps.
+    sequence may bring its drafts (``decode_query_len`` > 1, ``StepLayout``'s): a block then holds, e.g., a sequence's
+    token and 4 drafts times a GQA group of 4 (20 of its 64 rows), so it reads their K/V once. Both 64 keys per
+    iteration and 4 warps.
 
     From ``bench/attention_bench.py --sweep`` on the H200 (c160fdc, Llama-3-8B's heads): 2 stages instead of 3 took a
     2048-token prompt from 134.5 to 122.4 us per layer and a 512-token chunk on a 1536-token prefix from 58.5 to 55.7
     us (128-row blocks of 32 keys: the prompt in 115 us, the chunk in 98 us); for decodes 2 stages gained <= 0.6 us in
     the sweep but Llama-3-8B's B=16 8K decode step took 10.5 ms against 9.2 with 3. On an H100 (Qwen3-8B, 1K
-    context, ``bench/model_bench.py --drafts 4``) 64-row blocks took the attention of 16 / 64 sequences verifying 4
-    drafts each from 1.88 / 4.72 to 1.56 / 4.29 ms a step (16-row blocks: a 5-token chunk in two, each reading the
-    context; 32-row blocks 1.70 / 4.52), where one-token rows in them cost 3-7 % more than in 16-row blocks
-    (``attention_bench``: 35.6 against 33.3 us a layer at B = 16, 98.5 against 95.1 at B = 64)."""
+    context, ``bench/model_bench.py --drafts 4``, 7695e38 against 7df6e3c) 64-row blocks took the attention of 16 / 64
+    sequences verifying 4 drafts each from 1.87 / 4.67 to 1.57 / 4.31 ms a step (16-row blocks: a 5-token chunk in
+    two, each reading the context; 32-row blocks did less, docs/benchmarks/speculation.md), where one-token rows in
+    them cost 3-7 % more than in 16-row blocks (``attention_bench``: 35.6 against 33.3 us a layer at B = 16, 98.5
+    against 95.1 at B = 64)."""
     if num_tokens <= max_num_seqs and decode_query_len == 1:
         return Tiles(query_rows=16, num_stages=3)
     return Tiles(query_rows=64)
