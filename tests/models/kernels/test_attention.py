@@ -51,6 +51,37 @@ def test_paged_attention_matches_reference(backend, heads, kv_heads, window, spl
     assert torch.all(out[n:] == 0)
 
 
+def _block_owner(qsl, num_seqs, num_rows, block_q, block):
+    """``_attention_kernel``'s map from a query block to (sequence, its local block), in Python; None: it exits."""
+    extra = block - num_rows
+    if extra < 0:
+        seq = block if block < num_seqs else -1
+    else:
+        seq = max((i for i in range(num_seqs) if qsl[i] // block_q <= extra), default=-1)
+    if seq < 0:
+        return None
+    q_len = qsl[seq + 1] - qsl[seq]
+    local = -(-q_len // block_q) - 1 - (0 if extra < 0 else 1 + extra - qsl[seq] // block_q)
+    return (seq, local) if local >= 0 else None
+
+
+@pytest.mark.parametrize("block_q", [1, 4, 16])
+def test_the_launch_grid_covers_each_query_block_once(block_q):
+    """Every query block of every sequence, empty rows (a verification's) and ragged chunks included, is one program's
+    in the ``T // BLOCK_Q + S`` a bucket launches, and no program's twice."""
+    rng = random.Random(block_q)
+    for _ in range(200):
+        lens = [rng.choice([0, 0, 1, 1, 5, rng.randint(1, 70)]) for _ in range(rng.randint(1, 12))]
+        qsl = [0]
+        for n in lens:
+            qsl.append(qsl[-1] + n)
+        rows = len(lens) + rng.randint(0, 3)              # the bucket's rows: past num_seqs they are empty
+        tokens = max(qsl[-1] + rng.randint(0, 9), rows)   # the bucket's tokens: past qsl[num_seqs] padding
+        owners = [_block_owner(qsl, len(lens), rows, block_q, b) for b in range(tokens // block_q + rows)]
+        live = sorted(o for o in owners if o is not None)
+        assert live == [(i, j) for i, n in enumerate(lens) for j in range(-(-n // block_q))], (lens, rows, tokens)
+
+
 def test_default_plan_splits_decode_buckets_only(backend):
     device, dtype, _ = backend
     buf, _ = _batch(device, [(1, 10)])

@@ -2,12 +2,14 @@
 
 One launch serves the whole packed batch, so its grid depends only on the bucket: program ``(kv_head, b, split)``
 takes query block ``b`` (``BLOCK_Q`` query tokens of one sequence, times the ``GROUP`` query heads sharing
-``kv_head``: GQA loads each K/V tile once for the whole group), finds its sequence by binary search over
-``attn_query_start_loc`` (attention's view of the rows, ``step.py``: a sequence verifying drafts is one chunk, its
-other rows empty; sequence ``i`` owns blocks ``qsl[i] // BLOCK_Q + i ..``, an empty one a block that exits, so
-``T // BLOCK_Q + S`` blocks always suffice and surplus programs exit at once; a sequence's blocks are numbered last
-first), and attends causally over
-split ``split`` of the keys its block can see (cached prefix plus this step's tokens, read through the block table).
+``kv_head``: GQA loads each K/V tile once for the whole group) and attends causally over split ``split`` of the
+keys its block can see (cached prefix plus this step's tokens, read through the block table). The blocks follow
+``attn_query_start_loc`` (``qsl``: attention's view of the bucket's ``S`` rows, ``step.py``; a sequence verifying
+drafts is one chunk there, its other rows empty): block ``b < S`` is row ``b``'s last query block, found without a
+search (an empty row's exits at once: most of a verification's rows are empty); the ``T // BLOCK_Q`` blocks after
+them hold the sequences' other blocks, sequence ``i``'s ``cdiv(len_i, BLOCK_Q) - 1`` from ``qsl[i] // BLOCK_Q`` on
+(these runs never overlap, and a binary search over ``qsl`` finds a block's), each sequence's second last first;
+surplus programs exit after the search.
 With one split it writes the output; with several (decode-heavy buckets: long contexts and few sequences would
 leave most SMs idle) each split writes a partial output and its log-sum-exp, and ``_combine_kernel`` merges them.
 Rows past the batch's last token stay 0.
@@ -30,12 +32,14 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension, which counts qu
 
 
 @triton.jit
-def _find_seq(qsl_ptr, block, num_seqs, BLOCK_Q: tl.constexpr):
+def _find_seq(qsl_ptr, extra, num_seqs, BLOCK_Q: tl.constexpr):
+    """The last sequence ``i`` with ``qsl[i] // BLOCK_Q <= extra``: the one whose run of other blocks holds ``extra``
+    if any does (the module docstring)."""
     lo = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= block:
+        if tl.load(qsl_ptr + mid) // BLOCK_Q <= extra:
             lo = mid + 1
         else:
             hi = mid
@@ -75,13 +79,18 @@ def _attend(acc, m_i, l_i, q, cache_ptr, bt_ptr, seq, bt_stride, v_offset, kv_he
 
 @triton.jit
 def _attention_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
-                      num_seqs_ptr, q_st, q_sh, bt_stride, v_offset, scale, window, num_heads, num_kv_heads,
-                      head_dim, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
+                      num_seqs_ptr, num_rows, q_st, q_sh, bt_stride, v_offset, scale, window, num_heads,
+                      num_kv_heads, head_dim, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                       NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr):
     kv_head, block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # The batch's layout comes from step buffers, so it is read before waiting for the previous kernel (q, K, V).
-    seq = _find_seq(qsl_ptr, block, tl.load(num_seqs_ptr), BLOCK_Q)
+    num_seqs = tl.load(num_seqs_ptr)
+    extra = block - num_rows
+    if extra < 0:
+        seq = tl.where(block < num_seqs, block, -1)
+    else:
+        seq = _find_seq(qsl_ptr, extra, num_seqs, BLOCK_Q)
     found = tl.maximum(seq, 0)
     q_start = tl.load(qsl_ptr + found)
     q_len = tl.load(qsl_ptr + found + 1) - q_start
@@ -89,9 +98,9 @@ def _attention_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, qsl_p
     wait_for_previous(PDL)
     if seq < 0:
         return
-    # A sequence's blocks run last query block first: the GPU starts programs in grid order (kv_head fastest), so
-    # the longest causal rows start first and the short ones fill the tail of the launch.
-    local = tl.cdiv(q_len, BLOCK_Q) - 1 - (block - (q_start // BLOCK_Q + seq))
+    # Every sequence's last query block first, then the others, each sequence's from its second last down: the GPU
+    # starts programs in grid order (kv_head fastest), so the longest causal rows start first.
+    local = tl.cdiv(q_len, BLOCK_Q) - 1 - tl.where(extra < 0, 0, 1 + extra - q_start // BLOCK_Q)
     if local < 0:
         return
 
@@ -201,6 +210,7 @@ def tiles_for(num_tokens: int, max_num_seqs: int, decode_query_len: int = 1) -> 
 class AttentionPlan:
     """Launch shape of one step's attention (fixed per bucket) and the buffers all layers share.
 
+    ``num_rows`` is the bucket's sequence rows (its first ``num_rows`` query blocks are each row's last);
     ``out`` is zeroed once per step; each layer overwrites the same live rows, so padding rows stay 0.
     """
 
@@ -208,6 +218,7 @@ class AttentionPlan:
     num_tokens: int
     tiles: Tiles
     block_q: int
+    num_rows: int
     num_blocks: int
     num_splits: int
     out: torch.Tensor
@@ -243,7 +254,7 @@ def attention_plan(buf, num_tokens: int, num_heads: int, num_kv_heads: int, head
     if num_splits > 1:
         part_o = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
         part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=device)
-    return AttentionPlan(buf, num_tokens, tiles, block_q, num_blocks, num_splits, out, part_o, part_lse)
+    return AttentionPlan(buf, num_tokens, tiles, block_q, seqs, num_blocks, num_splits, out, part_o, part_lse)
 
 
 def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: float,
@@ -257,8 +268,8 @@ def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scal
     pdl = pdl_args(q.device)
     _attention_kernel[grid](
         q, kv_layer, plan.out, plan.part_o, plan.part_lse, buf.attn_query_start_loc, buf.attn_seq_lens,
-        buf.block_tables,
-        buf.num_seqs, q.stride(0), q.stride(1), buf.block_tables.stride(0), kv_layer[0].numel(), scale,
+        buf.block_tables, buf.num_seqs, plan.num_rows, q.stride(0), q.stride(1), buf.block_tables.stride(0),
+        kv_layer[0].numel(), scale,
         sliding_window, heads, kv_heads, dim, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
         BLOCK_Q=plan.block_q, BLOCK_N=plan.tiles.block_n, BLOCK_D=block_d, PAGE_SIZE=page_size,
         NUM_SPLITS=plan.num_splits, HAS_WINDOW=sliding_window > 0, num_warps=plan.tiles.num_warps,
