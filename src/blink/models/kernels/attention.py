@@ -6,10 +6,10 @@ takes query block ``b`` (``BLOCK_Q`` query tokens of one sequence, times the ``G
 keys its block can see (cached prefix plus this step's tokens, read through the block table). The blocks follow
 ``attn_query_start_loc`` (``qsl``: attention's view of the bucket's ``S`` rows, ``step.py``; a sequence verifying
 drafts is one chunk there, its other rows empty): block ``b < S`` is row ``b``'s last query block, found without a
-search (an empty row's exits at once: most of a verification's rows are empty); the ``T // BLOCK_Q`` blocks after
-them hold the sequences' other blocks, sequence ``i``'s ``cdiv(len_i, BLOCK_Q) - 1`` from ``qsl[i] // BLOCK_Q`` on
-(these runs never overlap, and a binary search over ``qsl`` finds a block's), each sequence's second last first;
-surplus programs exit after the search.
+search (an empty row's exits without one: most of a verification's rows are empty); the ``T // BLOCK_Q`` blocks after
+them hold the sequences' other blocks, sequence ``i``'s ``cdiv(len_i, BLOCK_Q) - 1`` from block ``S + qsl[i] //
+BLOCK_Q`` on (these runs never overlap, and a binary search over ``qsl`` finds a block's), each sequence's second
+last first; surplus programs exit after the search.
 With one split it writes the output; with several (decode-heavy buckets: long contexts and few sequences would
 leave most SMs idle) each split writes a partial output and its log-sum-exp, and ``_combine_kernel`` merges them.
 Rows past the batch's last token stay 0.
