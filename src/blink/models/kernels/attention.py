@@ -269,8 +269,8 @@ def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scal
     _attention_kernel[grid](
         q, kv_layer, plan.out, plan.part_o, plan.part_lse, buf.attn_query_start_loc, buf.attn_seq_lens,
         buf.block_tables, buf.num_seqs, plan.num_rows, q.stride(0), q.stride(1), buf.block_tables.stride(0),
-        kv_layer[0].numel(), scale,
-        sliding_window, heads, kv_heads, dim, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
+        kv_layer[0].numel(), scale, sliding_window, heads, kv_heads, dim, GROUP=group,
+        GROUP_P2=triton.next_power_of_2(group),
         BLOCK_Q=plan.block_q, BLOCK_N=plan.tiles.block_n, BLOCK_D=block_d, PAGE_SIZE=page_size,
         NUM_SPLITS=plan.num_splits, HAS_WINDOW=sliding_window > 0, num_warps=plan.tiles.num_warps,
         num_stages=plan.tiles.num_stages, **pdl)
