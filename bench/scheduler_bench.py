@@ -12,7 +12,10 @@
    is the scan's cost.
 3. READY-to-first-token latency: the loop idles; the host submits one request and spins on its n_generated word.
    Reported from before the agent's submit (which encodes the header in Python) and from its return (the slot is
-   READY and the doorbell rung: the GPU's part), and the submit's own time.
+   READY and the doorbell rung: the GPU's part), and the submit's own time. With the request side in host memory the
+   spin also watches the slot's state, splitting the GPU's part at RUNNING (published beside the request's first
+   step: collect, admit, plan, the launch) into READY -> RUNNING and RUNNING -> first token (the step, consume,
+   publish).
 4. The prefix cache in use: step time of 64 decoding requests whose 240-token prompts share their first 224 tokens,
    with caching on (the table takes a generated page every 16 steps per request, about 4 per iteration) and off;
    READY-to-first-token of a 240-token prompt whose first 224 tokens are cached, and of one with nothing cached.
@@ -47,7 +50,7 @@ from blink.device.step import StepBuffers, StepLayout
 from blink.nic.agent import Agent
 from blink.ring import control
 from blink.ring.geometry import RingGeometry
-from blink.ring.layout import FINISHED, RingLayout
+from blink.ring.layout import FINISHED, RUNNING, RingLayout
 from blink.ring.request import SamplingParams
 from blink.ring.split import REQUEST_SIDES
 from blink.ring.transport import LocalMemory
@@ -191,25 +194,30 @@ def admission_latency(image: bytes, idle_ns: int, trials: int = 200, caching: bo
     # The host's view of the status region is live only where the request side (status included) is host memory.
     live = rig.view.status["n_generated"]
     generated = (lambda: live) if request_side == "host" else rig.generated
-    samples, ready, submits = [], [], []
+    state = rig.view.status["state"] if request_side == "host" else None
+    samples, ready, submits, admitted = [], [], [], []
     for k in range(trials):
         t0 = time.perf_counter()
         slot = rig.agent._slot_of[rig.agent.submit(prompt(shared, k) if shared else [5, 6],
                                                    SamplingParams(max_tokens=1))]
         t1 = time.perf_counter()                # the slot is READY and the doorbell rung
+        running = None
         while generated()[slot] < 1:
-            pass
+            if running is None and state is not None and state[slot] == RUNNING:
+                running = time.perf_counter()
         t2 = time.perf_counter()
         samples.append((t2 - t0) * 1e6)
         ready.append((t2 - t1) * 1e6)
         submits.append((t1 - t0) * 1e6)
+        if running is not None:
+            admitted.append((running - t1) * 1e6)
         while rig.agent.in_flight:
             rig.agent.poll()
     hits = rig.control("prefix_hit_tokens")
     rig.stop()
     return {"idle_sleep_ns": idle_ns, "caching": caching, "shared": shared, "request_side": request_side,
             "prefix_hit_tokens": hits, **percentiles("", samples), **percentiles("ready_", ready),
-            **percentiles("submit_", submits)}
+            **percentiles("submit_", submits), **(percentiles("running_", admitted) if admitted else {})}
 
 
 def percentiles(prefix: str, samples: list[float]) -> dict:
@@ -302,7 +310,8 @@ def main() -> None:
     for r in result["admission"]:
         print(f"  submit -> first token (idle sleep {r['idle_sleep_ns']} ns): median {r['median_us']:.1f} us, "
               f"p99 {r['p99_us']:.1f} us; READY -> first token (from submit's return) median "
-              f"{r['ready_median_us']:.1f} us, p99 {r['ready_p99_us']:.1f} us; the agent's submit median "
+              f"{r['ready_median_us']:.1f} us, p99 {r['ready_p99_us']:.1f} us (READY -> RUNNING median "
+              f"{r.get('running_median_us', float('nan')):.1f} us); the agent's submit median "
               f"{r['submit_median_us']:.1f} us")
     for r in result["prefix"]["step"]:
         print(f"  prefix caching {'on ' if r['caching'] else 'off'}: 64 decoding, {r['us_per_step']:.2f} us/step, "

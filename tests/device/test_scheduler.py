@@ -20,7 +20,7 @@ from tests.device.references import prompt_lookup
 
 from blink.device.config import SchedulerConfig, SpeculativeConfig
 from blink.device.sim import SimScheduler
-from blink.device.state import AGAIN, IDLE, PREPARE, PUBLISHED_COUNTERS, QUEUED, REFUSED, SETTLE, STOP
+from blink.device.state import AGAIN, IDLE, PREPARE, PUBLISHED_COUNTERS, QUEUED, REFUSED, SETTLE, STOP, WATCH
 from blink.device.step import StepBuffers, StepLayout
 from blink.errors import RingFull
 from blink.nic.agent import Agent
@@ -487,6 +487,37 @@ def test_shutdown_aborts_in_flight_requests_and_stops(window):
     assert {results[r].finish_reason for r in [running] + waiting} == {"abort"}
     assert h.agent.stats()["engine_state"] == ENGINE_STOPPED
     assert free_pages(h.scheduler.arrays) == CONFIG.num_pages
+
+
+def test_an_idle_watch_writes_nothing_and_answers_again_until_a_settle_acts_on_the_doorbell():
+    """The idle resident loop looks at the doorbells with WATCH alone: it writes nothing (the ring, the scheduler's
+    state and the step's buffers keep every byte), so the settle after it still sees what moved. It answers AGAIN
+    after a submit, a cancel and a shutdown, each until a settle has acted on it, and IDLE while nothing moved."""
+    h = Harness(window=True)
+    s = h.scheduler.arrays
+
+    def watch():
+        before = {name: np.asarray(array).tobytes() for name, array in s._asdict().items()}
+        answer = h.scheduler.iteration(WATCH)
+        assert {name for name, array in s._asdict().items() if np.asarray(array).tobytes() != before[name]} == set()
+        return answer
+
+    assert watch() == IDLE
+    rid = h.agent.submit([4, 5], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert watch() == AGAIN and watch() == AGAIN, "a look acts on nothing"
+    assert h.settle_beside_the_step() == AGAIN and s.sched[0].queued == 1
+    assert watch() == IDLE
+    assert h.iterate() >= 0 and s.sched[0].running == 1
+    assert watch() == IDLE, "running requests move no doorbell"
+    h.agent.cancel(rid)
+    assert watch() == AGAIN
+    h.settle_beside_the_step()
+    assert watch() == IDLE and s.sched[0].cancel_bell == 1, "the next prepare's retire acts on the cancel"
+    h.agent.request_shutdown()
+    assert watch() == AGAIN
+    assert h.settle_beside_the_step() == AGAIN and h.scheduler.iteration(PREPARE) == STOP
+    h.poll()
+    assert h.reasons[rid] == "abort"
 
 
 def test_settle_writes_no_step_buffer_and_the_next_prepare_admits_what_it_collected():

@@ -5,7 +5,8 @@ so the three loads across PCIe cost one round trip: three threads of one warp, e
 (the warp runs the branches one after another), and one thread's three loads cost two (ptxas tests the first before
 it issues the third). A doorbell that moved since the scheduler last acted on it sets ``COUNT.scan`` /
 ``COUNT.cancel_bell``. In the resident loop this runs while the step runs (``scheduler.py``), the loads issued before
-publish's fence, so one round trip covers both.
+publish's fence, so one round trip covers both. An idle resident loop watches them (``moved``) without acting on them
+until one moves, one round trip a look.
 """
 from __future__ import annotations
 
@@ -60,3 +61,20 @@ def note_doorbells(s, sh, shutdown, submitted, cancels):
             sh.counters[COUNT.cancel_bell] = 1
             s.sched[0].cancel_bell = 1
     cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def moved(s, sh, shutdown, submitted, cancels):
+    """Whether what ``load_doorbells`` read asks for a collect: a shutdown, or a doorbell that moved since the
+    scheduler last acted on it. Writes nothing but the part's scratch (``COUNT.scan``), so the next settle still sees
+    the move and acts on it; the block agrees on the answer."""
+    tid = cuda.threadIdx.x
+    last = cuda.blockDim.x - 1
+    if tid == 0 and shutdown != 0:
+        sh.counters[COUNT.scan] = 1
+    if tid == min(WARP, last) and submitted != s.stats[0].seen_submitted:
+        sh.counters[COUNT.scan] = 1
+    if tid == min(2 * WARP, last) and cancels != s.stats[0].seen_cancels:
+        sh.counters[COUNT.scan] = 1
+    cuda.syncthreads()
+    return sh.counters[COUNT.scan] != 0

@@ -29,7 +29,7 @@ from blink.device.cstruct import c_struct
 from blink.device.numba_compat import SIMULATOR, cuda
 from blink.device.policy import fcfs
 from blink.device.scheduler import make_iterate
-from blink.device.state import AGAIN, ITERATION, PREPARE, SETTLE, STOP
+from blink.device.state import AGAIN, ITERATION, PREPARE, SETTLE, STOP, WATCH
 from blink.errors import LaunchError
 from blink.paths import cache_dir
 
@@ -43,10 +43,12 @@ LAUNCH_DTYPE = np.dtype([("graphs", "<u8", (2, MAX_BUCKETS)), ("done", "<u8"), (
 LAUNCH_RETRIES = 10_000             # a graph that just signalled may not have retired yet: retry this often
 LAUNCH_RETRY_NS = 100               # ... this long apart
 DONE_POLL_NS = 32                   # the resident loop's sleep between looks at the done counter
+WATCH_POLL_NS = 500                 # an idle resident loop's sleep between looks at the doorbells (each a PCIe round
+                                    # trip, ~1 us, when the ring is in host memory)
 STANDIN_BLOCK = 128                 # threads per block of the stand-in step
 SHIM_DEFINES = {"WINDOW": WINDOW, "STOP": STOP, "AGAIN": AGAIN, "PREPARE": PREPARE, "SETTLE": SETTLE,
-                "ITERATION": ITERATION, "LAUNCH_RETRIES": LAUNCH_RETRIES, "LAUNCH_RETRY_NS": LAUNCH_RETRY_NS,
-                "DONE_POLL_NS": DONE_POLL_NS}
+                "WATCH": WATCH, "ITERATION": ITERATION, "LAUNCH_RETRIES": LAUNCH_RETRIES,
+                "LAUNCH_RETRY_NS": LAUNCH_RETRY_NS, "DONE_POLL_NS": DONE_POLL_NS, "WATCH_POLL_NS": WATCH_POLL_NS}
 # The memory the shim reads and writes, declared in C from the dtypes the Python side uses (cstruct.py).
 SHIM_STRUCTS = {"BlinkLaunch": LAUNCH_DTYPE}
 # Sources the cached image depends on besides numba, the CUDA toolchain and the policy.

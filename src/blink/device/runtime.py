@@ -8,8 +8,9 @@ Launch modes (``SchedulerConfig.launch_mode``), both relaunching the scheduler g
   fire-and-forget the step graph, settle while it runs, wait until the step's last kernel bumps the done counter,
   repeat. Then it tail-relaunches itself.
 
-When idle (nothing to run; resident: and settle left no work, ``AGAIN``), the scheduler sleeps ``idle_sleep_ns`` and
-relaunches itself. A failing device-side ``cudaGraphLaunch``
+When idle (nothing to run; resident: and settle left no work, ``AGAIN``), the tail loop sleeps ``idle_sleep_ns`` and
+relaunches itself; the resident loop watches the doorbells for up to ``idle_sleep_ns``, still resident, and iterates
+again as soon as one moves. A failing device-side ``cudaGraphLaunch``
 is written to the ring's ``launch_error`` and ends the loop; ``join`` raises it by name. The host only starts the
 loop and waits for it with a blocking sleep, so it uses no CPU while the loop runs.
 

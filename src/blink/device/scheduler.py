@@ -23,7 +23,9 @@ the next:
    next iteration has work without a doorbell moving (requests queued, finished ones to publish, a shutdown).
 
 The resident loop (shim.cu) calls PREPARE, launches the step, then SETTLE (PUBLISH then COLLECT as one part, the
-doorbells' loads issued before publish's fence, so one PCIe round trip covers both) while the step runs. The tail
+doorbells' loads issued before publish's fence, so one PCIe round trip covers both) while the step runs. When an
+iteration had nothing to run and left no work, it stays resident and calls WATCH (the doorbells read, nothing written:
+AGAIN once one moved) until a doorbell moves or its idle sleep has passed, then iterates again. The tail
 loop and the simulator call COLLECT, PREPARE, PUBLISH at once (``ITERATION``: the flags run in that order), then the
 step: the same cycle of phases with the step between settle's halves instead of beside them, so what COLLECT takes
 in (a request, a cancel, a shutdown) is acted on before the next step is planned, as the resident loop does with
@@ -40,12 +42,12 @@ from numba import int32, int64
 
 from blink.device import batcher, consume, prefix
 from blink.device.block import MAX_THREADS, exclusive_scan
-from blink.device.doorbells import load_doorbells, note_doorbells
+from blink.device.doorbells import load_doorbells, moved, note_doorbells
 from blink.device.kv import free_sequences
 from blink.device.numba_compat import clock, cuda, inlined, load_volatile
 from blink.device.publish import fold_counts, publish, publish_stats
 from blink.device.state import (AGAIN, COLLECT, COUNT, IDLE, MAX_CANDIDATES, N_COUNTERS, N_PHASES, PHASE, PREPARE,
-                                PUBLISH, REFUSED, SETTLE, STOP, Scratch)
+                                PUBLISH, REFUSED, SETTLE, STOP, WATCH, Scratch)
 from blink.device.waiting import cancel_queued, cancelled, collect, enqueue
 from blink.ring.control import ENGINE_SERVING, ENGINE_STOPPED
 from blink.ring.layout import FINISH_ABORT, FINISH_NONE, FINISHED, READY
@@ -204,7 +206,8 @@ def make_iterate(policy):
 
     ``iterate(s, part)`` runs the parts of an iteration that ``part`` names (flags, run in this order): COLLECT
     (settle's second half; returns AGAIN or IDLE), PREPARE (returns the bucket to launch, IDLE or STOP), PUBLISH
-    (settle's first half), SETTLE (both halves as one: AGAIN or IDLE); with PREPARE, it returns prepare's outcome.
+    (settle's first half), SETTLE (both halves as one: AGAIN or IDLE), WATCH (alone: AGAIN when a doorbell moved,
+    else IDLE; nothing written); with PREPARE, it returns prepare's outcome.
     ``s`` is the ``SchedulerArrays``: the arrays themselves (the simulator), or the GPU image's table of their
     addresses (``array_table.py``).
     """
@@ -292,6 +295,9 @@ def make_iterate(policy):
             settle_publish(s, scratch())
         if part & SETTLE:
             outcome = settle(s, scratch())
+        if part & WATCH:
+            bells = load_doorbells(s)
+            outcome = AGAIN if moved(s, scratch(), bells[0], bells[1], bells[2]) else IDLE
         return outcome
 
     return iterate

@@ -7,7 +7,8 @@
 // and writes the next one's inputs; its part SETTLE (publish; doorbells, collect) needs nothing from the step and
 // writes nothing it reads, so the resident loop runs it while the step runs (blink/device/scheduler.py).
 #if !defined(WINDOW) || !defined(STOP) || !defined(AGAIN) || !defined(PREPARE) || !defined(SETTLE) ||              \
-    !defined(ITERATION) || !defined(LAUNCH_RETRIES) || !defined(LAUNCH_RETRY_NS) || !defined(DONE_POLL_NS)
+    !defined(WATCH) || !defined(ITERATION) || !defined(LAUNCH_RETRIES) || !defined(LAUNCH_RETRY_NS) ||               \
+    !defined(DONE_POLL_NS) || !defined(WATCH_POLL_NS)
 #error "compile shim.cu through blink.device.image.compile_shim: it declares the records and defines the constants"
 #endif
 
@@ -54,17 +55,41 @@ extern "C" __global__ void blink_scheduler_tail(long long *table, BlinkLaunch *l
   blink_launch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch, launch_error);
 }
 
-// Launch mode "fire_and_forget": stay resident for up to WINDOW steps (a CUDA limit on fire-and-forget launches
-// per graph execution): prepare, fire the step graph (two instantiations alternate: a graph cannot be relaunched
-// before its previous launch retires), settle (publish, then collect) while it runs, wait for its done kernel,
-// repeat; then tail-relaunch this graph (after the idle sleep when an iteration had nothing to run and collect
-// left no work). Thread 0 keeps the launch table's words it changes (the done count it waits past, the parity, the
-// profile) in registers and stores them where the execution ends: a load of one between prepare and the launch, or
-// after the wait, is a memory round trip on the step's path.
+// Launch mode "fire_and_forget": stay resident for up to WINDOW step launches (a CUDA limit on fire-and-forget
+// launches per graph execution): prepare, fire the step graph (two instantiations alternate: a graph cannot be
+// relaunched before its previous launch retires), settle (publish, then collect) while it runs, wait for its done
+// kernel, repeat; then tail-relaunch this graph. An iteration that had nothing to run and left no work is followed
+// by a watch of the doorbells (blink_watch), still resident: a relaunch costs more than the iteration, and a request
+// that arrives while the loop sleeps waits out the sleep. Thread 0 keeps the launch table's words it changes (the
+// done count it waits past, the parity, the profile) in registers and stores them where the execution ends: a load
+// of one between prepare and the launch, or after the wait, is a memory round trip on the step's path.
 __device__ void blink_window_end(BlinkLaunch *launch, unsigned long long parity, long long cycles, long long timed) {
   launch->parity = parity;
   launch->step_cycles += cycles;                       // launch + step (settle overlaps it) + wake-up, for the profile
   launch->steps_timed += timed;
+}
+
+__device__ unsigned long long blink_globaltimer() {
+  unsigned long long ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  return ns;
+}
+
+// Idle: read the doorbells (WATCH: nothing written) every WATCH_POLL_NS until one moves or idle_ns have passed (at
+// least one look), so the next iteration starts within a round trip of a doorbell; it also beats the heartbeat at
+// the idle sleep's pace, as a relaunch after the sleep did. Thread 0 keeps the time; the block follows its word.
+__device__ void blink_watch(long long *table, int idle_ns) {
+  __shared__ int watching;
+  unsigned long long until = 0;
+  if (threadIdx.x == 0) until = blink_globaltimer() + (unsigned long long)idle_ns;
+  while (blink_iterate(table, WATCH) != AGAIN) {
+    if (threadIdx.x == 0) {
+      __nanosleep(WATCH_POLL_NS);
+      watching = blink_globaltimer() < until;
+    }
+    __syncthreads();                                   // also: every thread has read WATCH's answer before the next
+    if (!watching) return;                             // look zeroes it
+  }
 }
 
 extern "C" __global__ void blink_scheduler_window(long long *table, BlinkLaunch *launch, int *launch_error,
@@ -77,8 +102,7 @@ extern "C" __global__ void blink_scheduler_window(long long *table, BlinkLaunch 
     seen = *done;                                      // no step of ours runs between executions
     parity = launch->parity;
   }
-  bool idle = false;
-  for (int k = 0; k < WINDOW && !idle; k++) {
+  for (int launches = 0; launches < WINDOW;) {
     int outcome = blink_step(table, PREPARE);
     if (outcome == STOP) {
       if (threadIdx.x == 0) blink_window_end(launch, parity, cycles, timed);
@@ -96,6 +120,7 @@ extern "C" __global__ void blink_scheduler_window(long long *table, BlinkLaunch 
         parity ^= 1ULL;
       }
     }
+    launches += outcome >= 0;
     __syncthreads();
     if (go == STOP) {
       if (threadIdx.x == 0) blink_window_end(launch, parity, cycles, timed);
@@ -110,11 +135,10 @@ extern "C" __global__ void blink_scheduler_window(long long *table, BlinkLaunch 
       timed += 1;
     }
     __syncthreads();
-    idle = outcome < 0 && settled != AGAIN;
+    if (outcome < 0 && settled != AGAIN) blink_watch(table, idle_ns);
   }
   if (threadIdx.x == 0) {
     blink_window_end(launch, parity, cycles, timed);
-    if (idle && idle_ns > 0) __nanosleep(idle_ns);
     blink_launch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch, launch_error);
   }
 }

@@ -47,15 +47,15 @@ SCHED_DTYPE = _record("<i4", "running", "free_top", "rows", "bucket", "queued", 
 
 # The parts of an iteration (scheduler.py), as flags; one call runs those it names in the order COLLECT, PREPARE,
 # PUBLISH, SETTLE. The GPU's resident loop calls PREPARE, launches the step, then calls SETTLE (PUBLISH then COLLECT
-# as one part, the doorbells read beside publish's fence) while it runs; the tail loop and the simulator call
-# ITERATION, then run the step.
-PREPARE, PUBLISH, COLLECT, SETTLE = 1, 2, 4, 8
+# as one part, the doorbells read beside publish's fence) while it runs, and when idle, WATCH (alone: the doorbells
+# read, nothing written) until one moves; the tail loop and the simulator call ITERATION, then run the step.
+PREPARE, PUBLISH, COLLECT, SETTLE, WATCH = 1, 2, 4, 8, 16
 ITERATION = COLLECT | PREPARE | PUBLISH
 # What an iteration returns besides a bucket index.
 IDLE = -1       # nothing to run: back off, then iterate again
 STOP = -2       # shutdown done: do not relaunch
 AGAIN = -3      # COLLECT or SETTLE: the next iteration has work without a doorbell moving (requests queued, finished
-                # requests to publish, a shutdown): iterate again without backing off
+                # requests to publish, a shutdown): iterate again without backing off; WATCH: a doorbell moved
 
 # Scheduler configuration (s.cfg[0]).
 CFG_DTYPE = _record("<i4", "page_size", "token_budget", "max_num_seqs", "n_buckets", "n_eos", "watermark",
