@@ -6,7 +6,9 @@ the loop starts. Device code reads ``s.seq_lens`` as it does in the simulator, w
 itself; on the GPU that attribute is lowered to an array built from the table's words at that very use. So no array's
 address or shape stays in a register past its use: the ~80 arrays' descriptors, built once and carried through a phase,
 were what the iteration spilled (1 KiB per thread). The compiler reuses a word it loaded only while no store in between
-could have changed it; the table is small and read by every thread alike, so the words it reloads come from L1.
+could have changed it, so it reloads words often: the loop kernels (shim.cu) copy the table into shared memory where
+an execution starts and hand the iteration that copy, where a reload is ~30 cycles (from global memory it was an L2
+round trip after each of the iteration's fences, which invalidate L1).
 
 ``register()`` teaches numba the type (``SchedulerArraysTable``, whose value is the table's address) and the
 lowering, and returns ``scheduler_arrays(table)``, which gives the image's entry its value.

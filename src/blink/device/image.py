@@ -48,7 +48,8 @@ WATCH_POLL_NS = 500                 # an idle resident loop's sleep between look
 STANDIN_BLOCK = 128                 # threads per block of the stand-in step
 SHIM_DEFINES = {"WINDOW": WINDOW, "STOP": STOP, "AGAIN": AGAIN, "PREPARE": PREPARE, "SETTLE": SETTLE,
                 "WATCH": WATCH, "ITERATION": ITERATION, "LAUNCH_RETRIES": LAUNCH_RETRIES,
-                "LAUNCH_RETRY_NS": LAUNCH_RETRY_NS, "DONE_POLL_NS": DONE_POLL_NS, "WATCH_POLL_NS": WATCH_POLL_NS}
+                "LAUNCH_RETRY_NS": LAUNCH_RETRY_NS, "DONE_POLL_NS": DONE_POLL_NS, "WATCH_POLL_NS": WATCH_POLL_NS,
+                "TABLE_WORDS": array_table.TABLE_WORDS}
 # The memory the shim reads and writes, declared in C from the dtypes the Python side uses (cstruct.py).
 SHIM_STRUCTS = {"BlinkLaunch": LAUNCH_DTYPE}
 # Sources the cached image depends on besides numba, the CUDA toolchain and the policy.

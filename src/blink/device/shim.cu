@@ -8,7 +8,7 @@
 // writes nothing it reads, so the resident loop runs it while the step runs (blink/device/scheduler.py).
 #if !defined(WINDOW) || !defined(STOP) || !defined(AGAIN) || !defined(PREPARE) || !defined(SETTLE) ||              \
     !defined(WATCH) || !defined(ITERATION) || !defined(LAUNCH_RETRIES) || !defined(LAUNCH_RETRY_NS) ||               \
-    !defined(DONE_POLL_NS) || !defined(WATCH_POLL_NS)
+    !defined(DONE_POLL_NS) || !defined(WATCH_POLL_NS) || !defined(TABLE_WORDS)
 #error "compile shim.cu through blink.device.image.compile_shim: it declares the records and defines the constants"
 #endif
 
@@ -34,6 +34,17 @@ __device__ bool blink_launch(cudaGraphExec_t graph, cudaStream_t how, int *launc
   return false;
 }
 
+// The address table (blink/device/array_table.py: every array's address and shape, written once by the host) copied
+// into shared memory where an execution starts, by the whole block; the iteration reads it there. Each fence of the
+// iteration (blink_step's, publish's) invalidates L1 (CCTL.IVALL follows every MEMBAR in the SASS), so a table word
+// read from global memory after one was an L2 round trip in front of the array's own load.
+__device__ long long *blink_table_in_shared(const long long *table) {
+  __shared__ long long words[TABLE_WORDS];
+  for (int i = threadIdx.x; i < TABLE_WORDS; i += blockDim.x) words[i] = table[i];
+  __syncthreads();
+  return words;
+}
+
 // Parts of an iteration by the whole block; every thread's step inputs are visible device-wide when it returns.
 __device__ int blink_step(long long *table, int parts) {
   int outcome = blink_iterate(table, parts);
@@ -45,6 +56,7 @@ __device__ int blink_step(long long *table, int parts) {
 // Launch mode "tail": one whole iteration per execution, then the step graph and this graph again, as tail launches.
 extern "C" __global__ void blink_scheduler_tail(long long *table, BlinkLaunch *launch, int *launch_error,
                                                 int idle_ns) {
+  table = blink_table_in_shared(table);
   int outcome = blink_step(table, ITERATION);
   if (threadIdx.x != 0 || outcome == STOP) return;
   if (outcome >= 0) {
@@ -104,6 +116,7 @@ extern "C" __global__ void blink_scheduler_window(long long *table, BlinkLaunch 
     seen = *done;                                      // no step of ours runs between executions
     parity = launch->parity;
   }
+  table = blink_table_in_shared(table);
   for (int launches = 0; launches < WINDOW;) {
     int outcome = blink_step(table, PREPARE);
     if (outcome == STOP) {
