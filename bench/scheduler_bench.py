@@ -15,7 +15,9 @@
    READY and the doorbell rung: the GPU's part), and the submit's own time. With the request side in host memory the
    spin also watches the slot's state, splitting the GPU's part at RUNNING (published beside the request's first
    step: collect, admit, plan, the launch) into READY -> RUNNING and RUNNING -> first token (the step, consume,
-   publish).
+   publish). Then by phase: with an idle sleep of 1 ms the idle resident loop watches the doorbells and runs no
+   iteration, so what its profile gains from before a submit to the first token is (nearly) that request's
+   iterations: medians of their count and of each phase's microseconds, beside READY -> first token.
 4. The prefix cache in use: step time of 64 decoding requests whose 240-token prompts share their first 224 tokens,
    with caching on (the table takes a generated page every 16 steps per request, about 4 per iteration) and off;
    READY-to-first-token of a 240-token prompt whose first 224 tokens are cached, and of one with nothing cached.
@@ -41,7 +43,7 @@ import time
 import numpy as np
 
 from bench import tree_commit
-from blink.device.config import SchedulerConfig
+from blink.device.config import MAX_IDLE_SLEEP_NS, SchedulerConfig
 from blink.device.driver import check
 from blink.device.image import link_image
 from blink.device.runtime import GpuScheduler
@@ -220,6 +222,31 @@ def admission_latency(image: bytes, idle_ns: int, trials: int = 200, caching: bo
             **percentiles("submit_", submits), **(percentiles("running_", admitted) if admitted else {})}
 
 
+def admission_phases(image: bytes, trials: int = 100) -> dict:
+    """READY -> first token (request side in host memory) and the loop's profile gained meanwhile, medians per trial:
+    ``iterations``, µs in each phase (the rest of the total is the launch, the step, the waits and what no phase
+    times)."""
+    rig = Rig(image, SchedulerConfig(**{**BASE.__dict__, "idle_sleep_ns": MAX_IDLE_SLEEP_NS}))
+    rig.scheduler.start()
+    live = rig.view.status["n_generated"]
+    us_per_cycle = 1e3 / rig.scheduler.clock_khz()
+    trials_seen = []
+    for _ in range(trials):
+        before = rig.scheduler.cycles()
+        slot = rig.agent._slot_of[rig.agent.submit([5, 6], SamplingParams(max_tokens=1))]
+        t1 = time.perf_counter()
+        while live[slot] < 1:
+            pass
+        t2 = time.perf_counter()
+        after = rig.scheduler.cycles()
+        trials_seen.append({"ready_us": (t2 - t1) * 1e6, "iterations": after["iterations"] - before["iterations"],
+                            **{phase: (after[phase] - before[phase]) * us_per_cycle for phase in PROFILE_PHASES}})
+        while rig.agent.in_flight:
+            rig.agent.poll()
+    rig.stop()
+    return {name: statistics.median(trial[name] for trial in trials_seen) for name in trials_seen[0]}
+
+
 def percentiles(prefix: str, samples: list[float]) -> dict:
     """``{prefix}median_us`` and ``{prefix}p99_us`` of ``samples`` (us)."""
     ordered = sorted(samples)
@@ -288,6 +315,7 @@ def main() -> None:
         "idle": [idle_iteration(image, mode, case, scan) for mode in ("fire_and_forget", "tail")
                  for case in ("all_free", "half_finished", "all_finished", "ready_backlog") for scan in (False, True)],
         "admission": [admission_latency(image, ns) for ns in (0, 20_000)],
+        "admission_phases": admission_phases(image),
         "prefix": {"step": [step_time(image, "fire_and_forget", 64, caching=c, shared=True) for c in (True, False)],
                    "admission": [admission_latency(image, 0, caching=c, shared=True) for c in (True, False)]},
         "placement": [step_time(image, "fire_and_forget", batch, request_side=side) for side in REQUEST_SIDES
@@ -313,6 +341,10 @@ def main() -> None:
               f"{r['ready_median_us']:.1f} us, p99 {r['ready_p99_us']:.1f} us (READY -> RUNNING median "
               f"{r.get('running_median_us', float('nan')):.1f} us); the agent's submit median "
               f"{r['submit_median_us']:.1f} us")
+    phases = result["admission_phases"]
+    print(f"  READY -> first token by phase (idle sleep 1 ms, medians): {phases['ready_us']:.1f} us, "
+          f"{phases['iterations']:.0f} iterations, " + " ".join(f"{p}={phases[p]:.2f}" for p in PROFILE_PHASES)
+          + f" (phases {sum(phases[p] for p in PROFILE_PHASES):.1f} us)")
     for r in result["prefix"]["step"]:
         print(f"  prefix caching {'on ' if r['caching'] else 'off'}: 64 decoding, {r['us_per_step']:.2f} us/step, "
               f"{json.dumps(r['cache'])}  {profile_text(r['profile_us'])}")

@@ -157,9 +157,11 @@ class GpuScheduler:
         if code:
             raise LaunchError(f"a device-side cudaGraphLaunch failed with {error_name(code)} ({code})")
 
-    def profile(self) -> dict[str, float]:
-        """Microseconds per iteration in each phase (SM clock, thread 0), and per fire-and-forget step from its launch
-        until the loop saw it done (settle runs in between: ``SETTLE_PHASES`` overlap it)."""
+    def cycles(self) -> dict[str, int]:
+        """The profile's sums so far, read while the loop runs or after: ``iterations`` (the heartbeat), the SM
+        cycles of thread 0 in each phase (``PROFILE_PHASES``, added where each part of an iteration ends), and
+        ``step_launch_to_done``, the cycles of ``steps_timed`` fire-and-forget steps from launch until the loop saw
+        them done (stored where a resident execution ends)."""
         from cuda.bindings import driver
 
         stats = np.zeros(1, STATS_DTYPE)
@@ -167,12 +169,24 @@ class GpuScheduler:
         stats = stats[0]
         launch = np.zeros(1, LAUNCH_DTYPE)
         check(driver.cuMemcpyDtoH(launch, self.launch[0], launch.nbytes))
-        khz = check(driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE,
-                                                check(driver.cuDeviceGet(self.device))))
-        iterations = max(int(stats.heartbeat), 1)
-        result = {phase: stats.profile[k] / iterations / khz * 1e3 for phase, k in zip(PROFILE_PHASES, PHASE)}
-        result["step_launch_to_done"] = (float(launch["step_cycles"][0]) / max(int(launch["steps_timed"][0]), 1)
-                                         / khz * 1e3)
+        return {"iterations": int(stats.heartbeat), **{phase: int(stats.profile[k]) for phase, k in
+                                                         zip(PROFILE_PHASES, PHASE)},
+                "step_launch_to_done": int(launch["step_cycles"][0]), "steps_timed": int(launch["steps_timed"][0])}
+
+    def clock_khz(self) -> int:
+        """The SM clock ``cycles`` counts in, kHz."""
+        from cuda.bindings import driver
+
+        return check(driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE,
+                                                 check(driver.cuDeviceGet(self.device))))
+
+    def profile(self) -> dict[str, float]:
+        """Microseconds per iteration in each phase (SM clock, thread 0), and per fire-and-forget step from its launch
+        until the loop saw it done (settle runs in between: ``SETTLE_PHASES`` overlap it)."""
+        raw, us = self.cycles(), 1e3 / self.clock_khz()
+        iterations = max(raw["iterations"], 1)
+        result = {phase: raw[phase] / iterations * us for phase in PROFILE_PHASES}
+        result["step_launch_to_done"] = raw["step_launch_to_done"] / max(raw["steps_timed"], 1) * us
         return result
 
     def close(self) -> None:
