@@ -300,7 +300,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default="scheduler_bench.json")
     parser.add_argument("--commit", default=None, help="the measured tree's commit (default: $BLINK_COMMIT, else HEAD)")
+    parser.add_argument("--quick", action="store_true",
+                        help="only what an A/B of the loop needs (about 10 s): case 1 in fire-and-forget, the idle "
+                             "iteration with the ring empty, case 3; no prefix, placement or hog cases")
     args = parser.parse_args()
+    modes = ("fire_and_forget",) if args.quick else ("fire_and_forget", "tail")
     t = time.perf_counter()
     image = link_image()
     link_s = time.perf_counter() - t
@@ -310,18 +314,21 @@ def main() -> None:
         "link_seconds": link_s,
         "resources": kernel_resources(image),
         "host_baseline": host_baseline(image),
-        "step": [step_time(image, mode, batch) for mode in ("fire_and_forget", "tail") for batch in (1, 64)]
-        + [step_time(image, "fire_and_forget", 64, threads) for threads in (64, 128)],
-        "idle": [idle_iteration(image, mode, case, scan) for mode in ("fire_and_forget", "tail")
-                 for case in ("all_free", "half_finished", "all_finished", "ready_backlog") for scan in (False, True)],
+        "step": [step_time(image, mode, batch) for mode in modes for batch in (1, 64)]
+        + ([] if args.quick else [step_time(image, "fire_and_forget", 64, threads) for threads in (64, 128)]),
+        "idle": [idle_iteration(image, mode, case, scan) for mode in modes
+                 for case in ("all_free",) + (() if args.quick else ("half_finished", "all_finished", "ready_backlog"))
+                 for scan in (False, True)],
         "admission": [admission_latency(image, ns) for ns in (0, 20_000)],
         "admission_phases": admission_phases(image),
-        "prefix": {"step": [step_time(image, "fire_and_forget", 64, caching=c, shared=True) for c in (True, False)],
-                   "admission": [admission_latency(image, 0, caching=c, shared=True) for c in (True, False)]},
-        "placement": [step_time(image, "fire_and_forget", batch, request_side=side) for side in REQUEST_SIDES
-                      for batch in (1, 64)],
-        "memory_hogs": memory_hogs(image),       # last: it leaves this process at nice -10
     }
+    if not args.quick:
+        result["prefix"] = {"step": [step_time(image, "fire_and_forget", 64, caching=c, shared=True)
+                                     for c in (True, False)],
+                            "admission": [admission_latency(image, 0, caching=c, shared=True) for c in (True, False)]}
+        result["placement"] = [step_time(image, "fire_and_forget", batch, request_side=side) for side in REQUEST_SIDES
+                               for batch in (1, 64)]
+        result["memory_hogs"] = memory_hogs(image)       # last: it leaves this process at nice -10
     print(f"scheduler bench, commit {result['commit']}, image linked in {link_s:.1f} s")
     print(f"  kernel resources: {json.dumps(result['resources'])}")
     print(f"  host back-to-back launches of the 1-row step graph: {result['host_baseline']['us_per_step']:.2f} us")
@@ -345,6 +352,14 @@ def main() -> None:
     print(f"  READY -> first token by phase (idle sleep 1 ms, medians): {phases['ready_us']:.1f} us, "
           f"{phases['iterations']:.0f} iterations, " + " ".join(f"{p}={phases[p]:.2f}" for p in PROFILE_PHASES)
           + f" (phases {sum(phases[p] for p in PROFILE_PHASES):.1f} us)")
+    if not args.quick:
+        print_more(result)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+def print_more(result: dict) -> None:
+    """The prefix, placement and hog cases' lines."""
     for r in result["prefix"]["step"]:
         print(f"  prefix caching {'on ' if r['caching'] else 'off'}: 64 decoding, {r['us_per_step']:.2f} us/step, "
               f"{json.dumps(r['cache'])}  {profile_text(r['profile_us'])}")
@@ -363,8 +378,6 @@ def main() -> None:
     for r in hogged["step"]:
         print(f"  beside the hogs, request side in {r['request_side']:>6} memory: {r['batch']:>2} decoding, "
               f"{r['us_per_step']:.2f} us/step")
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":
