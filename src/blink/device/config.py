@@ -115,8 +115,9 @@ class SchedulerConfig:
     ``block_threads`` is the scheduler kernel's block size (the simulator runs far fewer threads; results do not
     depend on it); on a GPU the block must fit the kernel's registers (65,536 for a block; the kernel uses up to 255
     per thread), which ``GpuScheduler`` checks at start, naming the largest block that fits. An idle loop iterates
-    every ``idle_sleep_ns`` (the resident loop sooner when a doorbell moves: it watches them meanwhile). ``launch_mode`` is how the loop launches step graphs (``fire_and_forget``: a
-    resident scheduler; ``tail``: one iteration per launch).
+    every ``idle_sleep_ns`` (the resident loop sooner when a doorbell moves: it watches them meanwhile).
+    ``launch_mode`` is how the loop launches step graphs (``fire_and_forget``: a resident scheduler; ``tail``: one
+    iteration per launch).
     ``enable_prefix_caching`` keeps full KV pages findable by the key of their prefix, so a request that shares a
     prompt prefix with an earlier one skips its prefill (docs/scheduler.md, "Prefix caching"; on by default, as in
     vLLM); its ring must carry the prompts' page keys (``RingGeometry.prefix_page_size == page_size``).

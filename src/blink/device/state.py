@@ -46,9 +46,9 @@ SCHED_DTYPE = _record("<i4", "running", "free_top", "rows", "bucket", "queued", 
                       "shutdown", "cancel_bell")
 
 # The parts of an iteration (scheduler.py), as flags; one call runs those it names in the order COLLECT, PREPARE,
-# PUBLISH, SETTLE. The GPU's resident loop calls PREPARE, launches the step, then calls SETTLE (PUBLISH then COLLECT
-# as one part, the doorbells read beside publish's fence) while it runs, and when idle, WATCH (alone: the doorbells
-# read, nothing written) until one moves; the tail loop and the simulator call ITERATION, then run the step.
+# PUBLISH, SETTLE, WATCH. The GPU's resident loop calls PREPARE, launches the step, then calls SETTLE (PUBLISH then
+# COLLECT as one part, the doorbells read beside publish's fence) while it runs, and when idle, WATCH (alone: the
+# doorbells read, nothing written) until one moves; the tail loop and the simulator call ITERATION, then run the step.
 PREPARE, PUBLISH, COLLECT, SETTLE, WATCH = 1, 2, 4, 8, 16
 ITERATION = COLLECT | PREPARE | PUBLISH
 # What an iteration returns besides a bucket index.
