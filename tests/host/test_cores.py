@@ -8,6 +8,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -138,35 +139,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_standin() -> tuple[subprocess.Popen, list[str]]:
+    """A ``blink serve --standin`` process and the list its stderr's lines go to, read to the end by a thread: a
+    server must never block writing to a pipe the test stopped reading."""
+    server = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--standin", "--port", str(free_port()),
+                               "--slots", "4", "--max-model-len", "256"], stderr=subprocess.PIPE, text=True)
+    written: list[str] = []
+
+    def read_all():
+        for line in server.stderr:
+            written.append(line)
+    threading.Thread(target=read_all, daemon=True).start()
+    return server, written
+
+
+def agent_line(written: list[str]) -> str:
+    wait_until(lambda: any(line.startswith("blink: agent on core") for line in written))
+    return next(line for line in written if line.startswith("blink: agent on core"))
+
+
 @pytest.mark.serial
 @several_cores
 def test_two_blink_serve_on_one_host_pin_their_agents_to_different_cores():
-    """End to end: the second server sees the first's claim in /dev/shm, and each agent runs where it said."""
+    """End to end: the second server sees the first's claim in /dev/shm, and each agent runs where it said. A server
+    that does not stop on its SIGINT fails the test with its stderr, every thread's stack at the end (SIGUSR1)."""
     servers, lines = [], []
     try:
         for _ in range(2):
-            servers.append(subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--standin", "--port",
-                                             str(free_port()), "--slots", "4", "--max-model-len", "256"],
-                                            stderr=subprocess.PIPE, text=True))
-            for line in servers[-1].stderr:
-                if line.startswith("blink: agent on core"):
-                    lines.append(line)
-                    break
-            wait_until(lambda: os.sched_getaffinity(servers[-1].pid) == {int(lines[-1].split()[4])})
+            servers.append(serve_standin())
+            lines.append(agent_line(servers[-1][1]))
+            wait_until(lambda: os.sched_getaffinity(servers[-1][0].pid) == {int(lines[-1].split()[4])})
         cores = [int(line.split()[4]) for line in lines]
-        assert f"claimed by other blink servers: core {cores[0]} (pid {servers[0].pid})" in lines[1]
+        assert f"claimed by other blink servers: core {cores[0]} (pid {servers[0][0].pid})" in lines[1]
         # Servers of other tests run beside this one (pytest -n without -m serial) may hold cores too.
         claims = {int(core): int(pid) for core, pid in re.findall(r"core (\d+) \(pid (\d+)\)", lines[1])}
-        foreign = {core for core, pid in claims.items() if pid != servers[0].pid}
+        foreign = {core for core, pid in claims.items() if pid != servers[0][0].pid}
         if not os.sched_getaffinity(0) - foreign - {cores[0]}:
             pytest.skip(f"other blink servers held every core but the first's: {lines[1]}")
         assert cores[0] != cores[1], lines
     finally:
-        for server in servers:
+        for server, _ in servers:
             server.send_signal(signal.SIGINT)
-        for server in servers:
+        for server, written in servers:
             try:
                 server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.send_signal(signal.SIGUSR1)      # blink.cli prints every thread's stack on it
+                time.sleep(2)
+                pytest.fail(f"blink serve (pid {server.pid}) did not stop within 30 s of its SIGINT; its stderr ends:\n"
+                            + "".join(written[-80:]))
             finally:
                 server.kill()       # one that ignored its SIGINT fails the test without holding its core claim on
 
