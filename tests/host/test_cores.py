@@ -153,22 +153,26 @@ def serve_standin() -> tuple[subprocess.Popen, list[str]]:
     return server, written
 
 
-def agent_line(written: list[str]) -> str:
-    wait_until(lambda: any(line.startswith("blink: agent on core") for line in written))
-    return next(line for line in written if line.startswith("blink: agent on core"))
+def logged(written: list[str], start: str) -> str:
+    """The first line in ``written`` that starts with ``start``, once there is one."""
+    wait_until(lambda: any(line.startswith(start) for line in written))
+    return next(line for line in written if line.startswith(start))
 
 
 @pytest.mark.serial
 @several_cores
 def test_two_blink_serve_on_one_host_pin_their_agents_to_different_cores():
-    """End to end: the second server sees the first's claim in /dev/shm, and each agent runs where it said. A server
-    that does not stop on its SIGINT fails the test with its stderr, every thread's stack at the end (SIGUSR1)."""
+    """End to end: the second server sees the first's claim in /dev/shm, and each agent runs where it said. Each is
+    stopped by SIGINT once it serves: before, a SIGINT meets the disposition the server inherited, which a shell's
+    background job (a CI run with ``&``) sets to ignore. A server that does not stop on it fails the test with its
+    stderr, every thread's stack at the end (SIGUSR1)."""
     servers, lines = [], []
     try:
         for _ in range(2):
             servers.append(serve_standin())
-            lines.append(agent_line(servers[-1][1]))
+            lines.append(logged(servers[-1][1], "blink: agent on core"))
             wait_until(lambda: os.sched_getaffinity(servers[-1][0].pid) == {int(lines[-1].split()[4])})
+            logged(servers[-1][1], "blink: serving")
         cores = [int(line.split()[4]) for line in lines]
         assert f"claimed by other blink servers: core {cores[0]} (pid {servers[0][0].pid})" in lines[1]
         # Servers of other tests run beside this one (pytest -n without -m serial) may hold cores too.
