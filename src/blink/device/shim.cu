@@ -72,9 +72,9 @@ extern "C" __global__ void blink_scheduler_tail(long long *table, BlinkLaunch *l
 // relaunched before its previous launch retires), settle (publish, then collect) while it runs, wait for its done
 // kernel, repeat; then tail-relaunch this graph. An iteration that had nothing to run and left no work is followed
 // by a watch of the doorbells (blink_watch), still resident: a relaunch costs more than a look at them, and a
-// request that arrives while the loop sleeps waits out the sleep. Thread 0 keeps the launch table's words it changes (the
-// done count it waits past, the parity, the profile) in registers and stores them where the execution ends: a load
-// of one between prepare and the launch, or after the wait, is a memory round trip on the step's path.
+// request that arrives while the loop sleeps waits out the sleep. Thread 0 keeps the launch table's words it changes
+// (the done count it waits past, the parity, the profile) in registers and stores them where the execution ends: a
+// load of one between prepare and the launch, or after the wait, is a memory round trip on the step's path.
 __device__ void blink_window_end(BlinkLaunch *launch, unsigned long long parity, long long cycles, long long timed) {
   launch->parity = parity;
   launch->step_cycles += cycles;                       // launch + step (settle overlaps it) + wake-up, for the profile
