@@ -64,10 +64,11 @@ def note_doorbells(s, sh, shutdown, submitted, cancels):
 
 
 @cuda.jit(device=True)
-def moved(s, sh, shutdown, submitted, cancels):
-    """Whether what ``load_doorbells`` read asks for a collect: a shutdown, or a doorbell that moved since the
-    scheduler last acted on it. Writes nothing but the part's scratch (``COUNT.scan``), so the next settle still sees
-    the move and acts on it; the block agrees on the answer."""
+def moved(s, sh, bells):
+    """Whether what ``load_doorbells`` read (``bells``) asks for a collect: a shutdown, or a doorbell that moved since
+    the scheduler last acted on it. Writes nothing but the part's scratch (``COUNT.scan``), so the next settle still
+    sees the move and acts on it; the block agrees on the answer."""
+    shutdown, submitted, cancels = bells
     tid = cuda.threadIdx.x
     last = cuda.blockDim.x - 1
     if tid == 0 and shutdown != 0:

@@ -296,8 +296,7 @@ def make_iterate(policy):
         if part & SETTLE:
             outcome = settle(s, scratch())
         if part & WATCH:
-            bells = load_doorbells(s)
-            outcome = AGAIN if moved(s, scratch(), bells[0], bells[1], bells[2]) else IDLE
+            outcome = AGAIN if moved(s, scratch(), load_doorbells(s)) else IDLE
         return outcome
 
     return iterate
