@@ -185,11 +185,14 @@ def idle_iteration(image: bytes, mode: str, case: str, scan: bool, seconds: floa
 
 
 def admission_latency(image: bytes, idle_ns: int, trials: int = 200, caching: bool = False,
-                      shared: bool = False, request_side: str = "host") -> dict:
+                      shared: bool = False, request_side: str = "host", phases: bool = False) -> dict:
     """READY -> first token of ``prompt(shared)`` prompts, one at a time (with caching, SHARED is cached after the
     first; submitting includes the agent's hashing of the prompt). With the request side in GPU memory the submit
     writes go there and each spin reads ``n_generated`` with a copy out of it, so that placement's numbers compare
-    with themselves (quiet against hogs), not with the host placement's."""
+    with themselves (quiet against hogs), not with the host placement's. ``phases``: also the loop's profile gained
+    from before each submit to its first token, medians per trial under ``phases``: ``iterations``, µs in each phase
+    (the rest of the total is the launch, the step, the waits and what no phase times); meaningful where the idle
+    loop runs no iteration meanwhile (a long ``idle_ns``)."""
     rig = Rig(image, SchedulerConfig(**{**BASE.__dict__, "idle_sleep_ns": idle_ns, "enable_prefix_caching": caching}),
               request_side)
     rig.scheduler.start()
@@ -197,8 +200,10 @@ def admission_latency(image: bytes, idle_ns: int, trials: int = 200, caching: bo
     live = rig.view.status["n_generated"]
     generated = (lambda: live) if request_side == "host" else rig.generated
     state = rig.view.status["state"] if request_side == "host" else None
-    samples, ready, submits, admitted = [], [], [], []
+    samples, ready, submits, admitted, gained = [], [], [], [], []
+    us_per_cycle = 1e3 / rig.scheduler.clock_khz() if phases else None
     for k in range(trials):
+        before = rig.scheduler.cycles() if phases else None
         t0 = time.perf_counter()
         slot = rig.agent._slot_of[rig.agent.submit(prompt(shared, k) if shared else [5, 6],
                                                    SamplingParams(max_tokens=1))]
@@ -208,6 +213,10 @@ def admission_latency(image: bytes, idle_ns: int, trials: int = 200, caching: bo
             if running is None and state is not None and state[slot] == RUNNING:
                 running = time.perf_counter()
         t2 = time.perf_counter()
+        if phases:
+            after = rig.scheduler.cycles()
+            gained.append({"iterations": after["iterations"] - before["iterations"],
+                           **{phase: (after[phase] - before[phase]) * us_per_cycle for phase in PROFILE_PHASES}})
         samples.append((t2 - t0) * 1e6)
         ready.append((t2 - t1) * 1e6)
         submits.append((t1 - t0) * 1e6)
@@ -219,32 +228,8 @@ def admission_latency(image: bytes, idle_ns: int, trials: int = 200, caching: bo
     rig.stop()
     return {"idle_sleep_ns": idle_ns, "caching": caching, "shared": shared, "request_side": request_side,
             "prefix_hit_tokens": hits, **percentiles("", samples), **percentiles("ready_", ready),
-            **percentiles("submit_", submits), **(percentiles("running_", admitted) if admitted else {})}
-
-
-def admission_phases(image: bytes, trials: int = 100) -> dict:
-    """READY -> first token (request side in host memory) and the loop's profile gained meanwhile, medians per trial:
-    ``iterations``, µs in each phase (the rest of the total is the launch, the step, the waits and what no phase
-    times)."""
-    rig = Rig(image, SchedulerConfig(**{**BASE.__dict__, "idle_sleep_ns": MAX_IDLE_SLEEP_NS}))
-    rig.scheduler.start()
-    live = rig.view.status["n_generated"]
-    us_per_cycle = 1e3 / rig.scheduler.clock_khz()
-    trials_seen = []
-    for _ in range(trials):
-        before = rig.scheduler.cycles()
-        slot = rig.agent._slot_of[rig.agent.submit([5, 6], SamplingParams(max_tokens=1))]
-        t1 = time.perf_counter()
-        while live[slot] < 1:
-            pass
-        t2 = time.perf_counter()
-        after = rig.scheduler.cycles()
-        trials_seen.append({"ready_us": (t2 - t1) * 1e6, "iterations": after["iterations"] - before["iterations"],
-                            **{phase: (after[phase] - before[phase]) * us_per_cycle for phase in PROFILE_PHASES}})
-        while rig.agent.in_flight:
-            rig.agent.poll()
-    rig.stop()
-    return {name: statistics.median(trial[name] for trial in trials_seen) for name in trials_seen[0]}
+            **percentiles("submit_", submits), **(percentiles("running_", admitted) if admitted else {}),
+            **({"phases": {name: statistics.median(g[name] for g in gained) for name in gained[0]}} if phases else {})}
 
 
 def percentiles(prefix: str, samples: list[float]) -> dict:
@@ -320,7 +305,7 @@ def main() -> None:
                  for case in ("all_free",) + (() if args.quick else ("half_finished", "all_finished", "ready_backlog"))
                  for scan in (False, True)],
         "admission": [admission_latency(image, ns) for ns in (0, 20_000)],
-        "admission_phases": admission_phases(image),
+        "admission_phases": admission_latency(image, MAX_IDLE_SLEEP_NS, trials=100, phases=True),
     }
     if not args.quick:
         result["prefix"] = {"step": [step_time(image, "fire_and_forget", 64, caching=c, shared=True)
@@ -348,9 +333,10 @@ def main() -> None:
               f"{r['ready_median_us']:.1f} us, p99 {r['ready_p99_us']:.1f} us (READY -> RUNNING median "
               f"{r.get('running_median_us', float('nan')):.1f} us); the agent's submit median "
               f"{r['submit_median_us']:.1f} us")
-    phases = result["admission_phases"]
-    print(f"  READY -> first token by phase (idle sleep 1 ms, medians): {phases['ready_us']:.1f} us, "
-          f"{phases['iterations']:.0f} iterations, " + " ".join(f"{p}={phases[p]:.2f}" for p in PROFILE_PHASES)
+    phases = result["admission_phases"]["phases"]
+    print(f"  READY -> first token by phase (idle sleep 1 ms, medians): "
+          f"{result['admission_phases']['ready_median_us']:.1f} us, {phases['iterations']:.0f} iterations, "
+          + " ".join(f"{p}={phases[p]:.2f}" for p in PROFILE_PHASES)
           + f" (phases {sum(phases[p] for p in PROFILE_PHASES):.1f} us)")
     if not args.quick:
         print_more(result)
