@@ -200,6 +200,7 @@ def expected_stop(tok, ids, stops) -> tuple[str, int | None]:
     ("one two", ["one two", "two"]),                              # of two completed at once, the earlier
     ("ends with a partial st", ["stop"]),                         # a held tail is emitted at finish
     ("no stop here", ["xyz"]),
+    ("none asked: 你好 👋🏽", []),                                 # no stop strings: every delta as it comes
 ])
 def test_stop_strings_span_tokens_and_are_removed(tok, text, stops):
     ids = tok.encode(text)

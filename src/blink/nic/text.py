@@ -230,6 +230,8 @@ class TextStream:
         return self._advance(self.detokenizer.flush(), final=True)
 
     def _advance(self, new_text: str, final: bool) -> str:
+        if not self.stop:
+            return new_text     # nothing to hold back or cut: most requests, and this runs for every token
         # A stop string cannot start inside emitted text, whose stop-prefix tail was held back: one found now lies
         # in the held tail and the new text.
         window = self._held + new_text
