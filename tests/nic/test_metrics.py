@@ -1,14 +1,17 @@
-"""blink.nic.metrics: the event loop thread's waits for a core reach /metrics, as Linux's schedstat counts them for
-that thread, and its cores' steal time, as /proc/stat counts it. (The stall and GC counters:
-tests/nic/test_agent_loop.py.)"""
+"""blink.nic.metrics: ``Batched`` against the histogram's own ``observe``; the event loop thread's waits for a core
+reach /metrics, as Linux's schedstat counts them for that thread, and its cores' steal time, as /proc/stat counts it.
+(The stall and GC counters: tests/nic/test_agent_loop.py.)"""
 import asyncio
 import os
+import random
 import subprocess
 import sys
 import time
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram
 
+from blink.nic.metrics import Batched
 from tests.nic.openai.local import run_local
 
 RUN_DELAY = "blink_agent_run_delay_seconds_total"
@@ -141,3 +144,30 @@ def test_vllms_metric_names_alias_blinks_labelled_with_the_model_name(local_ring
             assert {got[key][1] for key in aliases} == {"team/model"}
 
     run_local(local_ring, tokenizer, scenario, serve=True, model_name="team/model")
+
+
+def registry_samples(registry: CollectorRegistry) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in registry.collect()
+            for s in family.samples if not s.name.endswith("_created")}
+
+
+def test_batched_observations_publish_what_the_histograms_observe_gives():
+    """Amounts on, just above and between the bounds, below the first and past the last, several at once, over
+    three publishes (the second with nothing new): the histogram reads as if ``observe`` had taken each."""
+    buckets = (0.001, 0.0025, 0.01, 1, 120)
+    rng = random.Random(0)
+    rounds = [[(b, 1) for b in buckets] + [(b * 1.0001, 2) for b in buckets] + [(0.0, 1), (500.0, 3)],
+              [],
+              [(rng.uniform(0, 200), rng.randint(1, 4)) for _ in range(200)]]
+    reference, batched = CollectorRegistry(), CollectorRegistry()
+    observed = Histogram("latency_seconds", "a latency", buckets=buckets, registry=reference)
+    counted = Batched(Histogram("latency_seconds", "a latency", buckets=buckets, registry=batched))
+    for amounts in rounds:
+        for amount, n in amounts:
+            for _ in range(n):
+                observed.observe(amount)
+            counted.observe(amount, n)
+        counted.publish()
+        want, got = registry_samples(reference), registry_samples(batched)
+        assert got.keys() == want.keys()
+        assert all(got[k] == pytest.approx(want[k], rel=1e-12) for k in want), (got, want)

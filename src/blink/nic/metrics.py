@@ -1,7 +1,7 @@
 """The agent's Prometheus ``Metrics``: its own timings and counters (latencies, its stalls and GC passes), the ring's
 control block read at scrape time (``blink.nic.engine_metrics``), and the agent process's and its event loop
 thread's CPU (``process_*``, ``blink_agent_run_delay_seconds``, and its cores' steal time under a hypervisor). Nothing
-here is on the per-token path but ``Metrics.tokens`` and ``poll_gap``.
+here is on the per-token path but ``Metrics.tokens`` (a ``Batched`` count) and ``poll_gap``.
 
 Values that live in the process (its wait queue, its requests in flight, its loop thread's waits for a core) are
 published into gauges and counters (``publish``) before each scrape. Where several agent processes serve one ring
@@ -13,6 +13,7 @@ says, of the live processes), and the ring's words, which all of them read alike
 """
 from __future__ import annotations
 
+import bisect
 import os
 import shutil
 import tempfile
@@ -92,6 +93,8 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("blink_inter_token_latency_seconds", "Between consecutive tokens of a request",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self._itl = Batched(self.itl)       # one observation a token: counted here, published in bulk
+        self.publishing(self._itl.publish)
         self.e2e = Histogram("blink_e2e_request_latency_seconds", "From submission to the end of the request",
                              buckets=_LATENCY_BUCKETS, registry=r)
         # The HTTP server's share besides the ring's: from a streamed request's headers to its first token's chunk
@@ -160,8 +163,7 @@ class Metrics:
             self.ttft.observe(now - req.arrival)
         else:
             # Tokens that arrive in one poll share the gap since the previous poll's tokens.
-            for _ in range(n):
-                self.itl.observe((now - req.last_token_at) / n)
+            self._itl.observe((now - req.last_token_at) / n, n)
         req.last_token_at = now
 
     def poll_gap(self, wall: float, off_cpu: float) -> None:
@@ -187,6 +189,35 @@ class Metrics:
     def render(self) -> bytes:
         self.publish()
         return generate_latest(self.registry)
+
+
+class Batched:
+    """Observations of an unlabelled ``Histogram`` kept as plain counts per bucket until ``publish`` adds them to it,
+    as its ``observe`` would have: on the per-token path an observation costs a bisect and two additions (~0.15 us)
+    where ``observe`` takes a lock for each value it updates (0.9 us; 2 us where agent processes share their
+    metrics, each value a file-backed map). ``publish`` increments the histogram's own values (prometheus_client's
+    ``_buckets``, per bucket and not cumulative, and ``_sum``; ``tests/nic/test_metrics.py`` holds them to
+    ``observe``). Only the event loop's thread observes and publishes."""
+
+    def __init__(self, histogram: Histogram):
+        self.histogram = histogram
+        self.bounds = histogram._upper_bounds       # ascending, the last +Inf: an amount <= a bound is in its bucket
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+
+    def observe(self, amount: float, n: int = 1) -> None:
+        """``n`` observations of ``amount``."""
+        self.counts[bisect.bisect_left(self.bounds, amount)] += n
+        self.sum += amount * n
+
+    def publish(self) -> None:
+        for value, count in zip(self.histogram._buckets, self.counts, strict=True):
+            if count:
+                value.inc(count)
+        if any(self.counts):
+            self.histogram._sum.inc(self.sum)
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
 
 
 # The agent's latency histograms again under vLLM's names, labelled with the served model's name.
