@@ -6,6 +6,7 @@ tokens), and optionally ``generation_config.json`` (EOS ids) and ``config.json``
 """
 from __future__ import annotations
 
+import codecs
 import json
 from datetime import datetime
 from pathlib import Path
@@ -15,7 +16,7 @@ import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from blink.nic.token_bytes import vocabulary_bytes
+from blink.nic.token_bytes import decoded_bytes, vocabulary_bytes
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 _REPLACEMENT = "\ufffd"     # what a decoder emits for bytes that are not (yet) a whole UTF-8 character
@@ -54,6 +55,7 @@ class Tokenizer:
         self.max_token_bytes = _max_token_bytes(self._tokenizer)
         added = self._tokenizer.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, token in added.items() if token.special)
+        self.token_bytes = decoded_bytes(self._tokenizer)      # None unless the vocabulary is byte-level
         template = chat_template or _read_text(model_dir / "chat_template.jinja") \
             or _default_template(config.get("chat_template"))
         self.chat_template: str | None = template       # its source: the tool call format is read from it
@@ -81,6 +83,13 @@ class Tokenizer:
 
     def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, *, skip_special_tokens: bool = True) -> Detokenizer | ByteDetokenizer:
+        """An incremental decoder of ids to text: ``ByteDetokenizer`` where the vocabulary is byte-level (SmolLM2,
+        Llama 3, Qwen), else ``Detokenizer``."""
+        if self.token_bytes is not None:
+            return ByteDetokenizer(self, skip_special_tokens=skip_special_tokens)
+        return Detokenizer(self, skip_special_tokens=skip_special_tokens)
 
     def vocabulary_bytes(self) -> dict[bytes, list[int]]:
         """The ids of every non-special token by the bytes it stands for (``blink.nic.token_bytes``)."""
@@ -137,8 +146,29 @@ class Tokenizer:
         return tuple(sorted(ids))
 
 
+class ByteDetokenizer:
+    """Token ids in, text deltas out, for a byte-level vocabulary (``Tokenizer.token_bytes``): each token's bytes
+    through an incremental UTF-8 decoder, which holds back only the bytes of an unfinished character and replaces an
+    invalid sequence as soon as it is one, as the one-shot decode does. Invariant: as ``Detokenizer``'s. A push is a
+    lookup and a decode of a few bytes (~0.3 us, where ``Detokenizer`` decodes two windows of ids: ~2 us), whatever
+    came before it."""
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True):
+        self._bytes = tokenizer.token_bytes
+        self._skipped = tokenizer.special_ids if skip_special_tokens else frozenset()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def push(self, token_id: int) -> str:
+        if token_id in self._skipped or token_id >= len(self._bytes):
+            return ""           # what decode drops: a skipped special token, an id without a token
+        return self._utf8.decode(self._bytes[token_id])
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
 class Detokenizer:
-    """Token ids in, text deltas out, never splitting a UTF-8 character across deltas.
+    """Token ids in, text deltas out, never splitting a UTF-8 character across deltas, for any vocabulary.
 
     Invariant: the deltas of ``push`` calls (one per token) followed by ``flush()`` concatenate to
     ``tokenizer.decode(all ids)``.
@@ -209,7 +239,7 @@ class TextStream:
     def __init__(self, tokenizer: Tokenizer, stop=(), *, skip_special_tokens: bool = True):
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings (got {list(stop)!r})")
-        self.detokenizer = Detokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+        self.detokenizer = tokenizer.detokenizer(skip_special_tokens=skip_special_tokens)
         self.stop = tuple(stop)
         self._longest = max((len(s) for s in self.stop), default=0)
         # Decoded, not yet emitted: a tail that could still grow into a stop string. The text already emitted is not

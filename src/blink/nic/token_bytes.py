@@ -3,7 +3,8 @@
 A byte-level vocabulary (GPT-2's scheme: SmolLM2, Llama 3, Qwen) writes each byte as one printable character
 (``bytes_to_unicode``); a SentencePiece one writes a space as "▁" and, with byte fallback, a lone byte as
 ``<0xHH>``. Added tokens stand for their text; special tokens for nothing (a grammar never allows them, and the
-end-of-sequence tokens are allowed by the automaton's accepting states, not by their text).
+end-of-sequence tokens are allowed by the automaton's accepting states, not by their text). ``decoded_bytes`` is the
+detokenizer's table: what a byte-level decoder makes of every token, special ones included.
 """
 from __future__ import annotations
 
@@ -67,3 +68,19 @@ def vocabulary_bytes(tokenizer: tokenizers.Tokenizer) -> dict[bytes, list[int]]:
         if raw:
             by_bytes.setdefault(raw, []).append(i)
     return by_bytes
+
+
+def decoded_bytes(tokenizer: tokenizers.Tokenizer) -> list[bytes] | None:
+    """Where the tokenizer's decoder is GPT-2's byte-level one and nothing else: the bytes it makes of each id's
+    token, indexed by id (b"" for an id no token has). It maps a token's characters back to bytes where each stands
+    for one, else takes the token's UTF-8 (an added token's text, say), and decodes the whole as UTF-8 with U+FFFD
+    for what is not: ``tokenizer.decode(ids)`` is the UTF-8 decode of the ids' bytes joined (the special tokens'
+    dropped when they are skipped). None for any other decoder."""
+    if type(tokenizer.decoder) is not tokenizers.decoders.ByteLevel:
+        return None
+    decoding = _byte_level_decoding()
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    table = [b""] * (max(vocab.values()) + 1)
+    for token, i in vocab.items():
+        table[i] = bytes(decoding[c] for c in token) if all(c in decoding for c in token) else token.encode()
+    return table
