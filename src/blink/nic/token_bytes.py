@@ -78,9 +78,12 @@ def decoded_bytes(tokenizer: tokenizers.Tokenizer) -> list[bytes] | None:
     dropped when they are skipped). None for any other decoder."""
     if type(tokenizer.decoder) is not tokenizers.decoders.ByteLevel:
         return None
-    decoding = _byte_level_decoding()
+    byte_of = _byte_level_decoding().__getitem__
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     table = [b""] * (max(vocab.values()) + 1)
     for token, i in vocab.items():
-        table[i] = bytes(decoding[c] for c in token) if all(c in decoding for c in token) else token.encode()
+        try:
+            table[i] = bytes(map(byte_of, token))
+        except KeyError:            # a character that stands for no byte: the decoder takes the token's UTF-8
+            table[i] = token.encode()
     return table
