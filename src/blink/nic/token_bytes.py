@@ -52,7 +52,6 @@ def vocabulary_bytes(tokenizer: tokenizers.Tokenizer) -> dict[bytes, list[int]]:
     byte_level = _is_byte_level(described.get("decoder"))
     byte_fallback = bool(described.get("model", {}).get("byte_fallback"))
     added = tokenizer.get_added_tokens_decoder()
-    decoding = _byte_level_decoding()
     by_bytes: dict[bytes, list[int]] = {}
     for token, i in tokenizer.get_vocab(with_added_tokens=True).items():
         if i in added:
@@ -60,7 +59,7 @@ def vocabulary_bytes(tokenizer: tokenizers.Tokenizer) -> dict[bytes, list[int]]:
                 continue
             raw = added[i].content.encode()
         elif byte_level:
-            raw = bytes(decoding[c] for c in token) if all(c in decoding for c in token) else token.encode()
+            raw = _byte_level_bytes(token)
         elif byte_fallback and (match := _BYTE_TOKEN.fullmatch(token)):
             raw = bytes([int(match.group(1), 16)])
         else:
@@ -78,12 +77,17 @@ def decoded_bytes(tokenizer: tokenizers.Tokenizer) -> list[bytes] | None:
     dropped when they are skipped). None for any other decoder."""
     if type(tokenizer.decoder) is not tokenizers.decoders.ByteLevel:
         return None
-    byte_of = _byte_level_decoding().__getitem__
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     table = [b""] * (max(vocab.values()) + 1)
     for token, i in vocab.items():
-        try:
-            table[i] = bytes(map(byte_of, token))
-        except KeyError:            # a character that stands for no byte: the decoder takes the token's UTF-8
-            table[i] = token.encode()
+        table[i] = _byte_level_bytes(token)
     return table
+
+
+def _byte_level_bytes(token: str) -> bytes:
+    """What GPT-2's byte-level decoder makes of ``token``: its characters mapped back to bytes where each stands for
+    one, else the token's UTF-8."""
+    try:
+        return bytes(map(_byte_level_decoding().__getitem__, token))
+    except KeyError:
+        return token.encode()
