@@ -1,11 +1,14 @@
-"""blink.host.process: the engine process's own priority, a server's watch on an engine that does not start, and what an
-engine that keeps its ring's request side in GPU memory needs (the engine process itself runs end to end in
-tests/nic/openai/test_server.py; the priority ladder in tests/host/test_priority.py)."""
+"""blink.host.process: the engine process's own priority and cores, a server's watch on an engine that does not
+start, and what an engine that keeps its ring's request side in GPU memory needs (the engine process itself runs end
+to end in tests/nic/openai/test_server.py; the priority ladder in tests/host/test_priority.py)."""
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
+from blink.host.process import pin_threads
 from tests.privileges import run_python
 
 
@@ -178,3 +181,33 @@ def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on():
     finally:
         process.kill()
     assert "in parked_in_a_helper" in "".join(report), "".join(report)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux's /proc/PID/task and two cores")
+def test_pinning_a_process_pins_the_threads_it_had_started_and_those_it_starts_after():
+    """Regression: only the engine's first thread was pinned; the threads it had started by then (torch's) kept every
+    core, the agent's too, and ran matmuls there."""
+    script = ("import sys, threading, time\n"
+              "for _ in range(3): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+              "print('started', flush=True)\n"
+              "sys.stdin.readline()\n"
+              "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+              "print('again', flush=True)\n"
+              "sys.stdin.readline()\n")
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "started\n"
+        core = {max(os.sched_getaffinity(0))}
+        pin_threads(child.pid, core)
+
+        def cores() -> list:
+            return [os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{child.pid}/task")]
+        assert len(cores()) >= 4 and all(c == core for c in cores()), cores()
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "again\n"
+        assert len(cores()) >= 5 and all(c == core for c in cores()), cores()
+    finally:
+        child.kill()
+        child.wait()

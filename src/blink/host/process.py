@@ -272,6 +272,19 @@ def engine_watch(agent, process=None, start_timeout_s: float = ATTACH_TIMEOUT_S)
     return gone
 
 
+def pin_threads(pid: int, cores) -> None:
+    """Pin every thread of process ``pid`` to ``cores``. ``sched_setaffinity(pid)`` pins one thread, the process's
+    first; the threads the process had started by then keep their cores (the engine's: torch's and numba's, one of
+    them running matmuls on the agent's core) and a new thread takes its creator's. So each thread is pinned, again
+    until a listing of ``/proc/PID/task`` shows none unpinned (a thread started meanwhile by one not yet pinned)."""
+    pinned: set[int] = set()
+    while tids := {int(tid) for tid in os.listdir(f"/proc/{pid}/task")} - pinned:
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError):      # a thread that has ended
+                os.sched_setaffinity(tid, cores)
+        pinned |= tids
+
+
 @contextmanager
 def split_cores(process, agent_cores: list[int] | None, reserve: bool = False, agents: int = 1):
     """Yields the agent's cores (``blink.host.cores.place``: ``agent_cores`` if given, else the least busy core this
@@ -289,7 +302,7 @@ def split_cores(process, agent_cores: list[int] | None, reserve: bool = False, a
     with place(agent_cores, with_engine=process is not None, count=agents) as placement:
         if process is not None and placement.engine:
             try:
-                os.sched_setaffinity(process.pid, placement.engine)
+                pin_threads(process.pid, placement.engine)
             except OSError as e:                # the engine may have exited already: the agent reports that
                 log.warning("could not pin the engine process to cores %s: %s", list(placement.engine), e)
         whole = len(placement.agent) == len(placement.allowed)
