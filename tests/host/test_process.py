@@ -158,8 +158,6 @@ def test_the_rings_of_killed_servers_are_swept_and_no_other():
 def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on():
     """``report_stacks_on_sigusr1``: how a test finds where a process that did not stop waits."""
     import signal
-    import subprocess
-    import sys
 
     code = ("import threading, time\n"
             "from blink.host.process import report_stacks_on_sigusr1\n"
