@@ -49,3 +49,17 @@ def test_a_cpuset_of_one_core_cannot_reserve_it():
     assert done.stdout.splitlines() == [
         f"layout shared: hogs on cores {core}; client on any core",
         f"--reserve-cpus {core} leaves none of the cores {core} for the hogs: reserve fewer"], done.stderr
+
+
+@pytest.mark.skipif(len(ALLOWED) < 2 or not os.path.isdir("/proc/self/task"),
+                    reason="needs two cores this process may use and Linux's /proc/PID/task")
+def test_the_client_is_pinned_with_every_thread_it_has():
+    """Regression: only the calling thread was pinned; a thread the client had started at import kept every core."""
+    last = ALLOWED[-1]
+    code = ("import os, threading, time\n"
+            "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+            "from blink.bench.placement import layout, pin_client\n"
+            f"pin_client(layout([{last}], None))\n"
+            "print(sorted({tuple(os.sched_getaffinity(int(t))) for t in os.listdir('/proc/self/task')}))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == f"[({last},)]", done.stderr

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from blink.host.cores import cpu_list
+from blink.host.process import pin_threads
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ def layout(reserve_cpus: list[int] | None, client_cpus: list[int] | None) -> Lay
 
 
 def pin_client(placed: Layout) -> None:
-    """Pin this process where ``placed`` says (before the hogs start: they are pinned on their own)."""
+    """Pin this process, each of its threads, where ``placed`` says (before the hogs start: they are pinned on their
+    own). The threads started at import (numpy's) are this process's too."""
     if placed.client_cpus:
-        os.sched_setaffinity(0, placed.client_cpus)
+        pin_threads(os.getpid(), placed.client_cpus)
