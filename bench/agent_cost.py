@@ -10,6 +10,11 @@ a process of its own) around each run, so a tree without ``process_cpu_seconds_t
 cost of a token is the difference of the two runs over the difference of their tokens; a request's cost is the
 short run's rest per request (HTTP, parsing, submission, its first and last chunks), and, measured directly, the CPU
 per request of a third run of 1,024 requests of one output token each. Medians over ``--reps``.
+
+``--saturate``: the tokens/s one agent process streams at most. The stand-in steps every millisecond (faster than
+the agent can hand its tokens out), ``--agent-processes 1`` and 512 slots; the client runs 512 streams of 128 output
+tokens. The run reports the client's output tokens/s and the agent's CPU over the run's wall time (near 1.0: the
+agent's core was the limit). It needs cores for the client and the stand-in beside the agent's to mean that.
 """
 from __future__ import annotations
 
@@ -22,12 +27,14 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from bench.wait_healthy import healthy
 
 STREAMS, REQUESTS, SHORT, LONG = 64, 256, 16, 128
 ONE_TOKEN_REQUESTS = 1024
+SATURATING_STREAMS, SATURATING_REQUESTS, SATURATING_STEP_MS = 512, 4096, 1
 
 
 def free_port() -> int:
@@ -42,21 +49,30 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench(tree: Path, env: dict, port: int, output_len: int, requests: int = REQUESTS) -> int:
-    """One closed-loop run; the output tokens it got."""
-    done = subprocess.run([sys.executable, "-m", "blink.cli", "bench", "serve", "--base-url",
+def bench(tree: Path, env: dict, port: int, output_len: int, requests: int = REQUESTS,
+          streams: int = STREAMS) -> str:
+    """One closed-loop run; the client's result block."""
+    return subprocess.run([sys.executable, "-m", "blink.cli", "bench", "serve", "--base-url",
                            f"http://127.0.0.1:{port}", "--num-prompts", str(requests), "--max-concurrency",
-                           str(STREAMS), "--output-len", str(output_len), "--ignore-eos"],
-                          env=env, cwd=tree, capture_output=True, text=True, check=True)
-    return int(re.findall(r"Total generated tokens:\s+(\d+)", done.stdout)[-1])
+                           str(streams), "--output-len", str(output_len), "--ignore-eos"],
+                          env=env, cwd=tree, capture_output=True, text=True, check=True).stdout
 
 
-def measure(tree: Path, reps: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree / "src")}
-    port = free_port()
+def reported(result: str, label: str) -> float:
+    """The last number the client's result block gives for ``label``."""
+    return float(re.findall(re.escape(label) + r"\s+([\d.]+)", result)[-1])
+
+
+def tokens(result: str) -> int:
+    return int(reported(result, "Total generated tokens:"))
+
+
+@contextmanager
+def standin_server(tree: Path, env: dict, port: int, slots: int, step_ms: float, *extra: str):
+    """``blink serve --standin`` of ``tree`` on ``port``, healthy and warmed up; yields its process."""
     server = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--standin", "--port", str(port),
-                               "--slots", str(STREAMS), "--max-prompt-tokens", "1024", "--max-output-tokens", "2048",
-                               "--standin-step-ms", "10", "--agent-priority", "normal"],
+                               "--slots", str(slots), "--max-prompt-tokens", "1024", "--max-output-tokens", "2048",
+                               "--standin-step-ms", str(step_ms), "--agent-priority", "normal", *extra],
                               env=env, cwd=tree, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
@@ -64,13 +80,43 @@ def measure(tree: Path, reps: int) -> dict:
             if server.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"blink serve --standin of {tree} did not become healthy")
             time.sleep(0.2)
-        bench(tree, env, port, 8, STREAMS)          # warm-up: imports and first allocations
+        bench(tree, env, port, 8, slots, slots)     # warm-up: imports and first allocations
+        yield server
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def saturate(tree: Path, reps: int) -> dict:
+    """The client's output tokens/s against one agent process with a stand-in faster than it, and the agent's CPU
+    share of the run's wall time."""
+    env = {**os.environ, "PYTHONPATH": str(tree / "src")}
+    port = free_port()
+    rates, shares = [], []
+    # A tree from before agent processes serves with one; a later one may choose several by its cores.
+    one_agent = ("--agent-processes", "1") if "--agent-processes" in (tree / "src/blink/cli.py").read_text() else ()
+    with standin_server(tree, env, port, SATURATING_STREAMS, SATURATING_STEP_MS, *one_agent) as server:
+        for _ in range(reps):
+            before, started = cpu_seconds(server.pid), time.monotonic()
+            result = bench(tree, env, port, LONG, SATURATING_REQUESTS, SATURATING_STREAMS)
+            shares.append((cpu_seconds(server.pid) - before) / (time.monotonic() - started))
+            rates.append(reported(result, "Output token throughput (tok/s):"))
+            print(f"{rates[-1]:10.1f} output tok/s   agent CPU {shares[-1]:.2f} of a core", flush=True)
+    return {"tree": str(tree), "reps": reps, "streams": SATURATING_STREAMS, "step_ms": SATURATING_STEP_MS,
+            "output_tokens_per_s": rates, "agent_cpu_share": shares,
+            "median_output_tokens_per_s": statistics.median(rates), "median_agent_cpu_share": statistics.median(shares)}
+
+
+def measure(tree: Path, reps: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree / "src")}
+    port = free_port()
+    with standin_server(tree, env, port, STREAMS, 10) as server:
         per_request, per_1k, one_token = [], [], []
         for _ in range(reps):
             runs = []
             for output_len in (SHORT, LONG):
                 before = cpu_seconds(server.pid)
-                runs.append((bench(tree, env, port, output_len), cpu_seconds(server.pid) - before))
+                runs.append((tokens(bench(tree, env, port, output_len)), cpu_seconds(server.pid) - before))
             (short_tokens, short_cpu), (long_tokens, long_cpu) = runs
             token = (long_cpu - short_cpu) / (long_tokens - short_tokens)
             per_1k.append(token * 1e6)
@@ -80,9 +126,6 @@ def measure(tree: Path, reps: int) -> dict:
             one_token.append((cpu_seconds(server.pid) - before) / ONE_TOKEN_REQUESTS * 1e3)
             print(f"cpu/request {per_request[-1]:6.2f} ms   cpu/1k streamed tokens {per_1k[-1]:6.1f} ms   "
                   f"cpu per 1-token request {one_token[-1]:6.2f} ms", flush=True)
-    finally:
-        server.terminate()
-        server.wait()
     return {"tree": str(tree), "reps": reps, "cpu_ms_per_request": per_request, "cpu_ms_per_1k_tokens": per_1k,
             "cpu_ms_per_one_token_request": one_token,
             "median_cpu_ms_per_request": statistics.median(per_request),
@@ -96,11 +139,17 @@ def main() -> int:
                         help="the repository tree whose agent is measured")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", default=None, help="write the numbers here")
+    parser.add_argument("--saturate", action="store_true", help="measure the tokens/s one agent process streams")
     args = parser.parse_args()
-    result = {"cpus": os.cpu_count(), **measure(args.tree.resolve(), args.reps)}
-    print(f"median: {result['median_cpu_ms_per_request']:.2f} ms per request, "
-          f"{result['median_cpu_ms_per_1k_tokens']:.1f} ms per 1,000 streamed tokens, "
-          f"{result['median_cpu_ms_per_one_token_request']:.2f} ms per 1-token request")
+    if args.saturate:
+        result = {"cpus": os.cpu_count(), **saturate(args.tree.resolve(), args.reps)}
+        print(f"median: {result['median_output_tokens_per_s']:.1f} output tok/s, agent CPU "
+              f"{result['median_agent_cpu_share']:.2f} of a core")
+    else:
+        result = {"cpus": os.cpu_count(), **measure(args.tree.resolve(), args.reps)}
+        print(f"median: {result['median_cpu_ms_per_request']:.2f} ms per request, "
+              f"{result['median_cpu_ms_per_1k_tokens']:.1f} ms per 1,000 streamed tokens, "
+              f"{result['median_cpu_ms_per_one_token_request']:.2f} ms per 1-token request")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
