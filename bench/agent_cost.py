@@ -13,8 +13,9 @@ per request of a third run of 1,024 requests of one output token each. Medians o
 
 ``--saturate``: the tokens/s one agent process streams at most. The stand-in steps every millisecond (faster than
 the agent can hand its tokens out), ``--agent-processes 1`` and 512 slots; the client runs 512 streams of 128 output
-tokens. The run reports the client's output tokens/s and the agent's CPU over the run's wall time (near 1.0: the
-agent's core was the limit). It needs cores for the client and the stand-in beside the agent's to mean that.
+tokens. The run reports the client's output tokens/s, the agent's CPU over the run's wall time (near 1.0: the
+agent's core was the limit) and its CPU per 1,000 tokens. It needs cores for the client and the stand-in beside the
+agent's to mean that.
 """
 from __future__ import annotations
 
@@ -92,19 +93,23 @@ def saturate(tree: Path, reps: int) -> dict:
     share of the run's wall time."""
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
     port = free_port()
-    rates, shares = [], []
+    rates, shares, per_1k = [], [], []
     # A tree from before agent processes serves with one; a later one may choose several by its cores.
     one_agent = ("--agent-processes", "1") if "--agent-processes" in (tree / "src/blink/cli.py").read_text() else ()
     with standin_server(tree, env, port, SATURATING_STREAMS, SATURATING_STEP_MS, *one_agent) as server:
         for _ in range(reps):
             before, started = cpu_seconds(server.pid), time.monotonic()
             result = bench(tree, env, port, LONG, SATURATING_REQUESTS, SATURATING_STREAMS)
-            shares.append((cpu_seconds(server.pid) - before) / (time.monotonic() - started))
+            cpu = cpu_seconds(server.pid) - before
+            shares.append(cpu / (time.monotonic() - started))
             rates.append(reported(result, "Output token throughput (tok/s):"))
-            print(f"{rates[-1]:10.1f} output tok/s   agent CPU {shares[-1]:.2f} of a core", flush=True)
+            per_1k.append(cpu / tokens(result) * 1e6)
+            print(f"{rates[-1]:10.1f} output tok/s   agent CPU {shares[-1]:.2f} of a core, {per_1k[-1]:.1f} ms per "
+                  f"1,000 tokens", flush=True)
     return {"tree": str(tree), "reps": reps, "streams": SATURATING_STREAMS, "step_ms": SATURATING_STEP_MS,
-            "output_tokens_per_s": rates, "agent_cpu_share": shares,
-            "median_output_tokens_per_s": statistics.median(rates), "median_agent_cpu_share": statistics.median(shares)}
+            "output_tokens_per_s": rates, "agent_cpu_share": shares, "cpu_ms_per_1k_tokens": per_1k,
+            "median_output_tokens_per_s": statistics.median(rates), "median_agent_cpu_share": statistics.median(shares),
+            "median_cpu_ms_per_1k_tokens": statistics.median(per_1k)}
 
 
 def measure(tree: Path, reps: int) -> dict:
@@ -144,7 +149,8 @@ def main() -> int:
     if args.saturate:
         result = {"cpus": os.cpu_count(), **saturate(args.tree.resolve(), args.reps)}
         print(f"median: {result['median_output_tokens_per_s']:.1f} output tok/s, agent CPU "
-              f"{result['median_agent_cpu_share']:.2f} of a core")
+              f"{result['median_agent_cpu_share']:.2f} of a core, {result['median_cpu_ms_per_1k_tokens']:.1f} ms per "
+              "1,000 tokens")
     else:
         result = {"cpus": os.cpu_count(), **measure(args.tree.resolve(), args.reps)}
         print(f"median: {result['median_cpu_ms_per_request']:.2f} ms per request, "
