@@ -69,8 +69,11 @@ def tokens(result: str) -> int:
 
 
 @contextmanager
-def standin_server(tree: Path, env: dict, port: int, slots: int, step_ms: float, *extra: str):
-    """``blink serve --standin`` of ``tree`` on ``port``, healthy and warmed up; yields its process."""
+def standin_server(tree: Path, env: dict, port: int, slots: int, step_ms: float, model: Path | None, *extra: str):
+    """``blink serve --standin`` of ``tree`` on ``port`` with ``model``'s tokenizer (None: the embedded model's),
+    healthy and warmed up; yields its process."""
+    if model is not None:
+        extra = ("--model", str(model), *extra)
     server = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--standin", "--port", str(port),
                                "--slots", str(slots), "--max-prompt-tokens", "1024", "--max-output-tokens", "2048",
                                "--standin-step-ms", str(step_ms), "--agent-priority", "normal", *extra],
@@ -88,7 +91,7 @@ def standin_server(tree: Path, env: dict, port: int, slots: int, step_ms: float,
         server.wait()
 
 
-def saturate(tree: Path, reps: int) -> dict:
+def saturate(tree: Path, reps: int, model: Path | None) -> dict:
     """The client's output tokens/s against one agent process with a stand-in faster than it, and the agent's CPU
     share of the run's wall time."""
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
@@ -96,7 +99,7 @@ def saturate(tree: Path, reps: int) -> dict:
     rates, shares, per_1k = [], [], []
     # A tree from before agent processes serves with one; a later one may choose several by its cores.
     one_agent = ("--agent-processes", "1") if "--agent-processes" in (tree / "src/blink/cli.py").read_text() else ()
-    with standin_server(tree, env, port, SATURATING_STREAMS, SATURATING_STEP_MS, *one_agent) as server:
+    with standin_server(tree, env, port, SATURATING_STREAMS, SATURATING_STEP_MS, model, *one_agent) as server:
         for _ in range(reps):
             before, started = cpu_seconds(server.pid), time.monotonic()
             result = bench(tree, env, port, LONG, SATURATING_REQUESTS, SATURATING_STREAMS)
@@ -106,16 +109,17 @@ def saturate(tree: Path, reps: int) -> dict:
             per_1k.append(cpu / tokens(result) * 1e6)
             print(f"{rates[-1]:10.1f} output tok/s   agent CPU {shares[-1]:.2f} of a core, {per_1k[-1]:.1f} ms per "
                   f"1,000 tokens", flush=True)
-    return {"tree": str(tree), "reps": reps, "streams": SATURATING_STREAMS, "step_ms": SATURATING_STEP_MS,
+    return {"tree": str(tree), "model": str(model), "reps": reps, "streams": SATURATING_STREAMS,
+            "step_ms": SATURATING_STEP_MS,
             "output_tokens_per_s": rates, "agent_cpu_share": shares, "cpu_ms_per_1k_tokens": per_1k,
             "median_output_tokens_per_s": statistics.median(rates), "median_agent_cpu_share": statistics.median(shares),
             "median_cpu_ms_per_1k_tokens": statistics.median(per_1k)}
 
 
-def measure(tree: Path, reps: int) -> dict:
+def measure(tree: Path, reps: int, model: Path | None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
     port = free_port()
-    with standin_server(tree, env, port, STREAMS, 10) as server:
+    with standin_server(tree, env, port, STREAMS, 10, model) as server:
         per_request, per_1k, one_token = [], [], []
         for _ in range(reps):
             runs = []
@@ -131,7 +135,8 @@ def measure(tree: Path, reps: int) -> dict:
             one_token.append((cpu_seconds(server.pid) - before) / ONE_TOKEN_REQUESTS * 1e3)
             print(f"cpu/request {per_request[-1]:6.2f} ms   cpu/1k streamed tokens {per_1k[-1]:6.1f} ms   "
                   f"cpu per 1-token request {one_token[-1]:6.2f} ms", flush=True)
-    return {"tree": str(tree), "reps": reps, "cpu_ms_per_request": per_request, "cpu_ms_per_1k_tokens": per_1k,
+    return {"tree": str(tree), "model": str(model), "reps": reps, "cpu_ms_per_request": per_request,
+            "cpu_ms_per_1k_tokens": per_1k,
             "cpu_ms_per_one_token_request": one_token,
             "median_cpu_ms_per_request": statistics.median(per_request),
             "median_cpu_ms_per_1k_tokens": statistics.median(per_1k),
@@ -145,14 +150,16 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", default=None, help="write the numbers here")
     parser.add_argument("--saturate", action="store_true", help="measure the tokens/s one agent process streams")
+    parser.add_argument("--model", type=Path, default=None, help="the model directory whose tokenizer "
+                        "the agent uses (default: the embedded SmolLM2's; e.g. a blink.bench.shapes directory)")
     args = parser.parse_args()
     if args.saturate:
-        result = {"cpus": os.cpu_count(), **saturate(args.tree.resolve(), args.reps)}
+        result = {"cpus": os.cpu_count(), **saturate(args.tree.resolve(), args.reps, args.model)}
         print(f"median: {result['median_output_tokens_per_s']:.1f} output tok/s, agent CPU "
               f"{result['median_agent_cpu_share']:.2f} of a core, {result['median_cpu_ms_per_1k_tokens']:.1f} ms per "
               "1,000 tokens")
     else:
-        result = {"cpus": os.cpu_count(), **measure(args.tree.resolve(), args.reps)}
+        result = {"cpus": os.cpu_count(), **measure(args.tree.resolve(), args.reps, args.model)}
         print(f"median: {result['median_cpu_ms_per_request']:.2f} ms per request, "
               f"{result['median_cpu_ms_per_1k_tokens']:.1f} ms per 1,000 streamed tokens, "
               f"{result['median_cpu_ms_per_one_token_request']:.2f} ms per 1-token request")
