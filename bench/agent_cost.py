@@ -154,12 +154,12 @@ def main() -> int:
                         "the agent uses (default: the embedded SmolLM2's; e.g. a blink.bench.shapes directory)")
     args = parser.parse_args()
     if args.saturate:
-        result = {"cpus": os.cpu_count(), **saturate(args.tree.resolve(), args.reps, args.model)}
+        result = {"cpus": os.cpu_count(), **saturate(args.tree.resolve(), args.reps, args.model and args.model.resolve())}
         print(f"median: {result['median_output_tokens_per_s']:.1f} output tok/s, agent CPU "
               f"{result['median_agent_cpu_share']:.2f} of a core, {result['median_cpu_ms_per_1k_tokens']:.1f} ms per "
               "1,000 tokens")
     else:
-        result = {"cpus": os.cpu_count(), **measure(args.tree.resolve(), args.reps, args.model)}
+        result = {"cpus": os.cpu_count(), **measure(args.tree.resolve(), args.reps, args.model and args.model.resolve())}
         print(f"median: {result['median_cpu_ms_per_request']:.2f} ms per request, "
               f"{result['median_cpu_ms_per_1k_tokens']:.1f} ms per 1,000 streamed tokens, "
               f"{result['median_cpu_ms_per_one_token_request']:.2f} ms per 1-token request")
