@@ -50,12 +50,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench(tree: Path, env: dict, port: int, output_len: int, requests: int = REQUESTS,
+def bench(tree: Path, env: dict, port: int, model: Path | None, output_len: int, requests: int = REQUESTS,
           streams: int = STREAMS) -> str:
-    """One closed-loop run; the client's result block."""
+    """One closed-loop run; the client's result block. The client reads ``model``'s tokenizer, as the server does
+    (None: the embedded model's)."""
+    model = ("--tokenizer", str(model)) if model is not None else ()
     return subprocess.run([sys.executable, "-m", "blink.cli", "bench", "serve", "--base-url",
                            f"http://127.0.0.1:{port}", "--num-prompts", str(requests), "--max-concurrency",
-                           str(streams), "--output-len", str(output_len), "--ignore-eos"],
+                           str(streams), "--output-len", str(output_len), "--ignore-eos", *model],
                           env=env, cwd=tree, capture_output=True, text=True, check=True).stdout
 
 
@@ -84,7 +86,7 @@ def standin_server(tree: Path, env: dict, port: int, slots: int, step_ms: float,
             if server.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"blink serve --standin of {tree} did not become healthy")
             time.sleep(0.2)
-        bench(tree, env, port, 8, slots, slots)     # warm-up: imports and first allocations
+        bench(tree, env, port, model, 8, slots, slots)     # warm-up: imports and first allocations
         yield server
     finally:
         server.terminate()
@@ -102,7 +104,7 @@ def saturate(tree: Path, reps: int, model: Path | None) -> dict:
     with standin_server(tree, env, port, SATURATING_STREAMS, SATURATING_STEP_MS, model, *one_agent) as server:
         for _ in range(reps):
             before, started = cpu_seconds(server.pid), time.monotonic()
-            result = bench(tree, env, port, LONG, SATURATING_REQUESTS, SATURATING_STREAMS)
+            result = bench(tree, env, port, model, LONG, SATURATING_REQUESTS, SATURATING_STREAMS)
             cpu = cpu_seconds(server.pid) - before
             shares.append(cpu / (time.monotonic() - started))
             rates.append(reported(result, "Output token throughput (tok/s):"))
@@ -125,13 +127,13 @@ def measure(tree: Path, reps: int, model: Path | None) -> dict:
             runs = []
             for output_len in (SHORT, LONG):
                 before = cpu_seconds(server.pid)
-                runs.append((tokens(bench(tree, env, port, output_len)), cpu_seconds(server.pid) - before))
+                runs.append((tokens(bench(tree, env, port, model, output_len)), cpu_seconds(server.pid) - before))
             (short_tokens, short_cpu), (long_tokens, long_cpu) = runs
             token = (long_cpu - short_cpu) / (long_tokens - short_tokens)
             per_1k.append(token * 1e6)
             per_request.append((short_cpu - token * short_tokens) / REQUESTS * 1e3)
             before = cpu_seconds(server.pid)
-            bench(tree, env, port, 1, ONE_TOKEN_REQUESTS)
+            bench(tree, env, port, model, 1, ONE_TOKEN_REQUESTS)
             one_token.append((cpu_seconds(server.pid) - before) / ONE_TOKEN_REQUESTS * 1e3)
             print(f"cpu/request {per_request[-1]:6.2f} ms   cpu/1k streamed tokens {per_1k[-1]:6.1f} ms   "
                   f"cpu per 1-token request {one_token[-1]:6.2f} ms", flush=True)
@@ -153,13 +155,14 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=None, help="the model directory whose tokenizer "
                         "the agent uses (default: the embedded SmolLM2's; e.g. a blink.bench.shapes directory)")
     args = parser.parse_args()
+    model = args.model and args.model.resolve()     # the server and the client run in the measured tree
     if args.saturate:
-        result = {"cpus": os.cpu_count(), **saturate(args.tree.resolve(), args.reps, args.model and args.model.resolve())}
+        result = {"cpus": os.cpu_count(), **saturate(args.tree.resolve(), args.reps, model)}
         print(f"median: {result['median_output_tokens_per_s']:.1f} output tok/s, agent CPU "
               f"{result['median_agent_cpu_share']:.2f} of a core, {result['median_cpu_ms_per_1k_tokens']:.1f} ms per "
               "1,000 tokens")
     else:
-        result = {"cpus": os.cpu_count(), **measure(args.tree.resolve(), args.reps, args.model and args.model.resolve())}
+        result = {"cpus": os.cpu_count(), **measure(args.tree.resolve(), args.reps, model)}
         print(f"median: {result['median_cpu_ms_per_request']:.2f} ms per request, "
               f"{result['median_cpu_ms_per_1k_tokens']:.1f} ms per 1,000 streamed tokens, "
               f"{result['median_cpu_ms_per_one_token_request']:.2f} ms per 1-token request")
