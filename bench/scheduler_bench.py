@@ -185,14 +185,17 @@ def idle_iteration(image: bytes, mode: str, case: str, scan: bool, seconds: floa
 
 
 def admission_latency(image: bytes, idle_ns: int, trials: int = 200, caching: bool = False,
-                      shared: bool = False, request_side: str = "host", phases: bool = False) -> dict:
+                      shared: bool = False, request_side: str = "host", phases: bool = False,
+                      max_tokens: int = 1) -> dict:
     """READY -> first token of ``prompt(shared)`` prompts, one at a time (with caching, SHARED is cached after the
     first; submitting includes the agent's hashing of the prompt). With the request side in GPU memory the submit
     writes go there and each spin reads ``n_generated`` with a copy out of it, so that placement's numbers compare
     with themselves (quiet against hogs), not with the host placement's. ``phases``: also the loop's profile gained
     from before each submit to its first token, medians per trial under ``phases``: ``iterations``, µs in each phase
     (the rest of the total is the launch, the step, the waits and what no phase times); meaningful where the idle
-    loop runs no iteration meanwhile (a long ``idle_ns``)."""
+    loop runs no iteration meanwhile (a long ``idle_ns``). A request of ``max_tokens=1`` ends with its first token,
+    so the iteration that consumes it retires it (frees its pages) before it publishes the token; one of 2 goes on,
+    as a served request does at its first token (its profile would count its next step too: ``phases`` wants 1)."""
     rig = Rig(image, SchedulerConfig(**{**BASE.__dict__, "idle_sleep_ns": idle_ns, "enable_prefix_caching": caching}),
               request_side)
     rig.scheduler.start()
@@ -206,7 +209,7 @@ def admission_latency(image: bytes, idle_ns: int, trials: int = 200, caching: bo
         before = rig.scheduler.cycles() if phases else None
         t0 = time.perf_counter()
         slot = rig.agent._slot_of[rig.agent.submit(prompt(shared, k) if shared else [5, 6],
-                                                   SamplingParams(max_tokens=1))]
+                                                   SamplingParams(max_tokens=max_tokens))]
         t1 = time.perf_counter()                # the slot is READY and the doorbell rung
         running = None
         while generated()[slot] < 1:
@@ -226,7 +229,8 @@ def admission_latency(image: bytes, idle_ns: int, trials: int = 200, caching: bo
             rig.agent.poll()
     hits = rig.control("prefix_hit_tokens")
     rig.stop()
-    return {"idle_sleep_ns": idle_ns, "caching": caching, "shared": shared, "request_side": request_side,
+    return {"idle_sleep_ns": idle_ns, "max_tokens": max_tokens, "caching": caching, "shared": shared,
+            "request_side": request_side,
             "prefix_hit_tokens": hits, **percentiles("", samples), **percentiles("ready_", ready),
             **percentiles("submit_", submits), **(percentiles("running_", admitted) if admitted else {}),
             **({"phases": {name: statistics.median(g[name] for g in gained) for name in gained[0]}} if phases else {})}
@@ -304,7 +308,8 @@ def main() -> None:
         "idle": [idle_iteration(image, mode, case, scan) for mode in modes
                  for case in ("all_free",) + (() if args.quick else ("half_finished", "all_finished", "ready_backlog"))
                  for scan in (False, True)],
-        "admission": [admission_latency(image, ns) for ns in (0, 20_000)],
+        "admission": [admission_latency(image, ns) for ns in (0, 20_000)]
+        + [admission_latency(image, 0, max_tokens=2)],
         "admission_phases": admission_latency(image, MAX_IDLE_SLEEP_NS, trials=100, phases=True),
     }
     if not args.quick:
@@ -328,7 +333,8 @@ def main() -> None:
     quiet = result["idle"][0]["profile_us"]
     print("  quiet iteration profile (us): " + profile_text(quiet))
     for r in result["admission"]:
-        print(f"  submit -> first token (idle sleep {r['idle_sleep_ns']} ns): median {r['median_us']:.1f} us, "
+        print(f"  submit -> first token (idle sleep {r['idle_sleep_ns']} ns, max_tokens {r['max_tokens']}): median "
+              f"{r['median_us']:.1f} us, "
               f"p99 {r['p99_us']:.1f} us; READY -> first token (from submit's return) median "
               f"{r['ready_median_us']:.1f} us, p99 {r['ready_p99_us']:.1f} us (READY -> RUNNING median "
               f"{r.get('running_median_us', float('nan')):.1f} us); the agent's submit median "
