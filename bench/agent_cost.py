@@ -11,11 +11,13 @@ cost of a token is the difference of the two runs over the difference of their t
 short run's rest per request (HTTP, parsing, submission, its first and last chunks), and, measured directly, the CPU
 per request of a third run of 1,024 requests of one output token each. Medians over ``--reps``.
 
-``--saturate``: the tokens/s one agent process streams at most. The stand-in steps every millisecond (faster than
-the agent can hand its tokens out), ``--agent-processes 1`` and 512 slots; the client runs 512 streams of 128 output
-tokens. The run reports the client's output tokens/s, the agent's CPU over the run's wall time (near 1.0: the
-agent's core was the limit) and its CPU per 1,000 tokens. It needs cores for the client and the stand-in beside the
-agent's to mean that.
+``--saturate``: the tokens/s one agent process streams at most. ``blink serve --standin`` with 512 slots, one agent
+process and the stand-in stepping every millisecond (faster than the agent hands tokens out); ``--clients`` client
+processes (4) keep 512 streams of 128 output tokens busy, so that no client is the limit. Over a 5 s window, 3 s
+after the clients start, it reads the engine's token counter (``blink_generation_tokens_total``: in a closed loop
+the tokens streamed) and the agent's CPU: tokens/s, the agent's share of a core (near 1.0: the agent was the limit)
+and its CPU per 1,000 tokens. The clients are stopped after the window. It needs cores for the clients and the
+stand-in beside the agent's to mean that.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -35,7 +38,9 @@ from bench.wait_healthy import healthy
 
 STREAMS, REQUESTS, SHORT, LONG = 64, 256, 16, 128
 ONE_TOKEN_REQUESTS = 1024
-SATURATING_STREAMS, SATURATING_REQUESTS, SATURATING_STEP_MS = 512, 4096, 1
+SATURATING_STREAMS, SATURATING_STEP_MS, SATURATING_RAMP_S, SATURATING_WINDOW_S = 512, 1, 3.0, 5.0
+SATURATING_REQUESTS_PER_STREAM = 40    # more than a window takes at 300k tokens/s; the clients are stopped after it
+TOKENS = "blink_generation_tokens_total"    # the engine's count of generated tokens, on /metrics
 
 
 def free_port() -> int:
@@ -61,13 +66,9 @@ def bench(tree: Path, env: dict, port: int, model: Path | None, output_len: int,
                           env=env, cwd=tree, capture_output=True, text=True, check=True).stdout
 
 
-def reported(result: str, label: str) -> float:
-    """The last number the client's result block gives for ``label``."""
-    return float(re.findall(re.escape(label) + r"\s+([\d.]+)", result)[-1])
-
-
 def tokens(result: str) -> int:
-    return int(reported(result, "Total generated tokens:"))
+    """The output tokens a client's result block reports."""
+    return int(re.findall(r"Total generated tokens:\s+(\d+)", result)[-1])
 
 
 @contextmanager
@@ -93,28 +94,50 @@ def standin_server(tree: Path, env: dict, port: int, slots: int, step_ms: float,
         server.wait()
 
 
-def saturate(tree: Path, reps: int, model: Path | None) -> dict:
-    """The client's output tokens/s against one agent process with a stand-in faster than it, and the agent's CPU
-    share of the run's wall time."""
+def scraped(port: int, name: str) -> float:
+    """The value of counter ``name`` on the server's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return float(re.findall(rf"^{name} (\S+)$", response.read().decode(), re.M)[-1])
+
+
+def saturate(tree: Path, reps: int, model: Path | None, clients: int) -> dict:
+    """One agent process's streamed tokens/s (the engine's token counter) and CPU share over a window of
+    ``SATURATING_WINDOW_S`` while ``clients`` client processes keep ``SATURATING_STREAMS`` streams busy."""
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
     port = free_port()
     rates, shares, per_1k = [], [], []
     # A tree from before agent processes serves with one; a later one may choose several by its cores.
     one_agent = ("--agent-processes", "1") if "--agent-processes" in (tree / "src/blink/cli.py").read_text() else ()
+    streams = SATURATING_STREAMS // clients
+    command = [sys.executable, "-m", "blink.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+               "--num-prompts", str(SATURATING_REQUESTS_PER_STREAM * streams), "--max-concurrency", str(streams),
+               "--output-len", str(LONG), "--ignore-eos", *(("--tokenizer", str(model)) if model else ())]
     with standin_server(tree, env, port, SATURATING_STREAMS, SATURATING_STEP_MS, model, *one_agent) as server:
         for _ in range(reps):
-            before, started = cpu_seconds(server.pid), time.monotonic()
-            result = bench(tree, env, port, model, LONG, SATURATING_REQUESTS, SATURATING_STREAMS)
-            cpu = cpu_seconds(server.pid) - before
-            shares.append(cpu / (time.monotonic() - started))
-            rates.append(reported(result, "Output token throughput (tok/s):"))
-            per_1k.append(cpu / tokens(result) * 1e6)
-            print(f"{rates[-1]:10.1f} output tok/s   agent CPU {shares[-1]:.2f} of a core, {per_1k[-1]:.1f} ms per "
+            running = [subprocess.Popen(command, env=env, cwd=tree, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL) for _ in range(clients)]
+            try:
+                time.sleep(SATURATING_RAMP_S)
+                before = time.monotonic(), scraped(port, TOKENS), cpu_seconds(server.pid)
+                time.sleep(SATURATING_WINDOW_S)
+                after = time.monotonic(), scraped(port, TOKENS), cpu_seconds(server.pid)
+                if any(client.poll() is not None for client in running):
+                    raise SystemExit("a client ended before the window did: it failed, or ran out of requests")
+            finally:
+                for client in running:
+                    client.terminate()
+                    client.wait()
+            wall, streamed, cpu = (b - a for a, b in zip(before, after))
+            rates.append(streamed / wall)
+            shares.append(cpu / wall)
+            per_1k.append(cpu / streamed * 1e6)
+            print(f"{rates[-1]:10.1f} tokens/s   agent CPU {shares[-1]:.2f} of a core, {per_1k[-1]:.1f} ms per "
                   f"1,000 tokens", flush=True)
-    return {"tree": str(tree), "model": str(model), "reps": reps, "streams": SATURATING_STREAMS,
-            "step_ms": SATURATING_STEP_MS,
-            "output_tokens_per_s": rates, "agent_cpu_share": shares, "cpu_ms_per_1k_tokens": per_1k,
-            "median_output_tokens_per_s": statistics.median(rates), "median_agent_cpu_share": statistics.median(shares),
+            time.sleep(SATURATING_RAMP_S)       # the cancelled requests drain
+    return {"tree": str(tree), "model": str(model), "reps": reps, "streams": SATURATING_STREAMS, "clients": clients,
+            "step_ms": SATURATING_STEP_MS, "window_s": SATURATING_WINDOW_S,
+            "tokens_per_s": rates, "agent_cpu_share": shares, "cpu_ms_per_1k_tokens": per_1k,
+            "median_tokens_per_s": statistics.median(rates), "median_agent_cpu_share": statistics.median(shares),
             "median_cpu_ms_per_1k_tokens": statistics.median(per_1k)}
 
 
@@ -152,13 +175,14 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", default=None, help="write the numbers here")
     parser.add_argument("--saturate", action="store_true", help="measure the tokens/s one agent process streams")
+    parser.add_argument("--clients", type=int, default=4, help="--saturate: client processes (512 streams in all)")
     parser.add_argument("--model", type=Path, default=None, help="the model directory whose tokenizer "
                         "the agent uses (default: the embedded SmolLM2's; e.g. a blink.bench.shapes directory)")
     args = parser.parse_args()
     model = args.model and args.model.resolve()     # the server and the client run in the measured tree
     if args.saturate:
-        result = {"cpus": os.cpu_count(), **saturate(args.tree.resolve(), args.reps, model)}
-        print(f"median: {result['median_output_tokens_per_s']:.1f} output tok/s, agent CPU "
+        result = {"cpus": os.cpu_count(), **saturate(args.tree.resolve(), args.reps, model, args.clients)}
+        print(f"median: {result['median_tokens_per_s']:.1f} tokens/s, agent CPU "
               f"{result['median_agent_cpu_share']:.2f} of a core, {result['median_cpu_ms_per_1k_tokens']:.1f} ms per "
               "1,000 tokens")
     else:
