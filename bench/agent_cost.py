@@ -1,15 +1,17 @@
 """The agent's CPU time per request and per 1,000 streamed tokens, under ``blink bench serve`` load.
 
-    PYTHONPATH=src python -m bench.agent_cost [--tree DIR] [--reps 5] [--json out.json]
+    PYTHONPATH=src python -m bench.agent_cost [--tree DIR] [--reps 5] [--model DIR] [--json out.json]
+        [--saturate [--clients 4]]
 
-``blink serve --standin`` of the tree at DIR (default: this one) with its stand-in paced like a GPU's decode step
-(``--standin-step-ms 10``, so a poll finds about one token per stream, as behind a real engine) and the agent at
-normal priority; then ``blink bench serve`` closed loop at 64 streams, 256 requests of 16 output tokens and 256 of
-128. The agent's CPU is the server process's utime + stime (``/proc/PID/stat``: every thread of it; the stand-in is
-a process of its own) around each run, so a tree without ``process_cpu_seconds_total`` measures too. The marginal
-cost of a token is the difference of the two runs over the difference of their tokens; a request's cost is the
-short run's rest per request (HTTP, parsing, submission, its first and last chunks), and, measured directly, the CPU
-per request of a third run of 1,024 requests of one output token each. Medians over ``--reps``.
+``blink serve --standin`` of the tree at DIR (default: this one), one agent process, with its stand-in paced like a
+GPU's decode step (``--standin-step-ms 10``, so a poll finds about one token per stream, as behind a real engine) and
+the agent at normal priority; then ``blink bench serve`` closed loop at 64 streams, 256 requests of 16 output tokens
+and 256 of 128. The agent's CPU is the server process's utime + stime (``/proc/PID/stat``: every thread of it; the
+stand-in is a process of its own) around each run, so a tree without ``process_cpu_seconds_total`` measures too. The
+marginal cost of a token is the difference of the two runs over the difference of their tokens; a request's cost is
+the short run's rest per request (HTTP, parsing, submission, its first and last chunks), and, measured directly, the
+CPU per request of a third run of 1,024 requests of one output token each. Medians over ``--reps``. ``--model``: the
+tokenizer of that model directory, in the server and the client (default: the embedded model's).
 
 ``--saturate``: the tokens/s one agent process streams at most. ``blink serve --standin`` with 512 slots, one agent
 process and the stand-in stepping every millisecond (faster than the agent hands tokens out); ``--clients`` client
@@ -72,11 +74,14 @@ def tokens(result: str) -> int:
 
 
 @contextmanager
-def standin_server(tree: Path, env: dict, port: int, slots: int, step_ms: float, model: Path | None, *extra: str):
-    """``blink serve --standin`` of ``tree`` on ``port`` with ``model``'s tokenizer (None: the embedded model's),
-    healthy and warmed up; yields its process."""
-    if model is not None:
-        extra = ("--model", str(model), *extra)
+def standin_server(tree: Path, env: dict, port: int, slots: int, step_ms: float, model: Path | None):
+    """``blink serve --standin`` of ``tree`` on ``port``, one agent process, with ``model``'s tokenizer (None: the
+    embedded model's), healthy and warmed up; yields its process."""
+    extra = ("--model", str(model)) if model is not None else ()
+    # One agent process, whose CPU is the server process's: a tree from before agent processes serves with one, a
+    # later one would choose several on a host of many cores.
+    if "--agent-processes" in (tree / "src/blink/cli.py").read_text():
+        extra = ("--agent-processes", "1", *extra)
     server = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--standin", "--port", str(port),
                                "--slots", str(slots), "--max-prompt-tokens", "1024", "--max-output-tokens", "2048",
                                "--standin-step-ms", str(step_ms), "--agent-priority", "normal", *extra],
@@ -106,13 +111,11 @@ def saturate(tree: Path, reps: int, model: Path | None, clients: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
     port = free_port()
     rates, shares, per_1k = [], [], []
-    # A tree from before agent processes serves with one; a later one may choose several by its cores.
-    one_agent = ("--agent-processes", "1") if "--agent-processes" in (tree / "src/blink/cli.py").read_text() else ()
     streams = SATURATING_STREAMS // clients
     command = [sys.executable, "-m", "blink.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
                "--num-prompts", str(SATURATING_REQUESTS_PER_STREAM * streams), "--max-concurrency", str(streams),
                "--output-len", str(LONG), "--ignore-eos", *(("--tokenizer", str(model)) if model else ())]
-    with standin_server(tree, env, port, SATURATING_STREAMS, SATURATING_STEP_MS, model, *one_agent) as server:
+    with standin_server(tree, env, port, SATURATING_STREAMS, SATURATING_STEP_MS, model) as server:
         for _ in range(reps):
             running = [subprocess.Popen(command, env=env, cwd=tree, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL) for _ in range(clients)]
