@@ -275,6 +275,18 @@ def test_an_api_key_is_asked_for_by_every_process(pair):
     assert all(client.models.list().data for _ in range(4))
 
 
+def test_sigusr1_prints_an_agent_processs_stacks_and_it_serves_on(pair):
+    """``kill -USR1`` of an agent process reports where its threads are, as it does for serve's other processes
+    (where one that does not answer waits), and the process goes on: it had no handler, and the signal killed it."""
+    agent = pair.agents()[1]
+    reports = sum(line.startswith("Current thread") for line in pair.lines())
+    os.kill(agent, signal.SIGUSR1)
+    wait_for(lambda: sum(line.startswith("Current thread") for line in pair.lines()) > reports, timeout_s=30)
+    assert os.path.exists(f"/proc/{agent}") and pair.agents()[1] == agent, pair.lines()[-20:]
+    for _ in range(16):         # fresh connections: the kernel spreads them over both processes
+        assert call(pair.port, "GET", "/health")[0] == 200
+
+
 def test_sigterm_drains_every_process_then_the_engine_stops(tmp_path):
     """The first SIGTERM reaches every agent process (the parent forwards it): each answers /readyz 503 "draining"
     and new requests 503, the requests in flight finish, then the engine stops and the exit code is 0."""

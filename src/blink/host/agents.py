@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 from blink.errors import RingRefused
-from blink.host.process import USER_ERRORS, stop_with_parent
+from blink.host.process import USER_ERRORS, report_stacks_on_sigusr1, stop_with_parent
 from blink.ring import control
 from blink.ring.shares import Share
 
@@ -135,6 +135,7 @@ def _agent_entry(target, share: Share, tell: Connection, parent: int) -> None:
     """An agent process: ``target(share, listening)``, its exit code this process's; a start-up error in one line."""
     os.setsid()
     logging.basicConfig(level=logging.INFO, format=f"blink: [agent {share.index}] %(message)s")
+    report_stacks_on_sigusr1()
     stop_with_parent(parent)
     try:
         code = target(share, lambda: tell.send(True))
