@@ -57,15 +57,19 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def client_command(port: int, model: Path | None, output_len: int, requests: int, streams: int) -> list[str]:
+    """The command of a ``blink bench serve`` closed loop against ``port``, reading ``model``'s tokenizer, as the
+    server does (None: the embedded model's)."""
+    return [sys.executable, "-m", "blink.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+            "--num-prompts", str(requests), "--max-concurrency", str(streams), "--output-len", str(output_len),
+            "--ignore-eos", *(("--tokenizer", str(model)) if model is not None else ())]
+
+
 def bench(tree: Path, env: dict, port: int, model: Path | None, output_len: int, requests: int = REQUESTS,
           streams: int = STREAMS) -> str:
-    """One closed-loop run; the client's result block. The client reads ``model``'s tokenizer, as the server does
-    (None: the embedded model's)."""
-    model = ("--tokenizer", str(model)) if model is not None else ()
-    return subprocess.run([sys.executable, "-m", "blink.cli", "bench", "serve", "--base-url",
-                           f"http://127.0.0.1:{port}", "--num-prompts", str(requests), "--max-concurrency",
-                           str(streams), "--output-len", str(output_len), "--ignore-eos", *model],
-                          env=env, cwd=tree, capture_output=True, text=True, check=True).stdout
+    """One closed-loop run; the client's result block."""
+    return subprocess.run(client_command(port, model, output_len, requests, streams), env=env, cwd=tree,
+                          capture_output=True, text=True, check=True).stdout
 
 
 def tokens(result: str) -> int:
@@ -112,9 +116,7 @@ def saturate(tree: Path, reps: int, model: Path | None, clients: int) -> dict:
     port = free_port()
     rates, shares, per_1k = [], [], []
     streams = SATURATING_STREAMS // clients
-    command = [sys.executable, "-m", "blink.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
-               "--num-prompts", str(SATURATING_REQUESTS_PER_STREAM * streams), "--max-concurrency", str(streams),
-               "--output-len", str(LONG), "--ignore-eos", *(("--tokenizer", str(model)) if model else ())]
+    command = client_command(port, model, LONG, SATURATING_REQUESTS_PER_STREAM * streams, streams)
     with standin_server(tree, env, port, SATURATING_STREAMS, SATURATING_STEP_MS, model) as server:
         for _ in range(reps):
             running = [subprocess.Popen(command, env=env, cwd=tree, stdout=subprocess.DEVNULL,
