@@ -1,8 +1,9 @@
 """A request's sampling parameters on their way through the scheduler (device functions, one thread each).
 
 ``load_sampling``: at admission, from the ring's header and ``logit_bias`` row into device memory (read across
-PCIe once). ``write_sampling``: into the step row that samples for the request; the ``logit_bias`` pairs only when
-the row held another request (or another admission of it) in the previous step, as the block tables are copied.
+PCIe once). ``write_sampling``: into the step row that samples for the request, only when the row held another
+request (or another admission of it) when it was last written, as the block tables are copied; else only the
+grammar's state, the one parameter that changes while a request runs.
 ``store_top_logprobs``: the step's most likely tokens of a row into the ring's ``top_logprobs`` area, as many as
 the request asked for. The request's grammar state (``grammar.py``) travels with them.
 """
@@ -57,8 +58,13 @@ def load_sampling(s, slot):
 
 @cuda.jit(device=True)
 def write_sampling(s, r, slot, same):
-    """Row ``r`` samples for the request in ``slot``; ``same``: it did in the previous step too. Every word is read
-    before any is stored (``inputs.write_rows`` says why)."""
+    """Row ``r`` samples for the request in ``slot``; ``same``: the row was last written for it, so it holds that
+    request's parameters already (only this function writes them in the scheduler's steps, and a request's never
+    change) but for its grammar's state, which moves on with each token. Every word is read before any is stored
+    (``inputs.write_rows`` says why)."""
+    if same:
+        s.grammar_state[r] = s.seq_grammar[slot]
+        return
     temperature = s.seq_temperature[slot]
     top_p = s.seq_top_p[slot]
     top_k = s.seq_top_k[slot]
@@ -80,10 +86,9 @@ def write_sampling(s, r, slot, same):
         s.penalties[r, k] = penalties[k]
     s.n_logit_bias[r] = n_bias
     s.grammar_state[r] = state
-    if not same:
-        for k in range(n_bias):
-            s.logit_bias_ids[r, k] = s.seq_bias_ids[slot, k]
-            s.logit_bias[r, k] = s.seq_bias[slot, k]
+    for k in range(n_bias):
+        s.logit_bias_ids[r, k] = s.seq_bias_ids[slot, k]
+        s.logit_bias[r, k] = s.seq_bias[slot, k]
 
 
 @cuda.jit(device=True)
