@@ -46,7 +46,8 @@ def stop_reason(token: int, n_generated: int, header, stop_token_ids, eos_token_
     ``header`` has the fields of ``HEADER_DTYPE`` that decide it, ``stop_token_ids`` the request's row of them."""
     if token in eos_token_ids and not int(header["request_flags"]) & FLAG_IGNORE_EOS:
         return FINISH_STOP
-    if token in stop_token_ids[:int(header["n_stop"])]:
+    n_stop = int(header["n_stop"])
+    if n_stop and token in stop_token_ids[:n_stop]:     # n_stop first: a numpy row's `in` costs ~3 µs a token
         return FINISH_STOP
     if n_generated >= int(header["max_tokens"]):
         return FINISH_LENGTH
