@@ -17,9 +17,10 @@ tokenizer of that model directory, in the server and the client (default: the em
 process and the stand-in stepping every millisecond (faster than the agent hands tokens out); ``--clients`` client
 processes (4) keep 512 streams of 128 output tokens busy, so that no client is the limit. Over a 5 s window, 3 s
 after the clients start, it reads the engine's token counter (``blink_generation_tokens_total``: in a closed loop
-the tokens streamed) and the agent's CPU: tokens/s, the agent's share of a core (near 1.0: the agent was the limit)
-and its CPU per 1,000 tokens. The clients are stopped after the window. It needs cores for the clients and the
-stand-in beside the agent's to mean that.
+the tokens streamed) and the agent's CPU: tokens/s, the agent's share of a core (near 1.0: the agent was the limit,
+unless the stand-in's share, also printed, is near 1.0 too: a poll finds fewer tokens when the stand-in steps late,
+and an agent polling on costs more per token) and its CPU per 1,000 tokens. The clients are stopped after the
+window. It needs cores for the clients and the stand-in beside the agent's to mean that.
 """
 from __future__ import annotations
 
@@ -55,6 +56,17 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def standin_pid(server_pid: int) -> int:
+    """The stand-in engine's process: the one child of a one-agent ``serve --standin`` that ``multiprocessing``
+    spawned (the others are its resource tracker, or none)."""
+    with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
+        children = [int(pid) for pid in f.read().split()]
+    spawned = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    if len(spawned) != 1:
+        raise SystemExit(f"expected one stand-in process under the server {server_pid}, found {spawned}")
+    return spawned[0]
 
 
 def client_command(port: int, model: Path | None, output_len: int, requests: int, streams: int) -> list[str]:
@@ -114,34 +126,37 @@ def saturate(tree: Path, reps: int, model: Path | None, clients: int) -> dict:
     ``SATURATING_WINDOW_S`` while ``clients`` client processes keep ``SATURATING_STREAMS`` streams busy."""
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
     port = free_port()
-    rates, shares, per_1k = [], [], []
+    rates, shares, engine_shares, per_1k = [], [], [], []
     streams = SATURATING_STREAMS // clients
     command = client_command(port, model, LONG, SATURATING_REQUESTS_PER_STREAM * streams, streams)
     with standin_server(tree, env, port, SATURATING_STREAMS, SATURATING_STEP_MS, model) as server:
+        engine = standin_pid(server.pid)
         for _ in range(reps):
             running = [subprocess.Popen(command, env=env, cwd=tree, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL) for _ in range(clients)]
             try:
                 time.sleep(SATURATING_RAMP_S)
-                before = time.monotonic(), scraped(port, TOKENS), cpu_seconds(server.pid)
+                before = time.monotonic(), scraped(port, TOKENS), cpu_seconds(server.pid), cpu_seconds(engine)
                 time.sleep(SATURATING_WINDOW_S)
-                after = time.monotonic(), scraped(port, TOKENS), cpu_seconds(server.pid)
+                after = time.monotonic(), scraped(port, TOKENS), cpu_seconds(server.pid), cpu_seconds(engine)
                 if any(client.poll() is not None for client in running):
                     raise SystemExit("a client ended before the window did: it failed, or ran out of requests")
             finally:
                 for client in running:
                     client.terminate()
                     client.wait()
-            wall, streamed, cpu = (b - a for a, b in zip(before, after))
+            wall, streamed, cpu, engine_cpu = (b - a for a, b in zip(before, after))
             rates.append(streamed / wall)
             shares.append(cpu / wall)
+            engine_shares.append(engine_cpu / wall)
             per_1k.append(cpu / streamed * 1e6)
             print(f"{rates[-1]:10.1f} tokens/s   agent CPU {shares[-1]:.2f} of a core, {per_1k[-1]:.1f} ms per "
-                  f"1,000 tokens", flush=True)
+                  f"1,000 tokens; stand-in CPU {engine_shares[-1]:.2f} of a core", flush=True)
             time.sleep(SATURATING_RAMP_S)       # the cancelled requests drain
     return {"tree": str(tree), "model": str(model), "reps": reps, "streams": SATURATING_STREAMS, "clients": clients,
             "step_ms": SATURATING_STEP_MS, "window_s": SATURATING_WINDOW_S,
-            "tokens_per_s": rates, "agent_cpu_share": shares, "cpu_ms_per_1k_tokens": per_1k,
+            "tokens_per_s": rates, "agent_cpu_share": shares, "standin_cpu_share": engine_shares,
+            "cpu_ms_per_1k_tokens": per_1k,
             "median_tokens_per_s": statistics.median(rates), "median_agent_cpu_share": statistics.median(shares),
             "median_cpu_ms_per_1k_tokens": statistics.median(per_1k)}
 
