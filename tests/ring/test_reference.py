@@ -162,3 +162,44 @@ def test_a_stand_in_engine_that_dies_at_start_is_reported_with_its_cause(tmp_pat
     last = done.stderr.strip().splitlines()[-1]
     assert "EngineUnresponsive: the stand-in engine process" in last and "exited with code 1" in last, done.stderr
     assert "if __name__ == \"__main__\":" in last, last
+
+
+def test_requests_stepped_together_each_get_the_one_request_rules_answer():
+    """The consumer steps its running requests at once (numpy over their slots). Over a small vocabulary, so that
+    EOS and stop ids come up, each request's tokens, finish reason and logprobs are what the one-request rule gives
+    (``expected_output``, ``standin_logprob`` one token at a time), whatever runs beside it."""
+    from blink.nic.agent import Agent
+    from blink.ring.layout import RingLayout
+    from blink.ring.reference import ReferenceConsumer, expected_output
+    from blink.ring.standin import standin_logprob
+    from blink.ring.transport import LocalMemory
+
+    geometry = RingGeometry(n_slots=32, max_prompt_tokens=8, max_output_tokens=16, max_stop_ids=2)
+    layout = RingLayout(geometry)
+    memory = LocalMemory(layout.size)
+    layout.initialise(memory)
+    consumer = ReferenceConsumer(layout.view(memory.buffer), eos_token_ids=(3,), max_running=24, vocab_size=7)
+    agent = Agent.attach(memory)
+    rng = np.random.default_rng(0)
+    asked, answers = {}, {}
+    for i in range(32):
+        prompt = rng.integers(0, 7, rng.integers(1, 9)).tolist()
+        params = SamplingParams(max_tokens=int(rng.integers(1, 17)), seed=i, ignore_eos=bool(i % 3 == 0),
+                                stop_token_ids=[int(t) for t in rng.choice(7, i % 3, replace=False)],
+                                logprobs=bool(i % 2))
+        request_id = agent.submit(prompt, params)
+        asked[request_id] = prompt, params
+        answers[request_id] = [[], [], None]
+    while agent.in_flight:
+        consumer.step()
+        for out in agent.poll():
+            answer = answers[out.request_id]
+            answer[0] += out.new_tokens
+            answer[1] += out.new_logprobs or []
+            answer[2] = out.finish_reason if out.finished else None
+    for request_id, (prompt, params) in asked.items():
+        tokens, reason = expected_output(prompt, params, eos_token_ids=(3,), vocab_size=7)
+        history = prompt + tokens
+        logprobs = [standin_logprob(history[p - 1], p, params.seed) for p in range(len(prompt), len(history))]
+        assert answers[request_id] == [tokens, logprobs if params.logprobs else [], reason], request_id
+    assert {reason for _, _, reason in answers.values()} == {"stop", "length"}

@@ -12,18 +12,20 @@ from blink.ring.hashing import MASK64, POSITION_MIX, TOKEN_MIX, mix64
 STANDIN_VOCAB = 32000
 
 
-def _hash(prev_token: int, position: int, seed: int) -> int:
+def _hash(prev_token, position, seed):
     return mix64((seed ^ (prev_token * TOKEN_MIX) ^ (position * POSITION_MIX)) & MASK64)
 
 
-def standin_token(prev_token: int, position: int, seed: int, vocab_size: int = STANDIN_VOCAB) -> int:
-    """Next token after ``prev_token`` (at ``position - 1``) for a request seeded with ``seed``."""
+def standin_token(prev_token, position, seed, vocab_size: int = STANDIN_VOCAB):
+    """Next token after ``prev_token`` (at ``position - 1``) for a request seeded with ``seed``. Ints, or numpy
+    uint64 arrays of one length (a token per element; the arithmetic wraps at 64 bits either way)."""
     return _hash(prev_token, position, seed) % vocab_size
 
 
-def standin_logprob(prev_token: int, position: int, seed: int) -> float:
-    """The logprob reported with that token: a multiple of 1/256 in (-16, 0], exact in float32."""
-    return -float((_hash(prev_token, position, seed) >> 32) % 4096) / 256.0
+def standin_logprob(prev_token, position, seed):
+    """The logprob reported with that token: a multiple of 1/256 in (-16, 0], exact in float32 (arguments as for
+    ``standin_token``)."""
+    return ((_hash(prev_token, position, seed) >> 32) % 4096) / -256.0
 
 
 def standin_continuation(prompt: list[int], seed: int, n: int, vocab_size: int = STANDIN_VOCAB) -> list[int]:
