@@ -14,8 +14,8 @@ CPU per request of a third run of 1,024 requests of one output token each. Media
 tokenizer of that model directory, in the server and the client (default: the embedded model's).
 
 ``--saturate``: the tokens/s one agent process streams at most. ``blink serve --standin`` with 512 slots, one agent
-process and the stand-in stepping at most every millisecond (its Python step takes ~5 µs a running request, so
-~2.5 ms at 512 of them: it must keep ahead of the agent, see its CPU share below); ``--clients`` client
+process and the stand-in stepping at most every millisecond (its step, numpy over the running requests, takes
+~0.2 ms at 512 of them: it must keep ahead of the agent, see its CPU share below); ``--clients`` client
 processes (4) keep 512 streams of 128 output tokens busy, so that no client is the limit. Over a 5 s window, 3 s
 after the clients start, it reads the engine's token counter (``blink_generation_tokens_total``: in a closed loop
 the tokens streamed) and the agent's CPU: tokens/s, the agent's share of a core (near 1.0: the agent was the limit,
