@@ -46,8 +46,7 @@ def stop_reason(token: int, n_generated: int, header, stop_token_ids, eos_token_
     ``header`` has the fields of ``HEADER_DTYPE`` that decide it, ``stop_token_ids`` the request's row of them."""
     if token in eos_token_ids and not int(header["request_flags"]) & FLAG_IGNORE_EOS:
         return FINISH_STOP
-    n_stop = int(header["n_stop"])
-    if n_stop and token in stop_token_ids[:n_stop]:     # n_stop first: a numpy row's `in` costs ~3 µs a token
+    if token in stop_token_ids[:int(header["n_stop"])]:
         return FINISH_STOP
     if n_generated >= int(header["max_tokens"]):
         return FINISH_LENGTH
@@ -167,14 +166,14 @@ class ReferenceConsumer:
         headers = view.headers[slots]
         n = view.status["n_generated"][slots].astype(np.int64)
         prompt_len = headers["prompt_len"].astype(np.int64)
-        prev = np.where(n == 0, view.prompts[slots, prompt_len - 1], view.outputs[slots, np.maximum(n - 1, 0)])
+        prev = np.where(n == 0, view.prompts[slots, prompt_len - 1],
+                        view.outputs[slots, np.maximum(n - 1, 0)]).astype(np.uint64)
         position, seed = (prompt_len + n).astype(np.uint64), headers["seed"]
-        tokens = standin_token(prev.astype(np.uint64), position, seed, self.vocab_size)
+        tokens = standin_token(prev, position, seed, self.vocab_size)
         view.outputs[slots, n] = tokens
         if view.logprobs is not None:
             asked = (headers["request_flags"] & FLAG_LOGPROBS) != 0
-            view.logprobs[slots[asked], n[asked]] = standin_logprob(prev[asked].astype(np.uint64), position[asked],
-                                                                    seed[asked])
+            view.logprobs[slots[asked], n[asked]] = standin_logprob(prev[asked], position[asked], seed[asked])
         view.status["n_generated"][slots] = n + 1            # after the tokens: the agent reads the count first
         may_stop = (n + 1 >= headers["max_tokens"]) | (headers["n_stop"] != 0) | np.isin(tokens, self._eos_array)
         for i in np.flatnonzero(may_stop).tolist():
