@@ -31,16 +31,16 @@ def scheduler_arrays(geometry, config):
     return view, s
 
 
-def fill_step_buffers(s, value=GARBAGE, block_tables=False):
+def fill_step_buffers(s, value=GARBAGE, persistent=False):
     """Overwrite the step inputs the planner writes every step, so a check can tell written words from left-overs.
 
     Block-table rows and a row's sampling parameters persist between steps (a row only gets the entries it lacks,
     and the parameters when it holds another request: ``row_slot`` / ``row_version`` / ``row_pages``), so they are
-    overwritten only when asked (``block_tables``), while those words say that no row holds anything.
+    overwritten only when asked (``persistent``), while those words say that no row holds anything.
     """
     names = ("num_seqs", "token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_indices")
-    persistent = ("block_tables", "temperature", "top_p", "top_k", "seed", "prompt_lens", "penalties")
-    for name in names + (persistent if block_tables else ()):
+    kept = ("block_tables", "temperature", "top_p", "top_k", "seed", "prompt_lens", "penalties")
+    for name in names + (kept if persistent else ()):
         getattr(s, name)[...] = value
 
 

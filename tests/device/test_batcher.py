@@ -98,7 +98,7 @@ class Batch:
                 77 + slot, 0.25 * slot, 1 - 0.0625 * slot, slot
             s.seq_penalties[slot] = (0.5 * slot, -0.25 * slot, 1 + 0.125 * slot)
         self.load_pages()
-        fill_step_buffers(s, block_tables=True)     # row_slot is -1: every row's block table is copied whole
+        fill_step_buffers(s, persistent=True)       # row_slot is -1: every row is written whole
         s.running[:len(running)] = self.ref.running
         s.sched[0].running = len(running)
         s.queue_slots[head:head + len(queue)] = self.ref.queue
