@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -376,7 +377,7 @@ def test_a_killed_serve_takes_its_agent_processes_engine_and_ring_with_it(tmp_pa
     assert len(spawned) == 3, "the engine and two agent processes"
     server.process.kill()
     server.process.wait(10)
-    wait_for(lambda: all(not os.path.exists(f"/proc/{pid}") or zombie(pid) for pid in spawned), timeout_s=60)
+    wait_for_exits(server, spawned, timeout_s=60)
     wait_for(lambda: not rings(server.process.pid), timeout_s=10)
     # Its metrics directory is left behind, and the next server's removes it.
     from blink.nic.metrics import shared_metrics
@@ -385,6 +386,27 @@ def test_a_killed_serve_takes_its_agent_processes_engine_and_ring_with_it(tmp_pa
     assert len(left) == 1
     with shared_metrics():
         assert not os.path.exists(left[0])
+
+
+def wait_for_exits(server: Server, pids: list[int], timeout_s: float) -> None:
+    """Wait until every process of ``pids`` has exited (a zombie counts); else fail naming those left, each with its
+    state, and the log's end, where each left has printed its threads' stacks (SIGUSR1)."""
+    def left() -> list[int]:
+        return [pid for pid in pids if os.path.exists(f"/proc/{pid}") and not zombie(pid)]
+
+    deadline = time.monotonic() + timeout_s
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not (stuck := left()):
+        return
+    states = {}
+    for pid in stuck:
+        with open(f"/proc/{pid}/status") as status:
+            states[pid] = next(line.split(None, 1)[1].strip() for line in status if line.startswith("State:"))
+        os.kill(pid, signal.SIGUSR1)
+    time.sleep(2)
+    pytest.fail(f"still running {timeout_s:g} s after serve was killed: {states} (agent pids {server.agents()}); "
+                f"the log's end:\n{server.log.read_text()[-8000:]}")
 
 
 def test_an_agent_process_that_cannot_start_stops_the_server_with_exit_code_1(tmp_path):
