@@ -138,10 +138,22 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
 
 
 @dataclass(frozen=True)
-class AttentionPlan:
-    """Per-sequence ``(first token row, query length, context length, pages)`` read once per step on the host."""
+class SequencePlan:
+    """One sequence's part of a step: its query rows ``start .. start + q_len - 1`` (the last ``q_len`` of its
+    ``ctx`` positions) and ``pool_rows``, the rows of a layer's pool flattened to ``[pages * page_size]`` that hold
+    its positions ``0 .. ctx - 1`` in order."""
 
-    seqs: tuple[tuple[int, int, int, tuple[int, ...]], ...]
+    start: int
+    q_len: int
+    ctx: int
+    pool_rows: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """The step's sequences with query rows, read once per step on the host (every layer reuses it)."""
+
+    seqs: tuple[SequencePlan, ...]
     num_tokens: int
 
 
@@ -151,10 +163,15 @@ def attention_plan(buf, num_tokens: int, num_heads: int, num_kv_heads: int, head
     n = int(buf.num_seqs[0])
     starts = buf.attn_query_start_loc[:n + 1].tolist()
     lens = buf.attn_seq_lens[:n].tolist()
-    seqs = tuple((starts[i], starts[i + 1] - starts[i], lens[i],
-                  tuple(buf.block_tables[i, :-(-lens[i] // page_size)].tolist())) for i in range(n)
-                 if starts[i + 1] > starts[i])     # a draft row's tokens are in its sequence's first row (step.py)
-    return AttentionPlan(seqs, num_tokens)
+    offsets = torch.arange(page_size, device=buf.block_tables.device)
+    seqs = []
+    for i in range(n):
+        if starts[i + 1] == starts[i]:
+            continue        # a draft row's tokens are in its sequence's first row (step.py)
+        pages = buf.block_tables[i, :-(-lens[i] // page_size)].long()
+        pool_rows = (pages[:, None] * page_size + offsets).flatten()[:lens[i]]
+        seqs.append(SequencePlan(starts[i], starts[i + 1] - starts[i], lens[i], pool_rows))
+    return AttentionPlan(tuple(seqs), num_tokens)
 
 
 def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: float,
@@ -164,19 +181,32 @@ def attention(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scal
     ``max(0, p - sliding_window + 1) .. p`` (all of ``0..p`` when ``sliding_window == 0``). Padding rows are 0.
     """
     out = torch.zeros_like(q)
-    heads, kv_heads = q.shape[1], kv_layer.shape[-2]
-    for start, q_len, ctx, pages in plan.seqs:
-        k, v = (kv_layer[i, list(pages)].flatten(0, 1)[:ctx] for i in (0, 1))
-        k, v = (x.transpose(0, 1).repeat_interleave(heads // kv_heads, 0).float() for x in (k, v))
-        qs = q[start:start + q_len].transpose(0, 1).float()
-        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-        k_pos = torch.arange(ctx, device=q.device)[None, :]
-        visible = k_pos <= q_pos
-        if sliding_window:
-            visible &= k_pos > q_pos - sliding_window
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=scale)
-        out[start:start + q_len] = o.transpose(0, 1).to(q.dtype)
+    kv_heads = kv_layer.shape[-2]
+    pool = kv_layer.flatten(1, 2)                   # [2, pages * page_size, kv_heads, D]
+    for seq in plan.seqs:
+        k, v = pool[:, seq.pool_rows].transpose(1, 2).float()[:, :, None]     # each [kv_heads, 1, ctx, D]
+        # Query heads h of one KV head are consecutive (h // group): [kv_heads, group, q_len, D].
+        qs = q[seq.start:seq.start + seq.q_len].transpose(0, 1).float().unflatten(0, (kv_heads, -1))
+        scores = (qs @ k.transpose(-1, -2)) * scale                         # [kv_heads, group, q_len, ctx]
+        visible = _visible(seq, sliding_window, q.device)
+        if visible is not None:
+            scores.masked_fill_(~visible, float("-inf"))
+        o = (scores.softmax(-1) @ v).flatten(0, 1)                          # [heads, q_len, D]
+        out[seq.start:seq.start + seq.q_len] = o.transpose(0, 1).to(q.dtype)
     return out
+
+
+def _visible(seq: SequencePlan, sliding_window: int, device) -> torch.Tensor | None:
+    """``[q_len, ctx]``: which keys each query row sees; None where it is every key (one query row, the last
+    position, with no window or one that covers the whole context)."""
+    if seq.q_len == 1 and (not sliding_window or seq.ctx <= sliding_window):
+        return None
+    q_pos = torch.arange(seq.ctx - seq.q_len, seq.ctx, device=device)[:, None]
+    k_pos = torch.arange(seq.ctx, device=device)[None, :]
+    visible = k_pos <= q_pos
+    if sliding_window:
+        visible &= k_pos > q_pos - sliding_window
+    return visible
 
 
 def row_logsumexp(logits: torch.Tensor, divisor: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor,
