@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -394,19 +394,25 @@ def wait_for_exits(server: Server, pids: list[int], timeout_s: float) -> None:
     def left() -> list[int]:
         return [pid for pid in pids if os.path.exists(f"/proc/{pid}") and not zombie(pid)]
 
-    deadline = time.monotonic() + timeout_s
-    while left() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if not (stuck := left()):
-        return
-    states = {}
-    for pid in stuck:
+    try:
+        wait_for(lambda: not left(), timeout_s=timeout_s)
+    except AssertionError:
+        states = {pid: _state(pid) for pid in left()}
+        for pid in states:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(2)
+        pytest.fail(f"still running {timeout_s:g} s after serve was killed: {states} (agent pids {server.agents()}); "
+                    f"the log's end:\n{server.log.read_text()[-8000:]}")
+
+
+def _state(pid: int) -> str:
+    """The process's ``State:`` line of ``/proc/PID/status`` ("exited" if it has gone meanwhile)."""
+    try:
         with open(f"/proc/{pid}/status") as status:
-            states[pid] = next(line.split(None, 1)[1].strip() for line in status if line.startswith("State:"))
-        os.kill(pid, signal.SIGUSR1)
-    time.sleep(2)
-    pytest.fail(f"still running {timeout_s:g} s after serve was killed: {states} (agent pids {server.agents()}); "
-                f"the log's end:\n{server.log.read_text()[-8000:]}")
+            return next(line.split(None, 1)[1].strip() for line in status if line.startswith("State:"))
+    except FileNotFoundError:
+        return "exited"
 
 
 def test_an_agent_process_that_cannot_start_stops_the_server_with_exit_code_1(tmp_path):
