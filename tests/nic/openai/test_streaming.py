@@ -78,11 +78,13 @@ async def until(condition, timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.001)
 
 
-async def stream_frames(session, url: str, body: dict) -> list[list[dict | str]]:
-    """One streamed completion; each HTTP chunk (one write of the server) as its list of SSE events."""
+async def stream_frames(session, url: str, body: dict, responded=lambda: None) -> list[list[dict | str]]:
+    """One streamed completion; each HTTP chunk (one write of the server) as its list of SSE events.
+    ``responded()`` is called once the response's headers are in."""
     frames, data = [], b""
     async with session.post(url, json=body) as response:
         assert response.status == 200, await response.text()
+        responded()
         async for piece, end_of_chunk in response.content.iter_chunks():
             data += piece
             if end_of_chunk:
@@ -104,9 +106,13 @@ def test_one_poll_serves_every_stream_and_each_gets_every_token_in_order(tokeniz
         url = f"http://127.0.0.1:{listening.port}/v1/completions"
         try:
             async with aiohttp.ClientSession() as session:
-                clients = [asyncio.create_task(stream_frames(session, url, completion(prompt, seed)))
+                responded = []
+                clients = [asyncio.create_task(stream_frames(session, url, completion(prompt, seed),
+                                                             lambda: responded.append(True)))
                            for seed, prompt in enumerate(prompts)]
-                await until(lambda: agent.in_flight == STREAMS)
+                # Every answer's headers are out first: an answer gets its connection once they are (``attach``), and
+                # one that got it late on a busy box rightly sent the two tokens it held by then in one write.
+                await until(lambda: agent.in_flight == STREAMS and len(responded) == STREAMS)
                 for step in range(TOKENS):
                     consumer.step()         # one token for every stream
                     await until(lambda: sum(batches) == STREAMS * (step + 1))
