@@ -1,5 +1,5 @@
-"""Does the FP8 decode GEMM stream its weights near the HBM floor? The launch shapes of ``skinny_fp8_linear``
-(``blink.models.kernels.fp8_skinny``: e4m3 weights upcast in registers, activations as they are) against bf16 cuBLAS and
+"""Does the FP8 decode GEMM stream its weights near the HBM floor? The launch shapes of ``skinny_linear``
+(``blink.models.kernels.skinny``: e4m3 weights upcast in registers, activations as they are) against bf16 cuBLAS and
 against ``torch._scaled_mm`` with per-token activation quantization (the large-M path of ``fp8_linear``), on the
 Qwen3-8B shape's four projections at M = 1, 16 and 32, per-row scales and 128x128 block scales (``--cases row block``;
 ``--shapes`` some of the four). At M = 64, 128 and 256, the GEMMs of quantized activations: the launch shapes of the
@@ -24,10 +24,10 @@ import torch
 from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err, sweep_timed
 from blink.models import e4m3
 from blink.models.kernels.fp8 import Tiles, fp8_gemm, fp8_linear, scaled_mm
-from blink.models.kernels.fp8_skinny import SkinnyTiles, skinny_fp8_linear
+from blink.models.kernels.skinny import SkinnyTiles, skinny_linear
 from blink.models.kernels.quantize import quantize_activations
 from blink.models.e4m3 import FP8_MAX, dequantize, quantize_blocks, quantize_rows
-from blink.bench.shapes import SHAPES
+from blink.bench.shapes import shape_config
 
 CALLS = 8
 ROWS = (1, 16, 32)
@@ -45,7 +45,7 @@ GEMM_SWEEP = [dict(block_m=bm, block_n=n, block_k=128, split_k=s, num_warps=w, n
 
 
 def projections(name: str) -> dict[str, tuple[int, int]]:
-    c = SHAPES[name]
+    c = shape_config(name)
     return {"qkv": (c.q_size + 2 * c.kv_size, c.hidden_size), "o_proj": (c.hidden_size, c.q_size),
             "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size)}
 
@@ -69,9 +69,9 @@ def bench_shape(name: str, n: int, k: int, block, bw: float, reps: int, wanted: 
                 return scaled_mm(a, a_scale, *quantized[i], torch.bfloat16)
             scaled_us = graph_ms(lambda: [quantized_mm(i) for i in range(CALLS)], reps) * 1e3 / CALLS
         results, best = sweep_timed(
-            sweep, lambda shape: rel_err(skinny_fp8_linear(x, weight, scale, block, SkinnyTiles(**shape)), want),
-            lambda shape, i: skinny_fp8_linear(x, *quantized[i], block, SkinnyTiles(**shape)), CALLS, reps)
-        default_us = graph_ms(lambda: [skinny_fp8_linear(x, *q, block) for q in quantized], reps) * 1e3 / CALLS
+            sweep, lambda shape: rel_err(skinny_linear(x, weight, scale, block, SkinnyTiles(**shape)), want),
+            lambda shape, i: skinny_linear(x, *quantized[i], block, SkinnyTiles(**shape)), CALLS, reps)
+        default_us = graph_ms(lambda: [skinny_linear(x, *q, block) for q in quantized], reps) * 1e3 / CALLS
         rows.append(dict(shape=name, n=n, k=k, m=m, block=block, floor_us=floor_us, cublas_bf16_us=cublas_us,
                          scaled_mm_us=scaled_us, default_us=default_us, best=best, sweep=results))
         print(f"{name:>8} {'row' if block is None else 'block'} m={m:2d}: floor {floor_us:6.2f} us  bf16 cuBLAS "

@@ -2,11 +2,11 @@
 
 On one H100 (2026-12-06, Qwen3-8B shape, FP8 weights quantized at load, ctx 1K) vLLM 0.26's decode step ran its 144
 projections in 2,692 / 2,791 us at B = 1 / 64 (``bench/peers/vllm_step.py --quantization fp8``) where blink's took
-2,945 (``fp8_skinny``) / 3,115 (``fp8_gemm``). vLLM's kernel there is CUTLASS's ``KernelTmaWarpSpecialized
+2,945 (``skinny``) / 3,115 (``fp8_gemm``). vLLM's kernel there is CUTLASS's ``KernelTmaWarpSpecialized
 FP8FastAccum`` with A and B swapped: the weight rows are the MMA's M (64 a program), the tokens its N (16 up to 16
 rows, 64 at 64), 256 columns per stage, TMA loads, no split. The same arrangement in Triton is
 ``blink.models.kernels.fp8_rowwise``; here it is swept over tile sizes and pipeline depth, against blink's other
-kernels at their default shapes on the same activations (quantized per token, as vLLM's are; ``fp8_skinny`` takes
+kernels at their default shapes on the same activations (quantized per token, as vLLM's are; ``skinny`` takes
 them unquantized). The first run (``bench/results/fp8_tma_bench_h100_10f76d4.json``) also split the reduction 2 and 4
 ways (the parts summed in the kernel, ``split_k``): never faster by more than 0.1 us than unsplit 6 stages deep.
 
@@ -28,7 +28,7 @@ from bench.experiments.fp8_gemv_bench import CALLS, projections
 from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err, sweep_timed
 from blink.models.e4m3 import dequantize, quantize_rows
 from blink.models.kernels.fp8 import fp8_gemm
-from blink.models.kernels.fp8_skinny import skinny_fp8_linear
+from blink.models.kernels.skinny import skinny_linear
 from blink.models.kernels.fp8_rowwise import RowwiseTiles, rowwise_fp8_gemm
 from blink.models.kernels.quantize import quantize_activations
 
@@ -49,7 +49,7 @@ def bench(name: str, n: int, k: int, m: int, bw: float, reps: int) -> dict:
         lambda shape, i: rowwise(a, a_scale, *quantized[i], RowwiseTiles(**shape)), CALLS, reps)
     default_us = graph_ms(lambda: [rowwise(a, a_scale, *q) for q in quantized], reps) * 1e3 / CALLS
     gemm_us = graph_ms(lambda: [fp8_gemm(a, a_scale, *q, None, torch.bfloat16) for q in quantized], reps) * 1e3 / CALLS
-    skinny_us = (graph_ms(lambda: [skinny_fp8_linear(x, *q, None) for q in quantized], reps) * 1e3 / CALLS
+    skinny_us = (graph_ms(lambda: [skinny_linear(x, *q, None) for q in quantized], reps) * 1e3 / CALLS
                  if m <= 32 else None)
     print(f"{name:>8} m={m:2d}: floor {floor_us:6.2f} us  fp8_gemm {gemm_us:6.2f}  skinny "
           f"{skinny_us or float('nan'):6.2f}  rowwise {default_us:6.2f}, best {best and round(best['us'], 2)} "

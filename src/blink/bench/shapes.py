@@ -67,14 +67,19 @@ def shape_names() -> list[str]:
     return [*SHAPES, *full_size.SHAPES]
 
 
+def shape_config(shape: str) -> ModelConfig:
+    """The ``ModelConfig`` of one of ``shape_names()``."""
+    if shape not in shape_names():
+        raise ValueError(f"unknown shape {shape!r}: one of {', '.join(shape_names())}")
+    return SHAPES[shape] if shape in SHAPES else full_size.shape_config(shape)
+
+
 def write_model_dir(directory, shape: str, tokenizer: str = "words") -> Path:
     """Write ``config.json``, ``tokenizer.json`` (one of ``TOKENIZERS``) and ``tokenizer_config.json`` of ``shape``
     into ``directory``."""
-    if shape not in shape_names():
-        raise ValueError(f"unknown shape {shape!r}: one of {', '.join(shape_names())}")
+    config = shape_config(shape)
     if tokenizer not in TOKENIZERS:
         raise ValueError(f"unknown tokenizer {tokenizer!r}: one of {', '.join(TOKENIZERS)}")
-    config = SHAPES[shape] if shape in SHAPES else full_size.shape_config(shape)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config.to_hf(), indent=1))

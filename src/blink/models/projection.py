@@ -2,13 +2,13 @@
 
 ``weight [(E,) N, K]`` is in the model dtype, or e4m3 with its float32 scales beside it under the checkpoint's name
 (``Fp8Config.scale_name``: ``weight_scale`` per row, ``weight_scale_inv`` per block), so checkpoint tensors and
-parameters keep one name. A model-dtype projection computes ``F.linear`` exactly as before FP8 existed; an FP8 one
-calls ``ops.fp8_linear`` (``scaled_mm`` / the block-scale kernel on CUDA, dequantize-then-matmul on the CPU).
+parameters keep one name. A model-dtype projection calls ``ops.linear`` (on CUDA the skinny GEMM at decode-sized
+steps, else ``F.linear``); an FP8 one calls ``ops.fp8_linear`` (``scaled_mm`` / the block-scale kernel on CUDA,
+dequantize-then-matmul on the CPU).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from blink.errors import ConfigError
@@ -46,7 +46,7 @@ class Projection(nn.Module):
     def forward(self, x, ops) -> torch.Tensor:
         """``x``: activations, or ``QuantizedRows`` for an FP8 projection that asks for them so (``e4m3_group``)."""
         if self.quant is None:
-            return F.linear(x, self.weight)
+            return ops.linear(x, self.weight)
         return ops.fp8_linear(x, self.weight, self.scale, self.block)
 
     def e4m3_group(self, rows: int, ops) -> int:

@@ -115,15 +115,15 @@ def test_block_scale_gemm_matches_float64(backend, tokens, n, k, block, tiles):
 @pytest.mark.parametrize("block, tiles", [(None, None), (None, dict(block_n=16, block_k=128, split_k=3)),
                                           ((128, 128), None), ((64, 64), None),
                                           ((32, 64), dict(block_n=32, block_k=64, split_k=2))])
-def test_skinny_fp8_linear_matches_float64(backend, tokens, block, tiles):
+def test_skinny_linear_matches_float64(backend, tokens, block, tiles):
     """The weight-only decode GEMM: activations as they are, e4m3 weights times their scales; K of 320 is not a
     whole number of ``block_k`` steps nor of split parts."""
     device, dtype, tol = backend
-    from blink.models.kernels.fp8_skinny import SkinnyTiles, skinny_fp8_linear
+    from blink.models.kernels.skinny import SkinnyTiles, skinny_linear
 
     weight, scale = fp8_weights((160, 320), block, device)
     x = torch.randn(tokens, 320, device=device, dtype=dtype)
-    out = skinny_fp8_linear(x, weight, scale, block, tiles and SkinnyTiles(**tiles))
+    out = skinny_linear(x, weight, scale, block, tiles and SkinnyTiles(**tiles))
     want = x.double() @ dequantize(weight, scale, block).double().T
     assert out.dtype == dtype and out.shape == (tokens, 160) and rel_err(out, want) < tol
 
@@ -135,14 +135,14 @@ def test_fp8_linear_quantizes_activations_only_beyond_decode_sized_steps(backend
     device, dtype, _ = backend
     from blink.models.kernels.fp8 import GEMM_UP_TO, SKINNY_UP_TO, fp8_gemm, fp8_linear, scaled_mm
     from blink.models.kernels.fp8_rowwise import rowwise_fp8_gemm
-    from blink.models.kernels.fp8_skinny import skinny_fp8_linear
+    from blink.models.kernels.skinny import skinny_linear
     from blink.models.kernels.quantize import quantize_activations as quantize
 
     weight, scale = fp8_weights((192, 256), block, device)  # k < 2n: no split reduction, whose sums' order varies
     group = 256 if block is None else block[1]
     small, middle, large = (torch.randn(t, 256, device=device, dtype=dtype)
                             for t in (SKINNY_UP_TO, SKINNY_UP_TO + 1, GEMM_UP_TO + 1))
-    assert torch.equal(fp8_linear(small, weight, scale, block), skinny_fp8_linear(small, weight, scale, block))
+    assert torch.equal(fp8_linear(small, weight, scale, block), skinny_linear(small, weight, scale, block))
     a, a_scale = quantize(middle, group)
     assert torch.equal(fp8_linear(middle, weight, scale, block),
                        rowwise_fp8_gemm(a, a_scale.reshape(-1), weight, scale, dtype) if block is None else

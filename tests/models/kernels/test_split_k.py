@@ -9,10 +9,10 @@ from tests.models.kernels.test_fp8 import dequantized_activations, fp8_weights
 
 
 def skinny(x, weight, scale):
-    from blink.models.kernels.fp8_skinny import SkinnyTiles, skinny_fp8_linear
+    from blink.models.kernels.skinny import SkinnyTiles, skinny_linear
 
     want = x.double() @ dequantize(weight, scale, None).double().T
-    return skinny_fp8_linear(x, weight, scale, None, SkinnyTiles(block_n=16, block_k=64, split_k=4)), want
+    return skinny_linear(x, weight, scale, None, SkinnyTiles(block_n=16, block_k=64, split_k=4)), want
 
 
 def gemm(x, weight, scale):

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..e4m3 import QuantizedRows
 from .fp8_rowwise import rowwise_fp8_gemm, tma_can_read
-from .fp8_skinny import TARGET_PROGRAMS, skinny_fp8_linear
+from .skinny import TARGET_PROGRAMS, skinny_linear
 from .pdl import pdl_args, wait_for_previous
 from .quantize import quantize_activations
 from .split_k import split_buffers, store_split
@@ -149,12 +149,12 @@ def fp8_takes_e4m3(rows: int, block: tuple[int, int] | None) -> bool:
 def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None) -> torch.Tensor:
     """``x [M, K]`` times e4m3 ``weight [N, K]`` with per-row ``scale [N]`` or per-``block`` scales → ``[M, N]`` in
-    ``x.dtype``: decode-sized steps by the weight-only skinny GEMM (``fp8_skinny``), larger ones with activations
+    ``x.dtype``: decode-sized steps by the weight-only skinny GEMM (``skinny``), larger ones with activations
     quantized per token (and per ``bk`` columns with block scales), or taken quantized (``fp8_takes_e4m3``)."""
     if isinstance(x, QuantizedRows):
         a, a_scale, dtype = x
     elif x.shape[0] <= SKINNY_UP_TO:
-        return skinny_fp8_linear(x, weight, scale, block)
+        return skinny_linear(x, weight, scale, block)
     else:
         (a, a_scale), dtype = quantize_activations(x, x.shape[-1] if block is None else block[1]), x.dtype
     if block is None and a.shape[0] > GEMM_UP_TO:

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_skinny import TARGET_PROGRAMS, block_m_for
+from .skinny import TARGET_PROGRAMS, block_m_for
 from .pdl import pdl_args, wait_for_previous
 from .tiles import check_tiles
 
@@ -30,7 +30,7 @@ from .tiles import check_tiles
 @dataclass(frozen=True)
 class RowwiseTiles:
     """Launch shape: ``block_n`` weight rows and ``block_k`` columns per stage, Triton's warps and pipeline stages
-    (the tokens' tile follows the step's rows: ``fp8_skinny.block_m_for``)."""
+    (the tokens' tile follows the step's rows: ``skinny.block_m_for``)."""
 
     block_n: int = 64
     block_k: int = 256

@@ -80,6 +80,11 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tenso
     return moe_experts(x, weights, ids, gate_up, down)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` of model-dtype weights: one GEMM."""
+    return F.linear(x, weight)
+
+
 def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None) -> torch.Tensor:
     """``x @ W.T`` for e4m3 ``weight [N, K]`` with its float32 scales (per row ``[N]``, or per ``block``

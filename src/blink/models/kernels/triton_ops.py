@@ -4,6 +4,7 @@ from .attention import attention, attention_plan
 from .bias import apply_logit_bias
 from .fp8 import fp8_linear, fp8_takes_e4m3
 from .grammar import apply_grammar
+from .linear import linear
 from .moe import fused_moe
 from .norm import rms_norm
 from .penalties import apply_penalties
@@ -11,5 +12,5 @@ from .rope_kv_write import rope_kv_write
 from .sampling import candidate_threshold, gumbel_argmax, row_logsumexp
 
 __all__ = ["apply_grammar", "apply_logit_bias", "apply_penalties", "attention", "attention_plan", "candidate_threshold",
-           "fp8_linear", "fp8_takes_e4m3", "fused_moe", "gumbel_argmax", "rms_norm", "rope_kv_write", "row_logsumexp",
-           "silu_and_mul"]
+           "fp8_linear", "fp8_takes_e4m3", "fused_moe", "gumbel_argmax", "linear", "rms_norm", "rope_kv_write",
+           "row_logsumexp", "silu_and_mul"]

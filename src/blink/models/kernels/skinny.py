@@ -1,8 +1,11 @@
-"""FP8 weights times model-dtype activations for decode-sized steps (``M <= SKINNY_MAX_TOKENS`` rows).
+"""Decode-sized GEMMs (``M <= SKINNY_MAX_TOKENS`` rows): model-dtype or FP8 weights times model-dtype activations.
 
 A decode step reads every weight once and does little arithmetic with it: its time is the weight bytes over HBM
-bandwidth. FP8 halves those bytes only if the GEMM streams them at the rate bf16 cuBLAS streams its own, and at a
-few rows neither ``torch._scaled_mm`` (a 128x128-tile kernel, 29 us per 8B projection at M = 1 on the H200, twice the
+bandwidth, and for a small model's projections (a few MB each) each GEMM's ramp as much. cuBLAS picks launch shapes
+that leave most SMs idle there (Qwen3-0.6B's qkv projection at one row on the H200: 12.5 us for 8.4 MB, 64 programs),
+and its kernels cannot wait in a programmatic-dependent-launch chain (``pdl``). ``skinny_linear`` is one kernel for
+both weight formats: model-dtype weights are read as they are; FP8 halves the bytes only if the GEMM streams them at
+the rate bf16 cuBLAS streams its own, and at a few rows neither ``torch._scaled_mm`` (a 128x128-tile kernel, 29 us per 8B projection at M = 1 on the H200, twice the
 bf16 time) nor quantizing the activations per token first (a launch of its own) does. So a decode step does not
 quantize its activations at all: each program loads ``BLOCK_N`` weight rows' e4m3 bytes, upcasts them in registers
 (e4m3 is exact in bf16) and multiplies them with the activations as they are, one ``tl.dot`` per ``BLOCK_K``
@@ -11,7 +14,7 @@ columns; the scales apply per weight row at the end (per row) or per ``(bn, bk)`
 
 The K dimension may be split over ``SPLIT_K`` programs to fill the SMs when ``N / BLOCK_N`` tiles are too few; the
 last part of a tile to finish sums the parts (``split_k``). Reference:
-``reference.fp8_linear`` (dequantize, then one GEMM) — the same maths, without the activations' rounding to e4m3.
+``reference.fp8_linear`` (dequantize, then one GEMM) — the same maths, without the activations' rounding to e4m3; ``F.linear`` for model-dtype weights.
 """
 from __future__ import annotations
 
@@ -68,11 +71,11 @@ def block_m_for(m: int) -> int:
 
 @triton.jit(do_not_specialize=["m"])  # one compile per launch shape, whatever the step's rows
 def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, work_ptr, counter_ptr, m, n, k, x_stride, scale_stride,
-                   GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+                   SCALED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     """``out[:m, tile] = x[:m] @ (w[tile] * scale).T`` for output tile ``program_id(0)``, of which this program sums
-    K part ``program_id(1)`` (``split_k.store_split``). ``GROUP_K == 0``: per-row ``scale [n]``; else block ``scale
-    [n/GROUP_N, k/GROUP_K]``."""
+    K part ``program_id(1)`` (``split_k.store_split``). Not ``SCALED``: ``w`` as it is (``scale_ptr`` unread);
+    ``GROUP_K == 0``: per-row ``scale [n]``; else block ``scale [n/GROUP_N, k/GROUP_K]``."""
     tile, part = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,24 +89,28 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, work_ptr, counter_ptr, m, n
         k_ok = ks < k
         x = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = widen(tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0), x.dtype)
-        if GROUP_K == 0:
+        if not SCALED or GROUP_K == 0:
             acc += tl.dot(x, tl.trans(w))
         else:
             s = tl.load(scale_ptr + (cols // GROUP_N) * scale_stride + k0 // GROUP_K, mask=col_ok, other=0.0)
             acc += tl.dot(x, tl.trans(w)) * s[None, :]
-    if GROUP_K == 0:
+    if SCALED and GROUP_K == 0:
         acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
     store_split(acc, out_ptr, work_ptr, counter_ptr + tile, rows[:, None] * n + cols[None, :],
                 row_ok[:, None] & col_ok[None, :], part, m * n, SPLIT_K)
 
 
-def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-                      tiles: SkinnyTiles | None = None) -> torch.Tensor:
-    """``x [M, K]`` (M <= ``SKINNY_MAX_TOKENS``, any float dtype) times e4m3 ``weight [N, K]`` with per-row
-    ``scale [N]`` or per-``block`` ``scale [N/bn, K/bk]`` → ``[M, N]`` in ``x.dtype``."""
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                  block: tuple[int, int] | None = None, tiles: SkinnyTiles | None = None) -> torch.Tensor:
+    """``x [M, K]`` (M <= ``SKINNY_MAX_TOKENS``, any float dtype) times ``weight [N, K]``: in ``x.dtype`` (no
+    ``scale``), or e4m3 with per-row ``scale [N]`` or per-``block`` ``scale [N/bn, K/bk]`` → ``[M, N]`` in
+    ``x.dtype``."""
     (m, k), n = x.shape, weight.shape[0]
     if m > SKINNY_MAX_TOKENS:
-        raise ValueError(f"skinny_fp8_linear takes at most {SKINNY_MAX_TOKENS} rows (got {m})")
+        raise ValueError(f"skinny_linear takes at most {SKINNY_MAX_TOKENS} rows (got {m})")
+    if (scale is None) != (weight.dtype == x.dtype):
+        raise ValueError(f"skinny_linear takes {x.dtype} weights without scales or e4m3 weights with them (got "
+                         f"{weight.dtype} weights, {'no ' if scale is None else ''}scales)")
     tiles = tiles or skinny_tiles(m, n, k, block)
     if block is not None and (block[1] % tiles.block_k or block[0] % tiles.block_n):
         raise ValueError(f"tiles {tiles} do not divide the weight blocks {block}")
@@ -112,8 +119,10 @@ def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     group_n, group_k = block if block is not None else (0, 0)
     grid = (triton.cdiv(n, tiles.block_n), tiles.split_k)
     work, counters = split_buffers(out, weight, tiles.split_k, grid[0])
+    scaled = scale is not None
     _skinny_kernel[grid](
-        x, weight, scale, out, work, counters, m, n, k, x.stride(0), scale.stride(0), GROUP_N=group_n, GROUP_K=group_k,
+        x, weight, scale if scaled else weight, out, work, counters, m, n, k, x.stride(0),
+        scale.stride(0) if scaled else 0, SCALED=scaled, GROUP_N=group_n, GROUP_K=group_k,
         BLOCK_M=block_m_for(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(x.device))
     return out
