@@ -1,20 +1,21 @@
 """Decode-sized GEMMs (``M <= SKINNY_MAX_TOKENS`` rows): model-dtype or FP8 weights times model-dtype activations.
 
 A decode step reads every weight once and does little arithmetic with it: its time is the weight bytes over HBM
-bandwidth, and for a small model's projections (a few MB each) each GEMM's ramp as much. cuBLAS picks launch shapes
-that leave most SMs idle there (Qwen3-0.6B's qkv projection at one row on the H200: 12.5 us for 8.4 MB, 64 programs),
-and its kernels cannot wait in a programmatic-dependent-launch chain (``pdl``). ``skinny_linear`` is one kernel for
-both weight formats: model-dtype weights are read as they are; FP8 halves the bytes only if the GEMM streams them at
-the rate bf16 cuBLAS streams its own, and at a few rows neither ``torch._scaled_mm`` (a 128x128-tile kernel, 29 us per 8B projection at M = 1 on the H200, twice the
-bf16 time) nor quantizing the activations per token first (a launch of its own) does. So a decode step does not
-quantize its activations at all: each program loads ``BLOCK_N`` weight rows' e4m3 bytes, upcasts them in registers
-(e4m3 is exact in bf16) and multiplies them with the activations as they are, one ``tl.dot`` per ``BLOCK_K``
-columns; the scales apply per weight row at the end (per row) or per ``(bn, bk)`` weight block along the reduction
-(block).
+bandwidth, and for a small model's projections (a few MB each) each GEMM's ramp as much. cuBLAS's launch shape for
+Qwen3-0.6B's qkv projection at one row took 12.5 us on the H200 for 8.4 MB (2 us of bytes), and its kernels cannot
+wait in the step's programmatic-dependent-launch chain (``pdl``). ``skinny_linear`` is one kernel for both weight
+formats. Model-dtype weights are read as they are. FP8 halves the bytes only if the GEMM streams them at the rate
+bf16 cuBLAS streams its own, and at a few rows neither ``torch._scaled_mm`` (a 128x128-tile kernel, 29 us per 8B
+projection at M = 1 on the H200, twice the bf16 time) nor quantizing the activations per token first (a launch of its
+own) does. So a decode step does not quantize its activations at all: each program loads ``BLOCK_N`` weight rows'
+e4m3 bytes, upcasts them in registers (e4m3 is exact in bf16) and multiplies them with the activations as they are,
+one ``tl.dot`` per ``BLOCK_K`` columns; the scales apply per weight row at the end (per row) or per ``(bn, bk)``
+weight block along the reduction (block).
 
 The K dimension may be split over ``SPLIT_K`` programs to fill the SMs when ``N / BLOCK_N`` tiles are too few; the
-last part of a tile to finish sums the parts (``split_k``). Reference:
-``reference.fp8_linear`` (dequantize, then one GEMM) — the same maths, without the activations' rounding to e4m3; ``F.linear`` for model-dtype weights.
+last part of a tile to finish sums the parts (``split_k``). References: ``F.linear`` for model-dtype weights;
+``reference.fp8_linear`` (dequantize, then one GEMM) for FP8 ones, the same maths without the activations' rounding
+to e4m3.
 """
 from __future__ import annotations
 
