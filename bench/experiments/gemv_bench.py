@@ -46,7 +46,7 @@ def bench_shape(model: str, name: str, n: int, k: int, bw: float, args) -> list[
                 lambda shape: rel_err(skinny_linear(x, weights[0], tiles=SkinnyTiles(**shape)), want),
                 lambda shape, i: skinny_linear(x, weights[i], tiles=SkinnyTiles(**shape)), CALLS, args.reps)
         rows.append(dict(model=model, shape=name, n=n, k=k, m=m, floor_us=floor_us, cublas_us=cublas_us,
-                         default_tiles=vars(skinny_tiles(m, n, k, None)), default_us=default_us,
+                         default_tiles=vars(skinny_tiles(m, n, k, None, 2)), default_us=default_us,
                          default_rel_err=default_err, best=best, sweep=results))
         print(f"{model:>12} {name:>8} {n:6d}x{k:<6d} m={m:2d}: floor {floor_us:6.2f} us  cuBLAS {cublas_us:6.2f} "
               f"(x{cublas_us / floor_us:.2f})  skinny {default_us:6.2f} (x{default_us / floor_us:.2f})"

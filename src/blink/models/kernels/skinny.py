@@ -49,15 +49,16 @@ class SkinnyTiles:
         check_tiles(self)
 
 
-def skinny_tiles(m: int, n: int, k: int, block: tuple[int, int] | None) -> SkinnyTiles:
-    """The launch shape of ``m`` rows through a projection of ``n`` outputs and ``k`` inputs, from the sweeps of
-    ``bench/experiments/fp8_gemv_bench.py`` (Qwen3-8B's projections; up to 16 rows on the H200 with the parts summed
-    in the kernel, each projection's best shape or within 1.02x of it; 32 rows on an H100, each the best shape there):
-    64-output tiles 3 stages deep, the reduction split 4 ways unless the tiles alone number ``TARGET_PROGRAMS`` (split,
-    fewer bytes stream through each program and more are in flight per SM); 256 columns per iteration up to 16 rows,
-    128 beyond. With block scales a tile must not straddle a weight block."""
+def skinny_tiles(m: int, n: int, k: int, block: tuple[int, int] | None, element_size: int = 1) -> SkinnyTiles:
+    """The launch shape of ``m`` rows through a projection of ``n`` outputs and ``k`` inputs of ``element_size``-byte
+    weights, from the sweeps of ``bench/experiments/fp8_gemv_bench.py`` (Qwen3-8B's FP8 projections; up to 16 rows on
+    the H200 with the parts summed in the kernel, each projection's best shape or within 1.02x of it; 32 rows on an
+    H100, each the best shape there): 64-output tiles 3 stages deep, the reduction split 4 ways unless the tiles alone
+    number ``TARGET_PROGRAMS`` (split, fewer bytes stream through each program and more are in flight per SM); 256
+    bytes of each weight row per iteration up to 16 rows, 128 beyond (a wider bf16 tile spills on sm_90). With block
+    scales a tile must not straddle a weight block."""
     split_k = 4 if triton.cdiv(n, 64) <= TARGET_PROGRAMS else 1
-    block_k = 256 if m <= 16 and block is None else 128
+    block_k = (256 if m <= 16 and block is None else 128) // element_size
     tiles = SkinnyTiles(block_n=64, block_k=block_k, split_k=split_k, num_stages=3)
     if block is None:
         return tiles
@@ -112,7 +113,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     if (scale is None) != (weight.dtype == x.dtype):
         raise ValueError(f"skinny_linear takes {x.dtype} weights without scales or e4m3 weights with them (got "
                          f"{weight.dtype} weights, {'no ' if scale is None else ''}scales)")
-    tiles = tiles or skinny_tiles(m, n, k, block)
+    tiles = tiles or skinny_tiles(m, n, k, block, weight.element_size())
     if block is not None and (block[1] % tiles.block_k or block[0] % tiles.block_n):
         raise ValueError(f"tiles {tiles} do not divide the weight blocks {block}")
     x = x if x.stride(-1) == 1 else x.contiguous()
