@@ -55,11 +55,12 @@ def skinny_tiles(m: int, n: int, k: int, block: tuple[int, int] | None, element_
     the H200 with the parts summed in the kernel, each projection's best shape or within 1.02x of it; 32 rows on an
     H100, each the best shape there): 64-output tiles 3 stages deep, the reduction split 4 ways unless the tiles alone
     number ``TARGET_PROGRAMS`` (split, fewer bytes stream through each program and more are in flight per SM); 256
-    bytes of each weight row per iteration up to 16 rows, 128 beyond (a wider bf16 tile spills on sm_90). With block
-    scales a tile must not straddle a weight block."""
+    bytes of each weight row per iteration up to 16 rows, 128 beyond; 8 warps for wider weights (at 4, a 64 x 128
+    bf16 tile left a stack frame on sm_90 with Triton 3.9). With block scales a tile must not straddle a weight
+    block."""
     split_k = 4 if triton.cdiv(n, 64) <= TARGET_PROGRAMS else 1
     block_k = (256 if m <= 16 and block is None else 128) // element_size
-    tiles = SkinnyTiles(block_n=64, block_k=block_k, split_k=split_k, num_stages=3)
+    tiles = SkinnyTiles(block_n=64, block_k=block_k, split_k=split_k, num_warps=4 * element_size, num_stages=3)
     if block is None:
         return tiles
     return replace(tiles, block_n=min(tiles.block_n, block[0]), block_k=min(tiles.block_k, block[1]))
