@@ -174,10 +174,12 @@ def _gumbel_argmax_kernel(logits_ptr, div_ptr, thr_ptr, seed_ptr, len_ptr, greed
         ok = idx < vocab
         x = tl.math.div_rn(tl.load(logits_ptr + row * stride + idx, mask=ok, other=float("-inf")).to(tl.float32),
                            divisor)
-        bits = _hash32(key ^ _hash32(idx.to(tl.uint32))) >> _UNIFORM_SHIFT  # hashing.uniform
-        u = (bits.to(tl.float32) + 0.5) * _UNIFORM_SCALE
-        noisy = tl.where(x >= thr, x - tl.log(-tl.log(u)), float("-inf"))
-        val = tl.where(greedy, x, noisy)
+        if greedy:  # the row's branch: a greedy row computes no noise (its hashes and logarithms are most of the cost)
+            val = x
+        else:
+            bits = _hash32(key ^ _hash32(idx.to(tl.uint32))) >> _UNIFORM_SHIFT  # hashing.uniform
+            u = (bits.to(tl.float32) + 0.5) * _UNIFORM_SCALE
+            val = tl.where(x >= thr, x - tl.log(-tl.log(u)), float("-inf"))
         val = tl.where(ok, val, float("-inf"))
         m = tl.max(val, 0)
         if m > best_val:
