@@ -2,10 +2,14 @@
 cuBLAS (``F.linear``).
 
 Up to ``SKINNY_UP_TO`` rows a projection streams its weights once and its time is their bytes plus the kernel's ramp.
-For a small model's projections (a few MB) the ramp is most of it, and cuBLAS's launch shapes there leave SMs idle:
-Qwen3-0.6B's qkv projection (4096 x 1024) took 12.5 us at one row on the H200 for 8.4 MB (2 us of bytes). The skinny
-GEMM also waits in the step's programmatic-dependent-launch chain (``pdl``), which cuBLAS's kernels do not. Beyond
-``SKINNY_UP_TO`` rows cuBLAS's tensor-core tiles win.
+The skinny GEMM waits in the step's programmatic-dependent-launch chain (``pdl``) and cuBLAS's kernels do not, so
+each cuBLAS projection left a gap in the chain: Qwen3-0.6B's decode step at one row on an H100 had 153 us a step with
+no kernel running, 54 us with the skinny GEMM, though its 112 projections took about as long as cuBLAS's (672 against
+687 us a step; per call the skinny GEMM is the faster on long reductions, cuBLAS on Qwen3-0.6B's qkv and gate_up).
+On the H200 cuBLAS's launch shape for that qkv projection took 12.5 us for 8.4 MB. Beyond ``SKINNY_UP_TO`` rows
+cuBLAS's tensor-core tiles win: at 32 and 64 rows on an H100 cuBLAS was the faster on 11 of the 12 projections
+``bench/experiments/gemv_bench.py`` runs (Qwen3-8B's gate_up 1-2 % the other way), against a 64-output, 8-warp skinny
+launch shape (not swept there).
 """
 from __future__ import annotations
 

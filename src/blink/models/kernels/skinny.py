@@ -51,16 +51,25 @@ class SkinnyTiles:
 
 def skinny_tiles(m: int, n: int, k: int, block: tuple[int, int] | None, element_size: int = 1) -> SkinnyTiles:
     """The launch shape of ``m`` rows through a projection of ``n`` outputs and ``k`` inputs of ``element_size``-byte
-    weights, from the sweeps of ``bench/experiments/fp8_gemv_bench.py`` (Qwen3-8B's FP8 projections; up to 16 rows on
-    the H200 with the parts summed in the kernel, each projection's best shape or within 1.02x of it; 32 rows on an
-    H100, each the best shape there): 64-output tiles 3 stages deep, the reduction split 4 ways unless the tiles alone
-    number ``TARGET_PROGRAMS`` (split, fewer bytes stream through each program and more are in flight per SM); 256
-    bytes of each weight row per iteration up to 16 rows, 128 beyond; 8 warps for wider weights (at 4, a 64 x 128
-    bf16 tile left a stack frame on sm_90 with Triton 3.9). With block scales a tile must not straddle a weight
-    block."""
-    split_k = 4 if triton.cdiv(n, 64) <= TARGET_PROGRAMS else 1
-    block_k = (256 if m <= 16 and block is None else 128) // element_size
-    tiles = SkinnyTiles(block_n=64, block_k=block_k, split_k=split_k, num_warps=4 * element_size, num_stages=3)
+    weights. With block scales a tile must not straddle a weight block.
+
+    FP8, from the sweeps of ``bench/experiments/fp8_gemv_bench.py`` (Qwen3-8B's projections; up to 16 rows on the H200
+    with the parts summed in the kernel, each projection's best shape or within 1.02x of it; 32 rows on an H100, each
+    the best shape there): 64-output tiles 3 stages deep, the reduction split 4 ways unless the tiles alone number
+    ``TARGET_PROGRAMS`` (split, fewer bytes stream through each program and more are in flight per SM); 256 columns per
+    iteration up to 16 rows, 128 beyond.
+
+    bf16, from ``bench/experiments/gemv_bench.py --sweep`` (Qwen3-0.6B's, Llama-3.2-1B's and Qwen3-8B's projections at
+    1 and 16 rows on an H100; each projection's best shape or within 1.04x of it): 32-output tiles of 128 columns, 4
+    warps, 3 stages; the reduction split 4 ways where it is long (``k >= 2048``) and the tiles few (at most 1.5
+    ``TARGET_PROGRAMS``), else not (Qwen3-0.6B's qkv and gate_up, ``k = 1024``; Llama-3.2-1B's 512-tile gate_up)."""
+    if element_size == 1:
+        split_k = 4 if triton.cdiv(n, 64) <= TARGET_PROGRAMS else 1
+        tiles = SkinnyTiles(block_n=64, block_k=256 if m <= 16 and block is None else 128, split_k=split_k,
+                            num_stages=3)
+    else:
+        split_k = 4 if k >= 2048 and triton.cdiv(n, 32) <= 3 * TARGET_PROGRAMS // 2 else 1
+        tiles = SkinnyTiles(block_n=32, block_k=128, split_k=split_k, num_stages=3)
     if block is None:
         return tiles
     return replace(tiles, block_n=min(tiles.block_n, block[0]), block_k=min(tiles.block_k, block[1]))
