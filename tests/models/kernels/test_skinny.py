@@ -40,3 +40,5 @@ def test_skinny_linear_refuses_what_it_cannot_compute(backend):
         skinny_linear(torch.randn(SKINNY_MAX_TOKENS + 1, 128, device=device, dtype=dtype), weight)
     with pytest.raises(ValueError, match="without scales"):
         skinny_linear(torch.randn(2, 128, device=device, dtype=dtype), weight, torch.ones(96, device=device))
+    with pytest.raises(ValueError, match="contiguous"):
+        skinny_linear(torch.randn(2, 96, device=device, dtype=dtype), weight.T)

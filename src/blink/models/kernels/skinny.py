@@ -123,6 +123,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     if (scale is None) != (weight.dtype == x.dtype):
         raise ValueError(f"skinny_linear takes {x.dtype} weights without scales or e4m3 weights with them (got "
                          f"{weight.dtype} weights, {'no ' if scale is None else ''}scales)")
+    if weight.stride() != (k, 1):
+        raise ValueError(f"skinny_linear reads the weight's rows as {k} contiguous columns (got strides "
+                         f"{weight.stride()}): pass weight.contiguous()")
     tiles = tiles or skinny_tiles(m, n, k, block, weight.element_size())
     if block is not None and (block[1] % tiles.block_k or block[0] % tiles.block_n):
         raise ValueError(f"tiles {tiles} do not divide the weight blocks {block}")
