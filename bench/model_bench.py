@@ -45,7 +45,7 @@ from dataclasses import replace
 import torch
 
 from bench.gpu_timing import copy_bandwidth, events_median_ms, kernel_profile, matmul_rate, replay_power
-from blink.bench.shapes import SHAPES as BENCH_SHAPES
+from blink.bench.shapes import shape_config
 from blink.config import KV_CACHE_DTYPES
 from blink.device.step import StepBuffers, StepLayout
 from blink.models import ModelConfig, plan_memory, random_model
@@ -53,10 +53,9 @@ from blink.models.batch import SeqChunk, chunk_drafts, fill_step
 from blink.models.decoder import SparseMoE
 from blink.models.memory import GIB, kv_cache_dtype, kv_page_bytes, weight_bytes
 from blink.models.quantization import QUANTIZATIONS, Fp8Config, requested
-from blink.models.shapes import SHAPES, shape_config
+from blink.models.shapes import SHAPES
 
-MODELS = {name: shape_config(name) for name in SHAPES}
-MODELS["qwen3-8b"] = BENCH_SHAPES["qwen3-8b"]
+MODELS = {name: shape_config(name) for name in (*SHAPES, "qwen3-8b")}
 PAGE = 16
 LAYOUT = StepLayout(max_num_batched_tokens=2048, max_num_seqs=256, max_pages_per_seq=8192 // PAGE)
 # The steps verifying drafts (--drafts): 64 sequences verifying 4 each take 320 rows. Their own buffers (with the
