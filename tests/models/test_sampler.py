@@ -4,15 +4,22 @@ import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from blink.models.kernels import reference
-from blink.models.sampler import CANDIDATES, sample
+from blink.models.sampler import CANDIDATES, Sampled, sample
+
+
+def empty_sampled(rows: int, top: int, device="cpu") -> Sampled:
+    return Sampled(torch.zeros(rows, dtype=torch.int32, device=device), torch.zeros(rows, device=device),
+                   torch.zeros(rows, top, dtype=torch.int32, device=device), torch.zeros(rows, top, device=device))
 
 
 def _sample(logits, temperature=0.0, top_k=0, top_p=1.0, seed=0, seq_lens=None, min_p=0.0, top=0):
     s = logits.shape[0]
     full = lambda v, dt: torch.full((s,), v, dtype=dt) if not torch.is_tensor(v) else v  # noqa: E731
     seq_lens = torch.arange(s, dtype=torch.int32) + 5 if seq_lens is None else seq_lens
-    return sample(logits, full(temperature, torch.float32), full(top_k, torch.int32), full(top_p, torch.float32),
-                  full(min_p, torch.float32), full(seed, torch.int64), seq_lens, reference, top)[:2]
+    out = empty_sampled(s, top)
+    sample(logits, full(temperature, torch.float32), full(top_k, torch.int32), full(top_p, torch.float32),
+           full(min_p, torch.float32), full(seed, torch.int64), seq_lens, reference, out, torch.arange(s))
+    return out[:2]
 
 
 def filter_threshold(logits, divisor, lse_scaled, top_k, top_p, ops):
@@ -167,8 +174,9 @@ def test_min_p_keeps_exactly_vllms_survivors():
 def test_top_logprobs_are_the_largest_logprobs_most_likely_first():
     torch.manual_seed(2)
     logits = torch.randn(5, 400) * 3
-    out = sample(logits, torch.ones(5), torch.zeros(5, dtype=torch.int32), torch.ones(5), torch.zeros(5),
-                 torch.arange(5), torch.arange(5, dtype=torch.int32) + 3, reference, 7)
+    out = empty_sampled(5, 7)
+    sample(logits, torch.ones(5), torch.zeros(5, dtype=torch.int32), torch.ones(5), torch.zeros(5), torch.arange(5),
+           torch.arange(5, dtype=torch.int32) + 3, reference, out, torch.arange(5))
     want = torch.log_softmax(logits.double(), dim=1).topk(7, dim=1)
     assert out.top_ids.dtype == torch.int32 and torch.equal(out.top_ids.long(), want.indices)
     torch.testing.assert_close(out.top_logprobs.double(), want.values, rtol=0, atol=1e-5)

@@ -31,7 +31,7 @@ from .parallel import Split, TensorParallel, all_reduce, weight_split
 from .projection import Projection, parameter
 from .quantization import Fp8Config
 from .rope import cos_sin_cache
-from .sampler import sample
+from .sampler import Sampled, sample
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -238,11 +238,8 @@ class DecoderLM(nn.Module):
                                 buf.penalties[:s], history.counts[:s], history.page_size)
         if grammars is not None:
             ops.apply_grammar(logits, grammars, buf.grammar_state[:s])
-        out = sample(logits, buf.temperature[:s], buf.top_k[:s], buf.top_p[:s], buf.min_p[:s], buf.seed[:s],
-                     buf.seq_lens[:s], ops, buf.sampled_top_ids.shape[1])
-        valid = rows >= 0
-        buf.sampled_ids[:s] = torch.where(valid, out.ids, buf.sampled_ids[:s])
-        buf.sampled_logprobs[:s] = torch.where(valid, out.logprobs, buf.sampled_logprobs[:s])
-        buf.sampled_top_ids[:s] = torch.where(valid[:, None], out.top_ids, buf.sampled_top_ids[:s])
-        buf.sampled_top_logprobs[:s] = torch.where(valid[:, None], out.top_logprobs, buf.sampled_top_logprobs[:s])
+        out = Sampled(buf.sampled_ids[:s], buf.sampled_logprobs[:s], buf.sampled_top_ids[:s],
+                      buf.sampled_top_logprobs[:s])
+        sample(logits, buf.temperature[:s], buf.top_k[:s], buf.top_p[:s], buf.min_p[:s], buf.seed[:s],
+               buf.seq_lens[:s], ops, out, rows)
         return logits

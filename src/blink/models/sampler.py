@@ -10,12 +10,12 @@ row (tokens whose scaled logit is ``>=`` it stay), found among the ``CANDIDATES`
   warpers do; when even all ``CANDIDATES`` fall short of ``top_p`` (and top-k is off) the row is cut at the floor.
 
 The token is then ``argmax(logit / T + gumbel)`` (Gumbel-max draws exactly from the softmax), with the noise a hash of
-``(seed, seq_len, token)``. The returned logprobs (the sampled token's, and the ``top`` most likely tokens') are of
+``(seed, seq_len, token)``. The logprobs written (the sampled token's, and the ``top`` most likely tokens') are of
 the distribution the logits give (after ``logit_bias`` and the penalties, which the step applies to them first, and
 before temperature or filters). The scaled logits ``logit / T`` are never stored: the kernels divide as they read
 (``ops.row_logsumexp`` gives both rows' log-sum-exps in one pass, ``ops.candidate_threshold`` applies the filters to
-the top logits, scaled, since dividing by a positive ``T`` keeps their order, and ``ops.gumbel_argmax`` picks the
-token).
+the top logits, scaled, since dividing by a positive ``T`` keeps their order, ``ops.gumbel_argmax`` picks the
+token, and ``ops.store_sampled`` writes the sampled rows' results into the step's buffers).
 """
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ class Sampled(NamedTuple):
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           min_p: torch.Tensor, seed: torch.Tensor, seq_lens: torch.Tensor, ops, top: int = 0) -> Sampled:
-    """``logits [S, V]`` (the model's dtype: the kernels read it as it is and compute in float32) → ``Sampled``
-    (``[S]`` and ``[S, top]``)."""
+           min_p: torch.Tensor, seed: torch.Tensor, seq_lens: torch.Tensor, ops, out: Sampled,
+           logits_indices: torch.Tensor) -> None:
+    """``logits [S, V]`` (the model's dtype: the kernels read it as it is and compute in float32) → in place on
+    ``out`` (``[S]`` and ``[S, top]`` buffers) for the rows with ``logits_indices >= 0``; the others keep theirs."""
     greedy = temperature <= 0
     divisor = torch.where(greedy, 1.0, temperature)
     # Converting to float32 is exact and keeps the order, so the top of the model-dtype row is the same set of values
@@ -49,5 +50,4 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     lse, lse_scaled = ops.row_logsumexp(logits, divisor, floor)
     threshold = ops.candidate_threshold(cand.values, divisor, lse_scaled, top_k, top_p, floor)
     ids = ops.gumbel_argmax(logits, divisor, threshold, seed, seq_lens, greedy)
-    logprobs = logits.gather(1, ids[:, None].long())[:, 0].float() - lse
-    return Sampled(ids, logprobs, cand.indices[:, :top].int(), cand.values[:, :top].float() - lse[:, None])
+    ops.store_sampled(out, logits_indices, logits, ids, lse, cand.values, cand.indices)

@@ -50,6 +50,7 @@ def test_biased_min_p_sampling_with_top_logprobs_captures_in_a_cuda_graph():
     same buffers, gives what the eager run gives (tokens, logprobs, top tokens and top logprobs)."""
     from blink.models.kernels import triton_ops
     from blink.models.sampler import sample
+    from tests.models.test_sampler import empty_sampled
 
     rows, vocab, width, top = 8, 32000, 6, 5
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -70,17 +71,22 @@ def test_biased_min_p_sampling_with_top_logprobs_captures_in_a_cuda_graph():
         temperature.copy_(torch.tensor([0, 0.7, 1.0, 1.3] * 2, device="cuda") * (k + 1))
         min_p.copy_(torch.tensor([0, 0.05, 0.2, 0.9] * 2, device="cuda"))
 
-    def step():
+    rows_sampled = torch.arange(rows, device="cuda")
+
+    def step(out=None):
+        out = empty_sampled(rows, top, "cuda") if out is None else out
         apply_logit_bias(logits, ids, bias, count)
-        return sample(logits, temperature, top_k, top_p, min_p, seed, seq_lens, triton_ops, top)
+        sample(logits, temperature, top_k, top_p, min_p, seed, seq_lens, triton_ops, out, rows_sampled)
+        return out
 
     fill(0)
     step()                                      # compile the kernels outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     fill(0)
+    captured = empty_sampled(rows, top, "cuda")
     with torch.cuda.graph(graph):
-        captured = step()
+        step(captured)
     for k in range(3):
         fill(k)
         saved = logits.clone()

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from blink.models.kernels import reference
@@ -143,3 +144,34 @@ def test_candidate_threshold_matches_reference(backend):
                            reference.candidate_threshold(half.float(), divisor, lse_scaled, top_k, top_p, floor))
         assert want[0] == float("-inf") and torch.isfinite(want[[1, 2, 3, 11]]).all()
         assert (want[10] == float("-inf")) == (n < vocab)  # a flat row's nucleus is wider than the candidates
+
+
+@pytest.mark.parametrize("top", [0, 5])
+def test_store_sampled_writes_the_sampled_rows_as_the_reference(backend, top):
+    """Rows that sample write their token, its logprob and the top candidates' ids and logprobs, bit for bit as the
+    reference; rows with ``logits_indices`` -1 keep what the buffers held."""
+    device, _, _ = backend
+    from blink.models.kernels.sampling import store_sampled
+    from blink.models.sampler import CANDIDATES
+    from tests.models.test_sampler import empty_sampled
+
+    rows, vocab = 6, 3000
+    logits = (torch.randn(rows, vocab, device=device) * 3).bfloat16()
+    cand = torch.topk(logits, CANDIDATES, dim=1)
+    lse = torch.logsumexp(logits.float(), dim=1)
+    ids = torch.randint(0, vocab, (rows,), dtype=torch.int32, device=device)
+    logits_indices = torch.tensor([0, -1, 2, 3, -1, 5], device=device)
+    got, want = empty_sampled(rows, top, device), empty_sampled(rows, top, device)
+    for out in (got, want):
+        for buffer in out:
+            buffer.fill_(-7)
+    store_sampled(got, logits_indices, logits, ids, lse, cand.values, cand.indices)
+    reference.store_sampled(want, logits_indices, logits, ids, lse, cand.values, cand.indices)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert torch.equal(want.ids[logits_indices < 0], torch.full((2,), -7, dtype=torch.int32, device=device))
+    sampled = logits_indices >= 0
+    assert torch.equal(want.ids[sampled], ids[sampled])
+    assert torch.equal(want.logprobs[sampled], (logits.float().gather(1, ids[:, None].long())[:, 0] - lse)[sampled])
+    if top:
+        assert torch.equal(want.top_ids[sampled], cand.indices[sampled, :top].int())

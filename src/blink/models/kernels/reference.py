@@ -261,6 +261,20 @@ def gumbel_argmax(logits: torch.Tensor, divisor: torch.Tensor, threshold: torch.
     return torch.where(greedy[:, None], scaled, noisy).argmax(dim=1).to(torch.int32)
 
 
+def store_sampled(out, logits_indices: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor,
+                  cand_values: torch.Tensor, cand_indices: torch.Tensor) -> None:
+    """In place on ``out`` (a ``sampler.Sampled`` of ``[S]`` / ``[S, top]`` buffers), for the rows with
+    ``logits_indices >= 0`` (the others keep their values): the token ``ids``, its logprob ``logits[row, id] - lse``
+    and the ``top`` candidates (``cand_values`` / ``cand_indices``, most likely first) as int32 ids and logprobs."""
+    top = out.top_ids.shape[1]
+    valid = logits_indices >= 0
+    logprobs = logits.gather(1, ids[:, None].long())[:, 0].float() - lse
+    out.ids.copy_(torch.where(valid, ids, out.ids))
+    out.logprobs.copy_(torch.where(valid, logprobs, out.logprobs))
+    out.top_ids.copy_(torch.where(valid[:, None], cand_indices[:, :top].int(), out.top_ids))
+    out.top_logprobs.copy_(torch.where(valid[:, None], cand_values[:, :top].float() - lse[:, None], out.top_logprobs))
+
+
 def apply_penalties(logits: torch.Tensor, page_tokens: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, prompt_lens: torch.Tensor, penalties: torch.Tensor, counts: torch.Tensor,
                     page_size: int) -> None:

@@ -14,6 +14,9 @@ a float32 copy nor the scaled rows are ever stored.
 - ``gumbel_argmax``: program ``(row, chunk)`` derives the row's key from its seed and length (``hashing.row_key``,
   in uint32), scans ``CHUNK`` vocabulary entries and writes its best (value, index); the host-free ``torch.max``
   over the chunks of a row picks the token. The first chunk wins a tie, as the lowest index does in the reference.
+- ``store_sampled``: one program per row writes a sampled row's token, its logprob and its top logprobs into the
+  step's buffers (rows that sample nothing keep theirs): one launch in the step's PDL chain where torch took ~16 small
+  kernels (gathers, casts, subtractions, and a ``where`` and a copy per buffer).
 """
 from __future__ import annotations
 
@@ -200,3 +203,37 @@ def gumbel_argmax(logits: torch.Tensor, divisor: torch.Tensor, threshold: torch.
                                             vocab, logits.stride(0), n_chunks, CHUNK=CHUNK, BLOCK=1024,
                                             **pdl_args(logits.device))
     return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True))[:, 0]
+
+
+@triton.jit
+def _store_sampled_kernel(rows_ptr, logits_ptr, ids_ptr, lse_ptr, cand_val_ptr, cand_idx_ptr, out_ids_ptr,
+                          out_logprobs_ptr, out_top_ids_ptr, out_top_logprobs_ptr, logits_stride, cand_stride,
+                          out_top_stride, top, TOP_P2: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)
+    sampled = tl.load(rows_ptr + row) >= 0  # a step buffer: read before the wait
+    wait_for_previous(PDL)
+    if sampled:
+        token = tl.load(ids_ptr + row)
+        lse = tl.load(lse_ptr + row)
+        tl.store(out_ids_ptr + row, token)
+        tl.store(out_logprobs_ptr + row, tl.load(logits_ptr + row * logits_stride + token).to(tl.float32) - lse)
+        rank = tl.arange(0, TOP_P2)
+        ok = rank < top
+        cand = cand_stride * row + rank
+        tl.store(out_top_ids_ptr + row * out_top_stride + rank, tl.load(cand_idx_ptr + cand, mask=ok).to(tl.int32),
+                 mask=ok)
+        tl.store(out_top_logprobs_ptr + row * out_top_stride + rank,
+                 tl.load(cand_val_ptr + cand, mask=ok).to(tl.float32) - lse, mask=ok)
+
+
+def store_sampled(out, logits_indices: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor,
+                  cand_values: torch.Tensor, cand_indices: torch.Tensor) -> None:
+    """As ``reference.store_sampled``: in place on ``out`` (a ``sampler.Sampled`` of the step's buffers)."""
+    rows, top = out.top_ids.shape
+    if cand_values.stride() != cand_indices.stride() or cand_values.stride(1) != 1:
+        raise ValueError(f"store_sampled reads the candidates' values and indices at one unit-stride layout (got "
+                         f"strides {cand_values.stride()} and {cand_indices.stride()})")
+    _store_sampled_kernel[(rows,)](logits_indices, logits, ids, lse, cand_values, cand_indices, out.ids, out.logprobs,
+                                   out.top_ids, out.top_logprobs, logits.stride(0), cand_values.stride(0),
+                                   out.top_ids.stride(0), top, TOP_P2=triton.next_power_of_2(max(top, 1)),
+                                   **pdl_args(logits.device))
