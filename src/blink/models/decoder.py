@@ -68,8 +68,10 @@ class MLP(nn.Module):
         self.down_proj = Projection(c.hidden_size, c.intermediate_size, c.quantization, **kw)
 
     def forward(self, x, ops):
-        """The down projection takes gate and up as they are and applies SiLU-and-multiply (``gated``)."""
-        return self.down_proj(self.gate_up_proj(x, ops), ops, gated=True)
+        """SiLU-and-multiply, handing the down projection its rows quantized as that one asks (``e4m3_group``)."""
+        gate_up = self.gate_up_proj(x, ops)
+        group = self.down_proj.e4m3_group(gate_up.shape[0], ops)
+        return self.down_proj(ops.silu_and_mul(gate_up, e4m3_group=group), ops)
 
     def e4m3_group(self, rows: int, ops) -> int:
         return self.gate_up_proj.e4m3_group(rows, ops)

@@ -43,14 +43,10 @@ class Projection(nn.Module):
     def block(self) -> tuple[int, int] | None:
         return None if self.quant is None else self.quant.weight_block_size
 
-    def forward(self, x, ops, gated: bool = False) -> torch.Tensor:
-        """``x``: activations, or ``QuantizedRows`` for an FP8 projection that asks for them so (``e4m3_group``).
-        ``gated``: ``x`` is ``[gate | up]`` and the input is their SiLU-and-mul, fused into a model-dtype GEMM
-        (``ops.linear``), computed first for an FP8 one (quantized as it asks)."""
+    def forward(self, x, ops) -> torch.Tensor:
+        """``x``: activations, or ``QuantizedRows`` for an FP8 projection that asks for them so (``e4m3_group``)."""
         if self.quant is None:
-            return ops.linear(x, self.weight, gated)
-        if gated:
-            x = ops.silu_and_mul(x, e4m3_group=self.e4m3_group(x.shape[0], ops))
+            return ops.linear(x, self.weight)
         return ops.fp8_linear(x, self.weight, self.scale, self.block)
 
     def e4m3_group(self, rows: int, ops) -> int:

@@ -1,5 +1,5 @@
 """A model-dtype projection's path by rows (``linear``): the skinny GEMM up to ``SKINNY_UP_TO`` rows, cuBLAS
-(``F.linear``) beyond; both against float64, plain and ``gated`` (the input SiLU-and-mul of ``[gate | up]``)."""
+(``F.linear``) beyond; both against float64."""
 import torch
 import torch.nn.functional as F
 
@@ -17,18 +17,3 @@ def test_linear_takes_the_skinny_gemm_only_for_decode_sized_steps(backend):
     assert torch.equal(linear(large, weight), F.linear(large, weight))
     for x in (small, large):
         assert rel_err(linear(x, weight), x.double() @ weight.double().T) < tol
-
-
-def test_gated_linear_fuses_silu_and_mul_only_into_the_skinny_gemm(backend):
-    device, dtype, tol = backend
-    from blink.models.kernels.activation import silu_and_mul
-    from blink.models.kernels.linear import SKINNY_UP_TO, linear
-    from blink.models.kernels.skinny import skinny_linear
-
-    weight = torch.randn(192, 256, device=device, dtype=dtype) * 256 ** -0.5
-    small, large = (torch.randn(t, 512, device=device, dtype=dtype) for t in (SKINNY_UP_TO, SKINNY_UP_TO + 1))
-    assert torch.equal(linear(small, weight, gated=True), skinny_linear(small, weight, gated=True))
-    assert torch.equal(linear(large, weight, gated=True), F.linear(silu_and_mul(large), weight))
-    for x in (small, large):
-        gate, up = x.double().chunk(2, dim=1)
-        assert rel_err(linear(x, weight, gated=True), (F.silu(gate) * up) @ weight.double().T) < tol

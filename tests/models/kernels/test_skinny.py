@@ -20,24 +20,6 @@ def test_skinny_linear_of_model_dtype_weights_matches_float64(backend, tokens, t
     assert rel_err(out, x.double() @ weight.double().T) < tol
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 16])
-@pytest.mark.parametrize("tiles", [None, dict(block_n=16, block_k=128, split_k=3)])
-def test_gated_skinny_linear_equals_silu_and_mul_then_the_gemm(backend, tokens, tiles):
-    """``gated``: the GEMM of ``silu_and_mul(x)`` computed as it loads ``x = [gate | up]``, bit for bit what the
-    activation kernel's stored products give."""
-    device, dtype, tol = backend
-    from blink.models.kernels.activation import silu_and_mul
-    from blink.models.kernels.skinny import SkinnyTiles, skinny_linear
-
-    weight = torch.randn(160, 320, device=device, dtype=dtype) * 320 ** -0.5
-    x = torch.randn(tokens, 640, device=device, dtype=dtype)
-    tiles = tiles and SkinnyTiles(**tiles)
-    out = skinny_linear(x, weight, tiles=tiles, gated=True)
-    assert torch.equal(out, skinny_linear(silu_and_mul(x), weight, tiles=tiles))
-    gate, up = x.double().chunk(2, dim=1)
-    assert rel_err(out, (torch.nn.functional.silu(gate) * up) @ weight.double().T) < tol
-
-
 def test_skinny_linear_reads_strided_rows(backend):
     """A step's activations may be a row-strided view (a slice of a wider buffer)."""
     device, dtype, tol = backend
@@ -58,7 +40,5 @@ def test_skinny_linear_refuses_what_it_cannot_compute(backend):
         skinny_linear(torch.randn(SKINNY_MAX_TOKENS + 1, 128, device=device, dtype=dtype), weight)
     with pytest.raises(ValueError, match="without scales"):
         skinny_linear(torch.randn(2, 128, device=device, dtype=dtype), weight, torch.ones(96, device=device))
-    with pytest.raises(ValueError, match="gated takes x of 256 columns"):
-        skinny_linear(torch.randn(2, 128, device=device, dtype=dtype), weight, gated=True)
     with pytest.raises(ValueError, match="contiguous"):
         skinny_linear(torch.randn(2, 96, device=device, dtype=dtype), weight.T)

@@ -15,19 +15,11 @@ BLOCK = 1024  # columns a program of the plain kernel holds
 
 
 @triton.jit
-def silu_mul(gate, up, dtype: tl.constexpr):
-    """``silu(gate) * up`` of model-dtype ``gate`` and ``up``, computed in float32 and rounded once to ``dtype``: what
-    these kernels store and what a gated skinny GEMM (``skinny.py``) multiplies, bit for bit."""
-    gate = gate.to(tl.float32)
-    return (gate * tl.sigmoid(gate) * up.to(tl.float32)).to(dtype)
-
-
-@triton.jit
 def _product(x_ptr, row, col, n, mask, dtype: tl.constexpr):
     """``silu(gate) * up`` of ``row``'s columns ``col``, rounded to ``dtype`` (the model's), as float32."""
-    gate = tl.load(x_ptr + row * 2 * n + col, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * 2 * n + n + col, mask=mask, other=0.0)
-    return silu_mul(gate, up, dtype).to(tl.float32)
+    gate = tl.load(x_ptr + row * 2 * n + col, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * n + n + col, mask=mask, other=0.0).to(tl.float32)
+    return (gate * tl.sigmoid(gate) * up).to(dtype).to(tl.float32)
 
 
 @triton.jit

@@ -16,16 +16,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .activation import silu_and_mul
 from .skinny import skinny_linear
 
 SKINNY_UP_TO = 16
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
-    """``x [M, K] @ weight [N, K].T`` in ``x.dtype`` (the model dtype of both). ``gated``: ``x [M, 2K]`` is
-    ``[gate | up]`` and the input is ``silu_and_mul(x)`` (the skinny GEMM computes it as it loads: no launch of its
-    own)."""
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ weight [N, K].T`` in ``x.dtype`` (the model dtype of both)."""
     if x.shape[0] <= SKINNY_UP_TO:
-        return skinny_linear(x, weight, gated=gated)
-    return F.linear(silu_and_mul(x) if gated else x, weight)
+        return skinny_linear(x, weight)
+    return F.linear(x, weight)

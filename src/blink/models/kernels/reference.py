@@ -80,9 +80,9 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tenso
     return moe_experts(x, weights, ids, gate_up, down)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
-    """``x @ weight.T`` of model-dtype weights: one GEMM; ``gated``: of ``silu_and_mul(x)``."""
-    return F.linear(silu_and_mul(x) if gated else x, weight)
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` of model-dtype weights: one GEMM."""
+    return F.linear(x, weight)
 
 
 def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,

@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .activation import silu_mul
 from .pdl import pdl_args, wait_for_previous
 from .split_k import split_buffers, store_split
 from .tiles import check_tiles
@@ -84,13 +83,11 @@ def block_m_for(m: int) -> int:
 
 @triton.jit(do_not_specialize=["m"])  # one compile per launch shape, whatever the step's rows
 def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, work_ptr, counter_ptr, m, n, k, x_stride, scale_stride,
-                   SCALED: tl.constexpr, GATED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   PDL: tl.constexpr):
+                   SCALED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     """``out[:m, tile] = x[:m] @ (w[tile] * scale).T`` for output tile ``program_id(0)``, of which this program sums
     K part ``program_id(1)`` (``split_k.store_split``). Not ``SCALED``: ``w`` as it is (``scale_ptr`` unread);
-    ``GROUP_K == 0``: per-row ``scale [n]``; else block ``scale [n/GROUP_N, k/GROUP_K]``. ``GATED``: ``x``'s rows
-    are ``[gate | up]`` of ``k`` columns each and the GEMM's input is ``activation.silu_mul(gate, up)``."""
+    ``GROUP_K == 0``: per-row ``scale [n]``; else block ``scale [n/GROUP_N, k/GROUP_K]``."""
     tile, part = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,11 +99,7 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, work_ptr, counter_ptr, m, n
     for k0 in range(part * per_part, tl.minimum(k, (part + 1) * per_part), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k
-        x_mask = row_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=x_mask, other=0.0)
-        if GATED:
-            x = silu_mul(x, tl.load(x_ptr + rows[:, None] * x_stride + k + ks[None, :], mask=x_mask, other=0.0),
-                         x_ptr.dtype.element_ty)
+        x = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = widen(tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0), x.dtype)
         if not SCALED or GROUP_K == 0:
             acc += tl.dot(x, tl.trans(w))
@@ -120,18 +113,13 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, work_ptr, counter_ptr, m, n
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-                  block: tuple[int, int] | None = None, tiles: SkinnyTiles | None = None,
-                  gated: bool = False) -> torch.Tensor:
+                  block: tuple[int, int] | None = None, tiles: SkinnyTiles | None = None) -> torch.Tensor:
     """``x [M, K]`` (M <= ``SKINNY_MAX_TOKENS``, any float dtype) times ``weight [N, K]``: in ``x.dtype`` (no
     ``scale``), or e4m3 with per-row ``scale [N]`` or per-``block`` ``scale [N/bn, K/bk]`` → ``[M, N]`` in
-    ``x.dtype``. ``gated``: ``x [M, 2K]`` is ``[gate | up]`` and the input is SiLU-and-mul of it, as
-    ``activation.silu_and_mul`` would store it (one launch fewer)."""
-    m, (n, k) = x.shape[0], weight.shape
+    ``x.dtype``."""
+    (m, k), n = x.shape, weight.shape[0]
     if m > SKINNY_MAX_TOKENS:
         raise ValueError(f"skinny_linear takes at most {SKINNY_MAX_TOKENS} rows (got {m})")
-    if x.shape[1] != (2 if gated else 1) * k:
-        raise ValueError(f"skinny_linear{' gated' if gated else ''} takes x of {(2 if gated else 1) * k} columns "
-                         f"for a weight of {k} (got {x.shape[1]})")
     if (scale is None) != (weight.dtype == x.dtype):
         raise ValueError(f"skinny_linear takes {x.dtype} weights without scales or e4m3 weights with them (got "
                          f"{weight.dtype} weights, {'no ' if scale is None else ''}scales)")
@@ -149,7 +137,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     scaled = scale is not None
     _skinny_kernel[grid](
         x, weight, scale if scaled else weight, out, work, counters, m, n, k, x.stride(0),
-        scale.stride(0) if scaled else 0, SCALED=scaled, GATED=gated, GROUP_N=group_n, GROUP_K=group_k,
+        scale.stride(0) if scaled else 0, SCALED=scaled, GROUP_N=group_n, GROUP_K=group_k,
         BLOCK_M=block_m_for(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(x.device))
     return out
