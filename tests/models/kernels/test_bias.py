@@ -1,9 +1,12 @@
-"""``apply_logit_bias`` (torch, the same code on the CPU and in the CUDA step graph) against a float64 reference, and
-the whole sampler (bias, min-p, top logprobs) captured in a CUDA graph against its eager run."""
+"""``apply_logit_bias`` (the Triton kernel and the torch reference) against float64, and the whole sampler (bias,
+min-p, top logprobs) captured in a CUDA graph against its eager run."""
 import pytest
 import torch
 
-from blink.models.kernels.bias import apply_logit_bias
+from blink.models.kernels import bias as triton_bias
+from blink.models.kernels import reference
+
+IMPLEMENTATIONS = {"triton": triton_bias.apply_logit_bias, "reference": reference.apply_logit_bias}
 
 
 def _reference(logits, ids, bias, count):
@@ -17,7 +20,8 @@ def _reference(logits, ids, bias, count):
     return out
 
 
-def test_logit_bias_matches_float64(backend):
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_logit_bias_matches_float64(backend, impl):
     """Rows with no pair, some pairs, every pair; stale entries past the count and ids outside the vocabulary
     (ignored); token 0 biased while padding entries default to it; bf16 logits rounded once."""
     device, dtype, _ = backend
@@ -29,12 +33,14 @@ def test_logit_bias_matches_float64(backend):
                          [50, 50, 50, 50, 50], [0.1, 0.2, 0.3, 0.4, 0.5], [9, 9, 9, 9, 9]], device=device)
     count = torch.tensor([2, 1, 4, 1, 5, 0], dtype=torch.int32, device=device)
     want = _reference(logits, ids, bias, count)
-    apply_logit_bias(logits, ids, bias, count)
+    IMPLEMENTATIONS[impl](logits, ids, bias, count)
     assert torch.equal(logits, want)
 
 
-def test_no_pairs_leave_the_logits_as_they_are(backend):
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_no_pairs_leave_the_logits_as_they_are(backend, impl):
     device, dtype, _ = backend
+    apply_logit_bias = IMPLEMENTATIONS[impl]
     logits = torch.randn(3, 50, device=device).to(dtype)
     before = logits.clone()
     apply_logit_bias(logits, torch.zeros(3, 0, dtype=torch.int32, device=device), torch.zeros(3, 0, device=device),
@@ -75,7 +81,7 @@ def test_biased_min_p_sampling_with_top_logprobs_captures_in_a_cuda_graph():
 
     def step(out=None):
         out = empty_sampled(rows, top, "cuda") if out is None else out
-        apply_logit_bias(logits, ids, bias, count)
+        triton_ops.apply_logit_bias(logits, ids, bias, count)
         sample(logits, temperature, top_k, top_p, min_p, seed, seq_lens, triton_ops, out, rows_sampled)
         return out
 

@@ -1,22 +1,40 @@
-"""``logit_bias``: per-row additive biases of chosen tokens, in torch with fixed shapes and no host read, so the same
-code runs on the CPU and in a captured CUDA graph (a gather and a scatter of ``[S, max_logit_bias]`` entries)."""
+"""``logit_bias`` in Triton: per-row additive biases of chosen tokens; reference: ``reference.apply_logit_bias``.
+
+One program per row reads the row's ``[max_logit_bias]`` (token, bias) pairs and rewrites the valid ones' logits in
+place: one launch in the step's PDL chain, where the torch version (a gather and a scatter with fixed shapes) took
+about fourteen small kernels. A row's valid ids are distinct, so no two lanes write one logit.
+"""
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from .pdl import pdl_args, wait_for_previous
+
+
+@triton.jit
+def _logit_bias_kernel(logits_ptr, ids_ptr, bias_ptr, count_ptr, vocab, width, logits_stride, ids_stride,
+                       bias_stride, WIDTH_P2: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)
+    j = tl.arange(0, WIDTH_P2)
+    # The pairs are step buffers: read before the wait.
+    count = tl.load(count_ptr + row)
+    ids = tl.load(ids_ptr + row * ids_stride + j, mask=j < width, other=-1)
+    bias = tl.load(bias_ptr + row * bias_stride + j, mask=j < width, other=0.0)
+    valid = (j < count) & (ids >= 0) & (ids < vocab)  # past the width ids read as -1
+    wait_for_previous(PDL)
+    at = logits_ptr + row * logits_stride + tl.where(valid, ids, 0)
+    x = tl.load(at, mask=valid, other=0.0).to(tl.float32)
+    tl.store(at, (x + bias).to(logits_ptr.dtype.element_ty), mask=valid)
 
 
 def apply_logit_bias(logits: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor, count: torch.Tensor) -> None:
-    """Add ``bias[r, j]`` to the logit of token ``ids[r, j]`` of row ``r`` of ``logits [S, V]``, in place, for ``j <
-    count[r]`` and ids in ``[0, V)`` (others are ignored; a row's ids are distinct). The sum is taken in float32 and
-    rounded once to the logits' dtype. Fixed shapes, no host read: the CUDA step runs it too."""
-    if ids.shape[1] == 0:       # a ring without logit_bias (the shape is fixed: a captured graph has no branch)
+    """As ``reference.apply_logit_bias``: ``logits [S, V]`` with unit stride in V, in place."""
+    rows, width = ids.shape
+    if width == 0:  # a ring without logit_bias
         return
-    vocab = logits.shape[1]
-    valid = ((torch.arange(ids.shape[1], device=ids.device) < count[:, None]) & (ids >= 0) & (ids < vocab))
-    # Entries that add nothing rewrite the row's first valid entry (or, without one, token 0 as it is), so every
-    # write of one index stores the same value whatever order the scatter takes.
-    first = valid.int().argmax(dim=1, keepdim=True)
-    index = torch.where(valid, ids, torch.where(valid.any(dim=1, keepdim=True), ids.gather(1, first), 0)).long()
-    x = logits.gather(1, index)
-    biased = torch.where(valid, (x.float() + bias).to(logits.dtype), x)
-    logits.scatter_(1, index, torch.where(valid, biased, biased.gather(1, first)))
+    if logits.stride(1) != 1 or ids.stride(1) != 1 or bias.stride(1) != 1:
+        raise ValueError("apply_logit_bias reads logits, ids and biases at unit stride along a row")
+    _logit_bias_kernel[(rows,)](logits, ids, bias, count, logits.shape[1], width, logits.stride(0), ids.stride(0),
+                                bias.stride(0), WIDTH_P2=triton.next_power_of_2(width), **pdl_args(logits.device))

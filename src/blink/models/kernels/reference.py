@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from ..hashing import gumbel_noise, row_key
 from ..e4m3 import FP8, FP8_MAX, QuantizedRows, dequantize, quantize_activations
-from .bias import apply_logit_bias  # noqa: F401  (torch and capturable: the same on every device)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -273,6 +272,23 @@ def store_sampled(out, logits_indices: torch.Tensor, logits: torch.Tensor, ids: 
     out.logprobs.copy_(torch.where(valid, logprobs, out.logprobs))
     out.top_ids.copy_(torch.where(valid[:, None], cand_indices[:, :top].int(), out.top_ids))
     out.top_logprobs.copy_(torch.where(valid[:, None], cand_values[:, :top].float() - lse[:, None], out.top_logprobs))
+
+
+def apply_logit_bias(logits: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor, count: torch.Tensor) -> None:
+    """Add ``bias[r, j]`` to the logit of token ``ids[r, j]`` of row ``r`` of ``logits [S, V]``, in place, for ``j <
+    count[r]`` and ids in ``[0, V)`` (others are ignored; a row's ids are distinct). The sum is taken in float32 and
+    rounded once to the logits' dtype. Fixed shapes, no host read (it captures in a CUDA graph)."""
+    if ids.shape[1] == 0:       # a ring without logit_bias
+        return
+    vocab = logits.shape[1]
+    valid = ((torch.arange(ids.shape[1], device=ids.device) < count[:, None]) & (ids >= 0) & (ids < vocab))
+    # Entries that add nothing rewrite the row's first valid entry (or, without one, token 0 as it is), so every
+    # write of one index stores the same value whatever order the scatter takes.
+    first = valid.int().argmax(dim=1, keepdim=True)
+    index = torch.where(valid, ids, torch.where(valid.any(dim=1, keepdim=True), ids.gather(1, first), 0)).long()
+    x = logits.gather(1, index)
+    biased = torch.where(valid, (x.float() + bias).to(logits.dtype), x)
+    logits.scatter_(1, index, torch.where(valid, biased, biased.gather(1, first)))
 
 
 def apply_penalties(logits: torch.Tensor, page_tokens: torch.Tensor, block_tables: torch.Tensor,
