@@ -1,8 +1,8 @@
 """``logit_bias`` in Triton: per-row additive biases of chosen tokens; reference: ``reference.apply_logit_bias``.
 
 One program per row reads the row's ``[max_logit_bias]`` (token, bias) pairs and rewrites the valid ones' logits in
-place: one launch in the step's PDL chain, where the torch version (a gather and a scatter with fixed shapes) took
-about fourteen small kernels. A row's valid ids are distinct, so no two lanes write one logit.
+place: one launch in the step's PDL chain, where the torch version (a gather and a scatter with fixed shapes) is about
+a dozen small operations outside it. A row's valid ids are distinct, so no two lanes write one logit.
 """
 from __future__ import annotations
 
