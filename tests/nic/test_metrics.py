@@ -171,3 +171,29 @@ def test_batched_observations_publish_what_the_histograms_observe_gives():
         want, got = registry_samples(reference), registry_samples(batched)
         assert got.keys() == want.keys()
         assert all(got[k] == pytest.approx(want[k], rel=1e-12) for k in want), (got, want)
+
+
+GC_INSIDE_THE_LOCK = """
+import gc
+from blink.nic.metrics import Metrics
+metrics = Metrics()
+gc.callbacks.append(metrics.gc_phase)
+gc.set_threshold(1)  # a collection at nearly every allocation, so some start inside prometheus_client's lock
+for i in range(300):
+    metrics.requests.labels(finish_reason=f"reason{i}").inc()  # a new child: allocates under the lock
+gc.set_threshold(700)
+metrics.publish()
+print("passes", sum(s.value for f in metrics.own_families() for s in f.samples
+                    if s.name == "blink_agent_gc_pause_seconds_count"))
+"""
+
+
+def test_a_gc_pass_inside_prometheus_clients_lock_does_not_hang_the_agent(tmp_path):
+    """Agent processes share their metrics through files under one process-wide lock of prometheus_client's; a GC
+    pass that starts while it is held (prometheus_client allocates under it) must not take it again: that hung an
+    agent process for good. The passes are counted once the event loop publishes them."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", GC_INSIDE_THE_LOCK], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.split()[-1]) > 0, run.stdout

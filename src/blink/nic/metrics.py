@@ -114,7 +114,12 @@ class Metrics:
                                              registry=r)
         gc_pauses = Histogram("blink_agent_gc_pause_seconds", "Python's cyclic garbage collection passes in the "
                               "agent process", ["generation"], buckets=_GC_BUCKETS, registry=r)
-        self._gc_pauses = [gc_pauses.labels(generation=str(g)) for g in range(3)]
+        # Counted without prometheus_client's lock and published by the event loop: a collection can start while
+        # its thread holds that lock (inside prometheus_client, which allocates), and the callback taking it again
+        # hung an agent process for good. A pass another thread starts may race a publish and lose its count.
+        self._gc_pauses = [Batched(gc_pauses.labels(generation=str(g))) for g in range(3)]
+        for pauses in self._gc_pauses:
+            self.publishing(pauses.publish)
         self._gc_started: float | None = None
         self.prompt_tokens = Counter("blink_prompt_tokens", "Prompt tokens submitted", registry=r)
         self.invariant_violations = Counter("blink_invariant_violations", "Idle invariants found broken: pages or "
@@ -175,7 +180,8 @@ class Metrics:
             self.stall_off_cpu_seconds.inc(max(off_cpu, 0.0))   # the two clocks are read a few ns apart
 
     def gc_phase(self, phase: str, info: dict) -> None:
-        """A ``gc.callbacks`` entry: times each collection from its start to its stop."""
+        """A ``gc.callbacks`` entry: times each collection from its start to its stop. Takes no lock (the
+        collection may run inside one)."""
         if phase == "start":
             self._gc_started = time.perf_counter()
         elif self._gc_started is not None:
