@@ -217,13 +217,14 @@ class Batched:
         self.sum += amount * n
 
     def publish(self) -> None:
-        for value, count in zip(self.histogram._buckets, self.counts, strict=True):
+        # Taken before the increments: an observation made while they run (a GC pass inside one) counts next time.
+        counts, self.counts = self.counts, [0] * len(self.bounds)
+        total, self.sum = self.sum, 0.0
+        for value, count in zip(self.histogram._buckets, counts, strict=True):
             if count:
                 value.inc(count)
-        if any(self.counts):
-            self.histogram._sum.inc(self.sum)
-        self.counts = [0] * len(self.bounds)
-        self.sum = 0.0
+        if any(counts):
+            self.histogram._sum.inc(total)
 
 
 # The agent's latency histograms again under vLLM's names, labelled with the served model's name.
