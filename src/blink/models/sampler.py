@@ -13,9 +13,10 @@ The token is then ``argmax(logit / T + gumbel)`` (Gumbel-max draws exactly from 
 ``(seed, seq_len, token)``. The logprobs written (the sampled token's, and the ``top`` most likely tokens') are of
 the distribution the logits give (after ``logit_bias`` and the penalties, which the step applies to them first, and
 before temperature or filters). The scaled logits ``logit / T`` are never stored: the kernels divide as they read
-(``ops.row_logsumexp`` gives both rows' log-sum-exps in one pass, ``ops.candidate_threshold`` applies the filters to
-the top logits, scaled, since dividing by a positive ``T`` keeps their order, ``ops.gumbel_argmax`` picks the
-token, and ``ops.store_sampled`` writes the sampled rows' results into the step's buffers).
+(``ops.sampling_params`` gives each row's divisor, ``T`` or 1 for a greedy row, and its min-p floor,
+``ops.row_logsumexp`` both rows' log-sum-exps in one pass, ``ops.candidate_threshold`` applies the filters to the top
+logits, scaled, since dividing by a positive ``T`` keeps their order, ``ops.gumbel_argmax`` picks the token, and
+``ops.store_sampled`` writes the sampled rows' results into the step's buffers).
 """
 from __future__ import annotations
 
@@ -41,12 +42,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            logits_indices: torch.Tensor) -> None:
     """``logits [S, V]`` (the model's dtype: the kernels read it as it is and compute in float32) → in place on
     ``out`` (``[S]`` and ``[S, top]`` buffers) for the rows with ``logits_indices >= 0``; the others keep theirs."""
-    greedy = temperature <= 0
-    divisor = torch.where(greedy, 1.0, temperature)
     # Converting to float32 is exact and keeps the order, so the top of the model-dtype row is the same set of values
     # (half the bytes to search in bf16).
     cand = torch.topk(logits, min(CANDIDATES, logits.shape[1]), dim=1)
-    floor = cand.values[:, 0].float() / divisor + torch.log(min_p)
+    greedy, divisor, floor = ops.sampling_params(temperature, min_p, cand.values)
     lse, lse_scaled = ops.row_logsumexp(logits, divisor, floor)
     threshold = ops.candidate_threshold(cand.values, divisor, lse_scaled, top_k, top_p, floor)
     ids = ops.gumbel_argmax(logits, divisor, threshold, seed, seq_lens, greedy)

@@ -95,12 +95,21 @@ def _setup_row_logsumexp(logits):
     return lambda logits: torch.cat(row_logsumexp(logits, divisor, floor))
 
 
+def _setup_sampling_params(cand):
+    from blink.models.kernels.sampling import sampling_params
+
+    temperature = torch.full((cand.shape[0],), 0.7, device=cand.device)
+    min_p = torch.full((cand.shape[0],), 0.1, device=cand.device)
+    return lambda cand: torch.cat(sampling_params(temperature, min_p, cand)[1:])
+
+
 KERNELS = {  # name: (setup of a kernel reading a tensor of the shape, shape, dtype)
     "rms_norm": (_setup_rms_norm, (8, 4096), torch.bfloat16),
     "silu_and_mul": (_setup_silu_and_mul, (8, 2 * 4096), torch.bfloat16),
     "rope_kv_write": (_setup_rope_kv_write, (8, 8, 64), torch.bfloat16),
     "attention": (_setup_attention, (4, 8, 64), torch.bfloat16),
     "row_logsumexp": (_setup_row_logsumexp, (4, 50000), torch.float32),
+    "sampling_params": (_setup_sampling_params, (300, 64), torch.bfloat16),
 }
 
 

@@ -36,6 +36,47 @@ def test_gumbel_argmax_matches_reference(backend):
                        reference.gumbel_argmax(half.float(), divisor, threshold, seed, seq_lens, greedy))
 
 
+def test_gumbel_argmax_gives_a_tie_across_chunks_to_the_lowest_index(backend):
+    """Greedy rows whose largest logit appears in several 4096-entry chunks draw its lowest index, as the reference's
+    argmax does; in a row of equal logits, token 0."""
+    from blink.models.kernels.sampling import gumbel_argmax
+
+    device, _, _ = backend
+    logits = torch.randn(3, 9000, device=device)
+    for row, ties in ((0, (8999, 5000, 100)), (1, (4096, 4095))):
+        logits[row, list(ties)] = 50.0
+    logits[2] = 1.0
+    args = (torch.ones(3, device=device), torch.full((3,), float("-inf"), device=device),
+            torch.zeros(3, dtype=torch.int64, device=device), torch.ones(3, dtype=torch.int32, device=device),
+            torch.ones(3, dtype=torch.bool, device=device))
+    ids = gumbel_argmax(logits, *args)
+    assert ids.tolist() == [100, 4095, 0]
+    assert torch.equal(ids, reference.gumbel_argmax(logits, *args))
+
+
+def test_sampling_params_matches_reference(backend):
+    """Each row's greedy flag, divisor and min-p floor, bit for bit as the reference, over more rows than one program
+    takes, from candidates with a row stride wider than their count, in float32 and bf16: greedy rows (temperature
+    0 or below) divide by 1, min_p 0 gives -inf, 1 the scaled maximum itself."""
+    from blink.models.kernels.sampling import sampling_params
+
+    device, _, _ = backend
+    rows = 300
+    temperature = torch.tensor([0.0, 0.7, 1.3, 0.05, 2.0, -1.0], device=device).repeat(rows // 6)
+    min_p = torch.tensor([0.0, 0.1, 1.0, 1e-4, 0.5, 0.3], device=device).repeat_interleave(rows // 6 + 1)[:rows]
+    wide = torch.randn(rows, 40, device=device) * 5
+    for cand in (wide[:, :16], wide[:, :16].bfloat16()):
+        got, want = sampling_params(temperature, min_p, cand), reference.sampling_params(temperature, min_p, cand)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    greedy, divisor, floor = want
+    assert torch.equal(greedy, temperature <= 0) and torch.all(divisor[greedy] == 1.0)
+    top = cand[:, 0].float() / divisor  # the scaled maximum: correctly rounded, as the kernel divides
+    assert torch.all(floor[min_p == 0] == float("-inf")) and torch.equal(floor[min_p == 1], top[min_p == 1])
+    want = top.double() + min_p.double().log()
+    assert torch.allclose(floor[min_p > 0].double(), want[min_p > 0], rtol=1e-6, atol=1e-5)
+
+
 def test_gumbel_argmax_never_draws_a_token_for_its_noise_alone(backend):
     """The token whose hash is at the top of the range (``tests/models/test_hashing.TOP``) once drew Gumbel noise
     +inf and won at a logit 100 below the rest; it must lose, in the kernel as in the reference."""

@@ -213,6 +213,16 @@ def _visible(seq: SequencePlan, sliding_window: int, device) -> torch.Tensor | N
     return visible
 
 
+def sampling_params(temperature: torch.Tensor, min_p: torch.Tensor,
+                    cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row, from its ``temperature``, ``min_p`` and largest logit (``cand [S, n]``'s first column): ``greedy``
+    (temperature ``<= 0``), the ``divisor`` its logits are scaled by (its temperature, 1 for a greedy row) and min-p's
+    ``floor`` on the scaled logits, ``max / divisor + log(min_p)`` (``-inf`` for ``min_p == 0``), float32."""
+    greedy = temperature <= 0
+    divisor = torch.where(greedy, 1.0, temperature)
+    return greedy, divisor, cand[:, 0].float() / divisor + torch.log(min_p)
+
+
 def row_logsumexp(logits: torch.Tensor, divisor: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor,
                                                                                               torch.Tensor]:
     """Per row of ``logits [S, V]`` (any float dtype, computed in float32): (log-sum-exp of the row, log-sum-exp of

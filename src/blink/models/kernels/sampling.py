@@ -5,6 +5,8 @@ Each reads logits in the model's dtype (bf16 on the GPU: half the bytes of float
 and divides by the row's temperature as it reads (``div_rn``: the correctly rounded division torch does), so neither
 a float32 copy nor the scaled rows are ever stored.
 
+- ``sampling_params``: each row's greedy flag, divisor and min-p floor in one launch of the step's PDL chain (torch
+  took six small kernels outside it).
 - ``row_logsumexp``: program ``(row, chunk)`` keeps a running max and sum of exponentials per lane over ``CHUNK``
   entries of the row and of the scaled row's min-p survivors (one pass instead of torch's two reductions of each)
   and folds its lanes; one program per row then folds the row's chunks (one program per row alone took ~50 us for a 128k
@@ -12,8 +14,9 @@ a float32 copy nor the scaled rows are ever stored.
 - ``candidate_threshold``: one program per row applies min-p, top-k and top-p to the row's candidates (its largest
   logits, sorted by ``torch.topk``) in registers: one launch instead of ~20 small torch ones.
 - ``gumbel_argmax``: program ``(row, chunk)`` derives the row's key from its seed and length (``hashing.row_key``,
-  in uint32), scans ``CHUNK`` vocabulary entries and writes its best (value, index); the host-free ``torch.max``
-  over the chunks of a row picks the token. The first chunk wins a tie, as the lowest index does in the reference.
+  in uint32), scans ``CHUNK`` vocabulary entries and writes its best (value, index); one program per row then picks
+  the token among its chunks' (one launch in the chain where torch's argmax and gather took two outside it). The
+  first chunk wins a tie, as the lowest index does in the reference.
 - ``store_sampled``: one program per row writes a sampled row's token, its logprob and its top logprobs into the
   step's buffers (rows that sample nothing keep theirs): one launch in the step's PDL chain where torch's gathers,
   casts, subtractions and a ``where`` per buffer took nine kernels outside it.
@@ -61,6 +64,35 @@ def _fold(m, s):
     """Lanes' running (max, sum) → log-sum-exp; ``-inf`` where every lane saw only ``-inf`` (as torch)."""
     top, total = _fold_lanes(m, s)
     return top + tl.log(total)
+
+
+@triton.jit
+def _sampling_params_kernel(temperature_ptr, min_p_ptr, cand_ptr, greedy_ptr, div_ptr, floor_ptr, rows, cand_stride,
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < rows
+    temperature = tl.load(temperature_ptr + r, mask=ok, other=1.0)  # step buffers: read before the wait
+    min_p = tl.load(min_p_ptr + r, mask=ok, other=0.0)
+    wait_for_previous(PDL)
+    greedy = temperature <= 0
+    divisor = tl.where(greedy, 1.0, temperature)
+    top = tl.load(cand_ptr + r * cand_stride, mask=ok, other=0.0).to(tl.float32)
+    tl.store(greedy_ptr + r, greedy, mask=ok)
+    tl.store(div_ptr + r, divisor, mask=ok)
+    tl.store(floor_ptr + r, tl.math.div_rn(top, divisor) + tl.log(min_p), mask=ok)
+
+
+def sampling_params(temperature: torch.Tensor, min_p: torch.Tensor,
+                    cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As ``reference.sampling_params``: float32 ``temperature [S]`` and ``min_p [S]``, ``cand [S, n]`` floating."""
+    rows = temperature.shape[0]
+    greedy = torch.empty(rows, dtype=torch.bool, device=cand.device)
+    divisor = torch.empty(rows, dtype=torch.float32, device=cand.device)
+    floor = torch.empty_like(divisor)
+    block = min(256, triton.next_power_of_2(max(rows, 1)))
+    _sampling_params_kernel[(triton.cdiv(rows, block),)](temperature, min_p, cand, greedy, divisor, floor, rows,
+                                                         cand.stride(0), BLOCK=block, **pdl_args(cand.device))
+    return greedy, divisor, floor
 
 
 @triton.jit
@@ -192,6 +224,16 @@ def _gumbel_argmax_kernel(logits_ptr, div_ptr, thr_ptr, seed_ptr, len_ptr, greed
     tl.store(best_idx_ptr + row * n_chunks + chunk, best_idx)
 
 
+@triton.jit
+def _pick_chunk_kernel(best_val_ptr, best_idx_ptr, ids_ptr, n_chunks, CHUNKS_P2: tl.constexpr, PDL: tl.constexpr):
+    """Program row: the index of the row's best chunk's best value; the first chunk wins a tie (``tl.argmax``)."""
+    row = tl.program_id(0)
+    wait_for_previous(PDL)
+    c = tl.arange(0, CHUNKS_P2)
+    best = tl.argmax(tl.load(best_val_ptr + row * n_chunks + c, mask=c < n_chunks, other=float("-inf")), 0)
+    tl.store(ids_ptr + row, tl.load(best_idx_ptr + row * n_chunks + best))
+
+
 def gumbel_argmax(logits: torch.Tensor, divisor: torch.Tensor, threshold: torch.Tensor, seed: torch.Tensor,
                   seq_lens: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     """``logits [S, V]`` floating (unit stride in V), ``divisor [S]`` > 0 → int32 token ids ``[S]``."""
@@ -202,7 +244,10 @@ def gumbel_argmax(logits: torch.Tensor, divisor: torch.Tensor, threshold: torch.
     _gumbel_argmax_kernel[(rows, n_chunks)](logits, divisor, threshold, seed, seq_lens, greedy, best_val, best_idx,
                                             vocab, logits.stride(0), n_chunks, CHUNK=CHUNK, BLOCK=1024,
                                             **pdl_args(logits.device))
-    return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True))[:, 0]
+    ids = torch.empty(rows, dtype=torch.int32, device=logits.device)
+    _pick_chunk_kernel[(rows,)](best_val, best_idx, ids, n_chunks, CHUNKS_P2=triton.next_power_of_2(n_chunks),
+                                **pdl_args(logits.device))
+    return ids
 
 
 @triton.jit

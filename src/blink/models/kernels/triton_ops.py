@@ -9,8 +9,8 @@ from .moe import fused_moe
 from .norm import rms_norm
 from .penalties import apply_penalties
 from .rope_kv_write import rope_kv_write
-from .sampling import candidate_threshold, gumbel_argmax, row_logsumexp, store_sampled
+from .sampling import candidate_threshold, gumbel_argmax, row_logsumexp, sampling_params, store_sampled
 
 __all__ = ["apply_grammar", "apply_logit_bias", "apply_penalties", "attention", "attention_plan", "candidate_threshold",
            "fp8_linear", "fp8_takes_e4m3", "fused_moe", "gumbel_argmax", "linear", "rms_norm", "rope_kv_write",
-           "row_logsumexp", "silu_and_mul", "store_sampled"]
+           "row_logsumexp", "sampling_params", "silu_and_mul", "store_sampled"]
