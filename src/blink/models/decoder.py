@@ -224,13 +224,12 @@ class DecoderLM(nn.Module):
         positions, slot_mapping = buf.positions[:t], buf.slot_mapping[:t]
         if history is not None:
             history.record(buf.token_ids[:t], slot_mapping)
-        h, residual = F.embedding(buf.token_ids[:t].long(), self.model.embed_tokens.weight), None
+        h, residual = F.embedding(buf.token_ids[:t], self.model.embed_tokens.weight), None
         for i, layer in enumerate(self.model.layers):
             h, residual = layer(h, residual, positions, self.cos_sin, kv_cache[i], slot_mapping, plan, ops)
         rows = buf.logits_indices[:s]
         # Only the sampled rows go through the final norm and the LM head (rows with -1 read row 0, unused).
-        last = rows.clamp(min=0).long()
-        h, _ = ops.rms_norm(h[last], self.model.norm.weight, c.rms_norm_eps, residual[last])
+        h, _ = ops.rms_norm(h, self.model.norm.weight, c.rms_norm_eps, residual, rows=rows)
         logits = F.linear(h, self.lm_head_weight())
         ops.apply_logit_bias(logits, buf.logit_bias_ids[:s], buf.logit_bias[:s], buf.n_logit_bias[:s])
         if history is not None:

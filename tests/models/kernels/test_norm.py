@@ -16,6 +16,25 @@ def test_rms_norm_with_residual(backend):
     assert rel_err(out, ref_out) < tol and rel_err(total, ref_total) < tol
 
 
+def test_rms_norm_of_chosen_rows(backend):
+    """The final norm of a step takes its sampled rows (``logits_indices``; -1 reads row 0) out of a strided ``x`` and
+    the residual in the given order: the rows' normed sums, as the reference, and bit for bit what normalising those
+    rows taken out first gives."""
+    device, dtype, tol = backend
+    x, res = torch.randn(37, 300, device=device, dtype=dtype)[:, :200], torch.randn(37, 200, device=device, dtype=dtype)
+    w = torch.rand(200, device=device, dtype=dtype) + 0.5
+    rows = torch.tensor([36, 0, -1, 5, 5, 20], dtype=torch.int32, device=device)
+    from blink.models.kernels.norm import rms_norm
+
+    out, total = rms_norm(x, w, 1e-6, res, rows=rows)
+    ref_out, ref_total = reference.rms_norm(x, w, 1e-6, res, rows=rows)
+    assert out.shape == total.shape == (6, 200)
+    assert rel_err(out, ref_out) < tol and torch.equal(total, ref_total)
+    taken = rows.clamp(min=0).long()
+    for got, want in zip((out, total), rms_norm(x[taken], w, 1e-6, res[taken]), strict=True):
+        assert torch.equal(got, want)
+
+
 def test_rms_norm_per_head_of_a_strided_view(backend):
     device, dtype, tol = backend
     qkv = torch.randn(9, 6 * 32, device=device, dtype=dtype)

@@ -13,17 +13,19 @@ from .quantize import check_group, store_codes
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, stride_xt, stride_xh, res_ptr, sum_ptr, out_ptr, scale_ptr, w_ptr, heads, n, groups, eps,
-                     HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    row = tl.program_id(0)  # one row = one (token, head); residual, sum and out are contiguous
+def _rms_norm_kernel(x_ptr, stride_xt, stride_xh, res_ptr, sum_ptr, out_ptr, scale_ptr, w_ptr, rows_ptr, heads, n,
+                     groups, eps, HAS_RESIDUAL: tl.constexpr, GATHER: tl.constexpr, GROUP: tl.constexpr,
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)  # one row = one (token, head) of the output; sum and out are contiguous
     t, h = row // heads, row % heads
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait
+    src = tl.maximum(tl.load(rows_ptr + t), 0) if GATHER else t  # a step buffer: read before the wait
     wait_for_previous(PDL)
-    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(res_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32))
+    x = tl.load(x_ptr + src * stride_xt + h * stride_xh + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # the residual is contiguous
+        x = (x.to(tl.float32) + tl.load(res_ptr + (src * heads + h) * n + cols, mask=mask, other=0.0).to(tl.float32))
         x = x.to(sum_ptr.dtype.element_ty)  # HF rounds the sum to the model dtype before normalising
         tl.store(sum_ptr + row * n + cols, x, mask=mask)
     xf = x.to(tl.float32)
@@ -36,24 +38,32 @@ def _rms_norm_kernel(x_ptr, stride_xt, stride_xh, res_ptr, sum_ptr, out_ptr, sca
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             e4m3_group: int = 0):
+             e4m3_group: int = 0, rows: torch.Tensor | None = None):
     """``x`` is ``[T, N]`` or ``[T, H, N]`` (any stride but unit stride in N); returns contiguous outputs, the normed
-    one a ``QuantizedRows`` with ``e4m3_group`` (``[T, N]`` only; one scale per token and that many columns)."""
+    one a ``QuantizedRows`` with ``e4m3_group`` (``[T, N]`` only; one scale per token and that many columns). With
+    ``rows`` (int), as the reference: the outputs' tokens are those rows of ``x`` and ``residual``."""
     x3 = x if x.dim() == 3 else x[:, None, :]
-    t, heads, n = x3.shape
+    _, heads, n = x3.shape
+    t = x3.shape[0] if rows is None else rows.shape[0]
+    out_shape = (t, *x.shape[1:])
     block = triton.next_power_of_2(n)
     if e4m3_group:
         check_group(n, e4m3_group)
         if heads != 1:
             raise ValueError("rms_norm quantizes rows of [T, N] only (per token), not heads of [T, H, N]")
     groups = n // e4m3_group if e4m3_group else 0
-    out = torch.empty(x3.shape, dtype=FP8 if groups else x.dtype, device=x.device)
+    if residual is not None and not residual.is_contiguous():
+        raise ValueError("rms_norm reads the residual as contiguous rows: pass residual.contiguous()")
+    out = torch.empty(out_shape, dtype=FP8 if groups else x.dtype, device=x.device)
     scale = torch.empty((t, groups), dtype=torch.float32, device=x.device) if groups else out
-    total = torch.empty(x3.shape, dtype=x.dtype, device=x.device) if residual is not None else x
-    _rms_norm_kernel[(t * heads,)](x3, x3.stride(0), x3.stride(1), residual if residual is not None else x, total,
-                                   out.view(torch.uint8) if groups else out, scale, weight, heads, n, groups, eps,
-                                   HAS_RESIDUAL=residual is not None,
+    total = torch.empty(out_shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    _rms_norm_kernel[(t * heads,)](x3, x3.stride(0), x3.stride(1), residual if residual is not None else x,
+                                   total if total is not None else x, out.view(torch.uint8) if groups else out, scale,
+                                   weight, rows if rows is not None else x, heads, n, groups, eps,
+                                   HAS_RESIDUAL=residual is not None, GATHER=rows is not None,
                                    GROUP=0 if not groups else block if groups == 1 else e4m3_group, BLOCK=block,
                                    **pdl_args(x.device))
-    normed = QuantizedRows(out.view(x.shape), scale, x.dtype) if groups else out.view(x.shape)
-    return normed, total.view(x.shape) if residual is not None else x
+    normed = QuantizedRows(out, scale, x.dtype) if groups else out
+    if total is not None:
+        return normed, total
+    return normed, x if rows is None else x[rows.clamp(min=0).long()]

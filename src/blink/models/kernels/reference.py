@@ -17,12 +17,16 @@ from ..e4m3 import FP8, FP8_MAX, QuantizedRows, dequantize, quantize_activations
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             e4m3_group: int = 0):
+             e4m3_group: int = 0, rows: torch.Tensor | None = None):
     """``x`` (+ ``residual``) normalised over the last dim, times ``weight``; returns ``(out, x + residual)``, ``out``
-    quantized per token and ``e4m3_group`` columns (``QuantizedRows``) when given.
+    quantized per token and ``e4m3_group`` columns (``QuantizedRows``) when given. With ``rows`` (int; -1 reads row
+    0) only those rows of ``x`` and ``residual``, in that order: the step's sampled rows into the final norm.
 
     The sum is rounded to ``x.dtype`` before normalising, as HF's decoder layers do.
     """
+    if rows is not None:
+        taken = rows.clamp(min=0).long()
+        x, residual = x[taken], residual[taken] if residual is not None else None
     if residual is not None:
         x = x + residual
     xf = x.float()
