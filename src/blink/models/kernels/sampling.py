@@ -1,5 +1,5 @@
-"""The sampler's kernels in Triton; references: ``reference.row_logsumexp``, ``reference.candidate_threshold`` and
-``reference.gumbel_argmax``, noise: ``blink.models.hashing``.
+"""The sampler's kernels in Triton; references: ``sampling_reference.py`` (under the same names in ``reference``),
+noise: ``blink.models.hashing``.
 
 Each reads logits in the model's dtype (bf16 on the GPU: half the bytes of float32), converts them to float32 (exact)
 and divides by the row's temperature as it reads (``div_rn``: the correctly rounded division torch does), so neither
