@@ -33,6 +33,8 @@ def test_rms_norm_of_chosen_rows(backend):
     taken = rows.clamp(min=0).long()
     for got, want in zip((out, total), rms_norm(x[taken], w, 1e-6, res[taken]), strict=True):
         assert torch.equal(got, want)
+    out, kept = rms_norm(x, w, 1e-6, rows=rows)  # no residual: the rows taken come back as they are
+    assert torch.equal(kept, x[taken]) and torch.equal(out, rms_norm(x[taken], w, 1e-6)[0])
 
 
 def test_rms_norm_per_head_of_a_strided_view(backend):

@@ -27,6 +27,7 @@ def _rms_norm_kernel(x_ptr, stride_xt, stride_xh, res_ptr, sum_ptr, out_ptr, sca
     if HAS_RESIDUAL:  # the residual is contiguous
         x = (x.to(tl.float32) + tl.load(res_ptr + (src * heads + h) * n + cols, mask=mask, other=0.0).to(tl.float32))
         x = x.to(sum_ptr.dtype.element_ty)  # HF rounds the sum to the model dtype before normalising
+    if HAS_RESIDUAL or GATHER:  # the sum, or the row taken, as a contiguous output
         tl.store(sum_ptr + row * n + cols, x, mask=mask)
     xf = x.to(tl.float32)
     normed = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
@@ -56,7 +57,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         raise ValueError("rms_norm reads the residual as contiguous rows: pass residual.contiguous()")
     out = torch.empty(out_shape, dtype=FP8 if groups else x.dtype, device=x.device)
     scale = torch.empty((t, groups), dtype=torch.float32, device=x.device) if groups else out
-    total = torch.empty(out_shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    total = torch.empty(out_shape, dtype=x.dtype, device=x.device) if residual is not None or rows is not None else None
     _rms_norm_kernel[(t * heads,)](x3, x3.stride(0), x3.stride(1), residual if residual is not None else x,
                                    total if total is not None else x, out.view(torch.uint8) if groups else out, scale,
                                    weight, rows if rows is not None else x, heads, n, groups, eps,
@@ -64,6 +65,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                                    GROUP=0 if not groups else block if groups == 1 else e4m3_group, BLOCK=block,
                                    **pdl_args(x.device))
     normed = QuantizedRows(out, scale, x.dtype) if groups else out
-    if total is not None:
-        return normed, total
-    return normed, x if rows is None else x[rows.clamp(min=0).long()]
+    return normed, total if total is not None else x
