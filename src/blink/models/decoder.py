@@ -119,11 +119,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm.weight = parameter(c.hidden_size, **kw)
         self.eps, self.reduce = c.rms_norm_eps, reduce
 
-    def forward(self, h, residual, positions, cos_sin, kv_layer, slot_mapping, plan, ops):
-        """Each norm hands an FP8 projection after it its rows quantized where that projection takes them so."""
-        rows = h.shape[0]
+    def forward(self, h, residual, positions, cos_sin, kv_layer, slot_mapping, plan, ops, token_ids=None):
+        """Each norm hands an FP8 projection after it its rows quantized where that projection takes them so. With
+        ``token_ids`` (the first layer's), ``h`` is the embedding table and the first norm takes those rows of it."""
+        rows = h.shape[0] if token_ids is None else token_ids.shape[0]
         x, residual = ops.rms_norm(h, self.input_layernorm.weight, self.eps, residual,
-                                   e4m3_group=self.self_attn.qkv_proj.e4m3_group(rows, ops))
+                                   e4m3_group=self.self_attn.qkv_proj.e4m3_group(rows, ops), rows=token_ids)
         h = self._summed(self.self_attn(x, positions, cos_sin, kv_layer, slot_mapping, plan, ops))
         x, residual = ops.rms_norm(h, self.post_attention_layernorm.weight, self.eps, residual,
                                    e4m3_group=self.mlp.e4m3_group(rows, ops))
@@ -224,9 +225,11 @@ class DecoderLM(nn.Module):
         positions, slot_mapping = buf.positions[:t], buf.slot_mapping[:t]
         if history is not None:
             history.record(buf.token_ids[:t], slot_mapping)
-        h, residual = F.embedding(buf.token_ids[:t], self.model.embed_tokens.weight), None
+        # The first layer's norm reads its tokens' rows of the embedding table itself: no lookup launch of its own.
+        h, residual = self.model.embed_tokens.weight, None
         for i, layer in enumerate(self.model.layers):
-            h, residual = layer(h, residual, positions, self.cos_sin, kv_cache[i], slot_mapping, plan, ops)
+            h, residual = layer(h, residual, positions, self.cos_sin, kv_cache[i], slot_mapping, plan, ops,
+                                buf.token_ids[:t] if i == 0 else None)
         rows = buf.logits_indices[:s]
         # Only the sampled rows go through the final norm and the LM head (rows with -1 read row 0, unused).
         h, _ = ops.rms_norm(h, self.model.norm.weight, c.rms_norm_eps, residual, rows=rows)

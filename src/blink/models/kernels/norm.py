@@ -21,7 +21,8 @@ def _rms_norm_kernel(x_ptr, stride_xt, stride_xh, res_ptr, sum_ptr, out_ptr, sca
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait
-    src = tl.maximum(tl.load(rows_ptr + t), 0) if GATHER else t  # a step buffer: read before the wait
+    # A step buffer (read before the wait); int64: a row of an embedding table may lie past 2**31 elements.
+    src = tl.maximum(tl.load(rows_ptr + t), 0).to(tl.int64) if GATHER else t
     wait_for_previous(PDL)
     x = tl.load(x_ptr + src * stride_xt + h * stride_xh + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:  # the residual is contiguous
