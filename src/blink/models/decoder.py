@@ -224,7 +224,7 @@ class DecoderLM(nn.Module):
         plan = ops.attention_plan(buf, t, c.num_heads, c.num_kv_heads, c.head_dim, kv_cache.shape[3], self.dtype)
         positions, slot_mapping = buf.positions[:t], buf.slot_mapping[:t]
         if history is not None:
-            history.record(buf.token_ids[:t], slot_mapping)
+            ops.record_tokens(history.tokens, buf.token_ids[:t], slot_mapping)
         # The first layer's norm reads its tokens' rows of the embedding table itself: no lookup launch of its own.
         h, residual = self.model.embed_tokens.weight, None
         for i, layer in enumerate(self.model.layers):

@@ -219,6 +219,13 @@ def _visible(seq: SequencePlan, sliding_window: int, device) -> torch.Tensor | N
     return visible
 
 
+def record_tokens(tokens: torch.Tensor, token_ids: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store a step's query tokens at their KV positions: ``tokens[slot_mapping[t]] = token_ids[t]`` (``tokens``:
+    ``TokenHistory.tokens``); rows with ``slot_mapping == -1`` (padding) go to the last entry, which nothing reads
+    (a fixed shape: no host read, so it captures)."""
+    tokens[torch.where(slot_mapping >= 0, slot_mapping, tokens.numel() - 1)] = token_ids
+
+
 def apply_logit_bias(logits: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor, count: torch.Tensor) -> None:
     """Add ``bias[r, j]`` to the logit of token ``ids[r, j]`` of row ``r`` of ``logits [S, V]``, in place, for ``j <
     count[r]`` and ids in ``[0, V)`` (others are ignored; a row's ids are distinct). The sum is taken in float32 and

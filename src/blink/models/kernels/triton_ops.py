@@ -4,6 +4,7 @@ from .attention import attention, attention_plan
 from .bias import apply_logit_bias
 from .fp8 import fp8_linear, fp8_takes_e4m3
 from .grammar import apply_grammar
+from .history import record_tokens
 from .linear import linear
 from .moe import fused_moe
 from .norm import rms_norm
@@ -13,4 +14,4 @@ from .sampling import candidate_threshold, gumbel_argmax, row_logsumexp, samplin
 
 __all__ = ["apply_grammar", "apply_logit_bias", "apply_penalties", "attention", "attention_plan", "candidate_threshold",
            "fp8_linear", "fp8_takes_e4m3", "fused_moe", "gumbel_argmax", "linear", "rms_norm", "rope_kv_write",
-           "row_logsumexp", "sampling_params", "silu_and_mul", "store_sampled"]
+           "record_tokens", "row_logsumexp", "sampling_params", "silu_and_mul", "store_sampled"]
