@@ -131,19 +131,21 @@ def capture(model, buf, kv, tokens: int):
     return graph
 
 
-def decode_chunks(batch: int, ctx: int, num_pages: int, seed: int,
-                  drafts: int = 0) -> tuple[list[SeqChunk], list[tuple[int, int]]]:
+def decode_chunks(batch: int, ctx: int, num_pages: int, seed: int, drafts: int = 0,
+                  greedy: bool = False) -> tuple[list[SeqChunk], list[tuple[int, int]]]:
     """``batch`` sequences decoding their token at position ``ctx - 1``, on distinct pages scattered over the pool,
-    each verifying ``drafts`` speculative drafts after it (one row a token, as the scheduler plans them); and the
-    rows of each sequence, ``(first, end)``, for ``chunk_drafts``."""
+    each verifying ``drafts`` speculative drafts after it (one row a token, as the scheduler plans them), sampling at
+    temperature 0.8 with top-p 0.95 (every row filters) or ``greedy`` (no row reads candidates, as the served
+    benchmarks sample); and the rows of each sequence, ``(first, end)``, for ``chunk_drafts``."""
     per_seq = -(-(ctx + drafts) // PAGE)
     g = torch.Generator().manual_seed(seed)
     scattered = torch.randperm(num_pages, generator=g)[:batch * per_seq].view(batch, per_seq).tolist()
     chunks, groups = [], []
     for i, pages in enumerate(scattered):
         groups.append((len(chunks), len(chunks) + 1 + drafts))
-        chunks += [SeqChunk([int(torch.randint(0, 1000, (1,), generator=g))], ctx - 1 + j, pages, temperature=0.8,
-                            top_p=0.95, seed=i) for j in range(1 + drafts)]
+        chunks += [SeqChunk([int(torch.randint(0, 1000, (1,), generator=g))], ctx - 1 + j, pages,
+                            temperature=0.0 if greedy else 0.8, top_p=1.0 if greedy else 0.95, seed=i)
+                   for j in range(1 + drafts)]
     return chunks, groups
 
 
@@ -189,7 +191,8 @@ def add_power(row: dict, graph, label: str, tokens: int) -> None:
 
 
 def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib: float, reps: int,
-                profile: set, power: bool = False, drafts: int = 0, kv_dtype_name: str = "auto") -> list[dict]:
+                profile: set, power: bool = False, drafts: int = 0, kv_dtype_name: str = "auto",
+                greedy: bool = False) -> list[dict]:
     """Every step of the table, or (``profile`` not empty) only the profiled ones; with ``power``, each decode step's
     and each weight-GEMMs-only graph's board power replayed back to back from the host (no scheduler) and its joules
     per step and per token; with ``drafts``, each decode step also with every sequence verifying that many
@@ -222,7 +225,7 @@ def bench_model(name: str, config: ModelConfig, bw: float, flops: float, kv_gib:
         if batch * -(-(ctx + k) // PAGE) > num_pages or batch * (1 + k) > step.layout.max_num_seqs:
             print(f"  {label}: skipped, its KV does not fit the pool or its rows the step", flush=True)
             continue
-        chunks, groups = decode_chunks(batch, ctx, num_pages, seed=batch, drafts=k)
+        chunks, groups = decode_chunks(batch, ctx, num_pages, seed=batch, drafts=k, greedy=greedy)
         fill_step(step, chunks, PAGE)
         chunk_drafts(step, groups)
         graph = capture(model, step, kv, bucket)
@@ -320,6 +323,8 @@ def main():
     parser.add_argument("--drafts", type=int, default=0, metavar="K",
                         help="each decode step also with every sequence verifying K speculative drafts (its token "
                              "and the drafts one row each, attention reading them as one chunk, as served)")
+    parser.add_argument("--greedy", action="store_true", help="decode rows sample greedily (no top-p: as the "
+                        "served benchmarks), not at temperature 0.8 with top-p 0.95")
     parser.add_argument("--power", action="store_true", help="also each step's board power (NVML), replayed "
                         "back to back for 3 s: the kernels' watts without the scheduler or serving")
     args = parser.parse_args()
@@ -340,8 +345,8 @@ def main():
         if args.weight_block_size:
             config = replace(config, quantization=Fp8Config(tuple(args.weight_block_size)))
         label = name + ("-fp8" if args.quantization else "") + ("-fp8kv" if args.kv_cache_dtype == "fp8" else "")
-        rows += bench_model(label, config, bw, flops, args.kv_gib, args.reps, profile, args.power, args.drafts,
-                            args.kv_cache_dtype)
+        rows += bench_model(label + ("-greedy" if args.greedy else ""), config, bw, flops, args.kv_gib, args.reps,
+                            profile, args.power, args.drafts, args.kv_cache_dtype, args.greedy)
         with open(args.out, "w") as f:  # after every model: a run cut short keeps what it measured
             json.dump(result, f, indent=2)
     print(f"\n{'model':17} {'kind':7} {'B':>4} {'ctx':>5} {'step ms':>9} {'floor ms':>9} {'ratio':>6} {'roof ms':>9} "

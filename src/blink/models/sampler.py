@@ -43,10 +43,11 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     """``logits [S, V]`` (the model's dtype: the kernels read it as it is and compute in float32) → in place on
     ``out`` (``[S]`` and ``[S, top]`` buffers) for the rows with ``logits_indices >= 0``; the others keep theirs."""
     # Converting to float32 is exact and keeps the order, so the top of the model-dtype row is the same set of values
-    # (half the bytes to search in bf16).
-    cand = torch.topk(logits, min(CANDIDATES, logits.shape[1]), dim=1)
-    greedy, divisor, floor = ops.sampling_params(temperature, min_p, cand.values)
+    # (half the bytes to search in bf16). Rows that read no candidates get -inf ones: a floor and threshold of -inf.
+    values, indices = ops.top_candidates(logits, min(CANDIDATES, logits.shape[1]), logits_indices, top_k, top_p, min_p,
+                                         out.top_ids.shape[1])
+    greedy, divisor, floor = ops.sampling_params(temperature, min_p, values)
     lse, lse_scaled = ops.row_logsumexp(logits, divisor, floor)
-    threshold = ops.candidate_threshold(cand.values, divisor, lse_scaled, top_k, top_p, floor)
+    threshold = ops.candidate_threshold(values, divisor, lse_scaled, top_k, top_p, floor)
     ids = ops.gumbel_argmax(logits, divisor, threshold, seed, seq_lens, greedy)
-    ops.store_sampled(out, logits_indices, logits, ids, lse, cand.values, cand.indices)
+    ops.store_sampled(out, logits_indices, logits, ids, lse, values, indices)

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[3]
 EXPECTED = {
     "qwen3-8b": {"_skinny_kernel", "_rowwise_kernel", "_quantize_kernel", "_rms_norm_kernel",
                  "_silu_and_mul_e4m3_kernel", "_rope_kv_write_kernel", "_attention_kernel", "_gumbel_argmax_kernel",
-                 "_logit_bias_kernel", "_store_sampled_kernel", "_sampling_params_kernel", "_pick_chunk_kernel"},
+                 "_logit_bias_kernel", "_store_sampled_kernel", "_sampling_params_kernel", "_pick_chunk_kernel",
+                 "_histogram_kernel", "_pick_kernel", "_gather_kernel", "_sort_kernel"},
     "qwen3-30b-a3b": {"_moe_route_kernel", "_moe_align_kernel", "_moe_gemm_kernel", "_moe_sum_top_k_kernel"},
 }
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..e4m3 import FP8, FP8_MAX, QuantizedRows, dequantize, quantize_activations
 from .sampling_reference import (candidate_threshold, gumbel_argmax, row_logsumexp,  # noqa: F401 (ops of OPS)
-                                 sampling_params, store_sampled)
+                                 sampling_params, store_sampled, top_candidates)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,

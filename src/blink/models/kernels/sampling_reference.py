@@ -7,6 +7,18 @@ import torch
 from ..hashing import gumbel_noise, row_key
 
 
+def top_candidates(logits: torch.Tensor, n: int, logits_indices: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor, min_p: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``n`` largest logits (its dtype) and their ids (int64), descending, in the rows that read them: a
+    row that samples (``logits_indices >= 0``) and filters (``top_k > 0``, ``top_p < 1`` or ``min_p > 0``), or every
+    row that samples when the step writes ``top > 0`` top logprobs; ``-inf`` and id 0 in the others. Among equal
+    logits the order of ids is unspecified (``torch.topk``'s)."""
+    cand = torch.topk(logits, n, dim=1)
+    needs = (logits_indices >= 0) & ((top_k > 0) | (top_p < 1) | (min_p > 0) | (top > 0))
+    return (torch.where(needs[:, None], cand.values, float("-inf")).to(logits.dtype),
+            torch.where(needs[:, None], cand.indices, 0))
+
+
 def sampling_params(temperature: torch.Tensor, min_p: torch.Tensor,
                     cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row, from its ``temperature``, ``min_p`` and largest logit (``cand [S, n]``'s first column): ``greedy``
