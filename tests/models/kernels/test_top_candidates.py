@@ -6,14 +6,14 @@ from blink.models.kernels import reference
 
 def _rows(vocab, n, device):
     """bf16 rows with ties everywhere (bf16 has few values), a tie wider than ``n``, infinities and signed zeros,
-    exactly ``n`` entries in the top bin, and rows that read no candidates."""
+    exactly ``n`` entries in the top bin (with a low digit 0), and rows that read no candidates."""
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(8, vocab, generator=g) * 4).bfloat16()
     logits[0, :vocab // 2] = 1.0
     logits[1] = torch.randint(-3, 3, (vocab,), generator=g).bfloat16()
     logits[1, 0] = float("-inf")
     logits[2, :7] = torch.tensor([float("inf"), 0.0, -0.0, 3e38, -3e38, 1e-7, -1e-7]).bfloat16()
-    logits[3, -n:] = 1000.0
+    logits[3, -n:] = 32768.0  # bf16 0x4700: the n-th largest key's low digit is 0, the bin non-matching entries fill
     step = dict(logits_indices=torch.tensor([0, 1, 2, 3, 4, -1, 6, 7]), top_k=torch.tensor([5, 0, 0, 2000, 0, 5, 0, 0]),
                 top_p=torch.tensor([1.0, 0.9, 1.0, 1.0, 1.0, 0.5, 1.0, 1.0]),
                 min_p=torch.tensor([0.0, 0.0, 0.1, 0.0, 0.0, 0.0, 0.0, 0.3]))

@@ -64,10 +64,12 @@ def _histogram_kernel(logits_ptr, idx_ptr, top_k_ptr, top_p_ptr, min_p_ptr, pref
         match = inside
         if SHIFT == 0:
             match = match & ((key >> 8) == tl.load(prefix_ptr + row))
-        digit = tl.where(match, (key >> SHIFT) & 0xFF, BINS)  # bins from 256 on are not stored
-        counts = tl.histogram(digit, 2 * BINS)
-        bins = tl.arange(0, 2 * BINS)
-        tl.store(hist_ptr + (row * n_chunks + chunk) * BINS + bins, counts, mask=bins < BINS)
+        # The entries that do not match count in bin 0, which no pick reads: the digit picked is the highest whose
+        # bins from the top hold the entries still to choose (bin 0 when no higher one does, whatever its count),
+        # and the entries above it are counted from the bins above. (Triton's histogram costs ballots per bin: a
+        # spare 257th bin would double them.)
+        counts = tl.histogram(tl.where(match, (key >> SHIFT) & 0xFF, 0), BINS)
+        tl.store(hist_ptr + (row * n_chunks + chunk) * BINS + tl.arange(0, BINS), counts)
 
 
 @triton.jit
@@ -103,10 +105,13 @@ def _gather_kernel(logits_ptr, idx_ptr, top_k_ptr, top_p_ptr, min_p_ptr, prefix_
         threshold, left = tl.load(prefix_ptr + row), tl.load(left_ptr + row)
         above = (inside & (key > threshold)).to(tl.int32)
         equal = (inside & (key == threshold)).to(tl.int32)
-        base_above = tl.atomic_add(taken_ptr + row * 2, tl.sum(above, 0), sem="relaxed")
-        base_equal = tl.atomic_add(taken_ptr + row * 2 + 1, tl.sum(equal, 0), sem="relaxed")
-        slot_above = base_above + tl.cumsum(above, 0) - above
-        slot_equal = base_equal + tl.cumsum(equal, 0) - equal
+        # One scan counts both: the chunk's counts are below 2^16, so the equal ones' sit in the upper half.
+        counted = above | (equal << 16)
+        before, total = tl.cumsum(counted, 0), tl.sum(counted, 0)
+        base_above = tl.atomic_add(taken_ptr + row * 2, total & 0xFFFF, sem="relaxed")
+        base_equal = tl.atomic_add(taken_ptr + row * 2 + 1, total >> 16, sem="relaxed")
+        slot_above = base_above + (before & 0xFFFF) - above
+        slot_equal = base_equal + (before >> 16) - equal
         packed = (key.to(tl.int64) << 32) | (0xFFFFFFFF - ids.to(tl.int64))  # by value, then the lower id first
         slots = slots_ptr + row * n
         tl.store(slots + slot_above, packed, mask=above > 0)
