@@ -12,7 +12,7 @@
 #                                      (bench/attention_bench.py), attention-sweep (the same, --sweep), ring
 #                                      (bench/ring_bench.py: the agent's side of the ring, on the host's CPU) and
 #                                      experiment:NAME (the one-off study bench/experiments/NAME.py, e.g.
-#                                      experiment:gemv_bench, experiment:topk_select_bench)
+#                                      experiment:gemv_bench, experiment:hop_costs_bench)
 # Serving runs at the suite's sizes (SUITE_PROMPTS=192 requests at 16,32,64,inf req/s; SUITE_PEER_PROMPTS=8 for
 # the peer) so the benchmarks fit 8 minutes; the sizes of the published results are bench/serving_gpu.sh's defaults.
 # Parts write into a scratch folder that is bundled into $OUT/suite.tgz after every part (one file holds them all;

@@ -103,6 +103,20 @@ def _setup_sampling_params(cand):
     return lambda cand: torch.cat(sampling_params(temperature, min_p, cand)[1:])
 
 
+def _setup_top_candidates(logits):
+    """Every row samples and filters, so each of the select's kernels reads the logits."""
+    from blink.models.kernels.top_candidates import top_candidates
+
+    rows, device = logits.shape[0], logits.device
+    step = (torch.arange(rows, device=device), torch.zeros(rows, dtype=torch.int32, device=device),
+            torch.full((rows,), 0.9, device=device), torch.zeros(rows, device=device))
+
+    def run(logits):
+        values, ids = top_candidates(logits, 1024, *step, 0)
+        return torch.cat([values.float().flatten(), ids.float().flatten()])
+    return run
+
+
 KERNELS = {  # name: (setup of a kernel reading a tensor of the shape, shape, dtype)
     "rms_norm": (_setup_rms_norm, (8, 4096), torch.bfloat16),
     "silu_and_mul": (_setup_silu_and_mul, (8, 2 * 4096), torch.bfloat16),
@@ -110,6 +124,7 @@ KERNELS = {  # name: (setup of a kernel reading a tensor of the shape, shape, dt
     "attention": (_setup_attention, (4, 8, 64), torch.bfloat16),
     "row_logsumexp": (_setup_row_logsumexp, (4, 50000), torch.float32),
     "sampling_params": (_setup_sampling_params, (300, 64), torch.bfloat16),
+    "top_candidates": (_setup_top_candidates, (4, 50000), torch.bfloat16),
 }
 
 
