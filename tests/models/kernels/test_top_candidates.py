@@ -24,7 +24,8 @@ def _rows(vocab, n, device):
 @pytest.mark.parametrize("top", [0, 3])
 def test_top_candidates_equal_torch_topk_in_the_rows_that_read_them(backend, top):
     """Over 4096-entry chunks (a vocabulary not a multiple of them): the values equal the reference's (``torch.topk``)
-    bit for bit, descending; each id points at its value, distinct; equal logits in increasing id order. Rows that
+    bit for bit, descending; each id points at its value, distinct; equal logits in increasing id order, and of
+    those equal to the n-th largest the lowest ids (whatever order the chunks run in). Rows that
     read no candidates (greedy-like, not sampling) get -inf and id 0 unless the step writes top logprobs."""
     from blink.models.kernels.top_candidates import top_candidates
 
@@ -44,6 +45,8 @@ def test_top_candidates_equal_torch_topk_in_the_rows_that_read_them(backend, top
         assert ids[row].unique().numel() == n
         tied = values[row, 1:] == values[row, :-1]
         assert torch.all(ids[row, 1:][tied] > ids[row, :-1][tied])
+        last = ids[row][values[row] == values[row, -1]]  # of the entries equal to the n-th largest, the lowest ids
+        assert torch.equal(last, (logits[row] == values[row, -1]).nonzero()[:last.numel(), 0])
     assert torch.equal(ids[3], torch.arange(vocab - n, vocab, device=device))  # the n entries of the top bin, in order
 
 

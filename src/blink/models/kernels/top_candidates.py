@@ -11,9 +11,11 @@ A radix select over the logits' 16-bit order-preserving keys (bf16 / fp16), one 
   whose higher digit is the row's prefix, stored whole (no atomics, no zeroed buffer);
 - ``_pick_kernel``, program ``row``: sums its chunks' histograms and takes the bin where the count from the top reaches
   the entries still to choose; after two rounds the prefix is the key of the row's n-th largest entry;
-- ``_gather_kernel``, program ``(row, chunk)``: the chunk's entries above that key, and as many equal ones as are
-  still missing, into the row's ``n`` slots (a counter per row, zeroed by the first pick, gives each chunk its place),
-  each as ``key << 32 | ~id`` so that one sort orders them by value, then by id;
+- ``_gather_kernel``, program ``(row, chunk)``: the chunk's entries above that key (a counter per row, zeroed by the
+  first pick, gives each chunk its place) and, of the entries equal to it, the lowest ids still missing (the earlier
+  chunks' counts from the last round's histograms place them) into the row's ``n`` slots, each as
+  ``key << 32 | ~id`` so that one sort orders them by value, then by id: the result is the same however the chunks
+  run;
 - ``_sort_kernel``, program ``row``: sorts the row's slots, descending, and writes values (read back from the logits
   at the ids) and ids.
 Every shape is fixed, so it captures in a CUDA graph; every kernel waits in the step's PDL chain. Float32 logits (a
@@ -64,12 +66,13 @@ def _histogram_kernel(logits_ptr, idx_ptr, top_k_ptr, top_p_ptr, min_p_ptr, pref
         match = inside
         if SHIFT == 0:
             match = match & ((key >> 8) == tl.load(prefix_ptr + row))
-        # The entries that do not match count in bin 0, which no pick reads: the digit picked is the highest whose
-        # bins from the top hold the entries still to choose (bin 0 when no higher one does, whatever its count),
-        # and the entries above it are counted from the bins above. (Triton's histogram costs ballots per bin: a
-        # spare 257th bin would double them.)
+        # The entries that do not match count in bin 0 and are taken out of it after: Triton's histogram costs
+        # ballots per bin, so a spare 257th bin for them would double its time. The counts are exact: the gather
+        # reads the last round's count at the n-th largest key.
+        bins = tl.arange(0, BINS)
         counts = tl.histogram(tl.where(match, (key >> SHIFT) & 0xFF, 0), BINS)
-        tl.store(hist_ptr + (row * n_chunks + chunk) * BINS + tl.arange(0, BINS), counts)
+        counts -= tl.where(bins == 0, CHUNK - tl.sum(match.to(tl.int32), 0), 0)
+        tl.store(hist_ptr + (row * n_chunks + chunk) * BINS + bins, counts)
 
 
 @triton.jit
@@ -90,13 +93,14 @@ def _pick_kernel(idx_ptr, top_k_ptr, top_p_ptr, min_p_ptr, hist_ptr, prefix_ptr,
         prefix = digit if FIRST else tl.load(prefix_ptr + row) * BINS + digit
         tl.store(prefix_ptr + row, prefix)
         tl.store(left_ptr + row, left - above)
-        if FIRST:  # the gather's slot counters, zero before it
-            tl.store(taken_ptr + row * 2 + tl.arange(0, 2), tl.zeros([2], tl.int32))
+        if FIRST:  # the gather's slot counter, zero before it
+            tl.store(taken_ptr + row, 0)
 
 
 @triton.jit
-def _gather_kernel(logits_ptr, idx_ptr, top_k_ptr, top_p_ptr, min_p_ptr, prefix_ptr, left_ptr, taken_ptr, slots_ptr,
-                   stride, vocab, n, TOP: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+def _gather_kernel(logits_ptr, idx_ptr, top_k_ptr, top_p_ptr, min_p_ptr, prefix_ptr, left_ptr, taken_ptr, hist_ptr,
+                   slots_ptr, stride, vocab, n, n_chunks, CHUNKS_P2: tl.constexpr, TOP: tl.constexpr,
+                   CHUNK: tl.constexpr, PDL: tl.constexpr):
     row, chunk = tl.program_id(0), tl.program_id(1)
     needs = _needs(idx_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, TOP)
     wait_for_previous(PDL)
@@ -105,11 +109,15 @@ def _gather_kernel(logits_ptr, idx_ptr, top_k_ptr, top_p_ptr, min_p_ptr, prefix_
         threshold, left = tl.load(prefix_ptr + row), tl.load(left_ptr + row)
         above = (inside & (key > threshold)).to(tl.int32)
         equal = (inside & (key == threshold)).to(tl.int32)
-        # One scan counts both: the chunk's counts are below 2^16, so the equal ones' sit in the upper half.
-        counted = above | (equal << 16)
-        before, total = tl.cumsum(counted, 0), tl.sum(counted, 0)
-        base_above = tl.atomic_add(taken_ptr + row * 2, total & 0xFFFF, sem="relaxed")
-        base_equal = tl.atomic_add(taken_ptr + row * 2 + 1, total >> 16, sem="relaxed")
+        # The entries above all go in, in any order (the sort orders them); of the equal ones the lowest ids, so the
+        # result does not hang on the order the chunks run in: each chunk's equal entries follow the earlier chunks',
+        # counted by the last round's histograms at the threshold's low digit.
+        earlier = tl.arange(0, CHUNKS_P2)
+        base_equal = tl.sum(tl.load(hist_ptr + (row * n_chunks + earlier) * BINS + (threshold & 0xFF),
+                                    mask=earlier < chunk, other=0), 0)
+        counted = above | (equal << 16)  # one scan counts both: a chunk's counts are below 2^16
+        before = tl.cumsum(counted, 0)
+        base_above = tl.atomic_add(taken_ptr + row, tl.sum(above, 0), sem="relaxed")
         slot_above = base_above + (before & 0xFFFF) - above
         slot_equal = base_equal + (before >> 16) - equal
         packed = (key.to(tl.int64) << 32) | (0xFFFFFFFF - ids.to(tl.int64))  # by value, then the lower id first
@@ -151,7 +159,7 @@ def top_candidates(logits: torch.Tensor, n: int, logits_indices: torch.Tensor, t
     step = (logits_indices, top_k, top_p, min_p)
     hist = torch.empty((rows, n_chunks, BINS), dtype=torch.int32, device=device)
     prefix, left = (torch.empty(rows, dtype=torch.int32, device=device) for _ in range(2))
-    taken = torch.empty((rows, 2), dtype=torch.int32, device=device)
+    taken = torch.empty(rows, dtype=torch.int32, device=device)
     slots = torch.empty((rows, n), dtype=torch.int64, device=device)
     values = torch.empty((rows, n), dtype=logits.dtype, device=device)
     indices = torch.empty((rows, n), dtype=torch.int64, device=device)
@@ -160,8 +168,8 @@ def top_candidates(logits: torch.Tensor, n: int, logits_indices: torch.Tensor, t
         _histogram_kernel[grid](logits, *step, prefix, hist, logits.stride(0), vocab, n_chunks, SHIFT=shift,
                                 TOP=top > 0, CHUNK=CHUNK, **pdl)
         _pick_kernel[(rows,)](*step, hist, prefix, left, taken, n, n_chunks, FIRST=shift == 8, TOP=top > 0, **pdl)
-    _gather_kernel[grid](logits, *step, prefix, left, taken, slots, logits.stride(0), vocab, n, TOP=top > 0,
-                         CHUNK=CHUNK, **pdl)
+    _gather_kernel[grid](logits, *step, prefix, left, taken, hist, slots, logits.stride(0), vocab, n, n_chunks,
+                         CHUNKS_P2=triton.next_power_of_2(n_chunks), TOP=top > 0, CHUNK=CHUNK, **pdl)
     _sort_kernel[(rows,)](logits, *step, slots, values, indices, logits.stride(0), n,
                           N_P2=triton.next_power_of_2(n), TOP=top > 0, **pdl)
     return values, indices
