@@ -41,12 +41,13 @@ class RowwiseTiles:
         check_tiles(self)
 
 
-def tiles_for(n: int) -> RowwiseTiles:
+def tiles_for(n: int, element_size: int = 1) -> RowwiseTiles:
     """From the H100 sweep of ``bench/experiments/fp8_tma_bench.py`` (2026-12-06; Qwen3-8B's projections at 1, 16
     and 64 rows; each the best shape or within 1.03x of it there): 64 x 256 weight tiles, 6 stages deep where the
     tiles number at most ``TARGET_PROGRAMS`` (one program an SM streams alone: qkv, o_proj, down), else 3 (gate_up's
-    384 tiles: two programs share an SM's shared memory)."""
-    tiles = RowwiseTiles()
+    384 tiles: two programs share an SM's shared memory). Model-dtype weights take the same bytes a stage (128
+    columns)."""
+    tiles = RowwiseTiles(block_k=256 // element_size)
     return tiles if triton.cdiv(n, tiles.block_n) <= TARGET_PROGRAMS else replace(tiles, num_stages=3)
 
 
@@ -56,10 +57,11 @@ def tma_can_read(a: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _rowwise_kernel(w_desc, a_desc, w_scale_ptr, a_scale_ptr, out_ptr, m, n, k, BLOCK_N: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """``out[m, n] = sum_k a[m, k] w[n, k] * a_scale[m] * w_scale[n]`` for this program's ``BLOCK_N`` weight rows and
-    ``BLOCK_M`` tokens; the float32 tile is ``[weight rows, tokens]``, stored transposed."""
+def _rowwise_kernel(w_desc, a_desc, w_scale_ptr, a_scale_ptr, out_ptr, m, n, k, SCALED: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """``out[m, n] = sum_k a[m, k] w[n, k]`` (times ``a_scale[m] * w_scale[n]`` where ``SCALED``) for this program's
+    ``BLOCK_N`` weight rows and ``BLOCK_M`` tokens; the float32 tile is ``[weight rows, tokens]``, stored
+    transposed."""
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     wait_for_previous(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -68,8 +70,9 @@ def _rowwise_kernel(w_desc, a_desc, w_scale_ptr, a_scale_ptr, out_ptr, m, n, k, 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     col_ok, row_ok = cols < n, rows < m
-    acc *= (tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)[:, None]
-            * tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)[None, :])
+    if SCALED:
+        acc *= (tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)[:, None]
+                * tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)[None, :])
     tl.store(out_ptr + rows.to(tl.int64)[None, :] * n + cols[:, None], acc.to(out_ptr.dtype.element_ty),
              mask=col_ok[:, None] & row_ok[None, :])
 
@@ -78,19 +81,30 @@ def rowwise_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tenso
                      out_dtype: torch.dtype, tiles: RowwiseTiles | None = None) -> torch.Tensor:
     """e4m3 ``a [M, K]`` with float32 per-token ``a_scale`` (``M`` values, contiguous) times e4m3 ``weight [N, K]``
     with float32 per-row ``scale [N]`` → ``[M, N]`` in ``out_dtype``; both operands as ``tma_can_read`` requires."""
+    return _rowwise(a, weight, (a_scale, scale), out_dtype, tiles)
+
+
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, tiles: RowwiseTiles | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight [N, K].T`` in the model dtype of both, as ``tma_can_read`` requires them."""
+    return _rowwise(x, weight, None, x.dtype, tiles)
+
+
+def _rowwise(a: torch.Tensor, weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
+             out_dtype: torch.dtype, tiles: RowwiseTiles | None) -> torch.Tensor:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if not tma_can_read(a, weight):
-        raise ValueError(f"rowwise_fp8_gemm reads its operands by TMA: they must be contiguous with 16-byte aligned "
+        raise ValueError(f"the rowwise GEMM reads its operands by TMA: they must be contiguous with 16-byte aligned "
                          f"addresses and K a multiple of 16 (got a {tuple(a.shape)}, weight {tuple(weight.shape)})")
     (m, k), n = a.shape, weight.shape[0]
-    tiles = tiles or tiles_for(n)
+    tiles = tiles or tiles_for(n, a.element_size())
     block_m = block_m_for(m)
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     w_desc = TensorDescriptor.from_tensor(weight, [tiles.block_n, tiles.block_k])
     a_desc = TensorDescriptor.from_tensor(a, [block_m, tiles.block_k])
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, block_m))
-    _rowwise_kernel[grid](w_desc, a_desc, scale, a_scale, out, m, n, k, BLOCK_N=tiles.block_n, BLOCK_M=block_m,
-                          BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                          **pdl_args(a.device))
+    a_scale, scale = scales or (out, out)  # not read without scales
+    _rowwise_kernel[grid](w_desc, a_desc, scale, a_scale, out, m, n, k, SCALED=scales is not None,
+                          BLOCK_N=tiles.block_n, BLOCK_M=block_m, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+                          num_stages=tiles.num_stages, **pdl_args(a.device))
     return out

@@ -16,13 +16,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .fp8_rowwise import rowwise_linear, tma_can_read
 from .skinny import skinny_linear
 
 SKINNY_UP_TO = 16
+ROWWISE_UP_TO = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ weight [N, K].T`` in ``x.dtype`` (the model dtype of both)."""
     if x.shape[0] <= SKINNY_UP_TO:
         return skinny_linear(x, weight)
+    if x.shape[0] <= ROWWISE_UP_TO and tma_can_read(x, weight):
+        return rowwise_linear(x, weight)
     return F.linear(x, weight)
