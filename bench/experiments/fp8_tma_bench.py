@@ -5,7 +5,7 @@ projections in 2,692 / 2,791 us at B = 1 / 64 (``bench/peers/vllm_step.py --quan
 2,945 (``skinny``) / 3,115 (``fp8_gemm``). vLLM's kernel there is CUTLASS's ``KernelTmaWarpSpecialized
 FP8FastAccum`` with A and B swapped: the weight rows are the MMA's M (64 a program), the tokens its N (16 up to 16
 rows, 64 at 64), 256 columns per stage, TMA loads, no split. The same arrangement in Triton is
-``blink.models.kernels.fp8_rowwise``; here it is swept over tile sizes and pipeline depth, against blink's other
+``blink.models.kernels.rowwise``; here it is swept over tile sizes and pipeline depth, against blink's other
 kernels at their default shapes on the same activations (quantized per token, as vLLM's are; ``skinny`` takes
 them unquantized). The first run (``bench/results/fp8_tma_bench_h100_10f76d4.json``) also split the reduction 2 and 4
 ways (the parts summed in the kernel, ``split_k``): never faster by more than 0.1 us than unsplit 6 stages deep.
@@ -29,7 +29,7 @@ from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err, sweep_timed
 from blink.models.e4m3 import dequantize, quantize_rows
 from blink.models.kernels.fp8 import fp8_gemm
 from blink.models.kernels.skinny import skinny_linear
-from blink.models.kernels.fp8_rowwise import RowwiseTiles, rowwise_fp8_gemm
+from blink.models.kernels.rowwise import RowwiseTiles, rowwise_fp8_gemm
 from blink.models.kernels.quantize import quantize_activations
 
 ROWS = (1, 16, 64)

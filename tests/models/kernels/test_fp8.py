@@ -76,7 +76,7 @@ def test_rowwise_fp8_gemm_matches_float64(backend, tokens, n, k, tiles):
     """The TMA GEMM of decode-sized steps: token tiles of 16, 32 and 64 mostly past the rows, an N that is no whole
     number of weight tiles, a K that is no whole number of stages (TMA reads zeros past the end)."""
     device, dtype, tol = backend
-    from blink.models.kernels.fp8_rowwise import RowwiseTiles, rowwise_fp8_gemm
+    from blink.models.kernels.rowwise import RowwiseTiles, rowwise_fp8_gemm
 
     weight, scale = fp8_weights((n, k), None, device)
     x = torch.randn(tokens, k, device=device, dtype=dtype)
@@ -88,7 +88,7 @@ def test_rowwise_fp8_gemm_matches_float64(backend, tokens, n, k, tiles):
 
 def test_rowwise_fp8_gemm_refuses_operands_tma_cannot_read(backend):
     device, dtype, _ = backend
-    from blink.models.kernels.fp8_rowwise import rowwise_fp8_gemm
+    from blink.models.kernels.rowwise import rowwise_fp8_gemm
 
     weight, scale = fp8_weights((64, 200), None, device)
     a, a_scale = quantize_activations(torch.randn(4, 200, device=device, dtype=dtype), 200)
@@ -134,7 +134,7 @@ def test_fp8_linear_quantizes_activations_only_beyond_decode_sized_steps(backend
     scales) or ``fp8_gemm`` (block scales), and with per-row scales beyond ``GEMM_UP_TO`` through ``_scaled_mm``."""
     device, dtype, _ = backend
     from blink.models.kernels.fp8 import GEMM_UP_TO, SKINNY_UP_TO, fp8_gemm, fp8_linear, scaled_mm
-    from blink.models.kernels.fp8_rowwise import rowwise_fp8_gemm
+    from blink.models.kernels.rowwise import rowwise_fp8_gemm
     from blink.models.kernels.skinny import skinny_linear
     from blink.models.kernels.quantize import quantize_activations as quantize
 

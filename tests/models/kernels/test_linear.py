@@ -9,7 +9,7 @@ from tests.models.kernels.conftest import rel_err
 
 def test_linear_takes_the_skinny_gemm_then_the_rowwise_one_for_decode_sized_steps(backend):
     device, dtype, tol = backend
-    from blink.models.kernels.fp8_rowwise import rowwise_linear
+    from blink.models.kernels.rowwise import rowwise_linear
     from blink.models.kernels.linear import ROWWISE_UP_TO, SKINNY_UP_TO, linear
     from blink.models.kernels.skinny import skinny_linear
 
@@ -30,7 +30,7 @@ def test_rowwise_linear_matches_float64(backend, tokens, n, k):
     """Model-dtype operands through the TMA GEMM: token tiles mostly past the rows, an N that is no whole number of
     weight tiles, a K that is no whole number of stages."""
     device, dtype, tol = backend
-    from blink.models.kernels.fp8_rowwise import rowwise_linear
+    from blink.models.kernels.rowwise import rowwise_linear
 
     weight = torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5
     x = torch.randn(tokens, k, device=device, dtype=dtype)

@@ -9,7 +9,7 @@ from the RMSNorms and SiLU-and-multiply, where ``fp8_takes_e4m3``), then:
   column-major ``[K, N]`` (``weight.t()`` of the row-major ``[N, K]`` weight), ``K`` and ``N`` multiples of 16,
   ``scale_a`` float32 ``[M, 1]`` and ``scale_b`` float32 ``[1, N]``, both contiguous; the output bf16/fp16/fp32.
   cuBLASLt picks 128x128 tiles, so a Qwen3-8B qkv projection of a few dozen tokens runs on 48 programs, a third of
-  the SMs: up to ``GEMM_UP_TO`` rows ``fp8_rowwise`` computes the same (TMA, the weight rows as the MMA's M), and
+  the SMs: up to ``GEMM_UP_TO`` rows ``rowwise`` computes the same (TMA, the weight rows as the MMA's M), and
   ``fp8_gemm`` where TMA cannot read the operands.
 - block weight scales (``weight_block_size = (bn, bk)``): ``fp8_gemm``, activations scaled per token and ``bk``
   columns (DeepSeek-V3's scheme): each ``bk`` step of the reduction is one e4m3 ``tl.dot`` in float32, times the
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..e4m3 import QuantizedRows
-from .fp8_rowwise import rowwise_fp8_gemm, tma_can_read
+from .rowwise import rowwise_fp8_gemm, tma_can_read
 from .skinny import TARGET_PROGRAMS, skinny_linear
 from .pdl import pdl_args, wait_for_previous
 from .quantize import quantize_activations
@@ -36,9 +36,9 @@ from .tiles import check_tiles
 # level on the fourth); at 64, activations quantized per token through torch._scaled_mm are as fast or faster on all
 # four (fp8_gemv_bench, H100).
 SKINNY_UP_TO = 32
-# Per-row steps of up to this many rows take fp8_rowwise: at 64 fp8_gemm beat _scaled_mm on all four projections (100
-# against 115 us a layer), at 128 they were level, at 256 _scaled_mm was the faster (fp8_gemv_bench, H100), and at 64
-# fp8_rowwise beats fp8_gemm (82.5 against 89.0 us a layer: fp8_tma_bench, H100).
+# Per-row steps of up to this many rows take the rowwise GEMM: at 64 fp8_gemm beat _scaled_mm on all four projections
+# (100 against 115 us a layer), at 128 they were level, at 256 _scaled_mm was the faster (fp8_gemv_bench, H100), and
+# at 64 rowwise beats fp8_gemm (82.5 against 89.0 us a layer: fp8_tma_bench, H100).
 GEMM_UP_TO = 64
 
 

@@ -1,5 +1,6 @@
-"""A model-dtype projection's GEMM by rows: decode-sized steps by the skinny GEMM (``skinny``), larger ones by
-cuBLAS (``F.linear``).
+"""A model-dtype projection's GEMM by rows: decode-sized steps by the skinny GEMM (``skinny``), then up to
+``ROWWISE_UP_TO`` rows by the TMA GEMM with the weight rows as the MMA's M (``rowwise``), larger ones by cuBLAS
+(``F.linear``).
 
 Up to ``SKINNY_UP_TO`` rows a projection streams its weights once and its time is their bytes plus the kernel's ramp.
 The skinny GEMM waits in the step's programmatic-dependent-launch chain (``pdl``) and cuBLAS's kernels do not, so
@@ -9,14 +10,16 @@ no kernel running, 54 us with the skinny GEMM, though its 112 projections took a
 On the H200 cuBLAS's launch shape for that qkv projection took 12.5 us for 8.4 MB. Beyond ``SKINNY_UP_TO`` rows
 cuBLAS's tensor-core tiles win: at 32 and 64 rows on an H100 cuBLAS was the faster on 11 of the 12 projections
 ``bench/experiments/gemv_bench.py`` runs (Qwen3-8B's gate_up 1-2 % the other way), against a 64-output, 8-warp skinny
-launch shape (not swept there).
+launch shape (not swept there). The rowwise GEMM, which waits in the chain as the skinny one does, beat cuBLAS in the
+step from 17 to 64 rows (H100, ``model_bench``: Qwen3-0.6B at 32 / 64 rows -6 / -7 %, Qwen3-8B -3.5 / -3.5 %,
+Llama-3.2-1B -4 / 0 %); operands TMA cannot read take cuBLAS.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .fp8_rowwise import rowwise_linear, tma_can_read
+from .rowwise import rowwise_linear, tma_can_read
 from .skinny import skinny_linear
 
 SKINNY_UP_TO = 16

@@ -77,7 +77,7 @@ def skinny_tiles(m: int, n: int, k: int, block: tuple[int, int] | None, element_
 
 def block_m_for(m: int) -> int:
     """The step's rows as a tile of ``tl.dot`` (which takes at least 16 along each side): rounded up to a power of
-    two of at least 16; the skinny GEMM's M, ``fp8_rowwise``'s N."""
+    two of at least 16; the skinny GEMM's M, ``rowwise``'s N."""
     return max(16, triton.next_power_of_2(m))
 
 

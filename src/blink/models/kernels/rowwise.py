@@ -1,14 +1,16 @@
-"""FP8 GEMM of decode-sized steps with row-wise scales: e4m3 activations (per-token scales) times e4m3 weights
-(per-row scales), both read by TMA; reference: ``reference.fp8_linear`` on the dequantized operands.
+"""The GEMM of decode-sized steps by TMA, weight rows as the MMA's M: e4m3 activations (per-token scales) times e4m3
+weights (per-row scales), reference ``reference.fp8_linear`` on the dequantized operands; or model-dtype operands
+(bf16), reference the float64 product. Both take it from the skinny GEMM's rows up to ``linear.ROWWISE_UP_TO``
+(bf16) or ``fp8.GEMM_UP_TO`` (FP8).
 
 The arrangement of vLLM's CUTLASS FP8 kernel at these sizes (``KernelTmaWarpSpecializedFP8FastAccum`` with A and B
 swapped): a program owns ``BLOCK_N`` weight rows, which are the MMA's M (Hopper's ``wgmma`` takes 64 rows there), and
 the step's tokens are its N (``block_m_for``: the N of ``wgmma`` may be as small as 8, where a token-major tile's M
 may not be below 64). Each stage brings ``BLOCK_K`` columns of both operands through host-built TMA
 descriptors (``TensorDescriptor``: no address arithmetic per element, rows past the end read as zero), so six stages
-of 64 x 256 weight bytes fit in shared memory and keep ~100 KB in flight per program without the registers of
-``tl.load`` pipelines. No split of the reduction: one program per 64 weight rows was the fastest on every Qwen3-8B
-projection (``bench/experiments/fp8_tma_bench.py``).
+of 64 x 256 weight bytes (128 bf16 columns) fit in shared memory and keep ~100 KB in flight per program without the
+registers of ``tl.load`` pipelines. No split of the reduction: one program per 64 weight rows was the fastest on
+every Qwen3-8B projection (``bench/experiments/fp8_tma_bench.py``).
 
 Invariants: ``K`` is a multiple of 16 and both operands are contiguous with 16-byte aligned rows (TMA's global
 strides), which ``tma_can_read`` checks; the descriptors hold the operands' addresses, so a captured step graph replays
