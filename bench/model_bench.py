@@ -57,6 +57,7 @@ from blink.models.shapes import SHAPES
 
 MODELS = {name: shape_config(name) for name in (*SHAPES, "qwen3-8b")}
 PAGE = 16
+TEMPERATURE, TOP_P = 0.8, 0.95  # a decode row's sampling unless --greedy: every row filters
 LAYOUT = StepLayout(max_num_batched_tokens=2048, max_num_seqs=256, max_pages_per_seq=8192 // PAGE)
 # The steps verifying drafts (--drafts): 64 sequences verifying 4 each take 320 rows. Their own buffers (with the
 # drafts' decode_query_len), so that the other steps keep LAYOUT's (a 2048-token prefill samples max_num_seqs rows).
@@ -135,7 +136,7 @@ def decode_chunks(batch: int, ctx: int, num_pages: int, seed: int, drafts: int =
                   greedy: bool = False) -> tuple[list[SeqChunk], list[tuple[int, int]]]:
     """``batch`` sequences decoding their token at position ``ctx - 1``, on distinct pages scattered over the pool,
     each verifying ``drafts`` speculative drafts after it (one row a token, as the scheduler plans them), sampling at
-    temperature 0.8 with top-p 0.95 (every row filters) or ``greedy`` (no row reads candidates, as the served
+    ``TEMPERATURE`` with ``TOP_P`` (every row filters) or ``greedy`` (no row reads candidates, as the served
     benchmarks sample); and the rows of each sequence, ``(first, end)``, for ``chunk_drafts``."""
     per_seq = -(-(ctx + drafts) // PAGE)
     g = torch.Generator().manual_seed(seed)
@@ -144,7 +145,7 @@ def decode_chunks(batch: int, ctx: int, num_pages: int, seed: int, drafts: int =
     for i, pages in enumerate(scattered):
         groups.append((len(chunks), len(chunks) + 1 + drafts))
         chunks += [SeqChunk([int(torch.randint(0, 1000, (1,), generator=g))], ctx - 1 + j, pages,
-                            temperature=0.0 if greedy else 0.8, top_p=1.0 if greedy else 0.95, seed=i)
+                            temperature=0.0 if greedy else TEMPERATURE, top_p=1.0 if greedy else TOP_P, seed=i)
                    for j in range(1 + drafts)]
     return chunks, groups
 
@@ -324,7 +325,7 @@ def main():
                         help="each decode step also with every sequence verifying K speculative drafts (its token "
                              "and the drafts one row each, attention reading them as one chunk, as served)")
     parser.add_argument("--greedy", action="store_true", help="decode rows sample greedily (no top-p: as the "
-                        "served benchmarks), not at temperature 0.8 with top-p 0.95")
+                        f"served benchmarks), not at temperature {TEMPERATURE} with top-p {TOP_P}")
     parser.add_argument("--power", action="store_true", help="also each step's board power (NVML), replayed "
                         "back to back for 3 s: the kernels' watts without the scheduler or serving")
     args = parser.parse_args()
