@@ -10,8 +10,11 @@
 #           128x128 block scales (not in the default list: `bash bench/models_gpu.sh fp8`)
 #   profile the same for the steps in PROFILE (default "1,1024 64,1024 prefill") only, each broken down per kernel,
 #           in a process of its own (graph replays after a CUPTI profile in the same process are slower)
-#   bash bench/models_gpu.sh [tests] [moe] [engine] [models] [fp8] [profile] [-- model_bench.py arguments, e.g.
-#   --models phi-4]
+#   targets the decode steps the quiet-host targets read, each profiled (not in the default list): Qwen3-0.6B and
+#           Llama-3.2-1B at ctx 256 greedy and top-p (B = 1, 16, 64, 256), Qwen3-8B FP8 and Qwen3-8B verifying 4
+#           drafts (B = 1, 16, 64 at ctx 1K)
+#   bash bench/models_gpu.sh [tests] [moe] [engine] [models] [fp8] [profile] [targets] [-- model_bench.py arguments,
+#   e.g. --models phi-4]
 # Logs and JSON go under $OUT (default ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,7 +46,17 @@ for part in "${parts[@]}"; do
     profile) read -ra shapes <<< "${PROFILE:-1,1024 64,1024 prefill}"
              python3 -m bench.model_bench --out "$OUT/model_bench_profile.json" --profile "${shapes[@]}" "$@" 2>&1 \
                | tee "$OUT/model_bench_profile.log" ;;
-    *) echo "unknown part: $part (tests | moe | engine | models | fp8 | profile)"; false ;;
+    targets) small=(--models qwen3-0.6b llama-3.2-1b --kv-gib 12 --profile 1,256 16,256 64,256 256,256)
+             large=(--models qwen3-8b --kv-gib 40 --profile 1,1024 16,1024 64,1024)
+             python3 -m bench.model_bench "${small[@]}" --greedy --out "$OUT/targets_small_greedy.json" 2>&1 \
+               | tee "$OUT/targets_small_greedy.log"
+             python3 -m bench.model_bench "${small[@]}" --out "$OUT/targets_small_top_p.json" 2>&1 \
+               | tee "$OUT/targets_small_top_p.log"
+             python3 -m bench.model_bench "${large[@]}" --quantization fp8 --out "$OUT/targets_fp8.json" 2>&1 \
+               | tee "$OUT/targets_fp8.log"
+             python3 -m bench.model_bench "${large[@]}" --drafts 4 --out "$OUT/targets_drafts.json" 2>&1 \
+               | tee "$OUT/targets_drafts.log" ;;
+    *) echo "unknown part: $part (tests | moe | engine | models | fp8 | profile | targets)"; false ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "$part: rc=$rc in $((SECONDS - start)) s"
