@@ -30,6 +30,13 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 # copied into the command, e.g. `BLINK_COMMIT=b157c94 bash bench/gpu_suite.sh models`.
 echo "tree: ${BLINK_COMMIT:-unknown (set BLINK_COMMIT)}" >> "$OUT/gpu.txt"
 status=0
+
+model_bench() {  # NAME ARGS...: python -m bench.model_bench ARGS, its JSON and log under $OUT as NAME; its exit status
+  local name=$1; shift
+  python3 -m bench.model_bench "$@" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
+  return "${PIPESTATUS[0]}"
+}
+
 for part in "${parts[@]}"; do
   start=$SECONDS
   case "$part" in
@@ -39,23 +46,21 @@ for part in "${parts[@]}"; do
               | tee "$OUT/models_engine_tests.log" ;;
     moe) python3 -m bench.moe_bench --profile 1 8 --out "$OUT/moe_bench.json" 2>&1 | tee "$OUT/moe_bench.log" ;;
     models) python3 -m bench.model_bench --out "$OUT/model_bench.json" "$@" 2>&1 | tee "$OUT/model_bench.log" ;;
-    fp8) python3 -m bench.model_bench --quantization fp8 --out "$OUT/model_bench_fp8.json" "$@" 2>&1 \
-           | tee "$OUT/model_bench_fp8.log"
-         python3 -m bench.model_bench --quantization fp8 --weight-block-size 128 128 \
-           --out "$OUT/model_bench_fp8_block.json" "$@" 2>&1 | tee "$OUT/model_bench_fp8_block.log" ;;
+    fp8) failed=0  # the part fails if either run does
+         model_bench model_bench_fp8 --quantization fp8 "$@" || failed=1
+         model_bench model_bench_fp8_block --quantization fp8 --weight-block-size 128 128 "$@" || failed=1
+         (exit $failed) ;;
     profile) read -ra shapes <<< "${PROFILE:-1,1024 64,1024 prefill}"
              python3 -m bench.model_bench --out "$OUT/model_bench_profile.json" --profile "${shapes[@]}" "$@" 2>&1 \
                | tee "$OUT/model_bench_profile.log" ;;
     targets) small=(--models qwen3-0.6b llama-3.2-1b --kv-gib 12 --profile 1,256 16,256 64,256 256,256)
              large=(--models qwen3-8b --kv-gib 40 --profile 1,1024 16,1024 64,1024)
-             python3 -m bench.model_bench "${small[@]}" --greedy --out "$OUT/targets_small_greedy.json" 2>&1 \
-               | tee "$OUT/targets_small_greedy.log"
-             python3 -m bench.model_bench "${small[@]}" --out "$OUT/targets_small_top_p.json" 2>&1 \
-               | tee "$OUT/targets_small_top_p.log"
-             python3 -m bench.model_bench "${large[@]}" --quantization fp8 --out "$OUT/targets_fp8.json" 2>&1 \
-               | tee "$OUT/targets_fp8.log"
-             python3 -m bench.model_bench "${large[@]}" --drafts 4 --out "$OUT/targets_drafts.json" 2>&1 \
-               | tee "$OUT/targets_drafts.log" ;;
+             failed=0  # the part fails if any run does
+             model_bench targets_small_greedy "${small[@]}" --greedy || failed=1
+             model_bench targets_small_top_p "${small[@]}" || failed=1
+             model_bench targets_fp8 "${large[@]}" --quantization fp8 || failed=1
+             model_bench targets_drafts "${large[@]}" --drafts 4 || failed=1
+             (exit $failed) ;;
     *) echo "unknown part: $part (tests | moe | engine | models | fp8 | profile | targets)"; false ;;
   esac
   rc=${PIPESTATUS[0]}
