@@ -2,16 +2,17 @@
 floors, at the default launch shape and (``--sweep``) at every shape of ``PREFILL_SWEEP`` / ``DECODE_SWEEP`` /
 ``SPECULATION_SWEEP``.
 
-Llama-3-8B's attention (32 query heads, 8 KV heads of 128, pages of 16 tokens scattered over the pool) in the
-step's cases: a 2048-token prompt, a 512-token chunk on a 1536-token cached prefix, decodes (one token per
-sequence) at batch 1, 16 and 64 with 1K context and batch 1 and 16 with 8K, and with speculation (a layout whose
-``decode_query_len`` is 5) decodes at batch 1, 16 and 64 and verifications of 4 drafts a sequence (``--cases`` picks
-some). Every case first checks the kernel against ``reference.attention`` (relative error < 1e-2; exits non-zero
-otherwise), then times ``LAYERS`` back-to-back calls captured in one CUDA graph (as a step runs them) and reports
-the time per call. Floors: the KV bytes read at the measured HBM copy rate, or the causal attention FLOPs at the
-measured bf16 GEMM rate when larger. For a prompt with no cached prefix the same attention on contiguous K/V by
-torch's ``scaled_dot_product_attention`` (its flash kernel) is timed the same way, as a yardstick of what a dense
-kernel reaches on this GPU.
+Llama-3-8B's attention (32 query heads, 8 KV heads of 128, pages of 16 tokens scattered over the pool) in the step's
+cases: a 2048-token prompt, a 512-token chunk on a 1536-token cached prefix, decodes (one token per sequence) at
+batch 1, 16 and 64 with 1K context and batch 1 and 16 with 8K, and with speculation (a layout whose
+``decode_query_len`` is 5) decodes at batch 1, 16 and 64 and verifications of 4 drafts a sequence; and Qwen3-0.6B's
+(16 query heads, a GQA group of 2) decodes at batch 64 and 256 with 256 tokens of context, the small-model step's
+(``--cases`` picks some). Every case first checks the kernel against ``reference.attention`` (relative error < 1e-2;
+exits non-zero otherwise), then times ``LAYERS`` back-to-back calls captured in one CUDA graph (as a step runs them)
+and reports the time per call. Floors: the KV bytes read at the measured HBM copy rate, or the causal attention
+FLOPs at the measured bf16 GEMM rate when larger. For a prompt with no cached prefix the same attention on
+contiguous K/V by torch's ``scaled_dot_product_attention`` (its flash kernel) is timed the same way, as a yardstick
+of what a dense kernel reaches on this GPU.
 
 Run: ``PYTHONPATH=src python3 -m bench.attention_bench [--sweep] [--out attention_bench.json]`` (``$OUT/...`` by
 default when ``$OUT`` is set). Correctness tests: ``tests/models/kernels/test_attention.py``.
@@ -33,7 +34,7 @@ from blink.models.batch import SeqChunk, chunk_drafts, fill_step
 from blink.models.kernels import reference
 from blink.models.kernels.attention import Tiles, attention, attention_plan, tiles_for
 
-HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
+KV_HEADS, DIM, PAGE = 8, 128, 16
 LAYERS = 32
 LAYOUT = StepLayout(max_num_batched_tokens=2048, max_num_seqs=256, max_pages_per_seq=8192 // PAGE)
 # 96 shapes (each compiled once, then timed per case).
@@ -58,6 +59,7 @@ class Case:
     prefix: int
     decode_query_len: int = 1
     as_chunks: bool = False  # a verification given one row a sequence: no empty rows (not how the scheduler plans it)
+    heads: int = 32  # query heads: Llama-3-8B's; 16 for Qwen3-0.6B's (both have 8 KV heads of 128)
 
     @property
     def tokens(self) -> int:
@@ -81,7 +83,8 @@ CASES = (Case("prefill 2048", 1, 2048, 0), Case("chunk 512 on 1536", 1, 512, 153
          Case("decode B=16 ctx 8K", 16, 1, 8191),
          *(Case(f"{kind} B={seqs} ctx 1K drafts 4", seqs, q_len, 1024 - q_len, 5)
            for kind, q_len in (("decode", 1), ("verify", 5)) for seqs in (1, 16, 64)),
-         Case("verify B=64 ctx 1K drafts 4 as chunks", 64, 5, 1019, 5, as_chunks=True))
+         Case("verify B=64 ctx 1K drafts 4 as chunks", 64, 5, 1019, 5, as_chunks=True),
+         *(Case(f"qwen3-0.6b decode B={seqs} ctx 256", seqs, 1, 255, heads=16) for seqs in (64, 256)))
 
 
 def inputs(case: Case, layers: int = LAYERS):
@@ -97,7 +100,7 @@ def inputs(case: Case, layers: int = LAYERS):
         chunk_drafts(buf, [(i * case.q_len, (i + 1) * case.q_len) for i in range(case.seqs)])
     else:
         fill_step(buf, [SeqChunk([1] * case.q_len, case.prefix, p) for p in seq_pages], PAGE)
-    q = torch.randn(case.tokens, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(case.tokens, case.heads, DIM, device="cuda", dtype=torch.bfloat16)
     caches = torch.randn(layers, 2, len(pages), PAGE, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     return buf, q, caches
 
@@ -107,14 +110,14 @@ def floors_ms(case: Case, bw: float, flops: float) -> tuple[float, float]:
     context = case.prefix + case.q_len
     kv_bytes = case.seqs * context * KV_HEADS * DIM * 2 * 2
     visible = case.seqs * sum(case.prefix + i + 1 for i in range(case.q_len))
-    return kv_bytes / bw * 1e3, 4 * HEADS * DIM * visible / flops * 1e3
+    return kv_bytes / bw * 1e3, 4 * case.heads * DIM * visible / flops * 1e3
 
 
 def run(case: Case, data, reps: int, want: torch.Tensor, **shape) -> dict:
     """Checks one launch shape against ``want``, then times it (not when it is wrong or does not fit the SM)."""
     buf, q, caches = data
     try:
-        plan = attention_plan(buf, case.tokens, HEADS, KV_HEADS, DIM, PAGE, torch.bfloat16, **shape)
+        plan = attention_plan(buf, case.tokens, case.heads, KV_HEADS, DIM, PAGE, torch.bfloat16, **shape)
         err = rel_err(attention(q, caches[0], plan, DIM ** -0.5), want)
     except OutOfResources as e:
         return dict(**describe(shape), rel_err=None, call_us=None, error=str(e).splitlines()[0])
@@ -129,7 +132,7 @@ def run(case: Case, data, reps: int, want: torch.Tensor, **shape) -> dict:
 
 def sdpa_us(case: Case, reps: int) -> float:
     """Causal GQA attention of one prompt over contiguous K/V (``LAYERS`` copies) by torch's flash kernel, per call."""
-    q = torch.randn(1, HEADS, case.q_len, DIM, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, case.heads, case.q_len, DIM, device="cuda", dtype=torch.bfloat16)
     kvs = torch.randn(LAYERS, 2, 1, KV_HEADS, case.q_len, DIM, device="cuda", dtype=torch.bfloat16)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     return graph_ms(lambda: [sdpa(q, k, v, is_causal=True, enable_gqa=True) for k, v in kvs], reps) * 1e3 / LAYERS
@@ -142,15 +145,15 @@ def describe(shape: dict) -> dict:
 def bench_case(case: Case, bw: float, flops: float, reps: int, sweep: bool) -> dict:
     data = inputs(case)
     buf, q, caches = data
-    want = reference.attention(q, caches[0], reference.attention_plan(buf, case.tokens, HEADS, KV_HEADS, DIM, PAGE),
-                               DIM ** -0.5)
+    ref_plan = reference.attention_plan(buf, case.tokens, case.heads, KV_HEADS, DIM, PAGE)
+    want = reference.attention(q, caches[0], ref_plan, DIM ** -0.5)
     hbm, flop = floors_ms(case, bw, flops)
     floor_us = max(hbm, flop) * 1e3
     layout = case.layout
     default = {**run(case, data, reps, want),
                **asdict(tiles_for(case.tokens, layout.max_num_seqs, layout.decode_query_len))}
-    row = dict(case=case.name, seqs=case.seqs, q_len=case.q_len, prefix=case.prefix, floor_us=floor_us,
-               hbm_floor_us=hbm * 1e3, flop_floor_us=flop * 1e3, default=default, sweep=[],
+    row = dict(case=case.name, heads=case.heads, seqs=case.seqs, q_len=case.q_len, prefix=case.prefix,
+               floor_us=floor_us, hbm_floor_us=hbm * 1e3, flop_floor_us=flop * 1e3, default=default, sweep=[],
                sdpa_us=sdpa_us(case, reps) if case.prefix == 0 and not case.decode else None)
     print(f"{case.name:>20}  default {fmt(default)}  floor {floor_us:8.1f} us  "
           f"x{default['call_us'] / floor_us:.2f}" if default["call_us"] else f"{case.name}: default WRONG {default}",
@@ -181,7 +184,7 @@ def describe_row(r: dict) -> str:
 def main():
     args, bw, flops = kernel_bench_start(__doc__, "attention_bench.json", reps=30, cases=[c.name for c in CASES])
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {flops / 1e12:.0f} TFLOP/s; "
-          f"attention {HEADS} heads, {KV_HEADS} KV heads of {DIM}, pages of {PAGE}; per call of {LAYERS} in a graph",
+          f"attention of {KV_HEADS} KV heads of {DIM}, pages of {PAGE}; per call of {LAYERS} in a graph",
           flush=True)
     rows = []
     for case in (c for c in CASES if c.name in args.cases):
