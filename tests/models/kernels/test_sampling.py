@@ -112,6 +112,7 @@ def test_row_logsumexp_matches_reference(backend):
     assert lse.dtype == lse_scaled.dtype == torch.float32
     assert torch.all(lse[5] == float("-inf")) and torch.all(lse_scaled[5] == float("-inf"))
     assert rel_err(lse[:5], want[:5]) < 1e-6 and rel_err(lse_scaled[:5], want_scaled[:5]) < 1e-6
+    assert torch.equal(lse_scaled[0], lse[0])  # a divisor of 1 and no floor: the row's own sums
     half = logits.bfloat16()
     for got, want in zip(row_logsumexp(half, divisor, no_floor), row_logsumexp(half.float(), divisor, no_floor)):
         assert torch.equal(got, want)  # bf16 read as it is: the same sums as its float32 copy

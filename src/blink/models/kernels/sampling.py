@@ -7,14 +7,15 @@ a float32 copy nor the scaled rows are ever stored.
 
 - ``sampling_params``: each row's greedy flag, divisor and min-p floor in one launch of the step's PDL chain (torch
   took six small kernels outside it).
-- ``row_logsumexp``: program ``(row, chunk)`` keeps a running max and sum of exponentials per lane over ``CHUNK``
-  entries of the row and of the scaled row's min-p survivors (one pass instead of torch's two reductions of each)
-  and folds its lanes; one program per row then folds the row's chunks (one program per row alone took ~50 us for a 128k
-  vocabulary on the H200: a serial loop of loads).
+- ``row_logsumexp``: program ``(row, chunk)`` holds ``CHUNK`` entries of the row in registers and takes their max and
+  sum of exponentials, of the row and of the scaled row's min-p survivors (one read instead of torch's two reductions
+  of each; the scaled sums are the row's own where the divisor is 1 and there is no floor); one program per row then
+  folds the row's chunks (one program per row alone took ~50 us for a 128k vocabulary on the H200: a serial loop of
+  loads).
 - ``candidate_threshold``: one program per row applies min-p, top-k and top-p to the row's candidates (its largest
   logits, sorted by ``torch.topk``) in registers: one launch instead of ~20 small torch ones.
 - ``gumbel_argmax``: program ``(row, chunk)`` derives the row's key from its seed and length (``hashing.row_key``,
-  in uint32), scans ``CHUNK`` vocabulary entries and writes its best (value, index); one program per row then picks
+  in uint32), holds ``CHUNK`` vocabulary entries and writes its best (value, index); one program per row then picks
   the token among its chunks' (one launch in the chain where torch's argmax and gather took two outside it). The
   first chunk wins a tie, as the lowest index does in the reference.
 - ``store_sampled``: one program per row writes a sampled row's token, its logprob and its top logprobs into the
@@ -49,14 +50,6 @@ def _row_key(seed, length):
     lo = (seed & 0xFFFFFFFF).to(tl.uint32)
     hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     return _hash32(_hash32(_hash32(hi) ^ lo) ^ length.to(tl.uint32))
-
-
-@triton.jit
-def _online_update(m, s, x):
-    """Running per-lane max ``m`` and sum ``s`` of ``exp(x - m)``; lanes that saw only ``-inf`` keep 0 (no NaN)."""
-    m_new = tl.maximum(m, x)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    return m_new, s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
 
 
 @triton.jit
@@ -97,30 +90,32 @@ def sampling_params(temperature: torch.Tensor, min_p: torch.Tensor,
 
 @triton.jit
 def _chunk_logsumexp_kernel(logits_ptr, div_ptr, floor_ptr, part_ptr, vocab, stride, n_chunks, CHUNK: tl.constexpr,
-                            BLOCK: tl.constexpr, PDL: tl.constexpr):
+                            PDL: tl.constexpr):
     """Program ``(row, chunk)``: (max, sum of exp(x - max)) of ``CHUNK`` entries of the row and of the scaled row's
-    entries ``>= floor``."""
+    entries ``>= floor``, the chunk held in registers: one exponential an entry a sum (a running max costs two). A row
+    with divisor 1 and no floor (greedy, or temperature 1 without min-p) has the same scaled sums: taken, not summed."""
     row, chunk = tl.program_id(0), tl.program_id(1)
     wait_for_previous(PDL)
     divisor = tl.load(div_ptr + row)
     floor = tl.load(floor_ptr + row)
-    m = tl.full([BLOCK], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK], tl.float32)
-    m_scaled = tl.full([BLOCK], float("-inf"), tl.float32)
-    s_scaled = tl.zeros([BLOCK], tl.float32)
-    for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        x = tl.load(logits_ptr + row * stride + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-        m, s = _online_update(m, s, x)
-        scaled = tl.math.div_rn(x, divisor)
-        m_scaled, s_scaled = _online_update(m_scaled, s_scaled, tl.where(scaled >= floor, scaled, float("-inf")))
+    idx = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(logits_ptr + row * stride + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+    top, total = _max_and_sum(x)
     part = part_ptr + (row * n_chunks + chunk) * 4
-    top, total = _fold_lanes(m, s)
     tl.store(part, top)
     tl.store(part + 1, total)
-    top, total = _fold_lanes(m_scaled, s_scaled)
+    if (divisor != 1.0) | (floor != float("-inf")):
+        scaled = tl.math.div_rn(x, divisor)
+        top, total = _max_and_sum(tl.where(scaled >= floor, scaled, float("-inf")))
     tl.store(part + 2, top)
     tl.store(part + 3, total)
+
+
+@triton.jit
+def _max_and_sum(x):
+    """(max, sum of exp(x - max)) of a block; (-inf, 0) for a block of only ``-inf``."""
+    top = tl.max(x, 0)
+    return top, tl.sum(tl.exp(x - tl.where(top == float("-inf"), 0.0, top)), 0)
 
 
 @triton.jit
@@ -152,7 +147,7 @@ def row_logsumexp(logits: torch.Tensor, divisor: torch.Tensor, floor: torch.Tens
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse_scaled = torch.empty_like(lse)
     _chunk_logsumexp_kernel[(rows, n_chunks)](logits, divisor, floor, parts, vocab, logits.stride(0), n_chunks,
-                                              CHUNK=CHUNK, BLOCK=1024, num_warps=4, **pdl_args(logits.device))
+                                              CHUNK=CHUNK, num_warps=8, **pdl_args(logits.device))
     _fold_chunks_kernel[(rows,)](parts, lse, lse_scaled, n_chunks, CHUNKS_P2=triton.next_power_of_2(n_chunks),
                                  **pdl_args(logits.device))
     return lse, lse_scaled
@@ -195,33 +190,29 @@ def candidate_threshold(cand: torch.Tensor, divisor: torch.Tensor, lse_scaled: t
 
 @triton.jit
 def _gumbel_argmax_kernel(logits_ptr, div_ptr, thr_ptr, seed_ptr, len_ptr, greedy_ptr, best_val_ptr, best_idx_ptr,
-                          vocab, stride, n_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                          vocab, stride, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Program ``(row, chunk)``: the best (value, index) of ``CHUNK`` entries of the row, held in registers (one max
+    and one argmax, the lowest index among equals)."""
     row, chunk = tl.program_id(0), tl.program_id(1)
     wait_for_previous(PDL)
     divisor = tl.load(div_ptr + row)
     thr = tl.load(thr_ptr + row)
     key = _row_key(tl.load(seed_ptr + row).to(tl.int64), tl.load(len_ptr + row))
     greedy = tl.load(greedy_ptr + row) != 0
-    best_val = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.full([], 0, tl.int32) + chunk * CHUNK
-    for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        ok = idx < vocab
-        x = tl.math.div_rn(tl.load(logits_ptr + row * stride + idx, mask=ok, other=float("-inf")).to(tl.float32),
-                           divisor)
-        if greedy:  # the row's branch: a greedy row computes no noise (its hashes and logarithms are most of the cost)
-            val = x
-        else:
-            bits = _hash32(key ^ _hash32(idx.to(tl.uint32))) >> _UNIFORM_SHIFT  # hashing.uniform
-            u = (bits.to(tl.float32) + 0.5) * _UNIFORM_SCALE
-            val = tl.where(x >= thr, x - tl.log(-tl.log(u)), float("-inf"))
-        val = tl.where(ok, val, float("-inf"))
-        m = tl.max(val, 0)
-        if m > best_val:
-            best_val = m
-            best_idx = tl.argmax(val, 0) + start
-    tl.store(best_val_ptr + row * n_chunks + chunk, best_val)
-    tl.store(best_idx_ptr + row * n_chunks + chunk, best_idx)
+    idx = chunk * CHUNK + tl.arange(0, CHUNK)
+    ok = idx < vocab
+    x = tl.load(logits_ptr + row * stride + idx, mask=ok, other=float("-inf")).to(tl.float32)
+    if divisor != 1.0:  # x / 1 is x: a greedy row divides nothing
+        x = tl.math.div_rn(x, divisor)
+    if greedy:  # the row's branch: a greedy row computes no noise (its hashes and logarithms are most of the cost)
+        val = x
+    else:
+        bits = _hash32(key ^ _hash32(idx.to(tl.uint32))) >> _UNIFORM_SHIFT  # hashing.uniform
+        u = (bits.to(tl.float32) + 0.5) * _UNIFORM_SCALE
+        val = tl.where(x >= thr, x - tl.log(-tl.log(u)), float("-inf"))
+    val = tl.where(ok, val, float("-inf"))
+    tl.store(best_val_ptr + row * n_chunks + chunk, tl.max(val, 0))
+    tl.store(best_idx_ptr + row * n_chunks + chunk, tl.argmax(val, 0) + chunk * CHUNK)
 
 
 @triton.jit
@@ -242,7 +233,7 @@ def gumbel_argmax(logits: torch.Tensor, divisor: torch.Tensor, threshold: torch.
     best_val = torch.empty((rows, n_chunks), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((rows, n_chunks), dtype=torch.int32, device=logits.device)
     _gumbel_argmax_kernel[(rows, n_chunks)](logits, divisor, threshold, seed, seq_lens, greedy, best_val, best_idx,
-                                            vocab, logits.stride(0), n_chunks, CHUNK=CHUNK, BLOCK=1024,
+                                            vocab, logits.stride(0), n_chunks, CHUNK=CHUNK, num_warps=8,
                                             **pdl_args(logits.device))
     ids = torch.empty(rows, dtype=torch.int32, device=logits.device)
     _pick_chunk_kernel[(rows,)](best_val, best_idx, ids, n_chunks, CHUNKS_P2=triton.next_power_of_2(n_chunks),
