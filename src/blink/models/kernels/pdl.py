@@ -11,8 +11,10 @@ Qwen3-30B-A3B's batch-1 decode step 4% slower (3.757 -> 3.906 ms) though batches
 completion, batch 1 gained 0.8% and no cell lost beyond noise (docs/benchmarks/models.md,
 "Programmatic dependent launch"). Triggered at the start of only the kernels before the FP8 projections (norms,
 SiLU, RoPE, attention), the Qwen3-8B FP8 step on an H100 took 10% longer at batches 1 and 16 (4.82 against 4.35
-ms), with or without the projections asking L2 for their first weight lines before the wait
-(docs/benchmarks/experiments.md, "Weights asked of L2 before the PDL wait").
+ms), with or without the projections asking L2 for their first weight lines before the wait; triggered by the
+norms, SiLU and attention's merge right after their own wait, with the skinny GEMM loading its first two weight
+tiles into registers before its wait, 17% longer at batch 1 (4.60 against 3.94 ms; docs/benchmarks/experiments.md,
+"Weights asked of L2 before the PDL wait").
 
 Invariants every step kernel keeps:
 
