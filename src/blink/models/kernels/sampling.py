@@ -191,8 +191,8 @@ def candidate_threshold(cand: torch.Tensor, divisor: torch.Tensor, lse_scaled: t
 @triton.jit
 def _gumbel_argmax_kernel(logits_ptr, div_ptr, thr_ptr, seed_ptr, len_ptr, greedy_ptr, best_val_ptr, best_idx_ptr,
                           vocab, stride, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """Program ``(row, chunk)``: the best (value, index) of ``CHUNK`` entries of the row, held in registers (one max
-    and one argmax, the lowest index among equals)."""
+    """Program ``(row, chunk)``: the best (value, index) of ``CHUNK`` entries of the row, held in registers (its max
+    and argmax in one reduction, the lowest index among equals)."""
     row, chunk = tl.program_id(0), tl.program_id(1)
     wait_for_previous(PDL)
     divisor = tl.load(div_ptr + row)
@@ -211,8 +211,9 @@ def _gumbel_argmax_kernel(logits_ptr, div_ptr, thr_ptr, seed_ptr, len_ptr, greed
         u = (bits.to(tl.float32) + 0.5) * _UNIFORM_SCALE
         val = tl.where(x >= thr, x - tl.log(-tl.log(u)), float("-inf"))
     val = tl.where(ok, val, float("-inf"))
-    tl.store(best_val_ptr + row * n_chunks + chunk, tl.max(val, 0))
-    tl.store(best_idx_ptr + row * n_chunks + chunk, tl.argmax(val, 0) + chunk * CHUNK)
+    best, where = tl.max(val, 0, return_indices=True, return_indices_tie_break_left=True)  # one reduction
+    tl.store(best_val_ptr + row * n_chunks + chunk, best)
+    tl.store(best_idx_ptr + row * n_chunks + chunk, where + chunk * CHUNK)
 
 
 @triton.jit
