@@ -32,6 +32,7 @@ from ..hashing import MIX, UNIFORM_BITS
 from .pdl import pdl_args, wait_for_previous
 
 CHUNK = 4096
+CHUNK_WARPS = 8  # a (row, chunk) program's warps: 16 of its entries a thread, held in registers
 _MIX = tl.constexpr(MIX)
 _UNIFORM_SHIFT = tl.constexpr(32 - UNIFORM_BITS)
 _UNIFORM_SCALE = tl.constexpr(1.0 / (1 << UNIFORM_BITS))
@@ -54,8 +55,8 @@ def _row_key(seed, length):
 
 @triton.jit
 def _fold(m, s):
-    """Lanes' running (max, sum) → log-sum-exp; ``-inf`` where every lane saw only ``-inf`` (as torch)."""
-    top, total = _fold_lanes(m, s)
+    """Chunks' (max, sum) pairs → log-sum-exp; ``-inf`` where every chunk saw only ``-inf`` (as torch)."""
+    top, total = _max_and_sum(m, s)
     return top + tl.log(total)
 
 
@@ -100,29 +101,23 @@ def _chunk_logsumexp_kernel(logits_ptr, div_ptr, floor_ptr, part_ptr, vocab, str
     floor = tl.load(floor_ptr + row)
     idx = chunk * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(logits_ptr + row * stride + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-    top, total = _max_and_sum(x)
+    top, total = _max_and_sum(x, 1.0)
     part = part_ptr + (row * n_chunks + chunk) * 4
     tl.store(part, top)
     tl.store(part + 1, total)
     if (divisor != 1.0) | (floor != float("-inf")):
         scaled = tl.math.div_rn(x, divisor)
-        top, total = _max_and_sum(tl.where(scaled >= floor, scaled, float("-inf")))
+        top, total = _max_and_sum(tl.where(scaled >= floor, scaled, float("-inf")), 1.0)
     tl.store(part + 2, top)
     tl.store(part + 3, total)
 
 
 @triton.jit
-def _max_and_sum(x):
-    """(max, sum of exp(x - max)) of a block; (-inf, 0) for a block of only ``-inf``."""
+def _max_and_sum(x, weight):
+    """(max, sum of ``weight * exp(x - max)``) of a block: its entries' with weight 1, or chunks' (max, sum) pairs
+    folded into one; (-inf, 0) for a block of only ``-inf``."""
     top = tl.max(x, 0)
-    return top, tl.sum(tl.exp(x - tl.where(top == float("-inf"), 0.0, top)), 0)
-
-
-@triton.jit
-def _fold_lanes(m, s):
-    """Lanes' running (max, sum) → one (max, sum); a chunk that saw only ``-inf`` gives (-inf, 0)."""
-    top = tl.max(m, 0)
-    return top, tl.sum(s * tl.exp(m - tl.where(top == float("-inf"), 0.0, top)), 0)
+    return top, tl.sum(weight * tl.exp(x - tl.where(top == float("-inf"), 0.0, top)), 0)
 
 
 @triton.jit
@@ -147,7 +142,7 @@ def row_logsumexp(logits: torch.Tensor, divisor: torch.Tensor, floor: torch.Tens
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse_scaled = torch.empty_like(lse)
     _chunk_logsumexp_kernel[(rows, n_chunks)](logits, divisor, floor, parts, vocab, logits.stride(0), n_chunks,
-                                              CHUNK=CHUNK, num_warps=8, **pdl_args(logits.device))
+                                              CHUNK=CHUNK, num_warps=CHUNK_WARPS, **pdl_args(logits.device))
     _fold_chunks_kernel[(rows,)](parts, lse, lse_scaled, n_chunks, CHUNKS_P2=triton.next_power_of_2(n_chunks),
                                  **pdl_args(logits.device))
     return lse, lse_scaled
@@ -234,7 +229,7 @@ def gumbel_argmax(logits: torch.Tensor, divisor: torch.Tensor, threshold: torch.
     best_val = torch.empty((rows, n_chunks), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((rows, n_chunks), dtype=torch.int32, device=logits.device)
     _gumbel_argmax_kernel[(rows, n_chunks)](logits, divisor, threshold, seed, seq_lens, greedy, best_val, best_idx,
-                                            vocab, logits.stride(0), n_chunks, CHUNK=CHUNK, num_warps=8,
+                                            vocab, logits.stride(0), n_chunks, CHUNK=CHUNK, num_warps=CHUNK_WARPS,
                                             **pdl_args(logits.device))
     ids = torch.empty(rows, dtype=torch.int32, device=logits.device)
     _pick_chunk_kernel[(rows,)](best_val, best_idx, ids, n_chunks, CHUNKS_P2=triton.next_power_of_2(n_chunks),
