@@ -1,0 +1,165 @@
+"""Weights copied into shared memory before the PDL wait: does a decode GEMV's ramp hide under the kernel before it?
+An experiment for issue 43, not a step kernel.
+
+A small model's batch-1 step is ~250 dependent kernels, each a few µs of fixed cost; its 112 projections (Qwen3-0.6B)
+take 668 µs on an H100 against ~300 µs of weight bytes. What a kernel launched with PDL does before
+``griddepcontrol.wait`` overlaps the previous kernel's tail, and only weights may be read there. Asking L2 for them
+there (``prefetch_bench``, ``decode_chain_bench``) or loading two weight tiles into registers (``try/weight-preload``)
+made the step slower (docs/benchmarks/experiments.md); both leave the data where the loop's pipelined copies do not
+look for it. Here a Gluon GEMV streams its weight rows through a ring of ``STAGES`` shared-memory tiles by
+``cp.async`` (Ampere's asynchronous copy, in Gluon's API of the image's Triton) and issues the first ``STAGES`` copies
+before or after the wait; optionally each program also lets its dependents launch as it starts
+(``griddepcontrol.launch_dependents``), so the next GEMV's programs are placed, and copy, while this one runs.
+
+The chain: ``LAYERS`` layers of Qwen3-0.6B's four projections at one row (qkv 1024 → 4096, o_proj 2048 → 1024,
+gate_up 1024 → 6144, down 3072 → 1024; each input the previous output's first columns, so every GEMV depends on the
+last), every weight its own copy (4.2 to 12.6 MB, 31.5 MB a layer: the chain's 252 MB do not stay in L2), captured in
+one CUDA graph and timed per layer against its weight bytes at the measured copy rate. Variants:
+
+- ``skinny``: blink's skinny GEMM (``skinny_linear``, PDL as in the step);
+- ``gluon-after``: the Gluon GEMV, every copy after the wait;
+- ``gluon-before``: its first ``STAGES`` copies before the wait;
+- ``gluon-before+trigger``: and its dependents launched as each program starts.
+
+Each is first checked against float64 (relative error < 1e-2); a variant that fails to compile or launch is
+reported, not fatal. Run: ``PYTHONPATH=src python3 -m bench.experiments.smem_prefetch_bench [--out FILE]``
+(``$OUT/smem_prefetch_bench.json`` when ``$OUT`` is set). Needs Triton's Gluon (the image's Triton 3.6 has it).
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err
+from blink.models.kernels.skinny import skinny_linear
+
+LAYERS = 8
+# (outputs, inputs) of Qwen3-0.6B's projections, in the order a layer runs them.
+PROJECTIONS = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))
+BLOCK_K = 256           # columns per stage: 32 lanes x 8 bf16 (16-byte copies)
+STAGES = 4
+NUM_WARPS = 4
+TARGET_PROGRAMS = 128   # about one per SM
+VARIANTS = {"skinny": None, "gluon-after": (False, False), "gluon-before": (True, False),
+            "gluon-before+trigger": (True, True)}
+
+
+@gluon.jit
+def _grid_dependency(op: gl.constexpr):
+    """PTX ``griddepcontrol.<op>`` (Gluon has no call of its own for it): an asm statement with a dummy output."""
+    gl.inline_asm_elementwise(f"griddepcontrol.{op}; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gemv_kernel(w_ptr, x_ptr, y_ptr, K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 STAGES: gl.constexpr, COPY_BEFORE_WAIT: gl.constexpr, TRIGGER: gl.constexpr,
+                 num_warps: gl.constexpr):
+    """``y[tile] = w[tile] @ x`` for ``BLOCK_N`` rows of ``w [N, K]`` (bf16, K a multiple of ``BLOCK_K``); the rows
+    stream through ``STAGES`` shared tiles, ``BLOCK_K`` columns each, by cp.async."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    if TRIGGER:
+        _grid_dependency("launch_dependents")
+    rows = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+    tiles = w_ptr + rows.to(gl.int64)[:, None] * K + cols[None, :]
+    ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], shared)
+    steps: gl.constexpr = K // BLOCK_K
+    if not COPY_BEFORE_WAIT:
+        _grid_dependency("wait")
+    for s in gl.static_range(STAGES):           # one commit group per stage, empty past the last step
+        if s < steps:
+            async_copy.async_copy_global_to_shared(ring.index(s), tiles + s * BLOCK_K)
+        async_copy.commit_group()
+    if COPY_BEFORE_WAIT:
+        _grid_dependency("wait")
+    acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
+    for i in range(steps):
+        async_copy.wait_group(STAGES - 1)       # step i's group has landed (this thread's copies) ...
+        gl.thread_barrier()                     # ... and every thread's
+        w = ring.index(i % STAGES).load(layout).to(gl.float32)
+        x = gl.load(x_ptr + i * BLOCK_K + cols).to(gl.float32)
+        acc += w * x[None, :]
+        gl.thread_barrier()                     # every thread has read the stage before it is refilled
+        if i + STAGES < steps:
+            async_copy.async_copy_global_to_shared(ring.index(i % STAGES), tiles + (i + STAGES) * BLOCK_K)
+        async_copy.commit_group()
+    gl.store(y_ptr + rows, gl.sum(acc, axis=1).to(gl.bfloat16))
+
+
+def block_n_for(n: int) -> int:
+    """Rows per program: at least ``TARGET_PROGRAMS`` programs, 4 to 16 rows each (4: one a warp; 16: its
+    accumulator, a float32 per weight entry of a stage, 32 registers a thread)."""
+    return min(16, max(4, triton.next_power_of_2(triton.cdiv(n, TARGET_PROGRAMS))))
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, copy_before_wait: bool, trigger: bool) -> None:
+    n, k = w.shape
+    block_n = block_n_for(n)
+    if k % BLOCK_K or n % block_n:
+        raise ValueError(f"the Gluon GEMV takes K a multiple of {BLOCK_K} and N of {block_n} (got {n} x {k})")
+    _gemv_kernel[(n // block_n,)](w, x, out, K=k, BLOCK_N=block_n, BLOCK_K=BLOCK_K, STAGES=STAGES,
+                                  COPY_BEFORE_WAIT=copy_before_wait, TRIGGER=trigger, num_warps=NUM_WARPS,
+                                  launch_pdl=True)
+
+
+def chain(variant: str, x0: torch.Tensor, weights: list[torch.Tensor], outs: list[torch.Tensor]) -> torch.Tensor:
+    """Each projection of the chain reads the first columns of the one before (the first reads ``x0``); returns
+    the last output. The Gluon GEMVs write ``outs``, the skinny GEMM its own outputs (a copy would be a launch)."""
+    x = x0
+    for w, out in zip(weights, outs):
+        source = x[:, :w.shape[1]]
+        if VARIANTS[variant] is None:
+            x = skinny_linear(source, w)
+        else:
+            gemv(source[0], w, out[0], *VARIANTS[variant])
+            x = out
+    return x
+
+
+def reference(x0: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    x = x0.double()
+    for w in weights:
+        x = x[:, :w.shape[1]] @ w.double().T
+    return x
+
+
+def main() -> None:
+    args, bw, _ = kernel_bench_start(__doc__, "smem_prefetch_bench.json", reps=50, sweep=False)
+    shapes = [shape for _ in range(LAYERS) for shape in PROJECTIONS]
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for n, k in shapes]
+    outs = [torch.empty(1, n, device="cuda", dtype=torch.bfloat16) for n, _ in shapes]
+    x0 = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    floor_us = sum(w.numel() * w.element_size() for w in weights) / bw * 1e6 / LAYERS
+    want = reference(x0, weights)
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, triton {triton.__version__}; {LAYERS} layers "
+          f"of Qwen3-0.6B's projections at one row; floor {floor_us:.2f} us a layer", flush=True)
+    runs = []
+    for variant in VARIANTS:
+        try:
+            err = rel_err(chain(variant, x0, weights, outs), want)
+            us = graph_ms(lambda: chain(variant, x0, weights, outs), args.reps) * 1e3 / LAYERS if err < 1e-2 else None
+            runs.append(dict(variant=variant, rel_err=err, us_per_layer=us, error=None))
+        except Exception as e:  # noqa: BLE001 (a variant the image cannot compile or launch is reported)
+            runs.append(dict(variant=variant, rel_err=None, us_per_layer=None,
+                             error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+        r = runs[-1]
+        print(f"  {variant:>21} " + (f"{r['us_per_layer']:7.2f} us a layer (x{r['us_per_layer'] / floor_us:.2f})"
+                                      if r["us_per_layer"] else f"rel_err {r['rel_err']} {r['error'] or 'WRONG'}"),
+              flush=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                       copy_bytes_per_s=bw, layers=LAYERS, projections=PROJECTIONS, block_k=BLOCK_K, stages=STAGES,
+                       floor_us_per_layer=floor_us, runs=runs), f, indent=2)
+    if any(r["error"] is None and not r["rel_err"] < 1e-2 for r in runs):
+        sys.exit("a variant differs from float64 (relative error >= 1e-2)")
+
+
+if __name__ == "__main__":
+    main()
