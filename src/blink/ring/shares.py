@@ -7,11 +7,14 @@
 - its **doorbell values**. The GPU acts on ``submitted`` and ``cancels`` when the word differs from the value it
   last acted on (``device/doorbells.py``), so a write is missed only if it puts back a value the GPU already acted on.
   Agent ``index`` writes ``c × agents + index``, ``c`` its own count of writes: the ``agents`` residues keep the
-  agents' values apart, and each agent's count only grows. It continues from the word it found (``c`` starts at
-  ``word // agents``) and, when it replaces an agent of the same index that died (its ``restarts``-th start), from
-  at least ``restarts × 2³²``, above anything that one wrote (an agent writes fewer than 2³² times). So no value is
-  ever written twice, and however the agents' writes interleave the GPU sees every one. One agent
-  (``agents = 1``): the word is its count of writes, as the control block's documentation says.
+  agents' values apart, and each agent's count only grows. Its ``restarts``-th start (it replaces an agent of the
+  same index that died) counts in a range of its own, ``[restarts × 2³², (restarts + 1) × 2³²)`` (an agent writes
+  fewer than 2³² times): from ``word // agents`` when the word it found holds a count of that range (an agent that
+  attaches again to a ring whose word it wrote continues its count), else from the range's start. Continuing from
+  a word another agent wrote from a higher range would take a start's counts into its successor's range, which the
+  successor may then write again. So no value is ever written twice, and however the agents' writes interleave the
+  GPU sees every one. One agent (``agents = 1``) never restarted: the word is its count of writes, as the control
+  block's documentation says.
 
 The slot range is also what an agent locks in the ring's file (``RemoteMemory.claim_agent``): one agent per range.
 """
@@ -53,8 +56,11 @@ class Share:
         return range(self.index * n // self.agents, (self.index + 1) * n // self.agents)
 
     def first_count(self, word: int) -> int:
-        """The count this agent's doorbell writes continue from, given the word's value when it attached."""
-        return max(word // self.agents, self.restarts * RESTART_STRIDE)
+        """The count this agent's doorbell writes continue from, given the word's value when it attached: the
+        word's count if it lies in this start's range of counts, else the range's start (the module docstring)."""
+        start = self.restarts * RESTART_STRIDE
+        count = word // self.agents
+        return count if start <= count < start + RESTART_STRIDE else start
 
     def doorbell(self, count: int) -> int:
         """The value this agent writes for its ``count``-th write (see the module docstring)."""
