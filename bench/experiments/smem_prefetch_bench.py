@@ -23,7 +23,9 @@ one CUDA graph and timed per layer against its weight bytes at the measured copy
 
 Each is first checked against float64 (relative error < 1e-2); a variant that fails to compile or launch is
 reported, not fatal. Run: ``PYTHONPATH=src python3 -m bench.experiments.smem_prefetch_bench [--out FILE]``
-(``$OUT/smem_prefetch_bench.json`` when ``$OUT`` is set). Needs Triton's Gluon (the image's Triton 3.6 has it).
+(``$OUT/smem_prefetch_bench.json`` when ``$OUT`` is set). Written for the GPU image's Triton 3.6 (Gluon's
+``async_copy_global_to_shared``, which Triton 3.9 renamed ``async_load``); without a GPU, Triton 3.6 in a venv of its
+own compiles the kernel for sm_90 (``GluonASTSource``, ``triton.compile`` with ``GPUTarget("cuda", 90, 32)``).
 """
 from __future__ import annotations
 
