@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err
-from blink.models.kernels.skinny import skinny_linear
+from blink.models.kernels.skinny import TARGET_PROGRAMS, skinny_linear
 
 LAYERS = 8
 # (outputs, inputs) of Qwen3-0.6B's projections, in the order a layer runs them.
@@ -47,7 +47,6 @@ PROJECTIONS = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))
 BLOCK_K = 256           # columns per stage: 32 lanes x 8 bf16 (16-byte copies)
 STAGES = 4
 NUM_WARPS = 4
-TARGET_PROGRAMS = 128   # about one per SM
 VARIANTS = {"skinny": None, "gluon-after": (False, False), "gluon-before": (True, False),
             "gluon-before+trigger": (True, True)}
 
