@@ -36,7 +36,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from bench import tree_commit  # noqa: E402
 from bench.model_bench import LAYOUT, MODELS, PAGE, decode_chunks  # noqa: E402
 from blink.device.step import StepBuffers  # noqa: E402
-from blink.models import random_model  # noqa: E402
+from blink.models import build_model  # noqa: E402
 from blink.models.batch import SeqChunk, fill_step  # noqa: E402
 from blink.models.kernels import attention, pdl, triton_ops  # noqa: E402
 from blink.models.memory import kv_cache_dtype  # noqa: E402
@@ -48,7 +48,6 @@ LAYOUTS = {"bf16": (None, "auto"), "fp8": (Fp8Config(), "auto"), "fp8-block": (F
            "fp8kv": (Fp8Config(), "fp8")}
 USAGE = re.compile(r"REG:(\d+) STACK:(\d+)")
 CONVERSION = re.compile(r"\b(F2FP?\.[A-Z0-9_.]+)")
-
 
 class CompileOnly:
     """Triton's active driver while the step runs: device 0 of an sm_90 target, no stream, no launch."""
@@ -64,7 +63,6 @@ class CompileOnly:
 
     def get_active_torch_device(self) -> torch.device:
         return torch.device("cpu")
-
 
 def compile_only(compiled: dict) -> None:
     """From now on in this process, every launch compiles its kernel for ``HOPPER``, zeroes its integer tensors (the
@@ -84,7 +82,6 @@ def compile_only(compiled: dict) -> None:
     attention.multiprocessors = lambda device: HOPPER_SMS  # attention splits as an H100's or H200's SMs take them
     driver.set_active(CompileOnly())
 
-
 def usage(kernel) -> dict:
     """Registers a thread and stack frame bytes and the float conversion instructions (SASS ``F2F``/``F2FP``, which run
     below the full rate: ``kernels.widen``'s docstring) by opcode, as one ``cuobjdump`` of the cubin reads them; the
@@ -102,18 +99,20 @@ def usage(kernel) -> dict:
                 constants={kernel.src.fn.arg_names[path[0]]: v for path, v in kernel.src.constants.items()
                            if v is not None and not isinstance(v, str)})
 
-
 def one_layer_of_each(name: str, layout: str):
-    """The model at its real widths with one dense and/or one MoE layer (as many as its layers have kinds)."""
+    """The model at its real widths with one dense and/or one MoE layer (as many as its layers have kinds), built
+    in its layout's dtypes (FP8 projections as a checkpoint stores them) with every weight one constant: no kernel
+    reads the values, and drawing ~1.5 G random weights on the CPU took longer than compiling every kernel."""
     quantization, kv = LAYOUTS[layout]
     c = MODELS[name]
     kinds = {c.is_moe_layer(i) for i in range(c.num_layers)}
     config = replace(c, num_layers=len(kinds), quantization=quantization,
                      mlp_only_layers=(0,) if kinds == {True, False} else ())
-    model = random_model(config, "cpu", torch.bfloat16)
+    model = build_model(config, "cpu", torch.bfloat16)
+    for p in model.parameters():
+        p.data.fill_(0.02)
     model.ops = triton_ops
     return model, kv_cache_dtype(kv, model.dtype)
-
 
 def run_steps(model, kv_dtype, batches: list[int], context: int, prefill: int) -> None:
     """The decode steps of ``batches`` sequences at ``context`` tokens and one ``prefill``-token chunk."""
@@ -125,7 +124,6 @@ def run_steps(model, kv_dtype, batches: list[int], context: int, prefill: int) -
         model(buf, kv, fill_step(buf, chunks, PAGE))
     if prefill:
         model(buf, kv, fill_step(buf, [SeqChunk(list(range(prefill)), 0, list(range(prefill_pages)))], PAGE))
-
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -158,7 +156,6 @@ def main():
     spilled = [r for r in rows if r["stack_bytes"]]
     print(f"{len(rows)} compiles for sm_90 (Triton {triton.__version__}); {len(spilled)} with a stack frame")
     sys.exit(1 if spilled else 0)
-
 
 if __name__ == "__main__":
     main()
