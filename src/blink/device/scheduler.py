@@ -262,13 +262,16 @@ def make_iterate(policy):
         t = lap(sh, t, PHASE.doorbells)
         if sh.counters[COUNT.cancel_bell] != 0:
             cancel_queued(s, sh)
+        n_new = 0
         if sh.counters[COUNT.scan] != 0:
-            enqueue(s, sh, collect(s, sh, policy))
+            n_new = collect(s, sh, policy)
+        t = lap(sh, t, PHASE.collect)
+        enqueue(s, sh, n_new)
         if cuda.threadIdx.x == 0:               # refused READY requests are published like finished ones
             s.sched[0].pending_finished += sh.counters[COUNT.refused]
             fold_counts(s, sh)
-            lap(sh, t, PHASE.collect)
-            add_laps(s, sh, PHASE.doorbells, PHASE.collect + 1)
+            lap(sh, t, PHASE.enqueue)
+            add_laps(s, sh, PHASE.doorbells, PHASE.enqueue + 1)
         cuda.syncthreads()
         if sh.counters[COUNT.new] != 0 or s.sched[0].pending_finished != 0 or s.sched[0].shutdown != 0:
             return AGAIN

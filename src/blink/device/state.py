@@ -76,7 +76,8 @@ class Phases(NamedTuple):
     plan: int
     publish: int
     doorbells: int
-    collect: int
+    collect: int        # the scan, each new request's header and key, the grammar placements it follows
+    enqueue: int        # the new keys sorted and merged into the waiting queue
 
 
 PHASE = indices(Phases)
