@@ -21,7 +21,7 @@ one CUDA graph and timed per layer against its weight bytes at the measured copy
 - ``gluon-before``: its first ``STAGES`` copies before the wait;
 - ``gluon-before+trigger``: and its dependents launched as each program starts.
 
-Each is first checked against float64 (relative error < 1e-2); a variant that fails to compile or launch is
+Each is first checked against float64 (relative error < ``TOLERANCE``); a variant that fails to compile or launch is
 reported, not fatal. Run: ``PYTHONPATH=src python3 -m bench.experiments.smem_prefetch_bench [--out FILE]``
 (``$OUT/smem_prefetch_bench.json`` when ``$OUT`` is set). Written for the GPU image's Triton 3.6 (Gluon's
 ``async_copy_global_to_shared``, which Triton 3.9 renamed ``async_load``); without a GPU, Triton 3.6 in a venv of its
@@ -42,6 +42,7 @@ from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err
 from blink.models.kernels.skinny import TARGET_PROGRAMS, skinny_linear
 
 LAYERS = 8
+TOLERANCE = 2e-2   # relative error of the chain's last output: 32 dependent GEMVs, each output rounded to bf16
 # (outputs, inputs) of Qwen3-0.6B's projections, in the order a layer runs them.
 PROJECTIONS = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))
 BLOCK_K = 256           # columns per stage: 32 lanes x 8 bf16 (16-byte copies)
@@ -145,7 +146,8 @@ def main() -> None:
     for variant in VARIANTS:
         try:
             err = rel_err(chain(variant, x0, weights, outs), want)
-            us = graph_ms(lambda: chain(variant, x0, weights, outs), args.reps) * 1e3 / LAYERS if err < 1e-2 else None
+            timed = err < TOLERANCE
+            us = graph_ms(lambda: chain(variant, x0, weights, outs), args.reps) * 1e3 / LAYERS if timed else None
             runs.append(dict(variant=variant, rel_err=err, us_per_layer=us, error=None))
         except Exception as e:  # noqa: BLE001 (a variant the image cannot compile or launch is reported)
             runs.append(dict(variant=variant, rel_err=None, us_per_layer=None,
@@ -158,8 +160,8 @@ def main() -> None:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                        copy_bytes_per_s=bw, layers=LAYERS, projections=PROJECTIONS, block_k=BLOCK_K, stages=STAGES,
                        floor_us_per_layer=floor_us, runs=runs), f, indent=2)
-    if any(r["error"] is None and not r["rel_err"] < 1e-2 for r in runs):
-        sys.exit("a variant differs from float64 (relative error >= 1e-2)")
+    if any(r["error"] is None and not r["rel_err"] < TOLERANCE for r in runs):
+        sys.exit(f"a variant differs from float64 (relative error >= {TOLERANCE})")
 
 
 if __name__ == "__main__":
