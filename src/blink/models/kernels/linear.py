@@ -1,4 +1,5 @@
-"""A model-dtype projection's GEMM by rows: decode-sized steps by the skinny GEMM (``skinny``), then up to
+"""A model-dtype projection's GEMM by rows: one row of a small projection by the GEMV that fetches its weights while
+the kernel before it runs (``gemv``, Hopper), decode-sized steps by the skinny GEMM (``skinny``), then up to
 ``ROWWISE_UP_TO`` rows by the TMA GEMM with the weight rows as the MMA's M (``rowwise``), larger ones by cuBLAS
 (``F.linear``).
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .gemv import gemv, gemv_takes
 from .rowwise import rowwise_linear, tma_can_read
 from .skinny import skinny_linear
 
@@ -28,6 +30,8 @@ ROWWISE_UP_TO = 64
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ weight [N, K].T`` in ``x.dtype`` (the model dtype of both)."""
+    if gemv_takes(x, weight):
+        return gemv(x, weight)
     if x.shape[0] <= SKINNY_UP_TO:
         return skinny_linear(x, weight)
     if x.shape[0] <= ROWWISE_UP_TO and tma_can_read(x, weight):
