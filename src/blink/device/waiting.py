@@ -152,15 +152,11 @@ def rank_in(keys, slots, start, count, key, slot):
 
 
 @cuda.jit(device=True)
-def enqueue(s, sh, n_new):
-    """Sort the new candidates and merge them into the queue (each element finds its place by binary search)."""
-    if n_new == 0:
-        return
+def merge(s, sh, n_new, head, count):
+    """The ``n_new`` sorted candidates and the ``count`` queued entries from ``head`` merged into the scratch queue,
+    then copied back to the queue's start."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    sort_pairs(sh.keys, sh.slots, n_new, next_power_of_two(n_new))
-    head = s.sched[0].queue_head
-    count = s.sched[0].queued
     for j in range(tid, n_new, nt):
         position = j + rank_in(s.queue_keys, s.queue_slots, head, count, sh.keys[j], sh.slots[j])
         s.queue_tmp_keys[position] = sh.keys[j]
@@ -175,6 +171,26 @@ def enqueue(s, sh, n_new):
     for i in range(tid, count + n_new, nt):
         s.queue_keys[i] = s.queue_tmp_keys[i]
         s.queue_slots[i] = s.queue_tmp_slots[i]
+
+
+@cuda.jit(device=True)
+def enqueue(s, sh, n_new):
+    """Sort the new candidates and merge them into the queue (each element finds its place by binary search). An
+    empty queue takes the sorted candidates as they are: no merge, and no round trip through the scratch queue and a
+    barrier (a request arriving at an idle server is on its first token's path)."""
+    if n_new == 0:
+        return
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    sort_pairs(sh.keys, sh.slots, n_new, next_power_of_two(n_new))
+    head = s.sched[0].queue_head
+    count = s.sched[0].queued              # the same value in every thread: the branch below is the block's
+    if count == 0:
+        for j in range(tid, n_new, nt):
+            s.queue_keys[j] = sh.keys[j]
+            s.queue_slots[j] = sh.slots[j]
+    else:
+        merge(s, sh, n_new, head, count)
     cuda.syncthreads()
     if tid == 0:
         s.sched[0].queue_head = 0
