@@ -1,13 +1,13 @@
 """Weights copied into shared memory before the PDL wait: does a decode GEMV's ramp hide under the kernel before it?
-An experiment for issue 43, not a step kernel.
+An experiment for issue 43, whose kernel became the step's one-row GEMV (``blink.models.kernels.gemv``).
 
-A small model's batch-1 step is ~250 dependent kernels, each a few µs of fixed cost; its 112 projections (Qwen3-0.6B)
-take 668 µs on an H100 against ~300 µs of weight bytes. What a kernel launched with PDL does before
+A small model's batch-1 step is ~250 dependent kernels, each a few µs of fixed cost; its 112 projections
+(Qwen3-0.6B) take 668 µs on an H100 against ~300 µs of weight bytes. What a kernel launched with PDL does before
 ``griddepcontrol.wait`` overlaps the previous kernel's tail, and only weights may be read there. Asking L2 for them
-there (``prefetch_bench``, ``decode_chain_bench``) or loading two weight tiles into registers (``try/weight-preload``)
-made the step slower (docs/benchmarks/experiments.md); both leave the data where the loop's pipelined copies do not
-look for it. Here a Gluon GEMV streams its weight rows through a ring of ``STAGES`` shared-memory tiles by
-``cp.async`` (Ampere's asynchronous copy, in Gluon's API of the image's Triton) and issues the first ``STAGES`` copies
+there (``prefetch_bench``, ``decode_chain_bench``) or loading two weight tiles into registers
+(``try/weight-preload``) made the step slower (docs/benchmarks/experiments.md); both leave the data where the loop's
+pipelined copies do not look for it. Here ``kernels.gemv``'s Gluon GEMV streams its weight rows through a ring of
+``STAGES`` shared-memory tiles by ``cp.async`` (Ampere's asynchronous copy) and issues the first ``STAGES`` copies
 before or after the wait; optionally each program also lets its dependents launch as it starts
 (``griddepcontrol.launch_dependents``), so the next GEMV's programs are placed, and copy, while this one runs.
 
@@ -23,9 +23,7 @@ one CUDA graph and timed per layer against its weight bytes at the measured copy
 
 Each is first checked against float64 (relative error < ``TOLERANCE``); a variant that fails to compile or launch is
 reported, not fatal. Run: ``PYTHONPATH=src python3 -m bench.experiments.smem_prefetch_bench [--out FILE]``
-(``$OUT/smem_prefetch_bench.json`` when ``$OUT`` is set). Written for the GPU image's Triton 3.6 (Gluon's
-``async_copy_global_to_shared``, which Triton 3.9 renamed ``async_load``); without a GPU, Triton 3.6 in a venv of its
-own compiles the kernel for sm_90 (``GluonASTSource``, ``triton.compile`` with ``GPUTarget("cuda", 90, 32)``).
+(``$OUT/smem_prefetch_bench.json`` when ``$OUT`` is set).
 """
 from __future__ import annotations
 
@@ -34,78 +32,23 @@ import sys
 
 import torch
 import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err
-from blink.models.kernels.skinny import TARGET_PROGRAMS, skinny_linear
+from blink.models.kernels.gemv import BLOCK_K, NUM_WARPS, STAGES, _gemv_kernel, block_n_for
+from blink.models.kernels.skinny import skinny_linear
 
 LAYERS = 8
 TOLERANCE = 2e-2   # relative error of the chain's last output: 32 dependent GEMVs, each output rounded to bf16
 # (outputs, inputs) of Qwen3-0.6B's projections, in the order a layer runs them.
 PROJECTIONS = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))
-BLOCK_K = 256           # columns per stage: 32 lanes x 8 bf16 (16-byte copies)
-STAGES = 4
-NUM_WARPS = 4
 VARIANTS = {"skinny": None, "gluon-after": (False, False), "gluon-before": (True, False),
             "gluon-before+trigger": (True, True)}
 
 
-@gluon.jit
-def _grid_dependency(op: gl.constexpr):
-    """PTX ``griddepcontrol.<op>`` (Gluon has no call of its own for it): an asm statement with a dummy output."""
-    gl.inline_asm_elementwise(f"griddepcontrol.{op}; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _gemv_kernel(w_ptr, x_ptr, y_ptr, K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 STAGES: gl.constexpr, COPY_BEFORE_WAIT: gl.constexpr, TRIGGER: gl.constexpr,
-                 num_warps: gl.constexpr):
-    """``y[tile] = w[tile] @ x`` for ``BLOCK_N`` rows of ``w [N, K]`` (bf16, K a multiple of ``BLOCK_K``); the rows
-    stream through ``STAGES`` shared tiles, ``BLOCK_K`` columns each, by cp.async."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-    shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    if TRIGGER:
-        _grid_dependency("launch_dependents")
-    rows = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
-    tiles = w_ptr + rows.to(gl.int64)[:, None] * K + cols[None, :]
-    ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], shared)
-    steps: gl.constexpr = K // BLOCK_K
-    if not COPY_BEFORE_WAIT:
-        _grid_dependency("wait")
-    for s in gl.static_range(STAGES):           # one commit group per stage, empty past the last step
-        if s < steps:
-            async_copy.async_copy_global_to_shared(ring.index(s), tiles + s * BLOCK_K)
-        async_copy.commit_group()
-    if COPY_BEFORE_WAIT:
-        _grid_dependency("wait")
-    acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
-    for i in range(steps):
-        async_copy.wait_group(STAGES - 1)       # step i's group has landed (this thread's copies) ...
-        gl.thread_barrier()                     # ... and every thread's
-        w = ring.index(i % STAGES).load(layout).to(gl.float32)
-        x = gl.load(x_ptr + i * BLOCK_K + cols).to(gl.float32)
-        acc += w * x[None, :]
-        gl.thread_barrier()                     # every thread has read the stage before it is refilled
-        if i + STAGES < steps:
-            async_copy.async_copy_global_to_shared(ring.index(i % STAGES), tiles + (i + STAGES) * BLOCK_K)
-        async_copy.commit_group()
-    gl.store(y_ptr + rows, gl.sum(acc, axis=1).to(gl.bfloat16))
-
-
-def block_n_for(n: int) -> int:
-    """Rows per program: at least ``TARGET_PROGRAMS`` programs, 4 to 16 rows each (4: one a warp; 16: its
-    accumulator, a float32 per weight entry of a stage, 32 registers a thread)."""
-    return min(16, max(4, triton.next_power_of_2(triton.cdiv(n, TARGET_PROGRAMS))))
-
-
-def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, copy_before_wait: bool, trigger: bool) -> None:
+def gemv_variant(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, copy_before_wait: bool, trigger: bool) -> None:
+    """``kernels.gemv``'s kernel with the variant's copies and trigger."""
     n, k = w.shape
     block_n = block_n_for(n)
-    if k % BLOCK_K or n % block_n:
-        raise ValueError(f"the Gluon GEMV takes K a multiple of {BLOCK_K} and N of {block_n} (got {n} x {k})")
     _gemv_kernel[(n // block_n,)](w, x, out, K=k, BLOCK_N=block_n, BLOCK_K=BLOCK_K, STAGES=STAGES,
                                   COPY_BEFORE_WAIT=copy_before_wait, TRIGGER=trigger, num_warps=NUM_WARPS,
                                   launch_pdl=True)
@@ -120,7 +63,7 @@ def chain(variant: str, x0: torch.Tensor, weights: list[torch.Tensor], outs: lis
         if VARIANTS[variant] is None:
             x = skinny_linear(source, w)
         else:
-            gemv(source[0], w, out[0], *VARIANTS[variant])
+            gemv_variant(source[0], w, out[0], *VARIANTS[variant])
             x = out
     return x
 

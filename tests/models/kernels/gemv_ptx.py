@@ -1,6 +1,7 @@
-"""Compile the one-row GEMV (``blink.models.kernels.gemv``) for sm_90 without a GPU and print, as JSON, for each
-``N,K`` argument: the order of its ``griddepcontrol`` and ``cp.async`` instructions in the PTX, its shared memory
-and its stack frame. Run in a process of its own (Triton's interpreter must be off when the kernel is decorated)."""
+"""Compile the one-row GEMV (``blink.models.kernels.gemv``) for sm_90 without a GPU, as ``gemv`` launches it, and
+print, as JSON, for each ``N,K`` argument: the order of its ``griddepcontrol`` and ``cp.async`` instructions in the
+PTX, its shared memory and its stack frame. Run in a process of its own (Triton's interpreter must be off when the
+kernel is decorated)."""
 import json
 import os
 import re
@@ -19,7 +20,7 @@ rows = []
 for arg in sys.argv[1:]:
     n, k = (int(v) for v in arg.split(","))
     constexprs = dict(K=k, BLOCK_N=gemv.block_n_for(n), BLOCK_K=gemv.BLOCK_K, STAGES=gemv.STAGES,
-                      num_warps=gemv.NUM_WARPS)
+                      COPY_BEFORE_WAIT=True, TRIGGER=True, num_warps=gemv.NUM_WARPS)
     source = GluonASTSource(fn=gemv._gemv_kernel, signature={**{a: "*bf16" for a in ARGS},
                                                              **{c: "constexpr" for c in constexprs}},
                             constexprs=constexprs, attrs={(i,): [["tt.divisibility", 16]] for i in range(len(ARGS))})

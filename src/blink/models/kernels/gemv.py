@@ -50,26 +50,32 @@ def _grid_dependency(op: gl.constexpr):
 
 @gluon.jit
 def _gemv_kernel(w_ptr, x_ptr, y_ptr, K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 STAGES: gl.constexpr, num_warps: gl.constexpr):
+                 STAGES: gl.constexpr, COPY_BEFORE_WAIT: gl.constexpr, TRIGGER: gl.constexpr,
+                 num_warps: gl.constexpr):
     """``y[tile] = w[tile] @ x`` for ``BLOCK_N`` rows of ``w [N, K]`` (K a multiple of ``BLOCK_K``). One commit group
-    per stage (empty past the last step), so ``wait_group(STAGES - 1)`` finds step i's tile landed."""
+    per stage (empty past the last step), so ``wait_group(STAGES - 1)`` finds step i's tile landed. ``gemv`` sets
+    ``COPY_BEFORE_WAIT`` and ``TRIGGER``; ``smem_prefetch_bench`` times each without the other."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    _grid_dependency("launch_dependents")
+    if TRIGGER:
+        _grid_dependency("launch_dependents")
     rows = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
     tiles = w_ptr + rows.to(gl.int64)[:, None] * K + cols[None, :]
     ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], shared)
     steps: gl.constexpr = K // BLOCK_K
+    if not COPY_BEFORE_WAIT:
+        _grid_dependency("wait")
     for s in gl.static_range(STAGES):           # weights only before the wait
         if s < steps:
             _async_load(ring.index(s), tiles + s * BLOCK_K)
         async_copy.commit_group()
-    _grid_dependency("wait")
+    if COPY_BEFORE_WAIT:
+        _grid_dependency("wait")
     acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
     for i in range(steps):
         async_copy.wait_group(STAGES - 1)       # this thread's copies of step i have landed ...
-        _barrier()                     # ... and every thread's
+        _barrier()                              # ... and every thread's
         w = ring.index(i % STAGES).load(layout).to(gl.float32)
         x = gl.load(x_ptr + i * BLOCK_K + cols).to(gl.float32)
         acc += w * x[None, :]
@@ -106,5 +112,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty((1, n), device=x.device, dtype=x.dtype)
     block_n = block_n_for(n)
     _gemv_kernel[(n // block_n,)](weight, x, out, K=k, BLOCK_N=block_n, BLOCK_K=BLOCK_K, STAGES=STAGES,
-                                  num_warps=NUM_WARPS, launch_pdl=True)
+                                  COPY_BEFORE_WAIT=True, TRIGGER=True, num_warps=NUM_WARPS, launch_pdl=True)
     return out
