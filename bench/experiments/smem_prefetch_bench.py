@@ -14,16 +14,24 @@ before or after the wait; optionally each program also lets its dependents launc
 The chain: ``LAYERS`` layers of Qwen3-0.6B's four projections at one row (qkv 1024 → 4096, o_proj 2048 → 1024,
 gate_up 1024 → 6144, down 3072 → 1024; each input the previous output's first columns, so every GEMV depends on the
 last), every weight its own copy (4.2 to 12.6 MB, 31.5 MB a layer: the chain's 252 MB do not stay in L2), captured in
-one CUDA graph and timed per layer against its weight bytes at the measured copy rate. Variants:
+one CUDA graph and timed per layer against its weight bytes at the measured copy rate, at each of ``--rows`` (1, 16,
+64: a decode step's sequences). Variants at one row:
 
 - ``skinny``: blink's skinny GEMM (``skinny_linear``, PDL as in the step);
 - ``gluon-after``: the Gluon GEMV, every copy after the wait;
 - ``gluon-before``: its first ``STAGES`` copies before the wait;
-- ``gluon-before+trigger``: and its dependents launched as each program starts.
+- ``gluon-before+trigger``: and its dependents launched as each program starts (``kernels.gemv`` as the step runs it);
+- ``mma-before+trigger``: the tensor-core twin below, its rows padded to 16.
+
+At 16 and 64 rows, ``linear`` (the step's path: the skinny GEMM up to 16 rows, the rowwise one beyond) against
+``mma-after`` and ``mma-before+trigger``: a Gluon GEMM of the same plan on tensor cores (``mma.sync``, Ampere's MMA,
+which Hopper runs), ``MMA_BLOCK_N`` weight rows a program streamed through ``MMA_STAGES`` stages of ``MMA_BLOCK_K``
+columns (the first 1,024 columns in flight before the wait), each stage multiplied with the rows' activations loaded
+straight into the MMA's operand layout.
 
 Each is first checked against float64 (relative error < ``TOLERANCE``); a variant that fails to compile or launch is
-reported, not fatal. Run: ``PYTHONPATH=src python3 -m bench.experiments.smem_prefetch_bench [--out FILE]``
-(``$OUT/smem_prefetch_bench.json`` when ``$OUT`` is set).
+reported, not fatal. Run: ``PYTHONPATH=src python3 -m bench.experiments.smem_prefetch_bench [--rows 1 16 64]
+[--out FILE]`` (``$OUT/smem_prefetch_bench.json`` when ``$OUT`` is set).
 """
 from __future__ import annotations
 
@@ -32,39 +40,112 @@ import sys
 
 import torch
 import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err
-from blink.models.kernels.gemv import BLOCK_K, NUM_WARPS, STAGES, _gemv_kernel, block_n_for
+from blink.models.kernels.gemv import (BLOCK_K, NUM_WARPS, STAGES, _async_load, _barrier, _gemv_kernel,
+                                       _grid_dependency, block_n_for)
+from blink.models.kernels.linear import linear
 from blink.models.kernels.skinny import skinny_linear
 
 LAYERS = 8
 TOLERANCE = 2e-2   # relative error of the chain's last output: 32 dependent GEMVs, each output rounded to bf16
 # (outputs, inputs) of Qwen3-0.6B's projections, in the order a layer runs them.
 PROJECTIONS = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))
-VARIANTS = {"skinny": None, "gluon-after": (False, False), "gluon-before": (True, False),
-            "gluon-before+trigger": (True, True)}
+ROWS = [1, 16, 64]
+MMA_BLOCK_N = 16        # 2 warps of 8 columns: 64-384 programs for Qwen3-0.6B's projections
+MMA_BLOCK_K = 64
+MMA_STAGES = 16         # 1,024 columns in flight: all of a K = 1024 projection before the wait
+MMA_WARPS = 2
 
 
-def gemv_variant(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, copy_before_wait: bool, trigger: bool) -> None:
-    """``kernels.gemv``'s kernel with the variant's copies and trigger."""
+@gluon.jit
+def _mma_kernel(w_ptr, x_ptr, y_ptr, M, x_stride, K: gl.constexpr, N: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, COPY_BEFORE_WAIT: gl.constexpr,
+                TRIGGER: gl.constexpr, num_warps: gl.constexpr):
+    """``y[:M, tile] = x[:M] @ w[tile].T`` (``x [M, K]`` rows ``x_stride`` apart, ``y [M, N]`` contiguous):
+    ``_gemv_kernel``'s ring of weight tiles, each stage multiplied on tensor cores (``ldmatrix`` of the tile
+    transposed, ``mma.sync`` m16n8k16)."""
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, num_warps], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    shared: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
+    if TRIGGER:
+        _grid_dependency("launch_dependents")
+    rows = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
+    cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, copy_layout))
+    tiles = w_ptr + rows.to(gl.int64)[:, None] * K + cols[None, :]
+    ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], shared)
+    steps: gl.constexpr = K // BLOCK_K
+    if not COPY_BEFORE_WAIT:
+        _grid_dependency("wait")
+    for s in gl.static_range(STAGES):
+        if s < steps:
+            _async_load(ring.index(s), tiles + s * BLOCK_K)
+        async_copy.commit_group()
+    if COPY_BEFORE_WAIT:
+        _grid_dependency("wait")
+    x_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, a_layout))
+    x_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, a_layout))
+    x_tiles = x_ptr + x_rows[:, None] * x_stride + x_cols[None, :]
+    x_ok = (x_rows < M)[:, None]
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+    for i in range(steps):
+        a = gl.load(x_tiles + i * BLOCK_K, mask=x_ok, other=0.0)
+        async_copy.wait_group(STAGES - 1)
+        _barrier()
+        acc = mma_v2(a, ring.index(i % STAGES).permute((1, 0)).load(b_layout), acc)
+        _barrier()
+        if i + STAGES < steps:
+            _async_load(ring.index(i % STAGES), tiles + (i + STAGES) * BLOCK_K)
+        async_copy.commit_group()
+    out_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+    out_cols = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    gl.store(y_ptr + out_rows[:, None] * N + out_cols[None, :], acc.to(gl.bfloat16), mask=(out_rows < M)[:, None])
+
+
+def gemv_variant(x: torch.Tensor, w: torch.Tensor, copy_before_wait: bool, trigger: bool) -> torch.Tensor:
+    """``kernels.gemv``'s kernel with the variant's copies and trigger (one row)."""
     n, k = w.shape
+    out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     block_n = block_n_for(n)
     _gemv_kernel[(n // block_n,)](w, x, out, K=k, BLOCK_N=block_n, BLOCK_K=BLOCK_K, STAGES=STAGES,
                                   COPY_BEFORE_WAIT=copy_before_wait, TRIGGER=trigger, num_warps=NUM_WARPS,
                                   launch_pdl=True)
+    return out
 
 
-def chain(variant: str, x0: torch.Tensor, weights: list[torch.Tensor], outs: list[torch.Tensor]) -> torch.Tensor:
-    """Each projection of the chain reads the first columns of the one before (the first reads ``x0``); returns
-    the last output. The Gluon GEMVs write ``outs``, the skinny GEMM its own outputs (a copy would be a launch)."""
+def mma_variant(x: torch.Tensor, w: torch.Tensor, copy_before_wait: bool, trigger: bool) -> torch.Tensor:
+    (m, k), n = x.shape, w.shape[0]
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    _mma_kernel[(n // MMA_BLOCK_N,)](w, x, out, m, x.stride(0), K=k, N=n, BLOCK_M=max(16, triton.next_power_of_2(m)),
+                                     BLOCK_N=MMA_BLOCK_N, BLOCK_K=MMA_BLOCK_K, STAGES=MMA_STAGES,
+                                     COPY_BEFORE_WAIT=copy_before_wait, TRIGGER=trigger, num_warps=MMA_WARPS,
+                                     launch_pdl=True)
+    return out
+
+
+# variant -> (the rows it runs at, projection: x [rows, K] with unit column stride, weight -> output)
+VARIANTS = {
+    "skinny": ((1,), skinny_linear),
+    "gluon-after": ((1,), lambda x, w: gemv_variant(x, w, False, False)),
+    "gluon-before": ((1,), lambda x, w: gemv_variant(x, w, True, False)),
+    "gluon-before+trigger": ((1,), lambda x, w: gemv_variant(x, w, True, True)),
+    "linear": ((16, 64), linear),
+    "mma-after": ((16, 64), lambda x, w: mma_variant(x, w, False, False)),
+    "mma-before+trigger": ((1, 16, 64), lambda x, w: mma_variant(x, w, True, True)),
+}
+
+
+def chain(project, x0: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """Each projection of the chain reads the first columns of the one before (the first reads ``x0``): a view,
+    as a step's activations may be, so that no copy kernel breaks the PDL chain; returns the last output."""
     x = x0
-    for w, out in zip(weights, outs):
-        source = x[:, :w.shape[1]]
-        if VARIANTS[variant] is None:
-            x = skinny_linear(source, w)
-        else:
-            gemv_variant(source[0], w, out[0], *VARIANTS[variant])
-            x = out
+    for w in weights:
+        x = project(x[:, :w.shape[1]], w)
     return x
 
 
@@ -76,32 +157,35 @@ def reference(x0: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
 
 
 def main() -> None:
-    args, bw, _ = kernel_bench_start(__doc__, "smem_prefetch_bench.json", reps=50, sweep=False)
+    args, bw, _ = kernel_bench_start(__doc__, "smem_prefetch_bench.json", reps=50, sweep=False, rows=ROWS)
     shapes = [shape for _ in range(LAYERS) for shape in PROJECTIONS]
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for n, k in shapes]
-    outs = [torch.empty(1, n, device="cuda", dtype=torch.bfloat16) for n, _ in shapes]
-    x0 = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
     floor_us = sum(w.numel() * w.element_size() for w in weights) / bw * 1e6 / LAYERS
-    want = reference(x0, weights)
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, triton {triton.__version__}; {LAYERS} layers "
-          f"of Qwen3-0.6B's projections at one row; floor {floor_us:.2f} us a layer", flush=True)
+          f"of Qwen3-0.6B's projections; floor {floor_us:.2f} us a layer", flush=True)
     runs = []
-    for variant in VARIANTS:
-        try:
-            err = rel_err(chain(variant, x0, weights, outs), want)
-            timed = err < TOLERANCE
-            us = graph_ms(lambda: chain(variant, x0, weights, outs), args.reps) * 1e3 / LAYERS if timed else None
-            runs.append(dict(variant=variant, rel_err=err, us_per_layer=us, error=None))
-        except Exception as e:  # noqa: BLE001 (a variant the image cannot compile or launch is reported)
-            runs.append(dict(variant=variant, rel_err=None, us_per_layer=None,
-                             error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
-        r = runs[-1]
-        print(f"  {variant:>21} " + (f"{r['us_per_layer']:7.2f} us a layer (x{r['us_per_layer'] / floor_us:.2f})"
-                                      if r["us_per_layer"] else f"rel_err {r['rel_err']} {r['error'] or 'WRONG'}"),
-              flush=True)
+    for rows in args.rows:
+        x0 = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+        want = reference(x0, weights)
+        for variant, (at_rows, project) in VARIANTS.items():
+            if rows not in at_rows:
+                continue
+            try:
+                err = rel_err(chain(project, x0, weights), want)
+                timed = err < TOLERANCE
+                us = graph_ms(lambda: chain(project, x0, weights), args.reps) * 1e3 / LAYERS if timed else None
+                runs.append(dict(rows=rows, variant=variant, rel_err=err, us_per_layer=us, error=None))
+            except Exception as e:  # noqa: BLE001 (a variant the image cannot compile or launch is reported)
+                runs.append(dict(rows=rows, variant=variant, rel_err=None, us_per_layer=None,
+                                 error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+            r = runs[-1]
+            print(f"  {rows:>3} rows {variant:>21} "
+                  + (f"{r['us_per_layer']:7.2f} us a layer (x{r['us_per_layer'] / floor_us:.2f})"
+                     if r["us_per_layer"] else f"rel_err {r['rel_err']} {r['error'] or 'WRONG'}"), flush=True)
     with open(args.out, "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                        copy_bytes_per_s=bw, layers=LAYERS, projections=PROJECTIONS, block_k=BLOCK_K, stages=STAGES,
+                       mma=dict(block_n=MMA_BLOCK_N, block_k=MMA_BLOCK_K, stages=MMA_STAGES, warps=MMA_WARPS),
                        floor_us_per_layer=floor_us, runs=runs), f, indent=2)
     if any(r["error"] is None and not r["rel_err"] < TOLERANCE for r in runs):
         sys.exit(f"a variant differs from float64 (relative error >= {TOLERANCE})")
