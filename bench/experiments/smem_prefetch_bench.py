@@ -45,8 +45,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err
-from blink.models.kernels.gemv import (BLOCK_K, NUM_WARPS, STAGES, _async_load, _barrier, _gemv_kernel,
-                                       _grid_dependency, block_n_for)
+from blink.models.kernels.gemv import (BLOCK_K, NUM_WARPS, STAGES, _barrier, _gemv_kernel, block_n_for,
+                                       refill_weight_ring, start_weight_ring)
 from blink.models.kernels.linear import linear
 from blink.models.kernels.skinny import skinny_linear
 
@@ -72,36 +72,20 @@ def _mma_kernel(w_ptr, x_ptr, y_ptr, M, x_stride, K: gl.constexpr, N: gl.constex
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, num_warps], instr_shape=[16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    shared: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
-    if TRIGGER:
-        _grid_dependency("launch_dependents")
-    rows = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
-    cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, copy_layout))
-    tiles = w_ptr + rows.to(gl.int64)[:, None] * K + cols[None, :]
-    ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], shared)
-    steps: gl.constexpr = K // BLOCK_K
-    if not COPY_BEFORE_WAIT:
-        _grid_dependency("wait")
-    for s in gl.static_range(STAGES):
-        if s < steps:
-            _async_load(ring.index(s), tiles + s * BLOCK_K)
-        async_copy.commit_group()
-    if COPY_BEFORE_WAIT:
-        _grid_dependency("wait")
+    ring, tiles = start_weight_ring(w_ptr, K, BLOCK_N, BLOCK_K, STAGES, COPY_BEFORE_WAIT, TRIGGER, copy_layout,
+                                    gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
     x_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, a_layout))
     x_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, a_layout))
     x_tiles = x_ptr + x_rows[:, None] * x_stride + x_cols[None, :]
     x_ok = (x_rows < M)[:, None]
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-    for i in range(steps):
+    for i in range(K // BLOCK_K):
         a = gl.load(x_tiles + i * BLOCK_K, mask=x_ok, other=0.0)
         async_copy.wait_group(STAGES - 1)
         _barrier()
         acc = mma_v2(a, ring.index(i % STAGES).permute((1, 0)).load(b_layout), acc)
         _barrier()
-        if i + STAGES < steps:
-            _async_load(ring.index(i % STAGES), tiles + (i + STAGES) * BLOCK_K)
-        async_copy.commit_group()
+        refill_weight_ring(ring, tiles, i, K, BLOCK_K, STAGES)
     out_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
     out_cols = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
     gl.store(y_ptr + out_rows[:, None] * N + out_cols[None, :], acc.to(gl.bfloat16), mask=(out_rows < M)[:, None])

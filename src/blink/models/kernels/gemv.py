@@ -49,40 +49,59 @@ def _grid_dependency(op: gl.constexpr):
 
 
 @gluon.jit
-def _gemv_kernel(w_ptr, x_ptr, y_ptr, K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 STAGES: gl.constexpr, COPY_BEFORE_WAIT: gl.constexpr, TRIGGER: gl.constexpr,
-                 num_warps: gl.constexpr):
-    """``y[tile] = w[tile] @ x`` for ``BLOCK_N`` rows of ``w [N, K]`` (K a multiple of ``BLOCK_K``). One commit group
-    per stage (empty past the last step), so ``wait_group(STAGES - 1)`` finds step i's tile landed. ``gemv`` sets
-    ``COPY_BEFORE_WAIT`` and ``TRIGGER``; ``smem_prefetch_bench`` times each without the other."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-    shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+def start_weight_ring(w_ptr, K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                      COPY_BEFORE_WAIT: gl.constexpr, TRIGGER: gl.constexpr, layout: gl.constexpr,
+                      shared: gl.constexpr):
+    """A program's prologue: trigger its dependents (``TRIGGER``), allocate the ring of ``STAGES`` shared tiles of
+    its ``BLOCK_N`` weight rows and start their first copies, one commit group per stage (empty past the last step),
+    before or after the PDL wait. Returns the ring and the tiles' addresses (``layout``); ``refill_weight_ring``
+    keeps it streaming."""
     if TRIGGER:
         _grid_dependency("launch_dependents")
     rows = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
     tiles = w_ptr + rows.to(gl.int64)[:, None] * K + cols[None, :]
     ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], shared)
-    steps: gl.constexpr = K // BLOCK_K
     if not COPY_BEFORE_WAIT:
         _grid_dependency("wait")
     for s in gl.static_range(STAGES):           # weights only before the wait
-        if s < steps:
+        if s < K // BLOCK_K:
             _async_load(ring.index(s), tiles + s * BLOCK_K)
         async_copy.commit_group()
     if COPY_BEFORE_WAIT:
         _grid_dependency("wait")
+    return ring, tiles
+
+
+@gluon.jit
+def refill_weight_ring(ring, tiles, i, K: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """After step ``i`` read its stage (every thread: a barrier before this): that stage takes step
+    ``i + STAGES``'s tile, one commit group either way, so ``wait_group(STAGES - 1)`` finds step i + 1's landed."""
+    if i + STAGES < K // BLOCK_K:
+        _async_load(ring.index(i % STAGES), tiles + (i + STAGES) * BLOCK_K)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _gemv_kernel(w_ptr, x_ptr, y_ptr, K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 STAGES: gl.constexpr, COPY_BEFORE_WAIT: gl.constexpr, TRIGGER: gl.constexpr,
+                 num_warps: gl.constexpr):
+    """``y[tile] = w[tile] @ x`` for ``BLOCK_N`` rows of ``w [N, K]`` (K a multiple of ``BLOCK_K``). ``gemv`` sets
+    ``COPY_BEFORE_WAIT`` and ``TRIGGER``; ``smem_prefetch_bench`` times each without the other."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    ring, tiles = start_weight_ring(w_ptr, K, BLOCK_N, BLOCK_K, STAGES, COPY_BEFORE_WAIT, TRIGGER, layout,
+                                    gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
     acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
-    for i in range(steps):
+    for i in range(K // BLOCK_K):
         async_copy.wait_group(STAGES - 1)       # this thread's copies of step i have landed ...
         _barrier()                              # ... and every thread's
         w = ring.index(i % STAGES).load(layout).to(gl.float32)
         x = gl.load(x_ptr + i * BLOCK_K + cols).to(gl.float32)
         acc += w * x[None, :]
-        _barrier()                     # every thread has read the stage before it is refilled
-        if i + STAGES < steps:
-            _async_load(ring.index(i % STAGES), tiles + (i + STAGES) * BLOCK_K)
-        async_copy.commit_group()
+        _barrier()                              # every thread has read the stage before it is refilled
+        refill_weight_ring(ring, tiles, i, K, BLOCK_K, STAGES)
+    rows = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     gl.store(y_ptr + rows, gl.sum(acc, axis=1).to(gl.bfloat16))
 
 
