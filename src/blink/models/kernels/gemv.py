@@ -1,12 +1,14 @@
-"""One-row projections of small bf16 weights: a GEMV that fetches its weights into shared memory while the kernel
-before it still runs.
+"""One-row projections of small bf16 weights: a GEMV that streams its weights through shared memory, its first
+copies before its PDL wait, and lets the kernel after it launch as it starts.
 
 At one row a projection's time is its weight bytes plus its ramp, and for a small model's few-MB projections the ramp
 is most of it. Here each program streams ``BLOCK_N`` weight rows through ``STAGES`` shared-memory tiles of
 ``BLOCK_K`` columns by cp.async (Ampere's asynchronous copy, in Triton's Gluon), issues its first ``STAGES`` copies
 before its PDL wait (weights only, as ``pdl``'s invariants allow) and lets its dependents launch as it starts
-(``griddepcontrol.launch_dependents``), so the kernel after it is placed while it runs. So a GEMV fetches the first
-``STAGES * BLOCK_K`` columns of its weights (all of them up to K = 1024) while the kernel before it runs.
+(``griddepcontrol.launch_dependents``), so the kernel after it is placed while it runs. Its first ``STAGES *
+BLOCK_K`` columns (all of them up to K = 1024) then stream while the kernel before it runs only where that kernel
+triggers too (a chain of GEMVs); in the step the kernels before a projection (norms, SiLU, attention's merge) do not
+(``pdl``), so there the gain is the GEMV's own speed and the early placement of the kernel after it.
 
 On an H200 (branch ``try/gluon-gemv``, raw ``bench/results/gemv_step_h200_856d13f.json``), Qwen3-0.6B's decode step
 at one row took 0.905-0.908 ms against the skinny GEMM's 1.064-1.065 (its 112 projections 500 against 618 us);

@@ -1,5 +1,6 @@
-"""A model-dtype projection's GEMM by rows: one row of a small projection by the GEMV that fetches its weights while
-the kernel before it runs (``gemv``, Hopper), decode-sized steps by the skinny GEMM (``skinny``), then up to
+"""A model-dtype projection's GEMM by rows: one row of a small projection by the GEMV that streams its weights
+through shared memory and lets the next kernel launch early (``gemv``, Hopper), decode-sized steps by the skinny
+GEMM (``skinny``), then up to
 ``ROWWISE_UP_TO`` rows by the TMA GEMM with the weight rows as the MMA's M (``rowwise``), larger ones by cuBLAS
 (``F.linear``).
 
