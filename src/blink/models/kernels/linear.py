@@ -1,8 +1,7 @@
-"""A model-dtype projection's GEMM by rows: one row of a small projection by the GEMV that streams its weights
-through shared memory and lets the next kernel launch early (``gemv``, Hopper), decode-sized steps by the skinny
-GEMM (``skinny``), then up to
-``ROWWISE_UP_TO`` rows by the TMA GEMM with the weight rows as the MMA's M (``rowwise``), larger ones by cuBLAS
-(``F.linear``).
+"""A model-dtype projection's GEMM by rows: one row of a small projection by the GEMV that streams its weights through
+shared memory and lets the next kernel launch early (``gemv``, Hopper), decode-sized steps by the skinny GEMM
+(``skinny``), then up to ``ROWWISE_UP_TO`` rows by the TMA GEMM with the weight rows as the MMA's M (``rowwise``),
+larger ones by cuBLAS (``F.linear``).
 
 Up to ``SKINNY_UP_TO`` rows a projection streams its weights once and its time is their bytes plus the kernel's ramp.
 The skinny GEMM waits in the step's programmatic-dependent-launch chain (``pdl``) and cuBLAS's kernels do not, so
