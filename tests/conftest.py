@@ -27,10 +27,6 @@ def _has_cuda_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    # The files holding slow tests first: pytest-xdist (-n 2 --dist loadfile) hands files out in this order, so the
-    # longest start first and the two workers end nearer together than with a slow file handed out last.
-    slow_files = {item.path for item in items if "slow" in item.keywords}
-    items.sort(key=lambda item: item.path not in slow_files)
     if _has_cuda_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run bench/gpu_suite.sh on the H200)")

@@ -20,8 +20,6 @@ from blink import Engine, EngineConfig, SamplingParams, SchedulerConfig, Specula
 from blink.nic.grammars import StructuredOutputs
 from blink.nic.openai.requests import Job
 
-pytestmark = pytest.mark.slow
-
 PASSAGE = ("The quick brown fox jumps over the lazy dog. The dog sleeps under the old oak tree, and the fox runs "
            "back into the forest before the sun goes down.")
 PROMPTS = [f"Repeat this text exactly, twice: {PASSAGE}\n{PASSAGE}\n", f"Copy: {PASSAGE} Copy again: {PASSAGE[:60]}",

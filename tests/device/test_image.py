@@ -54,7 +54,6 @@ def links(tmp_path_factory):
         process.kill()
 
 
-@pytest.mark.slow
 def test_the_scheduler_image_links_for_sm90_without_a_gpu_and_spills_no_register(links):
     """What ptxas reported of each kernel: no spill (the iteration read ~80 arrays' addresses and shapes once and
     spilled them, 1 KiB per thread; ``array_table.py`` reads each where it is used)."""

@@ -350,7 +350,6 @@ def test_a_killed_agent_process_is_started_again_its_slots_come_back_and_the_oth
         assert ends == ["done"] * 16
 
 
-@pytest.mark.slow
 def test_the_cpu_engine_behind_two_processes_answers_as_behind_one(tmp_path):
     """The real engine (SmolLM2 on the CPU): 24 streams at once, greedy, each process holding requests in its own
     slots; every stream's text and token count are those of a one-process server."""

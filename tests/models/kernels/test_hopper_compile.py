@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[3]
 # The kernels each model's steps launch (a decode of 1 and of 64 sequences, a 64-token prefill), bf16 and FP8 weights.
 EXPECTED = {
@@ -21,7 +19,6 @@ EXPECTED = {
 }
 
 
-@pytest.mark.slow
 def test_the_steps_kernels_compile_for_hopper_without_spills_at_bf16_and_fp8(tmp_path):
     out = tmp_path / "resources.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -127,7 +127,6 @@ def generated_schemas(seed: int, count: int) -> list[dict]:
     return [obj(0) for _ in range(count)]
 
 
-@pytest.mark.slow
 def test_every_answer_parses_and_follows_its_schema(client):
     schemas = HAND_WRITTEN + generated_schemas(seed=7, count=40)      # tests/nic/test_grammars.py compiles 100
     replies = concurrently([lambda s=s: client.chat.completions.create(
