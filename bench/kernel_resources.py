@@ -49,6 +49,7 @@ LAYOUTS = {"bf16": (None, "auto"), "fp8": (Fp8Config(), "auto"), "fp8-block": (F
 USAGE = re.compile(r"REG:(\d+) STACK:(\d+)")
 CONVERSION = re.compile(r"\b(F2FP?\.[A-Z0-9_.]+)")
 
+
 class CompileOnly:
     """Triton's active driver while the step runs: device 0 of an sm_90 target, no stream, no launch."""
 
@@ -63,6 +64,7 @@ class CompileOnly:
 
     def get_active_torch_device(self) -> torch.device:
         return torch.device("cpu")
+
 
 def compile_only(compiled: dict) -> None:
     """From now on in this process, every launch compiles its kernel for ``HOPPER``, zeroes its integer tensors (the
@@ -82,6 +84,7 @@ def compile_only(compiled: dict) -> None:
     attention.multiprocessors = lambda device: HOPPER_SMS  # attention splits as an H100's or H200's SMs take them
     driver.set_active(CompileOnly())
 
+
 def usage(kernel) -> dict:
     """Registers a thread and stack frame bytes and the float conversion instructions (SASS ``F2F``/``F2FP``, which run
     below the full rate: ``kernels.widen``'s docstring) by opcode, as one ``cuobjdump`` of the cubin reads them; the
@@ -99,6 +102,7 @@ def usage(kernel) -> dict:
                 constants={kernel.src.fn.arg_names[path[0]]: v for path, v in kernel.src.constants.items()
                            if v is not None and not isinstance(v, str)})
 
+
 def one_layer_of_each(name: str, layout: str):
     """The model at its real widths with one dense and/or one MoE layer (as many as its layers have kinds), built
     in its layout's dtypes (FP8 projections as a checkpoint stores them) with every weight one constant: no kernel
@@ -114,6 +118,7 @@ def one_layer_of_each(name: str, layout: str):
     model.ops = triton_ops
     return model, kv_cache_dtype(kv, model.dtype)
 
+
 def run_steps(model, kv_dtype, batches: list[int], context: int, prefill: int) -> None:
     """The decode steps of ``batches`` sequences at ``context`` tokens and one ``prefill``-token chunk."""
     buf = StepBuffers(LAYOUT, "cpu")
@@ -124,6 +129,7 @@ def run_steps(model, kv_dtype, batches: list[int], context: int, prefill: int) -
         model(buf, kv, fill_step(buf, chunks, PAGE))
     if prefill:
         model(buf, kv, fill_step(buf, [SeqChunk(list(range(prefill)), 0, list(range(prefill_pages)))], PAGE))
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -156,6 +162,7 @@ def main():
     spilled = [r for r in rows if r["stack_bytes"]]
     print(f"{len(rows)} compiles for sm_90 (Triton {triton.__version__}); {len(spilled)} with a stack frame")
     sys.exit(1 if spilled else 0)
+
 
 if __name__ == "__main__":
     main()
