@@ -129,6 +129,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"gemv takes one contiguous bf16 row on a GPU with PDL and bf16 weights of at most "
                          f"{MAX_WEIGHT_BYTES} bytes, K a multiple of {BLOCK_K} (got x {tuple(x.shape)} {x.dtype} "
                          f"on {x.device}, weight {tuple(weight.shape)} {weight.dtype}): use linear")
+    return launch_gemv(x, weight)
+
+
+def launch_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``gemv`` where the caller has checked ``gemv_takes`` (``linear``: once per projection, not twice)."""
     n, k = weight.shape
     out = torch.empty((1, n), device=x.device, dtype=x.dtype)
     block_n = block_n_for(n)

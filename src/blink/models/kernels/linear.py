@@ -24,9 +24,9 @@ from .rowwise import rowwise_linear, tma_can_read
 from .skinny import skinny_linear
 
 try:
-    from .gemv import gemv, gemv_takes
+    from .gemv import gemv_takes, launch_gemv
 except (ImportError, AttributeError):   # a Triton without Gluon's asynchronous copy: the skinny GEMM takes one row
-    gemv = gemv_takes = None
+    gemv_takes = launch_gemv = None
 
 SKINNY_UP_TO = 16
 ROWWISE_UP_TO = 64
@@ -35,7 +35,7 @@ ROWWISE_UP_TO = 64
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ weight [N, K].T`` in ``x.dtype`` (the model dtype of both)."""
     if gemv_takes is not None and gemv_takes(x, weight):
-        return gemv(x, weight)
+        return launch_gemv(x, weight)
     if x.shape[0] <= SKINNY_UP_TO:
         return skinny_linear(x, weight)
     if x.shape[0] <= ROWWISE_UP_TO and tma_can_read(x, weight):
