@@ -45,10 +45,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from bench.gpu_timing import graph_ms, kernel_bench_start, rel_err
-from blink.models.kernels.gemv import (BLOCK_K, NUM_WARPS, STAGES, _barrier, _gemv_kernel, block_n_for,
-                                       refill_weight_ring, start_weight_ring)
+from blink.models.kernels.gemv import BLOCK_K, STAGES, _barrier, launch_gemv, refill_weight_ring, start_weight_ring
 from blink.models.kernels.linear import linear
-from blink.models.kernels.skinny import skinny_linear
+from blink.models.kernels.skinny import block_m_for, skinny_linear
 
 LAYERS = 8
 TOLERANCE = 2e-2   # relative error of the chain's last output: 32 dependent GEMVs, each output rounded to bf16
@@ -91,21 +90,10 @@ def _mma_kernel(w_ptr, x_ptr, y_ptr, M, x_stride, K: gl.constexpr, N: gl.constex
     gl.store(y_ptr + out_rows[:, None] * N + out_cols[None, :], acc.to(gl.bfloat16), mask=(out_rows < M)[:, None])
 
 
-def gemv_variant(x: torch.Tensor, w: torch.Tensor, copy_before_wait: bool, trigger: bool) -> torch.Tensor:
-    """``kernels.gemv``'s kernel with the variant's copies and trigger (one row)."""
-    n, k = w.shape
-    out = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    block_n = block_n_for(n)
-    _gemv_kernel[(n // block_n,)](w, x, out, K=k, BLOCK_N=block_n, BLOCK_K=BLOCK_K, STAGES=STAGES,
-                                  COPY_BEFORE_WAIT=copy_before_wait, TRIGGER=trigger, num_warps=NUM_WARPS,
-                                  launch_pdl=True)
-    return out
-
-
 def mma_variant(x: torch.Tensor, w: torch.Tensor, copy_before_wait: bool, trigger: bool) -> torch.Tensor:
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    _mma_kernel[(n // MMA_BLOCK_N,)](w, x, out, m, x.stride(0), K=k, N=n, BLOCK_M=max(16, triton.next_power_of_2(m)),
+    _mma_kernel[(n // MMA_BLOCK_N,)](w, x, out, m, x.stride(0), K=k, N=n, BLOCK_M=block_m_for(m),
                                      BLOCK_N=MMA_BLOCK_N, BLOCK_K=MMA_BLOCK_K, STAGES=MMA_STAGES,
                                      COPY_BEFORE_WAIT=copy_before_wait, TRIGGER=trigger, num_warps=MMA_WARPS,
                                      launch_pdl=True)
@@ -115,9 +103,9 @@ def mma_variant(x: torch.Tensor, w: torch.Tensor, copy_before_wait: bool, trigge
 # variant -> (the rows it runs at, projection: x [rows, K] with unit column stride, weight -> output)
 VARIANTS = {
     "skinny": ((1,), skinny_linear),
-    "gluon-after": ((1,), lambda x, w: gemv_variant(x, w, False, False)),
-    "gluon-before": ((1,), lambda x, w: gemv_variant(x, w, True, False)),
-    "gluon-before+trigger": ((1,), lambda x, w: gemv_variant(x, w, True, True)),
+    "gluon-after": ((1,), lambda x, w: launch_gemv(x, w, False, False)),
+    "gluon-before": ((1,), lambda x, w: launch_gemv(x, w, True, False)),
+    "gluon-before+trigger": ((1,), launch_gemv),
     "linear": ((16, 64), linear),
     "mma-after": ((16, 64), lambda x, w: mma_variant(x, w, False, False)),
     "mma-before+trigger": ((1, 16, 64), lambda x, w: mma_variant(x, w, True, True)),

@@ -132,11 +132,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return launch_gemv(x, weight)
 
 
-def launch_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``gemv`` where the caller has checked ``gemv_takes`` (``linear``: once per projection, not twice)."""
+def launch_gemv(x: torch.Tensor, weight: torch.Tensor, copy_before_wait: bool = True,
+                trigger: bool = True) -> torch.Tensor:
+    """``gemv`` where the caller has checked ``gemv_takes`` (``linear``: once per projection, not twice);
+    ``smem_prefetch_bench`` turns the copies before the wait and the trigger off one at a time."""
     n, k = weight.shape
     out = torch.empty((1, n), device=x.device, dtype=x.dtype)
     block_n = block_n_for(n)
     _gemv_kernel[(n // block_n,)](weight, x, out, K=k, BLOCK_N=block_n, BLOCK_K=BLOCK_K, STAGES=STAGES,
-                                  COPY_BEFORE_WAIT=True, TRIGGER=True, num_warps=NUM_WARPS, launch_pdl=True)
+                                  COPY_BEFORE_WAIT=copy_before_wait, TRIGGER=trigger, num_warps=NUM_WARPS,
+                                  launch_pdl=True)
     return out
