@@ -137,16 +137,19 @@ def device_launch(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream):
 def check_step_graph_device_launch(model, bucket: int = 48):
     """Capture ``model``'s step (a CUDA model) for ``bucket`` tokens, re-instantiate it for device launch and check
     that launches over two different batches (prefill, decodes at long contexts, a non-sampling chunk, sampling
-    parameters) reproduce eager steps bit for bit: logits, sampled ids and logprobs."""
+    parameters; at ``bucket`` 1 one decode at a long context) reproduce eager steps bit for bit: logits, sampled ids
+    and logprobs."""
     runner = Runner(model, num_pages=256, layout=StepLayout(64, 16, 128))
     vocab = model.config.vocab_size
 
     def batch(seed):
         g = torch.Generator().manual_seed(seed)
         rand = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
-        return [runner.chunk(0, rand(20), 0), runner.chunk(1, rand(1), 300, temperature=0.7, top_p=0.9, seed=5),
-                runner.chunk(2 + seed, rand(9), 0, sample=False), runner.chunk(9, rand(1), 37, temperature=1.0,
-                                                                              top_k=20, seed=seed)]
+        decode = runner.chunk(1, rand(1), 300, temperature=0.7, top_p=0.9, seed=5)
+        if bucket == 1:
+            return [decode]
+        return [runner.chunk(0, rand(20), 0), decode, runner.chunk(2 + seed, rand(9), 0, sample=False),
+                runner.chunk(9, rand(1), 37, temperature=1.0, top_k=20, seed=seed)]
 
     def eager(chunks):
         fill_step(runner.buf, chunks, PAGE_SIZE)
