@@ -10,6 +10,12 @@ BLOCK_K`` columns (all of them up to K = 1024) then stream while the kernel befo
 triggers too (a chain of GEMVs); in the step the kernels before a projection (norms, SiLU, attention's merge) do not
 (``pdl``), so there the gain is the GEMV's own speed and the early placement of the kernel after it.
 
+Its input row may be pending (``models.pending``): the RMSNorm (with its residual add) or the SiLU-and-multiply
+before the projection, which each program then computes as it reads the row (``PROLOGUE``: a norm's mean square is
+one pass over the row, K of a few thousand, before the loop). The norm or SiLU kernel is not launched, and the
+projection follows the projection before it (which triggers) in the chain, so its first weights stream while that
+one runs. Program 0 stores a norm's sum, the next residual.
+
 On an H200 (branch ``try/gluon-gemv``, raw ``bench/results/gemv_step_h200_856d13f.json``), Qwen3-0.6B's decode step
 at one row took 0.905-0.908 ms against the skinny GEMM's 1.064-1.065 (its 112 projections 500 against 618 us);
 Llama-3.2-1B's 0.968-0.977 against 1.008-1.012 with the GEMV on its projections of at most 16 MiB (qkv and o_proj,
