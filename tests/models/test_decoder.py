@@ -111,7 +111,7 @@ def test_one_row_step_with_norms_and_silu_in_the_gemv_replays_by_device_launch_a
     from blink.models.kernels import OPS, triton_ops
     from tests.models.kernels.conftest import rel_err
 
-    config = ModelConfig("Qwen3ForCausalLM", vocab_size=5000, hidden_size=256, intermediate_size=512, num_layers=3,
+    config = ModelConfig("Qwen3ForCausalLM", vocab_size=5000, hidden_size=512, intermediate_size=1024, num_layers=3,
                          num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
                          rotary_dim=64, max_position_embeddings=4096)
     model = random_model(config, "cuda", dtype=torch.bfloat16)

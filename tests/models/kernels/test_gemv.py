@@ -40,7 +40,7 @@ def test_the_gemv_triggers_its_dependents_then_copies_its_first_stages_before_it
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n, k", [*QWEN3_0_6B, (3072, 2048), (96, 256)])
+@pytest.mark.parametrize("n, k", [*QWEN3_0_6B, (3072, 2048), (96, 512)])
 def test_gemv_matches_float64_and_linear_takes_it_for_one_row_of_a_small_projection(n, k):
     from blink.models.kernels.gemv import gemv
     from blink.models.kernels.linear import linear
@@ -63,6 +63,7 @@ def test_linear_keeps_the_skinny_gemm_for_large_weights_more_rows_and_without_pd
     small = large[:1024]
     one, two = (torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for rows in (1, 2))
     assert gemv_takes(one, small) and not gemv_takes(one, large) and not gemv_takes(two, small)
+    assert not gemv_takes(one[:, :256], small[:, :256].contiguous())      # K of one stage: below MIN_K
     assert torch.equal(linear(one, large), skinny_linear(one, large))
     assert torch.equal(linear(two, small), skinny_linear(two, small))
     with pytest.raises(ValueError, match="one contiguous bf16 row"):
@@ -72,7 +73,7 @@ def test_linear_keeps_the_skinny_gemm_for_large_weights_more_rows_and_without_pd
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n, k", [(4096, 1024), (6144, 1024), (768, 256)])
+@pytest.mark.parametrize("n, k", [(4096, 1024), (6144, 1024), (768, 512)])
 def test_a_normed_row_is_computed_as_the_gemv_reads_it_and_its_sum_stored(n, k):
     from blink.models.kernels import reference
     from blink.models.kernels.linear import linear, linear_takes_pending

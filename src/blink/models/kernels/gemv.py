@@ -46,6 +46,7 @@ BLOCK_K = 256               # columns a stage: 32 lanes x 8 bf16 (16-byte copies
 STAGES = 4
 NUM_WARPS = 4
 MAX_WEIGHT_BYTES = 12 << 20  # up to Qwen3-0.6B's gate_up and Llama-3.2-1B's qkv (12 MiB each), where it was measured
+MIN_K = 2 * BLOCK_K          # Triton 3.6 fails to compile a loop of one stage (an LLVM assertion in its lowering)
 # PROLOGUE: what the kernel computes its input row from (``_input_chunk``).
 PLAIN, RMS_NORM, SILU_AND_MUL = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
 # Gluon's names in Triton 3.9, else 3.6's (the module docstring).
@@ -162,10 +163,12 @@ def block_n_for(n: int) -> int:
 
 def gemv_takes_weight(weight: torch.Tensor) -> bool:
     """Whether ``gemv`` takes ``weight`` on its GPU: one that launches with PDL, bf16 weights of at most
-    ``MAX_WEIGHT_BYTES`` stored row by row, K a multiple of ``BLOCK_K`` and N of the rows a program takes."""
+    ``MAX_WEIGHT_BYTES`` stored row by row, K a multiple of ``BLOCK_K`` and at least ``MIN_K``, N a multiple of the
+    rows a program takes."""
     n, k = weight.shape
     return (pdl_enabled(weight.device) and weight.dtype == torch.bfloat16 and weight.stride() == (k, 1)
-            and n * k * weight.element_size() <= MAX_WEIGHT_BYTES and k % BLOCK_K == 0 and n % block_n_for(n) == 0)
+            and n * k * weight.element_size() <= MAX_WEIGHT_BYTES and k % BLOCK_K == 0 and k >= MIN_K
+            and n % block_n_for(n) == 0)
 
 
 def gemv_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -177,8 +180,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [1, K] @ weight [N, K].T`` → ``[1, N]`` in bf16 (``gemv_takes`` must hold)."""
     if not gemv_takes(x, weight):
         raise ValueError(f"gemv takes one contiguous bf16 row on a GPU with PDL and bf16 weights of at most "
-                         f"{MAX_WEIGHT_BYTES} bytes, K a multiple of {BLOCK_K} (got x {tuple(x.shape)} {x.dtype} "
-                         f"on {x.device}, weight {tuple(weight.shape)} {weight.dtype}): use linear")
+                         f"{MAX_WEIGHT_BYTES} bytes, K a multiple of {BLOCK_K} from {MIN_K} (got x {tuple(x.shape)} "
+                         f"{x.dtype} on {x.device}, weight {tuple(weight.shape)} {weight.dtype}): use linear")
     return launch_gemv(x, weight)
 
 
