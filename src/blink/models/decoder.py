@@ -27,8 +27,8 @@ from torch import nn
 from .config import ModelConfig
 from .history import TokenHistory
 from .kernels import ops_for
-from .pending import GatedRow, NormedRow
 from .parallel import Split, TensorParallel, all_reduce, weight_split
+from .pending import GatedRow, NormedRow
 from .projection import Projection, parameter
 from .quantization import Fp8Config
 from .rope import cos_sin_cache
