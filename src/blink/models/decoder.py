@@ -28,7 +28,6 @@ from .config import ModelConfig
 from .history import TokenHistory
 from .kernels import ops_for
 from .parallel import Split, TensorParallel, all_reduce, weight_split
-from .pending import GatedRow, NormedRow
 from .projection import Projection, parameter
 from .quantization import Fp8Config
 from .rope import cos_sin_cache
@@ -69,19 +68,13 @@ class MLP(nn.Module):
         self.down_proj = Projection(c.hidden_size, c.intermediate_size, c.quantization, **kw)
 
     def forward(self, x, ops):
-        """SiLU-and-multiply, left to the down projection's kernel where it computes it (``GatedRow``), else
-        handing it its rows quantized as it asks (``e4m3_group``)."""
+        """SiLU-and-multiply, handing the down projection its rows quantized as that one asks (``e4m3_group``)."""
         gate_up = self.gate_up_proj(x, ops)
-        rows = gate_up.shape[0]
-        if self.down_proj.takes_pending(rows, ops):
-            return self.down_proj(GatedRow(gate_up), ops)
-        return self.down_proj(ops.silu_and_mul(gate_up, e4m3_group=self.down_proj.e4m3_group(rows, ops)), ops)
+        group = self.down_proj.e4m3_group(gate_up.shape[0], ops)
+        return self.down_proj(ops.silu_and_mul(gate_up, e4m3_group=group), ops)
 
     def e4m3_group(self, rows: int, ops) -> int:
         return self.gate_up_proj.e4m3_group(rows, ops)
-
-    def takes_pending(self, rows: int, ops) -> bool:
-        return self.gate_up_proj.takes_pending(rows, ops)
 
 
 class SparseMoE(nn.Module):
@@ -105,10 +98,6 @@ class SparseMoE(nn.Module):
         """0, as they are: the router reads the activations too, and the fused MoE kernel quantizes its own."""
         return 0
 
-    def takes_pending(self, rows: int, ops) -> bool:
-        """False: the router reads the normed rows too."""
-        return False
-
     def forward(self, x, ops):
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         if gate_up.quant is None:
@@ -131,22 +120,15 @@ class DecoderLayer(nn.Module):
         self.eps, self.reduce = c.rms_norm_eps, reduce
 
     def forward(self, h, residual, positions, cos_sin, kv_layer, slot_mapping, plan, ops, token_ids=None):
-        """With ``token_ids`` (the first layer's), ``h`` is the embedding table and the first norm takes those rows of
-        it."""
+        """Each norm hands an FP8 projection after it its rows quantized where that projection takes them so. With
+        ``token_ids`` (the first layer's), ``h`` is the embedding table and the first norm takes those rows of it."""
         rows = h.shape[0] if token_ids is None else token_ids.shape[0]
-        x, residual = self._norm(h, self.input_layernorm.weight, residual, self.self_attn.qkv_proj, rows, ops,
-                                 token_ids)
+        x, residual = ops.rms_norm(h, self.input_layernorm.weight, self.eps, residual,
+                                   e4m3_group=self.self_attn.qkv_proj.e4m3_group(rows, ops), rows=token_ids)
         h = self._summed(self.self_attn(x, positions, cos_sin, kv_layer, slot_mapping, plan, ops))
-        x, residual = self._norm(h, self.post_attention_layernorm.weight, residual, self.mlp, rows, ops)
+        x, residual = ops.rms_norm(h, self.post_attention_layernorm.weight, self.eps, residual,
+                                   e4m3_group=self.mlp.e4m3_group(rows, ops))
         return self._summed(self.mlp(x, ops)), residual
-
-    def _norm(self, h, weight, residual, into, rows, ops, token_ids=None):
-        """``h + residual`` normalised for ``into`` (the projection, or the MLP, that reads it) and the sum: left to
-        ``into``'s kernel where it computes it (``NormedRow``), else by ``ops.rms_norm``, quantized as an FP8
-        projection after it takes its rows (``e4m3_group``)."""
-        if token_ids is None and residual is not None and into.takes_pending(rows, ops):
-            return NormedRow.of(h, weight, self.eps, residual)
-        return ops.rms_norm(h, weight, self.eps, residual, e4m3_group=into.e4m3_group(rows, ops), rows=token_ids)
 
     def _summed(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.reduce is None else self.reduce(out)

@@ -44,16 +44,10 @@ class Projection(nn.Module):
         return None if self.quant is None else self.quant.weight_block_size
 
     def forward(self, x, ops) -> torch.Tensor:
-        """``x``: activations, ``QuantizedRows`` for an FP8 projection that asks for them so (``e4m3_group``), or a
-        pending row (``NormedRow``, ``GatedRow``) for one whose kernel computes it (``takes_pending``)."""
+        """``x``: activations, or ``QuantizedRows`` for an FP8 projection that asks for them so (``e4m3_group``)."""
         if self.quant is None:
             return ops.linear(x, self.weight)
         return ops.fp8_linear(x, self.weight, self.scale, self.block)
-
-    def takes_pending(self, rows: int, ops) -> bool:
-        """Whether this projection's kernel computes its ``rows`` input rows from a ``NormedRow`` or ``GatedRow``
-        (``ops.linear_takes_pending``): model-dtype weights, not stacked experts."""
-        return self.quant is None and not self.lead and ops.linear_takes_pending(rows, self.weight)
 
     def e4m3_group(self, rows: int, ops) -> int:
         """How the kernel before this projection should hand it ``rows`` activations: quantized with one scale per

@@ -7,7 +7,7 @@ import torch
 OPS = ("rms_norm", "silu_and_mul", "rope_kv_write", "attention_plan", "attention", "top_candidates",
        "sampling_params", "row_logsumexp", "candidate_threshold", "gumbel_argmax", "store_sampled", "fused_moe",
        "apply_penalties", "apply_logit_bias", "apply_grammar", "record_tokens", "fp8_linear", "fp8_takes_e4m3",
-       "linear", "linear_takes_pending")
+       "linear")
 
 
 def ops_for(device):

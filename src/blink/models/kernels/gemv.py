@@ -10,12 +10,6 @@ BLOCK_K`` columns (all of them up to K = 1024) then stream while the kernel befo
 triggers too (a chain of GEMVs); in the step the kernels before a projection (norms, SiLU, attention's merge) do not
 (``pdl``), so there the gain is the GEMV's own speed and the early placement of the kernel after it.
 
-Its input row may be pending (``models.pending``): the RMSNorm (with its residual add) or the SiLU-and-multiply
-before the projection, which each program then computes as it reads the row (``PROLOGUE``: a norm's mean square is
-one pass over the row, K of a few thousand, before the loop). The norm or SiLU kernel is not launched, and the
-projection follows the projection before it (which triggers) in the chain, so its first weights stream while that
-one runs. Program 0 stores a norm's sum, the next residual.
-
 On an H200 (branch ``try/gluon-gemv``, raw ``bench/results/gemv_step_h200_856d13f.json``), Qwen3-0.6B's decode step
 at one row took 0.905-0.908 ms against the skinny GEMM's 1.064-1.065 (its 112 projections 500 against 618 us);
 Llama-3.2-1B's 0.968-0.977 against 1.008-1.012 with the GEMV on its projections of at most 16 MiB (qkv and o_proj,
@@ -38,7 +32,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from ..pending import GatedRow, NormedRow
 from .pdl import pdl_enabled
 from .skinny import TARGET_PROGRAMS
 
@@ -47,8 +40,6 @@ STAGES = 4
 NUM_WARPS = 4
 MAX_WEIGHT_BYTES = 12 << 20  # up to Qwen3-0.6B's gate_up and Llama-3.2-1B's qkv (12 MiB each), where it was measured
 MIN_K = 2 * BLOCK_K          # Triton 3.6 fails to compile a loop of one stage (an LLVM assertion in its lowering)
-# PROLOGUE: what the kernel computes its input row from (``_input_chunk``).
-PLAIN, RMS_NORM, SILU_AND_MUL = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
 # Gluon's names in Triton 3.9, else 3.6's (the module docstring).
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
@@ -95,59 +86,21 @@ def refill_weight_ring(ring, tiles, i, K: gl.constexpr, BLOCK_K: gl.constexpr, S
 
 
 @gluon.jit
-def _rstd(x_ptr, res_ptr, eps, K: gl.constexpr, BLOCK_K: gl.constexpr, layout: gl.constexpr):
-    """``rsqrt(mean(s * s) + eps)`` of the row ``s = x + residual`` rounded to bf16 (``reference.rms_norm``), its
-    columns in ``layout``."""
-    cols = gl.arange(0, BLOCK_K, layout=layout)
-    squares = gl.zeros([BLOCK_K], gl.float32, layout)
-    for i in range(K // BLOCK_K):
-        s = (gl.load(x_ptr + i * BLOCK_K + cols).to(gl.float32)
-             + gl.load(res_ptr + i * BLOCK_K + cols).to(gl.float32)).to(gl.bfloat16).to(gl.float32)
-        squares += s * s
-    return gl.rsqrt(gl.sum(squares, axis=0) / K + eps)
-
-
-@gluon.jit
-def _input_chunk(x_ptr, res_ptr, norm_ptr, total_ptr, rstd, i, K: gl.constexpr, BLOCK_K: gl.constexpr,
-                 PROLOGUE: gl.constexpr, cols):
-    """Columns ``[i * BLOCK_K, (i + 1) * BLOCK_K)`` of the input row, as float32 of the bf16 values the kernel that
-    ``PROLOGUE`` stands in for would have stored: the row as it is (``PLAIN``); ``x + residual`` normalised by
-    ``rstd`` and scaled by ``norm_ptr``'s weights (``RMS_NORM``; program 0 stores the sum into ``total_ptr``, the
-    next residual); ``silu(gate) * up`` of ``x = [gate | up]`` (``SILU_AND_MUL``, each ``K`` wide)."""
-    c = i * BLOCK_K + cols
-    if PROLOGUE == RMS_NORM:
-        s = (gl.load(x_ptr + c).to(gl.float32) + gl.load(res_ptr + c).to(gl.float32)).to(gl.bfloat16)
-        if gl.program_id(0) == 0:
-            gl.store(total_ptr + c, s)
-        normed = (s.to(gl.float32) * rstd).to(gl.bfloat16).to(gl.float32)
-        return (gl.load(norm_ptr + c).to(gl.float32) * normed).to(gl.bfloat16).to(gl.float32)
-    elif PROLOGUE == SILU_AND_MUL:
-        gate = gl.load(x_ptr + c).to(gl.float32)
-        up = gl.load(x_ptr + K + c).to(gl.float32)
-        return (gate / (1.0 + gl.exp(-gate)) * up).to(gl.bfloat16).to(gl.float32)   # tl.sigmoid's formula
-    else:
-        return gl.load(x_ptr + c).to(gl.float32)
-
-
-@gluon.jit
-def _gemv_kernel(w_ptr, x_ptr, y_ptr, res_ptr, norm_ptr, total_ptr, eps, K: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PROLOGUE: gl.constexpr, COPY_BEFORE_WAIT: gl.constexpr,
-                 TRIGGER: gl.constexpr, num_warps: gl.constexpr):
-    """``y[tile] = w[tile] @ input`` for ``BLOCK_N`` rows of ``w [N, K]`` (K a multiple of ``BLOCK_K``), the input
-    row computed from ``x`` as ``PROLOGUE`` says (``_input_chunk``; ``res_ptr``, ``norm_ptr``, ``total_ptr`` and
-    ``eps`` are read by ``RMS_NORM`` only). ``launch_gemv`` sets ``COPY_BEFORE_WAIT`` and ``TRIGGER``;
-    ``smem_prefetch_bench`` times each without the other."""
+def _gemv_kernel(w_ptr, x_ptr, y_ptr, K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 STAGES: gl.constexpr, COPY_BEFORE_WAIT: gl.constexpr, TRIGGER: gl.constexpr,
+                 num_warps: gl.constexpr):
+    """``y[tile] = w[tile] @ x`` for ``BLOCK_N`` rows of ``w [N, K]`` (K a multiple of ``BLOCK_K``). ``gemv`` sets
+    ``COPY_BEFORE_WAIT`` and ``TRIGGER``; ``smem_prefetch_bench`` times each without the other."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     ring, tiles = start_weight_ring(w_ptr, K, BLOCK_N, BLOCK_K, STAGES, COPY_BEFORE_WAIT, TRIGGER, layout,
                                     gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
-    rstd = _rstd(x_ptr, res_ptr, eps, K, BLOCK_K, gl.SliceLayout(0, layout)) if PROLOGUE == RMS_NORM else 1.0
     acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
     for i in range(K // BLOCK_K):
         async_copy.wait_group(STAGES - 1)       # this thread's copies of step i have landed ...
         _barrier()                              # ... and every thread's
         w = ring.index(i % STAGES).load(layout).to(gl.float32)
-        x = _input_chunk(x_ptr, res_ptr, norm_ptr, total_ptr, rstd, i, K, BLOCK_K, PROLOGUE, cols)
+        x = gl.load(x_ptr + i * BLOCK_K + cols).to(gl.float32)
         acc += w * x[None, :]
         _barrier()                              # every thread has read the stage before it is refilled
         refill_weight_ring(ring, tiles, i, K, BLOCK_K, STAGES)
@@ -161,19 +114,14 @@ def block_n_for(n: int) -> int:
     return min(16, max(4, triton.next_power_of_2(triton.cdiv(n, TARGET_PROGRAMS))))
 
 
-def gemv_takes_weight(weight: torch.Tensor) -> bool:
-    """Whether ``gemv`` takes ``weight`` on its GPU: one that launches with PDL, bf16 weights of at most
-    ``MAX_WEIGHT_BYTES`` stored row by row, K a multiple of ``BLOCK_K`` and at least ``MIN_K``, N a multiple of the
-    rows a program takes."""
-    n, k = weight.shape
-    return (pdl_enabled(weight.device) and weight.dtype == torch.bfloat16 and weight.stride() == (k, 1)
-            and n * k * weight.element_size() <= MAX_WEIGHT_BYTES and k % BLOCK_K == 0 and k >= MIN_K
-            and n % block_n_for(n) == 0)
-
-
 def gemv_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``gemv`` computes ``x @ weight.T``: one bf16 row of unit stride, a weight ``gemv_takes_weight``."""
-    return x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.stride(-1) == 1 and gemv_takes_weight(weight)
+    """Whether ``gemv`` computes ``x @ weight.T``: one contiguous bf16 row on a GPU that launches with PDL, bf16
+    weights of at most ``MAX_WEIGHT_BYTES`` stored row by row, K a multiple of ``BLOCK_K`` and at least ``MIN_K``,
+    N a multiple of the rows a program takes."""
+    n, k = weight.shape
+    return (pdl_enabled(x.device) and x.shape[0] == 1 and x.dtype == weight.dtype == torch.bfloat16
+            and x.stride(-1) == 1 and weight.stride() == (k, 1) and n * k * weight.element_size() <= MAX_WEIGHT_BYTES
+            and k % BLOCK_K == 0 and k >= MIN_K and n % block_n_for(n) == 0)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -185,37 +133,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return launch_gemv(x, weight)
 
 
-def launch_gemv(x: torch.Tensor | NormedRow | GatedRow, weight: torch.Tensor, copy_before_wait: bool = True,
+def launch_gemv(x: torch.Tensor, weight: torch.Tensor, copy_before_wait: bool = True,
                 trigger: bool = True) -> torch.Tensor:
-    """``gemv`` where the caller has checked ``gemv_takes`` (``linear``: once per projection, not twice), or of a
-    pending input row (``NormedRow``, ``GatedRow``: the decoder made it where ``gemv_takes_weight`` held), which
-    the kernel computes as it reads it; ``smem_prefetch_bench`` turns the copies before the wait and the trigger off
-    one at a time."""
+    """``gemv`` where the caller has checked ``gemv_takes`` (``linear``: once per projection, not twice);
+    ``smem_prefetch_bench`` turns the copies before the wait and the trigger off one at a time."""
     n, k = weight.shape
-    prologue, row, residual, norm, total, eps = _prologue(x, k)
-    out = torch.empty((1, n), device=row.device, dtype=row.dtype)
+    out = torch.empty((1, n), device=x.device, dtype=x.dtype)
     block_n = block_n_for(n)
-    _gemv_kernel[(n // block_n,)](weight, row, out, residual, norm, total, eps, K=k, BLOCK_N=block_n,
-                                  BLOCK_K=BLOCK_K, STAGES=STAGES, PROLOGUE=prologue,
+    _gemv_kernel[(n // block_n,)](weight, x, out, K=k, BLOCK_N=block_n, BLOCK_K=BLOCK_K, STAGES=STAGES,
                                   COPY_BEFORE_WAIT=copy_before_wait, TRIGGER=trigger, num_warps=NUM_WARPS,
                                   launch_pdl=True)
     return out
-
-
-def _prologue(x: torch.Tensor | NormedRow | GatedRow, k: int) -> tuple:
-    """The kernel's ``PROLOGUE`` for an input row ``x`` of ``k`` columns and what it reads: the row, the residual,
-    the norm's weight, the sum's output and eps (the row itself where a prologue reads no such tensor)."""
-    if isinstance(x, NormedRow):
-        for name, t in (("h", x.h), ("residual", x.residual), ("total", x.total), ("weight", x.weight[None])):
-            _check_row(f"NormedRow.{name}", t, k)
-        return RMS_NORM.value, x.h, x.residual, x.weight, x.total, x.eps
-    if isinstance(x, GatedRow):
-        _check_row("GatedRow.gate_up", x.gate_up, 2 * k)
-        return SILU_AND_MUL.value, x.gate_up, x.gate_up, x.gate_up, x.gate_up, 0.0
-    return PLAIN.value, x, x, x, x, 0.0
-
-
-def _check_row(name: str, t: torch.Tensor, width: int) -> None:
-    if t.shape != (1, width) or t.dtype != torch.bfloat16 or not t.is_contiguous():
-        raise ValueError(f"{name}: the GEMV reads one contiguous bf16 row of {width} columns, got "
-                         f"{tuple(t.shape)} {t.dtype}{'' if t.is_contiguous() else ' (strided)'}")

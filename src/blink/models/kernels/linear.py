@@ -20,24 +20,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..pending import GatedRow, NormedRow
 from .rowwise import rowwise_linear, tma_can_read
 from .skinny import skinny_linear
 
 try:
-    from .gemv import gemv_takes, gemv_takes_weight, launch_gemv
+    from .gemv import gemv_takes, launch_gemv
 except (ImportError, AttributeError):   # a Triton without Gluon's asynchronous copy: the skinny GEMM takes one row
-    gemv_takes = gemv_takes_weight = launch_gemv = None
+    gemv_takes = launch_gemv = None
 
 SKINNY_UP_TO = 16
 ROWWISE_UP_TO = 64
 
 
-def linear(x: torch.Tensor | NormedRow | GatedRow, weight: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ weight [N, K].T`` in ``x.dtype`` (the model dtype of both); a pending row (``NormedRow``,
-    ``GatedRow``) where ``linear_takes_pending`` said so."""
-    if isinstance(x, (NormedRow, GatedRow)):
-        return launch_gemv(x, weight)
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ weight [N, K].T`` in ``x.dtype`` (the model dtype of both)."""
     if gemv_takes is not None and gemv_takes(x, weight):
         return launch_gemv(x, weight)
     if x.shape[0] <= SKINNY_UP_TO:
@@ -45,9 +41,3 @@ def linear(x: torch.Tensor | NormedRow | GatedRow, weight: torch.Tensor) -> torc
     if x.shape[0] <= ROWWISE_UP_TO and tma_can_read(x, weight):
         return rowwise_linear(x, weight)
     return F.linear(x, weight)
-
-
-def linear_takes_pending(rows: int, weight: torch.Tensor) -> bool:
-    """Whether ``linear`` computes ``rows`` input rows for ``weight`` from a ``NormedRow`` or ``GatedRow`` (one row
-    by the GEMV, whose kernel computes them as it reads them)."""
-    return rows == 1 and gemv_takes_weight is not None and gemv_takes_weight(weight)

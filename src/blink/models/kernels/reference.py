@@ -101,12 +101,6 @@ def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: tor
     return F.linear(x, dequantize(weight, scale, block).to(x.dtype))
 
 
-def linear_takes_pending(rows: int, weight: torch.Tensor) -> bool:
-    """Whether ``linear`` computes its input rows from a ``NormedRow`` or ``GatedRow``: never here, where each op
-    runs on its own."""
-    return False
-
-
 def fp8_takes_e4m3(rows: int, block: tuple[int, int] | None) -> bool:
     """Whether an FP8 projection of ``rows`` rows takes its activations quantized by the kernel before it: never
     here, where activations are multiplied as they are."""

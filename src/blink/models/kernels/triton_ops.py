@@ -5,7 +5,7 @@ from .bias import apply_logit_bias
 from .fp8 import fp8_linear, fp8_takes_e4m3
 from .grammar import apply_grammar
 from .history import record_tokens
-from .linear import linear, linear_takes_pending
+from .linear import linear
 from .moe import fused_moe
 from .norm import rms_norm
 from .penalties import apply_penalties
@@ -14,6 +14,5 @@ from .sampling import candidate_threshold, gumbel_argmax, row_logsumexp, samplin
 from .top_candidates import top_candidates
 
 __all__ = ["apply_grammar", "apply_logit_bias", "apply_penalties", "attention", "attention_plan", "candidate_threshold",
-           "fp8_linear", "fp8_takes_e4m3", "fused_moe", "gumbel_argmax", "linear", "linear_takes_pending", "rms_norm",
-           "rope_kv_write", "record_tokens", "row_logsumexp", "sampling_params", "silu_and_mul", "store_sampled",
-           "top_candidates"]
+           "fp8_linear", "fp8_takes_e4m3", "fused_moe", "gumbel_argmax", "linear", "rms_norm", "rope_kv_write",
+           "record_tokens", "row_logsumexp", "sampling_params", "silu_and_mul", "store_sampled", "top_candidates"]
