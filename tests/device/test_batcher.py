@@ -24,7 +24,7 @@ from tests.device.test_scheduler import check_step_contract
 from blink.device.batcher import admit, plan
 from blink.device.config import SchedulerConfig
 from blink.device.mirror import KVMirror
-from blink.device.numba_compat import cuda
+from blink.device.numba_compat import clock, cuda
 from blink.device.scheduler import scratch
 from blink.device.state import COUNT, IDLE, N_COUNTERS, QUEUED
 from blink.ring.geometry import RingGeometry
@@ -42,7 +42,7 @@ def batcher_kernel(s, phases, counters, result):
         admit(s, sh)
     bucket = IDLE
     if phases[1] != 0:
-        bucket = plan(s, sh)
+        bucket = plan(s, sh, clock())
     if cuda.threadIdx.x == 0:
         result[0] = bucket
     save_counters(sh, counters)

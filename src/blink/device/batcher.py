@@ -21,7 +21,8 @@ from blink.device import inputs, prefix, speculation
 from blink.device.block import exclusive_scan
 from blink.device.kv import allocate_pages, free_sequences, free_total, pages_for, pages_short
 from blink.device.numba_compat import cuda
-from blink.device.state import COUNT, IDLE
+from blink.device.profile import lap
+from blink.device.state import COUNT, IDLE, PHASE
 
 
 @cuda.jit(device=True)
@@ -228,22 +229,25 @@ def decodes_in_place(s, sh, n):
 
 
 @cuda.jit(device=True)
-def plan_decodes(s, sh, n):
+def plan_decodes(s, sh, n, t):
     """Plan the steady state (``decodes_in_place``): the decodes' missing pages, then their rows in one pass
-    (``inputs.write_decodes``). Returns the bucket."""
+    (``inputs.write_decodes``). Returns the bucket and the clock after the pages' lap (``t``: after the chunks')."""
     if sh.counters[COUNT.need] != 0:
         allocate_pages(s, sh, sh.slots, sh.pages, n)
+    t = lap(sh, t, PHASE.pages)
     inputs.write_decodes(s, sh, n)
-    return sh.counters[COUNT.bucket]
+    return sh.counters[COUNT.bucket], t
 
 
 @cuda.jit(device=True)
-def plan_rows(s, sh, n):
+def plan_rows(s, sh, n, t):
     """Plan any step: chunks (preempting to fit the decodes), drafts, pages; rows in running order; the step's
-    inputs per ``inputs.py``. Returns (rows, bucket)."""
+    inputs per ``inputs.py``. Returns (rows, bucket, the clock after the pages' lap); ``t``: where planning started
+    (the steady state's test, when it ran, is in the chunks' lap)."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     all_decode = plan_chunks(s, sh, n)
+    t = lap(sh, t, PHASE.chunks)
     drafting = sh.counters[COUNT.spec_drafts] != 0
     for i in range(tid, n, nt):
         slot = s.running[i]
@@ -255,6 +259,7 @@ def plan_rows(s, sh, n):
     cuda.syncthreads()
     if sh.counters[COUNT.need] != 0:
         allocate_pages(s, sh, sh.slots, sh.pages, n)
+    t = lap(sh, t, PHASE.pages)
     # Rows are the sequences with a chunk, in running order: rank = first row index, tokens = first token row; a
     # sequence verifying k drafts takes k + 1 rows of one token each.
     if all_decode and not drafting:
@@ -272,7 +277,7 @@ def plan_rows(s, sh, n):
         n_rows = exclusive_scan(sh.rank, n, sh.partial)
         n_tokens = exclusive_scan(sh.tokens, n, sh.partial)
     if n_tokens == 0:
-        return n_rows, IDLE
+        return n_rows, IDLE, t
     inputs.choose_bucket(s, sh, n_tokens)
     inputs.write_rows(s, sh, n)                 # ends with a barrier: the bucket is in
     bucket = sh.counters[COUNT.bucket]
@@ -283,14 +288,15 @@ def plan_rows(s, sh, n):
     cuda.syncthreads()
     inputs.write_tables_and_tokens(s, sh, n_rows, n_tokens, all_decode)
     inputs.pad(s, n_rows, n_tokens, sh.counters[COUNT.bucket_tokens])
-    return n_rows, bucket
+    return n_rows, bucket, t
 
 
 @cuda.jit(device=True)
-def plan(s, sh):
+def plan(s, sh, t):
     """Plan the next step and write its inputs; return the bucket index to launch, or IDLE. The steady state (every
     running sequence decoding in its row of the previous step) takes ``plan_decodes``, any other ``plan_rows``; both
-    write the same inputs for it (tests/device/test_batcher.py)."""
+    write the same inputs for it (tests/device/test_batcher.py). ``t``: the clock where planning starts; every path
+    laps its three phases (``PHASE.chunks``, ``pages``, ``inputs``)."""
     tid = cuda.threadIdx.x
     n = s.sched[0].running
     if n == 0:
@@ -298,6 +304,7 @@ def plan(s, sh):
             s.sched[0].rows = 0
             s.sched[0].bucket = IDLE
         cuda.syncthreads()
+        lap(sh, lap(sh, lap(sh, t, PHASE.chunks), PHASE.pages), PHASE.inputs)
         return IDLE
     steady = False
     if s.cfg[0].spec_tokens == 0:               # with drafts a plan is never the steady state: no test to pay for
@@ -309,11 +316,12 @@ def plan(s, sh):
             cuda.syncthreads()
     if steady:
         n_rows = n
-        bucket = plan_decodes(s, sh, n)
+        bucket, t = plan_decodes(s, sh, n, lap(sh, t, PHASE.chunks))
     else:
-        n_rows, bucket = plan_rows(s, sh, n)
+        n_rows, bucket, t = plan_rows(s, sh, n, t)
     if tid == 0:
         s.sched[0].rows = n_rows
         s.sched[0].bucket = bucket
     cuda.syncthreads()
+    lap(sh, t, PHASE.inputs)
     return bucket

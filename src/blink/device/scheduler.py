@@ -10,7 +10,7 @@ the next:
 3. **retire** finished and cancelled sequences (the cancel words are read only when settle saw the ``cancels``
    doorbell move): their pages released (``kv.free_sequences``), ``finish_reason``;
 4. **admit** from the waiting queue's head (``batcher.admit``), 5. **plan** the next step's inputs
-   (``batcher.plan``); return the bucket to launch, or ``IDLE``.
+   (``batcher.plan``, profiled in three phases: chunks, pages, inputs); return the bucket to launch, or ``IDLE``.
 
 **settle** needs nothing from the running step and writes nothing it reads (no step buffer), in two halves:
 
@@ -45,6 +45,7 @@ from blink.device.block import MAX_THREADS, exclusive_scan
 from blink.device.doorbells import load_doorbells, moved, note_doorbells
 from blink.device.kv import free_sequences
 from blink.device.numba_compat import clock, cuda, inlined, load_volatile
+from blink.device.profile import add_laps, lap
 from blink.device.publish import fold_counts, publish, publish_stats
 from blink.device.state import (AGAIN, COLLECT, COUNT, IDLE, MAX_CANDIDATES, N_COUNTERS, N_PHASES, PHASE, PREPARE,
                                 PUBLISH, REFUSED, SETTLE, STOP, WATCH, Scratch)
@@ -162,25 +163,6 @@ def shut_down(s, sh):
 
 
 @cuda.jit(device=True)
-def lap(sh, start, phase):
-    """Thread 0: ``sh.cycles[phase]`` = the cycles since ``start``; return the new start. Shared memory between
-    phases, the profile once where the part ends (``add_laps``): a load and store of the profile after each phase
-    would hold thread 0, and the block's next barrier, a round trip each."""
-    now = clock()
-    if cuda.threadIdx.x == 0:
-        sh.cycles[phase] = now - start
-    return now
-
-
-@cuda.jit(device=True)
-def add_laps(s, sh, first, end):
-    """Thread 0, where a part ends: what its phases ``first .. end - 1`` took into the profile, in one batch."""
-    profile = s.stats[0].profile
-    for k in range(first, end):
-        profile[k] += sh.cycles[k]
-
-
-@cuda.jit(device=True)
 def scratch():
     """The iteration's shared-memory work arrays (``Scratch``), its counters zeroed. All threads, where each part of
     the iteration starts (the parts share the arrays: one call site of each)."""
@@ -229,12 +211,11 @@ def make_iterate(policy):
         t = lap(sh, t, PHASE.retire)
         batcher.admit(s, sh)
         t = lap(sh, t, PHASE.admit)
-        bucket = batcher.plan(s, sh)
-        t = lap(sh, t, PHASE.plan)
+        bucket = batcher.plan(s, sh, t)         # laps its own phases: chunks, pages, inputs
         if tid == 0:
             s.stats[0].steps += 1 if bucket >= 0 else 0
             fold_counts(s, sh)
-            add_laps(s, sh, PHASE.consume, PHASE.plan + 1)
+            add_laps(s, sh, PHASE.consume, PHASE.inputs + 1)
         cuda.syncthreads()                      # the counters are read before the next part zeroes them
         return bucket
 

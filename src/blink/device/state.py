@@ -73,7 +73,9 @@ class Phases(NamedTuple):
     consume: int
     retire: int
     admit: int
-    plan: int
+    chunks: int         # the plan: who runs, how many tokens (the steady state's test, or chunks, drafts, preemption)
+    pages: int          # the plan: the pages the step's tokens lack, allocated
+    inputs: int         # the plan: the step's rows, block tables and tokens written, the bucket chosen
     publish: int
     doorbells: int
     collect: int        # the scan, each new request's header and key, the grammar placements it follows
