@@ -40,25 +40,28 @@ def test_bf16_step_tracks_float32(hf_checkpoint):
     assert (logits[0] - want).norm() / want.norm() < 2e-2
 
 
+def small_qwen3(hidden_size: int, intermediate_size: int):
+    """A three-layer Qwen3 config of 8 query and 2 KV heads of 64 dims, for the GPU's step graphs."""
+    from blink.models import ModelConfig
+
+    return ModelConfig("Qwen3ForCausalLM", vocab_size=5000, hidden_size=hidden_size,
+                       intermediate_size=intermediate_size, num_layers=3, num_heads=8, num_kv_heads=2, head_dim=64,
+                       rms_norm_eps=1e-6, rope_theta=1e6, rotary_dim=64, max_position_embeddings=4096)
+
+
 @pytest.mark.gpu
 def test_step_graph_captures_and_device_launch_instantiation_replays_bit_identically():
-    from blink.models import ModelConfig, random_model
+    from blink.models import random_model
 
-    config = ModelConfig("Qwen3ForCausalLM", vocab_size=5000, hidden_size=256, intermediate_size=512, num_layers=3,
-                         num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
-                         rotary_dim=64, max_position_embeddings=4096)
-    check_step_graph_device_launch(random_model(config, "cuda"))
+    check_step_graph_device_launch(random_model(small_qwen3(256, 512), "cuda"))
 
 
 @pytest.mark.gpu
 def test_one_row_step_graph_with_its_projections_by_the_gemv_replays_by_device_launch():
-    from blink.models import ModelConfig, random_model
+    from blink.models import random_model
     from blink.models.kernels.gemv import gemv_takes
 
-    config = ModelConfig("Qwen3ForCausalLM", vocab_size=5000, hidden_size=512, intermediate_size=1024, num_layers=3,
-                         num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
-                         rotary_dim=64, max_position_embeddings=4096)
-    model = random_model(config, "cuda", dtype=torch.bfloat16)
+    model = random_model(small_qwen3(512, 1024), "cuda", dtype=torch.bfloat16)     # every K a GEMV takes: >= 512
     row = torch.empty(1, 1024, device="cuda", dtype=torch.bfloat16)
     assert all(gemv_takes(row[:, :p.weight.shape[1]], p.weight) for layer in model.model.layers
                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
