@@ -80,14 +80,16 @@ async def until(condition, timeout_s: float = 30.0) -> None:
 
 async def stream_frames(session, url: str, body: dict, responded=lambda: None) -> list[list[dict | str]]:
     """One streamed completion; each HTTP chunk (one write of the server) as its list of SSE events.
-    ``responded()`` is called once the response's headers are in."""
+    ``responded()`` is called once the response's headers are in. aiohttp's reader can report the body's closing
+    zero-length chunk as one more chunk end when the last data chunk was read before it came; that end carries no
+    bytes, so it is no write of the server and makes no frame."""
     frames, data = [], b""
     async with session.post(url, json=body) as response:
         assert response.status == 200, await response.text()
         responded()
         async for piece, end_of_chunk in response.content.iter_chunks():
             data += piece
-            if end_of_chunk:
+            if end_of_chunk and data:
                 events = [e.removeprefix(b"data: ") for e in data.split(b"\n\n") if e]
                 frames.append([e.decode() if e == b"[DONE]" else json.loads(e) for e in events])
                 data = b""
