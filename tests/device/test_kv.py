@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numba import uint64
 
 from tests.device.pages import check_pages, live_lru, table_contents
 from tests.device.phases import launch, save_counters, scheduler_arrays
@@ -289,8 +290,10 @@ def test_a_full_bucket_refuses_the_insert_and_the_page_stays_uncached():
 def note_kernel(s, slot, first, tokens):
     """One thread samples ``tokens`` at positions ``first, first + 1, ...`` of ``slot``."""
     if cuda.threadIdx.x == 0:
+        chain = s.seq_hash[slot[0]]
         for k in range(tokens.shape[0]):
-            note_token(s, slot[0], first[0] + k, tokens[k])
+            chain = note_token(s, slot[0], first[0] + k, tokens[k], chain, uint64(s.stats[0].prefix_seed),
+                               s.cfg[0].page_size)
 
 
 def test_the_gpu_hashes_generated_pages_as_the_agent_hashes_prompts():

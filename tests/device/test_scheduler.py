@@ -26,7 +26,8 @@ from blink.errors import RingFull
 from blink.nic.agent import Agent
 from blink.ring.control import ENGINE_STOPPED
 from blink.ring.geometry import RingGeometry
-from blink.ring.grammar import PLACEMENT_WORDS, next_state, start_state
+from blink.ring.grammar import PLACEMENT_WORDS, build, next_state, start_state
+from blink.ring.hashing import reference_keys
 from blink.ring.layout import FLAG_GRAMMAR, HEADER_DTYPE, RingLayout
 from blink.ring.reference import expected_output
 from blink.ring.request import SamplingParams
@@ -271,15 +272,38 @@ def test_random_workloads_with_speculation_match_the_reference(requests, num_pag
 
 
 def test_speculation_accepts_drafts_the_model_confirms():
-    """One copy-prone request alone: drafts are verified and some accepted, in fewer steps than tokens."""
+    """One copy-prone request alone: drafts are verified and some accepted, in fewer steps than tokens; the tokens a
+    step kept extend the sequence's prefix-key chain one after another, as the agent hashes the same tokens."""
     config = SchedulerConfig(**{**CONFIG.__dict__, "speculative": SPECULATIVE})
     h = Harness(config, vocab_size=2)
-    rid = h.agent.submit([0, 1] * 6, SamplingParams(max_tokens=12, seed=5, ignore_eos=True))
+    prompt = [0, 1] * 6
+    rid = h.agent.submit(prompt, SamplingParams(max_tokens=12, seed=5, ignore_eos=True))
     h.run_until_idle()
-    assert (h.outputs[rid], h.reasons[rid]) == expected_output([0, 1] * 6, SamplingParams(
+    assert (h.outputs[rid], h.reasons[rid]) == expected_output(prompt, SamplingParams(
         max_tokens=12, seed=5, ignore_eos=True), vocab_size=2)
     stats = h.agent.stats()
     assert stats["spec_accepted_tokens"] > 0 and stats["steps"] < 1 + 12
+    s = h.scheduler.arrays
+    (slot,) = np.flatnonzero(s.seq_total == len(prompt) + 12)
+    keys, state = reference_keys(prompt + h.outputs[rid], GEOMETRY.prefix_page_size, int(s.stats[0].prefix_seed))
+    assert int(s.seq_hash[slot]) == state
+    assert s.seq_keys[slot, len(prompt) // GEOMETRY.prefix_page_size:len(keys)].tolist() == \
+        keys[len(prompt) // GEOMETRY.prefix_page_size:], "the generated pages' keys"
+
+
+def test_the_tokens_a_step_kept_move_its_grammar_one_after_another():
+    """A copy-prone request under a grammar whose state moves on with every token: where a step kept drafts, each
+    kept token moves the state the token before it left (every later step's rows are checked against the ring's
+    walk of the grammar, ``check_step_contract``)."""
+    config = SchedulerConfig(**{**CONFIG.__dict__, "speculative": SPECULATIVE, "eos_token_ids": (7, 11)})
+    h = Harness(config, vocab_size=2)
+    counting = {k: {0: k + 1, 1: k + 1} for k in range(12)}      # state k: k tokens generated
+    grammar = build(("regex", "twelve tokens"), STANDIN_VOCAB, 0, counting, [12], (7, 11))
+    prompt, params = [0, 1] * 6, SamplingParams(max_tokens=12, seed=5, grammar=grammar)
+    rid = h.agent.submit(prompt, params)
+    h.run_until_idle()
+    assert (h.outputs[rid], h.reasons[rid]) == expected_output(prompt, params, (7, 11), vocab_size=2)
+    assert h.agent.stats()["spec_accepted_tokens"] > 0
 
 
 def test_drafts_that_do_not_all_fit_the_rows_left_are_cut_not_dropped():

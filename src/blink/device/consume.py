@@ -3,6 +3,10 @@ areas (``emit``: token, logprobs, prefix key, grammar state, stop check), its ro
 a sequence that verified drafts (``speculation.py``), the tokens it keeps."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
+from numba import int32, int64, uint64
+
 from blink.device import grammar, prefix, sampling
 from blink.device.config import MAX_EOS
 from blink.device.numba_compat import cuda, load_volatile
@@ -10,86 +14,124 @@ from blink.device.state import COUNT, SPEC_ACCEPTED_PER_POS
 from blink.ring.layout import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, FLAG_IGNORE_EOS, FLAG_LOGPROBS
 
 
-@cuda.jit(device=True)
-def stop_reason(s, slot, token, flags, generated, max_tokens):
-    """Why the request in ``slot`` (``seq_flags`` ``flags``, ``max_tokens``) ends after emitting ``token``, its
-    ``generated``-th token.
+class Sequence(NamedTuple):
+    """The words of a sequence that ``emit`` reads and moves on, read by ``consume`` all at once when it has the row's
+    slot: the tokens it holds (the next one's position), its prompt's length, ``seq_flags``, ``max_tokens``, how many
+    stop ids it has, its grammar's state (-1: none) and its prefix-key chain state."""
 
-    Every EOS slot is compared, used or not (the unused hold 0): a loop of constant length unrolls into loads that
-    are in flight together, where one that stops at ``n_eos`` waits for each before it issues the next."""
-    n_eos = s.cfg[0].n_eos
-    n_stop = s.seq_n_stop[slot]
-    eos = False
+    total: int
+    prompt_len: int
+    flags: int
+    max_tokens: int
+    n_stop: int
+    grammar: int
+    chain: int
+
+
+class Emitting(NamedTuple):
+    """The configuration's words ``emit`` reads, the same for every row: read once, with the rows' words."""
+
+    n_eos: int
+    logprobs: bool          # the ring has a logprobs area
+    caching: bool           # prefix caching: sampled tokens extend the chain state
+    page: int
+    prefix_seed: int
+
+
+@cuda.jit(device=True)
+def stop_reason(s, slot, token, seq, generated, eos, n_eos):
+    """Why the request in ``slot`` (its words ``seq``) ends after emitting ``token``, its ``generated``-th token.
+    ``eos``: the model's end-of-sequence ids, ``n_eos`` of them used.
+
+    Every EOS slot is compared, used or not (the unused hold 0): a loop of constant length unrolls into
+    comparisons of registers, where one that stops at ``n_eos`` branches for each."""
+    is_eos = False
     for k in range(MAX_EOS):
-        eos |= (k < n_eos) & (token == s.eos_ids[k])
-    stop = eos & ((flags & FLAG_IGNORE_EOS) == 0)
-    for k in range(n_stop):
+        is_eos |= (k < n_eos) & (token == eos[k])
+    stop = is_eos & ((seq.flags & FLAG_IGNORE_EOS) == 0)
+    for k in range(seq.n_stop):
         stop |= token == s.seq_stop[slot, k]
     if stop:
         return FINISH_STOP
-    if generated >= max_tokens:
+    if generated >= seq.max_tokens:
         return FINISH_LENGTH
     return FINISH_NONE
 
 
 @cuda.jit(device=True)
-def emit(s, r, slot, token):
-    """The sequence in ``slot`` takes ``token``, which step row ``r`` sampled: into the ring's output area (its
-    logprobs too), its prefix key, grammar state and stop check. Returns whether it stops there.
+def emit(s, r, slot, token, seq, config, eos):
+    """The sequence in ``slot``, whose words are ``seq``, takes ``token``, which step row ``r`` sampled: into the
+    ring's output area (its logprobs too), its prefix key, grammar state and stop check. Returns (the finish reason,
+    FINISH_NONE while it goes on; its words after the token).
 
-    Everything is read and decided before anything is stored (``inputs.write_rows`` says why)."""
-    total = s.seq_total[slot]
-    n = total - s.seq_prompt_len[slot]
-    flags = s.seq_flags[slot]
-    logprobs = (s.cfg[0].logprobs != 0) & ((flags & FLAG_LOGPROBS) != 0)
-    reason = stop_reason(s, slot, token, flags, n + 1, s.seq_max_tokens[slot])
-    state = grammar.after(s, slot, token)
-    prefix.note_token(s, slot, total, token)
+    It reads only what ``seq`` cannot hold (the stop ids, the grammar's table) before its stores
+    (``inputs.write_rows`` says why)."""
+    n = seq.total - seq.prompt_len
+    logprob = load_volatile(s.sampled_logprobs, r)     # stored only where asked for: read before it is known
+    reason = stop_reason(s, slot, token, seq, n + 1, eos, config.n_eos)
+    state = grammar.after(s, seq.grammar, token)
+    chain = seq.chain
+    if config.caching:
+        chain = prefix.note_token(s, slot, seq.total, token, chain, config.prefix_seed, config.page)
     s.outputs[slot, n] = token
-    if logprobs:
-        s.logprobs[slot, n] = load_volatile(s.sampled_logprobs, r)
+    if config.logprobs and (seq.flags & FLAG_LOGPROBS) != 0:
+        s.logprobs[slot, n] = logprob
         sampling.store_top_logprobs(s, r, slot, n)
-    s.seq_total[slot] = total + 1
+    s.seq_total[slot] = seq.total + 1
     s.seq_last[slot] = token
     s.seq_grammar[slot] = state
     s.seq_finish[slot] = reason
-    return reason != FINISH_NONE
+    return reason, Sequence(int64(seq.total + 1), seq.prompt_len, seq.flags, seq.max_tokens, seq.n_stop,
+                            int64(state), chain)
 
 
 @cuda.jit(device=True)
-def consume(s, sh):
-    """Bring the previous step's tokens into the ring's output areas and decide which sequences stop.
+def consume(s, sh, rows):
+    """Bring the previous step's tokens (its ``rows`` rows) into the ring's output areas and decide which sequences
+    stop.
 
     A sequence that verified drafts (``speculation.py``) is taken whole by the thread of its first row: its rows'
     tokens in order while each confirms the draft the next row read; its other rows do nothing.
     The counts that announce the tokens are published by the iteration's settle (``publish``), after one fence.
     Leaves each row's slot in ``sh.slots`` and its tokens computed before the step in ``sh.tokens`` (``prefix``), and
     counts the sequences that stop in ``COUNT.stopped`` (``retire`` looks at the running list only then).
-    A row's words are read before any is stored, as in ``emit``.
+    Two round trips in a row after the one that read ``rows``, not one per word that the next depends on: the
+    configuration's words with each row's words and its sampled token (read whether or not the row sampled), then
+    its sequence's words (``Sequence``); only then anything stored.
     """
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    page = s.cfg[0].page_size
-    for r in range(tid, s.sched[0].rows, nt):
+    cfg = s.cfg[0]
+    config = Emitting(cfg.n_eos, cfg.logprobs != 0, cfg.prefix_caching != 0, cfg.page_size,
+                      uint64(s.stats[0].prefix_seed))
+    eos = cuda.local.array(MAX_EOS, int32)
+    for k in range(MAX_EOS):
+        eos[k] = s.eos_ids[k]
+    for r in range(tid, rows, nt):
         draft = s.row_draft[r]
         slot = s.row_slot[r]
         sampled = s.logits_indices[r] >= 0
         query = s.query_start_loc[r + 1] - s.query_start_loc[r]
+        # Written by the step's kernels on other SMs; a resident scheduler must not read a stale L1 line.
+        token = load_volatile(s.sampled_ids, r)
+        done = s.seq_computed[slot]
+        drafts = s.seq_ndraft[slot]
+        seq = Sequence(int64(s.seq_total[slot]), int64(s.seq_prompt_len[slot]), int64(s.seq_flags[slot]),
+                       int64(s.seq_max_tokens[slot]), int64(s.seq_n_stop[slot]), int64(s.seq_grammar[slot]),
+                       uint64(s.seq_hash[slot]))
         if draft != 0:
             s.consumed[r] = -1
             continue
-        done = s.seq_computed[slot]
-        drafts = s.seq_ndraft[slot]
-        prompt_len = s.seq_prompt_len[slot]
         computed = done + query
         emitted = 0
         accepted = 0
         if sampled:
             for j in range(drafts + 1):
-                # Written by the step's kernels on other SMs; a resident scheduler must not read a stale L1 line.
-                token = load_volatile(s.sampled_ids, r + j)
+                if j > 0:
+                    token = load_volatile(s.sampled_ids, r + j)
                 emitted += 1
-                if emit(s, r + j, slot, token):
+                reason, seq = emit(s, r + j, slot, token, seq, config, eos)
+                if reason != FINISH_NONE:
                     cuda.atomic.add(sh.counters, COUNT.stopped, 1)
                     break
                 if j == drafts or token != s.seq_draft[slot, j]:
@@ -106,6 +148,6 @@ def consume(s, sh):
         sh.tokens[r] = done
         cuda.atomic.add(sh.counters, COUNT.tokens, emitted)
         cuda.atomic.add(sh.counters, COUNT.spec_accepted_tokens, accepted)
-        cuda.atomic.add(sh.counters, COUNT.completed, computed // page - done // page)
-        cuda.atomic.add(sh.counters, COUNT.prefill_tokens, max(0, min(computed, prompt_len) - done))
+        cuda.atomic.add(sh.counters, COUNT.completed, computed // config.page - done // config.page)
+        cuda.atomic.add(sh.counters, COUNT.prefill_tokens, max(0, min(computed, seq.prompt_len) - done))
     cuda.syncthreads()

@@ -148,9 +148,8 @@ def allowed_drafts(s, slot, count):
 
 
 @cuda.jit(device=True)
-def after(s, slot, token):
-    """The state of ``slot``'s grammar once the request emitted ``token`` (-1: it has no grammar)."""
-    state = s.seq_grammar[slot]
+def after(s, state, token):
+    """The state after ``token`` of a grammar in ``state`` (-1, no grammar: -1 again)."""
     if state < 0:
         return state
     return next_state(s.grammar_mirror, state, token, s.cfg[0].mask_words)

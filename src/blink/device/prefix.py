@@ -37,16 +37,15 @@ def extend(state, token, position, seed):
 
 
 @cuda.jit(device=True)
-def note_token(s, slot, position, token):
-    """``token`` was sampled at ``position`` of ``slot``'s sequence: extend its chain state; the state after a
-    page's last token is that page's key."""
-    if s.cfg[0].prefix_caching == 0:
-        return
-    state = extend(s.seq_hash[slot], token, position, uint64(s.stats[0].prefix_seed))
+def note_token(s, slot, position, token, chain, seed, page):
+    """``token`` was sampled at ``position`` of ``slot``'s sequence, whose chain state was ``chain``: store and
+    return the state after it (``seed``: the ring's ``prefix_seed``); the state after a page's last token (``page``
+    tokens a page) is that page's key. With prefix caching only."""
+    state = extend(chain, token, position, seed)
     s.seq_hash[slot] = state
-    page = s.cfg[0].page_size
     if (position + 1) % page == 0:
         s.seq_keys[slot, position // page] = state
+    return state
 
 
 @cuda.jit(device=True)

@@ -199,12 +199,14 @@ def make_iterate(policy):
         """Act on a shutdown settle saw; take the finished step's tokens; retire; admit; plan the next step."""
         tid = cuda.threadIdx.x
         t = clock()
-        if s.sched[0].shutdown != 0:            # seen by a settle: no step of ours runs now
+        shutdown = s.sched[0].shutdown
+        rows = s.sched[0].rows                  # with the word before it: one round trip
+        if shutdown != 0:                       # seen by a settle: no step of ours runs now
             shut_down(s, sh)
             return STOP
         if tid == 0:
-            s.sched[0].consumed = s.sched[0].rows
-        consume.consume(s, sh)
+            s.sched[0].consumed = rows
+        consume.consume(s, sh, rows)
         prefix.cache_step(s, sh)
         t = lap(sh, t, PHASE.consume)
         retire(s, sh)
