@@ -47,8 +47,10 @@ def pages_for(tokens, page_size):
 def pages_short(s, slot, tokens):
     """Pages the block table of ``slot`` lacks for the K/V of the sequence's first ``tokens`` tokens; never negative:
     a sequence may hold pages past them (a decode, those its rejected drafts were written to), and those are not
-    free for anyone else."""
-    return max(0, pages_for(tokens, s.cfg[0].page_size) - s.seq_npages[slot])
+    free for anyone else. The held pages are read before the division, whose branches (a 64-bit divide) would keep
+    the load a round trip behind the word ``tokens`` came from."""
+    held = s.seq_npages[slot]
+    return max(0, pages_for(tokens, s.cfg[0].page_size) - held)
 
 
 @cuda.jit(device=True)
