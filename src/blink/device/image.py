@@ -160,12 +160,23 @@ def link(policy, arch: str, options: tuple[str, ...] = ()) -> tuple[bytes, str]:
 
     cc = (int(arch[3]), int(arch[4:]))
     policy_ir, shim_ir = compile_policy(policy, cc), compile_shim(arch)
-    flags = [f"-arch={arch}", "-lto", *options]
+    return link_cubin([f"-arch={arch}", "-lto", *options],
+                      [(nvjitlink.InputType.LTOIR, shim_ir, "shim"), (nvjitlink.InputType.LTOIR, policy_ir, "policy"),
+                       (nvjitlink.InputType.LIBRARY, find_static_lib("cudadevrt"), "cudadevrt")])
+
+
+def link_cubin(flags: list[str], inputs: list[tuple]) -> tuple[bytes, str]:
+    """nvJitLink ``inputs`` with ``flags``: the cubin and the info log. An input is ``(nvjitlink.InputType, bytes or
+    a file's path, name)``. Raises LaunchError with nvJitLink's error log if it fails."""
+    import cuda.bindings.nvjitlink as nvjitlink
+
     handle = nvjitlink.create(len(flags), flags)
     try:
-        nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, shim_ir, len(shim_ir), "shim")
-        nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, policy_ir, len(policy_ir), "policy")
-        nvjitlink.add_file(handle, nvjitlink.InputType.LIBRARY, find_static_lib("cudadevrt"))
+        for kind, data, name in inputs:
+            if isinstance(data, bytes):
+                nvjitlink.add_data(handle, kind, data, len(data), name)
+            else:
+                nvjitlink.add_file(handle, kind, str(data))
         nvjitlink.complete(handle)
         cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))
         nvjitlink.get_linked_cubin(handle, cubin)
@@ -175,7 +186,8 @@ def link(policy, arch: str, options: tuple[str, ...] = ()) -> tuple[bytes, str]:
         size = nvjitlink.get_error_log_size(handle)
         log = bytearray(size)
         nvjitlink.get_error_log(handle, log)
-        raise LaunchError(f"nvJitLink failed to link the scheduler image: {e}\n{log.decode(errors='replace')}")
+        names = ", ".join(name for _, _, name in inputs)
+        raise LaunchError(f"nvJitLink failed to link {names}: {e}\n{log.decode(errors='replace')}")
     finally:
         nvjitlink.destroy(handle)
     return bytes(cubin), log.decode(errors="replace").replace("\0", "")

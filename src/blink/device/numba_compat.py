@@ -75,7 +75,7 @@ else:
             return builder.call(load, [pointer])
         return field(record, name), codegen
 
-    clock = cuda.declare_device("blink_clock", "int64()")   # clock64(), defined in launch.py's shim
+    clock = cuda.declare_device("blink_clock", "int64()")   # clock64(), defined in shim.cu
 
     @cuda.jit(device=True)
     def add64(a, b):
