@@ -113,12 +113,13 @@ def choose_bucket(s, sh, tokens):
     """One thread per captured bucket: the one that is the smallest to hold ``tokens`` (the largest, if none does)
     leaves its index in ``COUNT.bucket`` and its size in ``COUNT.bucket_tokens``, for after a barrier. The buckets
     ascend, so each thread compares its own and the one below: one round trip, where walking them takes one per
-    bucket (eleven to 64 tokens)."""
+    bucket (eleven to 64 tokens). The comparisons are joined with ``&`` and ``|``: with ``and`` the compiler read the
+    size below only once the thread's own had decided, a round trip later."""
     n_buckets = s.cfg[0].n_buckets
     for k in range(cuda.threadIdx.x, n_buckets, cuda.blockDim.x):
         size = s.buckets[k]
         below = s.buckets[max(k - 1, 0)]
-        if (size >= tokens or k == n_buckets - 1) and (k == 0 or below < tokens):
+        if ((size >= tokens) | (k == n_buckets - 1)) & ((k == 0) | (below < tokens)):
             sh.counters[COUNT.bucket] = k
             sh.counters[COUNT.bucket_tokens] = size
 
