@@ -114,9 +114,11 @@ def choose_bucket(s, sh, tokens):
     leaves its index in ``COUNT.bucket`` and its size in ``COUNT.bucket_tokens``, for after a barrier. The buckets
     ascend, so each thread compares its own and the one below: one round trip, where walking them takes one per
     bucket (eleven to 64 tokens). The comparisons are joined with ``&`` and ``|``: with ``and`` the compiler read the
-    size below only once the thread's own had decided, a round trip later."""
+    size below only once the thread's own had decided, a round trip later. The block's last threads take the buckets:
+    at a batch smaller than the block they are not the rows' threads, so the rows' loads that follow (the steady
+    state's test) go out beside these from other warps instead of a round trip behind them."""
     n_buckets = s.cfg[0].n_buckets
-    for k in range(cuda.threadIdx.x, n_buckets, cuda.blockDim.x):
+    for k in range(cuda.blockDim.x - 1 - cuda.threadIdx.x, n_buckets, cuda.blockDim.x):
         size = s.buckets[k]
         below = s.buckets[max(k - 1, 0)]
         if ((size >= tokens) | (k == n_buckets - 1)) & ((k == 0) | (below < tokens)):
