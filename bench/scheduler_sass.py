@@ -52,7 +52,7 @@ def phase_cubin(name: str, arch: str = "sm_90") -> bytes:
     from numba import int32, int64, types
 
     from blink.device import array_table
-    from blink.device.image import _compile_for, link_cubin
+    from blink.device.image import _compile_for, compute_capability, link_cubin
     from blink.device.numba_compat import cuda
     from blink.device.scheduler import scratch
 
@@ -67,7 +67,7 @@ def phase_cubin(name: str, arch: str = "sm_90") -> bytes:
         else:
             phase(arrays(table), scratch())
 
-    cc = (int(arch[3]), int(arch[4:]))
+    cc = compute_capability(arch)
     with _compile_for(cc):
         ptx, _ = cuda.compile(kernel, (types.CPointer(int64), int32), device=False, output="ptx", cc=cc,
                               abi="numba")
@@ -104,13 +104,10 @@ def annotated(lines: list[str], everything: bool) -> list[str]:
     table, shown = set(), []
     for line in lines:
         dest = DEST.match(re.sub(r"^\s*/\*[0-9a-f]+\*/", "", line))
-        if TABLE_PARAM in line and dest:
-            table.add(dest.group(1))
-            continue
         base = re.search(r"\[(R\d+)\.64", line)
         mark = "   table" if re.search(r"\bLDG?\.", line) and base and base.group(1) in table else ""
-        if dest and dest.group(1) in table and not mark:
-            table.discard(dest.group(1))
+        if dest:                                # a register written holds the table only if it was loaded with it
+            (table.add if TABLE_PARAM in line else table.discard)(dest.group(1))
         if everything or SHOWN.search(line):
             shown.append(line + mark)
     return shown

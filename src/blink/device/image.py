@@ -158,11 +158,15 @@ def link(policy, arch: str, options: tuple[str, ...] = ()) -> tuple[bytes, str]:
     import cuda.bindings.nvjitlink as nvjitlink
     from cuda.pathfinder import find_static_lib
 
-    cc = (int(arch[3]), int(arch[4:]))
-    policy_ir, shim_ir = compile_policy(policy, cc), compile_shim(arch)
+    policy_ir, shim_ir = compile_policy(policy, compute_capability(arch)), compile_shim(arch)
     return link_cubin([f"-arch={arch}", "-lto", *options],
                       [(nvjitlink.InputType.LTOIR, shim_ir, "shim"), (nvjitlink.InputType.LTOIR, policy_ir, "policy"),
                        (nvjitlink.InputType.LIBRARY, find_static_lib("cudadevrt"), "cudadevrt")])
+
+
+def compute_capability(arch: str) -> tuple[int, int]:
+    """``(9, 0)`` for ``"sm_90"``."""
+    return int(arch[3]), int(arch[4:])
 
 
 def link_cubin(flags: list[str], inputs: list[tuple]) -> tuple[bytes, str]:
