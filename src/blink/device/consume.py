@@ -64,7 +64,7 @@ def emit(s, r, slot, token, seq, config, eos):
     ring's output area (its logprobs too), its prefix key, grammar state and stop check. Returns (the finish reason,
     FINISH_NONE while it goes on; its words after the token).
 
-    It reads only what ``seq`` cannot hold (the stop ids, the grammar's table) before its stores
+    Before its stores it reads only what ``seq`` cannot hold: the row's logprob, the stop ids, the grammar's table
     (``inputs.write_rows`` says why)."""
     n = seq.total - seq.prompt_len
     logprob = load_volatile(s.sampled_logprobs, r)     # stored only where asked for: read before it is known
